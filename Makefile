@@ -1,0 +1,33 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean bench
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU wheel on disk; an unpinned resolve would fetch a CUDA build
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/plait demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q -x --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check plait tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/dp_vs_ddp.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

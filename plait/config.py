@@ -1,0 +1,330 @@
+"""Configuration: typed dataclasses, TOML loading, `--set a.b=c` overrides, validation.
+
+`validate()` returns *every* problem at once, each naming the fix, and runs before any
+process group exists. The global batch is set once (`train.global_batch`, in sequences);
+the number of micro-batches per step is derived from it and the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.model.presets import PRESETS, ModelConfig
+
+DIMS = ("dp", "pp", "cp", "tp")  # the mesh dimensions; ep is laid over dp x cp
+DEFAULT_ORDER = ("tp", "cp", "pp", "dp")  # innermost first: tp stays inside a node
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; the message lists each with its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    # Micro-batches per step per data-parallel replica. None: derived from
+    # train.micro_batch_size, or 1 (pp for pipelines) when neither is given.
+    microbatches: int | None = None
+    data_parallel: str = "bucketed"  # "naive" | "bucketed"
+    bucket_mb: float = 25.0
+    order: tuple[str, ...] = DEFAULT_ORDER
+    gpus_per_node: int = 8
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int = 8  # sequences per optimizer step, over all replicas
+    micro_batch_size: int | None = None  # sequences per micro-batch per replica
+    seq_len: int = 64
+    steps: int = 20
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    precision: str = "fp32"  # "fp32" | "bf16" (bf16 compute, fp32 master weights)
+    recompute: str = "none"  # "none" | "full" (per block)
+    seed: int = 1234
+    data: str | None = None  # token file (.bin with .json beside it); None: default corpus
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model_name: str = "tiny"
+
+    # ---- derived quantities (never stored twice) ---------------------------------
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel replica."""
+        p, t = self.parallel, self.train
+        if p.microbatches is not None:
+            return p.microbatches
+        per_replica = t.global_batch // max(p.dp, 1)
+        if t.micro_batch_size:
+            return max(per_replica // t.micro_batch_size, 1)
+        return p.pp if p.pp > 1 else 1
+
+    def micro_batch_size(self) -> int:
+        return self.train.global_batch // (self.parallel.dp * self.microbatches())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- validation ------------------------------------------------------------
+    def validate(self, world_size: int | None = None) -> list[str]:
+        """Every problem with this configuration, each naming the fix. Empty when valid."""
+        problems: list[str] = []
+        m, p, t = self.model, self.parallel, self.train
+
+        def divisors(n: int) -> str:
+            return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            if getattr(p, name) < 1:
+                problems.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+        if problems:
+            return problems
+        if world_size is not None and p.world_size != world_size:
+            problems.append(
+                f"layout dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} does not "
+                f"match the world size {world_size}; change the layout or launch "
+                f"{p.world_size} ranks (--nproc {p.world_size})"
+            )
+        if sorted(p.order) != sorted(DIMS):
+            problems.append(
+                f"parallel.order={','.join(p.order)} must name each of {', '.join(DIMS)} once"
+            )
+        if p.zero not in (0, 1, 2, 3):
+            problems.append(f"parallel.zero={p.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if p.data_parallel not in ("naive", "bucketed"):
+            problems.append(
+                f"parallel.data_parallel={p.data_parallel!r}; use 'naive' or 'bucketed'"
+            )
+        if p.bucket_mb <= 0:
+            problems.append(f"parallel.bucket_mb={p.bucket_mb} must be > 0")
+        if p.schedule not in SCHEDULES:
+            problems.append(f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if p.gpus_per_node < 1:
+            problems.append(f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1")
+
+        # model shape
+        if m.n_heads % m.n_kv_heads:
+            problems.append(
+                f"model.n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}; use one "
+                f"of {divisors(m.n_heads)}"
+            )
+        if m.dim % m.n_heads:
+            problems.append(f"model.dim={m.dim} is not a multiple of n_heads={m.n_heads}")
+        elif (m.dim // m.n_heads) % 2:
+            problems.append(f"head dim {m.dim // m.n_heads} must be even for RoPE")
+
+        # strategies not built yet are refused, never silently ignored
+        for name, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+            if size > 1:
+                problems.append(
+                    f"parallel.{name}={size}: {name} is not implemented in this build yet; "
+                    f"use {name}=1 (data parallel is available)"
+                )
+        if p.zero > 0:
+            problems.append(
+                f"parallel.zero={p.zero}: ZeRO is not implemented in this build yet; use zero=0"
+            )
+        if p.sp:
+            problems.append("parallel.sp=true needs tensor parallel, not in this build; drop --sp")
+
+        # batch arithmetic: the global batch is set once, everything else derives from it
+        if t.global_batch < 1:
+            problems.append(f"train.global_batch={t.global_batch} must be >= 1")
+        elif t.global_batch % p.dp:
+            problems.append(
+                f"train.global_batch={t.global_batch} is not divisible by dp={p.dp}; use a "
+                f"multiple of {p.dp}"
+            )
+        else:
+            per_replica = t.global_batch // p.dp
+            if p.microbatches is not None and p.microbatches < 1:
+                problems.append(f"parallel.microbatches={p.microbatches} must be >= 1")
+            elif p.microbatches is not None and per_replica % p.microbatches:
+                problems.append(
+                    f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
+                    f"{p.dp}) do not split into {p.microbatches} micro-batches; use one of "
+                    f"{divisors(per_replica)}"
+                )
+            if t.micro_batch_size is not None:
+                if t.micro_batch_size < 1 or per_replica % t.micro_batch_size:
+                    problems.append(
+                        f"train.micro_batch_size={t.micro_batch_size} does not divide the "
+                        f"{per_replica} sequences per replica; use one of {divisors(per_replica)}"
+                    )
+                elif (
+                    p.microbatches is not None
+                    and p.microbatches * t.micro_batch_size != per_replica
+                ):
+                    problems.append(
+                        f"parallel.microbatches={p.microbatches} and train.micro_batch_size="
+                        f"{t.micro_batch_size} disagree ({per_replica} sequences per replica); "
+                        "set only one of them"
+                    )
+        if t.seq_len < 1:
+            problems.append(f"train.seq_len={t.seq_len} must be >= 1")
+        elif t.seq_len > m.max_seq_len:
+            problems.append(
+                f"train.seq_len={t.seq_len} is longer than the model's max_seq_len="
+                f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
+                "model.max_seq_len"
+            )
+        if t.steps < 1:
+            problems.append(f"train.steps={t.steps} must be >= 1")
+        if t.precision not in ("fp32", "bf16"):
+            problems.append(f"train.precision={t.precision!r}; use 'fp32' or 'bf16'")
+        if t.recompute not in ("none", "full"):
+            problems.append(f"train.recompute={t.recompute!r}; use 'none' or 'full'")
+        if t.lr <= 0:
+            problems.append(f"train.lr={t.lr} must be > 0")
+        if t.grad_clip < 0:
+            problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+        if not 0 <= t.min_lr_ratio <= 1:
+            problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+        if t.warmup_steps < 0:
+            problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+        return problems
+
+    def check(self, world_size: int | None = None) -> Config:
+        problems = self.validate(world_size)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+# ---- loading and overrides ----------------------------------------------------------
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
+
+
+def _coerce(value: Any, current: Any, type_name: str) -> Any:
+    """Parse a `--set` string into the type the field holds."""
+    if not isinstance(value, str):
+        if isinstance(current, tuple) and isinstance(value, list):
+            return tuple(value)
+        return value
+    text = value.strip()
+    if "tuple" in type_name:
+        return tuple(s.strip() for s in text.split(",") if s.strip())
+    if "bool" in type_name:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got {value!r}")
+    if text.lower() in ("none", "null") and "None" in type_name:
+        return None
+    if "int" in type_name and "float" not in type_name:
+        return int(text)
+    if "float" in type_name:
+        return float(text)
+    return text
+
+
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """Set `section.field` (e.g. `train.lr`) on cfg, parsing strings to the field's type."""
+    section, _, name = dotted.partition(".")
+    if section not in _SECTIONS or not name:
+        raise ConfigError([f"unknown setting {dotted!r}; use model.X, parallel.X or train.X"])
+    obj = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if name not in fields:
+        raise ConfigError(
+            [f"unknown setting {dotted!r}; {section} has: {', '.join(sorted(fields))}"]
+        )
+    type_name = str(fields[name].type)
+    try:
+        parsed = _coerce(value, getattr(obj, name), type_name)
+    except ValueError as e:
+        raise ConfigError([f"{dotted}={value!r}: {e}"]) from None
+    if section == "model":
+        cfg.model = dataclasses.replace(cfg.model, **{name: parsed})
+    else:
+        setattr(obj, name, parsed)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+) -> Config:
+    """Build a Config: defaults, then the TOML file, then `overrides`, then `--set` strings.
+
+    A TOML file has `model = "tiny"` (a preset name) or a `[model]` table (preset fields
+    overridden), and `[parallel]`, `[train]` tables.
+    """
+    cfg = Config()
+    problems: list[str] = []
+    items: list[tuple[str, Any]] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file {str(p)!r} not found"])
+        data = tomllib.loads(p.read_text())
+        preset = data.pop("model_name", None)
+        model = data.get("model")
+        if isinstance(model, str):
+            preset, model = model, None
+            data.pop("model")
+        if preset is not None:
+            items.append(("model_name", preset))
+        for section, table in data.items():
+            if section not in _SECTIONS or not isinstance(table, dict):
+                problems.append(f"{p}: unknown table [{section}]; use model, parallel, train")
+                continue
+            items.extend((f"{section}.{k}", v) for k, v in table.items())
+    items.extend((overrides or {}).items())
+    for s in sets or []:
+        key, eq, value = s.partition("=")
+        if not eq:
+            problems.append(f"--set {s!r} must look like section.name=value")
+            continue
+        items.append((key.strip(), value))
+    # a preset choice applies first so that field overrides land on top of it
+    for key, value in items:
+        if key == "model_name":
+            if value not in PRESETS:
+                problems.append(f"unknown model preset {value!r}; known: {', '.join(PRESETS)}")
+            else:
+                cfg.model, cfg.model_name = PRESETS[value], value
+    for key, value in items:
+        if key == "model_name" or value is None:
+            continue
+        try:
+            set_value(cfg, key, value)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

@@ -1,0 +1,104 @@
+"""Model shapes: from `tiny` (8 CPU ranks in seconds) to real ones built on the meta device.
+
+Real shapes are the published ones (cited per entry); they exist for counting parameters
+and FLOPs and for the planner, not for training on this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    ffn_dim: int = 176  # SwiGLU hidden width
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # MoE (0 experts: dense). Shapes only for now; the MoE block lands with expert parallel.
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn_dim: int = 0
+    n_shared_experts: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of plait's model for this shape (dense or MoE)."""
+        h, kv = self.dim, self.n_kv_heads * self.head_dim
+        attn = h * h + 2 * h * kv + h * h
+        if self.n_experts:
+            mlp = self.n_experts * 3 * h * self.expert_ffn_dim + h * self.n_experts
+            mlp += self.n_shared_experts * 3 * h * self.expert_ffn_dim
+        else:
+            mlp = 3 * h * self.ffn_dim
+        per_layer = attn + mlp + 2 * h
+        total = self.n_layers * per_layer + h  # + final norm
+        if include_embedding:
+            total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x (matmul params) + causal attention (fwd+bwd).
+
+        Attention score and value matmuls: 2 * 2 * s * h per layer forward for full
+        attention; causal halves the useful work; x3 for forward + backward
+        (Narayanan et al. 2021, eq. for model FLOPs, with the causal factor).
+        """
+        if self.n_experts:
+            active = self.top_k + self.n_shared_experts
+            mlp = 3 * self.dim * self.expert_ffn_dim * active + self.dim * self.n_experts
+        else:
+            mlp = 3 * self.dim * self.ffn_dim
+        h, kv = self.dim, self.n_kv_heads * self.head_dim
+        matmul_params = self.n_layers * (2 * h * h + 2 * h * kv + mlp) + self.vocab_size * h
+        attention = self.n_layers * 2 * 2 * seq_len * h / 2
+        return 6 * matmul_params + 3 * attention
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tiny shapes for CPU runs and tests.
+    "tiny": ModelConfig(),
+    "tiny-gqa": ModelConfig(n_heads=4, n_kv_heads=2),
+    "small": ModelConfig(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=4,
+                         ffn_dim=352, max_seq_len=512),
+    # GPT-3 family (Brown et al. 2020, Table 2.1): MHA, 4h MLP. Our block is SwiGLU, so
+    # ffn_dim = 8h/3 keeps the MLP parameter count at the GPT value of 8h^2.
+    "gpt3-1.3b": ModelConfig(vocab_size=50257, dim=2048, n_layers=24, n_heads=16,
+                             n_kv_heads=16, ffn_dim=5461, max_seq_len=2048),
+    "gpt3-6.7b": ModelConfig(vocab_size=50257, dim=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=32, ffn_dim=10923, max_seq_len=2048),
+    "gpt3-13b": ModelConfig(vocab_size=50257, dim=5120, n_layers=40, n_heads=40,
+                            n_kv_heads=40, ffn_dim=13653, max_seq_len=2048),
+    "gpt3-175b": ModelConfig(vocab_size=50257, dim=12288, n_layers=96, n_heads=96,
+                             n_kv_heads=96, ffn_dim=32768, max_seq_len=2048),
+    # Llama 3 (Dubey et al. 2024, Table 3): GQA with 8 KV heads, vocab 128256.
+    "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=8, ffn_dim=14336, max_seq_len=8192,
+                             rope_theta=500000.0),
+    "llama3-70b": ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64,
+                              n_kv_heads=8, ffn_dim=28672, max_seq_len=8192,
+                              rope_theta=500000.0),
+    "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
+                               n_kv_heads=8, ffn_dim=53248, max_seq_len=8192,
+                               rope_theta=500000.0),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2.
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
+                                rope_theta=1e6, n_experts=8, top_k=2, expert_ffn_dim=14336),
+    # DeepSeek-V3-like shape (DeepSeek-AI 2024): 256 routed experts top-8 + 1 shared,
+    # expert width 2048. Attention approximated as GQA (MLA is not modelled).
+    "deepseek-v3": ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128,
+                               n_kv_heads=128, ffn_dim=18432, max_seq_len=4096,
+                               n_experts=256, top_k=8, expert_ffn_dim=2048,
+                               n_shared_experts=1),
+}
