@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 512
+    vocab_size: int = 2048
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4

@@ -1,0 +1,107 @@
+"""The communication ledger: every collective this rank takes part in, with its bytes.
+
+Bytes are *algorithmic*: what this rank sends and receives under the ring algorithm for
+the op, its payload and the group size (gloo's wire traffic differs: it has no real
+reduce-scatter). With S the payload bytes and n the group size (Patarasuk & Yuan 2009;
+the seeds' "all-reduce = reduce-scatter + all-gather"):
+
+    all_reduce      2(n-1)/n * S   sent and received (reduce-scatter then all-gather)
+    reduce_scatter  (n-1)/n * S    S = the full (unscattered) input
+    all_gather      (n-1)/n * S    S = the full (gathered) output
+    broadcast       pipelined chain from the root: root sends S, the last receives S,
+                    every other rank receives and forwards S
+    all_to_all      the splits that leave this rank / arrive from other ranks
+    send / recv     S
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+
+def ring_bytes(op: str, payload: int, n: int) -> tuple[float, float]:
+    """(sent, received) bytes per rank for a ring collective of `payload` bytes on n ranks."""
+    if n <= 1:
+        return 0.0, 0.0
+    if op == "all_reduce":
+        b = 2 * (n - 1) / n * payload
+    elif op in ("reduce_scatter", "all_gather"):
+        b = (n - 1) / n * payload
+    else:
+        raise ValueError(f"ring_bytes: no ring formula for {op!r}")
+    return b, b
+
+
+@dataclass
+class CommRecord:
+    op: str
+    dim: str
+    group_size: int
+    payload: int  # bytes of the logical tensor (see module doc for which one)
+    sent: float
+    received: float
+    link: str  # "intra" | "inter" node
+    start: float  # perf_counter at issue
+    end: float  # perf_counter at completion (wait() for async ops)
+    step: int
+    tag: str = ""
+    dtype: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Ledger:
+    records: list[CommRecord] = field(default_factory=list)
+    step: int = 0
+
+    def add(self, op: str, dim: str, group_size: int, payload: int, sent: float,
+            received: float, link: str, start: float, tag: str = "", dtype: str = "",
+            end: float | None = None) -> CommRecord:
+        rec = CommRecord(op, dim, group_size, int(payload), float(sent), float(received), link,
+                         start, time.perf_counter() if end is None else end, self.step, tag,
+                         dtype)
+        self.records.append(rec)
+        return rec
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def for_step(self, step: int | None = None) -> list[CommRecord]:
+        return [r for r in self.records if step is None or r.step == step]
+
+    def summary(self, step: int | None = None) -> dict[str, dict[str, float]]:
+        """Totals keyed by "op@dim": count, payload, sent, received, seconds."""
+        out: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"count": 0, "payload": 0, "sent": 0.0, "received": 0.0, "seconds": 0.0})
+        for r in self.for_step(step):
+            row = out[f"{r.op}@{r.dim}"]
+            row["count"] += 1
+            row["payload"] += r.payload
+            row["sent"] += r.sent
+            row["received"] += r.received
+            row["seconds"] += r.seconds
+        return dict(out)
+
+    def totals(self, step: int | None = None) -> dict[str, float]:
+        recs = self.for_step(step)
+        return {
+            "count": len(recs),
+            "sent": sum(r.sent for r in recs),
+            "received": sum(r.received for r in recs),
+            "seconds": sum(r.seconds for r in recs),
+        }
+
+    def by_dim(self, step: int | None = None) -> dict[str, float]:
+        """Bytes sent per mesh dim."""
+        out: dict[str, float] = defaultdict(float)
+        for r in self.for_step(step):
+            out[r.dim] += r.sent
+        return dict(out)
+
+    def to_dicts(self, step: int | None = None) -> list[dict]:
+        return [asdict(r) for r in self.for_step(step)]

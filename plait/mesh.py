@@ -1,0 +1,124 @@
+"""ParallelMesh: the one object that says where this rank sits and how it talks.
+
+Dims `dp, pp, cp, tp`; default order innermost first `tp, cp, pp, dp` so that tensor
+parallel groups are contiguous ranks inside one node. Built over torch's DeviceMesh for the
+dims of size > 1; a dim of size 1 has no group and its collectives are no-ops. With every
+dim of size 1 no process group is needed at all: the single-process reference runs the
+same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from plait.comm.ledger import Ledger
+from plait.config import DEFAULT_ORDER, DIMS, ParallelConfig
+
+
+@dataclass
+class ParallelMesh:
+    sizes: dict[str, int]
+    rank: int
+    order: tuple[str, ...] = DEFAULT_ORDER  # innermost first
+    gpus_per_node: int = 8
+    coords: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    device_mesh: object | None = None
+    ledger: Ledger = field(default_factory=Ledger)
+
+    # ---- construction -----------------------------------------------------------
+    @classmethod
+    def build(cls, parallel: ParallelConfig, rank: int | None = None,
+              world_size: int | None = None) -> ParallelMesh:
+        """Make the mesh for `parallel`. Needs an initialised process group when world > 1."""
+        sizes = {d: getattr(parallel, d) for d in DIMS}
+        world = parallel.world_size
+        if world > 1:
+            if not dist.is_initialized():
+                raise RuntimeError("a multi-rank mesh needs torch.distributed initialised first")
+            rank = dist.get_rank() if rank is None else rank
+            actual = dist.get_world_size() if world_size is None else world_size
+            if actual != world:
+                raise ValueError(
+                    f"layout needs {world} ranks (dp*pp*cp*tp) but the world has {actual}"
+                )
+        mesh = cls(sizes=sizes, rank=rank or 0, order=tuple(parallel.order),
+                   gpus_per_node=parallel.gpus_per_node)
+        mesh.coords = mesh.coords_of(mesh.rank)
+        for d in DIMS:
+            mesh.group_ranks[d] = mesh.ranks_along(d)
+            mesh.groups[d] = None
+        if world > 1:
+            mesh._make_groups()
+        return mesh
+
+    def _make_groups(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # DeviceMesh lists dims outermost first; only dims that actually split ranks
+        outer_first = [d for d in reversed(self.order) if self.sizes[d] > 1]
+        shape = tuple(self.sizes[d] for d in outer_first)
+        self.device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=tuple(outer_first))
+        for d in outer_first:
+            self.groups[d] = self.device_mesh.get_group(d)
+            got = dist.get_process_group_ranks(self.groups[d])
+            if got != self.group_ranks[d]:  # our rank arithmetic must agree with DeviceMesh's
+                raise RuntimeError(f"mesh dim {d}: DeviceMesh ranks {got} != {self.group_ranks[d]}")
+
+    # ---- rank arithmetic (pure, so tests and the planner can use it without groups) ----
+    def strides(self) -> dict[str, int]:
+        stride, out = 1, {}
+        for d in self.order:
+            out[d] = stride
+            stride *= self.sizes[d]
+        return out
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        st = self.strides()
+        return {d: (rank // st[d]) % self.sizes[d] for d in self.order}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        st = self.strides()
+        return sum(coords[d] * st[d] for d in self.order)
+
+    def ranks_along(self, dim: str, rank: int | None = None) -> list[int]:
+        """Global ranks of the group along `dim` that contains `rank` (default: this rank)."""
+        c = self.coords_of(self.rank if rank is None else rank)
+        return [self.rank_of({**c, dim: i}) for i in range(self.sizes[dim])]
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def size(self, dim: str) -> int:
+        """Group size along `dim`; "world" is every rank (the default process group)."""
+        return self.world_size if dim == "world" else self.sizes[dim]
+
+    def coord(self, dim: str) -> int:
+        return self.coords[dim]
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        if dim == "world":
+            return dist.group.WORLD if self.world_size > 1 else None
+        return self.groups[dim]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def crosses_nodes(self, dim: str) -> bool:
+        """Does the group along `dim` span more than one node?"""
+        if dim == "world":
+            return self.world_size > self.gpus_per_node
+        return len({self.node_of(r) for r in self.group_ranks[dim]}) > 1
+
+    def link(self, dim: str) -> str:
+        return "inter" if self.crosses_nodes(dim) else "intra"
+
+    def describe(self) -> str:
+        parts = [f"{d}={self.sizes[d]}" for d in reversed(self.order)]
+        return " x ".join(parts) + f" (order innermost first: {','.join(self.order)})"

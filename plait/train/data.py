@@ -1,0 +1,142 @@
+"""Token data: a memory-mapped token file and a layout-independent global batch.
+
+A token file is `NAME.bin` (raw uint16 or uint32 ids) with `NAME.json` beside it:
+{"dtype": "uint16", "num_tokens": T, "vocab_size": V, "max_token_id": M, "tokenizer": ...}.
+The file is cut into windows of seq_len + 1 tokens (inputs and shifted targets); each epoch
+visits the windows in an order drawn from the seed. The global batch of step k is the
+windows k*B .. (k+1)*B - 1 of that order, whatever the layout: data-parallel rank r takes
+rows r*B/dp .. (r+1)*B/dp - 1, then cuts them into micro-batches. So the batch of a step
+depends on (file, seed, seq_len, global batch, step) only, and resuming at step k is exact.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """The token data cannot serve this configuration; the message says what to change."""
+
+
+@dataclass
+class TokenFile:
+    path: Path
+    tokens: np.ndarray  # memory-mapped
+    meta: dict
+
+    @classmethod
+    def open(cls, path: str | Path) -> TokenFile:
+        path = Path(path)
+        if path.suffix != ".bin":
+            path = path.with_suffix(".bin")
+        meta_path = path.with_suffix(".json")
+        if not path.is_file() or not meta_path.is_file():
+            raise DataError(
+                f"token file {path} (with {meta_path.name} beside it) not found; run "
+                "`plait data prepare` or pass --data PATH.bin")
+        meta = json.loads(meta_path.read_text())
+        dtype = meta.get("dtype")
+        if dtype not in DTYPES:
+            raise DataError(f"{meta_path}: dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        size = path.stat().st_size
+        if size % itemsize or size // itemsize != meta.get("num_tokens", size // itemsize):
+            raise DataError(f"{path}: {size} bytes do not hold the {meta.get('num_tokens')} "
+                            f"{dtype} tokens its metadata promises; prepare it again")
+        tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
+        if "max_token_id" not in meta:
+            meta["max_token_id"] = int(tokens.max()) if len(tokens) else -1
+        return cls(path, tokens, meta)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def write_token_file(path: str | Path, ids: np.ndarray | list[int], vocab_size: int,
+                     extra: dict | None = None) -> Path:
+    """Write ids as NAME.bin + NAME.json atomically (temp files renamed into place)."""
+    path = Path(path).with_suffix(".bin")
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise DataError(f"token ids span [{ids.min()}, {ids.max()}], outside the vocabulary "
+                        f"of {vocab_size}")
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    meta = {"dtype": dtype, "num_tokens": int(ids.size), "vocab_size": int(vocab_size),
+            "max_token_id": int(ids.max()) if ids.size else -1, **(extra or {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_bin, tmp_meta = path.with_suffix(".bin.tmp"), path.with_suffix(".json.tmp")
+    try:
+        ids.astype(DTYPES[dtype]).tofile(tmp_bin)
+        tmp_meta.write_text(json.dumps(meta, indent=1))
+        tmp_bin.replace(path)
+        tmp_meta.replace(path.with_suffix(".json"))
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+    return path
+
+
+class GlobalBatches:
+    """The global batch of every step, and each data-parallel rank's slice of it."""
+
+    def __init__(self, data: TokenFile, seq_len: int, global_batch: int, seed: int,
+                 vocab_size: int):
+        self.data, self.seq_len, self.global_batch, self.seed = data, seq_len, global_batch, seed
+        self.n_windows = (len(data) - 1) // seq_len
+        if data.meta["max_token_id"] >= vocab_size:
+            raise DataError(
+                f"{data.path} holds token id {data.meta['max_token_id']} but the model's "
+                f"vocabulary has {vocab_size} ids; set model.vocab_size >= "
+                f"{data.meta['max_token_id'] + 1} or use a matching tokenizer")
+        if self.n_windows < global_batch:
+            raise DataError(
+                f"{data.path} has {len(data)} tokens: {self.n_windows} windows of seq_len "
+                f"{seq_len}, fewer than one global batch of {global_batch}; use more data, "
+                "a shorter --seq-len or a smaller --global-batch")
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {epoch: torch.randperm(self.n_windows, generator=gen)}
+        return self._orders[epoch]
+
+    def window_ids(self, step: int, lo: int = 0, hi: int | None = None) -> list[int]:
+        """Window ids of rows lo..hi-1 of the global batch of `step`."""
+        hi = self.global_batch if hi is None else hi
+        out = []
+        for i in range(step * self.global_batch + lo, step * self.global_batch + hi):
+            epoch, pos = divmod(i, self.n_windows)
+            out.append(int(self._order(epoch)[pos]))
+        return out
+
+    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """(hi - lo, seq_len + 1) int64 tokens: rows lo..hi-1 of step `step`'s global batch."""
+        s = self.seq_len
+        rows = [np.asarray(self.data.tokens[w * s: w * s + s + 1])
+                for w in self.window_ids(step, lo, hi)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def local_batch(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+        """This data-parallel rank's rows of the global batch of `step` (reads only those)."""
+        per = self.global_batch // dp_size
+        return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
+
+
+def synthetic_token_file(path: str | Path, num_tokens: int, vocab_size: int,
+                         seed: int = 0) -> Path:
+    """A learnable synthetic corpus (noisy repeated n-gram patterns) for tests and benchmarks."""
+    gen = torch.Generator().manual_seed(seed)
+    patterns = torch.randint(0, vocab_size, (32, 16), generator=gen)
+    picks = torch.randint(0, 32, (num_tokens // 16 + 1,), generator=gen)
+    ids = patterns[picks].reshape(-1)[:num_tokens].clone()
+    noise = torch.rand(num_tokens, generator=gen) < 0.1
+    ids[noise] = torch.randint(0, vocab_size, (int(noise.sum()),), generator=gen)
+    return write_token_file(path, ids.numpy(), vocab_size, {"source": "synthetic"})

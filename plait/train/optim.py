@@ -1,0 +1,79 @@
+"""AdamW with fp32 master weights and moments; learning-rate schedule; grad-norm clipping.
+
+With precision "bf16" the model holds bf16 parameters and gradients (2 + 2 bytes a
+parameter) and the optimizer holds an fp32 master copy, momentum and variance (4 + 4 + 4):
+the seeds' 16 bytes per parameter. With "fp32" the parameter is its own master (4 + 4 + 8).
+The update follows torch.optim.AdamW's arithmetic exactly (Loshchilov & Hutter 2019), so the
+fp32 single-process reference can use torch's optimizer as an independent oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices only: not on norm gains (the usual Llama/GPT practice)."""
+    return p.ndim >= 2
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to base_lr * min_ratio."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class MixedPrecisionAdamW:
+    """AdamW over `named_params`; masters are fp32 (the parameter itself when it is fp32)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], betas: tuple[float, float],
+                 eps: float, weight_decay: float):
+        self.params = [p for _, p in named_params]
+        self.decay = [decays(n, p) for n, p in named_params]
+        self.master = [p.data if p.dtype == torch.float32 else p.detach().float().clone()
+                       for p in self.params]
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One update with gradients p.grad * grad_scale (the clipping coefficient)."""
+        self.steps += 1
+        b1, b2 = self.betas
+        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+        for p, master, m, v, decay in zip(self.params, self.master, self.exp_avg,
+                                          self.exp_avg_sq, self.decay):
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            if decay:
+                master.mul_(1 - lr * self.weight_decay)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(bias2)).add_(self.eps)
+            master.addcdiv_(m, denom, value=-lr / bias1)
+            if master is not p.data:
+                p.data.copy_(master)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes held by the optimizer: fp32 master (when separate) and the two moments."""
+        master = sum(m.numel() * 4 for m, p in zip(self.master, self.params) if m is not p.data)
+        moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+        return {"master": master, "moments": moments}
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(max_norm / (total_norm + 1e-6), 1.0)

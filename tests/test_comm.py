@@ -1,0 +1,103 @@
+"""Ledgered collectives: results equal torch's, bytes equal the ring formulas."""
+
+import pytest
+import torch
+
+from plait import comm
+from plait.comm.ledger import ring_bytes
+from plait.config import ParallelConfig
+from plait.mesh import ParallelMesh
+from plait.testing import RankFailure, run_ranks
+
+
+def _mesh(world: int, **sizes) -> ParallelMesh:
+    return ParallelMesh.build(ParallelConfig(**sizes))
+
+
+def _collectives(rank, world):
+    mesh = _mesh(world, dp=world)
+    out = {}
+    x = torch.arange(10, dtype=torch.float32) + rank
+    ring = x.clone()
+    comm.all_reduce(ring, mesh, "dp")
+    ring_bytes_total = mesh.ledger.totals()["sent"]
+    mesh.ledger.clear()
+    rsag = x.clone()
+    comm.all_reduce(rsag, mesh, "dp", via="rs_ag")
+    out["ring"], out["rsag"] = ring, rsag
+    out["ring_sent"], out["rsag_sent"] = ring_bytes_total, mesh.ledger.totals()["sent"]
+    out["rsag_ops"] = [r.op for r in mesh.ledger.records]
+    mesh.ledger.clear()
+    full = torch.empty(4 * world)
+    comm.all_gather(full, torch.full((4,), float(rank)), mesh, "dp")
+    out["gather"] = full
+    shard = torch.empty(3)
+    comm.reduce_scatter(shard, torch.arange(3 * world, dtype=torch.float32), mesh, "dp")
+    out["scatter"] = shard
+    b = torch.full((5,), float(rank))
+    comm.broadcast(b, mesh, "dp", src=1)
+    out["bcast"] = b
+    a2a_in = torch.arange(world * 2, dtype=torch.float32) + 100 * rank
+    a2a_out = torch.empty_like(a2a_in)
+    comm.all_to_all(a2a_out, a2a_in, mesh, "dp")
+    out["a2a"] = a2a_out
+    h = comm.all_reduce(torch.ones(8), mesh, "dp", async_op=True)
+    h.wait()
+    out["records"] = [(r.op, r.payload, r.sent, r.received) for r in mesh.ledger.records]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_and_ledger(world):
+    outs = run_ranks(_collectives, world)
+    want_sum = sum(torch.arange(10, dtype=torch.float32) + r for r in range(world))
+    for rank, o in enumerate(outs):
+        assert torch.equal(o["ring"], want_sum)
+        # the seeds' identity: reduce-scatter + all-gather == all-reduce, same bytes
+        assert torch.equal(o["rsag"], o["ring"])
+        assert o["rsag_ops"] == ["reduce_scatter", "all_gather"]
+        assert o["ring_sent"] == pytest.approx(2 * (world - 1) / world * 40)
+        # rs_ag pads 10 elements up to a multiple of world: bytes of the padded payload
+        padded = -(-10 // world) * world * 4
+        assert o["rsag_sent"] == pytest.approx(2 * (world - 1) / world * padded)
+        assert torch.equal(o["gather"], torch.arange(world).repeat_interleave(4).float())
+        assert torch.equal(o["scatter"], world * torch.arange(3 * rank, 3 * rank + 3).float())
+        assert torch.equal(o["bcast"], torch.full((5,), 1.0))
+        want_a2a = torch.tensor([100 * src + 2 * rank + k for src in range(world)
+                                 for k in range(2)], dtype=torch.float32)
+        assert torch.equal(o["a2a"], want_a2a)
+        recs = {r[0]: r for r in o["records"]}
+        assert recs["all_gather"][2] == pytest.approx((world - 1) / world * 16 * world)
+        assert recs["reduce_scatter"][2] == pytest.approx((world - 1) / world * 12 * world)
+        assert recs["all_to_all"][2] == (world - 1) * 2 * 4
+        pos = (rank - 1) % world
+        assert recs["broadcast"][2] == (20 if pos < world - 1 else 0)
+        assert recs["broadcast"][3] == (20 if pos > 0 else 0)
+
+
+def test_ring_formula():
+    assert ring_bytes("all_reduce", 1000, 4) == (1500.0, 1500.0)
+    assert ring_bytes("all_gather", 1000, 4) == (750.0, 750.0)
+    assert ring_bytes("all_reduce", 1000, 1) == (0.0, 0.0)
+
+
+def _fails_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    torch.distributed.barrier()  # rank 0 would wait forever without the harness
+
+
+def test_harness_surfaces_failure_without_hanging():
+    with pytest.raises(RankFailure, match="boom on rank 1"):
+        run_ranks(_fails_on_rank_1, 2, timeout=60, pg_timeout=10)
+
+
+def test_mesh_rank_arithmetic():
+    mesh = ParallelMesh(sizes={"dp": 2, "pp": 2, "cp": 1, "tp": 2}, rank=5, gpus_per_node=4)
+    mesh.coords = mesh.coords_of(5)
+    assert mesh.coords == {"tp": 1, "cp": 0, "pp": 0, "dp": 1}
+    mesh.group_ranks = {d: mesh.ranks_along(d) for d in mesh.sizes}
+    assert mesh.group_ranks["tp"] == [4, 5]
+    assert mesh.group_ranks["pp"] == [5, 7]
+    assert mesh.group_ranks["dp"] == [1, 5]
+    assert not mesh.crosses_nodes("tp") and mesh.crosses_nodes("dp")
