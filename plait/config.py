@@ -313,7 +313,7 @@ def load_config(
         items.append((key.strip(), value))
     # a preset choice applies first so that field overrides land on top of it
     for key, value in items:
-        if key == "model_name":
+        if key == "model_name" and value is not None:
             if value not in PRESETS:
                 problems.append(f"unknown model preset {value!r}; known: {', '.join(PRESETS)}")
             else:

@@ -1,0 +1,60 @@
+"""What rank 0 shows a person: a progress bar during training and a summary table after."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@contextlib.contextmanager
+def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dict], None]]:
+    """Yields show(row): advances a rich progress bar with the step's loss and speed."""
+    if not enabled:
+        yield lambda row: None
+        return
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/"
+                        "{task.total}"), TextColumn("{task.description}"), TimeRemainingColumn(),
+                        console=Console(stderr=True))
+    with progress:
+        task = progress.add_task("", total=total_steps)
+
+        def show(row: dict) -> None:
+            progress.update(task, advance=1, description=(
+                f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
+                f"lr {row['lr']:.2e}"))
+
+        yield show
+
+
+def print_summary(summary: dict, metrics: list[dict], console: Console | None = None) -> None:
+    console = console or Console()
+    first, last = metrics[0]["loss"], metrics[-1]["loss"]
+    console.print(f"[bold]layout[/] {summary['layout']}   [bold]params[/] "
+                  f"{summary['param_count']:,}   [bold]loss[/] {first:.4f} -> {last:.4f}   "
+                  f"[bold]tokens/s[/] {summary['tokens_per_s']:,.0f}   [bold]step[/] "
+                  f"{summary['mean_step_time'] * 1e3:.1f} ms")
+    table = Table(title="communication per step, rank 0 (ring-algorithm bytes)")
+    for col in ("collective", "dim", "calls", "payload", "sent", "received", "time"):
+        table.add_column(col, justify="left" if col in ("collective", "dim") else "right")
+    ledger = summary["ledger"]
+    for key, row in sorted(ledger["per_step"].items()):
+        op, dim = key.split("@")
+        table.add_row(op, dim, f"{row['count']:.0f}", human_bytes(row["payload"]),
+                      human_bytes(row["sent"]), human_bytes(row["received"]),
+                      f"{row['seconds'] * 1e3:.1f} ms")
+    table.add_row("total", "", "", "", human_bytes(ledger["sent_bytes_per_step"]),
+                  human_bytes(ledger["received_bytes_per_step"]),
+                  f"{ledger['comm_seconds_per_step'] * 1e3:.1f} ms")
+    console.print(table)
