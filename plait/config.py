@@ -145,6 +145,19 @@ class Config:
         elif (m.dim // m.n_heads) % 2:
             problems.append(f"head dim {m.dim // m.n_heads} must be even for RoPE")
 
+        # shape divisibility, checked now so every problem is reported at once
+        if p.tp > 1:
+            for what, n in (("n_heads", m.n_heads), ("dim", m.dim), ("ffn_dim", m.ffn_dim)):
+                if n % p.tp:
+                    problems.append(
+                        f"tp={p.tp} does not divide model.{what}={n}; use tp in {divisors(n)}")
+        if p.pp > m.n_layers:
+            problems.append(f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
+                            f"pp <= {m.n_layers}")
+        if m.n_experts:
+            problems.append(f"model has {m.n_experts} experts: MoE blocks are not built yet; "
+                            "use a dense model (n_experts=0)")
+
         # strategies not built yet are refused, never silently ignored
         for name, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
             if size > 1:

@@ -12,6 +12,7 @@ depends on (file, seed, seq_len, global batch, step) only, and resuming at step 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def write_token_file(path: str | Path, ids: np.ndarray | list[int], vocab_size: 
     meta = {"dtype": dtype, "num_tokens": int(ids.size), "vocab_size": int(vocab_size),
             "max_token_id": int(ids.max()) if ids.size else -1, **(extra or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_bin, tmp_meta = path.with_suffix(".bin.tmp"), path.with_suffix(".json.tmp")
+    tag = f".{os.getpid()}.tmp"
+    tmp_bin, tmp_meta = path.with_suffix(".bin" + tag), path.with_suffix(".json" + tag)
     try:
         ids.astype(DTYPES[dtype]).tofile(tmp_bin)
         tmp_meta.write_text(json.dumps(meta, indent=1))

@@ -1,0 +1,76 @@
+"""The public CLI end to end: torchrun launch, metrics file, clear errors before launch."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import BASE, reference, token_file
+from plait.testing import assert_parity
+from plait.train.data import write_token_file
+
+SETS = [a for s in BASE for a in ("--set", s)]
+
+
+def plait(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def test_train_through_torchrun_matches_reference(tmp_path):
+    out = tmp_path / "m.jsonl"
+    r = plait("train", "--nproc", "2", "--dp", "2", "--data", str(token_file()), *SETS,
+              "--microbatches", "2", "--metrics-out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    steps, summary = rows[:-1], rows[-1]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    for key in ("loss", "tokens", "step_time", "tokens_per_s", "grad_norm", "lr"):
+        assert all(key in s for s in steps), key
+    assert summary["summary"] and summary["ledger"]["sent_bytes_per_step"] > 0
+    assert "all_reduce@dp" in summary["ledger"]["per_step"]
+    ref_losses, _ = reference()
+    assert_parity([s["loss"] for s in steps], {}, ref_losses, {})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "3", "--dp", "2"], "does not match the world size 3"),
+    (["--set", "train.seq_len=512"], "longer than the model's max_seq_len=256"),
+    (["--dp", "2", "--set", "train.global_batch=7"], "not divisible by dp=2"),
+    (["--tp", "3"], "tp=3 does not divide model.n_heads=4"),
+    (["--model", "nope"], "known: tiny"),
+])
+def test_bad_input_fails_before_launch(tmp_path, args, message):
+    out = tmp_path / "m.jsonl"
+    r = plait("train", "--data", str(token_file()), *SETS, *args, "--metrics-out", str(out))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_token_ids_beyond_vocab_and_missing_data(tmp_path):
+    bad = write_token_file(tmp_path / "wide.bin", np.arange(5000) % 1000, 1000)
+    r = plait("train", "--data", str(bad), *SETS)
+    assert r.returncode == 2 and "holds token id 999" in r.stderr
+    r = plait("train", "--data", str(tmp_path / "missing.bin"), *SETS)
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_data_prepare_user_files(tmp_path):
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200
+                                              + f"file {i}\n")
+    out = tmp_path / "corpus" / "tok.bin"
+    r = plait("data", "prepare", *(str(tmp_path / f"doc{i}.txt") for i in range(3)),
+              "--out", str(out), "--vocab-size", "300")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["source"] == "user" and meta["files"] == 3 and meta["max_token_id"] < 300
+    assert out.with_suffix(".tokenizer.json").is_file()
+    # the prepared file trains (single rank, through torchrun)
+    r = plait("train", "--data", str(out), "--set", "model.vocab_size=300", "--steps", "2",
+              "--global-batch", "2", "--seq-len", "16", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = plait("data", "prepare", str(tmp_path / "nope.txt"), "--out", str(out))
+    assert r.returncode == 2 and "not found" in r.stderr
