@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import BASE, reference, token_file
+
 from plait.testing import assert_parity
 from plait.train.data import write_token_file
 

@@ -23,7 +23,8 @@ def test_dp_slices_tile_the_global_batch(tokens):
             parts = torch.cat([b.local_batch(step, r, dp) for r in range(dp)])
             assert torch.equal(parts, whole)
         # inputs and targets are consecutive tokens of the file
-        assert torch.equal((whole[:, 1:] - whole[:, :-1]) % 300, torch.ones(8, 16, dtype=torch.long))
+        step_by_one = (whole[:, 1:] - whole[:, :-1]) % 300
+        assert torch.equal(step_by_one, torch.ones(8, 16, dtype=torch.long))
 
 
 def test_resumable_and_seeded(tokens):

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import reference, run_layout
+
 from plait.testing import PARITY_TOLERANCES, assert_parity
 
 
