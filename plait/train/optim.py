@@ -45,25 +45,36 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One update with gradients p.grad * grad_scale (the clipping coefficient)."""
+        """One update with gradients p.grad * grad_scale (the clipping coefficient).
+
+        Multi-tensor (foreach) kernels: the same element-wise arithmetic as a per-tensor loop,
+        in a few calls instead of a few per parameter.
+        """
         self.steps += 1
         b1, b2 = self.betas
         bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
-        for p, master, m, v, decay in zip(self.params, self.master, self.exp_avg,
-                                          self.exp_avg_sq, self.decay):
-            if p.grad is None:
-                continue
-            g = p.grad.float()
-            if grad_scale != 1.0:
-                g = g * grad_scale
-            if decay:
-                master.mul_(1 - lr * self.weight_decay)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(bias2)).add_(self.eps)
-            master.addcdiv_(m, denom, value=-lr / bias1)
-            if master is not p.data:
-                p.data.copy_(master)
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not live:
+            return
+        grads = [self.params[i].grad.float() for i in live]
+        if grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale)
+        decayed = [self.master[i] for i in live if self.decay[i]]
+        if decayed and self.weight_decay:
+            torch._foreach_mul_(decayed, 1 - lr * self.weight_decay)
+        master = [self.master[i] for i in live]
+        m = [self.exp_avg[i] for i in live]
+        v = [self.exp_avg_sq[i] for i in live]
+        torch._foreach_lerp_(m, grads, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(bias2))
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(master, m, denom, value=-lr / bias1)
+        for i in live:
+            if self.master[i] is not self.params[i].data:
+                self.params[i].data.copy_(self.master[i])
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held by the optimizer: fp32 master (when separate) and the two moments."""
