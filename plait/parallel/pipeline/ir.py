@@ -54,7 +54,9 @@ class Action:
         if self.kind not in KINDS:
             raise ValueError(f"action kind {self.kind!r}; use one of {', '.join(KINDS)}")
         if (self.peer is None) != (self.kind in COMPUTE):
-            raise ValueError(f"{self.kind} needs peer={'None' if self.kind in COMPUTE else 'a rank'}")
+            raise ValueError(
+                f"{self.kind} needs peer={'None' if self.kind in COMPUTE else 'a rank'}"
+            )
 
     @property
     def is_comm(self) -> bool:

@@ -61,15 +61,20 @@ def validate_schedule_request(
         problems.append(f"{name} needs microbatches >= pp={p} (got {m}); use microbatches>={p}")
     if name == "dualpipe":
         if p % 2:
-            problems.append(f"dualpipe needs an even pp (got {p}); use pp={p + 1} or pp={p - 1}"
-                            if p > 1 else "dualpipe needs an even pp >= 2; use pp=2")
+            problems.append(
+                f"dualpipe needs an even pp (got {p}); use pp={p + 1} or pp={p - 1}"
+                if p > 1
+                else "dualpipe needs an even pp >= 2; use pp=2"
+            )
         if m % 2:
             problems.append(
                 f"dualpipe sends half the micro-batches each way: microbatches must be even "
                 f"(got {m}); use microbatches={m + 1}"
             )
         if m < p:
-            problems.append(f"dualpipe needs microbatches >= pp={p} (got {m}); use microbatches>={p}")
+            problems.append(
+                f"dualpipe needs microbatches >= pp={p} (got {m}); use microbatches>={p}"
+            )
     return problems
 
 
