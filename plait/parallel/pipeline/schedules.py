@@ -11,7 +11,10 @@ transfers). Placement per schedule:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.simulate import Durations
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
 
@@ -80,8 +83,16 @@ def validate_schedule_request(
     return problems
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build the named schedule; ValueError listing every problem (and its fix) otherwise."""
+def build_schedule(
+    name: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    durations: Durations | None = None,
+) -> Schedule:
+    """Build the named schedule; ValueError listing every problem (and its fix) otherwise.
+    `durations` only matters for the list-scheduled zb-v and dualpipe, whose order is
+    searched for those durations (default: T_F = T_I = T_W, free transfers)."""
     problems = validate_schedule_request(name, pp, microbatches, virtual_stages)
     if problems:
         raise ValueError(f"cannot build schedule {name!r}: " + "; ".join(problems))
@@ -95,6 +106,8 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         "dualpipev": _dualpipev,
         "dualpipe": _dualpipe,
     }[name]
+    if name in ("zb-v", "dualpipe"):
+        return builder(pp, microbatches, virtual_stages, durations)
     return builder(pp, microbatches, virtual_stages)
 
 
@@ -205,21 +218,38 @@ def _v_placement(p: int) -> list[int]:
     return list(range(p)) + list(range(p - 1, -1, -1))
 
 
-def _zb_v(p: int, m: int, v: int) -> Schedule:
+def _zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, each rank holding at
     most 2p stage-activations (= 1F1B's peak p, as each stage is half a rank's layers).
     The order comes from the list scheduler below run with T_F = T_I = T_W; with those
     durations and m >= 2p every rank works without a gap between its first and last action."""
-    return _list_schedule("zb-v", p, m, 2, _v_placement(p), 1, limit=2 * p)
+    # both stages of a rank count against 2p, but only the way down (stage r) waits for
+    # room: were the way up gated too, rank r full of micro-batches going down and rank
+    # r+1 full of ones coming back up would each wait for the other (deadlock)
+    return _list_schedule(
+        "zb-v",
+        p,
+        m,
+        2,
+        _v_placement(p),
+        1,
+        lambda s: (min(s, 2 * p - 1 - s), 2 * p, s < p),
+        durations,
+    )
 
 
-def _dualpipe(p: int, m: int, v: int) -> Schedule:
+def _dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
     """DualPipe (DeepSeek-V3 technical report, 2024, section 3.2.1): two chains over two
     copies of the model, micro-batches 0..m/2-1 enter at rank 0, m/2..m-1 at rank p-1, so
     each end's warm-up fills the other's bubble. Order from the list scheduler with at most
     p+1 activations per rank (the report's Table 2)."""
     placement = list(range(p)) + list(range(p - 1, -1, -1))
-    return _list_schedule("dualpipe", p, m, 1, placement, 2, limit=p + 1)
+    # a 1F1B-like quota per chain: p - j micro-batches on the stage computing block j, so
+    # rank r holds (p - r) + (r + 1) = p + 1; separate quotas keep the chains from
+    # blocking each other
+    return _list_schedule(
+        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations
+    )
 
 
 def _dualpipev(p: int, m: int, v: int) -> Schedule:
@@ -283,60 +313,87 @@ def _dualpipev(p: int, m: int, v: int) -> Schedule:
 
 
 def _list_schedule(
-    name: str, p: int, m: int, v: int, stage_to_rank: list[int], chains: int, limit: int
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    stage_to_rank: list[int],
+    chains: int,
+    quota: Callable[[int], tuple[object, int, bool]],
+    durations: Durations | None = None,
 ) -> Schedule:
-    """Greedy list scheduling on a unit-time grid (T_F = T_I = T_W = 1, transfers free),
-    the heuristic of Qi et al. 2023 section 3 in its simplest form. Whenever a rank is free
-    it runs, of the actions whose inputs have arrived:
+    """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
+    form, run on the given durations (default T_F = T_I = T_W = 1, transfers free).
+    Whenever a rank is free it runs, of the actions whose inputs have arrived:
       1. an I (the backward chain is the critical path; it also frees memory), oldest
          micro-batch first, then the stage nearer the loss;
-      2. else an F, oldest micro-batch first, if the rank holds fewer than `limit`
-         activations;
+      2. else an F, oldest micro-batch first, if its memory quota allows:
+         `quota(stage)` = (key, limit, gated): stages sharing a key count their
+         activations together (+1 at F, -1 at I); a gated stage's F waits while the count
+         is at `limit`;
       3. else a W (it fills what would be a bubble), oldest first.
-    The resulting order is the schedule: it is data and can be simulated with any
-    durations, but it is tuned for equal ones."""
+    The resulting order is the schedule: plain data, valid under any durations, tuned for
+    the ones it was built with."""
+    d = durations or Durations(1.0, 1.0, 1.0)
     shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
     todo: list[list[tuple[int, int, int, str]]] = [[] for _ in range(p)]  # (prio, mb, -s, kind)
     for mb in range(m):
         for s in shape.stages_of(mb):
             for prio, kind in ((1, "F"), (0, "I"), (2, "W")):
                 todo[stage_to_rank[s]].append((prio, mb, -s, kind))
-    end: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish time
-    never = 1 << 60
-    live = [0] * p
-    free = [0] * p
+    end: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
+
+    def arrival(kind: str, src: int, mb: int, rank: int) -> float | None:
+        t = end.get((kind, src, mb))
+        if t is None:
+            return None
+        return t + (d.p2p if stage_to_rank[src] != rank else 0.0)
+
+    def ready_at(r: int, item: tuple[int, int, int, str], t: float) -> bool:
+        _, mb, neg_s, kind = item
+        s = -neg_s
+        if kind == "F":
+            src = shape.prev_stage(s)
+            key, limit, gated = quota(s)
+            if gated and live.get(key, 0) >= limit:
+                return False
+            return src is None or (arrival("F", src, mb, r) or inf) <= t
+        if kind == "I":
+            src = shape.next_stage(s)
+            return end.get(("F", s, mb), inf) <= t and (
+                src is None or (arrival("I", src, mb, r) or inf) <= t
+            )
+        return end.get(("I", s, mb), inf) <= t
+
+    inf = float("inf")
+    live: dict[object, int] = {}  # quota key -> micro-batches admitted and not yet freed
+    free = [0.0] * p
     acts: list[list[Action]] = [[] for _ in range(p)]
-    t = 0
+    t = 0.0
     while any(todo):
         for r in range(p):
-            if free[r] > t:
+            if free[r] > t or not todo[r]:
                 continue
-            ready = []
-            for item in todo[r]:
-                prio, mb, neg_s, kind = item
-                s = -neg_s
-                if kind == "F":
-                    src = shape.prev_stage(s)
-                    ok = live[r] < limit and (src is None or end.get(("F", src, mb), never) <= t)
-                elif kind == "I":
-                    src = shape.next_stage(s)
-                    ok = end.get(("F", s, mb), never) <= t and (
-                        src is None or end.get(("I", src, mb), never) <= t
-                    )
-                else:
-                    ok = end.get(("I", s, mb), never) <= t
-                if ok:
-                    ready.append(item)
+            ready = [item for item in todo[r] if ready_at(r, item, t)]
             if not ready:
                 continue
             item = min(ready)
             todo[r].remove(item)
             _, mb, neg_s, kind = item
-            end[(kind, -neg_s, mb)] = t + 1
-            free[r] = t + 1
-            live[r] += {"F": 1, "I": -1, "W": 0}[kind]
+            free[r] = t + d.of(kind, -neg_s)
+            end[(kind, -neg_s, mb)] = free[r]
+            if kind != "W":
+                key = quota(-neg_s)[0]
+                live[key] = live.get(key, 0) + (1 if kind == "F" else -1)
             acts[r].append(Action(kind, -neg_s, mb))
-        t += 1
-        if t > 100 * (m * len(stage_to_rank) + p):  # cannot happen: something is always ready
-            raise RuntimeError(f"list scheduler for {name} made no progress")
+        # next moment anything can change: a rank frees up or an input arrives
+        later = [x for x in free if x > t]
+        later += [x + d.p2p for x in end.values() if x + d.p2p > t] + [
+            x for x in end.values() if x > t
+        ]
+        if not later:
+            if any(todo):  # cannot happen: some action is always ready eventually
+                raise RuntimeError(f"list scheduler for {name} made no progress")
+            break
+        t = min(later)
     return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)
