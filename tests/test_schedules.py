@@ -23,6 +23,7 @@ from plait.parallel.pipeline.simulate import (
     DeadlockError,
     Durations,
     closed_form_bubble,
+    paper_bubble_time,
     simulate,
 )
 
@@ -180,9 +181,12 @@ def test_zb_h2_bubble(p, d):
         expected = (p - 1) * (d.forward + d.backward_input - 2 * d.backward_weight)
         assert abs(max(res.span_idle_per_rank) - expected) < EXACT
         assert abs(res.span_idle_per_rank[-1]) < EXACT  # the last rank never waits
+        assert abs(paper_bubble_time("zb-h2", p, m, 1, d) - expected) < EXACT
         # with the synchronous flush, the fill triangle (p-1) T_F remains (T_I <= 2 T_W)
         if d.backward_input <= 2 * d.backward_weight:
             assert abs(bubble_time(res) - (p - 1) * d.forward) < EXACT
+            cf = closed_form_bubble("zb-h2", p, m, 1, d)
+            assert abs(res.bubble_fraction - cf) < EXACT
     # the headline: T_F = T_I = T_W gives zero bubble inside every rank's span
     res = simulate(build_schedule("zb-h2", p, 2 * p), EQUAL)
     assert max(res.span_idle_per_rank) < EXACT
@@ -215,6 +219,7 @@ def test_dualpipe_within_deepseek_bound(p):
         d = EQUAL
         res = simulate(build_schedule("dualpipe", p, m), d)
         bound = (p / 2 - 1) * (d.forward + 2 * d.backward_input - d.backward_weight)
+        assert paper_bubble_time("dualpipe", p, m, 1, d) == bound
         assert bubble_time(res) <= bound + EXACT
         one = simulate(build_schedule("1f1b", p, m), d).bubble_fraction
         assert res.bubble_fraction < one / 2

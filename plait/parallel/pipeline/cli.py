@@ -19,7 +19,12 @@ from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.schedules import SCHEDULE_NAMES, build_schedule
-from plait.parallel.pipeline.simulate import Durations, closed_form_bubble, simulate
+from plait.parallel.pipeline.simulate import (
+    Durations,
+    closed_form_bubble,
+    paper_bubble_time,
+    simulate,
+)
 
 # schedules whose natural stage count per rank is 2 (used when --virtual-stages is omitted)
 _DEFAULT_V = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
@@ -121,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         "step_time": res.step_time,
         "bubble_fraction": res.bubble_fraction,
         "closed_form_bubble": closed,
+        "paper_bubble_time": paper_bubble_time(
+            schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
+        ),
         "bubble_per_rank": res.bubble_per_rank,
         "span_idle_per_rank": res.span_idle_per_rank,
         "busy_per_rank": res.busy_per_rank,
@@ -156,6 +164,8 @@ def _print_table(s: dict) -> None:
     t.add_row("bubble fraction", f"{s['bubble_fraction']:.4f}")
     cf = s["closed_form_bubble"]
     t.add_row("closed form", "n/a (see docs/pipeline.md)" if cf is None else f"{cf:.4f}")
+    pb = s["paper_bubble_time"]
+    t.add_row("paper's bubble time per rank", "n/a" if pb is None else f"{pb:.4g}")
     t.add_row("idle inside each rank's span", " ".join(f"{x:.3g}" for x in s["span_idle_per_rank"]))
     t.add_row("peak activations per rank", " ".join(map(str, s["peak_activations"])))
     Console().print(t)

@@ -166,17 +166,17 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
 def closed_form_bubble(
     name: str, pp: int, microbatches: int, virtual_stages: int, d: Durations
 ) -> float | None:
-    """The published bubble fraction (idle / (pp * step)) for uniform stages and p2p = 0,
-    or None where no closed form applies. Bubble *time* per rank, with T_B = T_I + T_W:
-      gpipe, 1f1b   (p-1)(T_F+T_B)                    GPipe (Huang 2019), 1F1B (PipeDream-
-                                                      Flush, Narayanan 2021)
-      interleaved   (p-1)(T_F+T_B) per-stage times,   Narayanan et al. 2021 section 2.2:
-                    i.e. (p-1)/(v m) of the ideal     bubble/ideal = (p-1)/(v m)
-      zb-h1         (p-1)(T_F+T_I-T_W)                Qi et al. 2023, section 2
-      zb-h2         (p-1)(T_F+T_I-2T_W)               Qi et al. 2023, section 2
-      dualpipe(v)   see docs/pipeline.md: not a closed form of this non-overlapping model
-    Busy time per rank is m * v * (T_F + T_B) (v stages per rank, dualpipe: m/2 per chain x 2).
-    Valid where the paper's conditions hold (see docs/pipeline.md); None otherwise."""
+    """The bubble fraction `simulate` must give (idle / (pp * step), synchronous step: every
+    rank waits for the last one), for uniform stages and p2p = 0; None where no closed form
+    applies. Bubble *time* per rank, T_B = T_I + T_W, per-stage times:
+      gpipe, 1f1b   (p-1)(T_F+T_B)        GPipe (Huang et al. 2019); 1F1B (Narayanan 2021)
+      interleaved   (p-1)(T_F+T_B)        Narayanan et al. 2021 s2.2: (p-1)/(v m) of ideal
+      zb-h1         (p-1)(T_F+T_I-T_W)    Qi et al. 2023 s2.1; m >= p, T_W <= T_F, T_I
+      zb-h2         (p-1) T_F             the fill triangle that the paper's parallelogram
+                                          leaves under a synchronous step; m >= 2p-1,
+                                          T_W <= T_F, T_W <= T_I <= 2 T_W (derived here,
+                                          checked by tests; see `paper_bubble_time`)
+    Busy time per rank is m v (T_F + T_B)."""
     if d.p2p or d.forward_per_stage or d.backward_input_per_stage or d.backward_weight_per_stage:
         return None
     p, m, v = pp, microbatches, virtual_stages
@@ -186,8 +186,36 @@ def closed_form_bubble(
         bubble = (p - 1) * (tf + ti + tw)
     elif name == "zb-h1" and m >= p and tw <= tf and tw <= ti:
         bubble = (p - 1) * (tf + ti - tw)
-    elif name == "zb-h2" and m >= 2 * p - 1 and 2 * tw <= tf + ti:
-        bubble = (p - 1) * (tf + ti - 2 * tw)
+    elif name == "zb-h2" and m >= 2 * p - 1 and tw <= tf and tw <= ti <= 2 * tw:
+        bubble = (p - 1) * tf
     else:
         return None
     return bubble / (busy + bubble)
+
+
+def paper_bubble_time(
+    name: str, pp: int, microbatches: int, virtual_stages: int, d: Durations
+) -> float | None:
+    """The bubble *time* per rank as the papers state it, where they do. The zero-bubble
+    paper and the DeepSeek-V3 report count idle inside a rank's span (compare with
+    `max(SimResult.span_idle_per_rank)`); for gpipe/1f1b/interleaved/zb-h1 that equals the
+    synchronous bubble. Uniform stages, p2p = 0.
+      zb-h2      (p-1)(T_F+T_I-2T_W)               Qi et al. 2023 s2.2, m >= 2p-1
+      dualpipe   (p/2-1)(T_F&B + T_B - 3T_W)       DeepSeek-V3 report, Table 2, with
+                 = (p/2-1)(T_F + 2T_I - T_W)       T_F&B = T_F + T_B here: this model does
+                                                   not overlap a forward with a backward,
+                                                   so it is a bound to meet, not an identity
+    """
+    if d.p2p or d.forward_per_stage or d.backward_input_per_stage or d.backward_weight_per_stage:
+        return None
+    p, m = pp, microbatches
+    tf, ti, tw = d.forward, d.backward_input, d.backward_weight
+    if name in ("gpipe", "1f1b", "interleaved"):
+        return (p - 1) * (tf + ti + tw)
+    if name == "zb-h1" and m >= p:
+        return (p - 1) * (tf + ti - tw)
+    if name == "zb-h2" and m >= 2 * p - 1:
+        return (p - 1) * (tf + ti - 2 * tw)
+    if name == "dualpipe":
+        return (p / 2 - 1) * (tf + 2 * ti - tw)
+    return None
