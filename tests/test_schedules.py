@@ -431,3 +431,14 @@ def test_cli(tmp_path, capsys):
     (tmp_path / "b.txt").write_text(broken)
     assert _cli("--load", str(tmp_path / "b.txt")) == 2
     assert "fails its checks" in capsys.readouterr().err
+
+
+def test_lowering_places_transfers():
+    # sends right after their compute; receives one compute ahead, in the sender's order
+    low = lower(build_schedule("1f1b", 2, 3))
+    assert low.to_text().splitlines()[2:] == [
+        "0,F0.0,SEND_F0.0>1,RECV_B0.0<1,F0.1,SEND_F0.1>1,B0.0,RECV_B0.1<1,F0.2,SEND_F0.2>1,"
+        "RECV_B0.2<1,B0.1,B0.2",
+        "1,RECV_F1.0<0,F1.0,RECV_F1.1<0,B1.0,SEND_B1.0>0,F1.1,RECV_F1.2<0,B1.1,SEND_B1.1>0,"
+        "F1.2,B1.2,SEND_B1.2>0",
+    ]
