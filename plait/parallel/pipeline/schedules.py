@@ -219,10 +219,12 @@ def _v_placement(p: int) -> list[int]:
 
 
 def _zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
-    """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, each rank holding at
-    most 2p stage-activations (= 1F1B's peak p, as each stage is half a rank's layers).
-    The order comes from the list scheduler below run with T_F = T_I = T_W; with those
-    durations and m >= 2p every rank works without a gap between its first and last action."""
+    """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, about 2p stage
+    activations per rank (= 1F1B's peak p, as each stage is half a rank's layers). The
+    order comes from the list scheduler below, run with `durations` (default T_F = T_I =
+    T_W). With equal durations and m >= 2p: peak exactly 2p, and every rank works without
+    a gap between its first and last action. With unequal ones the peak can exceed 2p by
+    a little, as the way up is never held back."""
     # both stages of a rank count against 2p, but only the way down (stage r) waits for
     # room: were the way up gated too, rank r full of micro-batches going down and rank
     # r+1 full of ones coming back up would each wait for the other (deadlock)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plait.parallel.pipeline.check import peak_activations
 from plait.parallel.pipeline.ir import Schedule
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
@@ -136,8 +137,6 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
     step = max((ev[-1][4] for ev in events if ev), default=0.0)
     busy = [sum(e - s for _, _, _, s, e in ev) for ev in events]
     per_rank = [(step - b) / step if step > 0 else 0.0 for b in busy]
-    from plait.parallel.pipeline.check import peak_activations
-
     return SimResult(
         step_time=step,
         bubble_fraction=sum(per_rank) / schedule.pp,
