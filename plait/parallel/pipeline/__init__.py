@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (IR, builders, lowering, checks, simulation)."""

@@ -1,0 +1,225 @@
+"""The pipeline IR: a schedule is a list of actions per rank.
+
+The same data is checked (`check.py`), simulated (`simulate.py`), drawn (`draw.py`) and,
+later, executed by the runtime. Nothing here knows about tensors or processes.
+
+Stages. A schedule has `num_stages` (S) *virtual stages*, numbered 0..S-1, and a
+`stage_to_rank` placement. Stages form `num_chains` independent chains of equal length
+L = S / num_chains: chain c is stages c*L .. c*L+L-1, and a micro-batch's forward runs
+down its chain (s -> s+1), its backward back up (s+1 -> s). Every schedule but DualPipe
+has one chain. DualPipe has two: chain 0 (stages 0..p-1, stage j on rank j) carries
+micro-batches 0..m/2-1 "down", chain 1 (stages p..2p-1, stage p+j on rank p-1-j) carries
+micro-batches m/2..m-1 "up"; stage c*L+j computes layer block j of the model
+(`model_stage`), so each rank holds two copies' worth of blocks, as in DeepSeek-V3.
+
+Actions. `F` forward, `B` full backward, `I` backward w.r.t. the stage input, `W` backward
+w.r.t. the weights (B = I then W; Qi et al. 2023). Lowering (`lower.py`) adds
+`SEND_F`/`RECV_F` (activations) and `SEND_B`/`RECV_B` (input gradients), each naming the
+peer rank. The `stage` of a transfer is the stage of the action on *this* rank: SEND_F s
+ships the output of F s, RECV_F s brings the input of F s; SEND_B s ships the gradient
+produced by I/B s, RECV_B s brings the gradient that I/B s consumes.
+
+Text form (`to_text`/`from_text`), CSV-like, one line per rank::
+
+    schedule,1f1b,pp=2,microbatches=2,virtual_stages=1,num_stages=2,num_chains=1
+    stage_to_rank,0,1
+    0,F0.0,F0.1,B0.0,B0.1
+    1,F1.0,B1.0,F1.1,B1.1
+
+`F0.3` is forward of stage 0 for micro-batch 3; transfers read `SEND_F0.3>1` (to rank 1)
+and `RECV_F1.3<0` (from rank 0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+COMPUTE = ("F", "B", "I", "W")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+KINDS = COMPUTE + COMM
+BACKWARD_INPUT = ("B", "I")  # the actions that produce the gradient sent upstream
+
+_ACTION_RE = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\.(\d+)(?:([<>])(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int | None = None  # the other rank of a transfer; None for compute
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"action kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if (self.peer is None) != (self.kind in COMPUTE):
+            raise ValueError(
+                f"{self.kind} needs peer={'None' if self.kind in COMPUTE else 'a rank'}"
+            )
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM
+
+    def __str__(self) -> str:
+        s = f"{self.kind}{self.stage}.{self.microbatch}"
+        if self.kind.startswith("SEND"):
+            s += f">{self.peer}"
+        elif self.kind.startswith("RECV"):
+            s += f"<{self.peer}"
+        return s
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        m = _ACTION_RE.match(text.strip())
+        if not m:
+            raise ValueError(f"cannot parse action {text!r}; expected e.g. F0.3 or SEND_F0.3>1")
+        kind, stage, mb, arrow, peer = m.groups()
+        if (arrow == ">" and not kind.startswith("SEND")) or (
+            arrow == "<" and not kind.startswith("RECV")
+        ):
+            raise ValueError(f"action {text!r}: sends use '>peer', receives use '<peer'")
+        return cls(kind, int(stage), int(mb), None if peer is None else int(peer))
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+    num_stages: int
+    stage_to_rank: list[int]
+    actions: list[list[Action]]  # actions[rank] in execution order
+    num_chains: int = 1
+    lowered: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        if len(self.stage_to_rank) != self.num_stages:
+            raise ValueError(
+                f"stage_to_rank has {len(self.stage_to_rank)} entries for "
+                f"num_stages={self.num_stages}"
+            )
+        if len(self.actions) != self.pp:
+            raise ValueError(f"{len(self.actions)} action lists for pp={self.pp}")
+        if self.num_stages % self.num_chains or self.microbatches % self.num_chains:
+            raise ValueError(
+                f"num_chains={self.num_chains} must divide num_stages={self.num_stages} "
+                f"and microbatches={self.microbatches}"
+            )
+
+    # --- stage topology -------------------------------------------------------------
+    @property
+    def chain_length(self) -> int:
+        return self.num_stages // self.num_chains
+
+    def chain_of_stage(self, stage: int) -> int:
+        return stage // self.chain_length
+
+    def chain_of_microbatch(self, mb: int) -> int:
+        return mb // (self.microbatches // self.num_chains)
+
+    def stages_of(self, mb: int) -> range:
+        """The stages micro-batch `mb` passes through, in forward order."""
+        c = self.chain_of_microbatch(mb)
+        return range(c * self.chain_length, (c + 1) * self.chain_length)
+
+    def microbatches_of(self, stage: int) -> range:
+        per = self.microbatches // self.num_chains
+        c = self.chain_of_stage(stage)
+        return range(c * per, (c + 1) * per)
+
+    def next_stage(self, stage: int) -> int | None:
+        """Where F's output goes; None at the end of a chain (the loss)."""
+        return None if (stage + 1) % self.chain_length == 0 else stage + 1
+
+    def prev_stage(self, stage: int) -> int | None:
+        """Where I/B's gradient goes; None at the start of a chain (the embedding)."""
+        return None if stage % self.chain_length == 0 else stage - 1
+
+    def model_stage(self, stage: int) -> int:
+        """Which block of layers the stage computes (differs from `stage` for DualPipe)."""
+        return stage % self.chain_length
+
+    def stages_on(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    # --- text round-trip ------------------------------------------------------------
+    def to_text(self) -> str:
+        head = (
+            f"schedule,{self.name},pp={self.pp},microbatches={self.microbatches},"
+            f"virtual_stages={self.virtual_stages},num_stages={self.num_stages},"
+            f"num_chains={self.num_chains},lowered={int(self.lowered)}"
+        )
+        lines = [head, "stage_to_rank," + ",".join(map(str, self.stage_to_rank))]
+        for r, acts in enumerate(self.actions):
+            lines.append(",".join([str(r)] + [str(a) for a in acts]))
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        if len(lines) < 2 or not lines[0].startswith("schedule,"):
+            raise ValueError("schedule text must start with a 'schedule,<name>,key=value' header")
+        head = lines[0].split(",")
+        meta = dict(kv.split("=", 1) for kv in head[2:])
+        if not lines[1].startswith("stage_to_rank,"):
+            raise ValueError("second line must be 'stage_to_rank,<rank>,<rank>,...'")
+        stage_to_rank = [int(x) for x in lines[1].split(",")[1:]]
+        pp = int(meta["pp"])
+        actions: list[list[Action]] = [[] for _ in range(pp)]
+        for ln in lines[2:]:
+            rank, *acts = ln.split(",")
+            r = int(rank)
+            if not 0 <= r < pp:
+                raise ValueError(f"rank {r} out of range for pp={pp}")
+            actions[r] = [Action.parse(a) for a in acts if a]
+        return cls(
+            name=head[1],
+            pp=pp,
+            microbatches=int(meta["microbatches"]),
+            virtual_stages=int(meta.get("virtual_stages", 1)),
+            num_stages=int(meta.get("num_stages", len(stage_to_rank))),
+            stage_to_rank=stage_to_rank,
+            actions=actions,
+            num_chains=int(meta.get("num_chains", 1)),
+            lowered=bool(int(meta.get("lowered", 0))),
+        )
+
+    # --- printing -------------------------------------------------------------------
+    def format_table(self, aligned: bool = True, width: int = 4) -> str:
+        """One row per rank. `aligned`: place actions on a time grid from a unit-time
+        simulation (T_F = T_I = T_W = 1, B = 2, transfers free); '.' is idle. Otherwise
+        just the action order. Labels are kind+micro-batch, with a chunk letter (a, b, ...)
+        for ranks holding several stages (a = the rank's lowest stage)."""
+        chunk = {}
+        for r in range(self.pp):
+            for i, s in enumerate(self.stages_on(r)):
+                chunk[s] = "abcdefgh"[i] if len(self.stages_on(r)) > 1 else ""
+
+        def label(kind: str, stage: int, mb: int) -> str:
+            return f"{kind}{mb}{chunk[stage]}"
+
+        rows: list[list[str]] = []
+        if aligned:
+            from plait.parallel.pipeline.simulate import Durations, simulate
+
+            res = simulate(self, Durations(1.0, 1.0, 1.0))
+            slots = int(round(res.step_time))
+            for events in res.events:
+                row = ["."] * slots
+                for kind, stage, mb, start, end in events:
+                    for t in range(int(round(start)), int(round(end))):
+                        row[t] = label(kind, stage, mb)
+                rows.append(row)
+        else:
+            rows = [[str(a) for a in acts] for acts in self.actions]
+        w = max([width] + [len(c) + 1 for row in rows for c in row])
+        out = [
+            f"{self.name}  pp={self.pp} m={self.microbatches} v={self.virtual_stages}"
+            + ("  (time grid: F=I=W=1, B=2)" if aligned else "")
+        ]
+        for r, row in enumerate(rows):
+            out.append(f"rank {r}: " + "".join(c.ljust(w) for c in row).rstrip())
+        return "\n".join(out)
