@@ -1,4 +1,4 @@
-"""The `plait` command: train | demo | data prepare (and plan | simulate as they land).
+"""The `plait` command: train | demo | data prepare | simulate.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--data-dir")
     prep.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     prep.add_argument("--vocab-size", type=int)
+
+    # subcommands that live beside their subsystem register themselves
+    from plait.parallel.pipeline import cli as simulate_cli
+
+    simulate_cli.add_parser(sub)
     return parser
 
 
@@ -183,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_demo(args)
     if args.command == "data":
         return cmd_data(args)
+    if hasattr(args, "func"):
+        return args.func(args)
     return _fail(f"unknown command {args.command}")
 
 
