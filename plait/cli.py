@@ -88,6 +88,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         cfg = config_from_args(args)
         nproc = args.nproc or cfg.parallel.world_size
         cfg.check(world_size=nproc)
+        for w in cfg.warnings():
+            print(f"plait: warning: {w}", file=sys.stderr)
         data = resolve_data(cfg, args.data_dir)
         check_data(cfg, data)
     except (ConfigError, DataError) as e:
