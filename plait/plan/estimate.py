@@ -14,8 +14,14 @@ from typing import Any
 import numpy as np
 
 from plait.plan import bubble, comm, memory
-from plait.plan.compute import Efficiency, attention_core_flops, gemm_time, head_flops
-from plait.plan.compute import layer_times, model_flops_per_token
+from plait.plan.compute import (
+    Efficiency,
+    attention_core_flops,
+    gemm_time,
+    head_flops,
+    layer_times,
+    model_flops_per_token,
+)
 from plait.plan.hardware import Cluster
 from plait.plan.shape import Shape
 
