@@ -1,13 +1,252 @@
-"""Checks on a schedule: placeholder, completed below."""
+"""Checks on a schedule, pure Python: `check(schedule)` lists every problem found.
+
+1. Placement: each action's stage lives on the rank that runs it, micro-batches belong to
+   the stage's chain.
+2. Completeness: every (stage, micro-batch) of a chain has exactly one F and one backward:
+   a B, or an I and a W.
+3. Order on a rank: F before its I/B, I before its W.
+4. Transfers (lowered schedules): each cross-rank edge has exactly one SEND on the
+   producer's rank (after the producing compute) and one RECV on the consumer's rank
+   (before the consuming compute), peers right, none inside one rank, and the sends a->b
+   posted in the same order as the receives on b from a (NCCL matches in order).
+5. Deadlock freedom: execute the lists under the runtime contract of `lower.py` (posting a
+   transfer never blocks; a compute waits for its inputs: a local compute done, or its
+   RECV posted here and the matching SEND posted by the peer). If no rank can move, each
+   stuck rank is reported with what it waits for. Unlowered schedules run the same way,
+   with a cross-rank input available once its producer has run.
+"""
 
 from __future__ import annotations
 
-from plait.parallel.pipeline.ir import Schedule
+from collections import Counter
+
+from plait.parallel.pipeline.ir import Action, Schedule
+
+Key = tuple[str, int, int]  # (kind, stage, microbatch)
+
+
+def check(schedule: Schedule) -> list[str]:
+    """Every problem with the schedule, as readable sentences; [] if it is valid."""
+    problems = _placement(schedule)
+    if problems:  # the rest assumes stages and ranks make sense
+        return problems
+    problems += _completeness(schedule)
+    problems += _local_order(schedule)
+    if any(a.is_comm for acts in schedule.actions for a in acts):
+        problems += _transfers(schedule)
+    if not problems:
+        problems += deadlocks(schedule)
+    return problems
+
+
+def _placement(s: Schedule) -> list[str]:
+    out = []
+    if any(not 0 <= r < s.pp for r in s.stage_to_rank):
+        out.append(f"stage_to_rank {s.stage_to_rank} names a rank outside 0..{s.pp - 1}")
+        return out
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if not 0 <= a.stage < s.num_stages:
+                out.append(f"rank {r}: {a} names stage {a.stage} outside 0..{s.num_stages - 1}")
+            elif s.stage_to_rank[a.stage] != r:
+                out.append(
+                    f"rank {r}: {a} runs stage {a.stage}, which lives on rank "
+                    f"{s.stage_to_rank[a.stage]}"
+                )
+            elif a.microbatch not in s.microbatches_of(a.stage):
+                out.append(
+                    f"rank {r}: {a}: micro-batch {a.microbatch} does not pass stage {a.stage}"
+                )
+            elif a.is_comm and not 0 <= a.peer < s.pp:
+                out.append(f"rank {r}: {a}: peer {a.peer} is not a rank")
+    return out
+
+
+def _completeness(s: Schedule) -> list[str]:
+    count = Counter(
+        (a.kind, a.stage, a.microbatch) for acts in s.actions for a in acts if not a.is_comm
+    )
+    out = []
+    for stage in range(s.num_stages):
+        for mb in s.microbatches_of(stage):
+            f, b, i, w = (count[(k, stage, mb)] for k in "FBIW")
+            if f != 1:
+                out.append(f"stage {stage} micro-batch {mb}: {f} forwards, expected 1")
+            if not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
+                out.append(
+                    f"stage {stage} micro-batch {mb}: backward is B x{b}, I x{i}, W x{w}; "
+                    "expected one B, or one I and one W"
+                )
+    return out
+
+
+def _local_order(s: Schedule) -> list[str]:
+    out = []
+    for r, acts in enumerate(s.actions):
+        seen: set[Key] = set()
+        for a in acts:
+            need = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
+            if need and (need, a.stage, a.microbatch) not in seen:
+                out.append(f"rank {r}: {a} runs before {need}{a.stage}.{a.microbatch}")
+            seen.add((a.kind, a.stage, a.microbatch))
+    return out
+
+
+def _edges(s: Schedule) -> dict[tuple[str, int, int], tuple[int, int, str, int]]:
+    """Every cross-rank transfer the schedule needs: (send kind, stage, mb) ->
+    (from rank, to rank, recv kind, recv stage)."""
+    out = {}
+    for acts in s.actions:
+        for a in acts:
+            if a.kind == "F":
+                dst, sk, rk = s.next_stage(a.stage), "SEND_F", "RECV_F"
+            elif a.kind in ("I", "B"):
+                dst, sk, rk = s.prev_stage(a.stage), "SEND_B", "RECV_B"
+            else:
+                continue
+            if dst is not None and s.stage_to_rank[dst] != s.stage_to_rank[a.stage]:
+                src_r, dst_r = s.stage_to_rank[a.stage], s.stage_to_rank[dst]
+                out[(sk, a.stage, a.microbatch)] = (src_r, dst_r, rk, dst)
+    return out
+
+
+def _transfers(s: Schedule) -> list[str]:
+    out = []
+    edges = _edges(s)
+    expected_recv = {
+        (rk, dst, mb): (src, dst_r, sk, st) for (sk, st, mb), (src, dst_r, rk, dst) in edges.items()
+    }
+    sends: Counter = Counter()
+    recvs: Counter = Counter()
+    order: dict[tuple[str, int, int], tuple[int, int]] = {}  # comm key -> (rank, index)
+    for r, acts in enumerate(s.actions):
+        done: set[Key] = set()
+        for i, a in enumerate(acts):
+            key = (a.kind, a.stage, a.microbatch)
+            if not a.is_comm:
+                done.add(key)
+                continue
+            order[key] = (r, i)
+            if a.kind.startswith("SEND"):
+                sends[key] += 1
+                e = edges.get(key)
+                if e is None:
+                    out.append(f"rank {r}: {a} has no receiver (no cross-rank consumer)")
+                    continue
+                if a.peer != e[1]:
+                    out.append(
+                        f"rank {r}: {a} goes to rank {a.peer}; stage {e[3]} is on rank {e[1]}"
+                    )
+                producers = ("F",) if a.kind == "SEND_F" else ("I", "B")
+                if not any((k, a.stage, a.microbatch) in done for k in producers):
+                    out.append(f"rank {r}: {a} comes before the compute that produces it")
+            else:
+                recvs[key] += 1
+                e = expected_recv.get(key)
+                if e is None:
+                    out.append(f"rank {r}: {a} receives what no rank sends")
+                    continue
+                if a.peer != e[0]:
+                    out.append(f"rank {r}: {a} expects rank {a.peer}; the sender is rank {e[0]}")
+                consumers = ("F",) if a.kind == "RECV_F" else ("I", "B")
+                if any((k, a.stage, a.microbatch) in done for k in consumers):
+                    out.append(f"rank {r}: {a} comes after the compute that needs it")
+    for (sk, st, mb), (src, dst_r, rk, dst) in edges.items():
+        n_s, n_r = sends[(sk, st, mb)], recvs[(rk, dst, mb)]
+        if n_s != 1:
+            out.append(f"rank {src}: {n_s} x {sk}{st}.{mb}>{dst_r}, expected exactly 1")
+        if n_r != 1:
+            what = "unmatched send: " if n_s and not n_r else ""
+            out.append(f"{what}rank {dst_r}: {n_r} x {rk}{dst}.{mb}<{src}, expected exactly 1")
+    # in-order matching per channel (a -> b): sends on a and receives on b, same order
+    chan_s: dict[tuple[int, int], list] = {}
+    chan_r: dict[tuple[int, int], list] = {}
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if a.kind.startswith("SEND") and (a.kind, a.stage, a.microbatch) in edges:
+                chan_s.setdefault((r, a.peer), []).append((a.kind[-1], a.microbatch, a.stage))
+            elif a.kind.startswith("RECV") and (a.kind, a.stage, a.microbatch) in expected_recv:
+                src_stage = expected_recv[(a.kind, a.stage, a.microbatch)][3]
+                chan_r.setdefault((a.peer, r), []).append((a.kind[-1], a.microbatch, src_stage))
+    for ch, seq in chan_s.items():
+        if chan_r.get(ch, []) != seq and len(chan_r.get(ch, [])) == len(seq):
+            first = next(k for k, (x, y) in enumerate(zip(seq, chan_r[ch])) if x != y)
+            out.append(
+                f"ranks {ch[0]}->{ch[1]}: transfer #{first} is sent as "
+                f"{_fmt(seq[first])} but received as {_fmt(chan_r[ch][first])}; sends and "
+                "receives between two ranks must be posted in the same order"
+            )
+    return out
+
+
+def _fmt(item: tuple[str, int, int]) -> str:
+    kind, mb, stage = item
+    return f"{'activation' if kind == 'F' else 'gradient'} of stage {stage} mb {mb}"
+
+
+def deadlocks(s: Schedule) -> list[str]:
+    """Execute the schedule without durations (see module docstring, 5.)."""
+    lowered = any(a.is_comm for acts in s.actions for a in acts)
+    ran: set[Key] = set()  # computes executed, as (kind-family, stage, mb); I and B -> "G"
+    posted: set[Key] = set()  # transfers posted, keyed by their own action
+    pos = [0] * s.pp
+
+    def blocker(r: int, a: Action) -> str | None:
+        """What compute `a` on rank r still waits for; None if it can run."""
+        if a.kind == "W":
+            return None if ("G", a.stage, a.microbatch) in ran else f"I{a.stage}.{a.microbatch}"
+        if a.kind == "F":
+            src, fam, recv_kind = s.prev_stage(a.stage), "F", "RECV_F"
+        else:
+            if ("F", a.stage, a.microbatch) not in ran:
+                return f"F{a.stage}.{a.microbatch}"
+            src, fam, recv_kind = s.next_stage(a.stage), "G", "RECV_B"
+        if src is None:
+            return None
+        need = f"{'F' if fam == 'F' else 'I/B'}{src}.{a.microbatch}"
+        src_rank = s.stage_to_rank[src]
+        if src_rank == r or not lowered:
+            return None if (fam, src, a.microbatch) in ran else need + f" on rank {src_rank}"
+        if (recv_kind, a.stage, a.microbatch) not in posted:
+            return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
+        send_kind = "SEND_F" if fam == "F" else "SEND_B"
+        if (send_kind, src, a.microbatch) not in posted:
+            return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
+        return None
+
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(s.actions):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.is_comm:
+                    posted.add((a.kind, a.stage, a.microbatch))
+                elif blocker(r, a) is None:
+                    ran.add(("G" if a.kind in ("I", "B") else a.kind, a.stage, a.microbatch))
+                else:
+                    break
+                pos[r] += 1
+                progress = True
+    stuck = [r for r in range(s.pp) if pos[r] < len(s.actions[r])]
+    if not stuck:
+        return []
+    return [
+        "deadlock: "
+        + "; ".join(
+            f"rank {r} blocked at {s.actions[r][pos[r]]} (action #{pos[r]}) waiting for "
+            f"{blocker(r, s.actions[r][pos[r]])}"
+            for r in stuck
+        )
+    ]
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the most stage-micro-batch activation sets alive at once: +1 when an F
-    runs, -1 when the matching I or B finishes."""
+    """Per rank, the most stage-micro-batch activation sets held at once: +1 when an F runs,
+    -1 when its I or B finishes. After I, a W still holds the inputs of its weight-gradient
+    matmuls (layer inputs and output gradients); that smaller residue is not counted. The
+    unit is one stage's activations for one micro-batch: with v stages per rank a unit is
+    1/v of what a 1F1B unit (a whole rank's layers) holds."""
     peaks = []
     for acts in schedule.actions:
         live = peak = 0

@@ -11,7 +11,10 @@ transfers). Placement per schedule:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.simulate import Durations
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
 
@@ -56,9 +59,15 @@ def validate_schedule_request(
         fix = "use virtual_stages=1"
         if name in ("1f1b", "zb-h1", "zb-h2"):
             fix += ", or schedule=interleaved / zb-v for several stages per rank"
-        problems.append(f"{name} places one stage per rank (got virtual_stages={v}); {fix}")
-    if name in ("zb-h1", "zb-h2", "zb-v", "dualpipev") and m < p:
+        what = "one stage of each of its two model copies" if name == "dualpipe" else "one stage"
+        problems.append(f"{name} places {what} per rank (got virtual_stages={v}); {fix}")
+    if name in ("zb-h1", "zb-h2", "zb-v") and m < p:
         problems.append(f"{name} needs microbatches >= pp={p} (got {m}); use microbatches>={p}")
+    if name == "dualpipev" and m < 2 * p - 1:
+        problems.append(
+            f"dualpipev needs microbatches >= 2*pp-1 = {2 * p - 1} (got {m}) to fill its "
+            f"warm-up; use microbatches>={2 * p - 1}"
+        )
     if name == "dualpipe":
         if p % 2:
             problems.append(
@@ -71,22 +80,34 @@ def validate_schedule_request(
                 f"dualpipe sends half the micro-batches each way: microbatches must be even "
                 f"(got {m}); use microbatches={m + 1}"
             )
-        if m < p:
-            problems.append(
-                f"dualpipe needs microbatches >= pp={p} (got {m}); use microbatches>={p}"
-            )
     return problems
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build the named schedule; ValueError listing every problem (and its fix) otherwise."""
+def build_schedule(
+    name: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    durations: Durations | None = None,
+) -> Schedule:
+    """Build the named schedule; ValueError listing every problem (and its fix) otherwise.
+    `durations` only matters for the list-scheduled zb-v and dualpipe, whose order is
+    searched for those durations (default: T_F = T_I = T_W, free transfers)."""
     problems = validate_schedule_request(name, pp, microbatches, virtual_stages)
     if problems:
         raise ValueError(f"cannot build schedule {name!r}: " + "; ".join(problems))
     builder = {
         "gpipe": _gpipe,
         "1f1b": _one_f_one_b,
+        "zb-h1": _zb_h1,
+        "zb-h2": _zb_h2,
+        "interleaved": _interleaved,
+        "zb-v": _zb_v,
+        "dualpipev": _dualpipev,
+        "dualpipe": _dualpipe,
     }[name]
+    if name in ("zb-v", "dualpipe"):
+        return builder(pp, microbatches, virtual_stages, durations)
     return builder(pp, microbatches, virtual_stages)
 
 
@@ -123,3 +144,256 @@ def _one_f_one_b(p: int, m: int, v: int) -> Schedule:
             seq.append(Action("B", r, k))
         acts.append(seq)
     return _linear("1f1b", p, m, acts)
+
+
+def _zb_h1(p: int, m: int, v: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with B split into I and W, and rank r
+    deferring its W's by r micro-batches. The I chain no longer waits for W's, so the
+    bubble shrinks to (p-1)(T_F+T_I-T_W) while activations stay at 1F1B's p-r (the r
+    deferred W's hold only weight-gradient inputs)."""
+    return _split_1f1b("zb-h1", p, m, warm=lambda r: p - 1 - r, w_delay=lambda r: r)
+
+
+def _zb_h2(p: int, m: int, v: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2023, section 2.2): 2(p-1-r) warm-up forwards fill the time until
+    the first gradient returns, and W's are deferred by 2r micro-batches to fill the tail.
+    Rank 0 holds up to 2p-1 activations. Every rank then works without a gap from its first
+    action to its last (a parallelogram) when m >= 2p-1 and 2 T_W <= T_F + T_I."""
+    return _split_1f1b("zb-h2", p, m, warm=lambda r: 2 * (p - 1 - r), w_delay=lambda r: 2 * r)
+
+
+def _split_1f1b(name: str, p: int, m: int, warm, w_delay) -> Schedule:
+    """Warm-up forwards, then per micro-batch k: F (next), I k, W (k - delay)."""
+    acts = []
+    for r in range(p):
+        w = min(warm(r), m)
+        seq = [Action("F", r, i) for i in range(w)]
+        next_w = 0
+        for k in range(m):
+            if w + k < m:
+                seq.append(Action("F", r, w + k))
+            seq.append(Action("I", r, k))
+            if k >= w_delay(r):
+                seq.append(Action("W", r, next_w))
+                next_w += 1
+        seq += [Action("W", r, i) for i in range(next_w, m)]
+        acts.append(seq)
+    return _linear(name, p, m, acts)
+
+
+# --- several stages per rank --------------------------------------------------------------
+
+
+def _interleaved(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2), Megatron-LM's order: stage s on
+    rank s % p; forwards go in rounds of p micro-batches per chunk (chunk 0 for mb 0..p-1,
+    chunk 1 for the same mbs, ..., then mb p..2p-1), backwards in the same rounds with the
+    chunks reversed; rank r warms up with 2(p-1-r) + (v-1)p forwards. Bubble time
+    (p-1)(T_F+T_B) in per-stage times: 1/v of 1F1B's."""
+    total = m * v  # stage-microbatch forwards per rank
+
+    def mb_of(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    acts = []
+    for r in range(p):
+
+        def fwd(k: int, r: int = r) -> Action:
+            return Action("F", ((k // p) % v) * p + r, mb_of(k))
+
+        def bwd(k: int, r: int = r) -> Action:
+            return Action("B", (v - 1 - (k // p) % v) * p + r, mb_of(k))
+
+        warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        seq = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            seq += [fwd(warm + k), bwd(k)]
+        seq += [bwd(k) for k in range(total - warm, total)]
+        acts.append(seq)
+    return Schedule("interleaved", p, m, v, p * v, [s % p for s in range(p * v)], acts)
+
+
+def _v_placement(p: int) -> list[int]:
+    """Rank r holds stages r and 2p-1-r: the model goes down the ranks and back up."""
+    return list(range(p)) + list(range(p - 1, -1, -1))
+
+
+def _zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+    """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, each rank holding at
+    most 2p stage-activations (= 1F1B's peak p, as each stage is half a rank's layers).
+    The order comes from the list scheduler below run with T_F = T_I = T_W; with those
+    durations and m >= 2p every rank works without a gap between its first and last action."""
+    # both stages of a rank count against 2p, but only the way down (stage r) waits for
+    # room: were the way up gated too, rank r full of micro-batches going down and rank
+    # r+1 full of ones coming back up would each wait for the other (deadlock)
+    return _list_schedule(
+        "zb-v",
+        p,
+        m,
+        2,
+        _v_placement(p),
+        1,
+        lambda s: (min(s, 2 * p - 1 - s), 2 * p, s < p),
+        durations,
+    )
+
+
+def _dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+    """DualPipe (DeepSeek-V3 technical report, 2024, section 3.2.1): two chains over two
+    copies of the model, micro-batches 0..m/2-1 enter at rank 0, m/2..m-1 at rank p-1, so
+    each end's warm-up fills the other's bubble. Order from the list scheduler with at most
+    p+1 activations per rank (the report's Table 2)."""
+    placement = list(range(p)) + list(range(p - 1, -1, -1))
+    # a 1F1B-like quota per chain: p - j micro-batches on the stage computing block j, so
+    # rank r holds (p - r) + (r + 1) = p + 1; separate quotas keep the chains from
+    # blocking each other
+    return _list_schedule(
+        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations
+    )
+
+
+def _dualpipev(p: int, m: int, v: int) -> Schedule:
+    """DualPipeV, DualPipe "cut in half" onto a V (rank r: chunk 0 = stage r, chunk 1 =
+    stage 2p-1-r), written from DualPipe's published phase structure. Per rank:
+      1. 2(p-1-r) forwards of chunk 0            5. p-1-r x (B chunk 1, F 1, B 0)
+      2. r+1 x (F 0, F 1)                          6. r+1 x (B 1, B 0); the later half split
+      3. p-1-r x (I 1, W 1, F 1)                      into I + deferred W
+      4. m-2p+r+1 x (F 0, B 1, F 1, B 0)           7. p-1-r x (W, I 0)
+         (DualPipe overlaps each F with the B    8. the remaining W's
+         beside it; this model runs them in turn)
+    Needs m >= 2p-1 so that phase 4 is not negative on rank 0."""
+    acts = []
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)
+        nxt = {"F": [0, 0], "B": [0, 0]}
+        pending_w: list[Action] = []
+        seq: list[Action] = []
+
+        def f(c: int, seq=seq, nxt=nxt, stage=stage) -> None:
+            seq.append(Action("F", stage[c], nxt["F"][c]))
+            nxt["F"][c] += 1
+
+        def b(c: int, split: bool, seq=seq, nxt=nxt, stage=stage, pw=pending_w) -> None:
+            mb = nxt["B"][c]
+            nxt["B"][c] += 1
+            if split:
+                seq.append(Action("I", stage[c], mb))
+                pw.append(Action("W", stage[c], mb))
+            else:
+                seq.append(Action("B", stage[c], mb))
+
+        for _ in range(2 * (p - 1 - r)):
+            f(0)
+        for _ in range(r + 1):
+            f(0)
+            f(1)
+        for _ in range(p - 1 - r):
+            b(1, True)
+            seq.append(pending_w.pop(0))
+            f(1)
+        for _ in range(m - 2 * p + r + 1):
+            f(0)
+            b(1, False)
+            f(1)
+            b(0, False)
+        for _ in range(p - 1 - r):
+            b(1, False)
+            f(1)
+            b(0, False)
+        for i in range(r + 1):
+            b(1, i >= (r + 1) // 2)
+            b(0, i >= (r + 1) // 2)
+        for _ in range(p - 1 - r):
+            if pending_w:
+                seq.append(pending_w.pop(0))
+            b(0, True)
+        seq += pending_w
+        acts.append(seq)
+    return Schedule("dualpipev", p, m, 2, 2 * p, _v_placement(p), acts)
+
+
+def _list_schedule(
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    stage_to_rank: list[int],
+    chains: int,
+    quota: Callable[[int], tuple[object, int, bool]],
+    durations: Durations | None = None,
+) -> Schedule:
+    """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
+    form, run on the given durations (default T_F = T_I = T_W = 1, transfers free).
+    Whenever a rank is free it runs, of the actions whose inputs have arrived:
+      1. an I (the backward chain is the critical path; it also frees memory), oldest
+         micro-batch first, then the stage nearer the loss;
+      2. else an F, oldest micro-batch first, if its memory quota allows:
+         `quota(stage)` = (key, limit, gated): stages sharing a key count their
+         activations together (+1 at F, -1 at I); a gated stage's F waits while the count
+         is at `limit`;
+      3. else a W (it fills what would be a bubble), oldest first.
+    The resulting order is the schedule: plain data, valid under any durations, tuned for
+    the ones it was built with."""
+    d = durations or Durations(1.0, 1.0, 1.0)
+    shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
+    todo: list[list[tuple[int, int, int, str]]] = [[] for _ in range(p)]  # (prio, mb, -s, kind)
+    for mb in range(m):
+        for s in shape.stages_of(mb):
+            for prio, kind in ((1, "F"), (0, "I"), (2, "W")):
+                todo[stage_to_rank[s]].append((prio, mb, -s, kind))
+    end: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
+
+    def arrival(kind: str, src: int, mb: int, rank: int) -> float | None:
+        t = end.get((kind, src, mb))
+        if t is None:
+            return None
+        return t + (d.p2p if stage_to_rank[src] != rank else 0.0)
+
+    def ready_at(r: int, item: tuple[int, int, int, str], t: float) -> bool:
+        _, mb, neg_s, kind = item
+        s = -neg_s
+        if kind == "F":
+            src = shape.prev_stage(s)
+            key, limit, gated = quota(s)
+            if gated and live.get(key, 0) >= limit:
+                return False
+            return src is None or (arrival("F", src, mb, r) or inf) <= t
+        if kind == "I":
+            src = shape.next_stage(s)
+            return end.get(("F", s, mb), inf) <= t and (
+                src is None or (arrival("I", src, mb, r) or inf) <= t
+            )
+        return end.get(("I", s, mb), inf) <= t
+
+    inf = float("inf")
+    live: dict[object, int] = {}  # quota key -> micro-batches admitted and not yet freed
+    free = [0.0] * p
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    t = 0.0
+    while any(todo):
+        for r in range(p):
+            if free[r] > t or not todo[r]:
+                continue
+            ready = [item for item in todo[r] if ready_at(r, item, t)]
+            if not ready:
+                continue
+            item = min(ready)
+            todo[r].remove(item)
+            _, mb, neg_s, kind = item
+            free[r] = t + d.of(kind, -neg_s)
+            end[(kind, -neg_s, mb)] = free[r]
+            if kind != "W":
+                key = quota(-neg_s)[0]
+                live[key] = live.get(key, 0) + (1 if kind == "F" else -1)
+            acts[r].append(Action(kind, -neg_s, mb))
+        # next moment anything can change: a rank frees up or an input arrives
+        later = [x for x in free if x > t]
+        later += [x + d.p2p for x in end.values() if x + d.p2p > t] + [
+            x for x in end.values() if x > t
+        ]
+        if not later:
+            if any(todo):  # cannot happen: some action is always ready eventually
+                raise RuntimeError(f"list scheduler for {name} made no progress")
+            break
+        t = min(later)
+    return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)

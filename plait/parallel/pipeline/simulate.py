@@ -20,7 +20,7 @@ step and gradient all-reduce after the flush, and per-micro-batch jitter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.parallel.pipeline.ir import Schedule
 
@@ -62,6 +62,11 @@ class SimResult:
     busy_per_rank: list[float]  # compute time per rank
     peak_activations: list[int]  # micro-batch activations in flight per rank
     events: list[list[Event]]  # per rank: (kind, stage, mb, start, end)
+    # idle time between each rank's first and last action. The zero-bubble paper and the
+    # DeepSeek-V3 report count this ("parallelogram") bubble: it is what a step costs when
+    # the optimizer's synchronisation is removed (Qi et al. 2023, section 4, post-update
+    # validation) and the next step's forwards start as soon as a rank is done.
+    span_idle_per_rank: list[float] = field(default_factory=list)
 
 
 class DeadlockError(ValueError):
@@ -140,6 +145,9 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
         busy_per_rank=busy,
         peak_activations=peak_activations(schedule),
         events=events,
+        span_idle_per_rank=[
+            (ev[-1][4] - ev[0][3]) - b if ev else 0.0 for ev, b in zip(events, busy)
+        ],
     )
 
 

@@ -1,0 +1,105 @@
+"""Pictures of a timeline: a PNG (matplotlib, Agg) and a Chrome trace (Perfetto-openable).
+
+Both take plain per-rank event lists `(kind, stage, microbatch, start, end)`, so the same
+code draws a simulated timeline and, later, a measured one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.simulate import Event, SimResult
+
+COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
+
+
+def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -> Path:
+    """One row per rank, one box per compute, labelled with its micro-batch (and the
+    rank's chunk letter when it holds several stages). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    p = schedule.pp
+    chunk = {}
+    for r in range(p):
+        stages = schedule.stages_on(r)
+        for i, s in enumerate(stages):
+            chunk[s] = "abcdefgh"[i] if len(stages) > 1 else ""
+    width = max(8.0, min(40.0, 0.35 * sum(len(ev) for ev in result.events) / max(p, 1)))
+    fig, ax = plt.subplots(figsize=(width, 0.6 * p + 1.4))
+    for r, events in enumerate(result.events):
+        for kind, stage, mb, start, end in events:
+            ax.broken_barh(
+                [(start, end - start)],
+                (r - 0.4, 0.8),
+                facecolors=COLORS.get(kind, "#999999"),
+                edgecolors="black",
+                linewidth=0.4,
+            )
+            # lighter shade for a rank's second (third...) chunk
+            if chunk.get(stage) not in ("", "a"):
+                ax.broken_barh(
+                    [(start, end - start)], (r - 0.4, 0.8), facecolors="white", alpha=0.35
+                )
+            ax.text(
+                (start + end) / 2,
+                r,
+                f"{mb}{chunk.get(stage, '')}",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_xlim(0, result.step_time or 1.0)
+    ax.set_title(
+        f"{schedule.name}  pp={p} m={schedule.microbatches} v={schedule.virtual_stages}  "
+        f"step {result.step_time:.4g}  bubble {result.bubble_fraction:.1%}"
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=4,
+        fontsize=7,
+    )
+    fig.tight_layout()
+    path = Path(path_png)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def to_chrome_trace(
+    events_per_rank: Sequence[Sequence[Event]], path_json: str | Path, time_unit: float = 1e-6
+) -> Path:
+    """Write a Chrome trace: one process per rank, one complete ("X") event per compute.
+    `time_unit` is how many seconds one unit of the events' times is (1e-6: microseconds,
+    the trace format's own unit; pass 1.0 for times in seconds)."""
+    scale = time_unit / 1e-6
+    trace = []
+    for r, events in enumerate(events_per_rank):
+        trace.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+        for kind, stage, mb, start, end in events:
+            trace.append(
+                {
+                    "name": f"{kind}{stage}.{mb}",
+                    "cat": kind,
+                    "ph": "X",
+                    "pid": r,
+                    "tid": 0,
+                    "ts": start * scale,
+                    "dur": (end - start) * scale,
+                    "args": {"stage": stage, "microbatch": mb},
+                }
+            )
+    path = Path(path_json)
+    path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    return path

@@ -1,0 +1,108 @@
+"""Lowering: add the point-to-point transfers a schedule needs.
+
+Where a micro-batch crosses from stage s on rank a to stage s' on rank b != a, the
+producer's rank gets a SEND right after the producing compute and the consumer's rank a
+RECV somewhat before the consuming compute:
+  F s on a        ->  SEND_F s >b      ...  RECV_F s' <a  before F s' on b   (s' = s+1)
+  I/B s on a      ->  SEND_B s >b      ...  RECV_B s' <a  before I/B s' on b (s' = s-1)
+Stage boundaries inside one rank (the bottom of a V: stages p-1 and p on rank p-1) need no
+transfer, nor does the end of a chain.
+
+The runtime contract (what `check.py` simulates):
+  * consecutive transfer actions on a rank form one batch, posted together
+    (`torch.distributed.batch_isend_irecv`) when the rank reaches them; posting never blocks;
+  * a compute waits only for the receives carrying its own inputs;
+  * sends are waited for at the end of the step;
+  * transfers between one pair of ranks in one direction are matched in posting order
+    (NCCL has no tags), so the receives on b from a are posted in the order a sends them.
+Receives go as early as that allows, up to one compute ahead of their consumer: the
+transfer then overlaps the compute before it, and at most about one extra buffer per
+channel is held.
+"""
+
+from __future__ import annotations
+
+from plait.parallel.pipeline.ir import Action, Schedule
+
+LOOKAHEAD = 1  # receives are posted this many computes before the one that needs them
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """A copy of `schedule` with SEND/RECV actions inserted (see module docstring)."""
+    if schedule.lowered or any(a.is_comm for acts in schedule.actions for a in acts):
+        raise ValueError(f"schedule {schedule.name!r} is already lowered")
+    rank_of = schedule.stage_to_rank
+    p = schedule.pp
+    computes = [list(acts) for acts in schedule.actions]
+    # position of each compute in its rank's list
+    where = {(a.kind, a.stage, a.microbatch): i for acts in computes for i, a in enumerate(acts)}
+
+    sends_after: list[dict[int, list[Action]]] = [{} for _ in range(p)]  # rank -> idx -> sends
+    channel: dict[tuple[int, int], list[tuple[Action, int]]] = {}  # (a, b) -> [(recv, consumer)]
+    for a_rank, acts in enumerate(computes):
+        for i, act in enumerate(acts):
+            if act.kind == "F":
+                dst, send_kind, recv_kind, consumer_kinds = (
+                    schedule.next_stage(act.stage),
+                    "SEND_F",
+                    "RECV_F",
+                    ("F",),
+                )
+            elif act.kind in ("I", "B"):
+                dst, send_kind, recv_kind, consumer_kinds = (
+                    schedule.prev_stage(act.stage),
+                    "SEND_B",
+                    "RECV_B",
+                    ("I", "B"),
+                )
+            else:
+                continue
+            if dst is None or rank_of[dst] == a_rank:
+                continue
+            b_rank = rank_of[dst]
+            mb = act.microbatch
+            sends_after[a_rank].setdefault(i, []).append(Action(send_kind, act.stage, mb, b_rank))
+            consumer = next(
+                (where[(k, dst, mb)] for k in consumer_kinds if (k, dst, mb) in where), None
+            )
+            if consumer is None:
+                raise ValueError(
+                    f"{act} on rank {a_rank} feeds stage {dst} micro-batch {mb}, which has no "
+                    f"{'/'.join(consumer_kinds)} on rank {b_rank}"
+                )
+            channel.setdefault((a_rank, b_rank), []).append(
+                (Action(recv_kind, dst, mb, a_rank), consumer)
+            )
+
+    recvs_before: list[dict[int, list[Action]]] = [{} for _ in range(p)]
+    for (_, b_rank), items in sorted(channel.items()):
+        # FIFO per channel: positions non-decreasing in send order, each before its consumer
+        upper = [0] * len(items)
+        bound = len(computes[b_rank])
+        for k in range(len(items) - 1, -1, -1):
+            bound = min(bound, items[k][1])
+            upper[k] = bound
+        pos = 0
+        for k, (recv, consumer) in enumerate(items):
+            pos = max(pos, min(max(consumer - LOOKAHEAD, 0), upper[k]))
+            recvs_before[b_rank].setdefault(pos, []).append(recv)
+
+    lowered = []
+    for r, acts in enumerate(computes):
+        seq: list[Action] = []
+        for i, act in enumerate(acts):
+            seq += recvs_before[r].get(i, [])
+            seq.append(act)
+            seq += sends_after[r].get(i, [])
+        lowered.append(seq)
+    return Schedule(
+        schedule.name,
+        schedule.pp,
+        schedule.microbatches,
+        schedule.virtual_stages,
+        schedule.num_stages,
+        list(schedule.stage_to_rank),
+        lowered,
+        schedule.num_chains,
+        lowered=True,
+    )
