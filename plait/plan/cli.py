@@ -152,6 +152,11 @@ def to_dict(e: Estimate) -> dict[str, Any]:
     }
 
 
+def _source(e: Estimate) -> str:
+    src = e.extra.get("pipeline", {}).get("source") or "-"
+    return "simulated" if src.startswith("simulator") else src.split(" (")[0]
+
+
 def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
            notes: list[str], header: str) -> None:
     from rich.table import Table
@@ -160,7 +165,7 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
     t = Table(title="layouts (best first)")
     for col in ("#", "layout", "mb x n", "schedule", "ZeRO", "recompute", "step s",
                 "tokens/s", "model TFLOP/s/GPU", "hw TFLOP/s/GPU", "MFU", "bubble",
-                "mem GB", "fits"):
+                "mem GB", "fits", "pipeline"):
         t.add_column(col)
     for k, e in enumerate(ests, 1):
         lay = e.layout
@@ -170,7 +175,8 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
                   f"{float(e.step_time):.3f}", f"{float(e.tokens_per_s):,.0f}",
                   f"{float(e.model_tflops):.0f}", f"{float(e.hardware_tflops):.0f}",
                   f"{float(e.mfu):.1%}", f"{float(e.bubble_fraction):.1%}",
-                  f"{float(e.memory_total) / GB:.1f}", "yes" if bool(e.fits) else "NO")
+                  f"{float(e.memory_total) / GB:.1f}", "yes" if bool(e.fits) else "NO",
+                  _source(e))
     console.print(t)
     best = ests[0]
     tt = Table(title=f"step time, {best.layout.label()}")

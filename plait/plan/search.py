@@ -132,7 +132,7 @@ class SearchResult:
 
 
 def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
-           top: int = 5, simulate_top: int = 20) -> SearchResult:
+           top: int = 5, simulate_top: int | None = None) -> SearchResult:
     c = numeric_candidates(shape, cluster, train)
     if len(c["tp"]) == 0:
         raise PlanError(f"no layout divides {cluster.n_gpus} GPUs with a global batch of "
@@ -178,7 +178,9 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         best = evaluate(shape, cluster, train, layout_at(j), eff, simulate=True)
         return SearchResult([], considered, 0, closest=best)
     best_by = _best_by(c, rows, group, scored, times, fits)
-    order = np.nonzero(fits)[0][np.argsort(times[fits], kind="stable")][:simulate_top]
+    # re-rank the closed form's best 2 x top through the simulator
+    n_sim = simulate_top or 2 * top
+    order = np.nonzero(fits)[0][np.argsort(times[fits], kind="stable")][:n_sim]
     sims = [evaluate(shape, cluster, train, layout_at(int(j)), eff, simulate=True)
             for j in order]
     sims = [s for s in sims if bool(s.fits)] or sims
