@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plait.plan.calibration import EFFICIENCY
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import GPU, Cluster
 from plait.plan.search import search
@@ -34,6 +33,8 @@ def predict_memory(cfg: Config) -> dict[str, float]:
     Not yet checked against the runtime's ledger (that test lands with the runtime); the
     activation terms assume fused RMSNorm/SwiGLU kernels, which eager CPU code may exceed.
     """
+    from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
+
     p, t = cfg.parallel, cfg.train
     shape = from_model_config(cfg.model, t.seq_len, cfg.model_name)
     precision = "fp32" if t.precision == "fp32" else "bf16"

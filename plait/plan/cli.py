@@ -162,11 +162,11 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
     from rich.table import Table
 
     console.print(header)
-    t = Table(title="layouts (best first)")
+    t = Table(title="layouts (best first)", padding=(0, 0))
     for col in ("#", "layout", "mb x n", "schedule", "ZeRO", "recompute", "step s",
                 "tokens/s", "model TFLOP/s/GPU", "hw TFLOP/s/GPU", "MFU", "bubble",
                 "mem GB", "fits", "pipeline"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col == "layout")
     for k, e in enumerate(ests, 1):
         lay = e.layout
         sched = lay.schedule + (f" v={lay.v}" if lay.schedule == "interleaved" else "")
