@@ -1,4 +1,4 @@
-"""The `plait` command: train | demo | data prepare | simulate.
+"""The `plait` command: train | demo | data prepare | simulate | plan.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -176,8 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # subcommands that live beside their subsystem register themselves
     from plait.parallel.pipeline import cli as simulate_cli
+    from plait.plan import cli as plan_cli
 
     simulate_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     return parser
 
 
