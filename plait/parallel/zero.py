@@ -19,6 +19,8 @@ Padding is zero in every gradient, so it never reaches the maths (Adam leaves it
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from functools import partial
 
 import torch
@@ -125,6 +127,10 @@ class ZeroOptimizer:
             raise ValueError("ZeRO units must cover every parameter of the model")
         self.steps = 0
         self.in_backward = False
+        # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
+        # overlap is visible against the ledger's all-gather issue times
+        self.forward_times: deque[tuple[int, int, float, float]] = deque(maxlen=4096)
+        self._forward_start: dict[int, float] = {}
         self._next_rs = 0
         self._where = {id(p): u for u in self.units for p in u.params}
         for u in self.units:
@@ -163,10 +169,13 @@ class ZeroOptimizer:
         self._ensure_gathered(u)
         if not self.in_backward and u.index + 1 < len(self.units):
             self._issue_gather(self.units[u.index + 1])  # prefetch: overlaps this unit
+        self._forward_start[u.index] = time.perf_counter()
 
     def _post_forward(self, u: _Unit, module, args, output):
         if self.in_backward:  # recomputation inside backward: keep the unit gathered
             return output
+        self.forward_times.append((self.mesh.ledger.step, u.index,
+                                   self._forward_start[u.index], time.perf_counter()))
         self._free(u)
         out = output if isinstance(output, torch.Tensor) else None
         if out is not None and out.requires_grad:

@@ -108,7 +108,7 @@ def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics."""
-    t, p = cfg.train, cfg.parallel
+    t = cfg.train
     model = build_model(cfg.model, seed=t.seed, dtype=DTYPES[t.precision])
     model.recompute = t.recompute == "full"
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
