@@ -141,6 +141,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         memory = {}
         if tracker is not None:
             memory["pre_optimizer"] = tracker.sample("pre_optimizer").bytes
+        if tracker is not None:
+            tracker.phase = "optimizer"  # the update's temporaries are optimizer memory
         opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
         opt.zero_grad()
         # the logged loss is the global-batch mean: sum the replicas' partial sums
