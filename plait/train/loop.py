@@ -16,11 +16,13 @@ import torch
 from plait import comm
 from plait.config import Config
 from plait.mesh import ParallelMesh
-from plait.model.transformer import Transformer, build_model
 from plait.parallel.data import DataParallel
+from plait.parallel.pipeline.measure import pipeline_report
+from plait.parallel.pipeline.partition import build_pipeline
+from plait.parallel.pipeline.runtime import PipelineRuntime, sum_copy_gradients
 from plait.train.data import GlobalBatches
 from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
-from plait.train.step import global_grad_norm, microbatch_loss
+from plait.train.step import global_grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -29,7 +31,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class TrainResult:
     metrics: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
-    model: Transformer | None = None
+    model: torch.nn.Module | None = None  # the Transformer, or this rank's pipeline stages
+    pipeline: dict | None = None  # pp > 1: measured timeline and bubble (see measure.py)
 
     @property
     def losses(self) -> list[float]:
@@ -37,8 +40,11 @@ class TrainResult:
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters by name (data parallel holds them whole on every rank)."""
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    """Full fp32 parameters by name (data parallel holds them whole on every rank; a pipeline
+    rank returns its own stages' parameters, by the model's names)."""
+    named = (model.full_named_parameters() if hasattr(model, "full_named_parameters")
+             else model.named_parameters())
+    return {n: p.detach().float().clone() for n, p in named}
 
 
 def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
@@ -54,13 +60,19 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics."""
     t, p = cfg.train, cfg.parallel
-    model = build_model(cfg.model, seed=t.seed, dtype=DTYPES[t.precision])
-    model.recompute = t.recompute == "full"
+    # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
+    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
+    model = pipe.model
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    owned = set(map(id, model.owned_parameters() if hasattr(model, "owned_parameters")
+                    else (q for _, q in named)))
     dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
     optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
+    runtime = PipelineRuntime(pipe.schedule, pipe.stages, mesh,
+                              (mbs, t.seq_len, cfg.model.dim), DTYPES[t.precision],
+                              before_weight_grad=lambda last: dp.before_backward(last))
     tokens_per_step = t.global_batch * t.seq_len
     result = TrainResult(model=model)
 
@@ -68,19 +80,17 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         mesh.ledger.step = step
         start = time.perf_counter()
         local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for mb in range(n_micro):
-            tokens = local[mb * mbs:(mb + 1) * mbs]
-            loss = microbatch_loss(model, tokens, tokens_per_step)
-            dp.before_backward(last_microbatch=mb == n_micro - 1)
-            loss.backward()
-            loss_sum += loss.detach().double()
+        micro = [local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)]
+        loss_sum = runtime.step(micro, tokens_per_step)
         dp.finish()
-        norm = global_grad_norm([q for _, q in named], mesh)
+        sum_copy_gradients(pipe.stages, pipe.schedule, mesh)  # DualPipe's two copies
+        norm = global_grad_norm([q for _, q in named if id(q) in owned], mesh)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         optim.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
         model.zero_grad(set_to_none=True)
-        # the logged loss is the global-batch mean: sum the replicas' partial sums
+        # the logged loss is the global-batch mean: sum the partial sums of the last
+        # stages (pp) and of the replicas (dp)
+        comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
         comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
         elapsed = time.perf_counter() - start
         sent = sum(r.sent for r in mesh.ledger.for_step(step))
@@ -104,4 +114,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         "param_count": sum(q.numel() for _, q in named),
         "ledger": ledger_summary(mesh, steps_run),
     }
+    if p.pp > 1:  # measured bubble beside the simulator's prediction, and the timeline
+        result.pipeline = pipeline_report(runtime, pipe.partition, mesh)
+        result.summary["pipeline"] = result.pipeline["summary"]
     return result
