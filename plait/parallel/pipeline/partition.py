@@ -86,8 +86,9 @@ class Partition:
 
 def partition_layers(n_layers: int, num_stages: int, embed: float = 0.0, layer: float = 1.0,
                      head: float = 0.0) -> Partition:
-    """Contiguous split of n_layers into num_stages (each >= 1 layer) minimising the most
-    expensive stage; ties go to the split that appears first (front stages larger)."""
+    """Contiguous split of n_layers into num_stages (each >= 1 layer): the most expensive
+    stage as cheap as possible, then, among those splits, the most even (least sum of
+    squared stage costs). Two small dynamic programmes over (stage, first layer)."""
     if num_stages < 1 or n_layers < num_stages:
         raise ValueError(f"cannot cut {n_layers} layers into {num_stages} stages of at least "
                          f"one layer; use at most {n_layers} stages")
@@ -96,23 +97,28 @@ def partition_layers(n_layers: int, num_stages: int, embed: float = 0.0, layer: 
         return (b - a) * layer + (embed if i == 0 else 0.0) + (
             head if i == num_stages - 1 else 0.0)
 
-    # best[i][a] = (max cost, cuts) for stages i.. over layers a..n
-    best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
-    for i in range(num_stages - 1, -1, -1):
-        for a in range(n_layers):
-            if i == num_stages - 1:
-                best[i, a] = (cost(i, a, n_layers), (n_layers,))
-                continue
-            left = num_stages - i - 1  # stages after this one, each needs a layer
-            options = []
-            for b in range(a + 1, n_layers - left + 1):
-                rest, cuts = best[i + 1, b]
-                options.append((max(cost(i, a, b), rest), (b, *cuts)))
-            if options:
-                best[i, a] = min(options, key=lambda o: o[0] - 1e-9 * o[1][0])
-    _, ends = best[0, 0]
-    starts = (0, *ends[:-1])
-    bounds = tuple(zip(starts, ends, strict=True))
+    def solve(score, combine, cap: float) -> tuple[float, tuple[int, ...]]:
+        # best[i, a]: (score, stage ends) for stages i.. over layers a..n
+        inf = (float("inf"), ())
+        best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+        for i in range(num_stages - 1, -1, -1):
+            for a in range(n_layers):
+                if i == num_stages - 1:
+                    c = cost(i, a, n_layers)
+                    best[i, a] = (score(c), (n_layers,)) if c <= cap else inf
+                    continue
+                options = [inf]
+                for b in range(a + 1, n_layers - (num_stages - i - 1) + 1):
+                    c = cost(i, a, b)
+                    rest, ends = best[i + 1, b]
+                    if c <= cap and ends:
+                        options.append((combine(score(c), rest), (b, *ends)))
+                best[i, a] = min(options, key=lambda o: o[0])
+        return best[0, 0]
+
+    top, _ = solve(lambda c: c, max, float("inf"))
+    _, ends = solve(lambda c: c * c, lambda x, y: x + y, top * (1 + 1e-12))
+    bounds = tuple(zip((0, *ends[:-1]), ends, strict=True))
     return Partition(bounds, tuple(cost(i, a, b) for i, (a, b) in enumerate(bounds)))
 
 
