@@ -72,7 +72,7 @@ class TrainConfig:
     recompute: str = "none"  # "none" | "full" (per block)
     seed: int = 1234
     data: str | None = None  # token file (.bin with .json beside it); None: default corpus
-    log_every: int = 1
+    memory_step: int = -1  # measure memory by category during this step (-1: never)
 
 
 @dataclass
@@ -169,10 +169,12 @@ class Config:
                     f"parallel.{name}={size}: {name} is not implemented in this build yet; "
                     f"use {name}=1 (data parallel is available)"
                 )
-        if p.zero > 0:
-            problems.append(
-                f"parallel.zero={p.zero}: ZeRO is not implemented in this build yet; use zero=0"
-            )
+        if p.zero > 0 and m.tie_embeddings:
+            problems.append("ZeRO shards each parameter within one module: set "
+                            "model.tie_embeddings=false, or zero=0")
+        if p.zero >= 2 and p.pp > 1:
+            problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
+                            "gradients across micro-batches; use zero=0 or 1 with pp")
         if p.sp:
             problems.append("parallel.sp=true needs tensor parallel, not in this build; drop --sp")
 
@@ -244,6 +246,10 @@ class Config:
             p.schedule, p.pp, self.microbatches(), v))
         if not problems:
             problems += validate_partition(m, p.schedule, p.pp, v)
+        if p.schedule == "dualpipe" and p.zero:
+            problems.append(f"zero={p.zero} with schedule dualpipe (two model copies whose "
+                            "gradients are summed) is not supported yet; use zero=0 or "
+                            "schedule dualpipev")
         if m.tie_embeddings:
             problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
                             "sit on different stages; set model.tie_embeddings=false")
@@ -253,6 +259,14 @@ class Config:
                             "split) is not supported; use train.recompute=none or schedule "
                             "1f1b / interleaved / gpipe")
         return problems
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not what was meant."""
+        out = []
+        if self.parallel.zero > 0 and self.parallel.dp == 1:
+            out.append(f"zero={self.parallel.zero} with dp=1 shards over one rank: it does "
+                       "nothing but add copies; use dp > 1 or zero=0")
+        return out
 
     def check(self, world_size: int | None = None) -> Config:
         problems = self.validate(world_size)

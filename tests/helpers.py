@@ -37,7 +37,7 @@ def _train_rank(rank: int, world: int, sets: list[str]):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg))
-    return {"losses": result.losses, "params": full_state(result.model),
+    return {"losses": result.losses, "params": full_state(result.model, result.optimizer),
             "metrics": result.metrics, "summary": result.summary,
             "ledger": mesh.ledger.to_dicts()}
 

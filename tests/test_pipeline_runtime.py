@@ -98,6 +98,8 @@ def test_partition_balances_cost_and_reports_uneven_splits():
     (["parallel.pp=4", "model.n_layers=2"], "pp <= 2"),
     (["parallel.pp=4", "parallel.schedule=zb-v", "parallel.microbatches=4",
       "model.n_layers=4"], "use pp in 2"),
+    (["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.microbatches=2",
+      "model.n_layers=4"], "microbatches>=3"),
 ])
 def test_bad_pipeline_requests_fail_validation_naming_options(sets, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -156,6 +158,15 @@ def test_pp2_dp2_parity(schedule):
     # ranks 0, 1 are one pipeline (pp is inner to dp); 2, 3 the other replica
     assert_parity(outs[0]["losses"], _merged(outs[:2]), ref_losses, ref_params)
     assert_parity(outs[2]["losses"], _merged(outs[2:]), ref_losses, ref_params)
+
+
+def test_pp2_dp2_zero1_parity():
+    sets = ("model.n_layers=4", STEPS, "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
+            "parallel.schedule=zb-h1", "parallel.microbatches=2")
+    outs = run_layout(*sets)
+    ref_losses, ref_params = reference("model.n_layers=4", STEPS)
+    for replica in (outs[:2], outs[2:]):
+        assert_parity(replica[0]["losses"], _merged(replica), ref_losses, ref_params)
 
 
 def test_one_stage_runtime_is_gradient_accumulation():

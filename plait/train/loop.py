@@ -16,10 +16,12 @@ import torch
 from plait import comm
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.observe.memory import MemoryTracker
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.runtime import PipelineRuntime, sum_copy_gradients
+from plait.parallel.zero import ZeroOptimizer
 from plait.train.data import GlobalBatches
 from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
 from plait.train.step import global_grad_norm
@@ -32,6 +34,7 @@ class TrainResult:
     metrics: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     model: torch.nn.Module | None = None  # the Transformer, or this rank's pipeline stages
+    optimizer: object | None = None
     pipeline: dict | None = None  # pp > 1: measured timeline and bubble (see measure.py)
 
     @property
@@ -39,12 +42,17 @@ class TrainResult:
         return [m["loss"] for m in self.metrics]
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters by name (data parallel holds them whole on every rank; a pipeline
-    rank returns its own stages' parameters, by the model's names)."""
-    named = (model.full_named_parameters() if hasattr(model, "full_named_parameters")
-             else model.named_parameters())
-    return {n: p.detach().float().clone() for n, p in named}
+def full_state(model: torch.nn.Module, optimizer: object | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters by name, gathered from their shards where they are sharded. A
+    pipeline rank returns its own stages' parameters, by the model's names."""
+    if isinstance(optimizer, ZeroOptimizer):
+        state = optimizer.full_state()
+    else:
+        state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    if hasattr(model, "model_names"):  # pipeline stages: "stages.3.layers.5.x" -> "layers.5.x"
+        return {model.model_names[n]: v for n, v in state.items() if n in model.model_names}
+    return state
 
 
 def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
@@ -56,50 +64,114 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
             "comm_seconds_per_step": totals["seconds"] / steps}
 
 
+class ReplicatedOptimizer:
+    """ZeRO stage 0: data-parallel gradient sync + AdamW over whole, replicated parameters.
+
+    Same protocol as ZeroOptimizer: before_backward / after_backward / grad_norm / step /
+    zero_grad / memory_sources.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+        t, p = cfg.train, cfg.parallel
+        self.model, self.mesh = model, mesh
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
+
+    def before_backward(self, last_microbatch: bool) -> None:
+        self.dp.before_backward(last_microbatch)
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        if last_microbatch:
+            self.dp.finish()
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.params, self.mesh)
+
+    def step(self, lr: float, grad_scale: float) -> None:
+        self.optim.step(lr, grad_scale)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def memory_sources(self) -> dict[str, list[torch.Tensor]]:
+        o = self.optim
+        masters = [m for m, q in zip(o.master, o.params) if m is not q.data]
+        return {"params": list(self.params),
+                "grads": [q.grad for q in self.params if q.grad is not None],
+                "optimizer": masters + o.exp_avg + o.exp_avg_sq,
+                "comm": [b.flat for b in self.dp.buckets if b.flat is not None]}
+
+
+def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+    """The gradient-sync + optimizer strategy for cfg.parallel.zero (0: replicated)."""
+    t = cfg.train
+    if cfg.parallel.zero == 0:
+        return ReplicatedOptimizer(model, mesh, cfg)
+    return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
+                         t.weight_decay)
+
+
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics."""
-    t, p = cfg.train, cfg.parallel
+    t = cfg.train
     # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
     model = pipe.model
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    owned = set(map(id, model.owned_parameters() if hasattr(model, "owned_parameters")
-                    else (q for _, q in named)))
-    dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
-    optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
+    param_count = sum(q.numel() for _, q in named)
+    opt = make_optimizer(model, mesh, cfg)
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
+    # gradient accumulation is the one-stage case of the same runtime
     runtime = PipelineRuntime(pipe.schedule, pipe.stages, mesh,
                               (mbs, t.seq_len, cfg.model.dim), DTYPES[t.precision],
-                              before_weight_grad=lambda last: dp.before_backward(last))
+                              before_weight_grad=opt.before_backward,
+                              after_weight_grad=opt.after_backward)
     tokens_per_step = t.global_batch * t.seq_len
     result = TrainResult(model=model)
 
     for step in range(start_step, t.steps):
         mesh.ledger.step = step
+        tracker = MemoryTracker(opt.memory_sources) if step == t.memory_step else None
+        if tracker is not None:
+            tracker.__enter__()
         start = time.perf_counter()
         local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
         micro = [local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)]
         loss_sum = runtime.step(micro, tokens_per_step)
-        dp.finish()
-        sum_copy_gradients(pipe.stages, pipe.schedule, mesh)  # DualPipe's two copies
-        norm = global_grad_norm([q for _, q in named if id(q) in owned], mesh)
+        if pipe.schedule.num_chains > 1:  # DualPipe: sum the two copies, count each once
+            sum_copy_gradients(pipe.stages, pipe.schedule, mesh)
+            norm = global_grad_norm(model.owned_parameters(), mesh)
+        else:
+            norm = opt.grad_norm()
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-        optim.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
-        model.zero_grad(set_to_none=True)
+        memory = {}
+        if tracker is not None:
+            memory["pre_optimizer"] = tracker.sample("pre_optimizer").bytes
+        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
+        opt.zero_grad()
         # the logged loss is the global-batch mean: sum the partial sums of the last
         # stages (pp) and of the replicas (dp)
         comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
         comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            memory["peak"] = tracker.peak.bytes
+            memory["peak_total"] = tracker.peak_total
         elapsed = time.perf_counter() - start
         sent = sum(r.sent for r in mesh.ledger.for_step(step))
         row = {"step": step, "loss": float(loss_sum), "tokens": tokens_per_step,
                "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
                "grad_norm": norm, "lr": lr, "comm_sent_bytes": sent}
+        if memory:
+            row["memory"] = memory
         result.metrics.append(row)
         if on_step is not None:
             on_step(row)
+        result.optimizer = opt
     steps_run = max(t.steps - start_step, 1)
     times = [m["step_time"] for m in result.metrics[1:]] or [m["step_time"]
                                                              for m in result.metrics]
@@ -111,10 +183,10 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         "final_loss": result.metrics[-1]["loss"] if result.metrics else None,
         "mean_step_time": sum(times) / len(times) if times else None,
         "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
-        "param_count": sum(q.numel() for _, q in named),
+        "param_count": param_count,
         "ledger": ledger_summary(mesh, steps_run),
     }
-    if p.pp > 1:  # measured bubble beside the simulator's prediction, and the timeline
+    if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
         result.pipeline = pipeline_report(runtime, pipe.partition, mesh)
         result.summary["pipeline"] = result.pipeline["summary"]
     return result

@@ -29,8 +29,12 @@ def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dic
                         console=Console(stderr=True))
     with progress:
         task = progress.add_task("", total=total_steps)
+        every = max(total_steps // 10, 1)
 
         def show(row: dict) -> None:
+            if row["step"] % every == 0 or row["step"] == total_steps - 1:
+                progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
+                                       f"grad norm {row['grad_norm']:.3f}")
             progress.update(task, advance=1, description=(
                 f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                 f"lr {row['lr']:.2e}"))

@@ -197,6 +197,12 @@ class PipelineModule(nn.Module):
         self.stages = nn.ModuleDict({str(s): m for s, m in sorted(stages.items())})
         self.owned = owned
 
+    @property
+    def model_names(self) -> dict[str, str]:
+        """This module's parameter names -> the model's, for the owned stages."""
+        return {f"stages.{s}.{n}": n for s in self.owned
+                for n, _ in self.stages[str(s)].named_parameters()}
+
     def full_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for s in self.owned for n, p in self.stages[str(s)].named_parameters()]
 

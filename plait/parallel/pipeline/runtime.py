@@ -99,7 +99,11 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], mesh: ParallelMesh,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 before_weight_grad: Callable[[bool], None] | None = None, dim: str = "pp"):
+                 before_weight_grad: Callable[[bool], None] | None = None,
+                 after_weight_grad: Callable[[bool], None] | None = None, dim: str = "pp"):
+        """`before_weight_grad(last)` runs before each B/W (last: the stage's final one, after
+        which data parallel may reduce its gradients), `after_weight_grad(last)` after each
+        (last: this rank's final one of the step). The optimizer protocol plugs in here."""
         self.schedule = schedule if schedule.lowered else lower(schedule)
         self.mesh, self.dim = mesh, dim
         self.me = mesh.coord(dim) if mesh.size(dim) > 1 else 0
@@ -107,7 +111,7 @@ class PipelineRuntime:
         self.actions = self.schedule.actions[self.me]
         self.stages = stages
         self.act_shape, self.act_dtype = act_shape, act_dtype
-        self.before_weight_grad = before_weight_grad
+        self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
         kinds = {(a.kind, a.stage) for a in self.actions}
         # capture hooks only where the schedule splits I from W
         self.capture = {s: OutputCapture(m) for s, m in stages.items() if ("I", s) in kinds}
@@ -121,6 +125,7 @@ class PipelineRuntime:
             if a.kind in ("B", "W"):
                 last[a.stage] = i
         self.last_grad_action = set(last.values())
+        self.final_grad_action = max(last.values(), default=-1)
         self.steps_events: list[list[Event]] = []  # per step: this rank's computes
         self.steps_window: list[tuple[float, float]] = []  # per step: (start, end) on this rank
 
@@ -227,6 +232,8 @@ class PipelineRuntime:
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
             backward_weight(self._live.pop((s, mb)).deferred)
+            if self.after_weight_grad is not None:
+                self.after_weight_grad(index == self.final_grad_action)
             return ("W", s, mb, t0, time.perf_counter())
 
         # B or I: needs the gradient of the stage output
@@ -244,6 +251,8 @@ class PipelineRuntime:
             torch.autograd.backward(live.out, grad_out)
             grad_x = None if first else live.x.grad
             del self._live[s, mb]  # activations of this micro-batch are free now
+            if self.after_weight_grad is not None:
+                self.after_weight_grad(index == self.final_grad_action)
         else:
             inputs = [] if first else [live.x]
             grads, live.deferred = backward_input(live.out, grad_out, inputs, live.kept)
