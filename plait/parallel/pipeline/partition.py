@@ -148,7 +148,8 @@ class Stage(nn.Module):
 
     forward(x) takes tokens on the first stage, hidden states otherwise; the last stage
     also takes the targets and returns the summed cross-entropy / tokens in the global
-    batch (the quantity `microbatch_loss` returns), every other stage the hidden states.
+    batch (the quantity `microbatch_loss` returns; logits without targets), every other
+    stage the hidden states.
     """
 
     def __init__(self, model: Transformer, layers: tuple[int, int], first: bool, last: bool):
@@ -175,7 +176,10 @@ class Stage(nn.Module):
                 x = layer(x, cos, sin)
         if not self.last:
             return x
-        return token_loss(self.head(self.norm(x)), targets, tokens_in_global_batch)
+        logits = self.head(self.norm(x))
+        if targets is None:  # logits for a caller that computes its own loss
+            return logits
+        return token_loss(logits, targets, tokens_in_global_batch)
 
 
 def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
