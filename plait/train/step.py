@@ -48,7 +48,12 @@ def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_bat
                     ) -> torch.Tensor:
     """Summed next-token cross-entropy of `tokens` / tokens in the global batch."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(inputs)
+    return token_loss(model(inputs), targets, tokens_in_global_batch)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_batch: int
+               ) -> torch.Tensor:
+    """Summed cross-entropy of logits against targets / tokens in the global batch."""
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                targets.reshape(-1), reduction="sum")
     return loss_sum / tokens_in_global_batch
