@@ -151,7 +151,6 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         memory = {}
         if tracker is not None:
             memory["pre_optimizer"] = tracker.sample("pre_optimizer").bytes
-        if tracker is not None:
             tracker.phase = "optimizer"  # the update's temporaries are optimizer memory
         opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
         opt.zero_grad()
