@@ -114,11 +114,19 @@ def _memory(stage):
     return row, n_params
 
 
-def test_persistent_memory_matches_formula_and_peaks_order():
+def test_persistent_memory_matches_formula_planner_and_peaks_order():
+    from helpers import config
+    from plait.plan import predict_memory
+
     n, peaks = 4, {}
     for stage in (0, 1, 2, 3):
         row, phi = _memory(stage)
         pre = row["pre_optimizer"]
+        # the planner's prediction for this very layout (one cost model): model states
+        predicted = predict_memory(config("parallel.dp=4", f"parallel.zero={stage}", *MEM))
+        for cat, name in (("params", "parameters"), ("grads", "gradients"),
+                          ("optimizer", "optimizer states")):
+            assert pre[cat] == pytest.approx(predicted[name], rel=0.05), (stage, cat)
         # (2 + 2 + 12) bytes/param with the stage's divisors (Rajbhandari et al. 2020)
         want = {0: (2, 2, 12), 1: (2, 2, 12 / n), 2: (2, 2 / n, 12 / n),
                 3: (2 / n, 2 / n, 12 / n)}[stage]
