@@ -56,6 +56,12 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     t, p = cfg.train, cfg.parallel
     model = build_model(cfg.model, seed=t.seed, dtype=DTYPES[t.precision])
     model.recompute = t.recompute == "full"
+    # -- tensor/sequence parallel: module swaps before anything holds the parameters --
+    loss_fn = None
+    if p.tp > 1:
+        from plait.parallel.tensor import apply_tensor_parallel
+        loss_fn = apply_tensor_parallel(model, mesh, sp=p.sp).loss_sum
+    # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
     optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
@@ -71,7 +77,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         loss_sum = torch.zeros(1, dtype=torch.float64)
         for mb in range(n_micro):
             tokens = local[mb * mbs:(mb + 1) * mbs]
-            loss = microbatch_loss(model, tokens, tokens_per_step)
+            loss = microbatch_loss(model, tokens, tokens_per_step, loss_fn)
             dp.before_backward(last_microbatch=mb == n_micro - 1)
             loss.backward()
             loss_sum += loss.detach().double()
