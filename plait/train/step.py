@@ -53,8 +53,8 @@ def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_bat
                     ) -> torch.Tensor:
     """Summed next-token cross-entropy of `tokens` / tokens in the global batch.
 
-    `loss_fn(logits, targets)` (a summed loss) replaces the summed CE when the logits are split (tensor
-    parallel's vocab-parallel loss).
+    `loss_fn(logits, targets)` (a summed loss) replaces the summed CE when the logits are
+    split (tensor parallel's vocab-parallel loss).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = model(inputs)
