@@ -1,4 +1,4 @@
-"""The `plait` command: train | demo | data prepare | simulate.
+"""The `plait` command: train | demo | data prepare | simulate | plan.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -91,8 +91,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         cfg = config_from_args(args)
         nproc = args.nproc or cfg.parallel.world_size
         cfg.check(world_size=nproc)
-        for note in cfg.warnings():
-            print(f"plait: note: {note}", file=sys.stderr)
+        for w in cfg.warnings():
+            print(f"plait: warning: {w}", file=sys.stderr)
         data = resolve_data(cfg, args.data_dir)
         check_data(cfg, data)
     except (ConfigError, DataError) as e:
@@ -179,8 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # subcommands that live beside their subsystem register themselves
     from plait.parallel.pipeline import cli as simulate_cli
+    from plait.plan import cli as plan_cli
 
     simulate_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     return parser
 
 

@@ -70,7 +70,7 @@ class TrainConfig:
     recompute: str = "none"  # "none" | "full" (per block)
     seed: int = 1234
     data: str | None = None  # token file (.bin with .json beside it); None: default corpus
-    log_every: int = 1
+    memory_step: int = -1  # measure memory by category during this step (-1: never)
 
 
 @dataclass
@@ -179,10 +179,12 @@ class Config:
                     f"parallel.{name}={size}: {name} is not implemented in this build yet; "
                     f"use {name}=1 (data parallel is available)"
                 )
-        if p.zero > 0:
-            problems.append(
-                f"parallel.zero={p.zero}: ZeRO is not implemented in this build yet; use zero=0"
-            )
+        if p.zero > 0 and m.tie_embeddings:
+            problems.append("ZeRO shards each parameter within one module: set "
+                            "model.tie_embeddings=false, or zero=0")
+        if p.zero >= 2 and p.pp > 1:
+            problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
+                            "gradients across micro-batches; use zero=0 or 1 with pp")
 
         # batch arithmetic: the global batch is set once, everything else derives from it
         if t.global_batch < 1:
@@ -242,9 +244,12 @@ class Config:
         return problems
 
     def warnings(self) -> list[str]:
-        """Valid but worth saying: what plait changes or what will be slow."""
+        """Settings that are valid but probably not what was meant, or worth saying."""
         notes: list[str] = []
         m, p = self.model, self.parallel
+        if p.zero > 0 and p.dp == 1:
+            notes.append(f"zero={p.zero} with dp=1 shards over one rank: it does "
+                         "nothing but add copies; use dp > 1 or zero=0")
         if p.tp > 1 and m.vocab_size % p.tp:
             padded = -(-m.vocab_size // p.tp) * p.tp
             notes.append(

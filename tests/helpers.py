@@ -38,8 +38,9 @@ def _train_rank(rank: int, world: int, sets: list[str]):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg))
-    params = (gather_full_state(result.model, mesh) if cfg.parallel.tp > 1
-              else full_state(result.model))
+    params = full_state(result.model, result.optimizer)
+    if cfg.parallel.tp > 1:  # tp shards (of ZeRO's gathered dp shards, if any) -> full
+        params = gather_full_state(result.model, mesh, params)
     return {"losses": result.losses, "params": params,
             "metrics": result.metrics, "summary": result.summary,
             "ledger": mesh.ledger.to_dicts()}

@@ -274,3 +274,17 @@ def test_bad_tensor_parallel_input_named_at_validation():
     notes = "\n".join(cfg.warnings())
     assert "padded to 260 rows (2 never used" in notes
     assert "crosses nodes" in notes or "cross nodes" in notes
+
+
+# ---- composed with ZeRO on a dp x tp mesh ------------------------------------------------------
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_parity_dp_x_tp_with_zero(zero):
+    _check(run_layout("parallel.dp=2", "parallel.tp=2", f"parallel.zero={zero}",
+                      "parallel.microbatches=2"))
+
+
+def test_parity_dp_x_tp_zero2_sp_replicated_kv():
+    # the awkward corner: SP norm grads, replicated KV heads (counted once in the norm), ZeRO-2
+    _check(run_layout("parallel.dp=2", "parallel.tp=4", "parallel.zero=2", "parallel.sp=true",
+                      "model.n_kv_heads=2"), "model.n_kv_heads=2")

@@ -114,7 +114,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh
     payload = _nbytes(input)
     sent, recv = ring_bytes("reduce_scatter", payload, n)
     record = _recorder(mesh, "reduce_scatter", dim, payload, sent, recv, tag, input.dtype)
-    work = dist.reduce_scatter_tensor(output, input, op=_REDUCE_OPS[op], group=mesh.group(dim),
+    work = dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=mesh.group(dim),
                                       async_op=async_op)
     return _run(work, record, async_op)
 
@@ -132,7 +132,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, di
     payload = _nbytes(output)
     sent, recv = ring_bytes("all_gather", payload, n)
     record = _recorder(mesh, "all_gather", dim, payload, sent, recv, tag, input.dtype)
-    work = dist.all_gather_into_tensor(output, input, group=mesh.group(dim), async_op=async_op)
+    work = dist.all_gather_single(output, input, group=mesh.group(dim), async_op=async_op)
     return _run(work, record, async_op)
 
 

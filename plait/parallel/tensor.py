@@ -357,15 +357,19 @@ def _install_region(mod: nn.Module, mesh: ParallelMesh, sp: bool, tag: str) -> l
 
 # ---- full parameters, for parity and checkpoints -----------------------------------------
 
-def gather_full_state(model: nn.Module, mesh: ParallelMesh) -> dict[str, torch.Tensor]:
+def gather_full_state(model: nn.Module, mesh: ParallelMesh,
+                      local_state: dict[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """Full fp32 parameters by the reference's names: tp shards all-gathered, padding cut.
 
+    `local_state` (by name) replaces the parameters' own values: ZeRO's `full_state()` gives
+    this rank's whole tp shards (gathered over dp) and this completes them over tp.
     Collective over tp: every tp rank must call it.
     """
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         meta: TPShard | None = getattr(p, "_plait_tp", None)
-        local = p.detach().float()
+        local = (p if local_state is None else local_state[name]).detach().float()
         if meta is None or mesh.size(DIM) == 1:
             out[name] = local.clone()
             continue

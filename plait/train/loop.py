@@ -17,7 +17,9 @@ from plait import comm
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.transformer import Transformer, build_model
+from plait.observe.memory import MemoryTracker
 from plait.parallel.data import DataParallel
+from plait.parallel.zero import ZeroOptimizer
 from plait.train.data import GlobalBatches
 from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
 from plait.train.step import global_grad_norm, microbatch_loss
@@ -30,14 +32,18 @@ class TrainResult:
     metrics: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     model: Transformer | None = None
+    optimizer: object | None = None
 
     @property
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics]
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters by name (data parallel holds them whole on every rank)."""
+def full_state(model: torch.nn.Module, optimizer: object | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters by name, gathered from their shards where they are sharded."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.full_state()
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
@@ -50,21 +56,70 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
             "comm_seconds_per_step": totals["seconds"] / steps}
 
 
+class ReplicatedOptimizer:
+    """ZeRO stage 0: data-parallel gradient sync + AdamW over whole, replicated parameters.
+
+    Same protocol as ZeroOptimizer: before_backward / after_backward / grad_norm / step /
+    zero_grad / memory_sources.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+        t, p = cfg.train, cfg.parallel
+        self.model, self.mesh = model, mesh
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
+
+    def before_backward(self, last_microbatch: bool) -> None:
+        self.dp.before_backward(last_microbatch)
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        if last_microbatch:
+            self.dp.finish()
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.params, self.mesh)
+
+    def step(self, lr: float, grad_scale: float) -> None:
+        self.optim.step(lr, grad_scale)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def memory_sources(self) -> dict[str, list[torch.Tensor]]:
+        o = self.optim
+        masters = [m for m, q in zip(o.master, o.params) if m is not q.data]
+        return {"params": list(self.params),
+                "grads": [q.grad for q in self.params if q.grad is not None],
+                "optimizer": masters + o.exp_avg + o.exp_avg_sq,
+                "comm": [b.flat for b in self.dp.buckets if b.flat is not None]}
+
+
+def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+    """The gradient-sync + optimizer strategy for cfg.parallel.zero (0: replicated)."""
+    t = cfg.train
+    if cfg.parallel.zero == 0:
+        return ReplicatedOptimizer(model, mesh, cfg)
+    return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
+                         t.weight_decay)
+
+
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics."""
-    t, p = cfg.train, cfg.parallel
+    t = cfg.train
     model = build_model(cfg.model, seed=t.seed, dtype=DTYPES[t.precision])
     model.recompute = t.recompute == "full"
     # -- tensor/sequence parallel: module swaps before anything holds the parameters --
     loss_fn = None
-    if p.tp > 1:
+    if cfg.parallel.tp > 1:
         from plait.parallel.tensor import apply_tensor_parallel
-        loss_fn = apply_tensor_parallel(model, mesh, sp=p.sp).loss_sum
+        loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp).loss_sum
     # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
-    optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
+    param_count = sum(q.numel() for _, q in named)
+    opt = make_optimizer(model, mesh, cfg)
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
     tokens_per_step = t.global_batch * t.seq_len
@@ -72,30 +127,45 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
 
     for step in range(start_step, t.steps):
         mesh.ledger.step = step
+        tracker = MemoryTracker(opt.memory_sources) if step == t.memory_step else None
+        if tracker is not None:
+            tracker.__enter__()
         start = time.perf_counter()
         local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
         loss_sum = torch.zeros(1, dtype=torch.float64)
         for mb in range(n_micro):
             tokens = local[mb * mbs:(mb + 1) * mbs]
+            last = mb == n_micro - 1
+            opt.before_backward(last_microbatch=last)
             loss = microbatch_loss(model, tokens, tokens_per_step, loss_fn)
-            dp.before_backward(last_microbatch=mb == n_micro - 1)
             loss.backward()
+            opt.after_backward(last_microbatch=last)
             loss_sum += loss.detach().double()
-        dp.finish()
-        norm = global_grad_norm([q for _, q in named], mesh)
+            del loss
+        norm = opt.grad_norm()
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-        optim.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
-        model.zero_grad(set_to_none=True)
+        memory = {}
+        if tracker is not None:
+            memory["pre_optimizer"] = tracker.sample("pre_optimizer").bytes
+        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
+        opt.zero_grad()
         # the logged loss is the global-batch mean: sum the replicas' partial sums
         comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            memory["peak"] = tracker.peak.bytes
+            memory["peak_total"] = tracker.peak_total
         elapsed = time.perf_counter() - start
         sent = sum(r.sent for r in mesh.ledger.for_step(step))
         row = {"step": step, "loss": float(loss_sum), "tokens": tokens_per_step,
                "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
                "grad_norm": norm, "lr": lr, "comm_sent_bytes": sent}
+        if memory:
+            row["memory"] = memory
         result.metrics.append(row)
         if on_step is not None:
             on_step(row)
+        result.optimizer = opt
     steps_run = max(t.steps - start_step, 1)
     times = [m["step_time"] for m in result.metrics[1:]] or [m["step_time"]
                                                              for m in result.metrics]
@@ -107,7 +177,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         "final_loss": result.metrics[-1]["loss"] if result.metrics else None,
         "mean_step_time": sum(times) / len(times) if times else None,
         "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
-        "param_count": sum(q.numel() for _, q in named),
+        "param_count": param_count,
         "ledger": ledger_summary(mesh, steps_run),
     }
     return result

@@ -45,33 +45,19 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One update with gradients p.grad * grad_scale (the clipping coefficient).
-
-        Multi-tensor (foreach) kernels: the same element-wise arithmetic as a per-tensor loop,
-        in a few calls instead of a few per parameter.
-        """
+        """One update with gradients p.grad * grad_scale (the clipping coefficient)."""
         self.steps += 1
-        b1, b2 = self.betas
-        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not live:
             return
-        grads = [self.params[i].grad.float() for i in live]
-        if grad_scale != 1.0:
-            torch._foreach_mul_(grads, grad_scale)
-        decayed = [self.master[i] for i in live if self.decay[i]]
-        if decayed and self.weight_decay:
-            torch._foreach_mul_(decayed, 1 - lr * self.weight_decay)
-        master = [self.master[i] for i in live]
-        m = [self.exp_avg[i] for i in live]
-        v = [self.exp_avg_sq[i] for i in live]
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(bias2))
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(master, m, denom, value=-lr / bias1)
+        adamw_update(
+            masters=[self.master[i] for i in live],
+            grads=[self.params[i].grad.float() for i in live],
+            exp_avgs=[self.exp_avg[i] for i in live],
+            exp_avg_sqs=[self.exp_avg_sq[i] for i in live],
+            decayed=[self.master[i] for i in live if self.decay[i]],
+            step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
+            weight_decay=self.weight_decay, grad_scale=grad_scale)
         for i in live:
             if self.master[i] is not self.params[i].data:
                 self.params[i].data.copy_(self.master[i])
@@ -81,6 +67,32 @@ class MixedPrecisionAdamW:
         master = sum(m.numel() * 4 for m, p in zip(self.master, self.params) if m is not p.data)
         moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
         return {"master": master, "moments": moments}
+
+
+@torch.no_grad()
+def adamw_update(masters: list[torch.Tensor], grads: list[torch.Tensor],
+                 exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                 decayed: list[torch.Tensor], step: int, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float,
+                 grad_scale: float = 1.0) -> None:
+    """AdamW on fp32 tensors in place, torch.optim.AdamW's arithmetic element for element.
+
+    Multi-tensor (foreach) kernels: a few calls instead of a few per tensor. `decayed` are
+    the masters (or views of them) that take weight decay. `grads` may be modified.
+    """
+    b1, b2 = betas
+    bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
+    if grad_scale != 1.0:
+        torch._foreach_mul_(grads, grad_scale)
+    if decayed and weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, math.sqrt(bias2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(masters, exp_avgs, denom, value=-lr / bias1)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

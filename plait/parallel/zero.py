@@ -1,0 +1,311 @@
+"""ZeRO stages 1, 2 and 3 over the data-parallel dim, as one setting (Rajbhandari et al. 2020).
+
+The model is cut into units (each top-level module; each block of a ModuleList). A unit's
+parameters are views into one flat buffer, padded to a multiple of N = dp; rank r owns
+elements [r*k, (r+1)*k) of it (k = padded / N) and keeps the fp32 master, Adam momentum and
+variance of that shard only: 12 bytes a parameter / N.
+
+- stage 1: after the last micro-batch, each unit's full gradient is reduce-scattered; each
+  rank updates its shard; the updated shards are all-gathered into the full parameters.
+- stage 2: as soon as backward completes a unit's gradients (every micro-batch) they are
+  reduce-scattered asynchronously and the full gradient is freed; the shard accumulates.
+- stage 3: the full parameters exist only around use: a unit is all-gathered before its
+  forward and again before its backward, and its storage freed after each; the next unit's
+  all-gather is issued (prefetch) as soon as the current one is in place, so it overlaps
+  compute. Gradients are reduce-scattered as in stage 2.
+Padding is zero in every gradient, so it never reaches the maths (Adam leaves it at zero).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from functools import partial
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm.ops import Handle
+from plait.mesh import ParallelMesh
+from plait.train.optim import adamw_update, decays
+from plait.train.step import shard_dims
+
+
+class _Unit:
+    """One module's parameters as a flat, padded buffer and this rank's shard of it."""
+
+    def __init__(self, index: int, module: nn.Module, prefix: str, n: int, rank: int):
+        self.index, self.module = index, module
+        named = [(f"{prefix}{name}", p) for name, p in module.named_parameters()]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.numel = sum(p.numel() for p in self.params)
+        self.k = -(-self.numel // n)  # shard elements
+        self.lo, self.hi = rank * self.k, (rank + 1) * self.k
+        self.offsets = list(_cumulative(p.numel() for p in self.params))
+        dtype = self.params[0].dtype
+        self.full = torch.zeros(self.k * n, dtype=dtype)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.full[off:off + p.numel()].view_as(p)
+        self.master = self.full[self.lo:self.hi].float().clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.shard: torch.Tensor | None = None  # stage 3: the persistent compute-dtype shard
+        self.grad_shard: torch.Tensor | None = None
+        self.gathered = True
+        self.gather_handle: Handle | None = None
+        self.ready: set[int] = set()
+        self.rs_handle: Handle | None = None
+        self.rs_out: torch.Tensor | None = None
+        self.rs_in: torch.Tensor | None = None
+
+    def segments(self) -> list[tuple[int, int, nn.Parameter]]:
+        """(start, end) in shard coordinates of each parameter overlapping this shard."""
+        out = []
+        for p, off in zip(self.params, self.offsets, strict=True):
+            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if a < b:
+                out.append((a - self.lo, b - self.lo, p))
+        return out
+
+    def flat_grad(self, free: bool) -> torch.Tensor:
+        """The unit's gradient as one padded flat tensor (zeros where no gradient came).
+
+        `free` drops the per-parameter gradients (stages 2 and 3); stage 1 keeps them, they
+        are its 2 bytes/parameter of gradient state.
+        """
+        flat = torch.zeros(self.full.shape, dtype=self.full.dtype)  # `full` may be freed
+        for p, off in zip(self.params, self.offsets, strict=True):
+            if p.grad is not None:
+                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                if free:
+                    p.grad = None
+        return flat
+
+
+def _cumulative(sizes):
+    total = 0
+    for s in sizes:
+        yield total
+        total += s
+
+
+def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that become units: top-level children, each block of a ModuleList."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            out.extend((f"{name}.{i}.", block) for i, block in enumerate(child))
+        elif any(True for _ in child.parameters()):
+            out.append((f"{name}.", child))
+    return out
+
+
+class ZeroOptimizer:
+    """Sharded AdamW state (stage >= 1), gradients (>= 2) and parameters (3) over `dim`."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int,
+                 betas: tuple[float, float], eps: float, weight_decay: float,
+                 dim: str = "dp"):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage {stage}; use 1, 2 or 3")
+        seen: set[int] = set()
+        for p in model.parameters():
+            if id(p) in seen:
+                raise ValueError("ZeRO shards each parameter in one unit: untie embeddings")
+            seen.add(id(p))
+        self.mesh, self.stage, self.dim = mesh, stage, dim
+        self.n, self.rank = mesh.size(dim), mesh.coord(dim)
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.units = [_Unit(i, m, prefix, self.n, self.rank)
+                      for i, (prefix, m) in enumerate(zero_units(model))]
+        covered = sum(len(u.params) for u in self.units)
+        if covered != len(list(model.parameters())):
+            raise ValueError("ZeRO units must cover every parameter of the model")
+        self.steps = 0
+        self.in_backward = False
+        # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
+        # overlap is visible against the ledger's all-gather issue times
+        self.forward_times: deque[tuple[int, int, float, float]] = deque(maxlen=4096)
+        self._forward_start: dict[int, float] = {}
+        self._next_rs = 0
+        self._where = {id(p): u for u in self.units for p in u.params}
+        for u in self.units:
+            for p in u.params:
+                p._plait_shard_dims = tuple(shard_dims(p))  # keep what TP set, if anything
+                if stage >= 2:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            if stage == 3:
+                u.shard = u.full[u.lo:u.hi].clone()
+                self._free(u)
+                u.module.register_forward_pre_hook(partial(self._pre_forward, u))
+                u.module.register_forward_hook(partial(self._post_forward, u))
+
+    # ---- stage 3: gather around use ------------------------------------------------
+    def _issue_gather(self, u: _Unit) -> None:
+        if u.gathered or u.gather_handle is not None:
+            return
+        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        # autograd saved views of `full` from forward; refilling it is not a real mutation
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u.full):
+            u.gather_handle = comm.all_gather(u.full, u.shard, self.mesh, self.dim,
+                                              async_op=True, tag=f"params:{u.index}")
+
+    def _ensure_gathered(self, u: _Unit) -> None:
+        self._issue_gather(u)
+        if u.gather_handle is not None:
+            u.gather_handle.wait()
+            u.gather_handle = None
+        u.gathered = True
+
+    def _free(self, u: _Unit) -> None:
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _pre_forward(self, u: _Unit, module, args) -> None:
+        self._ensure_gathered(u)
+        if not self.in_backward and u.index + 1 < len(self.units):
+            self._issue_gather(self.units[u.index + 1])  # prefetch: overlaps this unit
+        self._forward_start[u.index] = time.perf_counter()
+
+    def _post_forward(self, u: _Unit, module, args, output):
+        if self.in_backward:  # recomputation inside backward: keep the unit gathered
+            return output
+        self.forward_times.append((self.mesh.ledger.step, u.index,
+                                   self._forward_start[u.index], time.perf_counter()))
+        self._free(u)
+        out = output if isinstance(output, torch.Tensor) else None
+        if out is not None and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, u))
+        return output
+
+    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
+        self.in_backward = True
+        self._ensure_gathered(u)
+        if u.index > 0:
+            self._issue_gather(self.units[u.index - 1])  # prefetch in backward order
+
+    # ---- gradients: reduce-scatter as units complete (stage >= 2) ---------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        u = self._where[id(p)]
+        u.ready.add(id(p))
+        # launch strictly in backward order (last unit first) so every rank matches
+        while self._next_rs < len(self.units):
+            nxt = self.units[-1 - self._next_rs]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch_reduce_scatter(nxt)
+            self._next_rs += 1
+
+    def _launch_reduce_scatter(self, u: _Unit) -> None:
+        u.rs_in = u.flat_grad(free=True)
+        if self.stage == 3 and u.gathered:
+            self._free(u)  # its backward is done
+        u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype)
+        u.rs_handle = comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, self.dim,
+                                          async_op=True, tag="grads")
+        u.ready.clear()
+
+    def _complete_reduce_scatter(self, u: _Unit) -> None:
+        u.rs_handle.wait()
+        if self.stage == 1 or u.grad_shard is None:
+            u.grad_shard = u.rs_out
+        else:
+            u.grad_shard.add_(u.rs_out)
+        u.rs_handle, u.rs_out, u.rs_in = None, None, None
+
+    # ---- the step's protocol (same as DataParallel + optimizer) -------------------------
+    def before_backward(self, last_microbatch: bool) -> None:
+        self.in_backward = False
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        """After each micro-batch's backward: stage 1 reduces once, after the last;
+        stages 2 and 3 complete this micro-batch's reduce-scatters into the shards."""
+        if self.stage == 1:
+            if not last_microbatch:
+                return
+            for u in self.units:
+                u.rs_in = u.flat_grad(free=False)
+                u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype)
+                comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, self.dim, tag="grads")
+                u.grad_shard, u.rs_out, u.rs_in = u.rs_out, None, None
+            return
+        while self._next_rs < len(self.units):  # units whose grads never came (unused)
+            self._launch_reduce_scatter(self.units[-1 - self._next_rs])
+            self._next_rs += 1
+        for u in reversed(self.units):
+            self._complete_reduce_scatter(u)
+            if self.stage == 3 and u.gathered:
+                self._free(u)
+        self._next_rs = 0
+        self.in_backward = False
+
+    def grad_norm(self) -> float:
+        """Global L2 norm: each shard element once (replicas over other dims skipped)."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for u in self.units:
+            if u.grad_shard is None:
+                continue
+            for a, b, p in u.segments():
+                owner = all(self.mesh.coord(d) == 0 for d in self.mesh.sizes
+                            if d != self.dim and d not in shard_dims(p))
+                owner = owner and getattr(p, "_plait_norm_owner", True)  # tp's replicated KV
+                if owner:
+                    total += u.grad_shard[a:b].double().pow(2).sum()
+        comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
+        return math.sqrt(float(total))
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.steps += 1
+        units = [u for u in self.units if u.grad_shard is not None]
+        adamw_update(
+            masters=[u.master for u in units],
+            grads=[u.grad_shard.float().clone() if u.grad_shard.dtype == torch.float32
+                   else u.grad_shard.float() for u in units],
+            exp_avgs=[u.exp_avg for u in units], exp_avg_sqs=[u.exp_avg_sq for u in units],
+            decayed=[u.master[a:b] for u in units for a, b, p in u.segments()
+                     if decays("", p)],
+            step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
+            weight_decay=self.weight_decay, grad_scale=grad_scale)
+        for u in self.units:
+            if self.stage == 3:
+                u.shard.copy_(u.master)
+            else:
+                updated = u.master.to(u.full.dtype)
+                comm.all_gather(u.full, updated, self.mesh, self.dim, tag="params")
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            if self.stage == 1:
+                u.grad_shard = None  # the reduce-scatter output, a communication buffer
+            elif u.grad_shard is not None:
+                u.grad_shard.zero_()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters by name, all-gathered from every rank's master shard."""
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.k * self.n, dtype=torch.float32)
+            comm.all_gather(full, u.master, self.mesh, self.dim, tag="state")
+            for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
+                out[name] = full[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    # ---- what the memory tracker counts ---------------------------------------------------
+    def memory_sources(self) -> dict[str, list[torch.Tensor]]:
+        params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard
+                                                 is not None]
+        grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
+        comm_buffers = [t for u in self.units for t in (u.rs_in, u.rs_out) if t is not None]
+        if self.stage == 1:
+            comm_buffers += [u.grad_shard for u in self.units if u.grad_shard is not None]
+        else:
+            grads += [u.grad_shard for u in self.units if u.grad_shard is not None]
+        optim = [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        return {"params": params, "grads": grads, "optimizer": optim, "comm": comm_buffers}

@@ -1,0 +1,48 @@
+"""The planner: memory, communication and compute models of a layout; search; `plait plan`.
+
+Entry points: `evaluate` (one layout), `search` (all layouts), `predict_memory` (a plait
+Config, for the runtime-side test that compares the prediction with the ledger).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plait.plan.estimate import Estimate, Layout, Training, evaluate
+from plait.plan.hardware import GPU, Cluster
+from plait.plan.search import search
+from plait.plan.shape import Shape, from_model_config
+
+if TYPE_CHECKING:
+    from plait.config import Config
+
+__all__ = ["Estimate", "Layout", "Training", "evaluate", "search", "predict_memory",
+           "Shape", "Cluster"]
+
+# memory does not depend on speed: a placeholder device large enough to hold anything
+_HOST = GPU("host", 1e12, 1e15, 1e11, 1e10, 1e10, gpus_per_node=1 << 20)
+
+
+def predict_memory(cfg: Config) -> dict[str, float]:
+    """Predicted peak bytes per category on the most loaded rank for a plait Config.
+
+    Categories are the ledger's: parameters, gradients, optimizer states, activations
+    (+ logits), communication buffers, and "total". The runtime's attention is SDPA, which
+    keeps no score matrix: in the planner's vocabulary its recompute "none" is
+    "selective" (scores recomputed), and "full" is "full".
+    Not yet checked against the runtime's ledger (that test lands with the runtime); the
+    activation terms assume fused RMSNorm/SwiGLU kernels, which eager CPU code may exceed.
+    """
+    from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
+
+    p, t = cfg.parallel, cfg.train
+    shape = from_model_config(cfg.model, t.seq_len, cfg.model_name)
+    precision = "fp32" if t.precision == "fp32" else "bf16"
+    lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, mbs=cfg.micro_batch_size(),
+                 schedule=p.schedule, v=p.virtual_stages, zero=p.zero,
+                 recompute="full" if t.recompute == "full" else "selective", sp=p.sp)
+    est = evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
+                   lay, EFFICIENCY, simulate=p.pp > 1)
+    out = {k: float(v) for k, v in est.memory.items()}
+    out["total"] = float(est.memory_total)
+    return out

@@ -1,0 +1,139 @@
+"""Pipeline time: closed forms for ranking many layouts, the shared simulator for the
+numbers a layout shows (plait/parallel/pipeline/simulate.py: one cost model).
+
+F, I, W below are one micro-batch's forward, input-gradient and weight-gradient time on
+one *chunk* (a stage of the schedule: L/p layers, L/(pv) interleaved, L/(2p) for the V
+shapes). Closed forms of the step (busy + bubble) on the slowest rank:
+  gpipe, 1f1b    (m + p - 1)(F + I + W)               Huang 2019; Narayanan et al. 2021
+  interleaved    m v (F+I+W) + (p-1)(F+I+W)           Narayanan et al. 2021, sec. 2.2
+  zb-h1          m (F+I+W) + (p-1)(F + I - W)         Qi et al. 2023 ("zero bubble"), sec. 2
+  zb-h2          m (F+I+W) + (p-1)(F + I - 2W)        (clipped at 0)
+  zb-v           2m (F+I+W) + (p-1)(F + I - 2W)       Qi et al. 2024 (V schedule), chunk times
+  dualpipe(v)    c m (F+I+W) + (p/2 - 1)(F + 2I - 2W) DeepSeek-V3 report, Table 2, with
+                                                      F&B = F + B (no overlap modelled)
+plus 2(p-1) p2p transfers on the fill/drain path.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+Num = Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
+# actions we let the simulator lay out per call before extrapolating in m
+_SIM_ACTIONS = 24_000
+# zb-v and dualpipe are list-scheduled when built (their order is searched for the
+# durations), which costs ~(p*m)^2: above this p*m the planner uses the closed form
+_LIST_BUILD_LIMIT = 400
+_LIST_SCHEDULED = ("zb-v", "dualpipe")
+
+
+def chunks_per_rank(schedule: str, v: Num) -> Num:
+    if schedule == "interleaved":
+        return v
+    if schedule in ("zb-v", "dualpipev", "dualpipe"):
+        return 2
+    return 1
+
+
+def stages_per_chain(schedule: str, pp: Num, v: Num) -> Num:
+    """Stages one copy of the model is cut into (dualpipe: each of its two chains has pp)."""
+    if schedule == "dualpipe":
+        return pp
+    return pp * chunks_per_rank(schedule, v)
+
+
+def closed_form(schedule: str, pp: Num, m: Num, v: Num, f: Num, i: Num, w: Num,
+                p2p: Num) -> Num:
+    """Pipeline step time on the slowest rank (see the module docstring)."""
+    p = np.asarray(pp, dtype=float)
+    m = np.asarray(m, dtype=float)
+    b = f + i + w
+    c = chunks_per_rank(schedule, np.asarray(v, dtype=float))
+    busy = m * c * b if schedule != "dualpipe" else m * b
+    if schedule in ("gpipe", "1f1b", "interleaved"):
+        bubble = (p - 1) * b
+    elif schedule == "zb-h1":
+        bubble = (p - 1) * np.maximum(f + i - w, 0)
+    elif schedule in ("zb-h2", "zb-v"):
+        bubble = (p - 1) * np.maximum(f + i - 2 * w, 0)
+    elif schedule in ("dualpipe", "dualpipev"):
+        bubble = np.maximum(p / 2 - 1, 0) * np.maximum(f + 2 * i - 2 * w, 0)
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    return np.where(p > 1, busy + bubble + 2 * (p - 1) * p2p, m * c * b)
+
+
+def _valid_m(schedule: str, p: int, target: int) -> int:
+    """The smallest micro-batch count >= target the schedule accepts."""
+    step = p if schedule == "interleaved" else 2 if schedule == "dualpipe" else 1
+    return max(-(-target // step) * step, p if schedule != "gpipe" else 1)
+
+
+@lru_cache(maxsize=256)
+def _build(schedule: str, pp: int, m: int, v: int, ratios: tuple[float, float, float]) -> Any:
+    """The schedule, built once per (name, p, m, v, rounded duration ratios): list-scheduled
+    orders are tuned to the ratios I/F, W/F, p2p/F, valid under any durations."""
+    from plait.parallel.pipeline.schedules import build_schedule
+    from plait.parallel.pipeline.simulate import Durations
+
+    return build_schedule(schedule, pp, m, v, durations=Durations(1.0, *ratios))
+
+
+@lru_cache(maxsize=4096)
+def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
+              i: tuple[float, ...], w: tuple[float, ...], p2p: float) -> tuple[float, float,
+                                                                           tuple[int, ...]]:
+    from plait.parallel.pipeline.simulate import Durations, simulate
+
+    d = Durations(f[0], i[0], w[0], p2p, forward_per_stage=f, backward_input_per_stage=i,
+                  backward_weight_per_stage=w)
+    fm = max(sum(f) / len(f), 1e-30)
+    ratios = (round(sum(i) / len(i) / fm, 1), round(sum(w) / len(w) / fm, 1),
+              round(p2p / fm, 2))
+    sched = _build(schedule, pp, m, v, ratios)
+    r = simulate(sched, d)
+    return r.step_time, r.bubble_fraction, tuple(r.peak_activations)
+
+
+def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i: list[float],
+                      w: list[float], p2p: float) -> dict[str, Any]:
+    """Step time, bubble and per-rank peak activations from the shared simulator, with
+    per-stage durations. Long runs are simulated at two smaller micro-batch counts and
+    extrapolated linearly in m (exact once the steady state repeats)."""
+    key = (tuple(f), tuple(i), tuple(w), float(p2p))
+    actions = pp * m * 2 * chunks_per_rank(schedule, v)
+    try:
+        if schedule in _LIST_SCHEDULED and pp * m > _LIST_BUILD_LIMIT and \
+                3 * pp * pp > _LIST_BUILD_LIMIT:
+            raise NotImplementedError(f"{schedule} with p*m={pp * m} is too large to "
+                                      "list-schedule here")
+        if schedule in _LIST_SCHEDULED and pp * m > _LIST_BUILD_LIMIT:
+            actions = _SIM_ACTIONS + 1  # extrapolate from small builds
+        if actions <= _SIM_ACTIONS or schedule == "gpipe":
+            step, bubble, peaks = _simulate(schedule, pp, m, v, *key)
+            return {"step": step, "bubble": bubble, "peaks": list(peaks),
+                    "source": "simulator"}
+        m1 = _valid_m(schedule, pp, 2 * pp)
+        m2 = _valid_m(schedule, pp, m1 + max(pp, 2))
+        s1, _, _ = _simulate(schedule, pp, m1, v, *key)
+        s2, _, peaks = _simulate(schedule, pp, m2, v, *key)
+        step = s2 + (m - m2) * (s2 - s1) / (m2 - m1)
+        busy = m * chunks_per_rank(schedule, v) * (sum(f) + sum(i) + sum(w)) / len(f)
+        if schedule == "dualpipe":
+            busy /= 2
+        return {"step": step, "bubble": max(0.0, 1 - busy / step), "peaks": list(peaks),
+                "source": f"simulator at m={m1},{m2}, extrapolated to m={m}"}
+    except (KeyError, ImportError, NotImplementedError) as exc:  # builder not there yet
+        n = len(f)
+        fm, im, wm = (max(x) for x in (f, i, w))
+        step = float(closed_form(schedule, pp, m, v, fm, im, wm, p2p))
+        busy = m * chunks_per_rank(schedule, v) * (sum(f) + sum(i) + sum(w)) / n
+        if schedule == "dualpipe":
+            busy /= 2
+        return {"step": step, "bubble": max(0.0, 1 - busy / step), "peaks": None,
+                "source": f"closed form ({exc})"}

@@ -1,0 +1,288 @@
+"""`plait plan`: search every layout, or evaluate one (`--layout`).
+
+Wired into plait/cli.py by `add_parser(subparsers)`; `run(args)` returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from plait.model.presets import PRESETS
+from plait.plan.bubble import SCHEDULES
+from plait.plan.calibration import EFFICIENCY
+from plait.plan.estimate import Estimate, Layout, Training, evaluate
+from plait.plan.explain import explain, why_no_fit
+from plait.plan.hardware import GB, GPUS, Cluster, get_gpu
+from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
+from plait.plan.search import PlanError, layout_problems, search
+from plait.plan.shape import Shape, from_preset
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="search or evaluate parallel layouts",
+                              description=__doc__)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (a preset, or explicit shapes)")
+    m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "experts",
+                 "top-k", "expert-ffn", "shared-experts"):
+        m.add_argument(f"--{flag}", type=int)
+    h = p.add_argument_group("hardware")
+    h.add_argument("--gpu", default="h100-sxm", help=f"preset: {', '.join(GPUS)}")
+    h.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    h.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
+    h.add_argument("--hbm-gb", type=float)
+    h.add_argument("--hbm-bw-gbs", type=float, help="HBM GB/s")
+    h.add_argument("--nvlink-gbs", type=float, help="per GPU per direction")
+    h.add_argument("--internode-gbs", type=float, help="per GPU per direction")
+    h.add_argument("--gpus-per-node", type=int)
+    t = p.add_argument_group("training")
+    t.add_argument("--global-batch", type=int, help="sequences per step")
+    t.add_argument("--global-batch-tokens", type=int, help="tokens per step (/ seq)")
+    t.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
+    t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    t.add_argument("--mem-limit", type=float, default=0.9,
+                   help="usable fraction of HBM (default 0.9)")
+    lay = p.add_argument_group("one layout (instead of searching)")
+    lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
+    lay.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
+    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
+    lay.add_argument("--virtual-stages", type=int, default=1)
+    lay.add_argument("--recompute", default="selective", choices=list(RECOMPUTE))
+    lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
+    lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=5)
+    o.add_argument("--json", action="store_true")
+    o.add_argument("--plot", help="draw the memory breakdown of the shown layouts to this PNG")
+
+
+def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
+    if args.model:
+        shape = from_preset(args.model, args.seq)
+    else:
+        need = [f for f in ("layers", "hidden", "heads", "vocab", "seq")
+                if getattr(args, f) is None]
+        if need:
+            raise PlanError(f"give --model (one of: {', '.join(PRESETS)}) or all of "
+                            + ", ".join(f"--{f}" for f in need))
+        experts = args.experts or 0
+        if experts and not (args.top_k and args.expert_ffn):
+            raise PlanError("an MoE model (--experts) needs --top-k and --expert-ffn")
+        shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads or args.heads,
+                      args.ffn or 4 * args.hidden, args.vocab, args.seq, experts,
+                      args.top_k or 0, args.expert_ffn or 0, args.shared_experts or 0)
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise PlanError(f"hidden {shape.hidden} must be a multiple of heads {shape.heads}, "
+                        f"and heads a multiple of kv-heads {shape.kv_heads}")
+    scale = {"peak_flops": (args.peak_tflops, 1e12), "hbm_bytes": (args.hbm_gb, GB),
+             "hbm_bw": (args.hbm_bw_gbs, GB), "nvlink_bw": (args.nvlink_gbs, GB),
+             "internode_bw": (args.internode_gbs, GB)}
+    over: dict[str, Any] = {k: v * f for k, (v, f) in scale.items() if v is not None}
+    if args.gpus_per_node:
+        over["gpus_per_node"] = args.gpus_per_node
+    gpu = get_gpu(args.gpu, **over)
+    if args.gpus is None or args.gpus < 1:
+        raise PlanError("--gpus must be >= 1")
+    if args.global_batch is None and args.global_batch_tokens is None:
+        raise PlanError("give --global-batch (sequences) or --global-batch-tokens")
+    batch = args.global_batch
+    if batch is None:
+        if args.global_batch_tokens % shape.seq:
+            raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a "
+                            f"multiple of the sequence length {shape.seq}")
+        batch = args.global_batch_tokens // shape.seq
+    return shape, Cluster(gpu, args.gpus), Training(batch, args.precision, args.optimizer,
+                                                    args.mem_limit)
+
+
+def parse_layout(text: str, args: argparse.Namespace) -> Layout:
+    sizes = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip()
+        if k not in sizes or not v.strip().isdigit() or int(v) < 1:
+            raise PlanError(f"bad layout item {part!r}: use tp=N,pp=N,dp=N[,cp=N,ep=N]")
+        sizes[k] = int(v)
+    v = args.virtual_stages
+    if args.schedule in ("zb-v", "dualpipev"):
+        v = 2
+    return Layout(**sizes, mbs=args.microbatch, schedule=args.schedule, v=v, zero=args.zero,
+                  recompute=args.recompute, sp=not args.no_sp)
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, np.ndarray | np.generic):
+        return x.item()
+    return x
+
+
+def to_dict(e: Estimate) -> dict[str, Any]:
+    lay = e.layout
+    return {
+        "layout": {k: _num(getattr(lay, k)) for k in ("tp", "pp", "dp", "cp", "ep")},
+        "microbatch": _num(lay.mbs), "microbatches": _num(e.microbatches),
+        "schedule": lay.schedule, "virtual_stages": _num(lay.v), "zero": lay.zero,
+        "recompute": lay.recompute, "sequence_parallel": lay.sp,
+        "step_time_s": _num(e.step_time), "tokens_per_s": _num(e.tokens_per_s),
+        "model_tflops_per_gpu": _num(e.model_tflops),
+        "hardware_tflops_per_gpu": _num(e.hardware_tflops), "mfu": _num(e.mfu),
+        "bubble_fraction": _num(e.bubble_fraction),
+        "time_breakdown_s": {k: _num(v) for k, v in e.time.items()},
+        "memory_bytes": {k: _num(v) for k, v in e.memory.items()},
+        "memory_total_bytes": _num(e.memory_total), "memory_peak_rank": _num(e.peak_rank),
+        "fits": bool(e.fits),
+        "pipeline_source": e.extra.get("pipeline", {}).get("source"),
+        "collectives": [
+            {"dim": c.dim, "op": c.op, "bytes": _num(c.size), "count": _num(c.count),
+             "group": _num(c.group), "link": "nvlink" if bool(c.intra) else "inter-node",
+             "time_each_s": _num(c.time_each), "total_s": _num(c.total),
+             "exposed_s": _num(c.exposed), "overlaps_with": c.overlap}
+            for c in e.collectives],
+    }
+
+
+def _source(e: Estimate) -> str:
+    src = e.extra.get("pipeline", {}).get("source") or "-"
+    return "simulated" if src.startswith("simulator") else src.split(" (")[0]
+
+
+def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
+           notes: list[str], header: str) -> None:
+    from rich.table import Table
+
+    console.print(header)
+    t = Table(title="layouts (best first)", padding=(0, 0))
+    for col in ("#", "layout", "mb x n", "schedule", "ZeRO", "recompute", "step s",
+                "tokens/s", "model TFLOP/s/GPU", "hw TFLOP/s/GPU", "MFU", "bubble",
+                "mem GB", "fits", "pipeline"):
+        t.add_column(col, no_wrap=col == "layout")
+    for k, e in enumerate(ests, 1):
+        lay = e.layout
+        sched = lay.schedule + (f" v={lay.v}" if lay.schedule == "interleaved" else "")
+        t.add_row(str(k), lay.label(), f"{lay.mbs}x{int(e.microbatches)}",
+                  sched if lay.pp > 1 else "-", str(lay.zero), lay.recompute,
+                  f"{float(e.step_time):.3f}", f"{float(e.tokens_per_s):,.0f}",
+                  f"{float(e.model_tflops):.0f}", f"{float(e.hardware_tflops):.0f}",
+                  f"{float(e.mfu):.1%}", f"{float(e.bubble_fraction):.1%}",
+                  f"{float(e.memory_total) / GB:.1f}", "yes" if bool(e.fits) else "NO",
+                  _source(e))
+    console.print(t)
+    best = ests[0]
+    tt = Table(title=f"step time, {best.layout.label()}")
+    tt.add_column("term")
+    tt.add_column("seconds", justify="right")
+    for k, v in best.time.items():
+        tt.add_row(k, f"{float(v):.4f}")
+    tt.add_row("step", f"{float(best.step_time):.4f}")
+    mt = Table(title=f"memory per rank ({best.peak_rank} pipeline rank)")
+    mt.add_column("category")
+    mt.add_column("GB", justify="right")
+    for k, v in best.memory.items():
+        mt.add_row(k, f"{float(v) / GB:.2f}")
+    mt.add_row("total", f"{float(best.memory_total) / GB:.2f}")
+    console.print(tt)
+    console.print(mt)
+    ct = Table(title="collectives per step (most loaded rank)")
+    for col in ("dim", "op", "MB each", "count", "group", "link", "ms each", "total s",
+                "exposed s", "overlaps with"):
+        ct.add_column(col)
+    for c in best.collectives:
+        ct.add_row(c.dim, c.op, f"{float(c.size) / 1e6:.2f}", f"{float(c.count):,.0f}",
+                   str(int(c.group)), "NVLink" if bool(c.intra) else "inter-node",
+                   f"{1e3 * float(c.time_each):.3f}", f"{float(c.total):.4f}",
+                   f"{float(c.exposed):.4f}", c.overlap)
+    console.print(ct)
+    src = best.extra.get("pipeline", {}).get("source")
+    if src:
+        console.print(f"pipeline time from: {src}")
+    for line in notes:
+        console.print(line)
+
+
+def plot_memory(path: str, ests: list[Estimate]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 * len(ests) + 3, 4))
+    bottom = np.zeros(len(ests))
+    for k in ests[0].memory:
+        vals = np.array([float(e.memory[k]) / GB for e in ests])
+        ax.bar(range(len(ests)), vals, bottom=bottom, label=k)
+        bottom += vals
+    ax.set_xticks(range(len(ests)), [f"{e.layout.label()}\n{e.layout.schedule} "
+                                     f"Z{e.layout.zero} {e.layout.recompute}" for e in ests],
+                  fontsize=7)
+    ax.set_ylabel("GB per rank")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    from rich.console import Console
+
+    console = Console(file=out or sys.stdout, width=160)
+    err = Console(file=out or sys.stderr, width=160)
+    try:
+        shape, cluster, train = build_inputs(args)
+        header = (f"{shape.name}: {shape.num_params() / 1e9:.2f} B params, seq {shape.seq}; "
+                  f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
+                  f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)")
+        if args.layout:
+            lay = parse_layout(args.layout, args)
+            problems = layout_problems(shape, cluster, train, lay)
+            if problems:
+                raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
+            est = evaluate(shape, cluster, train, lay, EFFICIENCY, simulate=True)
+            ests, notes, doc = [est], [], {}
+            if not bool(est.fits):
+                notes.append(f"does NOT fit: {why_no_fit(est, cluster, train)}")
+        else:
+            res = search(shape, cluster, train, EFFICIENCY, top=args.top)
+            doc = {"layouts_considered": res.considered, "layouts_fitting": res.feasible}
+            if not res.top:
+                raise PlanError(why_no_fit(res.closest, cluster, train))
+            ests = res.top
+            notes = [f"{res.considered:,} layouts considered, {res.feasible:,} fit."]
+            notes += explain(ests[0], shape, cluster, train, res.extra.get("best_by"),
+                             ests[1] if len(ests) > 1 else None)
+    except (PlanError, ValueError) as exc:
+        if getattr(args, "json", False):
+            console.print_json(json.dumps({"error": str(exc)}))
+        else:
+            err.print(f"plait plan: error: {exc}", markup=False, highlight=False)
+        return 2
+    if args.plot:
+        plot_memory(args.plot, ests)
+    if args.json:
+        doc.update({"model": shape.name, "params": shape.num_params(), "gpus": cluster.n_gpus,
+                    "gpu": cluster.gpu.name, "global_batch": train.global_batch,
+                    "layouts": [to_dict(e) for e in ests], "explanation": notes})
+        (out or sys.stdout).write(json.dumps(doc, indent=1) + "\n")
+    else:
+        _print(console, shape, cluster, ests, notes, header)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="plait plan", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Alpha-beta cost of collectives (Hockney's model; ring and tree algorithms).
+
+Every function takes numpy arrays or scalars (the search evaluates thousands of layouts
+at once). Sizes are the *full* message in bytes: the tensor all-reduced, the gathered
+result of an all-gather, the input of a reduce-scatter, all a rank sends in an all-to-all.
+
+  ring all-reduce       2(n-1) alpha + 2(n-1)/n * S/B      (Patarasuk & Yuan 2009)
+  tree all-reduce       2 log2(n) alpha + 2 S/B            (NCCL double binary tree, pipelined)
+  all-gather, reduce-scatter (ring)   (n-1) alpha + (n-1)/n * S/B
+  all-to-all (pairwise) (n-1) alpha + (n-1)/n * S/B
+  p2p                   alpha + S/B
+B is the achieved bandwidth: the link's datasheet bandwidth times the fitted
+`link_efficiency` (plait/plan/calibration.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from plait.plan.hardware import GPU
+
+Num = Any  # float or numpy array
+
+
+def intra_node(stride: Num, size: Num, gpus_per_node: int) -> Num:
+    """Whether a group of `size` ranks spaced `stride` apart stays inside one node (ranks
+    are numbered node by node; default order tp, cp, pp, dp innermost first)."""
+    return np.asarray(stride) * np.asarray(size) <= gpus_per_node
+
+
+def link(gpu: GPU, intra: Num, efficiency: float) -> tuple[Num, Num]:
+    """(bandwidth bytes/s, latency s) of the slowest link a group uses."""
+    bw = np.where(intra, gpu.nvlink_bw, gpu.internode_bw) * efficiency
+    alpha = np.where(intra, gpu.nvlink_alpha, gpu.internode_alpha)
+    return bw, alpha
+
+
+def all_reduce(size: Num, n: Num, bw: Num, alpha: Num) -> tuple[Num, Num]:
+    """(time, use_tree): the faster of ring and tree."""
+    n = np.asarray(n, dtype=float)
+    ring = 2 * (n - 1) * alpha + 2 * (n - 1) / n * size / bw
+    tree = 2 * np.log2(np.maximum(n, 1)) * alpha + 2 * size / bw
+    t = np.where(n > 1, np.minimum(ring, tree), 0.0)
+    return t, (tree < ring) & (n > 1)
+
+
+def gather_like(size: Num, n: Num, bw: Num, alpha: Num) -> Num:
+    """All-gather, reduce-scatter or all-to-all: (n-1) steps of S/n each."""
+    n = np.asarray(n, dtype=float)
+    return np.where(n > 1, (n - 1) * alpha + (n - 1) / n * size / bw, 0.0)
+
+
+def p2p(size: Num, bw: Num, alpha: Num) -> Num:
+    return alpha + size / bw
+
+
+@dataclass
+class Collective:
+    """One kind of collective a rank issues per step (fields may be arrays in a search)."""
+
+    dim: str  # tp, cp, pp, dp, ep
+    op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, p2p
+    size: Num  # bytes per call (see the module docstring)
+    count: Num  # calls per step on the most loaded rank
+    group: Num  # ranks in the group
+    intra: Num  # True: NVLink; False: inter-node
+    time_each: Num  # seconds per call
+    exposed: Num  # seconds per step not hidden behind compute
+    overlap: str  # what it overlaps with, in words
+    algorithm: str = "ring"
+
+    @property
+    def total(self) -> Num:
+        return self.count * self.time_each

@@ -1,0 +1,117 @@
+"""FLOPs and compute time of one layer for one micro-batch on one rank.
+
+FLOPs (Narayanan et al. 2021, appendix; Korthikanti et al. 2022, section 6): a GEMM of
+m x k by k x n costs 2mkn; the backward pass costs twice the forward (input gradient and
+weight gradient, one GEMM each). Attention adds QK^T and PV, 2 * 2 * s * h per token
+forward. The GPT runs of the calibration set computed the full s x s score matrix and
+masked it; plait's block uses causal attention kernels that skip the masked half.
+
+Time: each GEMM at peak x efficiency(work), a saturating curve of the GEMM's FLOPs
+    eff(W) = e_max * W / (W + W_half)
+(small GEMMs cannot fill the GPU's SMs; e_max and W_half are fitted once in
+plait/plan/calibration.py). Elementwise kernels (norms, softmax, activation functions,
+dropout) are memory bound: `elementwise_passes` x the bytes the layer saves, over HBM
+bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from plait.plan.hardware import GPU
+from plait.plan.shape import Shape
+
+Num = Any
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fitted constants (values live in plait/plan/calibration.py)."""
+
+    gemm_max: float  # asymptotic fraction of peak a large GEMM reaches
+    gemm_half: float  # FLOPs of a GEMM that reaches half of gemm_max
+    link_efficiency: float  # achieved / datasheet link bandwidth
+    elementwise_passes: float  # HBM traffic of elementwise kernels / saved bytes
+
+
+def gemm_eff(work: Num, eff: Efficiency) -> Num:
+    return eff.gemm_max * work / (work + eff.gemm_half)
+
+
+def gemm_time(flops: Num, gpu: GPU, eff: Efficiency, peak_scale: float = 1.0) -> Num:
+    return flops / (gpu.peak_flops * peak_scale * gemm_eff(flops, eff))
+
+
+def layer_gemms(shape: Shape, tokens: Num, tp: Num) -> list[tuple[str, Num]]:
+    """(name, forward FLOPs) of each weight GEMM of one layer on one rank."""
+    h, t = shape.hidden, np.asarray(tp, dtype=float)
+    n = np.asarray(tokens, dtype=float)
+    if shape.arch == "gpt":
+        return [("qkv", 2 * n * h * 3 * h / t), ("out", 2 * n * h * h / t),
+                ("fc1", 2 * n * h * 4 * h / t), ("fc2", 2 * n * 4 * h * h / t)]
+    out = [("qkv", 2 * n * h * (h + 2 * shape.kv_dim) / t), ("out", 2 * n * h * h / t)]
+    if not shape.moe:
+        return out + [("mlp", 2 * n * h * 3 * shape.ffn / t)]
+    fe = shape.expert_ffn
+    out.append(("router", 2 * n * h * shape.experts))
+    out.append(("routed experts", 2 * n * shape.top_k * 3 * h * fe / t))
+    if shape.shared_experts:
+        out.append(("shared experts", 2 * n * shape.shared_experts * 3 * h * fe / t))
+    return out
+
+
+def causal_fraction(shape: Shape) -> float:
+    """Fraction of the s x s score matrix computed: 1 for the GPT runs (masked full
+    matrix), 1/2 for causal kernels."""
+    return 1.0 if shape.arch == "gpt" else 0.5
+
+
+def attention_core_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
+    """QK^T and PV, forward: 2 * 2 * tokens * s * h / tp (queries of this rank against all s
+    keys, also under context parallelism)."""
+    return 4 * np.asarray(tokens, dtype=float) * shape.seq * shape.hidden * causal_fraction(
+        shape) / np.asarray(tp, dtype=float)
+
+
+def head_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
+    """LM head forward (vocab-parallel over tp)."""
+    return 2 * np.asarray(tokens, dtype=float) * shape.hidden * shape.vocab / np.asarray(
+        tp, dtype=float)
+
+
+def model_flops_per_token(shape: Shape) -> float:
+    """Training FLOPs per token, without recompute (the MFU numerator): 6 x active weight
+    matmul parameters + 3 x attention core forward (Narayanan et al. 2021, with the causal
+    factor of the block's attention kernel)."""
+    g = sum(f for _, f in layer_gemms(shape, 1, 1))
+    return 3 * (shape.layers * (g + attention_core_flops(shape, 1, 1)) + head_flops(shape, 1, 1))
+
+
+@dataclass
+class LayerTimes:
+    """Seconds for one layer, one micro-batch, one rank (arrays in a search)."""
+
+    gemm_fwd: Num
+    attn_fwd: Num
+    elementwise_fwd: Num
+    flops_fwd: Num  # GEMM + attention core FLOPs, forward
+
+    @property
+    def forward(self) -> Num:
+        return self.gemm_fwd + self.attn_fwd + self.elementwise_fwd
+
+
+def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
+                saved_bytes: Num, peak_scale: float = 1.0) -> LayerTimes:
+    """Forward times of one layer; `saved_bytes` is what the layer saves without recompute
+    (memory.layer_activations with recompute='none'), the proxy for elementwise traffic."""
+    gemms = layer_gemms(shape, tokens, tp)
+    g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
+    a_flops = attention_core_flops(shape, tokens, tp)
+    # batched per-head GEMMs: efficiency of the whole batch's work
+    a_time = gemm_time(a_flops, gpu, eff, peak_scale)
+    elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw
+    return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

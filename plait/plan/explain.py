@@ -1,0 +1,116 @@
+"""Why the best layout wins, in words: the seeds' rules of thumb checked one by one.
+
+1. Fit first: TP up to the node size, then PP or ZeRO-3 across nodes.
+2. Then scale compute with DP; DP and PP consume batch size, TP does not.
+3. Sharding pays only if the memory it saves is worth the communication and idle time.
+"""
+
+from __future__ import annotations
+
+from plait.plan.estimate import Estimate, Training
+from plait.plan.hardware import GB, Cluster
+from plait.plan.memory import state_bytes
+from plait.plan.shape import Shape
+
+
+def _pct(a: float, b: float) -> str:
+    """How much slower a is than b, in words."""
+    d = 100 * (a / b - 1)
+    return "as fast (within 0.5 %)" if abs(d) < 0.5 else f"{d:.0f} % slower" if d > 0 \
+        else f"{-d:.0f} % faster"
+
+
+def dominant_term(est: Estimate) -> tuple[str, float]:
+    k = max(est.memory, key=lambda k: float(est.memory[k]))
+    return k, float(est.memory[k])
+
+
+def why_no_fit(est: Estimate, cluster: Cluster, train: Training) -> str:
+    limit = cluster.gpu.hbm_bytes * train.mem_limit_frac
+    total = float(est.memory_total)
+    term, val = dominant_term(est)
+    return (f"no layout fits: the smallest-memory layout ({est.layout.label()}, zero="
+            f"{est.layout.zero}, recompute={est.layout.recompute}) needs {total / GB:.1f} GB "
+            f"per rank, {(total - limit) / GB:.1f} GB over the {limit / GB:.1f} GB usable "
+            f"({train.mem_limit_frac:.0%} of {cluster.gpu.hbm_bytes / GB:.0f} GB); the largest "
+            f"term is {term} ({val / GB:.1f} GB). Add GPUs, a larger-memory GPU, or a smaller "
+            "batch/sequence.")
+
+
+def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
+            best_by: dict[str, float | None] | None = None,
+            runner_up: Estimate | None = None) -> list[str]:
+    lay, gpn = best.layout, cluster.gpus_per_node
+    by = best_by or {}
+    # rule comparisons use the closed forms on both sides (the search's ranking numbers)
+    t = by.get("best") or float(best.step_time)
+    lines = [f"Best: {lay.label()}, micro-batch {lay.mbs} x {int(best.microbatches)}, "
+             f"schedule {lay.schedule}" + (f" (v={lay.v})" if lay.schedule == "interleaved"
+                                           else "")
+             + f", ZeRO-{lay.zero}, recompute {lay.recompute}: {float(best.step_time):.3f} s/step, "
+             f"MFU {float(best.mfu):.1%}."]
+
+    # 1. fit first
+    pb, gb, kb = state_bytes(train.precision, train.optimizer)
+    states = shape.num_params() * (pb + gb + kb)
+    cap = cluster.gpu.hbm_bytes * train.mem_limit_frac
+    lines.append(f"Fit first: model states are {states / GB:,.0f} GB "
+                 f"({pb + gb + kb} B/param x {shape.num_params() / 1e9:.2f} B params) against "
+                 f"{cap / GB:.0f} GB usable per GPU, so they must be cut at least "
+                 f"{max(1, -(-states // cap)):.0f} ways; this layout cuts them by tp*pp="
+                 f"{lay.tp * lay.pp}" + (f" and ZeRO-{lay.zero} over dp*cp={lay.dp * lay.cp}"
+                                         if lay.zero else "") + ".")
+    tp_rule = by.get(f"tp={gpn}")
+    if lay.tp == gpn:
+        lines.append(f"Rule 'TP up to the node size' held: tp={gpn} keeps TP collectives on "
+                     "NVLink.")
+    elif tp_rule is not None:
+        lines.append(f"Rule 'TP up to the node size' did not hold: the best tp={gpn} layout is "
+                     f"{_pct(tp_rule, t)}; at tp={lay.tp} the TP collectives cost more than "
+                     "the memory they would free is worth.")
+    else:
+        lines.append(f"tp={gpn} was not possible or did not fit (heads {shape.heads}, KV heads "
+                     f"{shape.kv_heads}).")
+    pp1, ppn = by.get("pp=1"), by.get("pp>1")
+    if lay.pp > 1:
+        alt = (f"ZeRO-3/DP without PP would be {_pct(pp1, t)}" if pp1 is not None
+               else "no layout without PP fits")
+        lines.append(f"Across nodes PP={lay.pp} was chosen ({lay.schedule}, bubble "
+                     f"{float(best.bubble_fraction):.1%}); {alt}.")
+    elif ppn is not None:
+        lines.append(f"No pipeline: the best PP layout is {_pct(ppn, t)}; "
+                     + ("ZeRO-3 shards the states instead." if lay.zero == 3
+                        else "the states fit without it."))
+
+    # 2. scale with DP, batch consumed
+    per_replica = train.global_batch // lay.dp
+    lines.append(f"Then DP: dp={lay.dp}" + (f" x cp={lay.cp}" if lay.cp > 1 else "")
+                 + f" replicas; DP and PP consume batch: {train.global_batch} sequences / dp "
+                 f"= {per_replica} per replica = {int(best.microbatches)} micro-batches of "
+                 f"{lay.mbs}" + (f" for {lay.pp} stages" if lay.pp > 1 else "") + ".")
+
+    # 3. does sharding pay?
+    z0 = by.get("zero=0")
+    if lay.zero:
+        if z0 is None:
+            lines.append(f"ZeRO-{lay.zero} is needed: no ZeRO-0 layout fits.")
+        else:
+            lines.append(f"ZeRO-{lay.zero} pays: the best ZeRO-0 layout is {_pct(z0, t)} "
+                         "(sharding frees memory for a faster layout at little exposed "
+                         "communication).")
+    elif by.get("zero=1") is not None:
+        lines.append(f"No ZeRO: replicated states fit and ZeRO-1 would be "
+                     f"{_pct(by['zero=1'], t)} (its all-gather is exposed).")
+    rn = by.get("recompute=none")
+    if lay.recompute != "none":
+        lines.append(f"Recompute {lay.recompute}: " + (
+            "no layout fits without recompute." if rn is None else
+            f"the best layout without recompute is {_pct(rn, t)}."))
+    if runner_up is not None:
+        d = {k: float(runner_up.time[k]) - float(best.time[k]) for k in best.time}
+        k = max(d, key=lambda k: d[k])
+        lines.append(f"Runner-up {runner_up.layout.label()} ({runner_up.layout.schedule}, "
+                     f"ZeRO-{runner_up.layout.zero}, {runner_up.layout.recompute}) is "
+                     f"{_pct(float(runner_up.step_time), float(best.step_time))}, mostly {k} "
+                     f"({d[k]:+.3f} s).")
+    return lines

@@ -1,0 +1,136 @@
+"""Memory per rank, by the ledger's categories: parameters, gradients, optimizer states,
+activations (+ logits), communication buffers.
+
+All functions take numpy arrays or scalars for the numeric layout sizes.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 5): with Psi parameters, 2 bytes of
+fp16/bf16 parameters, 2 of gradients and K = 12 of Adam state (fp32 master copy, momentum,
+variance), N_d data-parallel ranks:
+  stage 0: (2 + 2 + K) Psi      stage 1: (2 + 2) Psi + K Psi / N_d
+  stage 2: 2 Psi + (2 + K) Psi / N_d          stage 3: (2 + 2 + K) Psi / N_d
+Megatron keeps fp32 gradients for accumulation (`bf16-fp32grad`: 2 + 4 + 12 = 18 bytes).
+
+Activations per layer: the saved-tensor list of plait/plan/shape.py, which reproduces
+Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h) unsharded; with TP t:
+sbh(10 + 24/t + 5as/(ht)); with TP+SP: sbh(34/t + 5as/(ht)); selective recompute drops the
+5as/h term; full recompute keeps only the layer input (2sbh).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from plait.plan.shape import Shape, activation_terms
+
+Num = Any
+
+# bytes per parameter: (parameters, gradients, Adam states, activations)
+PRECISIONS: dict[str, tuple[int, int, int, int]] = {
+    "bf16": (2, 2, 12, 2),  # ZeRO paper's mixed precision: fp32 master + m + v
+    "bf16-fp32grad": (2, 4, 12, 2),  # Megatron: fp32 gradient accumulation buffer
+    "fp32": (4, 4, 8, 4),  # m + v; the parameters are the master copy
+}
+OPTIMIZERS = ("adam", "sgd")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def state_bytes(precision: str, optimizer: str) -> tuple[int, int, int]:
+    """Bytes per parameter of (parameters, gradients, optimizer states)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    p, g, k, _ = PRECISIONS[precision]
+    if optimizer == "sgd":  # momentum only: drop one fp32 state
+        k -= 4
+    return p, g, k
+
+
+def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",
+                 optimizer: str = "adam") -> dict[str, Num]:
+    """Bytes per rank of parameters, gradients, optimizer states for `params` parameters
+    replicated over `shard` data-parallel ranks, at ZeRO stage `zero` (ZeRO paper, sec. 5)."""
+    pb, gb, kb = state_bytes(precision, optimizer)
+    shard = np.asarray(shard, dtype=float)
+    return {
+        "parameters": params * pb / (shard if zero >= 3 else 1.0),
+        "gradients": params * gb / (shard if zero >= 2 else 1.0),
+        "optimizer states": params * kb / (shard if zero >= 1 else 1.0),
+    }
+
+
+def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recompute: str,
+                      act_bytes: int = 2) -> Num:
+    """Bytes one layer keeps for one micro-batch on one rank (Korthikanti et al. 2022,
+    section 4; per-term list in shape.activation_terms). Context parallelism splits the
+    sequence: each rank keeps s/cp tokens (its queries attend to all s keys)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
+    tp = np.asarray(tp, dtype=float)
+    tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(cp, dtype=float)
+    seq_div = tp if sp else 1.0
+    total = 0.0
+    for t in activation_terms(shape, act_bytes):
+        if recompute == "full" and not t.keep_full:
+            continue
+        if recompute == "selective" and t.scores:
+            continue
+        total = total + t.bytes_per_token / (tp if t.tp else seq_div)
+    return tokens * total
+
+
+def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
+    """Closed-form micro-batch x chunk activation sets alive at the peak on the first and
+    on the last pipeline rank (used for ranking; shown numbers come from the simulator).
+
+    1f1b: p on rank 0 (Narayanan et al. 2021); interleaved: p*v + p - 1 chunks of L/(pv)
+    layers, i.e. the (1 + (p-1)/(pv)) penalty (Korthikanti et al. 2022, sec. 4.2.3 /
+    Megatron); zb-h1 as 1F1B, zb-h2 2p-1 (Qi et al. 2023); zb-v 2p chunks of L/(2p);
+    dualpipe p+1 stages' worth, dualpipev the same in half-size chunks (DeepSeek-V3, Table 2).
+    """
+    p, m, v = (np.asarray(x, dtype=float) for x in (pp, m, v))
+    one = np.ones_like(p * m)
+    if schedule == "gpipe":
+        return m * one, m * one
+    if schedule in ("1f1b", "zb-h1"):
+        return np.minimum(p, m), one
+    if schedule == "interleaved":
+        return np.minimum(p * v + p - 1, m * v), np.minimum((v - 1) * p + 1, m * v)
+    if schedule == "zb-h2":
+        return np.minimum(2 * p - 1, m), np.minimum(p, m)
+    if schedule == "zb-v":
+        return np.minimum(2 * p, 2 * m), one
+    if schedule == "dualpipev":
+        return np.minimum(2 * (p + 1), 2 * m), one
+    if schedule == "dualpipe":
+        return np.minimum(p + 1, m), one
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def logits_bytes(shape: Shape, mbs: Num, tp: Num, cp: Num, act_bytes: int = 2) -> Num:
+    """Logits of one micro-batch on the last stage: the activation-dtype logits kept for the
+    backward plus the fp32 copy the loss computes softmax in (vocab-parallel over tp)."""
+    tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(cp, dtype=float)
+    return tokens * shape.vocab * (act_bytes + 4) / np.asarray(tp, dtype=float)
+
+
+def comm_buffers(shape: Shape, mbs: Num, tp: Num, cp: Num, ep: Num, pp: Num, zero: int,
+                 layer_params_rank: Num, sp: bool, precision: str) -> Num:
+    """Transient buffers alive at the peak: the SP all-gather output, pipeline send/recv,
+    ring-attention K/V double buffer, MoE dispatch/combine, ZeRO-3's gathered layer (the
+    current and the prefetched one) and its unsharded gradient before reduce-scatter."""
+    e = PRECISIONS[precision][3]
+    pb, gb, _ = state_bytes(precision, "adam")
+    tp, cp, ep, pp = (np.asarray(x, dtype=float) for x in (tp, cp, ep, pp))
+    tokens = np.asarray(mbs, dtype=float) * shape.seq / cp
+    act = tokens * shape.hidden * e
+    total = np.where(tp > 1, act, 0.0) if sp else 0.0
+    total = total + np.where(pp > 1, 2 * act / (tp if sp else 1.0), 0.0)
+    total = total + np.where(cp > 1, 2 * 2 * tokens * shape.kv_dim * e / tp, 0.0)
+    if shape.moe:
+        total = total + 2 * tokens * shape.top_k * shape.hidden * e / tp
+    if zero >= 3:
+        total = total + layer_params_rank * (2 * pb + gb)
+    return total

@@ -1,0 +1,189 @@
+"""The planner's view of a model: shapes, parameter counts per layer, saved tensors.
+
+Two block flavours are modelled:
+
+* ``llama`` — plait's own block (plait/model/transformer.py): RMSNorm, GQA attention with
+  RoPE, SwiGLU MLP (three matrices), no biases, no dropout; optionally MoE MLPs.
+* ``gpt`` — the GPT block of Korthikanti et al. 2022 (LayerNorm, MHA, 4h GeLU MLP, biases,
+  dropout, attention scores materialised). Used only to reproduce the paper's formulas
+  and to calibrate on its runs, which were measured with that block.
+
+The activation memory of a layer is written as a list of saved tensors, each with its size
+per token and how it shards, so every term is visible and the closed forms of Korthikanti
+et al. fall out as sums (see `activation_terms`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.model.presets import PRESETS, ModelConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    arch: str = "llama"  # "llama" (ours) | "gpt" (Korthikanti et al. 2022's block)
+    tie_embeddings: bool = False
+    name: str = "custom"
+
+    # ---- derived sizes ---------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def attn_params(self) -> int:
+        """Attention (and norm) parameters of one layer."""
+        h = self.hidden
+        if self.arch == "gpt":  # QKV + out with biases, two LayerNorms (weight + bias)
+            return 4 * h * h + 4 * h + 4 * h
+        return 2 * h * h + 2 * h * self.kv_dim + 2 * h  # wq, wo, wk, wv, two RMSNorm weights
+
+    def dense_mlp_params(self) -> int:
+        """MLP parameters that every rank of a TP group shares out (dense MLP or shared
+        experts and the router of an MoE layer)."""
+        h = self.hidden
+        if self.arch == "gpt":
+            return 2 * h * self.ffn + self.ffn + h
+        if self.moe:
+            return 3 * h * self.expert_ffn * self.shared_experts + h * self.experts
+        return 3 * h * self.ffn
+
+    def expert_params(self) -> int:
+        """Routed-expert parameters of one layer (sharded by expert parallelism)."""
+        return 3 * self.hidden * self.expert_ffn * self.experts if self.moe else 0
+
+    def layer_params(self) -> int:
+        return self.attn_params() + self.dense_mlp_params() + self.expert_params()
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def head_params(self) -> int:
+        """Output layer (and final norm); 0 extra weights when tied to the embedding."""
+        return self.hidden + (0 if self.tie_embeddings else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+
+    def active_params(self) -> int:
+        """Parameters each token touches (MoE: top-k routed + shared experts)."""
+        if not self.moe:
+            return self.num_params()
+        routed = 3 * self.hidden * self.expert_ffn * self.top_k
+        per_layer = self.attn_params() + self.dense_mlp_params() + routed
+        return self.layers * per_layer + self.embedding_params() + self.head_params()
+
+
+def from_model_config(cfg: ModelConfig, seq: int | None = None, name: str = "custom") -> Shape:
+    return Shape(
+        layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
+        ffn=cfg.ffn_dim, vocab=cfg.vocab_size, seq=seq or cfg.max_seq_len,
+        experts=cfg.n_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn_dim,
+        shared_experts=cfg.n_shared_experts, tie_embeddings=cfg.tie_embeddings, name=name,
+    )
+
+
+def from_preset(name: str, seq: int | None = None) -> Shape:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return from_model_config(PRESETS[name], seq, name)
+
+
+def gpt_shape(layers: int, hidden: int, heads: int, seq: int, vocab: int = 51200,
+              name: str = "gpt") -> Shape:
+    """Korthikanti et al.'s GPT block: 4h GeLU MLP; vocab 51200 (Megatron's padded GPT-2
+    vocabulary; the calibration file notes it is not given for these runs)."""
+    return Shape(layers, hidden, heads, heads, 4 * hidden, vocab, seq, arch="gpt", name=name)
+
+
+# ---- saved tensors of one layer ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer keeps for its backward, per token (of the local sequence).
+
+    bytes_per_token: its size per token; `tp`: split by tensor parallelism (heads / FFN
+    columns); otherwise it is a full-hidden tensor that only sequence parallelism splits.
+    `scores`: the attention-probability tensor (size a*s per token), dropped by selective
+    recompute. `keep_full`: the one tensor full recompute keeps (the layer input).
+    """
+
+    name: str
+    bytes_per_token: float
+    tp: bool = False
+    scores: bool = False
+    keep_full: bool = False
+
+
+def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None) -> list[Saved]:
+    """The tensors one layer saves for its backward pass, per token.
+
+    `seq` is the key length each query attends to (the full sequence, also under context
+    parallelism, whose rank holds s/cp queries against all s keys).
+    gpt: Korthikanti et al. 2022, section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh,
+    LayerNorms 4sbh, with 2-byte activations and 1-byte dropout masks).
+    llama: counted from plait's block with fused RMSNorm/SwiGLU kernels and no dropout.
+    """
+    h, a, e = shape.hidden, shape.heads, act_bytes
+    s = shape.seq if seq is None else seq
+    if shape.arch == "gpt":
+        return [
+            Saved("ln1 input", e * h, keep_full=True),
+            Saved("qkv input", e * h),
+            Saved("q, k", 2 * e * h, tp=True),
+            Saved("softmax output", e * a * s, tp=True, scores=True),
+            Saved("attn dropout mask", a * s, tp=True, scores=True),
+            Saved("dropout output", e * a * s, tp=True, scores=True),
+            Saved("v", e * h, tp=True),
+            Saved("out-proj input", e * h, tp=True),
+            Saved("attn out dropout mask", h),
+            Saved("ln2 input", e * h),
+            Saved("fc1 input", e * h),
+            Saved("gelu input", e * 4 * h, tp=True),
+            Saved("fc2 input", e * 4 * h, tp=True),
+            Saved("mlp dropout mask", h),
+        ]
+    kv = shape.kv_dim
+    terms = [
+        Saved("attn norm input", e * h, keep_full=True),
+        Saved("qkv input (norm out)", e * h),
+        Saved("q, k after RoPE", e * (h + kv), tp=True),
+        Saved("v", e * kv, tp=True),
+        Saved("softmax output", e * a * s, tp=True, scores=True),
+        Saved("attention output", e * h, tp=True),
+        Saved("mlp norm input", e * h),
+        Saved("mlp input (norm out)", e * h),
+    ]
+    if shape.moe:
+        k, fe = shape.top_k, shape.expert_ffn
+        terms += [
+            Saved("router logits", 4 * shape.experts, tp=True),
+            Saved("dispatched tokens", e * k * h, tp=True),
+            Saved("expert gate, up, product", 3 * e * k * fe, tp=True),
+            Saved("combine input", e * k * h, tp=True),
+        ]
+        if shape.shared_experts:
+            terms.append(Saved("shared expert gate, up, product",
+                               3 * e * shape.shared_experts * fe, tp=True))
+    else:
+        terms.append(Saved("gate, up, product", 3 * e * shape.ffn, tp=True))
+    return terms

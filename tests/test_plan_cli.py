@@ -1,0 +1,93 @@
+"""`plait plan` through run(): one layout, search, JSON, plot, bad input."""
+
+import argparse
+import io
+import json
+
+import pytest
+
+from plait.plan.cli import add_parser, run
+
+
+def plan(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="plait")
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["plan", *argv])
+    out = io.StringIO()
+    return run(args, out=out), out.getvalue()
+
+
+BASE = ("--model", "llama3-70b", "--gpu", "h100-sxm", "--gpus", "1024", "--global-batch",
+        "1024")
+
+
+def test_layout_json():
+    rc, out = plan(*BASE, "--layout", "tp=8,pp=8,dp=16", "--microbatch", "1", "--schedule",
+                   "interleaved", "--virtual-stages", "2", "--recompute", "selective", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    lay = doc["layouts"][0]
+    assert lay["layout"] == {"tp": 8, "pp": 8, "dp": 16, "cp": 1, "ep": 1}
+    assert lay["microbatches"] == 64 and lay["schedule"] == "interleaved"
+    mem = lay["memory_bytes"]
+    assert set(mem) >= {"parameters", "gradients", "optimizer states", "activations",
+                        "communication buffers"}
+    assert sum(mem.values()) == pytest.approx(lay["memory_total_bytes"])
+    assert sum(lay["time_breakdown_s"].values()) == pytest.approx(lay["step_time_s"], rel=1e-6)
+    dims = {c["dim"] for c in lay["collectives"]}
+    assert dims == {"tp", "pp", "dp"}
+    tp = next(c for c in lay["collectives"] if c["dim"] == "tp")
+    assert tp["link"] == "nvlink" and tp["group"] == 8
+    assert 0 < lay["mfu"] < 1 and lay["hardware_tflops_per_gpu"] >= lay["model_tflops_per_gpu"]
+
+
+def test_search_table_and_words(tmp_path):
+    png = tmp_path / "mem.png"
+    rc, out = plan(*BASE, "--top", "3", "--plot", str(png))
+    assert rc == 0
+    assert "layouts considered" in out and "Best:" in out and "Fit first" in out
+    assert "step time" in out and "collectives per step" in out
+    assert png.stat().st_size > 1000
+
+
+def test_search_json():
+    rc, out = plan(*BASE, "--top", "2", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["layouts_considered"] > 0 and len(doc["layouts"]) == 2
+    assert doc["layouts"][0]["step_time_s"] <= doc["layouts"][1]["step_time_s"]
+
+
+def test_explicit_shape_flags():
+    rc, out = plan("--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000",
+                   "--seq", "4096", "--gpus", "8", "--global-batch-tokens", str(64 * 4096),
+                   "--layout", "tp=8,pp=1,dp=1", "--json")
+    lay = json.loads(out)["layouts"][0]
+    assert rc == 0 and lay["microbatches"] == 64
+
+
+def test_unknown_preset_lists_known():
+    rc, out = plan("--model", "gpt5", "--gpus", "8", "--global-batch", "8")
+    assert rc == 2 and "unknown model preset 'gpt5'" in out and "llama3-405b" in out
+
+
+def test_unknown_gpu_lists_known():
+    rc, out = plan("--model", "tiny", "--gpu", "v100", "--gpus", "8", "--global-batch", "8")
+    assert rc == 2 and "h100-sxm" in out
+
+
+def test_layout_must_multiply_to_gpus():
+    rc, out = plan(*BASE, "--layout", "tp=8,pp=8,dp=8")
+    assert rc == 2 and "does not multiply to the GPU count 1024" in out
+
+
+def test_model_that_fits_nowhere():
+    rc, out = plan("--model", "llama3-405b", "--gpu", "a100-40gb", "--gpus", "8",
+                   "--global-batch", "8")
+    assert rc == 2 and "no layout fits" in out and "GB over" in out
+    assert "largest term is" in out
+
+
+def test_layout_that_does_not_fit_says_so():
+    rc, out = plan("--model", "llama3-70b", "--gpus", "8", "--global-batch", "8",
+                   "--layout", "tp=8,pp=1,dp=1", "--zero", "0")
+    assert rc == 0 and "does NOT fit" in out
