@@ -51,6 +51,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
     p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary")
+    p.add_argument("--trace", help="pp > 1: Chrome trace (Perfetto) of the last step's "
+                   "measured pipeline timeline, a row per rank")
+    p.add_argument("--timeline", help="pp > 1: PNG of the last step's measured timeline")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait before the job fails (default 300)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
@@ -97,8 +100,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         check_data(cfg, data)
     except (ConfigError, DataError) as e:
         return _fail(str(e))
-    if args.metrics_out and not Path(args.metrics_out).resolve().parent.is_dir():
-        return _fail(f"--metrics-out {args.metrics_out}: directory does not exist")
+    for flag in ("metrics_out", "trace", "timeline"):
+        out = getattr(args, flag, None)
+        if out and not Path(out).resolve().parent.is_dir():
+            return _fail(f"--{flag.replace('_', '-')} {out}: directory does not exist")
     rank_args = _strip_flag(argv, "--nproc") + ["--data", str(data)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "plait.train", *rank_args]

@@ -38,7 +38,9 @@ class ParallelConfig:
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
-    virtual_stages: int = 1
+    # Pipeline stages per rank; None: the schedule's own (2 for interleaved and the V
+    # schedules zb-v / dualpipev, else 1).
+    virtual_stages: int | None = None
     # Micro-batches per step per data-parallel replica. None: derived from
     # train.micro_batch_size, or 1 (pp for pipelines) when neither is given.
     microbatches: int | None = None
@@ -164,16 +166,21 @@ class Config:
             problems.append(
                 f"sequence parallel splits train.seq_len={t.seq_len} over tp={p.tp}; use a "
                 f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
+        if p.tp > 1 and p.pp > 1:
+            problems.append(f"tp={p.tp} with pp={p.pp}: tensor and pipeline parallel are not "
+                            "composed yet; use tp=1 or pp=1")
         # -- end tensor parallel --
         if p.pp > m.n_layers:
             problems.append(f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
                             f"pp <= {m.n_layers}")
+        elif p.pp > 1 and p.schedule in SCHEDULES:
+            problems += self._pipeline_problems()
         if m.n_experts:
             problems.append(f"model has {m.n_experts} experts: MoE blocks are not built yet; "
                             "use a dense model (n_experts=0)")
 
         # strategies not built yet are refused, never silently ignored
-        for name, size in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+        for name, size in (("cp", p.cp), ("ep", p.ep)):
             if size > 1:
                 problems.append(
                     f"parallel.{name}={size}: {name} is not implemented in this build yet; "
@@ -241,6 +248,31 @@ class Config:
             problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
         if t.warmup_steps < 0:
             problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+        return problems
+
+    def _pipeline_problems(self) -> list[str]:
+        """The schedule (micro-batches, stage counts) and the layer split, for pp > 1."""
+        from plait.parallel.pipeline.partition import natural_virtual_stages, validate_partition
+        from plait.parallel.pipeline.schedules import validate_schedule_request
+
+        m, p, t = self.model, self.parallel, self.train
+        v = natural_virtual_stages(p.schedule, p.virtual_stages)
+        problems = list(validate_schedule_request(
+            p.schedule, p.pp, self.microbatches(), v))
+        if not problems:
+            problems += validate_partition(m, p.schedule, p.pp, v)
+        if p.schedule == "dualpipe" and p.zero:
+            problems.append(f"zero={p.zero} with schedule dualpipe (two model copies whose "
+                            "gradients are summed) is not supported yet; use zero=0 or "
+                            "schedule dualpipev")
+        if m.tie_embeddings:
+            problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
+                            "sit on different stages; set model.tie_embeddings=false")
+        if t.recompute != "none" and p.schedule in ("zb-h1", "zb-h2", "zb-v", "dualpipev",
+                                                     "dualpipe"):
+            problems.append(f"train.recompute={t.recompute} with schedule {p.schedule} (I/W "
+                            "split) is not supported; use train.recompute=none or schedule "
+                            "1f1b / interleaved / gpipe")
         return problems
 
     def warnings(self) -> list[str]:

@@ -1,8 +1,8 @@
 """ZeRO 1/2/3: parity with the single-process reference, memory by formula, ledger bytes."""
 
 import pytest
-
 from helpers import reference, run_layout
+
 from plait.testing import assert_parity, run_ranks
 
 
@@ -39,9 +39,10 @@ def test_stage3_with_recompute():
 
 def _grad_bytes(outs, n):
     """Gradient bytes of one all-reduce: each unit padded to a multiple of n, fp32."""
+    from helpers import config
+
     from plait.model.transformer import build_model
     from plait.parallel.zero import zero_units
-    from helpers import config
 
     model = build_model(config().model, seed=0, device="meta")
     return sum(-(-sum(p.numel() for p in m.parameters()) // n) * n * 4
@@ -83,6 +84,7 @@ def test_stage3_prefetch_overlaps_compute():
 
 def _prefetch_probe(rank, world):
     from helpers import batches_for, config
+
     from plait.mesh import ParallelMesh
     from plait.train.loop import train
 

@@ -41,6 +41,10 @@ class Handle:
             self._record(time.perf_counter())
         self.done = True
 
+    def is_completed(self) -> bool:
+        """Has the transfer finished? (Never blocks; `wait()` still writes the record.)"""
+        return self.done or self._work is None or self._work.is_completed()
+
 
 _DONE = Handle(None, None)
 

@@ -9,8 +9,10 @@ step (parameters, optimizer states) are seeded from the strategy.
 
 Categories come from the strategy at measurement time: `sources()` returns, for
 "params", "grads", "optimizer" and "comm", the tensors that currently hold that kind of
-state; every other live storage is an activation (or a temporary of the step). The tracker
-costs a few times the step's time: it runs in dedicated measuring steps, not every step.
+state. Every other live storage is counted by the phase that allocated it: `phase` is
+"activations" during forward/backward (activations and their temporaries) and the loop
+sets it to "optimizer" around the update (the update's working memory counts as optimizer).
+The tracker costs a few times the step's time: it runs in dedicated measuring steps only.
 """
 
 from __future__ import annotations
@@ -42,62 +44,82 @@ class MemorySnapshot:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Exact live tensor bytes per category; peak and labelled samples."""
+    """Exact live tensor bytes per category; peak and labelled samples.
+
+    A storage's category is learned whenever it appears in `sources()` (checked after every
+    op), so a buffer allocated a moment before the strategy registers it is still counted
+    in its own category; the peak is recorded as storage sizes and classified on demand.
+    """
 
     def __init__(self, sources: Sources):
         super().__init__()
         self.sources = sources
-        self._live: dict[int, weakref.ref] = {}
+        # storages get a unique id for their lifetime (an address can be reused after a
+        # free), so a peak recorded earlier is still classified with what was learnt later
+        self._uid_of: dict[int, int] = {}  # live storage address -> uid
+        self._live: dict[int, weakref.ref] = {}  # uid -> storage
+        self._born: dict[int, str] = {}  # uid -> phase that allocated it
+        self._category: dict[int, str] = {}  # uid -> category from sources()
+        self._next_uid = 0
+        self.phase = "activations"
         self.peak_total = 0
-        self.peak: MemorySnapshot = MemorySnapshot("peak")
+        self._peak_sizes: dict[int, int] = {}
         self.samples: list[MemorySnapshot] = []
-        self._seed()
+        self._learn()
 
     # ---- bookkeeping -------------------------------------------------------------------
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor) -> int | None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
+            return None
         st = t.untyped_storage()
-        k = _key(st)
-        if k not in self._live:
-            self._live[k] = weakref.ref(st, lambda _, k=k: self._live.pop(k, None))
+        addr = _key(st)
+        if addr not in self._uid_of:
+            uid = self._next_uid
+            self._next_uid += 1
+            self._uid_of[addr] = uid
+            self._live[uid] = weakref.ref(st, lambda _, a=addr, u=uid: self._forget(a, u))
+            self._born[uid] = self.phase
+        return self._uid_of[addr]
 
-    def _seed(self) -> None:
-        for tensors in self.sources().values():
-            for t in tensors:
-                self._track(t)
+    def _forget(self, addr: int, uid: int) -> None:
+        if self._uid_of.get(addr) == uid:
+            del self._uid_of[addr]
+        self._live.pop(uid, None)
 
-    def live_bytes(self) -> int:
-        total = 0
-        for ref in list(self._live.values()):
-            st = ref()
-            if st is not None:
-                total += st.nbytes()
-        return total
-
-    def breakdown(self, label: str) -> MemorySnapshot:
-        """Live bytes now, by category (each storage counted once, first category wins)."""
-        seen: set[int] = set()
-        out = dict.fromkeys(CATEGORIES, 0)
+    def _learn(self) -> None:
+        """Track every tensor the strategy names, and remember its category."""
         for cat, tensors in self.sources().items():
             for t in tensors:
                 if t is None:
                     continue
-                st = t.untyped_storage()
-                k = _key(st)
-                if k in seen:
-                    continue
-                seen.add(k)
-                self._track(t)
-                out[cat] += st.nbytes()
+                uid = self._track(t)
+                if uid is not None:
+                    self._category.setdefault(uid, cat)
+
+    def _sizes(self) -> dict[int, int]:
+        out = {}
         for k, ref in list(self._live.items()):
             st = ref()
-            if st is not None and k not in seen:
-                out["activations"] += st.nbytes()
+            if st is not None:
+                out[k] = st.nbytes()
+        return out
+
+    def _classify(self, sizes: dict[int, int], label: str) -> MemorySnapshot:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for k, n in sizes.items():
+            out[self._category.get(k) or self._born.get(k, "activations")] += n
         return MemorySnapshot(label, out)
 
+    @property
+    def peak(self) -> MemorySnapshot:
+        return self._classify(self._peak_sizes, "peak")
+
+    def live_bytes(self) -> int:
+        return sum(self._sizes().values())
+
     def sample(self, label: str) -> MemorySnapshot:
-        snap = self.breakdown(label)
+        self._learn()
+        snap = self._classify(self._sizes(), label)
         self.samples.append(snap)
         return snap
 
@@ -107,8 +129,9 @@ class MemoryTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
-        total = self.live_bytes()
+        self._learn()
+        sizes = self._sizes()
+        total = sum(sizes.values())
         if total > self.peak_total:
-            self.peak_total = total
-            self.peak = self.breakdown("peak")
+            self.peak_total, self._peak_sizes = total, sizes
         return out

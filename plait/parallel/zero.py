@@ -127,6 +127,8 @@ class ZeroOptimizer:
             raise ValueError("ZeRO units must cover every parameter of the model")
         self.steps = 0
         self.in_backward = False
+        self.max_inflight = 1  # reduce-scatters in flight during backward (memory bound)
+        self._inflight: list[_Unit] = []
         # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
         # overlap is visible against the ledger's all-gather issue times
         self.forward_times: deque[tuple[int, int, float, float]] = deque(maxlen=4096)
@@ -208,6 +210,10 @@ class ZeroOptimizer:
         u.rs_handle = comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, self.dim,
                                           async_op=True, tag="grads")
         u.ready.clear()
+        self._inflight.append(u)
+        # bound the flat gradients in flight: each holds a whole unit's gradient
+        while len(self._inflight) > self.max_inflight:
+            self._complete_reduce_scatter(self._inflight.pop(0))
 
     def _complete_reduce_scatter(self, u: _Unit) -> None:
         u.rs_handle.wait()
@@ -236,8 +242,9 @@ class ZeroOptimizer:
         while self._next_rs < len(self.units):  # units whose grads never came (unused)
             self._launch_reduce_scatter(self.units[-1 - self._next_rs])
             self._next_rs += 1
-        for u in reversed(self.units):
-            self._complete_reduce_scatter(u)
+        while self._inflight:
+            self._complete_reduce_scatter(self._inflight.pop(0))
+        for u in self.units:
             if self.stage == 3 and u.gathered:
                 self._free(u)
         self._next_rs = 0
@@ -264,8 +271,7 @@ class ZeroOptimizer:
         units = [u for u in self.units if u.grad_shard is not None]
         adamw_update(
             masters=[u.master for u in units],
-            grads=[u.grad_shard.float().clone() if u.grad_shard.dtype == torch.float32
-                   else u.grad_shard.float() for u in units],
+            grads=[u.grad_shard for u in units],
             exp_avgs=[u.exp_avg for u in units], exp_avg_sqs=[u.exp_avg_sq for u in units],
             decayed=[u.master[a:b] for u in units for a, b, p in u.segments()
                      if decays("", p)],

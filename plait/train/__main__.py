@@ -24,6 +24,23 @@ from plait.train.loop import train
 from plait.train.report import print_summary, progress_reporter
 
 
+def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None) -> None:
+    """Measured bubble beside the simulator's prediction; the trace and PNG if asked."""
+    from plait.parallel.pipeline.measure import write_timeline, write_trace
+
+    s = report["summary"]
+    print(f"pipeline {s['schedule']} pp={s['pp']} m={s['microbatches']} "
+          f"v={s['virtual_stages']}: {s['partition']}")
+    print(f"  measured bubble {s['measured_bubble']:.1%} (span {s['measured_span'] * 1e3:.1f} "
+          f"ms); simulated for the measured durations {s['simulated_bubble']:.1%} (span "
+          f"{s['simulated_span'] * 1e3:.1f} ms); mean ms per action "
+          + ", ".join(f"{k} {v:.2f}" for k, v in s["mean_ms"].items()))
+    if trace:
+        print(f"  Chrome trace (open in https://ui.perfetto.dev): {write_trace(report, trace)}")
+    if timeline:
+        print(f"  timeline PNG: {write_timeline(report, timeline)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plait.train")
     add_train_args(parser)
@@ -58,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics_file.write(json.dumps(result.summary) + "\n")
         if lead and not args.quiet:
             print_summary(result.summary, result.metrics)
+        if lead and result.pipeline:
+            write_pipeline_outputs(result.pipeline, args.trace, args.timeline)
+        elif lead and (args.trace or args.timeline):
+            print("plait: --trace/--timeline draw a pipeline; this run has pp=1", file=sys.stderr)
     finally:
         if metrics_file:
             metrics_file.close()

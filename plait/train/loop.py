@@ -16,13 +16,15 @@ import torch
 from plait import comm
 from plait.config import Config
 from plait.mesh import ParallelMesh
-from plait.model.transformer import Transformer, build_model
 from plait.observe.memory import MemoryTracker
 from plait.parallel.data import DataParallel
+from plait.parallel.pipeline.measure import pipeline_report
+from plait.parallel.pipeline.partition import build_pipeline
+from plait.parallel.pipeline.runtime import PipelineRuntime, sum_copy_gradients
 from plait.parallel.zero import ZeroOptimizer
 from plait.train.data import GlobalBatches
 from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
-from plait.train.step import global_grad_norm, microbatch_loss
+from plait.train.step import global_grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -31,8 +33,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class TrainResult:
     metrics: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
-    model: Transformer | None = None
+    model: torch.nn.Module | None = None  # the Transformer, or this rank's pipeline stages
     optimizer: object | None = None
+    pipeline: dict | None = None  # pp > 1: measured timeline and bubble (see measure.py)
 
     @property
     def losses(self) -> list[float]:
@@ -41,10 +44,15 @@ class TrainResult:
 
 def full_state(model: torch.nn.Module, optimizer: object | None = None
                ) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters by name, gathered from their shards where they are sharded."""
+    """Full fp32 parameters by name, gathered from their shards where they are sharded. A
+    pipeline rank returns its own stages' parameters, by the model's names."""
     if isinstance(optimizer, ZeroOptimizer):
-        return optimizer.full_state()
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        state = optimizer.full_state()
+    else:
+        state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    if hasattr(model, "model_names"):  # pipeline stages: "stages.3.layers.5.x" -> "layers.5.x"
+        return {model.model_names[n]: v for n, v in state.items() if n in model.model_names}
+    return state
 
 
 def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
@@ -109,19 +117,27 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics."""
     t = cfg.train
-    model = build_model(cfg.model, seed=t.seed, dtype=DTYPES[t.precision])
-    model.recompute = t.recompute == "full"
+    # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
+    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
+    model = pipe.model
     # -- tensor/sequence parallel: module swaps before anything holds the parameters --
-    loss_fn = None
     if cfg.parallel.tp > 1:
         from plait.parallel.tensor import apply_tensor_parallel
-        loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp).loss_sum
+        for stage in pipe.stages.values():
+            stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp).loss_sum
+        if cfg.parallel.pp == 1:  # the stage shares the model's blocks; re-point the ends
+            model.embed, model.head = pipe.stages[0].embed, pipe.stages[0].head
     # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     param_count = sum(q.numel() for _, q in named)
     opt = make_optimizer(model, mesh, cfg)
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
+    # gradient accumulation is the one-stage case of the same runtime
+    runtime = PipelineRuntime(pipe.schedule, pipe.stages, mesh,
+                              (mbs, t.seq_len, cfg.model.dim), DTYPES[t.precision],
+                              before_weight_grad=opt.before_backward,
+                              after_weight_grad=opt.after_backward)
     tokens_per_step = t.global_batch * t.seq_len
     result = TrainResult(model=model)
 
@@ -132,24 +148,24 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             tracker.__enter__()
         start = time.perf_counter()
         local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for mb in range(n_micro):
-            tokens = local[mb * mbs:(mb + 1) * mbs]
-            last = mb == n_micro - 1
-            opt.before_backward(last_microbatch=last)
-            loss = microbatch_loss(model, tokens, tokens_per_step, loss_fn)
-            loss.backward()
-            opt.after_backward(last_microbatch=last)
-            loss_sum += loss.detach().double()
-            del loss
-        norm = opt.grad_norm()
+        micro = [local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)]
+        loss_sum = runtime.step(micro, tokens_per_step)
+        if pipe.schedule.num_chains > 1:  # DualPipe: sum the two copies, count each once
+            sum_copy_gradients(pipe.stages, pipe.schedule, mesh)
+            norm = global_grad_norm(model.owned_parameters(), mesh)
+        else:
+            norm = opt.grad_norm()
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         memory = {}
         if tracker is not None:
             memory["pre_optimizer"] = tracker.sample("pre_optimizer").bytes
+        if tracker is not None:
+            tracker.phase = "optimizer"  # the update's temporaries are optimizer memory
         opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
         opt.zero_grad()
-        # the logged loss is the global-batch mean: sum the replicas' partial sums
+        # the logged loss is the global-batch mean: sum the partial sums of the last
+        # stages (pp) and of the replicas (dp)
+        comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
         comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
         if tracker is not None:
             tracker.__exit__(None, None, None)
@@ -180,4 +196,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         "param_count": param_count,
         "ledger": ledger_summary(mesh, steps_run),
     }
+    if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
+        result.pipeline = pipeline_report(runtime, pipe.partition, mesh)
+        result.summary["pipeline"] = result.pipeline["summary"]
     return result

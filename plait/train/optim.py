@@ -52,7 +52,7 @@ class MixedPrecisionAdamW:
             return
         adamw_update(
             masters=[self.master[i] for i in live],
-            grads=[self.params[i].grad.float() for i in live],
+            grads=[self.params[i].grad for i in live],
             exp_avgs=[self.exp_avg[i] for i in live],
             exp_avg_sqs=[self.exp_avg_sq[i] for i in live],
             decayed=[self.master[i] for i in live if self.decay[i]],
@@ -77,15 +77,30 @@ def adamw_update(masters: list[torch.Tensor], grads: list[torch.Tensor],
                  grad_scale: float = 1.0) -> None:
     """AdamW on fp32 tensors in place, torch.optim.AdamW's arithmetic element for element.
 
-    Multi-tensor (foreach) kernels: a few calls instead of a few per tensor. `decayed` are
-    the masters (or views of them) that take weight decay. `grads` may be modified.
+    Multi-tensor (foreach) kernels: a few calls instead of a few per tensor, in chunks of
+    about `CHUNK` elements so the temporaries (fp32 gradient copy, denominator) stay small.
+    `decayed` are the masters (or views of them) that take weight decay.
     """
+    if decayed and weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+    start, size = 0, 0
+    for i, m in enumerate(masters):
+        size += m.numel()
+        if size >= CHUNK or i == len(masters) - 1:
+            sl = slice(start, i + 1)
+            _adam_chunk(masters[sl], [g.float() for g in grads[sl]], exp_avgs[sl],
+                        exp_avg_sqs[sl], step, lr, betas, eps, grad_scale)
+            start, size = i + 1, 0
+
+
+CHUNK = 1 << 16  # elements per foreach chunk: bounds the update's temporaries
+
+
+def _adam_chunk(masters, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, grad_scale):
     b1, b2 = betas
     bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
     if grad_scale != 1.0:
-        torch._foreach_mul_(grads, grad_scale)
-    if decayed and weight_decay:
-        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+        grads = torch._foreach_mul(grads, grad_scale)  # not in place: grads stay as reduced
     torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
     torch._foreach_mul_(exp_avg_sqs, b2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)

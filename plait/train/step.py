@@ -51,13 +51,19 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> float:
 def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_batch: int,
                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                     ) -> torch.Tensor:
-    """Summed next-token cross-entropy of `tokens` / tokens in the global batch.
+    """Summed next-token cross-entropy of `tokens` / tokens in the global batch."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    return token_loss(model(inputs), targets, tokens_in_global_batch, loss_fn)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_batch: int,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """Summed cross-entropy of logits against targets / tokens in the global batch.
 
     `loss_fn(logits, targets)` (a summed loss) replaces the summed CE when the logits are
     split (tensor parallel's vocab-parallel loss).
     """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(inputs)
     if loss_fn is not None:
         return loss_fn(logits, targets) / tokens_in_global_batch
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),

@@ -1,0 +1,96 @@
+"""plait ZeRO-3 vs torch FSDP2 (fully_shard); plait ZeRO-1/2 vs torch DDP. One run.
+
+    python benchmarks/zero_vs_torch.py [--world 4] [--steps 10] [--model small]
+
+Same model, weights, data, AdamW and clipping; gloo on CPU, one thread per rank, fp32.
+Step time: mean over steps after warm-up, runs alternated. Peak memory: exact peak of live
+tensor bytes on rank 0 during step 1 (plait.observe.memory.MemoryTracker, the same
+measurement for every contender). Ratios are plait / torch (goal <= 1.0 each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from common import batches, bench_config, max_loss_gap, mean_ms, torch_adamw, torch_loop
+
+from plait.mesh import ParallelMesh
+from plait.model.transformer import build_model
+from plait.testing import run_ranks
+from plait.train.data import synthetic_token_file
+from plait.train.loop import train
+
+
+def _plait(rank, world, args, path, stage, measure):
+    cfg = bench_config(args.model, world, args.steps, args.seq_len, args.vocab,
+                       f"parallel.zero={stage}", f"train.memory_step={1 if measure else -1}")
+    res = train(cfg, ParallelMesh.build(cfg.parallel), batches(cfg, path))
+    peak = res.metrics[1].get("memory", {}).get("peak_total")
+    return {"times": [m["step_time"] for m in res.metrics], "losses": res.losses, "peak": peak}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _torch(rank, world, args, path, peer, measure):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = bench_config(args.model, world, args.steps, args.seq_len, args.vocab)
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    if peer == "fsdp2":
+        for block in model.layers:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    else:
+        wrapped = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    named = list(model.named_parameters())
+    optim = torch_adamw(named, cfg)
+
+    def sources():
+        state = [_local(v) for s in optim.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+        return {"params": [_local(p) for _, p in named],
+                "grads": [_local(p.grad) for _, p in named if p.grad is not None],
+                "optimizer": state}
+
+    return torch_loop(wrapped, [p for _, p in named], optim, cfg, batches(cfg, path), rank,
+                      world, args.steps, memory_step=1 if measure else -1, sources=sources)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=4096)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pairs = [(3, "fsdp2"), (1, "ddp"), (2, "ddp")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthetic_token_file(Path(tmp) / "bench.bin", 400_000, args.vocab)
+        print(f"model {args.model}, dp={args.world} (gloo, CPU), fp32, {args.steps} steps x 2")
+        print(f"{'plait':10}{'peer':8}{'plait ms':>10}{'peer ms':>10}{'time ratio':>12}"
+              f"{'plait peak':>14}{'peer peak':>14}{'mem ratio':>11}{'loss gap':>10}")
+        for stage, peer in pairs:
+            mine, theirs = [], []
+            for _ in range(2):  # alternate, so machine noise hits both alike
+                mine.append(run_ranks(_plait, args.world, args, path, stage, False,
+                                      timeout=900)[0])
+                theirs.append(run_ranks(_torch, args.world, args, path, peer, False,
+                                        timeout=900)[0])
+            pm = run_ranks(_plait, args.world, args, path, stage, True, timeout=900)[0]["peak"]
+            tm = run_ranks(_torch, args.world, args, path, peer, True, timeout=900)[0]["peak"]
+            p_ms, t_ms = mean_ms(mine), mean_ms(theirs)
+            print(f"{'zero-' + str(stage):10}{peer:8}{p_ms:>10.1f}{t_ms:>10.1f}"
+                  f"{p_ms / t_ms:>12.3f}{pm / 2**20:>11.2f} MiB{tm / 2**20:>10.2f} MiB"
+                  f"{pm / tm:>11.3f}{max_loss_gap(mine[0], theirs[0]):>10.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The pipeline runtime: execute one rank's lowered action list with real tensors.
+
+The contract is the one `lower.py` states and `check.py` simulates:
+  * a run of consecutive transfers is posted as one `batch_isend_irecv` (ledgered, dim
+    "pp"); posting never blocks, so receives sit posted ahead of their consumer;
+  * a compute waits only for the receives carrying its own inputs;
+  * sends are reaped as they complete and all waited for at the end of the step.
+Gradient accumulation without pipelining is the one-stage case: a schedule of F, B pairs
+on one rank and no transfers.
+
+The I/W split is generic, through autograd, with no backward written by hand. During F,
+forward hooks on every module that owns parameters directly (Linear, RMSNorm, Embedding,
+whatever a strategy swapped in) keep that module's output y. I asks autograd for the
+gradient w.r.t. the stage input *and* every kept y, with the graph retained: one pass that
+computes exactly the input-gradient chain (autograd prunes the weight branches, since no
+parameter is asked for). W then asks, module by module, for the gradient of y w.r.t. that
+module's own parameters, seeded with dy: autograd walks only the branch from y to those
+parameters (the input branch leads to no requested tensor), so each weight gradient is
+computed once, from saved activations, and accumulated into .grad like any backward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm.ops import Handle
+from plait.mesh import ParallelMesh
+from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.lower import lower
+
+Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
+Deferred = list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]  # (params, y, dy)
+
+
+# ---- the I/W split --------------------------------------------------------------------
+
+class OutputCapture:
+    """Keeps the output of each parameter-owning module of `root` while `active` is set."""
+
+    def __init__(self, root: nn.Module):
+        self.active: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self.owners = [m for m in root.modules() if any(True for _ in m.parameters(False))]
+        shared = {id(p) for m in self.owners for p in m.parameters(False)}
+        if len(shared) != sum(len(list(m.parameters(False))) for m in self.owners):
+            raise ValueError("a parameter owned by two modules cannot be split into I and W")
+        self._hooks = [m.register_forward_hook(self._keep) for m in self.owners]
+
+    def _keep(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self.active is not None and torch.is_grad_enabled() and isinstance(
+                output, torch.Tensor) and output.requires_grad:
+            self.active.append((module, output))
+
+    def start(self) -> None:
+        self.active = []
+
+    def stop(self) -> list[tuple[nn.Module, torch.Tensor]]:
+        kept, self.active = self.active or [], None
+        return kept
+
+
+def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
+                   inputs: Sequence[torch.Tensor],
+                   kept: list[tuple[nn.Module, torch.Tensor]]
+                   ) -> tuple[list[torch.Tensor | None], Deferred]:
+    """I: gradients w.r.t. `inputs`, and the deferred weight work (params, y, dy) for W."""
+    ys = [y for _, y in kept]
+    grads = torch.autograd.grad(output, [*inputs, *ys], grad_output, retain_graph=True,
+                                allow_unused=True)
+    deferred = [(list(m.parameters(False)), y, dy)
+                for (m, y), dy in zip(kept, grads[len(inputs):], strict=True) if dy is not None]
+    return list(grads[:len(inputs)]), deferred
+
+
+def backward_weight(deferred: Deferred) -> None:
+    """W: accumulate each module's weight gradient from its kept output and dy."""
+    for params, y, dy in deferred:
+        torch.autograd.backward(y, dy, inputs=[p for p in params if p.requires_grad])
+
+
+# ---- the runtime ----------------------------------------------------------------------
+
+@dataclass
+class _Live:
+    """What one (stage, micro-batch) holds between its F and its last backward action."""
+    x: torch.Tensor | None  # stage input (a leaf) or None on a chain's first stage
+    out: torch.Tensor | None
+    kept: list = field(default_factory=list)
+    deferred: Deferred = field(default_factory=list)
+
+
+class PipelineRuntime:
+    """Runs `schedule` for this rank's `stages` ({stage id: module}), one step at a time."""
+
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], mesh: ParallelMesh,
+                 act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 before_weight_grad: Callable[[bool], None] | None = None,
+                 after_weight_grad: Callable[[bool], None] | None = None, dim: str = "pp"):
+        """`before_weight_grad(last)` runs before each B/W (last: the stage's final one, after
+        which data parallel may reduce its gradients), `after_weight_grad(last)` after each
+        (last: this rank's final one of the step). The optimizer protocol plugs in here."""
+        self.schedule = schedule if schedule.lowered else lower(schedule)
+        self.mesh, self.dim = mesh, dim
+        self.me = mesh.coord(dim) if mesh.size(dim) > 1 else 0
+        self.peers = mesh.group_ranks[dim] if mesh.size(dim) > 1 else [mesh.rank]
+        self.actions = self.schedule.actions[self.me]
+        self.stages = stages
+        self.act_shape, self.act_dtype = act_shape, act_dtype
+        self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
+        kinds = {(a.kind, a.stage) for a in self.actions}
+        # capture hooks only where the schedule splits I from W
+        self.capture = {s: OutputCapture(m) for s, m in stages.items() if ("I", s) in kinds}
+        for s in self.capture:
+            if getattr(stages[s], "recompute", False):
+                raise ValueError("recomputation with an I/W-split schedule is not supported; "
+                                 "use train.recompute=none or a schedule without I/W")
+        # the last gradient-writing action of each stage: data parallel syncs after it
+        last: dict[int, int] = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in ("B", "W"):
+                last[a.stage] = i
+        self.last_grad_action = set(last.values())
+        self.final_grad_action = max(last.values(), default=-1)
+        self.steps_events: list[list[Event]] = []  # per step: this rank's computes
+        self.steps_window: list[tuple[float, float]] = []  # per step: (start, end) on this rank
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self, micro: Sequence[torch.Tensor], tokens_in_global_batch: int) -> torch.Tensor:
+        """Run every action; `micro[mb]` is (rows, seq+1) tokens. Returns the summed loss of
+        the chains that end on this rank (float64, shape (1,); zero elsewhere)."""
+        if len(micro) != self.schedule.microbatches:
+            raise ValueError(f"{len(micro)} micro-batches for a schedule of "
+                             f"{self.schedule.microbatches}")
+        self._micro, self._ntok = micro, tokens_in_global_batch
+        self._live: dict[tuple[int, int], _Live] = {}
+        self._recvs: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
+        self._local_in: dict[tuple[int, int], torch.Tensor] = {}  # same-rank stage boundary
+        self._local_grad: dict[tuple[int, int], torch.Tensor] = {}
+        self._to_send: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._sends: list[tuple[Handle, torch.Tensor]] = []
+        self._loss = torch.zeros(1, dtype=torch.float64)
+        events: list[Event] = []
+        start = time.perf_counter()
+        i = 0
+        while i < len(self.actions):
+            if self.actions[i].is_comm:
+                j = i
+                while j < len(self.actions) and self.actions[j].is_comm:
+                    j += 1
+                self._post(self.actions[i:j])
+                i = j
+                continue
+            events.append(self._compute(self.actions[i], i))
+            self._reap_sends()
+            i += 1
+        for h, _ in self._sends:
+            h.wait()
+        if self._live or self._recvs or self._to_send:
+            raise RuntimeError(f"rank {self.me}: step ended with work left: live "
+                               f"{sorted(self._live)}, receives {sorted(self._recvs)}")
+        self._sends.clear()
+        self.steps_events.append(events)
+        self.steps_window.append((start, time.perf_counter()))
+        return self._loss
+
+    def _post(self, actions: Sequence[Action]) -> None:
+        sends, recvs, keys = [], [], []
+        for a in actions:
+            peer = self.peers[a.peer]
+            if a.kind in ("SEND_F", "SEND_B"):
+                sends.append((self._to_send.pop((a.kind[-1], a.stage, a.microbatch)), peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype)
+                recvs.append((buf, peer))
+                keys.append((a.kind[-1], a.stage, a.microbatch))
+        handles = comm.batch_send_recv(sends, recvs, self.mesh, self.dim, tag="pp")
+        for h, (t, _) in zip(handles, sends, strict=False):
+            self._sends.append((h, t))  # keep the tensor alive until the send completes
+        for key, (buf, _), h in zip(keys, recvs, handles[len(sends):], strict=True):
+            self._recvs[key] = (buf, h)
+
+    def _reap_sends(self) -> None:
+        # free sent activations as soon as the transfer is done, not at the step's end
+        if self._sends and self._sends[0][0].is_completed():
+            keep = []
+            for h, t in self._sends:
+                if h.is_completed():
+                    h.wait()
+                else:
+                    keep.append((h, t))
+            self._sends = keep
+
+    def _arrived(self, kind: str, stage: int, mb: int) -> torch.Tensor:
+        buf, h = self._recvs.pop((kind, stage, mb))
+        h.wait()
+        return buf
+
+    def _compute(self, a: Action, index: int) -> Event:
+        sched, s, mb = self.schedule, a.stage, a.microbatch
+        first, last = sched.prev_stage(s) is None, sched.next_stage(s) is None
+        if a.kind == "F":
+            if first:
+                x = self._micro[mb][:, :-1]
+            elif ("F", s, mb) in self._recvs:
+                x = self._arrived("F", s, mb).requires_grad_()
+            else:
+                x = self._local_in.pop((s, mb))
+            t0 = time.perf_counter()
+            cap = self.capture.get(s)
+            if cap:
+                cap.start()
+            targets = self._micro[mb][:, 1:] if last else None
+            out = self.stages[s](x, targets, self._ntok)
+            kept = cap.stop() if cap else []
+            self._live[s, mb] = _Live(None if first else x, out, kept)
+            nxt = sched.next_stage(s)
+            if last:
+                self._loss += out.detach().double()
+            elif sched.stage_to_rank[nxt] == self.me:
+                self._local_in[nxt, mb] = out.detach().requires_grad_()
+            else:
+                self._to_send["F", s, mb] = out.detach()
+            return ("F", s, mb, t0, time.perf_counter())
+
+        if a.kind == "W":
+            t0 = time.perf_counter()
+            if self.before_weight_grad is not None:
+                self.before_weight_grad(index in self.last_grad_action)
+            backward_weight(self._live.pop((s, mb)).deferred)
+            if self.after_weight_grad is not None:
+                self.after_weight_grad(index == self.final_grad_action)
+            return ("W", s, mb, t0, time.perf_counter())
+
+        # B or I: needs the gradient of the stage output
+        if last:
+            grad_out = None
+        elif ("B", s, mb) in self._recvs:
+            grad_out = self._arrived("B", s, mb)
+        else:
+            grad_out = self._local_grad.pop((s, mb))
+        t0 = time.perf_counter()
+        live = self._live[s, mb]
+        if a.kind == "B":
+            if self.before_weight_grad is not None:
+                self.before_weight_grad(index in self.last_grad_action)
+            torch.autograd.backward(live.out, grad_out)
+            grad_x = None if first else live.x.grad
+            del self._live[s, mb]  # activations of this micro-batch are free now
+            if self.after_weight_grad is not None:
+                self.after_weight_grad(index == self.final_grad_action)
+        else:
+            inputs = [] if first else [live.x]
+            grads, live.deferred = backward_input(live.out, grad_out, inputs, live.kept)
+            grad_x = grads[0] if inputs else None
+            live.x, live.out, live.kept = None, None, []  # W needs only (params, y, dy)
+        prev = sched.prev_stage(s)
+        if prev is not None:
+            if sched.stage_to_rank[prev] == self.me:
+                self._local_grad[prev, mb] = grad_x
+            else:
+                self._to_send["B", s, mb] = grad_x
+        return (a.kind, s, mb, t0, time.perf_counter())
+
+
+# ---- DualPipe: two copies of every block ----------------------------------------------
+
+def sum_copy_gradients(stages: dict[int, nn.Module], schedule: Schedule, mesh: ParallelMesh,
+                       dim: str = "pp") -> None:
+    """DualPipe holds block j on rank j (copy 0) and on rank p-1-j (copy 1); both copies
+    must step with the sum of their gradients. Each rank swaps its flat gradients with its
+    mirror rank (ledgered send/recv) and adds: the blocks line up once sorted by block."""
+    if schedule.num_chains == 1:
+        return
+    me = mesh.coord(dim)
+    mirror = mesh.group_ranks[dim][schedule.pp - 1 - me]
+    order = sorted(stages, key=schedule.model_stage)
+    params = [p for s in order for p in stages[s].parameters()]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    theirs = torch.empty_like(flat)
+    for h in comm.batch_send_recv([(flat, mirror)], [(theirs, mirror)], mesh, dim,
+                                  tag="pp_copies"):
+        h.wait()
+    flat += theirs
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n

@@ -1,0 +1,235 @@
+"""Pipeline runtime: I/W split, partition, validation, parity of every schedule, ledger."""
+
+import json
+
+import pytest
+import torch
+from helpers import batches_for, config, reference, run_layout
+
+from plait.config import ConfigError
+from plait.mesh import ParallelMesh
+from plait.model.presets import PRESETS
+from plait.model.transformer import Block, build_model, rope_tables
+from plait.parallel.pipeline.lower import lower
+from plait.parallel.pipeline.partition import Stage, partition_layers
+from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
+from plait.parallel.pipeline.schedules import build_schedule
+from plait.testing import PARITY_TOLERANCES, assert_parity, run_ranks
+from plait.train.loop import train
+
+# --- the I/W split is a plain backward, reordered -----------------------------------------
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_iw_split_equals_plain_backward_on_a_block():
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(0)
+    block = Block(cfg)
+    cos, sin = rope_tables(cfg.head_dim, 16, cfg.rope_theta)
+    x = torch.randn(2, 16, cfg.dim, requires_grad=True)
+    g = torch.randn(2, 16, cfg.dim)
+    block(x, cos, sin).backward(g)
+    plain_x, plain = x.grad.clone(), _grads(block)
+    block.zero_grad(set_to_none=True)
+
+    cap = OutputCapture(block)
+    x2 = x.detach().clone().requires_grad_()
+    cap.start()
+    out = block(x2, cos, sin)
+    kept = cap.stop()
+    assert len(kept) == 9  # 2 norms + 4 attention + 3 MLP projections
+    (gx,), deferred = backward_input(out, g, [x2], kept)
+    assert all(p.grad is None for p in block.parameters())  # I wrote no weight gradient
+    torch.testing.assert_close(gx, plain_x, rtol=1e-6, atol=1e-7)
+    backward_weight(deferred)
+    split = _grads(block)
+    for name, ref in plain.items():
+        torch.testing.assert_close(split[name], ref, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_iw_split_on_first_stage_with_embedding_and_accumulation():
+    cfg = config("model.n_layers=2").model
+    model = build_model(cfg, seed=1)
+    stage = Stage(model, (0, 1), first=True, last=False)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    g = torch.randn(2, 8, cfg.dim)
+    for _ in range(2):  # two micro-batches accumulate
+        stage(tokens).backward(g)
+    plain = _grads(stage)
+    stage.zero_grad(set_to_none=True)
+    cap = OutputCapture(stage)
+    pending = []
+    for _ in range(2):
+        cap.start()
+        out = stage(tokens)
+        _, deferred = backward_input(out, g, [], cap.stop())
+        pending.append(deferred)
+    for d in pending:  # W deferred past both I's
+        backward_weight(d)
+    for name, ref in plain.items():
+        torch.testing.assert_close(stage.get_parameter(name).grad, ref, rtol=1e-6, atol=1e-7)
+
+
+# --- partition and validation ---------------------------------------------------------------
+
+
+def test_partition_balances_cost_and_reports_uneven_splits():
+    even = partition_layers(8, 4, embed=0.0, layer=1.0, head=0.0)
+    assert even.layers == ((0, 2), (2, 4), (4, 6), (6, 8)) and even.even
+    heavy = partition_layers(8, 4, embed=0.0, layer=1.0, head=2.0)  # head = 2 layers
+    assert sorted(heavy.costs) == [2.0, 2.0, 3.0, 3.0] and not heavy.even
+    assert heavy.layers[-1] == (7, 8)  # the head's stage takes one layer
+    assert "uneven on purpose" in heavy.describe()
+    assert sum(b - a for a, b in heavy.layers) == 8  # never a dropped layer
+    with pytest.raises(ValueError, match="at most 3 stages"):
+        partition_layers(3, 4)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["parallel.pp=4", "parallel.schedule=zb-h1", "parallel.microbatches=2",
+      "model.n_layers=4"], "microbatches>=4"),
+    (["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=3",
+      "model.n_layers=6"], "virtual_stages=2"),
+    (["parallel.pp=3", "parallel.schedule=dualpipe", "parallel.microbatches=4",
+      "model.n_layers=6"], "even pp"),
+    (["parallel.pp=4", "model.n_layers=2"], "pp <= 2"),
+    (["parallel.pp=4", "parallel.schedule=zb-v", "parallel.microbatches=4",
+      "model.n_layers=4"], "use pp in 2"),
+    (["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.microbatches=2",
+      "model.n_layers=4"], "microbatches>=3"),
+])
+def test_bad_pipeline_requests_fail_validation_naming_options(sets, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config(*sets).check()
+
+
+def test_valid_pipeline_config_passes_and_picks_two_stages_per_rank_for_v():
+    cfg = config("parallel.pp=4", "parallel.schedule=zb-v", "parallel.microbatches=8",
+                 "model.n_layers=8").check()
+    assert cfg.parallel.virtual_stages is None  # the schedule's own: 2
+
+
+# --- parity: every schedule, pp 2 and 4, m 4 and 8 ------------------------------------------
+
+STEPS = "train.steps=2"
+V = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
+CASES = [(s, pp, m) for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v",
+                              "dualpipev", "dualpipe")
+         for pp in (2, 4) for m in (4, 8)
+         if not (s == "dualpipev" and m < 2 * pp - 1)]
+
+
+def _merged(outs):
+    params = {}
+    for o in outs:
+        for n, p in o["params"].items():
+            if n in params:  # a block held twice (dualpipe): copies stay equal
+                assert torch.equal(params[n], p), n
+            params[n] = p
+    return params
+
+
+def _max_err(params, ref_params):
+    return max(float((params[n] - ref_params[n]).abs().max()) for n in ref_params)
+
+
+@pytest.mark.parametrize("schedule, pp, m", CASES)
+def test_schedule_parity(schedule, pp, m):
+    layers = f"model.n_layers={2 * pp}"
+    outs = run_layout(layers, STEPS, f"parallel.pp={pp}", f"parallel.schedule={schedule}",
+                      f"parallel.microbatches={m}")
+    ref_losses, ref_params = reference(layers, STEPS)
+    params = _merged(outs)
+    assert_parity(outs[0]["losses"], params, ref_losses, ref_params)
+    for o in outs[1:]:  # the logged loss is the global mean on every rank
+        assert o["losses"] == outs[0]["losses"]
+    assert _max_err(params, ref_params) < PARITY_TOLERANCES["fp32"]["param_atol"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_pp2_dp2_parity(schedule):
+    sets = ("model.n_layers=4", STEPS, "parallel.pp=2", "parallel.dp=2",
+            f"parallel.schedule={schedule}", "parallel.microbatches=2")
+    outs = run_layout(*sets)
+    ref_losses, ref_params = reference("model.n_layers=4", STEPS)
+    # ranks 0, 1 are one pipeline (pp is inner to dp); 2, 3 the other replica
+    assert_parity(outs[0]["losses"], _merged(outs[:2]), ref_losses, ref_params)
+    assert_parity(outs[2]["losses"], _merged(outs[2:]), ref_losses, ref_params)
+
+
+def test_pp2_dp2_zero1_parity():
+    sets = ("model.n_layers=4", STEPS, "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
+            "parallel.schedule=zb-h1", "parallel.microbatches=2")
+    outs = run_layout(*sets)
+    ref_losses, ref_params = reference("model.n_layers=4", STEPS)
+    for replica in (outs[:2], outs[2:]):
+        assert_parity(replica[0]["losses"], _merged(replica), ref_losses, ref_params)
+
+
+def test_one_stage_runtime_is_gradient_accumulation():
+    outs = run_layout("parallel.microbatches=4", STEPS)
+    assert_parity(outs[0]["losses"], outs[0]["params"], *reference(STEPS))
+
+
+# --- ledger: P2P bytes per step are the boundary crossings ----------------------------------
+
+
+@pytest.mark.parametrize("schedule, pp, m", [("1f1b", 4, 4), ("zb-v", 2, 4),
+                                             ("interleaved", 2, 4), ("dualpipe", 4, 4)])
+def test_ledger_p2p_bytes_are_boundary_crossings(schedule, pp, m):
+    sets = [f"model.n_layers={2 * pp}", STEPS, f"parallel.pp={pp}",
+            f"parallel.schedule={schedule}", f"parallel.microbatches={m}"]
+    outs = run_layout(*sets)
+    cfg = config(*sets)
+    b, s, h = cfg.micro_batch_size(), cfg.train.seq_len, cfg.model.dim
+    act = b * s * h * 4
+    sched = lower(build_schedule(schedule, pp, m, V.get(schedule, 1)))
+    # stage boundaries that cross ranks, once per micro-batch through them
+    crossings = sum(1 for s_ in range(sched.num_stages)
+                    if (n := sched.next_stage(s_)) is not None
+                    and sched.stage_to_rank[n] != sched.stage_to_rank[s_]) * (
+        m // sched.num_chains)
+    total = 0
+    for r, o in enumerate(outs):
+        sends = sum(1 for a in sched.actions[r] if a.kind.startswith("SEND"))
+        for step in range(2):
+            p2p = [x for x in o["ledger"] if x["step"] == step and x["tag"] == "pp"]
+            sent = sum(x["sent"] for x in p2p)
+            assert sent == sends * act
+            assert sum(x["received"] for x in p2p) == sum(
+                1 for a in sched.actions[r] if a.kind.startswith("RECV")) * act
+            total += sent if step == 0 else 0
+    assert total == 2 * crossings * act  # an activation down, a gradient up
+
+
+# --- measured timeline ----------------------------------------------------------------------
+
+
+def _trace_rank(rank, world, sets, out_dir):
+    from plait.parallel.pipeline.measure import write_timeline, write_trace
+
+    cfg = config(*sets).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    result = train(cfg, mesh, batches_for(cfg))
+    if rank == 0:
+        write_trace(result.pipeline, f"{out_dir}/trace.json")
+        write_timeline(result.pipeline, f"{out_dir}/timeline.png")
+    return result.summary["pipeline"]
+
+
+def test_measured_bubble_trace_and_timeline(tmp_path):
+    sets = ["model.n_layers=4", "train.steps=3", "parallel.pp=2", "parallel.schedule=zb-h1",
+            "parallel.microbatches=4"]
+    outs = run_ranks(_trace_rank, 2, sets, str(tmp_path))
+    s = outs[0]
+    assert s == outs[1]  # one report, the same on every rank
+    assert 0 < s["measured_bubble"] < 1 and 0 < s["simulated_bubble"] < 1
+    assert set(s["mean_ms"]) == {"F", "I", "W"} and s["steps_measured"] == 2
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    computes = [e for e in trace if e["ph"] == "X"]
+    assert len(computes) == 2 * 4 * 3  # 2 ranks x 4 micro-batches x (F, I, W)
+    assert {e["pid"] for e in computes} == {0, 1}
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
