@@ -29,6 +29,7 @@ TRAIN_FLAGS = {
     "ep": "parallel.ep", "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
+    "sp": "parallel.sp",
 }
 
 
@@ -47,6 +48,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--recompute", choices=("none", "full"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"))
+    p.add_argument("--sp", action="store_true", default=None,
+                   help="sequence parallel: split norms and residual over tp")
     p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary")
     p.add_argument("--trace", help="pp > 1: Chrome trace (Perfetto) of the last step's "
                    "measured pipeline timeline, a row per rank")

@@ -123,6 +123,13 @@ PARITY_TOLERANCES = {
     # bf16 compute (fp32 masters): activations and gradients carry 8 mantissa bits, so the
     # reduction order shows at ~2^-8 relative in the loss.
     "bf16": {"loss_rtol": 2e-2, "param_atol": 2e-2},
+    # fp32 tensor parallel: TP also reorders sums *inside* every layer (row-parallel partial
+    # products, the vocab-parallel softmax), so a gradient element whose terms cancel can
+    # carry a larger relative error; Adam's g/sqrt(v) turns that into up to ~lr per step.
+    # Measured over 4 steps: loss 3e-7 relative; params 4e-6 (MHA) and 2.9e-4 (GQA, one
+    # embedding element of a token seen once). The gradients themselves are checked tightly:
+    # first-step gradients within grad_rtol of each tensor's largest element (measured 6e-7).
+    "fp32-tp": {"loss_rtol": 1e-5, "param_atol": 1e-3, "grad_rtol": 1e-5},
 }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from plait.config import Config, load_config
 from plait.mesh import ParallelMesh
+from plait.parallel.tensor import gather_full_state
 from plait.testing import run_ranks
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
 from plait.train.loop import full_state, train
@@ -37,7 +38,10 @@ def _train_rank(rank: int, world: int, sets: list[str]):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg))
-    return {"losses": result.losses, "params": full_state(result.model, result.optimizer),
+    params = full_state(result.model, result.optimizer)
+    if cfg.parallel.tp > 1:  # tp shards (of ZeRO's gathered dp shards, if any) -> full
+        params = gather_full_state(result.model, mesh, params)
+    return {"losses": result.losses, "params": params,
             "metrics": result.metrics, "summary": result.summary,
             "ledger": mesh.ledger.to_dicts()}
 

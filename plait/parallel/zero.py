@@ -259,6 +259,7 @@ class ZeroOptimizer:
             for a, b, p in u.segments():
                 owner = all(self.mesh.coord(d) == 0 for d in self.mesh.sizes
                             if d != self.dim and d not in shard_dims(p))
+                owner = owner and getattr(p, "_plait_norm_owner", True)  # tp's replicated KV
                 if owner:
                     total += u.grad_shard[a:b].double().pow(2).sum()
         comm.all_reduce(total, self.mesh, "world", tag="grad_norm")

@@ -120,6 +120,14 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
     model = pipe.model
+    # -- tensor/sequence parallel: module swaps before anything holds the parameters --
+    if cfg.parallel.tp > 1:
+        from plait.parallel.tensor import apply_tensor_parallel
+        for stage in pipe.stages.values():
+            stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp).loss_sum
+        if cfg.parallel.pp == 1:  # the stage shares the model's blocks; re-point the ends
+            model.embed, model.head = pipe.stages[0].embed, pipe.stages[0].head
+    # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     param_count = sum(q.numel() for _, q in named)
     opt = make_optimizer(model, mesh, cfg)

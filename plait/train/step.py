@@ -9,6 +9,7 @@ is the quantity a single-process run logs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,22 +39,33 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> float:
     for p, g in grads:
         sharded = shard_dims(p)
         owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded)
+        # a slice replicated over part of a sharded dim (tp's replicated KV heads) names
+        # the one rank that counts it
+        owner = owner and getattr(p, "_plait_norm_owner", True)
         if owner:
             total += g.double().pow(2).sum()
     comm.all_reduce(total, mesh, "world", tag="grad_norm")
     return math.sqrt(float(total))
 
 
-def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_batch: int
+def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_batch: int,
+                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                     ) -> torch.Tensor:
     """Summed next-token cross-entropy of `tokens` / tokens in the global batch."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    return token_loss(model(inputs), targets, tokens_in_global_batch)
+    return token_loss(model(inputs), targets, tokens_in_global_batch, loss_fn)
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_batch: int
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_batch: int,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                ) -> torch.Tensor:
-    """Summed cross-entropy of logits against targets / tokens in the global batch."""
+    """Summed cross-entropy of logits against targets / tokens in the global batch.
+
+    `loss_fn(logits, targets)` (a summed loss) replaces the summed CE when the logits are
+    split (tensor parallel's vocab-parallel loss).
+    """
+    if loss_fn is not None:
+        return loss_fn(logits, targets) / tokens_in_global_batch
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                targets.reshape(-1), reduction="sum")
     return loss_sum / tokens_in_global_batch

@@ -157,6 +157,7 @@ class Stage(nn.Module):
         self.cfg, self.first, self.last = model.cfg, first, last
         self.bounds = layers
         self.recompute = model.recompute
+        self.loss_fn = None  # a split-logits loss (tensor parallel's vocab-parallel CE)
         if first:
             self.embed = model.embed
         # a ModuleDict keyed by the model's layer index keeps the parameter names
@@ -179,7 +180,7 @@ class Stage(nn.Module):
         logits = self.head(self.norm(x))
         if targets is None:  # logits for a caller that computes its own loss
             return logits
-        return token_loss(logits, targets, tokens_in_global_batch)
+        return token_loss(logits, targets, tokens_in_global_batch, self.loss_fn)
 
 
 def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
