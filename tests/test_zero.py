@@ -116,6 +116,7 @@ def _memory(stage):
 
 def test_persistent_memory_matches_formula_planner_and_peaks_order():
     from helpers import config
+
     from plait.plan import predict_memory
 
     n, peaks = 4, {}
