@@ -23,16 +23,27 @@ __all__ = ["Estimate", "Layout", "Training", "evaluate", "search", "predict_memo
 _HOST = GPU("host", 1e12, 1e15, 1e11, 1e10, 1e10, gpus_per_node=1 << 20)
 
 
-def predict_memory(cfg: Config) -> dict[str, float]:
+def predict_memory(cfg: Config, kernels: str = "fused") -> dict[str, float]:
     """Predicted peak bytes per category on the most loaded rank for a plait Config.
+
+    kernels="fused" (default, GPU planning): the search's model, below. kernels="eager":
+    what plait's own CPU runtime holds at its peak moment (plait/plan/eager.py); the test
+    tests/test_predict_vs_measured.py compares it with the runtime's MemoryTracker.
 
     Categories are the ledger's: parameters, gradients, optimizer states, activations
     (+ logits), communication buffers, and "total". The runtime's attention is SDPA, which
     keeps no score matrix: in the planner's vocabulary its recompute "none" is
     "selective" (scores recomputed), and "full" is "full".
-    Not yet checked against the runtime's ledger (that test lands with the runtime); the
-    activation terms assume fused RMSNorm/SwiGLU kernels, which eager CPU code may exceed.
+    The fused activation terms assume fused RMSNorm/SwiGLU kernels, which eager CPU code
+    exceeds: compare a CPU run with kernels="eager".
     """
+    if kernels == "eager":
+        from plait.plan.eager import eager_memory
+
+        return eager_memory(cfg)  # type: ignore[return-value]
+    if kernels != "fused":
+        raise ValueError(f"kernels={kernels!r}; use 'fused' (GPU stack) or 'eager' (plait's "
+                         "CPU runtime)")
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
 
     p, t = cfg.parallel, cfg.train

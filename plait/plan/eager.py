@@ -1,0 +1,341 @@
+"""Memory of plait's own CPU runtime through one training step: `kernels="eager"`.
+
+The default planner (`kernels="fused"`) sums per-category maxima for a GPU stack (fused
+RMSNorm/SwiGLU, flash attention, NCCL). This model instead follows what plait's eager CPU
+runtime keeps alive, moment by moment, and returns the categories *at the peak moment* of
+the most loaded rank: the quantity the runtime's `MemoryTracker` measures (peak of live
+tensor bytes, classified params / grads / optimizer / comm / activations).
+
+Moments considered, per pipeline rank, walking the rank's action list of the schedule
+(`build_schedule`; pp = 1 is the one-stage F, B per micro-batch case):
+  * loss forward / loss backward of each micro-batch on the stage holding the head: every
+    in-flight micro-batch's saved activations, plus the loss's transients;
+  * the first MLP backward of each layer in each B: saved activations so far, the output
+    gradient, SwiGLU's gradient buffers, the gradients accumulated so far, ZeRO-3's two
+    gathered blocks and ZeRO-2/3's reduce-scatter in flight;
+  * ZeRO-2/3: the flat gradient of each unit as its reduce-scatter is launched;
+  * the end of backward: data-parallel buckets (flat copies of the gradients) / ZeRO-1's
+    reduce-scatter of each unit;
+  * the global grad norm and the optimizer step (chunked foreach temporaries).
+Every term is derived in docs/planner.md ("The eager runtime"). The per-layer saved
+tensors come from plait/plan/activations.py: one formula for our block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from plait.plan.activations import (
+    FP32,
+    kv_width_per_rank,
+    layer_activation_bytes,
+    norm_bytes,
+)
+
+if TYPE_CHECKING:
+    from plait.config import Config
+
+CATEGORIES = ("parameters", "gradients", "optimizer states", "activations", "logits",
+              "communication buffers")
+OPT_CHUNK = 1 << 16  # plait.train.optim.CHUNK: elements per foreach chunk
+
+
+@dataclass
+class Moment:
+    """Live bytes by category at one moment of the step on one rank."""
+
+    name: str
+    bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.bytes.values()))
+
+
+@dataclass
+class _Unit:
+    """One ZeRO unit (or one parameter group): local numel, its largest parameter."""
+
+    name: str
+    numel: int
+    largest: int
+    params: list[int]
+
+
+def _padded_vocab(v: int, t: int) -> int:
+    return -(-v // t) * t
+
+
+def _shapes(cfg: Config):
+    m, p, t = cfg.model, cfg.parallel, cfg.parallel.tp
+    h = m.dim
+    k_t = kv_width_per_rank(m, t)
+    v_t = _padded_vocab(m.vocab_size, t) // t if t > 1 else m.vocab_size
+    layer = [h, h * h // t, h * k_t, h * k_t, h * h // t, h, h * m.ffn_dim // t,
+             h * m.ffn_dim // t, h * m.ffn_dim // t]  # norm, wq, wk, wv, wo, norm, w1, w3, w2
+    return {"h": h, "t": t, "sp": p.sp, "k_t": k_t, "v_t": v_t, "f_t": m.ffn_dim // t,
+            "embed": [v_t * h], "layer": layer, "norm": [h],
+            "head": [] if m.tie_embeddings and p.zero == 0 else [v_t * h]}
+
+
+def _rank_stages(cfg: Config, rank: int):
+    """(schedule, {stage: (first layer, end layer, is_first, is_last)}) of pipeline rank."""
+    from plait.parallel.pipeline.partition import (
+        natural_virtual_stages,
+        num_model_stages,
+        partition_for,
+    )
+    from plait.parallel.pipeline.schedules import build_schedule
+
+    p, n = cfg.parallel, cfg.model.n_layers
+    m = cfg.microbatches()
+    if p.pp == 1:
+        return build_schedule("1f1b", 1, m), {0: (0, n, True, True)}
+    v = natural_virtual_stages(p.schedule, p.virtual_stages)
+    sched = build_schedule(p.schedule, p.pp, m, v)
+    part = partition_for(cfg.model, cfg.train.seq_len, num_model_stages(p.schedule, p.pp, v))
+    out = {}
+    for s in sched.stages_on(rank):
+        j = sched.model_stage(s)
+        a, b = part.layers[j]
+        out[s] = (a, b, j == 0, j == part.num_stages - 1)
+    return sched, out
+
+
+def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
+    """Every candidate peak moment of pipeline rank `rank` (its first dp/tp rank)."""
+    m_cfg, p, tr = cfg.model, cfg.parallel, cfg.train
+    sh = _shapes(cfg)
+    h, t, sp, f_t = sh["h"], sh["t"], sh["sp"], sh["f_t"]
+    e = FP32 if tr.precision == "fp32" else 2
+    pb = e  # parameters and gradients are held in the compute dtype
+    b, s = cfg.micro_batch_size(), tr.seq_len
+    tok = b * s
+    tok_l = tok // t if sp else tok  # tokens of the residual stream on this rank
+    n_dp, zero = p.dp, p.zero
+    recompute = tr.recompute == "full"
+    sched, stages = _rank_stages(cfg, rank)
+
+    # ---- parameters of this rank, as ZeRO units (pp = 1: embed, blocks, norm, head) ----
+    def stage_params(a, z, first, last):
+        out = []
+        if first:
+            out.append(("embed", sh["embed"]))
+        out += [(f"layers.{i}", sh["layer"]) for i in range(a, z)]
+        if last:
+            out += [("norm", sh["norm"]), ("head", sh["head"])]
+        return [(n, ps) for n, ps in out if ps]
+
+    groups = [g for st in sorted(stages) for g in stage_params(*stages[st])]
+    if p.pp > 1:  # a PipelineModule's one child (a ModuleDict) is one ZeRO unit
+        flat = [x for _, ps in groups for x in ps]
+        units = [_Unit("stages", sum(flat), max(flat), flat)]
+    else:
+        units = [_Unit(n, sum(ps), max(ps), ps) for n, ps in groups]
+    n_params = sum(u.numel for u in units)
+    k = {u.name: -(-u.numel // n_dp) for u in units}  # shard elements per unit
+    padded = {u.name: k[u.name] * n_dp for u in units}
+
+    if zero == 0:
+        params = n_params * pb
+        optim = n_params * (8 if e == FP32 else 12)  # fp32: the parameter is its own master
+        grads_full = n_params * pb
+        grad_shards = 0.0
+    else:
+        params = sum(k.values()) * pb if zero == 3 else sum(padded.values()) * pb
+        optim = 12 * sum(k.values())  # fp32 master shard (a copy even in fp32), m, v
+        grads_full = n_params * pb
+        grad_shards = sum(k.values()) * pb
+
+    def states(grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
+               opt_extra: float = 0.0) -> dict[str, float]:
+        g = grads + (grad_shards if zero >= 2 else 0.0)
+        return {"parameters": params + gathered, "gradients": g,
+                "optimizer states": optim + opt_extra, "activations": 0.0, "logits": 0.0,
+                "communication buffers": comm}
+
+    # ---- activations one (stage, micro-batch) keeps between its F and its B -----------
+    layer_saved = layer_activation_bytes(m_cfg, b, s, t, sp, e)
+    ckpt = e * tok_l * h  # recompute: each block keeps only its input
+    rope = FP32 * s * m_cfg.head_dim  # cos, sin tables (s, d/2) fp32, one pair per forward
+    v_t = sh["v_t"]
+    tp_ids = (8 * tok + tok) if t > 1 else 0  # int64 local ids + bool mask (embed / loss)
+    loss_saved = FP32 * tok * v_t + tp_ids  # log-softmax (t=1) / softmax (vocab-parallel)
+
+    def stage_act(st: int, layers_kept: int | None = None) -> float:
+        """Bytes (stage, micro-batch) holds after its F (layers_kept: only the first n)."""
+        a, z, first, last = stages[st]
+        n = z - a if layers_kept is None else layers_kept
+        out = rope + n * (ckpt if recompute else layer_saved)
+        if first:
+            out += tp_ids + 8 * b * (s + 1)  # the micro-batch's tokens
+        if layers_kept is None and last:
+            out += norm_bytes(m_cfg, b, s, t, sp, e) + loss_saved
+        if not last:
+            out += e * tok_l * h  # the stage output, held for its backward
+        if not first and e != FP32 and not recompute:
+            out += e * tok_l * h  # the received input (fp32: it is the first norm's input)
+        return out
+
+    # loss transients on top of what the stage keeps (vocab-parallel: split over t)
+    if t == 1:
+        loss_fwd = e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)  # logits (+ fp32)
+        loss_bwd = 2 * FP32 * tok * v_t  # d(log-softmax) from nll, d(logits) in fp32
+    else:
+        padded_cols = _padded_vocab(m_cfg.vocab_size, t) != m_cfg.vocab_size
+        loss_fwd = (e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)
+                    + (FP32 * tok * v_t if padded_cols else 0))
+        loss_bwd = e * tok * v_t if e != FP32 else 0
+    # first MLP backward of a block: d(out) (whole sequence inside the region), d(product)
+    # in place of the product, d(silu out) and d(w3 out)
+    mlp_bwd = e * tok * h + 2 * e * tok * f_t
+    w2 = h * f_t * pb
+    layer_numel = sum(sh["layer"])
+
+    moments: list[Moment] = []
+    live: dict[tuple[int, int], float] = {}  # (stage, mb) -> bytes held
+    had_b: set[int] = set()  # stages with a backward done this step (grads accumulate)
+    last_b = max((i for i, a in enumerate(sched.actions[rank]) if a.kind in ("B", "I")),
+                 default=-1)
+
+    def grads_of(st: int) -> float:
+        return sum(sum(ps) for _, ps in stage_params(*stages[st])) * pb
+
+    for i, act in enumerate(sched.actions[rank]):
+        if act.kind not in ("F", "B", "I"):
+            continue
+        st, mb = act.stage, act.microbatch
+        a, z, first, last = stages[st]
+        acc = sum(grads_of(x) for x in had_b) if zero < 2 else 0.0
+        if act.kind == "F":
+            live[st, mb] = stage_act(st)
+            if last:
+                base = sum(live.values())
+                mo = Moment(f"loss forward (stage {st}, mb {mb})", states(acc))
+                mo.bytes["activations"] = base
+                mo.bytes["logits"] = loss_fwd
+                moments.append(mo)
+                mo = Moment(f"loss backward (stage {st}, mb {mb})", states(acc))
+                mo.bytes["activations"] = base
+                mo.bytes["logits"] = loss_bwd
+                moments.append(mo)
+            continue
+        # B (or I): the blocks of this stage, last first
+        others = sum(v for key, v in live.items() if key != (st, mb))
+        this_first = stage_act(st, layers_kept=0) - rope  # embed ids/tokens, stage output
+        grads_before = acc
+        if st not in had_b and zero < 2 and last:
+            grads_before += (sum(sh["head"]) + sum(sh["norm"])) * pb
+        for j in range(z - 1, a - 1, -1):
+            kept = j - a  # blocks before j still hold their saved tensors
+            if recompute:
+                act_b = rope + this_first + (kept + 1) * ckpt + layer_saved
+            else:
+                act_b = rope + this_first + (kept + 1) * layer_saved
+            act_b += mlp_bwd - e * tok * f_t  # the product is freed once w2's grad is done
+            gathered = comm = 0.0
+            if zero == 3:  # block j and the prefetched unit before it, gathered whole
+                gathered = (padded[f"layers.{j}"] + padded.get(
+                    f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb
+            if zero >= 2 and p.pp == 1:  # the previous unit's reduce-scatter in flight
+                prev = f"layers.{j + 1}" if j + 1 < z else ("norm" if last else None)
+                if prev in padded:
+                    comm = (padded[prev] + k[prev]) * pb
+            g = grads_before
+            if zero < 2 and st not in had_b:
+                g += (z - 1 - j) * layer_numel * pb
+            mo = Moment(f"block {j} backward (stage {st}, mb {mb})",
+                        states(g + w2, comm, gathered))
+            mo.bytes["activations"] = others + act_b
+            moments.append(mo)
+            if zero >= 2 and p.pp == 1:  # block j's gradients flattened for reduce-scatter
+                u = f"layers.{j}"
+                prev_comm = comm
+                act_rs = others + rope + this_first + kept * (ckpt if recompute
+                                                              else layer_saved)
+                mo = Moment(f"block {j} reduce-scatter launch (mb {mb})",
+                            states(layer_numel * pb, prev_comm + padded[u] * pb,
+                                   gathered))
+                mo.bytes["activations"] = act_rs
+                moments.append(mo)
+        live.pop((st, mb), None)
+        had_b.add(st)
+        if i == last_b:
+            moments += _end_of_step(cfg, units, k, padded, states, grads_full, pb, e)
+    return moments
+
+
+def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states, grads_full,
+                 pb: int, e: int) -> list[Moment]:
+    """Gradient synchronisation, grad norm and the optimizer step."""
+    p, tr = cfg.parallel, cfg.train
+    zero, n_dp = p.zero, p.dp
+    out: list[Moment] = []
+    sharded = p.tp > 1 or p.pp > 1  # parameters carry shard dims: the norm sums in fp64
+    grads = grads_full if zero < 2 else 0.0
+    # data parallel (zero 0, bucketed): every bucket's flat copy lives until finish
+    if zero == 0 and n_dp > 1 and p.data_parallel == "bucketed":
+        out.append(Moment("data-parallel buckets (end of backward)",
+                          states(grads, comm=grads_full)))
+    shard_comm = 0.0
+    if zero == 1 and n_dp > 1:  # each unit: flat gradient, its shard, gloo's working copy
+        done = 0.0
+        for u in units:
+            mo = Moment(f"ZeRO-1 reduce-scatter of {u.name}",
+                        states(grads, comm=done + (padded[u.name] + k[u.name]) * pb))
+            mo.bytes["activations"] = padded[u.name] * pb  # gloo reduce_scatter's copy
+            out.append(mo)
+            done += k[u.name] * pb
+        shard_comm = done
+    # global grad norm: a temporary per parameter (fp64 when anything is sharded)
+    if zero >= 1:
+        largest = max(min(u.largest, k[u.name]) for u in units)
+        tmp = 16 * largest
+    else:
+        largest = max(u.largest for u in units)
+        tmp = 16 * largest if sharded else (4 + (4 if e != FP32 else 0)) * largest
+    mo = Moment("grad norm", states(grads, comm=shard_comm))
+    mo.bytes["activations"] = tmp
+    out.append(mo)
+    # optimizer: foreach chunks of ~OPT_CHUNK elements; each holds fp32 copies of its
+    # gradients (bf16 only), the clipped copies (when clipping is on), the denominator
+    sizes = ([x for u in units for x in u.params] if zero == 0 else [k[u.name] for u in units])
+    per_elem = FP32 * (1 + (1 if tr.grad_clip > 0 else 0) + (1 if pb != FP32 else 0))
+    chunk = biggest = 0
+    for x in sizes:
+        chunk += x
+        if chunk >= OPT_CHUNK:
+            biggest, chunk = max(biggest, chunk), 0
+    biggest = max(biggest, chunk)
+    out.append(Moment("optimizer step", states(grads, comm=shard_comm,
+                                               opt_extra=per_elem * biggest)))
+    return out
+
+
+def eager_memory(cfg: Config) -> dict[str, float | str]:
+    """Peak live bytes by category on the most loaded rank, as plait's CPU runtime holds
+    them; also the moment ("moment") and pipeline rank ("rank") of the peak."""
+    best: Moment | None = None
+    best_rank = 0
+    for r in range(cfg.parallel.pp):
+        for mo in rank_moments(cfg, r):
+            if best is None or mo.total > best.total:
+                best, best_rank = mo, r
+    assert best is not None
+    out: dict[str, float | str] = {c: float(best.bytes.get(c, 0.0)) for c in CATEGORIES}
+    out["total"] = best.total
+    out["moment"] = best.name
+    out["rank"] = best_rank
+    return out
+
+
+def eager_memory_by_rank(cfg: Config) -> list[dict[str, float | str]]:
+    """The peak of each pipeline rank (categories, total, moment)."""
+    rows = []
+    for r in range(cfg.parallel.pp):
+        mo = max(rank_moments(cfg, r), key=lambda x: x.total)
+        row: dict[str, float | str] = {c: float(mo.bytes.get(c, 0.0)) for c in CATEGORIES}
+        row["total"], row["moment"], row["rank"] = mo.total, mo.name, r
+        rows.append(row)
+    return rows
