@@ -116,6 +116,7 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
     n_dp, zero = p.dp, p.zero
     recompute = tr.recompute == "full"
     sched, stages = _rank_stages(cfg, rank)
+    from plait.parallel.pipeline.lower import lower
 
     # ---- parameters of this rank, as ZeRO units (pp = 1: embed, blocks, norm, head) ----
     def stage_params(a, z, first, last):
@@ -148,11 +149,13 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
         grads_full = n_params * pb
         grad_shards = sum(k.values()) * pb
 
+    inputs = 8 * (tr.global_batch // n_dp) * (s + 1)  # this rank's int64 token rows
+
     def states(grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
                opt_extra: float = 0.0) -> dict[str, float]:
         g = grads + (grad_shards if zero >= 2 else 0.0)
         return {"parameters": params + gathered, "gradients": g,
-                "optimizer states": optim + opt_extra, "activations": 0.0, "logits": 0.0,
+                "optimizer states": optim + opt_extra, "activations": inputs, "logits": 0.0,
                 "communication buffers": comm}
 
     # ---- activations one (stage, micro-batch) keeps between its F and its B -----------
@@ -169,7 +172,7 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
         n = z - a if layers_kept is None else layers_kept
         out = rope + n * (ckpt if recompute else layer_saved)
         if first:
-            out += tp_ids + 8 * b * (s + 1)  # the micro-batch's tokens
+            out += tp_ids
         if layers_kept is None and last:
             out += norm_bytes(m_cfg, b, s, t, sp, e) + loss_saved
         if not last:
@@ -187,39 +190,56 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
         loss_fwd = (e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)
                     + (FP32 * tok * v_t if padded_cols else 0))
         loss_bwd = e * tok * v_t if e != FP32 else 0
-    # first MLP backward of a block: d(out) (whole sequence inside the region), d(product)
-    # in place of the product, d(silu out) and d(w3 out)
+    # first MLP backward of a block: d(out) (whole sequence inside the region), then
+    # d(product) (the product itself is freed once w2's gradient is done), d(silu out) and
+    # d(w3 out): net d(out) + 2 f-wide buffers
     mlp_bwd = e * tok * h + 2 * e * tok * f_t
+    recv = e * b * s * h  # a pipeline receive buffer: (mbs, seq, dim) activation or grad
     w2 = h * f_t * pb
     layer_numel = sum(sh["layer"])
 
     moments: list[Moment] = []
     live: dict[tuple[int, int], float] = {}  # (stage, mb) -> bytes held
     had_b: set[int] = set()  # stages with a backward done this step (grads accumulate)
-    last_b = max((i for i, a in enumerate(sched.actions[rank]) if a.kind in ("B", "I")),
-                 default=-1)
+    actions = (sched if sched.lowered else lower(sched)).actions[rank]
+    last_b = max((i for i, a in enumerate(actions) if a.kind in ("B", "I")), default=-1)
 
     def grads_of(st: int) -> float:
         return sum(sum(ps) for _, ps in stage_params(*stages[st])) * pb
 
-    for i, act in enumerate(sched.actions[rank]):
+    pending = 0.0  # receive buffers posted ahead of the compute that consumes them
+    sending = 0.0  # input gradients sent since the last compute (reaped after the next)
+    for i, act in enumerate(actions):
+        if act.kind in ("RECV_F", "RECV_B"):
+            pending += recv
+            continue
+        if act.kind == "SEND_B":  # a fresh input gradient, held until the next compute ends
+            sending += recv
+            continue
         if act.kind not in ("F", "B", "I"):
             continue
         st, mb = act.stage, act.microbatch
+        got_b = act.kind != "F" and sched.next_stage(st) is not None and \
+            sched.stage_to_rank[sched.next_stage(st)] != rank
+        got_f = act.kind == "F" and sched.prev_stage(st) is not None and \
+            sched.stage_to_rank[sched.prev_stage(st)] != rank
+        if got_f:  # the received input becomes the stage input (counted in stage_act)
+            pending -= recv
         a, z, first, last = stages[st]
         acc = sum(grads_of(x) for x in had_b) if zero < 2 else 0.0
         if act.kind == "F":
             live[st, mb] = stage_act(st)
             if last:
-                base = sum(live.values())
+                base = sum(live.values()) + pending + sending
                 mo = Moment(f"loss forward (stage {st}, mb {mb})", states(acc))
-                mo.bytes["activations"] = base
+                mo.bytes["activations"] += base
                 mo.bytes["logits"] = loss_fwd
                 moments.append(mo)
                 mo = Moment(f"loss backward (stage {st}, mb {mb})", states(acc))
-                mo.bytes["activations"] = base
+                mo.bytes["activations"] += base
                 mo.bytes["logits"] = loss_bwd
                 moments.append(mo)
+            sending = 0.0
             continue
         # B (or I): the blocks of this stage, last first
         others = sum(v for key, v in live.items() if key != (st, mb))
@@ -229,11 +249,11 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
             grads_before += (sum(sh["head"]) + sum(sh["norm"])) * pb
         for j in range(z - 1, a - 1, -1):
             kept = j - a  # blocks before j still hold their saved tensors
-            if recompute:
-                act_b = rope + this_first + (kept + 1) * ckpt + layer_saved
+            if recompute:  # fp32: the recomputed block's first norm input is its checkpoint
+                act_b = rope + this_first + (kept + (e != FP32)) * ckpt + layer_saved
             else:
                 act_b = rope + this_first + (kept + 1) * layer_saved
-            act_b += mlp_bwd - e * tok * f_t  # the product is freed once w2's grad is done
+            act_b += mlp_bwd + pending - (recv if got_b else 0.0) + sending
             gathered = comm = 0.0
             if zero == 3:  # block j and the prefetched unit before it, gathered whole
                 gathered = (padded[f"layers.{j}"] + padded.get(
@@ -247,7 +267,7 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
                 g += (z - 1 - j) * layer_numel * pb
             mo = Moment(f"block {j} backward (stage {st}, mb {mb})",
                         states(g + w2, comm, gathered))
-            mo.bytes["activations"] = others + act_b
+            mo.bytes["activations"] += others + act_b
             moments.append(mo)
             if zero >= 2 and p.pp == 1:  # block j's gradients flattened for reduce-scatter
                 u = f"layers.{j}"
@@ -257,10 +277,13 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
                 mo = Moment(f"block {j} reduce-scatter launch (mb {mb})",
                             states(layer_numel * pb, prev_comm + padded[u] * pb,
                                    gathered))
-                mo.bytes["activations"] = act_rs
+                mo.bytes["activations"] += act_rs
                 moments.append(mo)
         live.pop((st, mb), None)
         had_b.add(st)
+        if got_b:
+            pending -= recv
+        sending = 0.0
         if i == last_b:
             moments += _end_of_step(cfg, units, k, padded, states, grads_full, pb, e)
     return moments
@@ -284,7 +307,7 @@ def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states,
         for u in units:
             mo = Moment(f"ZeRO-1 reduce-scatter of {u.name}",
                         states(grads, comm=done + (padded[u.name] + k[u.name]) * pb))
-            mo.bytes["activations"] = padded[u.name] * pb  # gloo reduce_scatter's copy
+            mo.bytes["activations"] += padded[u.name] * pb  # gloo reduce_scatter's copy
             out.append(mo)
             done += k[u.name] * pb
         shard_comm = done
@@ -296,12 +319,13 @@ def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states,
         largest = max(u.largest for u in units)
         tmp = 16 * largest if sharded else (4 + (4 if e != FP32 else 0)) * largest
     mo = Moment("grad norm", states(grads, comm=shard_comm))
-    mo.bytes["activations"] = tmp
+    mo.bytes["activations"] += tmp
     out.append(mo)
-    # optimizer: foreach chunks of ~OPT_CHUNK elements; each holds fp32 copies of its
-    # gradients (bf16 only), the clipped copies (when clipping is on), the denominator
+    # optimizer: foreach chunks of ~OPT_CHUNK elements. A chunk's fp32 gradient copies (bf16
+    # only) live until the clipped copies (clipping on) replace them, and those until the
+    # denominator is built: two fp32 temporaries per element at once, one for fp32 unclipped
     sizes = ([x for u in units for x in u.params] if zero == 0 else [k[u.name] for u in units])
-    per_elem = FP32 * (1 + (1 if tr.grad_clip > 0 else 0) + (1 if pb != FP32 else 0))
+    per_elem = FP32 * (1 if pb == FP32 and tr.grad_clip <= 0 else 2)
     chunk = biggest = 0
     for x in sizes:
         chunk += x
