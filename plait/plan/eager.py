@@ -194,6 +194,7 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
     # d(product) (the product itself is freed once w2's gradient is done), d(silu out) and
     # d(w3 out): net d(out) + 2 f-wide buffers
     mlp_bwd = e * tok * h + 2 * e * tok * f_t
+    dy, dprod = e * tok * h, e * tok * f_t
     recv = e * b * s * h  # a pipeline receive buffer: (mbs, seq, dim) activation or grad
     w2 = h * f_t * pb
     layer_numel = sum(sh["layer"])
@@ -208,12 +209,15 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
         return sum(sum(ps) for _, ps in stage_params(*stages[st])) * pb
 
     pending = 0.0  # receive buffers posted ahead of the compute that consumes them
-    sending = 0.0  # input gradients sent since the last compute (reaped after the next)
+    # Sent tensors stay alive until the end of the step: the runtime frees a send when
+    # `is_completed()`, which gloo's send work never reports before `wait()` (measured), so
+    # every stage output sent (after its B) and every input gradient sent is still held.
+    sending = 0.0
     for i, act in enumerate(actions):
         if act.kind in ("RECV_F", "RECV_B"):
             pending += recv
             continue
-        if act.kind == "SEND_B":  # a fresh input gradient, held until the next compute ends
+        if act.kind == "SEND_B":  # a fresh input gradient, held by the send (see below)
             sending += recv
             continue
         if act.kind not in ("F", "B", "I"):
@@ -235,12 +239,23 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
                 mo.bytes["activations"] += base
                 mo.bytes["logits"] = loss_fwd
                 moments.append(mo)
-                mo = Moment(f"loss backward (stage {st}, mb {mb})", states(acc))
-                mo.bytes["activations"] += base
-                mo.bytes["logits"] = loss_bwd
-                moments.append(mo)
-            sending = 0.0
             continue
+        if last:  # the loss's backward, then the head's
+            base = sum(live.values()) + pending + sending
+            mo = Moment(f"loss backward (stage {st}, mb {mb})", states(acc))
+            mo.bytes["activations"] += base
+            mo.bytes["logits"] = loss_bwd
+            moments.append(mo)
+            # head backward: d(logits) in the compute dtype replaces the kept softmax, the
+            # head's weight gradient (a temporary when accumulated) and d(input) are new
+            head_g = sum(sh["head"]) * pb
+            fresh = head_g if (zero >= 2 or st not in had_b) else 0.0
+            gathered = (padded["head"] + padded["norm"]) * pb if zero == 3 else 0.0
+            mo = Moment(f"head backward (stage {st}, mb {mb})",
+                        states(acc + fresh, gathered=gathered))
+            mo.bytes["activations"] += base - FP32 * tok * v_t + e * tok * h + head_g - fresh
+            mo.bytes["logits"] = e * tok * v_t
+            moments.append(mo)
         # B (or I): the blocks of this stage, last first
         others = sum(v for key, v in live.items() if key != (st, mb))
         this_first = stage_act(st, layers_kept=0) - rope  # embed ids/tokens, stage output
@@ -253,7 +268,7 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
                 act_b = rope + this_first + (kept + (e != FP32)) * ckpt + layer_saved
             else:
                 act_b = rope + this_first + (kept + 1) * layer_saved
-            act_b += mlp_bwd + pending - (recv if got_b else 0.0) + sending
+            act_b += pending - (recv if got_b else 0.0) + sending
             gathered = comm = 0.0
             if zero == 3:  # block j and the prefetched unit before it, gathered whole
                 gathered = (padded[f"layers.{j}"] + padded.get(
@@ -265,9 +280,19 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
             g = grads_before
             if zero < 2 and st not in had_b:
                 g += (z - 1 - j) * layer_numel * pb
-            mo = Moment(f"block {j} backward (stage {st}, mb {mb})",
-                        states(g + w2, comm, gathered))
-            mo.bytes["activations"] += others + act_b
+            # w2's gradient is new (0/1: the first backward; 2/3: since the last
+            # reduce-scatter); accumulated into an existing .grad it is gone by now
+            fresh = w2 if (zero >= 2 or st not in had_b) else 0.0
+            # (a) inside w2's backward: its weight gradient and d(product) are new, the
+            # product is still saved; a gradient to be accumulated is a temporary
+            mo = Moment(f"block {j} w2 backward (stage {st}, mb {mb})",
+                        states(g + fresh, comm, gathered))
+            mo.bytes["activations"] += others + act_b + dy + dprod + (w2 - fresh)
+            moments.append(mo)
+            # (b) SwiGLU's product rule: the product freed, d(silu out), d(w3 out) new
+            mo = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
+                        states(g + fresh, comm, gathered))
+            mo.bytes["activations"] += others + act_b + mlp_bwd
             moments.append(mo)
             if zero >= 2 and p.pp == 1:  # block j's gradients flattened for reduce-scatter
                 u = f"layers.{j}"
@@ -283,7 +308,8 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
         had_b.add(st)
         if got_b:
             pending -= recv
-        sending = 0.0
+        if not last and sched.stage_to_rank[sched.next_stage(st)] != rank:
+            sending += e * tok_l * h  # the stage output outlives its B, held by its send
         if i == last_b:
             moments += _end_of_step(cfg, units, k, padded, states, grads_full, pb, e)
     return moments
