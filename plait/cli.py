@@ -1,4 +1,4 @@
-"""The `plait` command: train | demo | data prepare | simulate | plan.
+"""The `plait` command: train | demo | data prepare | simulate | plan | report.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -183,11 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--vocab-size", type=int)
 
     # subcommands that live beside their subsystem register themselves
+    from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
     from plait.plan import cli as plan_cli
 
     simulate_cli.add_parser(sub)
     plan_cli.add_parser(sub)
+    report_cli.add_parser(sub)
     return parser
 
 

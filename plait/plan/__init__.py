@@ -17,18 +17,20 @@ if TYPE_CHECKING:
     from plait.config import Config
 
 __all__ = ["Estimate", "Layout", "Training", "evaluate", "search", "predict_memory",
-           "Shape", "Cluster"]
+           "estimate_config", "Shape", "Cluster"]
 
 # memory does not depend on speed: a placeholder device large enough to hold anything
 _HOST = GPU("host", 1e12, 1e15, 1e11, 1e10, 1e10, gpus_per_node=1 << 20)
 
 
-def predict_memory(cfg: Config, kernels: str = "fused") -> dict[str, float]:
+def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
+                   ) -> dict[str, float]:
     """Predicted peak bytes per category on the most loaded rank for a plait Config.
 
     kernels="fused" (default, GPU planning): the search's model, below. kernels="eager":
     what plait's own CPU runtime holds at its peak moment (plait/plan/eager.py); the test
     tests/test_predict_vs_measured.py compares it with the runtime's MemoryTracker.
+    `data_windows` (eager only): windows of the token file, for the loader's permutation.
 
     Categories are the ledger's: parameters, gradients, optimizer states, activations
     (+ logits), communication buffers, and "total". The runtime's attention is SDPA, which
@@ -40,20 +42,27 @@ def predict_memory(cfg: Config, kernels: str = "fused") -> dict[str, float]:
     if kernels == "eager":
         from plait.plan.eager import eager_memory
 
-        return eager_memory(cfg)  # type: ignore[return-value]
+        return eager_memory(cfg, data_windows)  # type: ignore[return-value]
     if kernels != "fused":
         raise ValueError(f"kernels={kernels!r}; use 'fused' (GPU stack) or 'eager' (plait's "
                          "CPU runtime)")
+    est = estimate_config(cfg)
+    out = {k: float(v) for k, v in est.memory.items()}
+    out["total"] = float(est.memory_total)
+    return out
+
+
+def estimate_config(cfg: Config) -> Estimate:
+    """The planner's `evaluate` for the layout of a plait Config (memory, collectives)."""
+    from plait.parallel.pipeline.partition import natural_virtual_stages
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
 
     p, t = cfg.parallel, cfg.train
     shape = from_model_config(cfg.model, t.seq_len, cfg.model_name)
     precision = "fp32" if t.precision == "fp32" else "bf16"
     lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, mbs=cfg.micro_batch_size(),
-                 schedule=p.schedule, v=p.virtual_stages, zero=p.zero,
+                 schedule=p.schedule, v=natural_virtual_stages(p.schedule, p.virtual_stages),
+                 zero=p.zero,
                  recompute="full" if t.recompute == "full" else "selective", sp=p.sp)
-    est = evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
-                   lay, EFFICIENCY, simulate=p.pp > 1)
-    out = {k: float(v) for k, v in est.memory.items()}
-    out["total"] = float(est.memory_total)
-    return out
+    return evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
+                    lay, EFFICIENCY, simulate=p.pp > 1)

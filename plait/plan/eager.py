@@ -103,8 +103,11 @@ def _rank_stages(cfg: Config, rank: int):
     return sched, out
 
 
-def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
-    """Every candidate peak moment of pipeline rank `rank` (its first dp/tp rank)."""
+def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Moment]:
+    """Every candidate peak moment of pipeline rank `rank` (its first dp/tp rank).
+
+    `data_windows`: seq_len windows in the token file, when known: the data loader keeps an
+    int64 permutation of them for the epoch (8 bytes each), alive through every step."""
     m_cfg, p, tr = cfg.model, cfg.parallel, cfg.train
     sh = _shapes(cfg)
     h, t, sp, f_t = sh["h"], sh["t"], sh["sp"], sh["f_t"]
@@ -149,7 +152,8 @@ def rank_moments(cfg: Config, rank: int = 0) -> list[Moment]:
         grads_full = n_params * pb
         grad_shards = sum(k.values()) * pb
 
-    inputs = 8 * (tr.global_batch // n_dp) * (s + 1)  # this rank's int64 token rows
+    # this rank's int64 token rows, and the loader's epoch permutation
+    inputs = 8 * (tr.global_batch // n_dp) * (s + 1) + 8 * data_windows
 
     def states(grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
                opt_extra: float = 0.0) -> dict[str, float]:
@@ -363,13 +367,13 @@ def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states,
     return out
 
 
-def eager_memory(cfg: Config) -> dict[str, float | str]:
+def eager_memory(cfg: Config, data_windows: int = 0) -> dict[str, float | str]:
     """Peak live bytes by category on the most loaded rank, as plait's CPU runtime holds
     them; also the moment ("moment") and pipeline rank ("rank") of the peak."""
     best: Moment | None = None
     best_rank = 0
     for r in range(cfg.parallel.pp):
-        for mo in rank_moments(cfg, r):
+        for mo in rank_moments(cfg, r, data_windows):
             if best is None or mo.total > best.total:
                 best, best_rank = mo, r
     assert best is not None
@@ -380,12 +384,25 @@ def eager_memory(cfg: Config) -> dict[str, float | str]:
     return out
 
 
-def eager_memory_by_rank(cfg: Config) -> list[dict[str, float | str]]:
+def eager_memory_by_rank(cfg: Config, data_windows: int = 0) -> list[dict[str, float | str]]:
     """The peak of each pipeline rank (categories, total, moment)."""
     rows = []
     for r in range(cfg.parallel.pp):
-        mo = max(rank_moments(cfg, r), key=lambda x: x.total)
+        mo = max(rank_moments(cfg, r, data_windows), key=lambda x: x.total)
         row: dict[str, float | str] = {c: float(mo.bytes.get(c, 0.0)) for c in CATEGORIES}
         row["total"], row["moment"], row["rank"] = mo.total, mo.name, r
         rows.append(row)
     return rows
+
+
+def token_file_windows(cfg: Config) -> int:
+    """seq_len windows of cfg.train.data (0 when it is not set or not readable): the count
+    `plait.train.data.GlobalBatches` permutes each epoch."""
+    from plait.train.data import DataError, TokenFile
+
+    if not cfg.train.data:
+        return 0
+    try:
+        return (len(TokenFile.open(cfg.train.data)) - 1) // cfg.train.seq_len
+    except (OSError, DataError):
+        return 0

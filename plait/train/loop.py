@@ -194,6 +194,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
         "param_count": param_count,
         "ledger": ledger_summary(mesh, steps_run),
+        "config": cfg.to_dict(),  # what `plait report` predicts from (plait/observe/report.py)
     }
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
         result.pipeline = pipeline_report(runtime, pipe.partition, mesh)

@@ -1,0 +1,192 @@
+"""`plait report`: predicted vs measured, for one training run's metrics file.
+
+    plait train --nproc 2 --dp 2 --set train.memory_step=1 --metrics-out m.jsonl
+    plait report --metrics m.jsonl [--config run.toml | the same train flags] [--json]
+
+Memory: the step `train.memory_step` of the metrics file carries the lead rank's (rank 0's)
+measured peak by category (plait/observe/memory.py); it is compared with the planner's
+prediction for that rank, `plait.plan.eager.eager_memory_by_rank` (kernels="eager": plait's
+CPU runtime; one cost model, the code `plait plan` uses). Communication: the summary's
+ledger (payload bytes per step per collective@dim, rank 0) beside the planner's
+collectives for the layout (`plait.plan.estimate_config`: payload per call × calls per
+step), per mesh dim. The configuration comes from the summary line (`plait train` writes
+it there), or from --config / train flags when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from plait.config import Config, ConfigError, ParallelConfig, TrainConfig
+from plait.model.presets import ModelConfig
+
+# tracker category -> planner categories
+MEMORY_CATEGORIES = {"params": ("parameters",), "grads": ("gradients",),
+                     "optimizer": ("optimizer states",), "comm": ("communication buffers",),
+                     "activations": ("activations", "logits")}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from plait.cli import add_train_args
+
+    p = subparsers.add_parser("report", help="predicted vs measured memory and communication "
+                              "for a metrics file", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--metrics", required=True, help="JSON lines written by plait train "
+                   "--metrics-out (with --set train.memory_step=N for memory)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_train_args(p)  # --config and the train flags, to override the summary's config
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_dict(d: dict) -> Config:
+    par = dict(d["parallel"])
+    par["order"] = tuple(par.get("order", ()))  # JSON made it a list
+    return Config(model=ModelConfig(**d["model"]), parallel=ParallelConfig(**par),
+                  train=TrainConfig(**d["train"]), model_name=d.get("model_name", "custom"))
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], dict]:
+    rows, summary = [], {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if row.get("summary"):
+            summary = row
+        else:
+            rows.append(row)
+    return rows, summary
+
+
+def _flags_given(args: argparse.Namespace) -> bool:
+    from plait.cli import TRAIN_FLAGS
+
+    return bool(args.config or args.set or any(getattr(args, f, None) is not None
+                                                 for f in TRAIN_FLAGS))
+
+
+def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
+    """The comparison as data: memory by category, communication by collective and dim."""
+    from plait.plan import estimate_config
+    from plait.plan.eager import eager_memory_by_rank, token_file_windows
+
+    out: dict[str, Any] = {"layout": summary.get("layout"), "memory": None,
+                           "communication": None, "notes": []}
+    mem_row = next((r for r in rows if "memory" in r), None)
+    if mem_row is None:
+        out["notes"].append("no measured memory: train with --set train.memory_step=N")
+    else:
+        measured, peak_total = mem_row["memory"]["peak"], mem_row["memory"]["peak_total"]
+        # the metrics file is rank 0's (pp rank 0)
+        pred = eager_memory_by_rank(cfg, token_file_windows(cfg))[0]
+        cats = []
+        for cat, names in MEMORY_CATEGORIES.items():
+            p = float(sum(pred[n] for n in names))
+            cats.append({"category": cat, "predicted": p, "measured": measured[cat],
+                         "ratio": p / measured[cat] if measured[cat] else None})
+        cats.append({"category": "total (peak)", "predicted": pred["total"],
+                     "measured": peak_total, "ratio": pred["total"] / peak_total})
+        out["memory"] = {"step": mem_row["step"], "rank": 0, "moment": pred["moment"],
+                         "categories": cats}
+    ledger = summary.get("ledger", {}).get("per_step", {})
+    est = estimate_config(cfg)
+    predicted: dict[str, list[dict]] = {}
+    for c in est.collectives:
+        predicted.setdefault(c.dim, []).append(
+            {"op": c.op, "bytes_per_call": float(c.size), "calls": float(c.count),
+             "bytes_per_step": float(c.size * c.count)})
+    measured_by_dim: dict[str, list[dict]] = {}
+    for key, row in sorted(ledger.items()):
+        op, dim = key.split("@")
+        measured_by_dim.setdefault(dim, []).append(
+            {"op": op, "calls": row["count"], "bytes_per_step": row["payload"]})
+    dims = []
+    for dim in sorted(set(predicted) | set(measured_by_dim)):
+        p = sum(x["bytes_per_step"] for x in predicted.get(dim, []))
+        m = sum(x["bytes_per_step"] for x in measured_by_dim.get(dim, []))
+        dims.append({"dim": dim, "predicted": predicted.get(dim, []),
+                     "measured": measured_by_dim.get(dim, []), "predicted_bytes": p,
+                     "measured_bytes": m, "ratio": p / m if m and p else None})
+    out["communication"] = dims
+    if not ledger:
+        out["notes"].append("the summary line has no ledger")
+    out["notes"].append(
+        "communication: the planner lists the collectives that move model data (gradients, "
+        "parameters, activations); the ledger also counts the metrics and grad-norm "
+        "all-reduces (dims world, and a few bytes on dp/pp), the embedding/loss "
+        "collectives of tp, and sizes everything in the dtype actually sent")
+    return out
+
+
+def _fmt(n: float | None) -> str:
+    from plait.train.report import human_bytes
+
+    return "-" if n is None else human_bytes(n)
+
+
+def print_report(rep: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if rep["memory"]:
+        m = rep["memory"]
+        t = Table(title=f"memory, rank 0, step {m['step']}: predicted (kernels=eager) vs "
+                  f"measured peak - predicted peak moment: {m['moment']}")
+        for col in ("category", "predicted", "measured", "predicted / measured"):
+            t.add_column(col, justify="left" if col == "category" else "right")
+        for c in m["categories"]:
+            t.add_row(c["category"], _fmt(c["predicted"]), _fmt(c["measured"]),
+                      "-" if c["ratio"] is None else f"{c['ratio']:.3f}")
+        console.print(t)
+    t = Table(title="communication per step, rank 0: planner vs ledger (payload bytes)")
+    for col in ("dim", "planner: op x calls", "predicted", "ledger: op x calls", "measured",
+                "ratio"):
+        t.add_column(col, justify="right" if col in ("predicted", "measured", "ratio")
+                     else "left")
+    for d in rep["communication"]:
+        t.add_row(d["dim"],
+                  "\n".join(f"{x['op']} x{x['calls']:g}" for x in d["predicted"]) or "-",
+                  _fmt(d["predicted_bytes"] or None),
+                  "\n".join(f"{x['op']} x{x['calls']:g}" for x in d["measured"]) or "-",
+                  _fmt(d["measured_bytes"] or None),
+                  "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
+    console.print(t)
+    for n in rep["notes"]:
+        console.print(f"note: {n}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from plait.cli import config_from_args
+
+    try:
+        rows, summary = read_metrics(args.metrics)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"plait: --metrics {args.metrics}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if _flags_given(args) or "config" not in summary:
+            if not _flags_given(args):
+                print(f"plait: {args.metrics} has no config in its summary line; pass "
+                      "--config run.toml or the run's train flags", file=sys.stderr)
+                return 2
+            cfg = config_from_args(args)
+        else:
+            cfg = config_from_dict(summary["config"])
+        cfg.check(cfg.parallel.world_size)
+    except (ConfigError, TypeError, KeyError) as e:
+        print(f"plait: {e}", file=sys.stderr)
+        return 2
+    rep = compare(rows, summary, cfg)
+    if args.json:
+        print(json.dumps(rep, indent=1, default=lambda o: dataclasses.asdict(o)))
+    else:
+        print_report(rep)
+    return 0
