@@ -119,6 +119,7 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
     n_dp, zero = p.dp, p.zero
     recompute = tr.recompute == "full"
     sched, stages = _rank_stages(cfg, rank)
+    n_micro = cfg.microbatches()
     from plait.parallel.pipeline.lower import lower
 
     # ---- parameters of this rank, as ZeRO units (pp = 1: embed, blocks, norm, head) ----
@@ -273,14 +274,18 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
             else:
                 act_b = rope + this_first + (kept + 1) * layer_saved
             act_b += pending - (recv if got_b else 0.0) + sending
-            gathered = comm = 0.0
+            gathered = comm = chunks = 0.0
             if zero == 3:  # block j and the prefetched unit before it, gathered whole
                 gathered = (padded[f"layers.{j}"] + padded.get(
                     f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb
-            if zero >= 2 and p.pp == 1:  # the previous unit's reduce-scatter in flight
-                prev = f"layers.{j + 1}" if j + 1 < z else ("norm" if last else None)
-                if prev in padded:
-                    comm = (padded[prev] + k[prev]) * pb
+            rs_now = p.pp == 1 and n_dp > 1 and (zero >= 2 or (zero == 1 and mb == n_micro - 1))
+            if rs_now:  # the previous unit's reduce-scatter in flight
+                done = [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
+                prev = done[0]
+                comm = (padded[prev] + k[prev]) * pb
+                if zero == 1:  # stage 1's finished shards are communication buffers
+                    comm += sum(k[x] for x in done[1:]) * pb
+                chunks = padded[prev] * pb  # gloo's reduce-scatter: all-to-all chunks
             g = grads_before
             if zero < 2 and st not in had_b:
                 g += (z - 1 - j) * layer_numel * pb
@@ -291,22 +296,27 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
             # product is still saved; a gradient to be accumulated is a temporary
             mo = Moment(f"block {j} w2 backward (stage {st}, mb {mb})",
                         states(g + fresh, comm, gathered))
-            mo.bytes["activations"] += others + act_b + dy + dprod + (w2 - fresh)
+            mo.bytes["activations"] += others + act_b + dy + dprod + (w2 - fresh) + chunks
             moments.append(mo)
             # (b) SwiGLU's product rule: the product freed, d(silu out), d(w3 out) new
             mo = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
                         states(g + fresh, comm, gathered))
-            mo.bytes["activations"] += others + act_b + mlp_bwd
+            mo.bytes["activations"] += others + act_b + mlp_bwd + chunks
             moments.append(mo)
-            if zero >= 2 and p.pp == 1:  # block j's gradients flattened for reduce-scatter
+            if rs_now:  # block j's gradients flattened, its reduce-scatter posted
                 u = f"layers.{j}"
-                prev_comm = comm
-                act_rs = others + rope + this_first + kept * (ckpt if recompute
-                                                              else layer_saved)
+                # the block's last weight gradient (attn_norm's) is done while that norm
+                # still keeps its fp32 input and rsqrt; d(x) and d(x·rsqrt) are in flight
+                act_rs = (others + this_first + kept * (ckpt if recompute else layer_saved)
+                          + FP32 * tok_l * (h + 1) + 2 * e * tok * h)
+                g_rs = 0.0  # 2/3: .grad freed into the flat gradient
+                if zero == 1:
+                    g_rs = g + (layer_numel * pb if st not in had_b else 0.0)
+                # ZeRO-3 frees block j before posting: only the prefetched unit is whole
+                gathered_rs = gathered - padded[u] * pb if zero == 3 else 0.0
                 mo = Moment(f"block {j} reduce-scatter launch (mb {mb})",
-                            states(layer_numel * pb, prev_comm + padded[u] * pb,
-                                   gathered))
-                mo.bytes["activations"] += act_rs
+                            states(g_rs, comm + (padded[u] + k[u]) * pb, gathered_rs))
+                mo.bytes["activations"] += act_rs + chunks + padded[u] * pb
                 moments.append(mo)
         live.pop((st, mb), None)
         had_b.add(st)
@@ -331,16 +341,20 @@ def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states,
     if zero == 0 and n_dp > 1 and p.data_parallel == "bucketed":
         out.append(Moment("data-parallel buckets (end of backward)",
                           states(grads, comm=grads_full)))
-    shard_comm = 0.0
-    if zero == 1 and n_dp > 1:  # each unit: flat gradient, its shard, gloo's working copy
-        done = 0.0
-        for u in units:
-            mo = Moment(f"ZeRO-1 reduce-scatter of {u.name}",
-                        states(grads, comm=done + (padded[u.name] + k[u.name]) * pb))
-            mo.bytes["activations"] += padded[u.name] * pb  # gloo reduce_scatter's copy
-            out.append(mo)
-            done += k[u.name] * pb
-        shard_comm = done
+    shard_comm = sum(k.values()) * pb if zero == 1 else 0.0  # stage 1's shards: comm
+    if zero >= 1 and n_dp > 1 and p.pp == 1:  # the embedding's reduce-scatter, the last
+        prev = "layers.0" if "layers.0" in k else "head"
+        comm = (padded["embed"] + padded[prev]) * pb + (shard_comm if zero == 1 else
+                                                        (k["embed"] + k[prev]) * pb)
+        mo = Moment("embedding reduce-scatter (end of backward)", states(grads, comm=comm))
+        mo.bytes["activations"] += (padded["embed"] + padded[prev]) * pb  # all-to-all chunks
+        out.append(mo)
+    elif zero >= 1 and n_dp > 1:  # pp > 1: one unit, reduce-scattered after the last B
+        u = units[0].name
+        comm = (padded[u] + k[u]) * pb + (shard_comm if zero == 1 else 0.0)
+        mo = Moment("reduce-scatter (end of backward)", states(grads, comm=comm))
+        mo.bytes["activations"] += padded[u] * pb
+        out.append(mo)
     # global grad norm: a temporary per parameter (fp64 when anything is sharded)
     if zero >= 1:
         largest = max(min(u.largest, k[u.name]) for u in units)
@@ -364,6 +378,9 @@ def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states,
     biggest = max(biggest, chunk)
     out.append(Moment("optimizer step", states(grads, comm=shard_comm,
                                                opt_extra=per_elem * biggest)))
+    if zero in (1, 2) and pb != FP32:  # every unit's updated shard cast, gathers in flight
+        out.append(Moment("parameter all-gather", states(grads, comm=shard_comm,
+                                                         opt_extra=sum(k.values()) * pb)))
     return out
 
 
