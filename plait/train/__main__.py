@@ -38,8 +38,9 @@ def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None
     d = s["durations_ms"]
     print("  durations used, ms per stage: " + "; ".join(
         f"{k} " + " ".join(f"{x:.2f}" for x in d[k]) for k in ("F", "I", "W"))
-        + f"; p2p {d['p2p']:.2f} (mean of {d['p2p_samples']} waited transfers); post "
-        f"{d['post']:.2f} (CPU {d['post_cpu']:.2f}) per batch of transfers")
+        + f"; p2p {d['p2p']:.2f} (median of {d['p2p_samples']} transfers, "
+        f"{d['p2p_waited']} waited for); post {d['post']:.2f} (CPU {d['post_cpu']:.2f}) "
+        "per batch of transfers")
     print("  measured idle: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items())
           + "; CPU share of compute wall time: "
           + ", ".join(f"{k} {v:.0%}" for k, v in s["cpu_share"].items()))

@@ -9,10 +9,11 @@ input, and its thread CPU time. After training the records are gathered over the
     and where the idle went: waiting for an input, runtime work between computes (posting
     transfers, Python), before a rank's first compute and after its last;
   * the measured durations fed to `simulate()` (the one cost model), whose bubble is the
-    prediction to compare with: mean F, I, W per stage; `p2p`, the mean over the
-    cross-rank edges where the consumer had to wait of (input arrived - producer's
-    compute ended): what the simulator adds to a cross-rank dependency; `post`, the mean
-    time a rank spent posting one batch of transfers;
+    prediction to compare with: mean F, I, W per stage; `p2p`, the median over the
+    cross-rank edges of (input there - producer's compute ended), exact where the consumer
+    waited and a bound where it did not (`p2p_median`): what the simulator adds to a
+    cross-rank dependency; `post`, the mean time a rank spent posting one batch of
+    transfers;
   * the CPU share of compute wall time (thread CPU / wall): below 1 when ranks outnumber
     cores and the OS time-slices them, which inflates every duration;
   * a Chrome trace and a PNG timeline of the last step, one row per rank.
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import torch
 
@@ -116,9 +117,11 @@ def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     return {k: v / total for k, v in out.items()}
 
 
-def p2p_samples(per_rank: list[Rank], schedule: Schedule) -> list[float]:
-    """For each cross-rank dependency whose consumer waited for its input: input arrived
-    (the consumer's start) - the producer's compute ended. The latency the simulator adds."""
+def p2p_samples(per_rank: list[Rank], schedule: Schedule) -> list[tuple[float, bool]]:
+    """Per cross-rank dependency, (latency, exact): the time from the producer's compute end
+    until the input was there on the consumer. Exact (the consumer's start) when the
+    consumer waited for it; otherwise only a bound: it arrived before the consumer began to
+    wait (latency <= wait start - producer end)."""
     rank_of, end_of = schedule.stage_to_rank, {}
     for _, _, evs, _, _ in per_rank:
         for k, s, mb, _, b in evs:
@@ -128,12 +131,31 @@ def p2p_samples(per_rank: list[Rank], schedule: Schedule) -> list[float]:
         for (k, s, mb, a, _), (w, _) in zip(evs, det, strict=True):
             src = (schedule.prev_stage(s) if k == "F" else
                    schedule.next_stage(s) if k in ("I", "B") else None)
-            if src is None or rank_of[src] == rank_of[s] or a - w <= _WAITED:
+            if src is None or rank_of[src] == rank_of[s]:
                 continue
             produced = end_of.get(("F" if k == "F" else "G", src, mb))
             if produced is not None:
-                out.append(a - produced)
+                waited = a - w > _WAITED
+                out.append(((a if waited else w) - produced, waited))
     return out
+
+
+def p2p_median(samples: list[tuple[float, bool]]) -> float:
+    """Median latency from exact values and upper bounds (left-censored data): Kaplan-Meier
+    on -latency. Averaging only the exact ones would over-estimate, since a consumer waits
+    precisely when a transfer was slow. Where the estimate never falls to one half (most
+    values only bounded, below the exact ones), the median of all values, an upper bound."""
+    if not samples:
+        return 0.0
+    ys = sorted((-x, not exact) for x, exact in samples)  # exact first on ties
+    survive, at_risk = 1.0, len(ys)
+    for y, censored in ys:
+        if not censored:
+            survive *= 1 - 1 / at_risk
+            if survive <= 0.5:
+                return max(-y, 0.0)
+        at_risk -= 1
+    return max(median(x for x, _ in samples), 0.0)
 
 
 def measured_durations(steps: list[list[Rank]], schedule: Schedule,
@@ -176,7 +198,7 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     bubbles = [step_bubble(s) for s in used]
     sched = runtime.schedule
     samples = [x for per_rank in used for x in p2p_samples(per_rank, sched)]
-    p2p = mean(samples) if samples else 0.0
+    p2p = p2p_median(samples)
     posts = [b - a for per_rank in used for r in per_rank for a, b, _ in r[4]]
     post_cpu = [c for per_rank in used for r in per_rank for _, _, c in r[4]]
     post = mean(posts) if posts else 0.0
@@ -213,7 +235,8 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
             "F": ms,
             "I": [1e3 * x for x in (durations.backward_input_per_stage or ())],
             "W": [1e3 * x for x in (durations.backward_weight_per_stage or ())],
-            "p2p": 1e3 * p2p, "p2p_samples": len(samples), "post": 1e3 * post,
+            "p2p": 1e3 * p2p, "p2p_samples": len(samples),
+            "p2p_waited": sum(exact for _, exact in samples), "post": 1e3 * post,
             "post_cpu": 1e3 * mean(post_cpu) if post_cpu else 0.0},
         "idle": {k: mean(b[k] for b in breakdowns) for k in breakdowns[0]},
         "cpu_share": {k: sum(cpu[k]) / sum(by_kind[k]) for k in sorted(by_kind)
