@@ -74,3 +74,27 @@ def test_data_prepare_user_files(tmp_path):
     assert r.returncode == 0, r.stderr
     r = plait("data", "prepare", str(tmp_path / "nope.txt"), "--out", str(out))
     assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_tp_sp_zero_layout_through_torchrun(tmp_path):
+    out = tmp_path / "m.jsonl"
+    r = plait("train", "--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--zero", "1",
+              "--data", str(token_file()), *SETS, "--metrics-out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert_parity([s["loss"] for s in rows[:-1]], {}, reference()[0], {}, "fp32-tp")
+    per_step = rows[-1]["ledger"]["per_step"]
+    assert {"reduce_scatter@dp", "all_gather@dp", "reduce_scatter@tp",
+            "all_gather@tp"} <= set(per_step)
+
+
+def test_pipeline_trace_and_timeline_through_torchrun(tmp_path):
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    r = plait("train", "--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
+              "--data", str(token_file()), *SETS, "--trace", str(trace), "--timeline", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "measured bubble" in r.stdout and "simulated" in r.stdout
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}
+    assert png.read_bytes()[:4] == b"\x89PNG"

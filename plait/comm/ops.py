@@ -118,7 +118,24 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh
     payload = _nbytes(input)
     sent, recv = ring_bytes("reduce_scatter", payload, n)
     record = _recorder(mesh, "reduce_scatter", dim, payload, sent, recv, tag, input.dtype)
-    work = dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=mesh.group(dim),
+    group = mesh.group(dim)
+    if op == "sum" and dist.get_backend(group) == "gloo":
+        # gloo's reduce-scatter runs a whole all-reduce underneath (DESIGN.md, Facts). The
+        # direct algorithm sends each rank its chunk from everyone ((n-1)/n of the input,
+        # the same bytes as the ring) and sums the n chunks here, in rank order.
+        chunks = torch.empty_like(input).reshape(n, -1)
+        work = dist.all_to_all_single(chunks, input.reshape(-1), group=group,
+                                      async_op=async_op)
+
+        def sum_chunks() -> None:
+            torch.sum(chunks, dim=0, out=output.reshape(-1))
+
+        if not async_op:
+            sum_chunks()
+            record(time.perf_counter())
+            return None
+        return Handle(work, record, then=sum_chunks)
+    work = dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
                                       async_op=async_op)
     return _run(work, record, async_op)
 

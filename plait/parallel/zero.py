@@ -5,8 +5,9 @@ parameters are views into one flat buffer, padded to a multiple of N = dp; rank 
 elements [r*k, (r+1)*k) of it (k = padded / N) and keeps the fp32 master, Adam momentum and
 variance of that shard only: 12 bytes a parameter / N.
 
-- stage 1: after the last micro-batch, each unit's full gradient is reduce-scattered; each
-  rank updates its shard; the updated shards are all-gathered into the full parameters.
+- stage 1: during the last micro-batch's backward, each unit's full gradient is
+  reduce-scattered as soon as it is complete (overlapping the rest of backward); each rank
+  updates its shard; the updated shards are all-gathered into the full parameters.
 - stage 2: as soon as backward completes a unit's gradients (every micro-batch) they are
   reduce-scattered asynchronously and the full gradient is freed; the shard accumulates.
 - stage 3: the full parameters exist only around use: a unit is all-gathered before its
@@ -128,6 +129,7 @@ class ZeroOptimizer:
         self.steps = 0
         self.in_backward = False
         self.max_inflight = 1  # reduce-scatters in flight during backward (memory bound)
+        self._last_microbatch = True
         self._inflight: list[_Unit] = []
         # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
         # overlap is visible against the ledger's all-gather issue times
@@ -138,8 +140,7 @@ class ZeroOptimizer:
         for u in self.units:
             for p in u.params:
                 p._plait_shard_dims = tuple(shard_dims(p))  # keep what TP set, if anything
-                if stage >= 2:
-                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
             if stage == 3:
                 u.shard = u.full[u.lo:u.hi].clone()
                 self._free(u)
@@ -192,6 +193,8 @@ class ZeroOptimizer:
 
     # ---- gradients: reduce-scatter as units complete (stage >= 2) ---------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self.stage == 1 and not self._last_microbatch:
+            return  # stage 1 accumulates full gradients; it reduces during the last backward
         u = self._where[id(p)]
         u.ready.add(id(p))
         # launch strictly in backward order (last unit first) so every rank matches
@@ -203,7 +206,7 @@ class ZeroOptimizer:
             self._next_rs += 1
 
     def _launch_reduce_scatter(self, u: _Unit) -> None:
-        u.rs_in = u.flat_grad(free=True)
+        u.rs_in = u.flat_grad(free=self.stage >= 2)
         if self.stage == 3 and u.gathered:
             self._free(u)  # its backward is done
         u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype)
@@ -226,18 +229,12 @@ class ZeroOptimizer:
     # ---- the step's protocol (same as DataParallel + optimizer) -------------------------
     def before_backward(self, last_microbatch: bool) -> None:
         self.in_backward = False
+        self._last_microbatch = last_microbatch
 
     def after_backward(self, last_microbatch: bool) -> None:
         """After each micro-batch's backward: stage 1 reduces once, after the last;
         stages 2 and 3 complete this micro-batch's reduce-scatters into the shards."""
-        if self.stage == 1:
-            if not last_microbatch:
-                return
-            for u in self.units:
-                u.rs_in = u.flat_grad(free=False)
-                u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype)
-                comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, self.dim, tag="grads")
-                u.grad_shard, u.rs_out, u.rs_in = u.rs_out, None, None
+        if self.stage == 1 and not last_microbatch:
             return
         while self._next_rs < len(self.units):  # units whose grads never came (unused)
             self._launch_reduce_scatter(self.units[-1 - self._next_rs])
@@ -277,12 +274,15 @@ class ZeroOptimizer:
                      if decays("", p)],
             step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
             weight_decay=self.weight_decay, grad_scale=grad_scale)
-        for u in self.units:
-            if self.stage == 3:
+        if self.stage == 3:  # the next forward gathers
+            for u in self.units:
                 u.shard.copy_(u.master)
-            else:
-                updated = u.master.to(u.full.dtype)
-                comm.all_gather(u.full, updated, self.mesh, self.dim, tag="params")
+            return
+        # all units' gathers in flight at once: one wait instead of one per unit
+        handles = [comm.all_gather(u.full, u.master.to(u.full.dtype), self.mesh, self.dim,
+                                   async_op=True, tag="params") for u in self.units]
+        for h in handles:
+            h.wait()
 
     def zero_grad(self) -> None:
         for u in self.units:
