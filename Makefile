@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -x --durations=15
+	$(PY) -m pytest tests -x --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check plait tests benchmarks

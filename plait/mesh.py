@@ -17,6 +17,10 @@ import torch.distributed as dist
 from plait.comm.ledger import Ledger
 from plait.config import DEFAULT_ORDER, DIMS, ParallelConfig
 
+# Product dims with a group of their own: dp x cp is where expert parallel and the
+# data-parallel gradient reduction of context-parallel runs live. Named "a_b".
+PRODUCTS = (("dp", "cp"),)
+
 
 @dataclass
 class ParallelMesh:
@@ -52,6 +56,9 @@ class ParallelMesh:
         for d in DIMS:
             mesh.group_ranks[d] = mesh.ranks_along(d)
             mesh.groups[d] = None
+        for dims in PRODUCTS:
+            mesh.group_ranks["_".join(dims)] = mesh.ranks_across(dims)
+            mesh.groups["_".join(dims)] = None
         if world > 1:
             mesh._make_groups()
         return mesh
@@ -68,6 +75,19 @@ class ParallelMesh:
             got = dist.get_process_group_ranks(self.groups[d])
             if got != self.group_ranks[d]:  # our rank arithmetic must agree with DeviceMesh's
                 raise RuntimeError(f"mesh dim {d}: DeviceMesh ranks {got} != {self.group_ranks[d]}")
+        for dims in PRODUCTS:
+            name, split = "_".join(dims), [d for d in dims if self.sizes[d] > 1]
+            if len(split) == 1:  # the product is just that dim
+                self.groups[name] = self.groups[split[0]]
+            elif len(split) > 1:
+                # new_group is collective over the world: every rank creates every partition
+                # in the same order and keeps its own
+                partitions = sorted({tuple(self.ranks_across(dims, r))
+                                     for r in range(self.world_size)})
+                for ranks in partitions:
+                    group = dist.new_group(list(ranks))
+                    if self.rank in ranks:
+                        self.groups[name] = group
 
     # ---- rank arithmetic (pure, so tests and the planner can use it without groups) ----
     def strides(self) -> dict[str, int]:
@@ -90,6 +110,12 @@ class ParallelMesh:
         c = self.coords_of(self.rank if rank is None else rank)
         return [self.rank_of({**c, dim: i}) for i in range(self.sizes[dim])]
 
+    def ranks_across(self, dims: tuple[str, ...], rank: int | None = None) -> list[int]:
+        """Global ranks sharing `rank`'s coordinates on every dim not in `dims`, in order."""
+        c = self.coords_of(self.rank if rank is None else rank)
+        return sorted(r for r in range(self.world_size)
+                      if all(self.coords_of(r)[d] == c[d] for d in self.order if d not in dims))
+
     # ---- queries -------------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -97,10 +123,15 @@ class ParallelMesh:
 
     def size(self, dim: str) -> int:
         """Group size along `dim`; "world" is every rank (the default process group)."""
-        return self.world_size if dim == "world" else self.sizes[dim]
+        if dim == "world":
+            return self.world_size
+        return self.sizes[dim] if dim in self.sizes else len(self.group_ranks[dim])
 
     def coord(self, dim: str) -> int:
-        return self.coords[dim]
+        """This rank's index along `dim` (for a product dim: its position in the group)."""
+        if dim in self.coords:
+            return self.coords[dim]
+        return self.group_ranks[dim].index(self.rank)
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
         if dim == "world":

@@ -101,3 +101,18 @@ def test_mesh_rank_arithmetic():
     assert mesh.group_ranks["pp"] == [5, 7]
     assert mesh.group_ranks["dp"] == [1, 5]
     assert not mesh.crosses_nodes("tp") and mesh.crosses_nodes("dp")
+
+
+def _product_group(rank, world):
+    mesh = ParallelMesh.build(ParallelConfig(dp=2, cp=2, tp=2))
+    x = torch.tensor([float(rank)])
+    comm.all_reduce(x, mesh, "dp_cp")
+    return mesh.group_ranks["dp_cp"], mesh.coord("dp_cp"), float(x), mesh.size("dp_cp")
+
+
+def test_dp_x_cp_product_group():
+    outs = run_ranks(_product_group, 8)
+    for rank, (ranks, coord, total, size) in enumerate(outs):
+        # tp innermost: ranks sharing the tp coordinate form the dp x cp group
+        assert ranks == [r for r in range(8) if r % 2 == rank % 2] and size == 4
+        assert ranks[coord] == rank and total == sum(ranks)
