@@ -1,22 +1,28 @@
 """Pipeline schedules: plait's runtime vs torch.distributed.pipelining, same model, one run.
 
-    python benchmarks/pp_vs_torch.py [--steps 8] [--dim 128] [--layers 8]
+    python benchmarks/pp_vs_torch.py [--pp 4] [--microbatches 8] [--steps 6] [--dim 256]
+        [--seq-len 128] [--layers 8] [--schedules 1f1b,interleaved,zb-v,dualpipev]
 
-pp=4, m=8, gloo on CPU, one thread per rank. For each pair (1f1b / Schedule1F1B, interleaved
-v=2 / ScheduleInterleaved1F1B, zb-v / ScheduleZBVZeroBubble, dualpipev / ScheduleDualPipeV)
-both run the same stage modules (plait's partition, same name-seeded weights) on the same
-micro-batches; the optimizer is left out, so a step is one pass of the schedule. Step time
-is barrier to barrier, median over the steps after WARMUP. Measured bubble, for both, is
-1 - (compute busy summed over ranks) / (4 x step time): plait's busy time comes from its
-runtime's records; torch's from timing wrappers on each stage's forward_one_chunk /
-backward_one_chunk / backward_weight_one_chunk. plait's own report (span from the first
-rank entering the step, simulator prediction for the measured mean durations) is printed
-beside it.
+gloo on CPU, one thread per rank. For each pair (1f1b / Schedule1F1B, interleaved v=2 /
+ScheduleInterleaved1F1B, zb-v / ScheduleZBVZeroBubble, dualpipev / ScheduleDualPipeV) both
+run the same stage modules (plait's partition, same name-seeded weights) on the same
+micro-batches, their steps alternated (plait, torch, plait, ...) so both see the same
+machine; the optimizer is left out, so a step is one pass of the schedule. Step time is
+barrier to barrier, median over the steps after WARMUP. Measured bubble ("meas"), for
+both, is 1 - (compute busy summed over ranks) / (pp x step time): plait's busy time comes
+from its runtime's records; torch's from timing wrappers on each stage's
+forward_one_chunk / backward_one_chunk / backward_weight_one_chunk. plait's own report is
+printed beside it: "span" (idle / (pp x span), span from the first rank entering the
+step to the last compute), "sim" the simulator's prediction for the measured per-stage
+durations, p2p latency and post time, "sim0" the same with free transfers, the p2p and
+post used, and the CPU share of compute wall time (below 100% when ranks are time-sliced).
+The load average before and after is printed: on a shared machine it decides the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -35,45 +41,35 @@ from plait.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from plait.testing import run_ranks  # noqa: E402
 from plait.train.step import token_loss  # noqa: E402
 
-PP, M, WARMUP = 4, 8, 2
-PAIRS = [("1f1b", "Schedule1F1B"), ("interleaved", "ScheduleInterleaved1F1B"),
-         ("zb-v", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")]
+WARMUP = 2
+TORCH = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "zb-v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 def _cfg(args, schedule):
     return load_config(sets=[
-        f"parallel.pp={PP}", f"parallel.schedule={schedule}", f"parallel.microbatches={M}",
-        f"model.n_layers={args.layers}", f"model.dim={args.dim}", f"model.ffn_dim={args.ffn}",
+        f"parallel.pp={args.pp}", f"parallel.schedule={schedule}",
+        f"parallel.microbatches={args.microbatches}",
+        f"model.n_layers={args.layers}", f"model.dim={args.dim}",
+        f"model.ffn_dim={args.ffn or args.dim * 11 // 4}",
         f"model.vocab_size={args.vocab}", f"train.seq_len={args.seq_len}",
-        f"train.global_batch={args.batch}"]).check(PP)
+        f"train.global_batch={args.batch}"]).check(args.pp)
 
 
-def _timed_step(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
-def _plait(cfg, mesh, tokens, steps):
+def _plait(cfg, mesh, tokens):
+    """plait's runtime: (one step, this rank's compute busy time of the last step)."""
     pipe = build_pipeline(cfg, mesh.coord("pp"), torch.float32)
-    mbs = cfg.micro_batch_size()
+    mbs, m = cfg.micro_batch_size(), cfg.microbatches()
     rt = PipelineRuntime(pipe.schedule, pipe.stages, mesh, (mbs, cfg.train.seq_len,
                          cfg.model.dim), torch.float32)
-    micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(M)]
+    micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(m)]
     ntok = tokens[:, 1:].numel()
-    times, busy = [], []
-    for _ in range(steps):
-        times.append(_timed_step(lambda: rt.step(micro, ntok)))
-        busy.append(sum(e - s for _, _, _, s, e in rt.steps_events[-1]))
+
+    def step():
+        rt.step(micro, ntok)
         pipe.model.zero_grad(set_to_none=True)
-    return times, busy, pipe, pipe_report(rt, pipe, mesh)
-
-
-def pipe_report(rt, pipe, mesh):
-    rep = pipeline_report(rt, pipe.partition, mesh)["summary"]
-    return {k: rep[k] for k in ("measured_bubble", "simulated_bubble", "mean_ms")}
+        return sum(e - s for _, _, _, s, e in rt.steps_events[-1])
+    return step, rt, pipe
 
 
 class _Logits(torch.nn.Module):
@@ -87,11 +83,12 @@ class _Logits(torch.nn.Module):
         return self.stage(x)
 
 
-def _torch(cfg, mesh, tokens, steps, cls_name, stages_by_id, num_stages):
+def _torch(cfg, mesh, tokens, cls_name, stages_by_id, num_stages):
+    """torch.distributed.pipelining on the same modules: (one step, its busy time)."""
     from torch.distributed import pipelining
 
     group = mesh.group("pp")
-    mbs = cfg.micro_batch_size()
+    mbs, m = cfg.micro_batch_size(), cfg.microbatches()
     ntok = tokens[:, 1:].numel()
     stages, busy_now = [], [0.0]
     for sid in sorted(stages_by_id):
@@ -115,55 +112,64 @@ def _torch(cfg, mesh, tokens, steps, cls_name, stages_by_id, num_stages):
     def loss_fn(logits, target):
         return token_loss(logits, target, ntok)
 
-    sched = cls(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn,
+    sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=loss_fn,
                 scale_grads=False)
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    def run():
+    def step():
+        busy_now[0] = 0.0
         kwargs = {"target": y} if has_last else {}
         if has_first:
             sched.step(x, **kwargs)
         else:
             sched.step(**kwargs)
-
-    times, busy = [], []
-    for _ in range(steps):
-        busy_now[0] = 0.0
-        times.append(_timed_step(run))
-        busy.append(busy_now[0])
         for s in stages:
             s.submod.zero_grad(set_to_none=True)
-    return times, busy
+        return busy_now[0]
+    return step
 
 
-def _bubble(times, busy, mesh):
+def _timed(step) -> tuple[float, float]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    busy = step()
+    dist.barrier()
+    return time.perf_counter() - t0, busy
+
+
+def _bubble(samples, mesh):
     """1 - busy summed over ranks / (pp x step), per measured step, median."""
     out = []
-    for t, b in zip(times[WARMUP:], busy[WARMUP:], strict=True):
+    for t, b in samples[WARMUP:]:
         total = torch.tensor([b], dtype=torch.float64)
         dist.all_reduce(total, group=mesh.group("pp"))
-        out.append(1 - float(total) / (PP * t))
+        out.append(1 - float(total) / (mesh.size("pp") * t))
     return statistics.median(out)
 
 
 def _rank(rank, world, args):
     torch.manual_seed(0)
     results = {}
-    for ours, theirs in PAIRS:
+    for ours in args.schedules.split(","):
         cfg = _cfg(args, ours)
         mesh = ParallelMesh.build(cfg.parallel)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1),
                                generator=torch.Generator().manual_seed(1))
-        t_p, b_p, pipe, rep = _plait(cfg, mesh, tokens, args.steps)
+        p_step, rt, pipe = _plait(cfg, mesh, tokens)
         fresh = build_pipeline(cfg, mesh.coord("pp"), torch.float32)  # same weights, no grads
-        t_t, b_t = _torch(cfg, mesh, tokens, args.steps, theirs, fresh.stages,
-                          fresh.schedule.num_stages)
+        t_step = _torch(cfg, mesh, tokens, TORCH[ours], fresh.stages,
+                        fresh.schedule.num_stages)
+        p_s, t_s = [], []
+        for _ in range(args.steps):  # alternated: both see the same machine
+            p_s.append(_timed(p_step))
+            t_s.append(_timed(t_step))
+        rep = pipeline_report(rt, pipe.partition, mesh)["summary"]
         results[ours] = {
-            "theirs": theirs, "plait_s": statistics.median(t_p[WARMUP:]),
-            "torch_s": statistics.median(t_t[WARMUP:]),
-            "plait_bubble": _bubble(t_p, b_p, mesh), "torch_bubble": _bubble(t_t, b_t, mesh),
+            "theirs": TORCH[ours], "plait_s": statistics.median(t for t, _ in p_s[WARMUP:]),
+            "torch_s": statistics.median(t for t, _ in t_s[WARMUP:]),
+            "plait_bubble": _bubble(p_s, mesh), "torch_bubble": _bubble(t_s, mesh),
             "report": rep, "partition": fresh.partition.describe(),
         }
     return results
@@ -171,29 +177,48 @@ def _rank(rank, world, args):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--ffn", type=int, default=352)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=0, help="default 11/4 x dim")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--schedules", default="1f1b,interleaved,zb-v,dualpipev")
     args = ap.parse_args()
-    res = run_ranks(_rank, PP, args, timeout=900, pg_timeout=120)[0]
-    print(f"pp={PP} m={M}, gloo CPU, dim {args.dim}, {args.layers} layers, seq {args.seq_len}, "
-          f"batch {args.batch}; {res['1f1b']['partition']}")
-    print(f"{'schedule':<12}{'torch':<26}{'plait ms':>9}{'torch ms':>9}{'ratio':>7}"
-          f"{'bubble plait':>13}{'bubble torch':>13}{'plait report: meas':>20}{'sim':>7}")
+    load0 = os.getloadavg()
+    res = run_ranks(_rank, args.pp, args, timeout=1200, pg_timeout=300)[0]
+    load1 = os.getloadavg()
+    first = next(iter(res.values()))
+    print(f"pp={args.pp} m={args.microbatches}, gloo CPU ({os.cpu_count()} cores), dim "
+          f"{args.dim}, {args.layers} layers, seq {args.seq_len}, batch {args.batch}, "
+          f"{args.steps} steps (median of the last {args.steps - WARMUP}); "
+          f"load average before {load0[0]:.1f}, after {load1[0]:.1f}")
+    print(f"  plait partition ({next(iter(res))}): {first['partition']}")
+    print(f"{'schedule':<12}{'plait ms':>9}{'torch ms':>9}{'ratio':>7} | {'bubble: plait':>13}"
+          f"{'torch':>7} | {'plait report: span':>19}{'sim':>7}{'sim0':>7}{'p2p ms':>8}"
+          f"{'post ms':>8}{'CPU':>6}")
     for ours, r in res.items():
         rep = r["report"]
-        print(f"{ours:<12}{r['theirs']:<26}{r['plait_s'] * 1e3:>9.1f}{r['torch_s'] * 1e3:>9.1f}"
-              f"{r['plait_s'] / r['torch_s']:>7.2f}{r['plait_bubble']:>13.1%}"
-              f"{r['torch_bubble']:>13.1%}{rep['measured_bubble']:>20.1%}"
-              f"{rep['simulated_bubble']:>7.1%}")
-    base = res["1f1b"]["plait_bubble"]
-    for name in ("zb-v", "dualpipev"):
-        print(f"{name} bubble / 1f1b bubble (plait): {res[name]['plait_bubble'] / base:.2f} "
-              "(goal <= 0.33)")
+        d = rep["durations_ms"]
+        cpu = min(rep["cpu_share"].values())
+        print(f"{ours:<12}{r['plait_s'] * 1e3:>9.1f}{r['torch_s'] * 1e3:>9.1f}"
+              f"{r['plait_s'] / r['torch_s']:>7.2f} | {r['plait_bubble']:>13.1%}"
+              f"{r['torch_bubble']:>7.1%} | {rep['measured_bubble']:>19.1%}"
+              f"{rep['simulated_bubble']:>7.1%}{rep['simulated_bubble_no_comm']:>7.1%}"
+              f"{d['p2p']:>8.2f}{d['post']:>8.2f}{cpu:>6.0%}")
+    if "1f1b" in res:
+        base = res["1f1b"]
+        for name in ("interleaved", "zb-v", "dualpipev"):
+            if name in res:
+                r = res[name]
+                ratios = [r[k] / base[k] for k in ("plait_bubble", "torch_bubble")]
+                sim = r["report"]["simulated_bubble"] / base["report"]["simulated_bubble"]
+                print(f"{name} bubble / 1f1b bubble: plait {ratios[0]:.2f}, torch "
+                      f"{ratios[1]:.2f}, simulated {sim:.2f} (goal for zb-v and dualpipev "
+                      "<= 0.33)")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,18 @@ def test_ledger_p2p_bytes_are_boundary_crossings(schedule, pp, m):
 # --- measured timeline ----------------------------------------------------------------------
 
 
+def test_p2p_median_from_exact_values_and_bounds():
+    from plait.parallel.pipeline.measure import p2p_median
+
+    assert p2p_median([]) == 0.0
+    assert p2p_median([(1.0, True), (2.0, True), (3.0, True)]) == 2.0
+    # most transfers arrived before anyone asked (bounds of 0.1): the median is <= 0.1,
+    # although the three a consumer waited for took 9
+    assert p2p_median([(0.1, False)] * 10 + [(9.0, True)] * 3) == 0.1
+    # bounds above the exact values say nothing more: the exact ones decide
+    assert p2p_median([(9.0, False)] * 10 + [(1.0, True)] * 3) == 1.0
+
+
 def _trace_rank(rank, world, sets, out_dir):
     from plait.parallel.pipeline.measure import write_timeline, write_trace
 
@@ -228,6 +240,12 @@ def test_measured_bubble_trace_and_timeline(tmp_path):
     assert s == outs[1]  # one report, the same on every rank
     assert 0 < s["measured_bubble"] < 1 and 0 < s["simulated_bubble"] < 1
     assert set(s["mean_ms"]) == {"F", "I", "W"} and s["steps_measured"] == 2
+    d = s["durations_ms"]  # what the prediction was fed: per stage, and the transfers
+    assert len(d["F"]) == len(d["I"]) == len(d["W"]) == 2 and min(d["F"]) > 0
+    assert d["p2p"] >= 0 and d["post"] > 0 and d["p2p_samples"] == 2 * 4 * 2
+    assert 0 <= d["p2p_waited"] <= d["p2p_samples"]
+    assert abs(sum(s["idle"].values()) - s["measured_bubble"]) < 1e-9  # idle, accounted
+    assert all(0 < v <= 1.05 for v in s["cpu_share"].values())
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     computes = [e for e in trace if e["ph"] == "X"]
     assert len(computes) == 2 * 4 * 3  # 2 ranks x 4 micro-batches x (F, I, W)

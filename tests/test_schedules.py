@@ -245,6 +245,21 @@ def test_p2p_latency_gpipe():
     assert closed_form_bubble("gpipe", p, m, 1, d) is None  # no closed form with p2p
 
 
+def test_post_time_occupies_the_rank():
+    # gpipe p=2 m=2, rank 0 lowered: F0.0, SEND_F0.0, F0.1, SEND_F0.1, RECV_B0.1, ...:
+    # posting a batch of transfers keeps the rank from its next compute for `post`
+    s, c = build_schedule("gpipe", 2, 2), 0.25
+    d = Durations(1.0, 1.0, 1.0, post=c)
+    res = simulate(s, d)
+    assert abs(res.events[0][1][3] - (1.0 + c)) < EXACT  # F0.1 starts after the post
+    assert simulate(lower(s), d).events == res.events  # lowered or not, the same
+    assert simulate(s, EQUAL).events[0][1][3] == 1.0
+    # post time is idle, not busy
+    assert res.busy_per_rank == simulate(s, EQUAL).busy_per_rank
+    assert res.step_time > simulate(s, EQUAL).step_time
+    assert closed_form_bubble("gpipe", 2, 2, 1, d) is None
+
+
 def test_per_stage_durations():
     s = build_schedule("gpipe", 3, 4)
     same = Durations(

@@ -1,12 +1,21 @@
 """Measured pipeline timelines: bubble, the simulator's prediction for them, pictures.
 
 Every rank's runtime records each compute action's start and end (`time.perf_counter`,
-CLOCK_MONOTONIC: one clock for all processes of a machine). After training the records
-are gathered over the pp group (ledgered, step -1, tag "timeline") and turned into:
+CLOCK_MONOTONIC: one clock for all processes of a machine), when it began waiting for its
+input, and its thread CPU time. After training the records are gathered over the pp group
+(ledgered, step -1, tag "timeline") and turned into:
   * the measured bubble of a step, with the simulator's definition: idle / (pp x span),
     where span runs from the first rank entering the step to the last compute ending;
-  * the mean measured duration of F, I, W, B per stage, fed to `simulate()` (the one cost
-    model), whose bubble is the prediction to compare with;
+    and where the idle went: waiting for an input, runtime work between computes (posting
+    transfers, Python), before a rank's first compute and after its last;
+  * the measured durations fed to `simulate()` (the one cost model), whose bubble is the
+    prediction to compare with: mean F, I, W per stage; `p2p`, the median over the
+    cross-rank edges of (input there - producer's compute ended), exact where the consumer
+    waited and a bound where it did not (`p2p_median`): what the simulator adds to a
+    cross-rank dependency; `post`, the mean time a rank spent posting one batch of
+    transfers;
+  * the CPU share of compute wall time (thread CPU / wall): below 1 when ranks outnumber
+    cores and the OS time-slices them, which inflates every duration;
   * a Chrome trace and a PNG timeline of the last step, one row per rank.
 The first step is left out when there are several (allocator and thread-pool warm-up).
 """
@@ -14,8 +23,9 @@ The first step is left out when there are several (allocator and thread-pool war
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import torch
 
@@ -24,20 +34,25 @@ from plait.mesh import ParallelMesh
 from plait.parallel.pipeline.draw import draw_timeline, to_chrome_trace
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition
-from plait.parallel.pipeline.runtime import Event, PipelineRuntime
+from plait.parallel.pipeline.runtime import Detail, Event, PipelineRuntime
 from plait.parallel.pipeline.simulate import Durations, SimResult, simulate
 
 _KINDS = ("F", "B", "I", "W")
+_WAITED = 20e-6  # a consumer that waited longer than this for its input saw the transfer
+# step start, step end, compute events, their details, (start, end, CPU) of each post
+Rank = tuple[float, float, list[Event], list[Detail], list[tuple[float, float, float]]]
 
 
-def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh
-                  ) -> list[list[tuple[float, float, list[Event]]]]:
-    """Per step, per pp rank: (step start, step end, compute events)."""
+def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Rank]]:
+    """Per step, per pp rank: (step start, step end, compute events, their details, posts)."""
     rows = []
-    for step, (events, (t0, t1)) in enumerate(zip(runtime.steps_events, runtime.steps_window,
-                                                  strict=True)):
-        rows.append([step, -1, -1, -1, t0, t1])  # kind -1 marks the step window
-        rows += [[step, _KINDS.index(k), s, mb, a, b] for k, s, mb, a, b in events]
+    for step, (events, detail, posts, (t0, t1)) in enumerate(zip(
+            runtime.steps_events, runtime.steps_detail, runtime.steps_posts,
+            runtime.steps_window, strict=True)):
+        rows.append([step, -1, -1, -1, t0, t1, 0.0, 0.0])  # kind -1 marks the step window
+        rows += [[step, -2, -1, -1, a, b, 0.0, c] for a, b, c in posts]  # -2: a post
+        rows += [[step, _KINDS.index(k), s, mb, a, b, w, c]
+                 for (k, s, mb, a, b), (w, c) in zip(events, detail, strict=True)]
     mine = torch.tensor(rows, dtype=torch.float64)
     n = mesh.size("pp")
     saved, mesh.ledger.step = mesh.ledger.step, -1  # not part of any training step
@@ -46,43 +61,110 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh
         comm.all_gather(counts, torch.tensor([float(len(rows))], dtype=torch.float64), mesh,
                         "pp", tag="timeline")
         width = int(counts.max())
-        padded = torch.full((width, 6), float("nan"), dtype=torch.float64)
+        padded = torch.full((width, 8), float("nan"), dtype=torch.float64)
         padded[:len(rows)] = mine
-        every = torch.empty(n * width, 6, dtype=torch.float64)
+        every = torch.empty(n * width, 8, dtype=torch.float64)
         comm.all_gather(every, padded, mesh, "pp", tag="timeline")
     finally:
         mesh.ledger.step = saved
     steps = len(runtime.steps_events)
-    out = [[(0.0, 0.0, []) for _ in range(n)] for _ in range(steps)]
+    out: list[list[Rank]] = [[(0.0, 0.0, [], [], []) for _ in range(n)]
+                             for _ in range(steps)]
     for r in range(n):
         for row in every[r * width:(r + 1) * width].tolist():
             if row[0] != row[0]:  # padding (nan)
                 continue
-            step, kind, s, mb, a, b = row
-            t0, t1, evs = out[int(step)][r]
-            if kind < 0:
-                out[int(step)][r] = (a, b, evs)
+            step, kind, s, mb, a, b, w, c = row
+            t0, t1, evs, det, posts = out[int(step)][r]
+            if kind == -1:
+                out[int(step)][r] = (a, b, evs, det, posts)
+            elif kind == -2:
+                posts.append((a, b, c))
             else:
                 evs.append((_KINDS[int(kind)], int(s), int(mb), a, b))
+                det.append((w, c))
     return out
 
 
-def step_bubble(per_rank: list[tuple[float, float, list[Event]]]) -> tuple[float, float]:
+def step_bubble(per_rank: list[Rank]) -> tuple[float, float]:
     """(bubble fraction, span) of one step: idle / (ranks x span), the simulator's measure."""
-    start = min(t0 for t0, _, _ in per_rank)
-    end = max(max((e[4] for e in evs), default=t0) for t0, _, evs in per_rank)
+    start = min(r[0] for r in per_rank)
+    end = max(max((e[4] for e in r[2]), default=r[0]) for r in per_rank)
     span = end - start
-    busy = sum(e[4] - e[3] for _, _, evs in per_rank for e in evs)
+    busy = sum(e[4] - e[3] for r in per_rank for e in r[2])
     return 1 - busy / (len(per_rank) * span), span
 
 
-def measured_durations(steps: list[list[tuple[float, float, list[Event]]]],
-                       schedule: Schedule) -> Durations:
-    """Mean F, I, W per stage (a stage that only ran B gets I = W = B / 2)."""
+def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
+    """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
+    `wait` for an input to arrive, `between` computes doing runtime work (posting and
+    reaping transfers, hooks, Python), `lead` before a rank's first compute, `tail` after
+    its last, until the step's last compute ends."""
+    start = min(r[0] for r in per_rank)
+    end = max(max((e[4] for e in r[2]), default=r[0]) for r in per_rank)
+    total = len(per_rank) * (end - start)
+    out = dict.fromkeys(("wait", "between", "lead", "tail"), 0.0)
+    for _, _, evs, det, _ in per_rank:
+        if not evs:
+            out["lead"] += end - start
+            continue
+        waits = [e[3] - w for e, (w, _) in zip(evs, det, strict=True)]
+        out["lead"] += evs[0][3] - waits[0] - start
+        out["wait"] += sum(waits)
+        out["between"] += sum(evs[k + 1][3] - waits[k + 1] - evs[k][4]
+                              for k in range(len(evs) - 1))
+        out["tail"] += end - evs[-1][4]
+    return {k: v / total for k, v in out.items()}
+
+
+def p2p_samples(per_rank: list[Rank], schedule: Schedule) -> list[tuple[float, bool]]:
+    """Per cross-rank dependency, (latency, exact): the time from the producer's compute end
+    until the input was there on the consumer. Exact (the consumer's start) when the
+    consumer waited for it; otherwise only a bound: it arrived before the consumer began to
+    wait (latency <= wait start - producer end)."""
+    rank_of, end_of = schedule.stage_to_rank, {}
+    for _, _, evs, _, _ in per_rank:
+        for k, s, mb, _, b in evs:
+            end_of["G" if k in ("I", "B") else k, s, mb] = b
+    out = []
+    for _, _, evs, det, _ in per_rank:
+        for (k, s, mb, a, _), (w, _) in zip(evs, det, strict=True):
+            src = (schedule.prev_stage(s) if k == "F" else
+                   schedule.next_stage(s) if k in ("I", "B") else None)
+            if src is None or rank_of[src] == rank_of[s]:
+                continue
+            produced = end_of.get(("F" if k == "F" else "G", src, mb))
+            if produced is not None:
+                waited = a - w > _WAITED
+                out.append(((a if waited else w) - produced, waited))
+    return out
+
+
+def p2p_median(samples: list[tuple[float, bool]]) -> float:
+    """Median latency from exact values and upper bounds (left-censored data): Kaplan-Meier
+    on -latency. Averaging only the exact ones would over-estimate, since a consumer waits
+    precisely when a transfer was slow. Where the estimate never falls to one half (most
+    values only bounded, below the exact ones), the median of all values, an upper bound."""
+    if not samples:
+        return 0.0
+    ys = sorted((-x, not exact) for x, exact in samples)  # exact first on ties
+    survive, at_risk = 1.0, len(ys)
+    for y, censored in ys:
+        if not censored:
+            survive *= 1 - 1 / at_risk
+            if survive <= 0.5:
+                return max(-y, 0.0)
+        at_risk -= 1
+    return max(median(x for x, _ in samples), 0.0)
+
+
+def measured_durations(steps: list[list[Rank]], schedule: Schedule,
+                       p2p: float = 0.0, post: float = 0.0) -> Durations:
+    """Mean F, I, W per stage (a stage that only ran B gets I = W = B / 2), `p2p`, `post`."""
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for per_rank in steps:
-        for _, _, evs in per_rank:
-            for k, s, _, a, b in evs:
+        for r in per_rank:
+            for k, s, _, a, b in r[2]:
                 times[k, s].append(b - a)
     f, i, w = [], [], []
     for s in range(schedule.num_stages):
@@ -94,36 +176,71 @@ def measured_durations(steps: list[list[tuple[float, float, list[Event]]]],
             b = mean(times["B", s]) if times["B", s] else 0.0
             i.append(b / 2)
             w.append(b / 2)
-    return Durations(mean(f), mean(i), mean(w), 0.0, tuple(f), tuple(i), tuple(w))
+    return Durations(mean(f), mean(i), mean(w), p2p, tuple(f), tuple(i), tuple(w), post)
 
 
 def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: ParallelMesh
                     ) -> dict:
     """Measured vs simulated bubble; `events` (last step, seconds from its start) for the
-    pictures. Every pp rank returns the same report."""
+    pictures. Every pp rank returns the same report. Summary keys:
+      measured_bubble, measured_span    mean over the measured steps
+      simulated_bubble, simulated_span  simulate() for `durations_ms` (per-stage F, I, W,
+                                        the measured p2p and post): the prediction
+      simulated_bubble_no_comm          the same with p2p = post = 0: the schedule's own
+                                        bubble for these compute durations
+      simulated_bubble_cpu              each action's thread CPU time instead of its wall
+                                        time, p2p = post = 0: as if every rank had its own
+                                        core and transfers were free
+      idle                              where the measured idle went (`idle_breakdown`)
+      cpu_share                         thread CPU / wall over the computes, per kind"""
     steps = gather_events(runtime, mesh)
     used = steps[1:] if len(steps) > 1 else steps
     bubbles = [step_bubble(s) for s in used]
     sched = runtime.schedule
-    durations = measured_durations(used, sched)
+    samples = [x for per_rank in used for x in p2p_samples(per_rank, sched)]
+    p2p = p2p_median(samples)
+    posts = [b - a for per_rank in used for r in per_rank for a, b, _ in r[4]]
+    post_cpu = [c for per_rank in used for r in per_rank for _, _, c in r[4]]
+    post = mean(posts) if posts else 0.0
+    durations = measured_durations(used, sched, p2p, post)
     sim = simulate(sched, durations)
+    ideal = simulate(sched, replace(durations, p2p=0.0, post=0.0))
+    cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
+                            zip(evs, det, strict=True)], det, ps)
+                  for t0, t1, evs, det, ps in per_rank] for per_rank in used]
+    cpu_sim = simulate(sched, measured_durations(cpu_steps, sched))
     last = steps[-1]
-    origin = min(t0 for t0, _, _ in last)
-    events = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in evs]
-              for _, _, evs in last]
+    origin = min(r[0] for r in last)
+    events = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r[2]] for r in last]
     by_kind: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
     for per_rank in used:
-        for _, _, evs in per_rank:
-            for k, _, _, a, b in evs:
+        for _, _, evs, det, _ in per_rank:
+            for (k, _, _, a, b), (_, c) in zip(evs, det, strict=True):
                 by_kind[k].append(b - a)
+                cpu[k].append(c)
+    breakdowns = [idle_breakdown(s) for s in used]
+    ms = [1e3 * x for x in (durations.forward_per_stage or ())]
     summary = {
         "schedule": sched.name, "pp": sched.pp, "microbatches": sched.microbatches,
         "virtual_stages": sched.virtual_stages, "partition": partition.describe(),
         "measured_bubble": mean(b for b, _ in bubbles),
         "simulated_bubble": sim.bubble_fraction,
+        "simulated_bubble_no_comm": ideal.bubble_fraction,
+        "simulated_bubble_cpu": cpu_sim.bubble_fraction,
         "measured_span": mean(s for _, s in bubbles),
         "simulated_span": sim.step_time,
         "mean_ms": {k: 1e3 * mean(v) for k, v in sorted(by_kind.items())},
+        "durations_ms": {
+            "F": ms,
+            "I": [1e3 * x for x in (durations.backward_input_per_stage or ())],
+            "W": [1e3 * x for x in (durations.backward_weight_per_stage or ())],
+            "p2p": 1e3 * p2p, "p2p_samples": len(samples),
+            "p2p_waited": sum(exact for _, exact in samples), "post": 1e3 * post,
+            "post_cpu": 1e3 * mean(post_cpu) if post_cpu else 0.0},
+        "idle": {k: mean(b[k] for b in breakdowns) for k in breakdowns[0]},
+        "cpu_share": {k: sum(cpu[k]) / sum(by_kind[k]) for k in sorted(by_kind)
+                      if sum(by_kind[k]) > 0},
         "steps_measured": len(used),
     }
     return {"summary": summary, "events": events, "schedule": sched, "simulated": sim}

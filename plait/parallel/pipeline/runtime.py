@@ -35,6 +35,10 @@ from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.lower import lower
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
+# per compute, beside its Event: (when it began waiting for its input, thread CPU seconds).
+# wait start == Event start when the input was local or already there; CPU < wall when
+# the OS ran another process on this rank's core during the compute (time-slicing).
+Detail = tuple[float, float]
 Deferred = list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]  # (params, y, dy)
 
 
@@ -128,6 +132,9 @@ class PipelineRuntime:
         self.final_grad_action = max(last.values(), default=-1)
         self.steps_events: list[list[Event]] = []  # per step: this rank's computes
         self.steps_window: list[tuple[float, float]] = []  # per step: (start, end) on this rank
+        self.steps_detail: list[list[Detail]] = []  # per step, per compute: see `Detail`
+        # per step: each post of a batch of transfers, (start, end, thread CPU seconds)
+        self.steps_posts: list[list[tuple[float, float, float]]] = []
 
     # ---- one step ---------------------------------------------------------------------
     def step(self, micro: Sequence[torch.Tensor], tokens_in_global_batch: int) -> torch.Tensor:
@@ -145,6 +152,8 @@ class PipelineRuntime:
         self._sends: list[tuple[Handle, torch.Tensor]] = []
         self._loss = torch.zeros(1, dtype=torch.float64)
         events: list[Event] = []
+        detail: list[Detail] = []
+        self._posts: list[tuple[float, float, float]] = []
         start = time.perf_counter()
         i = 0
         while i < len(self.actions):
@@ -155,7 +164,12 @@ class PipelineRuntime:
                 self._post(self.actions[i:j])
                 i = j
                 continue
-            events.append(self._compute(self.actions[i], i))
+            self._wait_start = None
+            c0 = time.thread_time()
+            ev = self._compute(self.actions[i], i)
+            events.append(ev)
+            detail.append((ev[3] if self._wait_start is None else self._wait_start,
+                           time.thread_time() - c0))
             self._reap_sends()
             i += 1
         for h, _ in self._sends:
@@ -165,10 +179,13 @@ class PipelineRuntime:
                                f"{sorted(self._live)}, receives {sorted(self._recvs)}")
         self._sends.clear()
         self.steps_events.append(events)
+        self.steps_detail.append(detail)
+        self.steps_posts.append(self._posts)
         self.steps_window.append((start, time.perf_counter()))
         return self._loss
 
     def _post(self, actions: Sequence[Action]) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
         sends, recvs, keys = [], [], []
         for a in actions:
             peer = self.peers[a.peer]
@@ -183,6 +200,7 @@ class PipelineRuntime:
             self._sends.append((h, t))  # keep the tensor alive until the send completes
         for key, (buf, _), h in zip(keys, recvs, handles[len(sends):], strict=True):
             self._recvs[key] = (buf, h)
+        self._posts.append((t0, time.perf_counter(), time.thread_time() - c0))
 
     def _reap_sends(self) -> None:
         # free sent activations as soon as the transfer is done, not at the step's end
@@ -197,6 +215,7 @@ class PipelineRuntime:
 
     def _arrived(self, kind: str, stage: int, mb: int) -> torch.Tensor:
         buf, h = self._recvs.pop((kind, stage, mb))
+        self._wait_start = time.perf_counter()
         h.wait()
         return buf
 

@@ -9,9 +9,13 @@ An action starts when its rank is free *and* its input has arrived:
   I/B s, mb the gradient from I/B (s+1), mb   (+ p2p if on another rank); the last stage
             of a chain needs only its own F (the loss)
   W s, mb   its own I s, mb
-B takes T_I + T_W. A transfer is pure latency `p2p` on the link: it does not occupy either
-rank (the runtime posts sends/receives asynchronously). Transfers in a lowered schedule
-are skipped here; their cost is the p2p latency above.
+B takes T_I + T_W. A transfer is latency `p2p` on the link, counted from the producer's
+compute end: it does not occupy either rank (the runtime posts sends/receives
+asynchronously). Posting does cost the rank something: `post` is the time one batch of
+consecutive transfer actions of the lowered schedule keeps its rank from computing (the
+runtime's `batch_isend_irecv` call; on gloo under load ~1 ms, mostly blocked, not CPU).
+With post = 0 (the default) transfers are skipped and only p2p counts; with post > 0 an
+unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the optimizer
@@ -38,6 +42,7 @@ class Durations:
     forward_per_stage: tuple[float, ...] | None = None
     backward_input_per_stage: tuple[float, ...] | None = None
     backward_weight_per_stage: tuple[float, ...] | None = None
+    post: float = 0.0  # a rank's time to post one batch of transfers (lowered schedule)
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -78,7 +83,18 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
     """Lay the schedule out in time (see the module docstring for the rules)."""
     _check_durations(schedule, durations)
     rank_of = schedule.stage_to_rank
-    queues = [[a for a in acts if not a.is_comm] for acts in schedule.actions]
+    if durations.post > 0:
+        if not schedule.lowered:
+            from plait.parallel.pipeline.lower import lower
+
+            schedule = lower(schedule)
+        # a run of transfers becomes one None entry: `post` of the rank's time
+        queues = [[a for k, a in enumerate(acts)
+                   if not a.is_comm or k == 0 or not acts[k - 1].is_comm] for acts in
+                  schedule.actions]
+        queues = [[None if a.is_comm else a for a in q] for q in queues]
+    else:
+        queues = [[a for a in acts if not a.is_comm] for acts in schedule.actions]
     pos = [0] * schedule.pp
     free = [0.0] * schedule.pp
     # end time of each finished compute, keyed by (kind family, stage, mb):
@@ -114,6 +130,12 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
             # run this rank as far as its inputs allow
             while pos[r] < len(queues[r]):
                 a = queues[r][pos[r]]
+                if a is None:  # posting a batch of transfers
+                    free[r] += durations.post
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
                 t = ready_time(a.kind, a.stage, a.microbatch)
                 if t is None:
                     break
@@ -158,7 +180,7 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
                 f"Durations.{name} has {len(v)} entries; the schedule has "
                 f"{schedule.num_stages} stages"
             )
-    if min(d.forward, d.backward_input, d.backward_weight, d.p2p) < 0:
+    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post) < 0:
         raise ValueError("durations must be >= 0")
 
 
@@ -176,7 +198,8 @@ def closed_form_bubble(
                                           T_W <= T_F, T_W <= T_I <= 2 T_W (derived here,
                                           checked by tests; see `paper_bubble_time`)
     Busy time per rank is m v (T_F + T_B)."""
-    if d.p2p or d.forward_per_stage or d.backward_input_per_stage or d.backward_weight_per_stage:
+    if (d.p2p or d.post or d.forward_per_stage or d.backward_input_per_stage
+            or d.backward_weight_per_stage):
         return None
     p, m, v = pp, microbatches, virtual_stages
     tf, ti, tw = d.forward, d.backward_input, d.backward_weight
@@ -205,7 +228,8 @@ def paper_bubble_time(
                                                    not overlap a forward with a backward,
                                                    so it is a bound to meet, not an identity
     """
-    if d.p2p or d.forward_per_stage or d.backward_input_per_stage or d.backward_weight_per_stage:
+    if (d.p2p or d.post or d.forward_per_stage or d.backward_input_per_stage
+            or d.backward_weight_per_stage):
         return None
     p, m = pp, microbatches
     tf, ti, tw = d.forward, d.backward_input, d.backward_weight
