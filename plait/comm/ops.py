@@ -29,6 +29,7 @@ class Handle:
     def __init__(self, work: dist.Work | None, record: Callable[[float], None] | None,
                  then: Callable[[], None] | None = None):
         self._work, self._record, self._then, self.done = work, record, then, False
+        self.buffers: list[torch.Tensor] = []  # internal buffers alive until wait()
 
     def wait(self) -> None:
         if self.done:
@@ -39,7 +40,7 @@ class Handle:
             self._then()
         if self._record is not None:
             self._record(time.perf_counter())
-        self.done = True
+        self.done, self.buffers = True, []
 
     def is_completed(self) -> bool:
         """Has the transfer finished? (Never blocks; `wait()` still writes the record.)"""
@@ -134,7 +135,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh
             sum_chunks()
             record(time.perf_counter())
             return None
-        return Handle(work, record, then=sum_chunks)
+        handle = Handle(work, record, then=sum_chunks)
+        handle.buffers = [chunks]  # in flight: the owner counts them as communication memory
+        return handle
     work = dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
                                       async_op=async_op)
     return _run(work, record, async_op)

@@ -309,6 +309,8 @@ class ZeroOptimizer:
                                                  is not None]
         grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
         comm_buffers = [t for u in self.units for t in (u.rs_in, u.rs_out) if t is not None]
+        comm_buffers += [t for u in self.units if u.rs_handle is not None
+                         for t in u.rs_handle.buffers]
         if self.stage == 1:
             comm_buffers += [u.grad_shard for u in self.units if u.grad_shard is not None]
         else:

@@ -32,13 +32,13 @@ from plait.plan.activations import (
     layer_activation_bytes,
     norm_bytes,
 )
+from plait.train.optim import CHUNK as OPT_CHUNK  # elements per foreach chunk
 
 if TYPE_CHECKING:
     from plait.config import Config
 
 CATEGORIES = ("parameters", "gradients", "optimizer states", "activations", "logits",
               "communication buffers")
-OPT_CHUNK = 1 << 16  # plait.train.optim.CHUNK: elements per foreach chunk
 
 
 @dataclass
@@ -294,14 +294,15 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
             fresh = w2 if (zero >= 2 or st not in had_b) else 0.0
             # (a) inside w2's backward: its weight gradient and d(product) are new, the
             # product is still saved; a gradient to be accumulated is a temporary
+            # gloo's direct reduce-scatter receives all-to-all chunks: communication
             mo = Moment(f"block {j} w2 backward (stage {st}, mb {mb})",
-                        states(g + fresh, comm, gathered))
-            mo.bytes["activations"] += others + act_b + dy + dprod + (w2 - fresh) + chunks
+                        states(g + fresh, comm + chunks, gathered))
+            mo.bytes["activations"] += others + act_b + dy + dprod + (w2 - fresh)
             moments.append(mo)
             # (b) SwiGLU's product rule: the product freed, d(silu out), d(w3 out) new
             mo = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
-                        states(g + fresh, comm, gathered))
-            mo.bytes["activations"] += others + act_b + mlp_bwd + chunks
+                        states(g + fresh, comm + chunks, gathered))
+            mo.bytes["activations"] += others + act_b + mlp_bwd
             moments.append(mo)
             if rs_now:  # block j's gradients flattened, its reduce-scatter posted
                 u = f"layers.{j}"
@@ -315,8 +316,9 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
                 # ZeRO-3 frees block j before posting: only the prefetched unit is whole
                 gathered_rs = gathered - padded[u] * pb if zero == 3 else 0.0
                 mo = Moment(f"block {j} reduce-scatter launch (mb {mb})",
-                            states(g_rs, comm + (padded[u] + k[u]) * pb, gathered_rs))
-                mo.bytes["activations"] += act_rs + chunks + padded[u] * pb
+                            states(g_rs, comm + chunks + (2 * padded[u] + k[u]) * pb,
+                                   gathered_rs))
+                mo.bytes["activations"] += act_rs
                 moments.append(mo)
         live.pop((st, mb), None)
         had_b.add(st)
@@ -346,15 +348,13 @@ def _end_of_step(cfg: Config, units: list[_Unit], k: dict, padded: dict, states,
         prev = "layers.0" if "layers.0" in k else "head"
         comm = (padded["embed"] + padded[prev]) * pb + (shard_comm if zero == 1 else
                                                         (k["embed"] + k[prev]) * pb)
-        mo = Moment("embedding reduce-scatter (end of backward)", states(grads, comm=comm))
-        mo.bytes["activations"] += (padded["embed"] + padded[prev]) * pb  # all-to-all chunks
-        out.append(mo)
+        comm += (padded["embed"] + padded[prev]) * pb  # the direct reduce-scatter's chunks
+        out.append(Moment("embedding reduce-scatter (end of backward)",
+                          states(grads, comm=comm)))
     elif zero >= 1 and n_dp > 1:  # pp > 1: one unit, reduce-scattered after the last B
         u = units[0].name
-        comm = (padded[u] + k[u]) * pb + (shard_comm if zero == 1 else 0.0)
-        mo = Moment("reduce-scatter (end of backward)", states(grads, comm=comm))
-        mo.bytes["activations"] += padded[u] * pb
-        out.append(mo)
+        comm = (2 * padded[u] + k[u]) * pb + (shard_comm if zero == 1 else 0.0)
+        out.append(Moment("reduce-scatter (end of backward)", states(grads, comm=comm)))
     # global grad norm: a temporary per parameter (fp64 when anything is sharded)
     if zero >= 1:
         largest = max(min(u.largest, k[u.name]) for u in units)
