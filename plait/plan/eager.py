@@ -214,9 +214,10 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
         return sum(sum(ps) for _, ps in stage_params(*stages[st])) * pb
 
     pending = 0.0  # receive buffers posted ahead of the compute that consumes them
-    # Sent tensors stay alive until the end of the step: the runtime frees a send when
-    # `is_completed()`, which gloo's send work never reports before `wait()` (measured), so
-    # every stage output sent (after its B) and every input gradient sent is still held.
+    # Input gradients sent stay alive until the end of the step: gloo's send work never
+    # reports completion before `wait()` (measured), and nothing later in the step proves the
+    # peer has posted its receive. A stage output sent forward is waited on (and freed) when
+    # its gradient comes back, so it lives exactly as long as its backward needs it.
     sending = 0.0
     for i, act in enumerate(actions):
         if act.kind in ("RECV_F", "RECV_B"):
@@ -324,8 +325,6 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
         had_b.add(st)
         if got_b:
             pending -= recv
-        if not last and sched.stage_to_rank[sched.next_stage(st)] != rank:
-            sending += e * tok_l * h  # the stage output outlives its B, held by its send
         if i == last_b:
             moments += _end_of_step(cfg, units, k, padded, states, grads_full, pb, e)
     return moments

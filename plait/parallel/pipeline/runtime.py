@@ -150,6 +150,8 @@ class PipelineRuntime:
         self._local_grad: dict[tuple[int, int], torch.Tensor] = {}
         self._to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self._sends: list[tuple[Handle, torch.Tensor]] = []
+        # forward sends by (stage, mb): complete once the gradient for that output arrives
+        self._sends_f: dict[tuple[int, int], tuple[Handle, torch.Tensor]] = {}
         self._loss = torch.zeros(1, dtype=torch.float64)
         events: list[Event] = []
         detail: list[Detail] = []
@@ -172,8 +174,9 @@ class PipelineRuntime:
                            time.thread_time() - c0))
             self._reap_sends()
             i += 1
-        for h, _ in self._sends:
+        for h, _ in self._sends + list(self._sends_f.values()):
             h.wait()
+        self._sends_f.clear()
         if self._live or self._recvs or self._to_send:
             raise RuntimeError(f"rank {self.me}: step ended with work left: live "
                                f"{sorted(self._live)}, receives {sorted(self._recvs)}")
@@ -186,18 +189,22 @@ class PipelineRuntime:
 
     def _post(self, actions: Sequence[Action]) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
-        sends, recvs, keys = [], [], []
+        sends, recvs, keys, send_keys = [], [], [], []
         for a in actions:
             peer = self.peers[a.peer]
             if a.kind in ("SEND_F", "SEND_B"):
                 sends.append((self._to_send.pop((a.kind[-1], a.stage, a.microbatch)), peer))
+                send_keys.append((a.kind, a.stage, a.microbatch))
             else:
                 buf = torch.empty(self.act_shape, dtype=self.act_dtype)
                 recvs.append((buf, peer))
                 keys.append((a.kind[-1], a.stage, a.microbatch))
         handles = comm.batch_send_recv(sends, recvs, self.mesh, self.dim, tag="pp")
-        for h, (t, _) in zip(handles, sends, strict=False):
-            self._sends.append((h, t))  # keep the tensor alive until the send completes
+        for h, (t, _), (kind, st, mb) in zip(handles, sends, send_keys, strict=False):
+            if kind == "SEND_F":
+                self._sends_f[st, mb] = (h, t)
+            else:
+                self._sends.append((h, t))  # keep the tensor alive until the send completes
         for key, (buf, _), h in zip(keys, recvs, handles[len(sends):], strict=True):
             self._recvs[key] = (buf, h)
         self._posts.append((t0, time.perf_counter(), time.thread_time() - c0))
@@ -217,6 +224,12 @@ class PipelineRuntime:
         buf, h = self._recvs.pop((kind, stage, mb))
         self._wait_start = time.perf_counter()
         h.wait()
+        if kind == "B" and (stage, mb) in self._sends_f:
+            # the peer received this stage's output before computing the gradient that just
+            # arrived, so the send is complete: waiting cannot block, and the output is freed
+            # with its backward instead of at the step's end (gloo never reports a send
+            # complete before wait())
+            self._sends_f.pop((stage, mb))[0].wait()
         return buf
 
     def _compute(self, a: Action, index: int) -> Event:
