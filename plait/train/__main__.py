@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.cli import add_train_args, config_from_args, resolve_data
 from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches, TokenFile
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
     metrics_file = open(args.metrics_out, "w") if lead and args.metrics_out else None  # noqa: SIM115
+    finished = False
     try:
         with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
             def on_step(row: dict) -> None:
@@ -88,13 +90,21 @@ def main(argv: list[str] | None = None) -> int:
             write_pipeline_outputs(result.pipeline, args.trace, args.timeline)
         elif lead and (args.trace or args.timeline):
             print("plait: --trace/--timeline draw a pipeline; this run has pp=1", file=sys.stderr)
+        finished = True
     finally:
         if metrics_file:
             metrics_file.close()
         if dist.is_initialized():
+            if finished:  # no rank tears its connections down while a peer still talks
+                comm.all_reduce(torch.zeros(1), mesh, "world", tag="shutdown")
             dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's teardown of C++ statics: gloo's background threads were seen
+    # to abort there ("terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
