@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plait.config import load_config  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
-from plait.observe.activations import LiveTensorBytes  # noqa: E402
+from plait.observe.memory import MemoryTracker  # noqa: E402
 from plait.parallel.tensor import apply_tensor_parallel  # noqa: E402
 from plait.testing import run_ranks  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
@@ -38,26 +38,6 @@ from plait.train.optim import decays, lr_at  # noqa: E402
 from plait.train.step import microbatch_loss  # noqa: E402
 
 WARMUP = 2
-
-
-class _LocalBytes(LiveTensorBytes):
-    """LiveTensorBytes that counts a DTensor by its local shard."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_leaves
-
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, tuple) else (out,)
-        for ret, value in zip(func._schema.returns, outs, strict=False):
-            if ret.alias_info is not None:
-                continue
-            for t in tree_leaves(value):
-                if isinstance(t, DTensor):
-                    t = t._local_tensor
-                if isinstance(t, torch.Tensor):
-                    self._track(t.untyped_storage())
-        return out
 
 
 def _cfg(args, tp, sp):
@@ -81,10 +61,10 @@ def _plait(rank, world, args, path, sp):
     model = build_model(cfg.model, seed=cfg.train.seed)
     loss_fn = apply_tensor_parallel(model, mesh, sp=sp).loss_sum
     tokens = _batches(cfg, path).rows(0)
-    with _LocalBytes() as live:
+    with MemoryTracker(new_only=True) as live:
         microbatch_loss(model, tokens, tokens[:, 1:].numel(), loss_fn).backward()
     return {"times": [m["step_time"] for m in res.metrics], "losses": res.losses,
-            "peak": live.peak}
+            "peak": live.peak_total}
 
 
 def _dtensor_model(cfg, sp):
@@ -172,9 +152,9 @@ def _dtensor(rank, world, args, path, sp):
         times.append(time.perf_counter() - start)
         losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
     fresh = _dtensor_model(cfg, sp)
-    with _LocalBytes() as live:
+    with MemoryTracker(new_only=True) as live:
         _dtensor_loss(fresh, batches.rows(0))
-    return {"times": times, "losses": losses, "peak": live.peak}
+    return {"times": times, "losses": losses, "peak": live.peak_total}
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from plait.comm import regions
 from plait.config import load_config
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.observe.activations import LiveTensorBytes
+from plait.observe.memory import MemoryTracker
 from plait.parallel.tensor import (
     apply_tensor_parallel,
     gather_full_state,
@@ -231,9 +231,9 @@ def _activation_bytes(rank, world, sets):
         if cfg.parallel.tp > 1:
             loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp).loss_sum
         tokens = batches_for(cfg).rows(0)
-        with LiveTensorBytes() as live:
+        with MemoryTracker(new_only=True) as live:
             loss = microbatch_loss(model, tokens, tokens[:, 1:].numel(), loss_fn)
-            res[layers] = live.current  # kept for backward when the forward is done
+            res[layers] = live.live_bytes()  # kept for backward when the forward is done
         loss.backward()
     return res
 

@@ -51,9 +51,13 @@ class MemoryTracker(TorchDispatchMode):
     in its own category; the peak is recorded as storage sizes and classified on demand.
     """
 
-    def __init__(self, sources: Sources):
+    def __init__(self, sources: Sources | None = None, new_only: bool = False):
+        """`new_only`: count only storages an op allocates inside the mode (not views of
+        tensors from before it): with no sources, live bytes are then exactly what the
+        measured code keeps, e.g. a forward pass's activations."""
         super().__init__()
-        self.sources = sources
+        self.sources = sources or dict
+        self.new_only = new_only
         # storages get a unique id for their lifetime (an address can be reused after a
         # free), so a peak recorded earlier is still classified with what was learnt later
         self._uid_of: dict[int, int] = {}  # live storage address -> uid
@@ -69,6 +73,7 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- bookkeeping -------------------------------------------------------------------
     def _track(self, t: torch.Tensor) -> int | None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor counts by its local shard
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return None
         st = t.untyped_storage()
@@ -126,7 +131,13 @@ class MemoryTracker(TorchDispatchMode):
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        if self.new_only:  # a view or an in-place result allocates nothing
+            outs = out if isinstance(out, tuple) else (out,)
+            fresh = [v for r, v in zip(func._schema.returns, outs, strict=False)
+                     if r.alias_info is None]
+        else:
+            fresh = [out]
+        for t in tree_flatten(fresh)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
         self._learn()
