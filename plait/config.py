@@ -166,9 +166,6 @@ class Config:
             problems.append(
                 f"sequence parallel splits train.seq_len={t.seq_len} over tp={p.tp}; use a "
                 f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
-        if p.tp > 1 and p.pp > 1:
-            problems.append(f"tp={p.tp} with pp={p.pp}: tensor and pipeline parallel are not "
-                            "composed yet; use tp=1 or pp=1")
         # -- end tensor parallel --
         if p.pp > m.n_layers:
             problems.append(f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from plait.config import Config, load_config
 from plait.mesh import ParallelMesh
-from plait.parallel.tensor import gather_full_state
 from plait.testing import run_ranks
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
 from plait.train.loop import full_state, train
@@ -38,9 +37,8 @@ def _train_rank(rank: int, world: int, sets: list[str]):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg))
-    params = full_state(result.model, result.optimizer)
-    if cfg.parallel.tp > 1:  # tp shards (of ZeRO's gathered dp shards, if any) -> full
-        params = gather_full_state(result.model, mesh, params)
+    # dp shards (ZeRO) and tp shards gathered; a pipeline rank gives its stages' parameters
+    params = full_state(result.model, result.optimizer, mesh)
     return {"losses": result.losses, "params": params,
             "metrics": result.metrics, "summary": result.summary,
             "ledger": mesh.ledger.to_dicts()}

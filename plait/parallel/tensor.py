@@ -286,8 +286,15 @@ def _replicated_slice_hook(mesh: ParallelMesh, replicas: int, tag: str):
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False,
-                          plan: dict[str, str] | None = None) -> TensorParallel:
-    """Swap modules and add region hooks in place, following `plan` (default_plan)."""
+                          plan: dict[str, str] | None = None,
+                          partial: bool = False) -> TensorParallel:
+    """Swap modules and add region hooks in place, following `plan` (default_plan).
+
+    `partial`: `model` is a pipeline stage holding a slice of the model, so plan entries for
+    modules it does not hold (the embedding off the first stage, the head off the last) are
+    skipped instead of refused. Under SP a module declaring `seq_shards` (a pipeline stage)
+    learns that its boundary hidden states are split t ways along the sequence.
+    """
     cfg: ModelConfig = model.cfg
     plan = default_plan(cfg, sp) if plan is None else plan
     t = mesh.size(DIM)
@@ -296,6 +303,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False
     # leaves first: swapping a module's children must happen before hooks see it
     for pattern, style in sorted(plan.items(), key=lambda kv: -kv[0].count(".")):
         hits = [n for n in names if _matches(pattern, n)]
+        if not hits and partial:
+            continue
         if not hits:
             raise ValueError(f"tensor-parallel plan: {pattern!r} matches no module")
         for name in hits:
@@ -338,6 +347,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False
                         _grad_all_reduce_hook(mesh, f"sp.{name}.{pname}.grad")))
             else:
                 raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}")
+    if sp and hasattr(model, "seq_shards"):
+        model.seq_shards *= t
     return tp
 
 

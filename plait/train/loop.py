@@ -24,7 +24,7 @@ from plait.parallel.pipeline.runtime import PipelineRuntime, sum_copy_gradients
 from plait.parallel.zero import ZeroOptimizer
 from plait.train.data import GlobalBatches
 from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
-from plait.train.step import global_grad_norm
+from plait.train.step import global_grad_norm, shard_dims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -42,14 +42,18 @@ class TrainResult:
         return [m["loss"] for m in self.metrics]
 
 
-def full_state(model: torch.nn.Module, optimizer: object | None = None
-               ) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters by name, gathered from their shards where they are sharded. A
+def full_state(model: torch.nn.Module, optimizer: object | None = None,
+               mesh: ParallelMesh | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters by name, gathered from their shards where they are sharded (dp
+    shards of ZeRO; tp shards too when `mesh` is given: then collective over tp). A
     pipeline rank returns its own stages' parameters, by the model's names."""
     if isinstance(optimizer, ZeroOptimizer):
         state = optimizer.full_state()
     else:
         state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    if mesh is not None and mesh.size("tp") > 1:
+        from plait.parallel.tensor import gather_full_state
+        state = gather_full_state(model, mesh, state)
     if hasattr(model, "model_names"):  # pipeline stages: "stages.3.layers.5.x" -> "layers.5.x"
         return {model.model_names[n]: v for n, v in state.items() if n in model.model_names}
     return state
@@ -121,11 +125,18 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
     model = pipe.model
     # -- tensor/sequence parallel: module swaps before anything holds the parameters --
+    # Each stage applies the plan on the tp group of its own pp coordinate: the first holds
+    # the vocab-parallel embedding, the last the vocab-parallel head and loss.
     if cfg.parallel.tp > 1:
         from plait.parallel.tensor import apply_tensor_parallel
+        pp = cfg.parallel.pp > 1
         for stage in pipe.stages.values():
-            stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp).loss_sum
-        if cfg.parallel.pp == 1:  # the stage shares the model's blocks; re-point the ends
+            stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp,
+                                                  partial=pp).loss_sum
+            if pp:  # tp shards (and replicas) of a stage are still distinct per pp rank
+                for q in stage.parameters():
+                    q._plait_shard_dims = tuple(dict.fromkeys(("pp", *shard_dims(q))))
+        if not pp:  # the stage shares the model's blocks; re-point the ends
             model.embed, model.head = pipe.stages[0].embed, pipe.stages[0].head
     # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -134,8 +145,12 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime
-    runtime = PipelineRuntime(pipe.schedule, pipe.stages, mesh,
-                              (mbs, t.seq_len, cfg.model.dim), DTYPES[t.precision],
+    # what crosses a stage boundary, as the stages say (sequence parallel splits it)
+    boundary = {st.boundary_shape(mbs, t.seq_len) for st in pipe.stages.values()}
+    if len(boundary) != 1:
+        raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
+    runtime = PipelineRuntime(pipe.schedule, pipe.stages, mesh, boundary.pop(),
+                              DTYPES[t.precision],
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward)
     tokens_per_step = t.global_batch * t.seq_len

@@ -158,6 +158,9 @@ class Stage(nn.Module):
         self.bounds = layers
         self.recompute = model.recompute
         self.loss_fn = None  # a split-logits loss (tensor parallel's vocab-parallel CE)
+        # ways the hidden states between layers are split along the sequence (sequence
+        # parallel sets it): what crosses a stage boundary is (batch, seq / seq_shards, dim)
+        self.seq_shards = 1
         if first:
             self.embed = model.embed
         # a ModuleDict keyed by the model's layer index keeps the parameter names
@@ -167,7 +170,8 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 tokens_in_global_batch: int = 1) -> torch.Tensor:
-        cos, sin = rope_tables(self.cfg.head_dim, x.shape[1], self.cfg.rope_theta)
+        seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
+        cos, sin = rope_tables(self.cfg.head_dim, seq, self.cfg.rope_theta)
         if self.first:
             x = self.embed(x)
         for layer in self.layers.values():
@@ -181,6 +185,10 @@ class Stage(nn.Module):
         if targets is None:  # logits for a caller that computes its own loss
             return logits
         return token_loss(logits, targets, tokens_in_global_batch, self.loss_fn)
+
+    def boundary_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
+        """The hidden states this stage receives or sends at a stage boundary."""
+        return (batch, seq_len // self.seq_shards, self.cfg.dim)
 
 
 def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
