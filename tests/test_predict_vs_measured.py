@@ -42,6 +42,12 @@ LAYOUTS = {
     "pp2 1f1b small m4": ["model_name=small", "model.vocab_size=256", "parallel.pp=2",
                           "parallel.microbatches=4"],
     "pp2 gpipe bf16": ["parallel.pp=2", "parallel.schedule=gpipe", "train.precision=bf16"],
+    # 3-D: tp inside pipeline stages (receive buffers are (mbs, seq/t, dim) under SP)
+    "pp2 tp2 m4": ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2",
+                   "parallel.microbatches=4"],
+    "pp2 tp4 sp gqa recompute m4": ["model.n_layers=4", "parallel.pp=2", "parallel.tp=4",
+                                    "parallel.sp=true", "model.n_kv_heads=2",
+                                    "train.recompute=full", "parallel.microbatches=4"],
 }
 
 
@@ -89,3 +95,12 @@ def test_plait_report_on_a_metrics_file(tmp_path, capsys):
     assert main(["report", "--metrics", str(path)]) == 0  # the rich tables
     text = capsys.readouterr().out
     assert "predicted" in text and "all_gather" in text
+
+
+@pytest.mark.parametrize("sets", [["parallel.schedule=zb-h1"], ["parallel.zero=1",
+                                                               "parallel.dp=2"]])
+def test_eager_model_refuses_layouts_it_does_not_cover(sets):
+    cfg = config("model.n_layers=4", "parallel.pp=2", "parallel.tp=2",
+                 "parallel.microbatches=4", *sets)
+    with pytest.raises(ValueError, match="does not cover"):
+        predict_memory(cfg, "eager")

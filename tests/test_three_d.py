@@ -50,12 +50,15 @@ def test_pp2_tp2_1f1b_parity(sp):
     _check(f"pp2 tp2 sp={sp} 1f1b", outs)
 
 
-def test_pp2_tp2_zero_bubble_parity():
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipe"])
+def test_pp2_tp2_split_and_two_stage_schedules_parity(schedule):
     # I/W split through autograd: TP's collectives (region backward, SP gain all-reduce)
-    # run in I or W identically on every tp rank of the stage
+    # run in I or W identically on every tp rank of the stage. zb-v holds the first and
+    # the last stage on one rank; dualpipe two copies of each block (gradients summed
+    # between mirror ranks of the same tp coordinate)
     outs = run_layout(LAYERS, STEPS, "parallel.pp=2", "parallel.tp=2", "parallel.sp=true",
-                      "parallel.schedule=zb-h1", "parallel.microbatches=4")
-    _check("pp2 tp2 sp zb-h1", outs)
+                      f"parallel.schedule={schedule}", "parallel.microbatches=4")
+    _check(f"pp2 tp2 sp {schedule}", outs)
 
 
 def test_dp2_pp2_tp2_zero1_parity():

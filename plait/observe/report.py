@@ -75,13 +75,15 @@ def _flags_given(args: argparse.Namespace) -> bool:
 def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     """The comparison as data: memory by category, communication by collective and dim."""
     from plait.plan import estimate_config
-    from plait.plan.eager import eager_memory_by_rank, token_file_windows
+    from plait.plan.eager import eager_memory_by_rank, not_covered, token_file_windows
 
     out: dict[str, Any] = {"layout": summary.get("layout"), "memory": None,
                            "communication": None, "notes": []}
     mem_row = next((r for r in rows if "memory" in r), None)
     if mem_row is None:
         out["notes"].append("no measured memory: train with --set train.memory_step=N")
+    elif (why := not_covered(cfg)) is not None:
+        out["notes"].append(f"no memory prediction: {why}")
     else:
         measured, peak_total = mem_row["memory"]["peak"], mem_row["memory"]["peak_total"]
         # the metrics file is rank 0's (pp rank 0)
