@@ -61,14 +61,19 @@ def test_parity_padded_vocabulary():
 
 # ---- gradients: a tight check, free of Adam's amplification of rounding ------------------
 
-def _grads(rank, world, sets):
-    cfg = config(*sets)
+def _tp_model(cfg):
+    """The model with the layout's TP applied, its loss function, and step 0's tokens."""
     mesh = ParallelMesh.build(cfg.parallel)
     model = build_model(cfg.model, cfg.train.seed)
     loss_fn = None
     if cfg.parallel.tp > 1:
         loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp).loss_sum
-    tokens = batches_for(cfg).rows(0)
+    return mesh, model, loss_fn, batches_for(cfg).rows(0)
+
+
+def _grads(rank, world, sets):
+    cfg = config(*sets)
+    mesh, model, loss_fn, tokens = _tp_model(cfg)
     loss = microbatch_loss(model, tokens, tokens[:, 1:].numel(), loss_fn)
     loss.backward()
     for p in model.parameters():
@@ -225,12 +230,7 @@ def _activation_bytes(rank, world, sets):
     res = {}
     for layers in (1, 2):
         cfg = config(*sets, f"model.n_layers={layers}")
-        mesh = ParallelMesh.build(cfg.parallel)
-        model = build_model(cfg.model, cfg.train.seed)
-        loss_fn = None
-        if cfg.parallel.tp > 1:
-            loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp).loss_sum
-        tokens = batches_for(cfg).rows(0)
+        _, model, loss_fn, tokens = _tp_model(cfg)
         with MemoryTracker(new_only=True) as live:
             loss = microbatch_loss(model, tokens, tokens[:, 1:].numel(), loss_fn)
             res[layers] = live.live_bytes()  # kept for backward when the forward is done
