@@ -10,7 +10,7 @@ import pytest
 from helpers import config, run_layout, token_file
 
 from plait.plan import predict_memory
-from plait.plan.eager import eager_memory_by_rank
+from plait.plan.eager import CATEGORIES, eager_memory_by_rank, rank_moments
 from plait.train.data import TokenFile
 
 MEASURE = ["train.memory_step=1", "train.steps=2"]
@@ -51,12 +51,32 @@ LAYOUTS = {
 }
 
 
-def _check(measured: dict, total: int, pred: dict, where: str) -> None:
+def _split_matches(measured: dict, pred: dict) -> bool:
+    return all(abs(measured[cat] - sum(pred[n] for n in names))
+               <= max(0.05 * measured[cat], SLACK) for cat, names in CATS.items())
+
+
+def _check(measured: dict, total: int, pred: dict, near: list[dict], where: str) -> None:
+    """The peak total within 5 %; the category split of the predicted peak moment, or, where
+    moments tie (totals within 5 % of the measured peak), of one of those near-peak moments:
+    which of two near-equal moments comes out on top can vary from run to run (when a
+    finished collective's buffers are released), and it decides the split."""
     assert total == pytest.approx(pred["total"], rel=0.05), (where, "total", total, pred)
-    for cat, names in CATS.items():
-        want = sum(pred[n] for n in names)
-        assert abs(measured[cat] - want) <= max(0.05 * measured[cat], SLACK), (
-            where, cat, measured[cat], want, pred["moment"])
+    if _split_matches(measured, pred):
+        return
+    tied = [m for m in near if abs(m["total"] - total) <= 0.05 * total]
+    assert any(_split_matches(measured, m) for m in tied), (
+        where, measured, {n: pred[n] for n in ("moment", *(c for v in CATS.values() for c in v))},
+        [m["moment"] for m in tied])
+
+
+def _moments(cfg, pp_rank: int, windows: int) -> list[dict]:
+    out = []
+    for mo in rank_moments(cfg, pp_rank, windows):
+        row = {c: float(mo.bytes.get(c, 0.0)) for c in CATEGORIES}
+        row["total"], row["moment"] = mo.total, mo.name
+        out.append(row)
+    return out
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -69,8 +89,9 @@ def test_predicted_peak_equals_measured(name):
     stride = cfg.parallel.tp * cfg.parallel.cp  # mesh order tp, cp, pp, dp (innermost first)
     for rank, out in enumerate(outs):
         mem = out["metrics"][1]["memory"]
-        pred = by_pp[(rank // stride) % cfg.parallel.pp]
-        _check(mem["peak"], mem["peak_total"], pred, f"{name} rank {rank}")
+        pp_rank = (rank // stride) % cfg.parallel.pp
+        _check(mem["peak"], mem["peak_total"], by_pp[pp_rank],
+               _moments(cfg, pp_rank, windows), f"{name} rank {rank}")
     # predict_memory(kernels="eager") is the most loaded rank's
     top = max(o["metrics"][1]["memory"]["peak_total"] for o in outs)
     assert predict_memory(cfg, "eager", windows)["total"] == pytest.approx(top, rel=0.05)
