@@ -31,7 +31,7 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.train.optim import adamw_update, decays
-from plait.train.step import shard_dims
+from plait.train.step import counts_in_norm, shard_dims
 
 
 class _Unit:
@@ -254,10 +254,7 @@ class ZeroOptimizer:
             if u.grad_shard is None:
                 continue
             for a, b, p in u.segments():
-                owner = all(self.mesh.coord(d) == 0 for d in self.mesh.sizes
-                            if d != self.dim and d not in shard_dims(p))
-                owner = owner and getattr(p, "_plait_norm_owner", True)  # tp's replicated KV
-                if owner:
+                if counts_in_norm(p, self.mesh, also_sharded=(self.dim,)):
                     total += u.grad_shard[a:b].double().pow(2).sum()
         comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
         return math.sqrt(float(total))

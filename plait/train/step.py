@@ -24,6 +24,18 @@ def shard_dims(p: torch.Tensor) -> tuple[str, ...]:
     return getattr(p, "_plait_shard_dims", ())
 
 
+def counts_in_norm(p: torch.Tensor, mesh: ParallelMesh, also_sharded: tuple[str, ...] = ()
+                   ) -> bool:
+    """Does this rank's copy of `p` count in the global grad norm? Replicas count once: on
+    coordinate 0 of every dim `p` is not split over (`also_sharded`: dims a strategy splits
+    its gradient over, e.g. ZeRO's dp)."""
+    sharded = shard_dims(p) + also_sharded
+    owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded)
+    # a slice replicated over part of a sharded dim (tp's replicated KV heads) names the one
+    # rank that counts it
+    return owner and getattr(p, "_plait_norm_owner", True)
+
+
 def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> float:
     """L2 norm of the full gradient across the mesh, each parameter element counted once.
 
@@ -37,12 +49,7 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> float:
         return math.sqrt(sq)
     total = torch.zeros(1, dtype=torch.float64)
     for p, g in grads:
-        sharded = shard_dims(p)
-        owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded)
-        # a slice replicated over part of a sharded dim (tp's replicated KV heads) names
-        # the one rank that counts it
-        owner = owner and getattr(p, "_plait_norm_owner", True)
-        if owner:
+        if counts_in_norm(p, mesh):
             total += g.double().pow(2).sum()
     comm.all_reduce(total, mesh, "world", tag="grad_norm")
     return math.sqrt(float(total))
