@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test test-repeat lint install clean bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -20,8 +20,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
+# every failure reported (no -x): CI must show all of them
 test: $(STAMP)
-	$(PY) -m pytest tests -x --durations=15
+	$(PY) -m pytest tests --durations=15
+
+# the suite N times in a row, failures counted per test (LOAD=k: k CPU burners beside it)
+N ?= 20
+LOAD ?= 0
+test-repeat: $(STAMP)
+	$(PY) tests/repeat.py $(N) --load $(LOAD)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check plait tests benchmarks

@@ -29,6 +29,8 @@ class RankFailure(AssertionError):
 
 
 def free_port() -> int:
+    """A port that was free a moment ago (for launchers that must be told one; it can be
+    taken before they bind it: `run_ranks` binds its own store instead)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,9 +40,10 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, pg_timeout: floa
            results: mp.Queue, args: tuple, kwargs: dict) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout))
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
@@ -55,15 +58,21 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, pg_timeout: floa
             os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              pg_timeout: float = 30.0, **kwargs: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              pg_timeout: float = 60.0, **kwargs: Any) -> list[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` ranks; return results by rank.
 
-    `fn` must be importable or defined before the call (the children are forked).
+    `fn` must be importable or defined before the call (the children are forked). The
+    rendezvous store is bound here, on a port the OS picks, before any rank starts: no
+    window in which another process can take the port. `pg_timeout` (a collective that
+    waits longer fails) allows for 8 ranks time-sliced on 2 busy cores; `timeout` bounds
+    the whole run.
     """
     ctx = mp.get_context("fork")
     results: mp.Queue = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout))
+    port = store.port
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(fn, r, world_size, port, pg_timeout, results, args, kwargs))
              for r in range(world_size)]
@@ -103,6 +112,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # the ranks are gone: close the rendezvous
     missing = [r for r in range(world_size) if r not in outputs and r not in errors]
     if errors or missing:
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]

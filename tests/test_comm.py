@@ -116,3 +116,39 @@ def test_dp_x_cp_product_group():
         # tp innermost: ranks sharing the tp coordinate form the dp x cp group
         assert ranks == [r for r in range(8) if r % 2 == rank % 2] and size == 4
         assert ranks[coord] == rank and total == sum(ranks)
+
+
+def _buffers_freed_when_wait_returns(rank, world):
+    """How often a buffer handed to a collective outlives the program's last reference to
+    it (freed later, on gloo's worker thread). That made measured memory peaks depend on
+    thread scheduling (issue 22)."""
+    import weakref
+
+    mesh = _mesh(world, dp=world)
+    late = checks = 0
+    for i in range(300):
+        x = torch.ones(4096)
+        chunks_in = torch.ones(4096 * world)
+        out = torch.empty(4096)
+        refs = [weakref.ref(x.untyped_storage()), weakref.ref(chunks_in.untyped_storage())]
+        if i % 3 == 0:
+            h = comm.all_reduce(x, mesh, "dp", async_op=True)
+        elif i % 3 == 1:
+            h = comm.reduce_scatter(out, chunks_in, mesh, "dp", async_op=True)
+        else:
+            comm.all_reduce(x, mesh, "dp")  # synchronous: the same rule
+            h = None
+        if h is not None:
+            h.wait()
+        del h, x, chunks_in, out
+        late += sum(r() is not None for r in refs)
+        checks += len(refs)
+    return late, checks
+
+
+def test_collective_buffers_are_freed_at_wait_not_later():
+    """Handle.wait() returns once gloo has let go of the tensors (their C++ references and
+    the extra Python reference torch keeps while C++ holds one): measured 31-44 late frees
+    in 600 per rank without that wait, none with it."""
+    outs = run_ranks(_buffers_freed_when_wait_returns, 4)
+    assert [late for late, _ in outs] == [0, 0, 0, 0], outs

@@ -8,6 +8,7 @@ when it is waited on, so its time spans issue to completion.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -24,11 +25,21 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.R
 
 
 class Handle:
-    """An in-flight collective. `wait()` completes it and writes its ledger record."""
+    """An in-flight collective. `wait()` completes it and writes its ledger record.
+
+    `aliases`: the tensor objects handed to the backend (fresh aliases of the caller's
+    tensors, see `_Alias`). On gloo the worker thread keeps its references to a finished
+    work's tensors for a moment after marking it complete; had it the last reference, a
+    buffer would be freed at a random later time on that thread, and a memory measurement
+    would depend on thread scheduling (issue 22). `wait()` returns once the backend holds
+    none of them: every release happens on the program's thread, where the program says.
+    """
 
     def __init__(self, work: dist.Work | None, record: Callable[[float], None] | None,
-                 then: Callable[[], None] | None = None):
+                 then: Callable[[], None] | None = None,
+                 aliases: Sequence[_Alias] = ()):
         self._work, self._record, self._then, self.done = work, record, then, False
+        self._aliases = list(aliases)
         self.buffers: list[torch.Tensor] = []  # internal buffers alive until wait()
 
     def wait(self) -> None:
@@ -36,6 +47,9 @@ class Handle:
             return
         if self._work is not None:
             self._work.wait()
+            self._work = None
+            _await_release(self._aliases)
+        self._aliases = []
         if self._then is not None:
             self._then()
         if self._record is not None:
@@ -45,6 +59,38 @@ class Handle:
     def is_completed(self) -> bool:
         """Has the transfer finished? (Never blocks; `wait()` still writes the record.)"""
         return self.done or self._work is None or self._work.is_completed()
+
+
+class _Alias:
+    """A new tensor object over the caller's storage: the one handed to the backend, so
+    that the backend's references to it can be counted (see Handle)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t.detach()
+        self._py_refs = sys.getrefcount(self.tensor)  # this attribute's, and the call's
+
+    def held_by_backend(self) -> bool:
+        # While C++ holds a tensor, torch keeps its Python object alive with an extra
+        # Python reference; the backend drops that one last, on its own thread, once it
+        # gets the GIL. Both counts back to ours: the backend is done with it.
+        return self.tensor._use_count() > 1 or sys.getrefcount(self.tensor) > self._py_refs
+
+
+# A finished gloo work is let go within microseconds (measured: at most a few ms with 8
+# ranks on 2 cores). The bound guards against a backend that keeps its works: past it we
+# stop waiting, and nothing else changes.
+RELEASE_TIMEOUT_S = 5.0
+
+
+def _await_release(aliases: list[_Alias]) -> None:
+    """Yield until the backend holds no reference to the aliases."""
+    deadline = None
+    while any(a.held_by_backend() for a in aliases):
+        now = time.monotonic()
+        deadline = deadline or now + RELEASE_TIMEOUT_S
+        if now > deadline:
+            return
+        time.sleep(0)  # yields the GIL to the worker thread that is releasing the work
 
 
 _DONE = Handle(None, None)
@@ -66,9 +112,13 @@ def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
     return record
 
 
-def _run(work: dist.Work | None, record, async_op: bool,
-         then: Callable[[], None] | None = None) -> Handle | None:
-    handle = Handle(work, record, then)
+def _run(issue: Callable[[], dist.Work], record, async_op: bool,
+         aliases: Sequence[_Alias] = ()) -> Handle | None:
+    """Every op is issued asynchronously to torch (`issue()`); a synchronous call waits
+    here, so that sync and async calls release their buffers the same way. The handle
+    holds the only reference to the work (no caller's frame does), so that the backend's
+    release of it can be observed in Handle.wait()."""
+    handle = Handle(issue(), record, aliases=aliases)
     if async_op:
         return handle
     handle.wait()
@@ -102,8 +152,9 @@ def all_reduce(tensor: torch.Tensor, mesh: ParallelMesh, dim: str, op: str = "su
     payload = _nbytes(tensor)
     sent, recv = ring_bytes("all_reduce", payload, n)
     record = _recorder(mesh, "all_reduce", dim, payload, sent, recv, tag, tensor.dtype)
-    work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=mesh.group(dim), async_op=async_op)
-    return _run(work, record, async_op)
+    a = _Alias(tensor)
+    return _run(lambda: dist.all_reduce(a.tensor, op=_REDUCE_OPS[op], group=mesh.group(dim),
+                                        async_op=True), record, async_op, aliases=(a,))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, dim: str,
@@ -125,22 +176,23 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh
         # direct algorithm sends each rank its chunk from everyone ((n-1)/n of the input,
         # the same bytes as the ring) and sums the n chunks here, in rank order.
         chunks = torch.empty_like(input).reshape(n, -1)
-        work = dist.all_to_all_single(chunks, input.reshape(-1), group=group,
-                                      async_op=async_op)
+        o, i = _Alias(chunks), _Alias(input.reshape(-1))
+        work = dist.all_to_all_single(o.tensor, i.tensor, group=group, async_op=True)
 
         def sum_chunks() -> None:
             torch.sum(chunks, dim=0, out=output.reshape(-1))
 
+        handle = Handle(work, record, then=sum_chunks, aliases=(o, i))
+        del work  # the handle holds the only reference (see _run)
         if not async_op:
-            sum_chunks()
-            record(time.perf_counter())
+            handle.wait()
             return None
-        handle = Handle(work, record, then=sum_chunks)
         handle.buffers = [chunks]  # in flight: the owner counts them as communication memory
         return handle
-    work = dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
-                                      async_op=async_op)
-    return _run(work, record, async_op)
+    o, i = _Alias(output), _Alias(input)
+    return _run(lambda: dist.reduce_scatter_single(o.tensor, i.tensor, op=_REDUCE_OPS[op],
+                                                   group=group, async_op=True),
+                record, async_op, aliases=(o, i))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, dim: str, *,
@@ -156,8 +208,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, di
     payload = _nbytes(output)
     sent, recv = ring_bytes("all_gather", payload, n)
     record = _recorder(mesh, "all_gather", dim, payload, sent, recv, tag, input.dtype)
-    work = dist.all_gather_single(output, input, group=mesh.group(dim), async_op=async_op)
-    return _run(work, record, async_op)
+    o, i = _Alias(output), _Alias(input)
+    return _run(lambda: dist.all_gather_single(o.tensor, i.tensor, group=mesh.group(dim),
+                                               async_op=True), record, async_op, aliases=(o, i))
 
 
 def broadcast(tensor: torch.Tensor, mesh: ParallelMesh, dim: str, src: int = 0, *,
@@ -171,9 +224,10 @@ def broadcast(tensor: torch.Tensor, mesh: ParallelMesh, dim: str, src: int = 0, 
     sent = payload if pos < n - 1 else 0
     recv = payload if pos > 0 else 0
     record = _recorder(mesh, "broadcast", dim, payload, sent, recv, tag, tensor.dtype)
-    work = dist.broadcast(tensor, src=mesh.group_ranks[dim][src], group=mesh.group(dim),
-                          async_op=async_op)
-    return _run(work, record, async_op)
+    a = _Alias(tensor)
+    root = mesh.group_ranks[dim][src]
+    return _run(lambda: dist.broadcast(a.tensor, src=root, group=mesh.group(dim), async_op=True),
+                record, async_op, aliases=(a,))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, dim: str,
@@ -193,9 +247,10 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, di
     sent = (sum(ins) - ins[me]) * row_in
     recv = (sum(outs) - outs[me]) * row_out
     record = _recorder(mesh, "all_to_all", dim, _nbytes(input), sent, recv, tag, input.dtype)
-    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                  group=mesh.group(dim), async_op=async_op)
-    return _run(work, record, async_op)
+    o, i = _Alias(output), _Alias(input)
+    return _run(lambda: dist.all_to_all_single(o.tensor, i.tensor, output_split_sizes,
+                                               input_split_sizes, group=mesh.group(dim),
+                                               async_op=True), record, async_op, aliases=(o, i))
 
 
 def _p2p_link(mesh: ParallelMesh, peer: int) -> str:
@@ -207,8 +262,8 @@ def send(tensor: torch.Tensor, peer: int, mesh: ParallelMesh, dim: str, *,
     """Send to global rank `peer`; `dim` is the mesh dim this transfer belongs to."""
     b = _nbytes(tensor)
     record = _recorder(mesh, "send", dim, b, b, 0, tag, tensor.dtype, _p2p_link(mesh, peer))
-    work = dist.isend(tensor, dst=peer) if async_op else dist.send(tensor, dst=peer)
-    return _run(work if async_op else None, record, async_op)
+    a = _Alias(tensor)
+    return _run(lambda: dist.isend(a.tensor, dst=peer), record, async_op, aliases=(a,))
 
 
 def recv(tensor: torch.Tensor, peer: int, mesh: ParallelMesh, dim: str, *,
@@ -216,24 +271,27 @@ def recv(tensor: torch.Tensor, peer: int, mesh: ParallelMesh, dim: str, *,
     """Receive from global rank `peer` into `tensor`."""
     b = _nbytes(tensor)
     record = _recorder(mesh, "recv", dim, b, 0, b, tag, tensor.dtype, _p2p_link(mesh, peer))
-    work = dist.irecv(tensor, src=peer) if async_op else dist.recv(tensor, src=peer)
-    return _run(work if async_op else None, record, async_op)
+    a = _Alias(tensor)
+    return _run(lambda: dist.irecv(a.tensor, src=peer), record, async_op, aliases=(a,))
 
 
 def batch_send_recv(sends: Sequence[tuple[torch.Tensor, int]],
                     recvs: Sequence[tuple[torch.Tensor, int]], mesh: ParallelMesh, dim: str,
                     *, tag: str = "") -> list[Handle]:
     """Post all sends and receives at once (batch_isend_irecv); one handle per transfer."""
-    ops, records = [], []
+    ops, records, aliases = [], [], []
     for t, peer in sends:
-        ops.append(dist.P2POp(dist.isend, t, peer))
+        aliases.append(_Alias(t))
+        ops.append(dist.P2POp(dist.isend, aliases[-1].tensor, peer))
         records.append(_recorder(mesh, "send", dim, _nbytes(t), _nbytes(t), 0, tag, t.dtype,
                                  _p2p_link(mesh, peer)))
     for t, peer in recvs:
-        ops.append(dist.P2POp(dist.irecv, t, peer))
+        aliases.append(_Alias(t))
+        ops.append(dist.P2POp(dist.irecv, aliases[-1].tensor, peer))
         records.append(_recorder(mesh, "recv", dim, _nbytes(t), 0, _nbytes(t), tag, t.dtype,
                                  _p2p_link(mesh, peer)))
     if not ops:
         return []
     works = dist.batch_isend_irecv(ops)
-    return [Handle(w, r) for w, r in zip(works, records, strict=True)]
+    del ops  # the P2POps hold the aliases too: only the handles may
+    return [Handle(w, r, aliases=(a,)) for w, r, a in zip(works, records, aliases, strict=True)]

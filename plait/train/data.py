@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +73,14 @@ def write_token_file(path: str | Path, ids: np.ndarray | list[int], vocab_size: 
     meta = {"dtype": dtype, "num_tokens": int(ids.size), "vocab_size": int(vocab_size),
             "max_token_id": int(ids.max()) if ids.size else -1, **(extra or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tag = f".{os.getpid()}.tmp"
+    tag = f".{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # unique per writer, threads too
     tmp_bin, tmp_meta = path.with_suffix(".bin" + tag), path.with_suffix(".json" + tag)
     try:
         ids.astype(DTYPES[dtype]).tofile(tmp_bin)
         tmp_meta.write_text(json.dumps(meta, indent=1))
-        tmp_bin.replace(path)
+        # the metadata first: a reader that sees NAME.bin always finds its NAME.json
         tmp_meta.replace(path.with_suffix(".json"))
+        tmp_bin.replace(path)
     finally:
         tmp_bin.unlink(missing_ok=True)
         tmp_meta.unlink(missing_ok=True)

@@ -1,0 +1,81 @@
+"""Run the test suite N times in a row and count failures per test (`make test-repeat N=20`).
+
+A test that fails even once in twenty runs is a bug: use this before every stop that
+touches multi-rank code. Each run's junit XML goes to a temporary folder; the table lists
+every test that failed or errored at least once, with how many runs it failed in.
+
+  python tests/repeat.py 20 [pytest args...]
+  python tests/repeat.py 5 --load 1 tests/test_zero.py   # with one CPU-burning process beside
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def _burn(stop: mp.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x += 1
+
+
+def _failures(xml_path: Path) -> list[str]:
+    if not xml_path.exists():
+        return ["<no report: the run crashed>"]
+    out = []
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            out.append(f"{case.get('classname')}::{case.get('name')}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=int)
+    ap.add_argument("--load", type=int, default=0,
+                    help="CPU-burning processes to run beside the suite (default 0)")
+    args, pytest_args = ap.parse_known_args(argv)
+    stop = mp.Event()
+    burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(args.load)]
+    for b in burners:
+        b.start()
+    failed: collections.Counter[str] = collections.Counter()
+    red = 0
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(1, args.runs + 1):
+                xml = Path(tmp) / f"run{i}.xml"
+                t0 = time.monotonic()
+                rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p",
+                                      "no:cacheprovider", f"--junitxml={xml}",
+                                      *(pytest_args or ["tests"])],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                names = _failures(xml) if rc != 0 else []
+                if rc != 0 and not names:
+                    names = [f"<exit code {rc}>"]
+                red += bool(names)
+                failed.update(names)
+                print(f"run {i}/{args.runs}: {'FAILED ' + ', '.join(names) if names else 'ok'}"
+                      f" ({time.monotonic() - t0:.0f} s)", flush=True)
+    finally:
+        stop.set()
+        for b in burners:
+            b.join(timeout=2)
+    load = f" (with {args.load} CPU burners beside)" if args.load else ""
+    print(f"\n{red} of {args.runs} runs failed{load}")
+    for name, n in failed.most_common():
+        print(f"  {n:3d} / {args.runs}  {name}")
+    return 1 if red else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
