@@ -68,6 +68,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    # "adamw" | "sgd": plain SGD (no momentum, no weight decay) is scale-sensitive, the
+    # parity check that a gradient off by a constant factor cannot pass (docs/parity.md)
+    optimizer: str = "adamw"
     precision: str = "fp32"  # "fp32" | "bf16" (bf16 compute, fp32 master weights)
     recompute: str = "none"  # "none" | "full" (per block)
     seed: int = 1234
@@ -241,6 +244,11 @@ class Config:
             problems.append(f"train.lr={t.lr} must be > 0")
         if t.grad_clip < 0:
             problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+        if t.optimizer not in ("adamw", "sgd"):
+            problems.append(f"train.optimizer={t.optimizer!r}; use 'adamw' or 'sgd'")
+        elif t.optimizer == "sgd" and t.weight_decay:
+            problems.append(f"train.optimizer='sgd' has no weight decay; set "
+                            f"train.weight_decay=0 (it is {t.weight_decay})")
         if not 0 <= t.min_lr_ratio <= 1:
             problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
         if t.warmup_steps < 0:

@@ -28,13 +28,17 @@ def _burn(stop: mp.Event) -> None:
             x += 1
 
 
-def _failures(xml_path: Path) -> list[str]:
+def _failures(xml_path: Path) -> dict[str, str]:
+    """Failed test -> the first lines of its failure message."""
     if not xml_path.exists():
-        return ["<no report: the run crashed>"]
-    out = []
+        return {"<no report: the run crashed>": ""}
+    out = {}
     for case in ET.parse(xml_path).getroot().iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            out.append(f"{case.get('classname')}::{case.get('name')}")
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
+            text = (bad.get("message") or "") + "\n" + (bad.text or "")
+            out[f"{case.get('classname')}::{case.get('name')}"] = text
     return out
 
 
@@ -59,13 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                                       "no:cacheprovider", f"--junitxml={xml}",
                                       *(pytest_args or ["tests"])],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                names = _failures(xml) if rc != 0 else []
-                if rc != 0 and not names:
-                    names = [f"<exit code {rc}>"]
-                red += bool(names)
-                failed.update(names)
-                print(f"run {i}/{args.runs}: {'FAILED ' + ', '.join(names) if names else 'ok'}"
+                found = _failures(xml) if rc != 0 else {}
+                if rc != 0 and not found:
+                    found = {f"<exit code {rc}>": ""}
+                red += bool(found)
+                failed.update(found)
+                print(f"run {i}/{args.runs}: {'FAILED ' + ', '.join(found) if found else 'ok'}"
                       f" ({time.monotonic() - t0:.0f} s)", flush=True)
+                for text in found.values():  # enough to start the hunt
+                    print("\n".join(f"    | {line}" for line in text.splitlines()[-30:]))
     finally:
         stop.set()
         for b in burners:

@@ -27,8 +27,7 @@ from plait.train.step import microbatch_loss
 
 
 def _check(outs, *model_sets):
-    ref_losses, ref_params = reference(*model_sets)
-    assert_parity(outs[0]["losses"], outs[0]["params"], ref_losses, ref_params, "fp32-tp")
+    assert_parity(outs[0], reference(*model_sets), "fp32-tp")
     for other in outs[1:]:  # every rank logs the same loss and gathers the same weights
         assert other["losses"] == outs[0]["losses"]
         for name, p in outs[0]["params"].items():

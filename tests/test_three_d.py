@@ -7,7 +7,7 @@ from helpers import config, reference, run_layout
 
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.schedules import build_schedule
-from plait.testing import assert_parity
+from plait.testing import assert_parity, merge_ranks
 
 LAYERS, STEPS = "model.n_layers=4", "train.steps=2"
 MAX_ERRORS: dict[str, float] = {}  # measured, per layout (printed with -s)
@@ -25,13 +25,14 @@ def _merged(outs):
 
 
 def _check(name, outs, replicas=1):
-    ref_losses, ref_params = reference(LAYERS, STEPS)
+    ref = reference(LAYERS, STEPS)
+    ref_params = ref.params
     per = len(outs) // replicas
     for i in range(replicas):  # the mesh's dp is outermost: replica i is ranks [i*per, ...)
         replica = outs[i * per:(i + 1) * per]
         params = _merged(replica)
         assert set(params) == set(ref_params)
-        assert_parity(replica[0]["losses"], params, ref_losses, ref_params, "fp32-tp")
+        assert_parity(merge_ranks(replica), ref, "fp32-tp")
         MAX_ERRORS[name] = max(MAX_ERRORS.get(name, 0.0), max(
             float((params[n] - ref_params[n]).abs().max()) for n in ref_params))
     for o in outs:  # every rank logs the same loss and the same mesh-wide grad norm

@@ -1,7 +1,7 @@
 """ZeRO 1/2/3: parity with the single-process reference, memory by formula, ledger bytes."""
 
 import pytest
-from helpers import reference, run_layout
+from helpers import initial_params, reference, run_layout
 
 from plait.testing import assert_parity, run_ranks
 
@@ -12,27 +12,27 @@ def test_parity_with_accumulation_and_clipping(stage, dp):
     outs = run_layout(f"parallel.dp={dp}", f"parallel.zero={stage}", "parallel.microbatches=2")
     assert all(m["grad_norm"] > 0.5 for m in outs[0]["metrics"])  # clipping is active
     for out in outs:  # every rank gathers the same full parameters
-        assert_parity(out["losses"], out["params"], *reference())
+        assert_parity(out, reference())
 
 
 def test_uneven_shards_padding_never_reaches_the_maths():
     # dp=3: 64-wide norm gains and 16384-element embeddings split 22/21 with padding
     outs = run_layout("parallel.dp=3", "parallel.zero=3", "train.global_batch=6")
-    assert_parity(outs[0]["losses"], outs[0]["params"], *reference("train.global_batch=6"))
+    assert_parity(outs[0], reference("train.global_batch=6"))
     outs = run_layout("parallel.dp=3", "parallel.zero=2", "train.global_batch=6")
-    assert_parity(outs[0]["losses"], outs[0]["params"], *reference("train.global_batch=6"))
+    assert_parity(outs[0], reference("train.global_batch=6"))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bf16_close_to_fp32_reference(stage):
     outs = run_layout("parallel.dp=2", f"parallel.zero={stage}", "train.precision=bf16")
-    assert_parity(outs[0]["losses"], outs[0]["params"], *reference(), precision="bf16")
+    assert_parity(outs[0], reference(), "bf16", init=initial_params())
 
 
 def test_stage3_with_recompute():
     outs = run_layout("parallel.dp=2", "parallel.zero=3", "train.recompute=full",
                       "parallel.microbatches=2")
-    assert_parity(outs[0]["losses"], outs[0]["params"], *reference())
+    assert_parity(outs[0], reference())
 
 
 # ---- communication ledger ---------------------------------------------------------------

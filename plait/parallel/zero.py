@@ -30,14 +30,15 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
-from plait.train.optim import adamw_update, decays
+from plait.train.optim import adamw_update, decays, sgd_update
 from plait.train.step import counts_in_norm, shard_dims
 
 
 class _Unit:
     """One module's parameters as a flat, padded buffer and this rank's shard of it."""
 
-    def __init__(self, index: int, module: nn.Module, prefix: str, n: int, rank: int):
+    def __init__(self, index: int, module: nn.Module, prefix: str, n: int, rank: int,
+                 moments: bool = True):
         self.index, self.module = index, module
         named = [(f"{prefix}{name}", p) for name, p in module.named_parameters()]
         self.names = [name for name, _ in named]
@@ -52,8 +53,9 @@ class _Unit:
             self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.full[off:off + p.numel()].view_as(p)
         self.master = self.full[self.lo:self.hi].float().clone()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        # Adam's moments (SGD keeps none: empty tensors, nothing to count)
+        self.exp_avg = torch.zeros_like(self.master) if moments else torch.zeros(0)
+        self.exp_avg_sq = torch.zeros_like(self.master) if moments else torch.zeros(0)
         self.shard: torch.Tensor | None = None  # stage 3: the persistent compute-dtype shard
         self.grad_shard: torch.Tensor | None = None
         self.gathered = True
@@ -110,7 +112,7 @@ class ZeroOptimizer:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int,
                  betas: tuple[float, float], eps: float, weight_decay: float,
-                 dim: str = "dp"):
+                 dim: str = "dp", kind: str = "adamw"):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; use 1, 2 or 3")
         seen: set[int] = set()
@@ -121,7 +123,8 @@ class ZeroOptimizer:
         self.mesh, self.stage, self.dim = mesh, stage, dim
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.units = [_Unit(i, m, prefix, self.n, self.rank)
+        self.kind = kind
+        self.units = [_Unit(i, m, prefix, self.n, self.rank, moments=kind == "adamw")
                       for i, (prefix, m) in enumerate(zero_units(model))]
         covered = sum(len(u.params) for u in self.units)
         if covered != len(list(model.parameters())):
@@ -263,6 +266,13 @@ class ZeroOptimizer:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.steps += 1
         units = [u for u in self.units if u.grad_shard is not None]
+        if self.kind == "sgd":
+            sgd_update([u.master for u in units], [u.grad_shard for u in units], lr, grad_scale)
+        else:
+            self._adamw(units, lr, grad_scale)
+        self._publish()
+
+    def _adamw(self, units: list[_Unit], lr: float, grad_scale: float) -> None:
         adamw_update(
             masters=[u.master for u in units],
             grads=[u.grad_shard for u in units],
@@ -271,6 +281,9 @@ class ZeroOptimizer:
                      if decays("", p)],
             step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
             weight_decay=self.weight_decay, grad_scale=grad_scale)
+
+    def _publish(self) -> None:
+        """The updated shards into the compute parameters (stage 3: its persistent shard)."""
         if self.stage == 3:  # the next forward gathers
             for u in self.units:
                 u.shard.copy_(u.master)
@@ -292,10 +305,19 @@ class ZeroOptimizer:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters by name, all-gathered from every rank's master shard."""
+        return self._gather_by_name(lambda u: u.master)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full fp32 gradients by name (summed over dp), from every rank's gradient shard;
+        call between backward and step()."""
+        return self._gather_by_name(lambda u: u.grad_shard.float() if u.grad_shard is not None
+                                    else torch.zeros(u.k))
+
+    def _gather_by_name(self, shard_of) -> dict[str, torch.Tensor]:
         out = {}
         for u in self.units:
             full = torch.empty(u.k * self.n, dtype=torch.float32)
-            comm.all_gather(full, u.master, self.mesh, self.dim, tag="state")
+            comm.all_gather(full, shard_of(u), self.mesh, self.dim, tag="state")
             for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
                 out[name] = full[off:off + p.numel()].view(p.shape).clone()
         return out

@@ -36,6 +36,9 @@ class TrainResult:
     model: torch.nn.Module | None = None  # the Transformer, or this rank's pipeline stages
     optimizer: object | None = None
     pipeline: dict | None = None  # pp > 1: measured timeline and bubble (see measure.py)
+    # train(capture_first_grads=True): the first step's full gradients by name, summed
+    # over the mesh, before clipping (what the parity oracle compares)
+    first_grads: dict[str, torch.Tensor] | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -51,6 +54,23 @@ def full_state(model: torch.nn.Module, optimizer: object | None = None,
         state = optimizer.full_state()
     else:
         state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return _by_model_name(model, mesh, state)
+
+
+def full_grads(model: torch.nn.Module, optimizer: object, mesh: ParallelMesh
+               ) -> dict[str, torch.Tensor]:
+    """Full fp32 gradients by name, as the optimizer is about to see them (synced over dp,
+    before clipping); gathered like `full_state`. Collective over dp (ZeRO) and tp."""
+    if isinstance(optimizer, ZeroOptimizer):
+        state = optimizer.full_grads()
+    else:
+        state = {n: (p.grad.detach().float().clone() if p.grad is not None
+                     else torch.zeros(p.shape)) for n, p in model.named_parameters()}
+    return _by_model_name(model, mesh, state)
+
+
+def _by_model_name(model: torch.nn.Module, mesh: ParallelMesh | None,
+                   state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if mesh is not None and mesh.size("tp") > 1:
         from plait.parallel.tensor import gather_full_state
         state = gather_full_state(model, mesh, state)
@@ -81,7 +101,8 @@ class ReplicatedOptimizer:
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay)
+        self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
+                                         kind=t.optimizer)
 
     def before_backward(self, last_microbatch: bool) -> None:
         self.dp.before_backward(last_microbatch)
@@ -114,12 +135,15 @@ def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
     if cfg.parallel.zero == 0:
         return ReplicatedOptimizer(model, mesh, cfg)
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
-                         t.weight_decay)
+                         t.weight_decay, kind=t.optimizer)
 
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
-          on_step: Callable[[dict], None] | None = None, start_step: int = 0) -> TrainResult:
-    """Train for cfg.train.steps steps on this rank; every rank returns the same metrics."""
+          on_step: Callable[[dict], None] | None = None, start_step: int = 0,
+          capture_first_grads: bool = False) -> TrainResult:
+    """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
+
+    `capture_first_grads`: keep the first step's full gradients (result.first_grads)."""
     t = cfg.train
     # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
@@ -170,6 +194,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             norm = global_grad_norm(model.owned_parameters(), mesh)
         else:
             norm = opt.grad_norm()
+        if capture_first_grads and step == start_step:
+            result.first_grads = full_grads(model, opt, mesh)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         memory = {}
         if tracker is not None:

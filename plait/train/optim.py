@@ -30,16 +30,19 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) 
 
 
 class MixedPrecisionAdamW:
-    """AdamW over `named_params`; masters are fp32 (the parameter itself when it is fp32)."""
+    """AdamW (or plain SGD) over `named_params`; masters are fp32 (the parameter itself when
+    it is fp32). SGD keeps no moments."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], betas: tuple[float, float],
-                 eps: float, weight_decay: float):
+                 eps: float, weight_decay: float, kind: str = "adamw"):
         self.params = [p for _, p in named_params]
         self.decay = [decays(n, p) for n, p in named_params]
         self.master = [p.data if p.dtype == torch.float32 else p.detach().float().clone()
                        for p in self.params]
-        self.exp_avg = [torch.zeros_like(m) for m in self.master]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.kind = kind
+        moments = kind == "adamw"
+        self.exp_avg = [torch.zeros_like(m) for m in self.master] if moments else []
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if moments else []
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
 
@@ -50,14 +53,18 @@ class MixedPrecisionAdamW:
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not live:
             return
-        adamw_update(
-            masters=[self.master[i] for i in live],
-            grads=[self.params[i].grad for i in live],
-            exp_avgs=[self.exp_avg[i] for i in live],
-            exp_avg_sqs=[self.exp_avg_sq[i] for i in live],
-            decayed=[self.master[i] for i in live if self.decay[i]],
-            step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
-            weight_decay=self.weight_decay, grad_scale=grad_scale)
+        if self.kind == "sgd":
+            sgd_update([self.master[i] for i in live], [self.params[i].grad for i in live],
+                       lr, grad_scale)
+        else:
+            adamw_update(
+                masters=[self.master[i] for i in live],
+                grads=[self.params[i].grad for i in live],
+                exp_avgs=[self.exp_avg[i] for i in live],
+                exp_avg_sqs=[self.exp_avg_sq[i] for i in live],
+                decayed=[self.master[i] for i in live if self.decay[i]],
+                step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
+                weight_decay=self.weight_decay, grad_scale=grad_scale)
         for i in live:
             if self.master[i] is not self.params[i].data:
                 self.params[i].data.copy_(self.master[i])
@@ -91,6 +98,18 @@ def adamw_update(masters: list[torch.Tensor], grads: list[torch.Tensor],
             _adam_chunk(masters[sl], [g.float() for g in grads[sl]], exp_avgs[sl],
                         exp_avg_sqs[sl], step, lr, betas, eps, grad_scale)
             start, size = i + 1, 0
+
+
+@torch.no_grad()
+def sgd_update(masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float,
+               grad_scale: float = 1.0) -> None:
+    """Plain SGD on fp32 masters, torch.optim.SGD's arithmetic (no momentum, no decay):
+    the gradient is clipped first (scaled), then master -= lr * gradient."""
+    for start in range(0, len(masters), 64):  # bounded fp32 temporaries
+        g = [x.float() for x in grads[start:start + 64]]
+        if grad_scale != 1.0:
+            g = torch._foreach_mul(g, grad_scale)
+        torch._foreach_add_(masters[start:start + 64], g, alpha=-lr)
 
 
 CHUNK = 1 << 16  # elements per foreach chunk: bounds the update's temporaries

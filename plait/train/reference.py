@@ -1,43 +1,85 @@
 """The parity oracle's reference: a plain single-process run with torch's own pieces.
 
-Same model, seed, data order and global batch as any layout, but nothing of plait's
-parallel or optimizer code: the whole global batch in one forward/backward, torch's AdamW
-(foreach off, so its arithmetic matches element-wise), torch's clip_grad_norm_. fp32 only.
+Same model, seed, data order and global batch as any layout, but none of plait's parallel,
+loss, schedule or optimizer code: the whole global batch in one forward/backward, the mean
+cross-entropy by `F.cross_entropy(reduction="mean")`, the learning rate from its own
+formula, its own weight-decay grouping, torch's AdamW or SGD (foreach off, so the
+arithmetic matches element-wise) and torch's clip_grad_norm_. fp32 only.
+
+What it shares with plait is the model (`build_model`, checked on its own by
+tests/test_model.py: causality, RoPE, norms, attention against naive formulas) and the
+data order (`GlobalBatches`, tests/test_data.py).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 
 from plait.config import Config
 from plait.model.transformer import build_model
 from plait.train.data import GlobalBatches
-from plait.train.optim import decays, lr_at
-from plait.train.step import microbatch_loss
 
 
-def reference_run(cfg: Config, batches: GlobalBatches
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """(loss per step, final parameters by name) of the single-process fp32 run."""
+@dataclass
+class Reference:
+    """What a layout is compared with: per step, and at the end."""
+
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # step 0, unclipped
+
+
+def reference_lr(step: int, cfg: Config) -> float:
+    """Linear warm-up to lr over warmup_steps (step 0 at lr/warmup), then a half cosine to
+    lr * min_lr_ratio at the last step (Loshchilov & Hutter 2017, SGDR, eq. 5)."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    decay_steps = max(t.steps - t.warmup_steps, 1)
+    frac = min((step - t.warmup_steps) / decay_steps, 1.0)
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * (1 + math.cos(math.pi * frac)) / 2
+
+
+def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=t.lr, foreach=False)
+    # decay on weight matrices only, never on norm gains (the 1-D parameters)
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    gains = [p for p in model.parameters() if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                              {"params": gains, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+
+
+def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
+    """Loss, grad norm per step, first-step gradients and final parameters, single process."""
     t = cfg.train
     model = build_model(cfg.model, seed=t.seed)
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if decays(n, p)], "weight_decay": t.weight_decay},
-        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
-    ]
-    optim = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                              foreach=False)
-    losses = []
+    optim = _optimizer(cfg, model)
+    ref = Reference()
     for step in range(t.steps):
         tokens = batches.rows(step)
-        loss = microbatch_loss(model, tokens, tokens[:, 1:].numel())
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                               tokens[:, 1:].reshape(-1), reduction="mean")
         loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=False)
-        for g in optim.param_groups:
-            g["lr"] = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        if step == 0:
+            ref.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        # the norm clip_grad_norm_ returns is the one before clipping
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=False)
+        ref.grad_norms.append(float(norm))
+        for group in optim.param_groups:
+            group["lr"] = reference_lr(step, cfg)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in named}
+        ref.losses.append(float(loss.detach()))
+    ref.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return ref
