@@ -54,6 +54,11 @@ class CommRecord:
         return self.end - self.start
 
 
+# The step of collectives that belong to no training step: gathering a full state or the
+# first-step gradients for a check. Recorded like any other, left out of per-step totals.
+OUTSIDE_STEP = -1
+
+
 @dataclass
 class Ledger:
     records: list[CommRecord] = field(default_factory=list)
@@ -72,7 +77,10 @@ class Ledger:
         self.records.clear()
 
     def for_step(self, step: int | None = None) -> list[CommRecord]:
-        return [r for r in self.records if step is None or r.step == step]
+        """The records of `step`, or of every training step (not OUTSIDE_STEP's)."""
+        if step is None:
+            return [r for r in self.records if r.step != OUTSIDE_STEP]
+        return [r for r in self.records if r.step == step]
 
     def summary(self, step: int | None = None) -> dict[str, dict[str, float]]:
         """Totals keyed by "op@dim": count, payload, sent, received, seconds."""
@@ -104,4 +112,5 @@ class Ledger:
         return dict(out)
 
     def to_dicts(self, step: int | None = None) -> list[dict]:
-        return [asdict(r) for r in self.for_step(step)]
+        """Every record (OUTSIDE_STEP's too), or those of `step`."""
+        return [asdict(r) for r in (self.records if step is None else self.for_step(step))]

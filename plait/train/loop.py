@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plait import comm
+from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.observe.memory import MemoryTracker
@@ -194,8 +195,10 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             norm = global_grad_norm(model.owned_parameters(), mesh)
         else:
             norm = opt.grad_norm()
-        if capture_first_grads and step == start_step:
+        if capture_first_grads and step == start_step:  # a check's, not the step's, bytes
+            mesh.ledger.step = OUTSIDE_STEP
             result.first_grads = full_grads(model, opt, mesh)
+            mesh.ledger.step = step
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         memory = {}
         if tracker is not None:
