@@ -150,6 +150,8 @@ def build_model(cfg: ModelConfig, seed: int, device: str = "cpu",
     if device == "meta":
         return model
     model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.head.weight = model.embed.weight
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init_full_param(name, p.shape, cfg, seed))
