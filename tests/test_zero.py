@@ -70,9 +70,9 @@ def test_ledger_bytes_per_step(stage, micro):
         got = {op: sum(r["sent"] for r in recs if r["op"] == op) for op in want}
         assert got == pytest.approx(want, rel=1e-12), (step, got, want)
         assert {r["op"] for r in recs} == set(want)
-    total = sum(want.values())
-    if micro == 1:  # the statement: stages 1, 2 = one all-reduce; stage 3 = 1.5x
-        assert total == pytest.approx(one_all_reduce * (1.5 if stage == 3 else 1.0))
+        if micro == 1:  # measured: stages 1, 2 move one all-reduce's bytes; stage 3 1.5x
+            assert sum(got.values()) == pytest.approx(
+                one_all_reduce * (1.5 if stage == 3 else 1.0), rel=1e-12)
 
 
 def test_stage3_prefetch_overlaps_compute():
@@ -133,7 +133,5 @@ def test_persistent_memory_matches_formula_planner_and_peaks_order():
                 3: (2 / n, 2 / n, 12 / n)}[stage]
         for cat, per_param in zip(("params", "grads", "optimizer"), want):
             assert pre[cat] == pytest.approx(per_param * phi, rel=0.05), (stage, cat, pre)
-        total = pre["params"] + pre["grads"] + pre["optimizer"]
-        assert total == pytest.approx(sum(want) * phi, rel=0.05)
         peaks[stage] = row["peak_total"]
     assert peaks[3] < peaks[2] < peaks[1] < peaks[0], peaks
