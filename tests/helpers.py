@@ -39,7 +39,7 @@ def _train_rank(rank: int, world: int, sets: list[str]):
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
     # dp shards (ZeRO) and tp shards gathered; a pipeline rank gives its stages' parameters
-    params = full_state(result.model, result.optimizer, mesh)
+    params = full_state(result.model, result.optimizer, mesh, result.placements)
     return {"losses": result.losses, "params": params,
             "grad_norms": [m["grad_norm"] for m in result.metrics],
             "first_grads": result.first_grads,

@@ -19,6 +19,7 @@ from plait.parallel.tensor import (
     padded_vocab,
     vocab_parallel_cross_entropy,
 )
+from plait.placement import PlacementTable
 from plait.plan.activations import layer_activation_bytes, model_activation_bytes
 from plait.testing import PARITY_TOLERANCES, assert_parity, run_ranks
 from plait.train.step import microbatch_loss
@@ -64,20 +65,21 @@ def _tp_model(cfg):
     """The model with the layout's TP applied, its loss function, and step 0's tokens."""
     mesh = ParallelMesh.build(cfg.parallel)
     model = build_model(cfg.model, cfg.train.seed)
-    loss_fn = None
+    loss_fn, placements = None, PlacementTable()
     if cfg.parallel.tp > 1:
-        loss_fn = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp).loss_sum
-    return mesh, model, loss_fn, batches_for(cfg).rows(0)
+        tp = apply_tensor_parallel(model, mesh, sp=cfg.parallel.sp, placements=placements)
+        loss_fn = tp.loss_sum
+    return mesh, model, loss_fn, batches_for(cfg).rows(0), placements
 
 
 def _grads(rank, world, sets):
     cfg = config(*sets)
-    mesh, model, loss_fn, tokens = _tp_model(cfg)
+    mesh, model, loss_fn, tokens, placements = _tp_model(cfg)
     loss = microbatch_loss(model, tokens, tokens[:, 1:].numel(), loss_fn)
     loss.backward()
     for p in model.parameters():
         p.data = p.grad  # gather the gradients through the parameters' shard metadata
-    return float(loss), gather_full_state(model, mesh)
+    return float(loss), gather_full_state(model, mesh, placements)
 
 
 @pytest.mark.parametrize("sets", [
@@ -229,7 +231,7 @@ def _activation_bytes(rank, world, sets):
     res = {}
     for layers in (1, 2):
         cfg = config(*sets, f"model.n_layers={layers}")
-        _, model, loss_fn, tokens = _tp_model(cfg)
+        _, model, loss_fn, tokens, _ = _tp_model(cfg)
         with MemoryTracker(new_only=True) as live:
             loss = microbatch_loss(model, tokens, tokens[:, 1:].numel(), loss_fn)
             res[layers] = live.live_bytes()  # kept for backward when the forward is done

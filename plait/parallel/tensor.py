@@ -53,16 +53,9 @@ from plait.comm.regions import (
 )
 from plait.mesh import ParallelMesh
 from plait.model.presets import ModelConfig
+from plait.placement import PlacementTable, Split
 
 DIM = "tp"
-
-
-@dataclass(frozen=True)
-class TPShard:
-    """How a parameter is split: along `axis`, `replicas` consecutive ranks hold one slice."""
-    axis: int
-    full_shape: tuple[int, ...]
-    replicas: int = 1
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -70,9 +63,9 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def _shard(full: torch.Tensor, axis: int, mesh: ParallelMesh, replicas: int = 1,
-           padded: int | None = None) -> nn.Parameter:
-    """This rank's slice of `full` as a marked Parameter."""
+def _shard(full: torch.Tensor, axis: int, mesh: ParallelMesh, placements: PlacementTable,
+           replicas: int = 1, padded: int | None = None) -> nn.Parameter:
+    """This rank's slice of `full` as a Parameter, recorded in `placements`."""
     t, r = mesh.size(DIM), mesh.coord(DIM)
     if padded is not None and padded > full.shape[axis]:
         pad = list(full.shape)
@@ -83,10 +76,8 @@ def _shard(full: torch.Tensor, axis: int, mesh: ParallelMesh, replicas: int = 1,
     slices = t // replicas
     size = full_p.shape[axis] // slices
     p = nn.Parameter(full_p.narrow(axis, (r // replicas) * size, size).detach().clone())
-    p._plait_shard_dims = (DIM,)
-    p._plait_tp = TPShard(axis, tuple(full.shape), replicas)
-    if replicas > 1:  # replicated slice: only the first holder counts it in the grad norm
-        p._plait_norm_owner = r % replicas == 0
+    # a replicated slice (replicas > 1) counts in the grad norm on its first holder only
+    placements.mark_split(p, full, Split(DIM, axis, full.shape[axis], replicas), mesh)
     return p
 
 
@@ -97,13 +88,13 @@ class ColumnParallelLinear(nn.Module):
     blocks the region is entered once for wq/wk/wv together, by the sub-layer's hook).
     """
 
-    def __init__(self, linear: nn.Linear, mesh: ParallelMesh, replicas: int = 1,
-                 padded_out: int | None = None,
+    def __init__(self, linear: nn.Linear, mesh: ParallelMesh, placements: PlacementTable,
+                 replicas: int = 1, padded_out: int | None = None,
                  enter: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("plait's model has no biases; a biased linear needs its bias split")
-        self.weight = _shard(linear.weight, 0, mesh, replicas, padded_out)
+        self.weight = _shard(linear.weight, 0, mesh, placements, replicas, padded_out)
         self.enter = enter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +107,11 @@ class RowParallelLinear(nn.Module):
     """y_partial = x_local · W_localᵀ with W split along its input columns; the partial sums
     are reduced when the region is left (by the sub-layer's hook)."""
 
-    def __init__(self, linear: nn.Linear, mesh: ParallelMesh):
+    def __init__(self, linear: nn.Linear, mesh: ParallelMesh, placements: PlacementTable):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("plait's model has no biases; a biased row linear adds it once")
-        self.weight = _shard(linear.weight, 1, mesh)
+        self.weight = _shard(linear.weight, 1, mesh, placements)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -130,13 +121,14 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + V_pad/t) of the table on each rank; a token outside them looks up
     zeros, and the partial embeddings are summed over tp (or reduce-scattered under SP)."""
 
-    def __init__(self, emb: nn.Embedding, mesh: ParallelMesh, sp: bool):
+    def __init__(self, emb: nn.Embedding, mesh: ParallelMesh, placements: PlacementTable,
+                 sp: bool):
         super().__init__()
         t = mesh.size(DIM)
         self.vocab_size, self.padded = emb.num_embeddings, padded_vocab(emb.num_embeddings, t)
         self.per_rank = self.padded // t
         self.start = mesh.coord(DIM) * self.per_rank
-        self.weight = _shard(emb.weight, 0, mesh, padded=self.padded)
+        self.weight = _shard(emb.weight, 0, mesh, placements, padded=self.padded)
         self.mesh, self.sp = mesh, sp
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -257,6 +249,7 @@ class TensorParallel:
     plan: dict[str, str]
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     handles: list = field(default_factory=list)
+    placements: PlacementTable = field(default_factory=PlacementTable)  # the tp splits
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -286,8 +279,8 @@ def _replicated_slice_hook(mesh: ParallelMesh, replicas: int, tag: str):
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False,
-                          plan: dict[str, str] | None = None,
-                          partial: bool = False) -> TensorParallel:
+                          plan: dict[str, str] | None = None, partial: bool = False,
+                          placements: PlacementTable | None = None) -> TensorParallel:
     """Swap modules and add region hooks in place, following `plan` (default_plan).
 
     `partial`: `model` is a pipeline stage holding a slice of the model, so plan entries for
@@ -298,7 +291,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False
     cfg: ModelConfig = model.cfg
     plan = default_plan(cfg, sp) if plan is None else plan
     t = mesh.size(DIM)
-    tp = TensorParallel(mesh, sp, plan)
+    tp = TensorParallel(mesh, sp, plan, placements=placements or PlacementTable())
     names = [n for n, _ in model.named_modules() if n]
     # leaves first: swapping a module's children must happen before hooks see it
     for pattern, style in sorted(plan.items(), key=lambda kv: -kv[0].count(".")):
@@ -310,18 +303,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False
         for name in hits:
             mod = model.get_submodule(name)
             if style == "colwise":
-                _set_module(model, name, ColumnParallelLinear(mod, mesh))
+                _set_module(model, name, ColumnParallelLinear(mod, mesh, tp.placements))
             elif style == "colwise_kv":
                 reps = kv_replicas(cfg.n_kv_heads, t)
-                new = ColumnParallelLinear(mod, mesh, replicas=reps)
+                new = ColumnParallelLinear(mod, mesh, tp.placements, replicas=reps)
                 if reps > 1:
                     tp.handles.append(new.weight.register_hook(
                         _replicated_slice_hook(mesh, reps, f"tp.{name}.grad")))
                 _set_module(model, name, new)
             elif style == "rowwise":
-                _set_module(model, name, RowParallelLinear(mod, mesh))
+                _set_module(model, name, RowParallelLinear(mod, mesh, tp.placements))
             elif style == "vocab_embed":
-                _set_module(model, name, VocabParallelEmbedding(mod, mesh, sp))
+                _set_module(model, name, VocabParallelEmbedding(mod, mesh, tp.placements, sp))
             elif style == "vocab_head":
                 tag = f"tp.{name}"
                 if sp:
@@ -331,7 +324,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False
                     def enter(x, tag=tag):
                         return copy_to_tp(x, mesh, DIM, tag=tag)
                 vp = padded_vocab(mod.out_features, t)
-                head = ColumnParallelLinear(mod, mesh, padded_out=vp, enter=enter)
+                head = ColumnParallelLinear(mod, mesh, tp.placements, padded_out=vp, enter=enter)
                 if cfg.tie_embeddings and isinstance(getattr(model, "embed", None),
                                                      VocabParallelEmbedding):
                     head.weight = model.embed.weight
@@ -368,7 +361,7 @@ def _install_region(mod: nn.Module, mesh: ParallelMesh, sp: bool, tag: str) -> l
 
 # ---- full parameters, for parity and checkpoints -----------------------------------------
 
-def gather_full_state(model: nn.Module, mesh: ParallelMesh,
+def gather_full_state(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable,
                       local_state: dict[str, torch.Tensor] | None = None
                       ) -> dict[str, torch.Tensor]:
     """Full fp32 parameters by the reference's names: tp shards all-gathered, padding cut.
@@ -379,7 +372,7 @@ def gather_full_state(model: nn.Module, mesh: ParallelMesh,
     """
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        meta: TPShard | None = getattr(p, "_plait_tp", None)
+        meta = placements.of(p).split_on(DIM)
         local = (p if local_state is None else local_state[name]).detach().float()
         if meta is None or mesh.size(DIM) == 1:
             out[name] = local.clone()
@@ -390,5 +383,5 @@ def gather_full_state(model: nn.Module, mesh: ParallelMesh,
         ops.all_gather(buf, front, mesh, DIM, tag="state")
         slices = buf.view(t, *front.shape)[:: meta.replicas]
         full = slices.reshape(-1, *front.shape[1:]).movedim(0, meta.axis)
-        out[name] = full.narrow(meta.axis, 0, meta.full_shape[meta.axis]).contiguous()
+        out[name] = full.narrow(meta.axis, 0, meta.full_size).contiguous()
     return out

@@ -30,8 +30,8 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
+from plait.placement import PlacementTable
 from plait.train.optim import adamw_update, decays, sgd_update
-from plait.train.step import counts_in_norm, shard_dims
 
 
 class _Unit:
@@ -112,7 +112,8 @@ class ZeroOptimizer:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int,
                  betas: tuple[float, float], eps: float, weight_decay: float,
-                 dim: str = "dp", kind: str = "adamw"):
+                 dim: str = "dp", kind: str = "adamw",
+                 placements: PlacementTable | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; use 1, 2 or 3")
         seen: set[int] = set()
@@ -121,6 +122,7 @@ class ZeroOptimizer:
                 raise ValueError("ZeRO shards each parameter in one unit: untie embeddings")
             seen.add(id(p))
         self.mesh, self.stage, self.dim = mesh, stage, dim
+        self.placements = placements or PlacementTable()
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.kind = kind
@@ -142,7 +144,6 @@ class ZeroOptimizer:
         self._where = {id(p): u for u in self.units for p in u.params}
         for u in self.units:
             for p in u.params:
-                p._plait_shard_dims = tuple(shard_dims(p))  # keep what TP set, if anything
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             if stage == 3:
                 u.shard = u.full[u.lo:u.hi].clone()
@@ -257,7 +258,7 @@ class ZeroOptimizer:
             if u.grad_shard is None:
                 continue
             for a, b, p in u.segments():
-                if counts_in_norm(p, self.mesh, also_sharded=(self.dim,)):
+                if self.placements.counts_in_norm(p, self.mesh, also_sharded=(self.dim,)):
                     total += u.grad_shard[a:b].double().pow(2).sum()
         comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
         return math.sqrt(float(total))

@@ -23,9 +23,10 @@ from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.runtime import PipelineRuntime, sum_copy_gradients
 from plait.parallel.zero import ZeroOptimizer
+from plait.placement import PlacementTable
 from plait.train.data import GlobalBatches
 from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
-from plait.train.step import global_grad_norm, shard_dims
+from plait.train.step import global_grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -40,6 +41,7 @@ class TrainResult:
     # train(capture_first_grads=True): the first step's full gradients by name, summed
     # over the mesh, before clipping (what the parity oracle compares)
     first_grads: dict[str, torch.Tensor] | None = None
+    placements: PlacementTable | None = None  # where each of this rank's parameters lives
 
     @property
     def losses(self) -> list[float]:
@@ -47,19 +49,21 @@ class TrainResult:
 
 
 def full_state(model: torch.nn.Module, optimizer: object | None = None,
-               mesh: ParallelMesh | None = None) -> dict[str, torch.Tensor]:
+               mesh: ParallelMesh | None = None, placements: PlacementTable | None = None
+               ) -> dict[str, torch.Tensor]:
     """Full fp32 parameters by name, gathered from their shards where they are sharded (dp
     shards of ZeRO; tp shards too when `mesh` is given: then collective over tp). A
-    pipeline rank returns its own stages' parameters, by the model's names."""
+    pipeline rank returns its own stages' parameters, by the model's names. `placements`:
+    the run's (TrainResult.placements), needed where tp splits parameters."""
     if isinstance(optimizer, ZeroOptimizer):
         state = optimizer.full_state()
     else:
         state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return _by_model_name(model, mesh, state)
+    return _by_model_name(model, mesh, placements, state)
 
 
-def full_grads(model: torch.nn.Module, optimizer: object, mesh: ParallelMesh
-               ) -> dict[str, torch.Tensor]:
+def full_grads(model: torch.nn.Module, optimizer: object, mesh: ParallelMesh,
+               placements: PlacementTable) -> dict[str, torch.Tensor]:
     """Full fp32 gradients by name, as the optimizer is about to see them (synced over dp,
     before clipping); gathered like `full_state`. Collective over dp (ZeRO) and tp."""
     if isinstance(optimizer, ZeroOptimizer):
@@ -67,14 +71,17 @@ def full_grads(model: torch.nn.Module, optimizer: object, mesh: ParallelMesh
     else:
         state = {n: (p.grad.detach().float().clone() if p.grad is not None
                      else torch.zeros(p.shape)) for n, p in model.named_parameters()}
-    return _by_model_name(model, mesh, state)
+    return _by_model_name(model, mesh, placements, state)
 
 
 def _by_model_name(model: torch.nn.Module, mesh: ParallelMesh | None,
-                   state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                   placements: PlacementTable | None, state: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
     if mesh is not None and mesh.size("tp") > 1:
         from plait.parallel.tensor import gather_full_state
-        state = gather_full_state(model, mesh, state)
+        if placements is None:
+            raise ValueError("gathering tp-split parameters needs the run's placements")
+        state = gather_full_state(model, mesh, placements, state)
     if hasattr(model, "model_names"):  # pipeline stages: "stages.3.layers.5.x" -> "layers.5.x"
         return {model.model_names[n]: v for n, v in state.items() if n in model.model_names}
     return state
@@ -96,9 +103,10 @@ class ReplicatedOptimizer:
     zero_grad / memory_sources.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+    def __init__(self, model: torch.nn.Module, mesh: ParallelMesh, cfg: Config,
+                 placements: PlacementTable):
         t, p = cfg.train, cfg.parallel
-        self.model, self.mesh = model, mesh
+        self.model, self.mesh, self.placements = model, mesh, placements
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -113,7 +121,7 @@ class ReplicatedOptimizer:
             self.dp.finish()
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.params, self.mesh)
+        return global_grad_norm(self.params, self.mesh, self.placements)
 
     def step(self, lr: float, grad_scale: float) -> None:
         self.optim.step(lr, grad_scale)
@@ -130,13 +138,14 @@ class ReplicatedOptimizer:
                 "comm": [b.flat for b in self.dp.buckets if b.flat is not None]}
 
 
-def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config):
+def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config,
+                   placements: PlacementTable):
     """The gradient-sync + optimizer strategy for cfg.parallel.zero (0: replicated)."""
     t = cfg.train
     if cfg.parallel.zero == 0:
-        return ReplicatedOptimizer(model, mesh, cfg)
+        return ReplicatedOptimizer(model, mesh, cfg, placements)
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
-                         t.weight_decay, kind=t.optimizer)
+                         t.weight_decay, kind=t.optimizer, placements=placements)
 
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
@@ -147,7 +156,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     `capture_first_grads`: keep the first step's full gradients (result.first_grads)."""
     t = cfg.train
     # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
-    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision])
+    placements = PlacementTable()  # where each parameter lives, set by the strategies
+    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision], placements)
     model = pipe.model
     # -- tensor/sequence parallel: module swaps before anything holds the parameters --
     # Each stage applies the plan on the tp group of its own pp coordinate: the first holds
@@ -156,17 +166,15 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         from plait.parallel.tensor import apply_tensor_parallel
         pp = cfg.parallel.pp > 1
         for stage in pipe.stages.values():
+            # a tp slice of a stage's parameter keeps the stage's placement (distinct per pp)
             stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp,
-                                                  partial=pp).loss_sum
-            if pp:  # tp shards (and replicas) of a stage are still distinct per pp rank
-                for q in stage.parameters():
-                    q._plait_shard_dims = tuple(dict.fromkeys(("pp", *shard_dims(q))))
+                                                  partial=pp, placements=placements).loss_sum
         if not pp:  # the stage shares the model's blocks; re-point the ends
             model.embed, model.head = pipe.stages[0].embed, pipe.stages[0].head
     # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     param_count = sum(q.numel() for _, q in named)
-    opt = make_optimizer(model, mesh, cfg)
+    opt = make_optimizer(model, mesh, cfg, placements)
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime
@@ -179,7 +187,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward)
     tokens_per_step = t.global_batch * t.seq_len
-    result = TrainResult(model=model)
+    result = TrainResult(model=model, placements=placements)
 
     for step in range(start_step, t.steps):
         mesh.ledger.step = step
@@ -192,12 +200,12 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         loss_sum = runtime.step(micro, tokens_per_step)
         if pipe.schedule.num_chains > 1:  # DualPipe: sum the two copies, count each once
             sum_copy_gradients(pipe.stages, pipe.schedule, mesh)
-            norm = global_grad_norm(model.owned_parameters(), mesh)
+            norm = global_grad_norm(model.owned_parameters(), mesh, placements)
         else:
             norm = opt.grad_norm()
         if capture_first_grads and step == start_step:  # a check's, not the step's, bytes
             mesh.ledger.step = OUTSIDE_STEP
-            result.first_grads = full_grads(model, opt, mesh)
+            result.first_grads = full_grads(model, opt, mesh, placements)
             mesh.ledger.step = step
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         memory = {}

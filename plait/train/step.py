@@ -17,39 +17,25 @@ from torch import nn
 
 from plait import comm
 from plait.mesh import ParallelMesh
+from plait.placement import PlacementTable
 
 
-def shard_dims(p: torch.Tensor) -> tuple[str, ...]:
-    """Mesh dims a parameter is split over (set by strategies; empty: replicated)."""
-    return getattr(p, "_plait_shard_dims", ())
-
-
-def counts_in_norm(p: torch.Tensor, mesh: ParallelMesh, also_sharded: tuple[str, ...] = ()
-                   ) -> bool:
-    """Does this rank's copy of `p` count in the global grad norm? Replicas count once: on
-    coordinate 0 of every dim `p` is not split over (`also_sharded`: dims a strategy splits
-    its gradient over, e.g. ZeRO's dp)."""
-    sharded = shard_dims(p) + also_sharded
-    owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded)
-    # a slice replicated over part of a sharded dim (tp's replicated KV heads) names the one
-    # rank that counts it
-    return owner and getattr(p, "_plait_norm_owner", True)
-
-
-def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> float:
+def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,
+                     placements: PlacementTable) -> float:
     """L2 norm of the full gradient across the mesh, each parameter element counted once.
 
     A parameter replicated over a dim contributes only from the rank at coordinate 0 of
-    that dim; the partial sums are then all-reduced once over the world. When nothing is
-    sharded every rank already holds the whole gradient and no communication is needed.
+    that dim (`placements.counts_in_norm`); the partial sums are then all-reduced once over
+    the world. When nothing is sharded every rank already holds the whole gradient and no
+    communication is needed.
     """
     grads = [(p, p.grad) for p in params if p.grad is not None]
-    if not any(shard_dims(p) for p, _ in grads) or mesh.world_size == 1:
+    if not placements.any_sharded([p for p, _ in grads]) or mesh.world_size == 1:
         sq = sum(float(g.float().pow(2).sum()) for _, g in grads)
         return math.sqrt(sq)
     total = torch.zeros(1, dtype=torch.float64)
     for p, g in grads:
-        if counts_in_norm(p, mesh):
+        if placements.counts_in_norm(p, mesh):
             total += g.double().pow(2).sum()
     comm.all_reduce(total, mesh, "world", tag="grad_norm")
     return math.sqrt(float(total))

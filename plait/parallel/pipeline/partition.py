@@ -24,6 +24,7 @@ from plait.model.presets import ModelConfig
 from plait.model.transformer import Transformer, build_model, init_full_param, rope_tables
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.schedules import build_schedule
+from plait.placement import PlacementTable
 from plait.train.step import token_loss
 
 if TYPE_CHECKING:
@@ -231,9 +232,12 @@ class PipelineParts:
     partition: Partition
 
 
-def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype) -> PipelineParts:
+def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
+                   placements: PlacementTable | None = None) -> PipelineParts:
     """Cut the model for cfg's schedule and materialise the stages rank `pp_rank` holds.
-    With pp == 1 the one stage is the whole model and the schedule F, B per micro-batch."""
+    With pp == 1 the one stage is the whole model and the schedule F, B per micro-batch.
+    The stages' parameters are recorded in `placements` as distinct over pp."""
+    placements = PlacementTable() if placements is None else placements
     p, t = cfg.parallel, cfg.train
     m = cfg.microbatches()
     if p.pp == 1:
@@ -254,6 +258,6 @@ def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype) -> PipelinePar
         stage = Stage(meta, part.layers[j], first=j == 0, last=j == part.num_stages - 1)
         stages[s] = materialise(stage, cfg.model, t.seed, dtype)
         for q in stage.parameters():
-            q._plait_shard_dims = ("pp",)  # distinct per pp rank: the grad norm sums them
+            placements.mark_distinct(q, "pp")  # other layers on each pp rank
     owned = [s for s in stages if schedule.chain_of_stage(s) == 0]
     return PipelineParts(PipelineModule(stages, owned), stages, schedule, part)
