@@ -108,7 +108,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "plait.train", *rank_args]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank (DESIGN.md, Facts)
+    # one intra-op thread per rank (docs/architecture.md, Facts)
+    env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, env=env)
 
 

@@ -296,8 +296,8 @@ class Config:
         if p.tp > p.gpus_per_node:
             notes.append(
                 f"tp={p.tp} is larger than gpus_per_node={p.gpus_per_node}: tensor-parallel "
-                "all-reduces cross nodes every layer (the seeds measured a 42% throughput "
-                f"drop going from 8 to 16 GPUs); keep tp <= {p.gpus_per_node}")
+                "all-reduces cross nodes every layer (Stanford CS336 lecture 8 reports a 42% "
+                f"throughput drop going from 8 to 16 GPUs); keep tp <= {p.gpus_per_node}")
         return notes
 
     def check(self, world_size: int | None = None) -> Config:

@@ -2,7 +2,8 @@
 
 Fork (not spawn) because every spawned child re-imports torch (~1 s a rank); a forked child
 must call `torch.set_num_threads(1)` before its first op or it can hang when the parent has
-already run a parallel op (DESIGN.md, Facts). A failing rank's traceback is raised in the
+already run a parallel op (docs/architecture.md,
+"Facts about torch 2.13 on CPU/gloo, measured"). A failing rank's traceback is raised in the
 caller; a rank that neither finishes nor fails within `timeout` is killed and reported:
 never a hang.
 """

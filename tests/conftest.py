@@ -1,4 +1,4 @@
 import torch
 
-# one intra-op thread per process: forked ranks share 2 cores (DESIGN.md, Facts)
+# one intra-op thread per process: forked ranks share 2 cores (docs/architecture.md, Facts)
 torch.set_num_threads(1)

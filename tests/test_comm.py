@@ -53,7 +53,7 @@ def test_collectives_and_ledger(world):
     want_sum = sum(torch.arange(10, dtype=torch.float32) + r for r in range(world))
     for rank, o in enumerate(outs):
         assert torch.equal(o["ring"], want_sum)
-        # the seeds' identity: reduce-scatter + all-gather == all-reduce, same bytes
+        # Stanford CS336 lecture 8's identity: reduce-scatter + all-gather == all-reduce, same bytes
         assert torch.equal(o["rsag"], o["ring"])
         assert o["rsag_ops"] == ["reduce_scatter", "all_gather"]
         assert o["ring_sent"] == pytest.approx(2 * (world - 1) / world * 40)

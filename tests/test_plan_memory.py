@@ -1,18 +1,16 @@
 """Memory model: the ZeRO paper's numbers and Korthikanti et al.'s activation formulas."""
 
-import json
-
 import numpy as np
 import pytest
 
-from plait.plan.calibration import calibration_dir, load_runs
+from plait.plan.calibration import load_data, load_runs
 from plait.plan.compute import Efficiency
 from plait.plan.estimate import Layout, evaluate
 from plait.plan.memory import inflight_chunks, layer_activations, model_states
 from plait.plan.shape import from_preset, gpt_shape
 
 GiB = 2**30
-DATA = json.loads((calibration_dir() / "korthikanti2022_activation_recompute.json").read_text())
+DATA = load_data()  # the packaged copy, plait/plan/data/
 CONFIGS = DATA["tables"][0]["rows"]
 EFF = Efficiency(0.8, 1e10, 0.5, 0.0)
 

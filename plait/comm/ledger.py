@@ -3,7 +3,7 @@
 Bytes are *algorithmic*: what this rank sends and receives under the ring algorithm for
 the op, its payload and the group size (gloo's wire traffic differs: it has no real
 reduce-scatter). With S the payload bytes and n the group size (Patarasuk & Yuan 2009;
-the seeds' "all-reduce = reduce-scatter + all-gather"):
+Stanford CS336, lecture 8 (parallelism): "all-reduce = reduce-scatter + all-gather"):
 
     all_reduce      2(n-1)/n * S   sent and received (reduce-scatter then all-gather)
     reduce_scatter  (n-1)/n * S    S = the full (unscattered) input

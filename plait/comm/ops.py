@@ -129,7 +129,8 @@ def all_reduce(tensor: torch.Tensor, mesh: ParallelMesh, dim: str, op: str = "su
                via: str = "ring", async_op: bool = False, tag: str = "") -> Handle | None:
     """In-place all-reduce of `tensor` over the group along `dim`.
 
-    via="rs_ag" runs it as reduce-scatter + all-gather (the seeds' identity); the result and
+    via="rs_ag" runs it as reduce-scatter + all-gather (the identity of
+    Stanford CS336, lecture 8); the result and
     the total ledger bytes are the same as the ring all-reduce.
     """
     n = mesh.size(dim)
@@ -172,9 +173,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh
     record = _recorder(mesh, "reduce_scatter", dim, payload, sent, recv, tag, input.dtype)
     group = mesh.group(dim)
     if op == "sum" and dist.get_backend(group) == "gloo":
-        # gloo's reduce-scatter runs a whole all-reduce underneath (DESIGN.md, Facts). The
-        # direct algorithm sends each rank its chunk from everyone ((n-1)/n of the input,
-        # the same bytes as the ring) and sums the n chunks here, in rank order.
+        # gloo's reduce-scatter runs a whole all-reduce underneath (docs/architecture.md,
+        # Facts). The direct algorithm sends each rank its chunk from everyone ((n-1)/n of
+        # the input, the same bytes as the ring) and sums the n chunks here, in rank order.
         chunks = torch.empty_like(input).reshape(n, -1)
         o, i = _Alias(chunks), _Alias(input.reshape(-1))
         work = dist.all_to_all_single(o.tensor, i.tensor, group=group, async_op=True)

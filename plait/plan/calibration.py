@@ -1,7 +1,8 @@
 """THE one place where efficiency constants are fitted, and the constants themselves.
 
-Data: only the calibration set, /work/shared/planner/calibration/ (``../shared`` from the
-repository root): Korthikanti et al. 2022, Table 5 iteration times of four GPT models on
+Data: only the calibration set, packaged as plait/plan/data/ (see its README.md for
+citation and provenance): Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (arXiv:2205.05198), Table 5 iteration times of four GPT models on
 A100 80GB (Selene), each with full recompute and with sequence parallel + selective
 recompute: 8 measurements.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -45,10 +46,10 @@ EFFICIENCY = Efficiency(gemm_max=0.8001, gemm_half=1.693e10, link_efficiency=0.2
 CALIBRATION_FILE = "korthikanti2022_activation_recompute.json"
 
 
-def calibration_dir() -> Path:
-    """../shared/planner/calibration/ next to the repository root."""
-    root = Path(__file__).resolve().parents[2]
-    return root.parent / "shared" / "planner" / "calibration"
+def load_data() -> dict[str, Any]:
+    """The calibration file, read from the package (plait/plan/data/)."""
+    text = resources.files("plait.plan").joinpath("data", CALIBRATION_FILE).read_text("utf-8")
+    return json.loads(text)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class Run:
     measured_s: float
 
 
-def load_runs(directory: Path | None = None) -> list[Run]:
-    data = json.loads(((directory or calibration_dir()) / CALIBRATION_FILE).read_text())
+def load_runs(data: dict[str, Any] | None = None) -> list[Run]:
+    data = data if data is not None else load_data()
     table = next(t for t in data["tables"] if t["id"] == "table3_configs_and_table5_times")
     runs = []
     for r in table["rows"]:

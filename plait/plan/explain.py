@@ -1,4 +1,5 @@
-"""Why the best layout wins, in words: the seeds' rules of thumb checked one by one.
+"""Why the best layout wins, in words: the rules of thumb of
+Stanford CS336, lecture 8 (parallelism), checked one by one.
 
 1. Fit first: TP up to the node size, then PP or ZeRO-3 across nodes.
 2. Then scale compute with DP; DP and PP consume batch size, TP does not.

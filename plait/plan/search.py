@@ -102,7 +102,7 @@ def numeric_candidates(shape: Shape, cluster: Cluster, train: Training) -> dict[
     rows = []
     for tp in divisors(n):
         if tp > gpn or shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-            continue  # the seeds' rule: TP inside a node
+            continue  # TP inside a node (CS336 lecture 8's rule)
         for cp in divisors(n // tp):
             if cp > 1 and (shape.seq % (2 * cp) or cp & (cp - 1) or cp > 32):
                 continue

@@ -2,7 +2,8 @@
 
 With precision "bf16" the model holds bf16 parameters and gradients (2 + 2 bytes a
 parameter) and the optimizer holds an fp32 master copy, momentum and variance (4 + 4 + 4):
-the seeds' 16 bytes per parameter. With "fp32" the parameter is its own master (4 + 4 + 8).
+the 16 bytes per parameter of Rajbhandari et al. 2020 (ZeRO), section 3.1. With "fp32" the
+parameter is its own master (4 + 4 + 8).
 The update follows torch.optim.AdamW's arithmetic exactly (Loshchilov & Hutter 2019), so the
 fp32 single-process reference can use torch's optimizer as an independent oracle.
 """

@@ -1,7 +1,8 @@
 """The shared pipeline cost model: lay a schedule out in time, given durations.
 
 Used by `plait simulate`, by the planner (`plait/plan/`) and by the validator that compares
-measured timelines with this prediction: one cost model (DESIGN principle 4).
+measured timelines with this prediction: one cost model (docs/architecture.md,
+"One cost model").
 
 What is modelled. Each rank runs its compute actions strictly in list order, one at a time.
 An action starts when its rank is free *and* its input has arrived:
