@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-repeat lint install clean bench
+.PHONY: demo test test-repeat mutants lint install clean bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -29,6 +29,10 @@ N ?= 20
 LOAD ?= 0
 test-repeat: $(STAMP)
 	$(PY) tests/repeat.py $(N) --load $(LOAD)
+
+# injected bugs (tests/mutants.py), each must fail a test; not part of `make test`
+mutants: $(STAMP)
+	$(PY) tests/mutants.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check plait tests benchmarks

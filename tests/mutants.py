@@ -1,0 +1,390 @@
+"""Mutation check (`make mutants`): known bugs injected into plait, each must fail a test.
+
+Each mutant monkeypatches plait in the pytest process (tests/mutant_plugin.py applies it
+in `pytest_configure`, before test modules are imported and before run_ranks forks the
+ranks, which inherit it). For every mutant a fresh
+
+    python -m pytest <its tests> -p tests.mutant_plugin --mutant NAME -q -x
+
+runs. Exit 1 with assertion failures: CAUGHT. Exit 0: NOT CAUGHT. Exit 2-4 (collection
+error, interrupted, internal error, usage) or a failure that is not an assertion (the
+patch itself crashed, e.g. a rank raised a TypeError): BROKEN, the mutant proves nothing.
+A control run (no mutant) over the union of the selections must pass.
+
+    .venv/bin/python tests/mutants.py                 # all mutants + control
+    .venv/bin/python tests/mutants.py --only dp-bucketed-doubled --no-control
+    .venv/bin/python tests/mutants.py --list
+
+Not collected by pytest (the name does not start with test_). Exits non-zero when a
+mutant is not caught, is broken, or the control fails. Does not use tests/test_cli.py:
+its torchrun subprocesses would not see the patch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Mutant:
+    name: str
+    bug: str  # what real bug it models
+    apply: Callable[[], None]  # monkeypatches plait in the current process
+    tests: list[str]  # pytest node ids (or files), run in this order; -x stops at the first
+    k: str | None = None  # optional -k expression over `tests`
+
+
+class _Namespace:
+    """A stand-in for a module object (e.g. `F` in one module) with some names replaced."""
+
+    def __init__(self, base, **over):
+        self._base, self._over = base, over
+
+    def __getattr__(self, name):
+        if name in self._over:
+            return self._over[name]
+        return getattr(self._base, name)
+
+
+# ---- the patches ----------------------------------------------------------------------------
+
+
+def dp_bucketed_doubled():
+    from plait.parallel.data import DataParallel
+
+    finish = DataParallel.finish
+
+    def doubled(self):
+        finish(self)
+        if self.mode == "bucketed" and self.mesh.size(self.dim) > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(2)  # the all-reduced bucket written back twice over
+
+    DataParallel.finish = doubled
+
+
+def naive_skips_all_reduce():
+    from plait.parallel.data import DataParallel
+
+    finish = DataParallel.finish
+
+    def skipped(self):
+        if self.mode == "naive":
+            return  # each replica keeps its local gradient
+        finish(self)
+
+    DataParallel.finish = skipped
+
+
+def non_causal_attention():
+    import torch.nn.functional as F
+
+    from plait.model import transformer
+
+    sdpa = F.scaled_dot_product_attention
+
+    def sees_the_future(*args, is_causal=False, **kwargs):
+        return sdpa(*args, is_causal=False, **kwargs)
+
+    transformer.F = _Namespace(F, scaled_dot_product_attention=sees_the_future)
+
+
+def _patch_rope_tables(fn):
+    from plait.model import transformer
+    from plait.parallel.pipeline import partition
+
+    transformer.rope_tables = fn
+    partition.rope_tables = fn  # imported by name there
+
+
+def rope_positions_reversed():
+    from plait.model import transformer
+
+    tables = transformer.rope_tables
+
+    def reversed_tables(head_dim, seq_len, theta):
+        cos, sin = tables(head_dim, seq_len, theta)
+        return cos.flip(0), sin.flip(0)  # position i rotated as seq_len - 1 - i
+
+    _patch_rope_tables(reversed_tables)
+
+
+def rope_pairs_by_halves():
+    import torch
+
+    from plait.model import transformer
+
+    def halves(x, cos, sin):  # pairs (x[i], x[i + d/2]) instead of (x[2i], x[2i+1])
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h].float(), x[..., h:].float()
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+    transformer.apply_rope = halves
+
+
+def bf16_masters():
+    import torch
+
+    from plait.train import optim
+
+    init, chunk = optim.MixedPrecisionAdamW.__init__, optim._adam_chunk
+
+    def no_fp32_copy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.master = [p.data for p in self.params]  # the bf16 parameter is its own master
+        if self.kind == "adamw":
+            self.exp_avg = [torch.zeros_like(m) for m in self.master]
+            self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+
+    def low_precision_chunk(masters, grads, *rest):
+        return chunk(masters, [g.to(m.dtype) for g, m in zip(grads, masters)], *rest)
+
+    optim.MixedPrecisionAdamW.__init__ = no_fp32_copy
+    optim._adam_chunk = low_precision_chunk  # a no-op cast for fp32 masters (ZeRO's)
+
+
+def norm_counts_every_replica():
+    from plait.parallel import zero
+    from plait.train import step
+
+    def always(p, mesh, also_sharded=()):
+        return True
+
+    step.counts_in_norm = always  # global_grad_norm looks it up here
+    zero.counts_in_norm = always  # imported by name
+
+
+def zero_reduce_scatter_average():
+    from plait.comm.ops import _DONE
+    from plait.parallel.zero import ZeroOptimizer
+
+    complete = ZeroOptimizer._complete_reduce_scatter
+
+    def averaged(self, u):
+        u.rs_handle.wait()
+        u.rs_out.div_(self.mesh.size(self.dim))  # mean over dp, not the sum
+        u.rs_handle = _DONE
+        complete(self, u)
+
+    ZeroOptimizer._complete_reduce_scatter = averaged
+
+
+def loss_over_local_tokens():
+    from plait.parallel.pipeline import partition
+    from plait.train import step
+
+    token_loss = step.token_loss
+
+    def local(logits, targets, tokens_in_global_batch, loss_fn=None):
+        return token_loss(logits, targets, targets.numel(), loss_fn)  # micro-batch mean
+
+    step.token_loss = local
+    partition.token_loss = local  # imported by name: the stages' loss
+
+
+def clip_ignored():
+    from plait.train import loop
+
+    loop.clip_coefficient = lambda total_norm, max_norm: 1.0
+
+
+DP = "tests/test_data_parallel.py::"
+TP = "tests/test_tensor_parallel.py::"
+ZERO = "tests/test_zero.py::"
+MODEL = "tests/test_model.py"
+
+MUTANTS = [
+    Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
+           dp_bucketed_doubled,
+           [DP + "test_parity_with_accumulation_and_clipping[2-bucketed]",
+            DP + "test_sgd_without_clipping_parity[layout0-fp32]"]),
+    Mutant("non-causal-attention", "attention sees the future (is_causal=False)",
+           non_causal_attention, [MODEL], k="causal"),
+    Mutant("naive-skips-all-reduce", "naive DP never all-reduces its gradients",
+           naive_skips_all_reduce,
+           [DP + "test_parity_with_accumulation_and_clipping[2-naive]",
+            DP + "test_sgd_without_clipping_parity[layout1-fp32]"]),
+    Mutant("rope-positions-reversed", "RoPE tables indexed by reversed position",
+           rope_positions_reversed, [MODEL], k="rope"),
+    Mutant("rope-pairs-by-halves", "RoPE pairs (x[i], x[i+d/2]) instead of adjacent pairs",
+           rope_pairs_by_halves, [MODEL], k="rope"),
+    Mutant("bf16-masters", "no fp32 master: AdamW updates bf16 weights, bf16 moments",
+           bf16_masters, [DP + "test_bf16_close_to_fp32_reference"]),
+    Mutant("norm-counts-every-replica", "grad norm counts a replicated parameter on every rank",
+           norm_counts_every_replica,
+           [TP + "test_parity[2-False]", TP + "test_parity_dp_x_tp_with_zero[1]"]),
+    Mutant("zero-rs-average", "ZeRO reduce-scatter averages over dp instead of summing",
+           zero_reduce_scatter_average,
+           [DP + "test_sgd_without_clipping_parity[layout2-fp32]",  # dp=2, ZeRO-2
+            ZERO + "test_parity_with_accumulation_and_clipping[2-3]"]),
+    Mutant("loss-local-tokens", "micro-batch loss / its own tokens, not the global batch's",
+           loss_over_local_tokens,
+           [DP + "test_single_rank_plait_equals_reference",
+            DP + "test_parity_with_accumulation_and_clipping[2-bucketed]"]),
+    Mutant("clip-ignored", "clipping coefficient ignored (always 1)", clip_ignored,
+           [DP + "test_single_rank_plait_equals_reference",
+            DP + "test_parity_with_accumulation_and_clipping[2-bucketed]"]),
+]
+
+
+# ---- the runner ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    name: str
+    bug: str
+    status: str  # CAUGHT, NOT CAUGHT, BROKEN (mutants); PASS, FAIL (control)
+    failed: list[str]
+    seconds: float
+    detail: str = ""
+
+
+def _failures(junit: Path) -> tuple[list[str], list[str]]:
+    """(node ids of failed tests, their failure messages' first lines) from a junit xml."""
+    if not junit.exists():
+        return [], []
+    ids, messages = [], []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for tag in ("failure", "error"):
+            bad = case.find(tag)
+            if bad is None:
+                continue
+            path = case.get("classname", "").replace(".", "/") + ".py"
+            ids.append(f"{path}::{case.get('name')}" + (" (error)" if tag == "error" else ""))
+            messages.append((bad.get("message") or "").splitlines()[0] if bad.get("message")
+                            else "")
+    return ids, messages
+
+
+def _is_assertion(message: str) -> bool:
+    # a RankFailure is an AssertionError subclass, but it means a rank raised: for the
+    # tests selected here (asserting in the parent) that is the patch crashing
+    return message.startswith(("AssertionError", "assert ")) and "RankFailure" not in message
+
+
+def run_pytest(mutant: str, tests: list[str], k: str | None, timeout: float) -> tuple[
+        int, list[str], list[str], float, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *tests, "-p", "tests.mutant_plugin",
+               "--mutant", mutant, "-q", "-rf", "-p", "no:cacheprovider",
+               f"--junitxml={junit}"]
+        if mutant != "none":
+            cmd.append("-x")
+        if k:
+            cmd += ["-k", k]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            rc, out = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out = -1, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
+        seconds = time.perf_counter() - start
+        ids, messages = _failures(junit)
+    return rc, ids, messages, seconds, out
+
+
+def run_mutant(m: Mutant, timeout: float) -> Outcome:
+    rc, ids, messages, seconds, out = run_pytest(m.name, m.tests, m.k, timeout)
+    if rc == 0:
+        return Outcome(m.name, m.bug, "NOT CAUGHT", [], seconds)
+    if rc == 1 and ids and all(_is_assertion(msg) for msg in messages):
+        return Outcome(m.name, m.bug, "CAUGHT", ids, seconds, messages[0][:160])
+    tail = "\n".join(out.strip().splitlines()[-15:])
+    return Outcome(m.name, m.bug, "BROKEN", ids, seconds,
+                   f"pytest exit {rc}; " + (messages[0][:200] if messages else tail))
+
+
+def selection(mutants: list[Mutant]) -> list[str]:
+    """The control's tests: the union of the mutants' selections (a -k applies to a file
+    only, so a file with a -k contributes the node ids it selects)."""
+    tests: list[str] = []
+    for m in mutants:
+        if m.k is None:
+            tests += [t for t in m.tests if t not in tests]
+            continue
+        ids = subprocess.run([sys.executable, "-m", "pytest", *m.tests, "-k", m.k,
+                              "--collect-only", "-q", "-o", "addopts=", "-p",
+                              "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+        tests += [t for t in ids.splitlines() if "::" in t and t not in tests]
+    return tests
+
+
+def print_table(rows: list[Outcome]) -> None:
+    w = max(len(r.name) for r in rows)
+    wb = max(len(r.bug) for r in rows)
+    print(f"\n{'mutant':<{w}}  {'bug it models':<{wb}}  {'result':<10}  {'time':>6}  "
+          "failed tests")
+    print("-" * (w + wb + 40))
+    for r in rows:
+        failed = ", ".join(f.removeprefix("tests/") for f in r.failed) or "-"
+        print(f"{r.name:<{w}}  {r.bug:<{wb}}  {r.status:<10}  {r.seconds:5.0f}s  {failed}")
+    print()
+    for r in rows:  # the first failure's message: what the catching test saw
+        if r.detail:
+            print(f"{r.name}: {r.detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[],
+                    help="run only these mutants (repeat or comma-separate)")
+    ap.add_argument("--no-control", action="store_true", help="skip the unmutated control run")
+    ap.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    args = ap.parse_args(argv)
+
+    chosen = MUTANTS
+    if args.only:
+        names = {n for arg in args.only for n in arg.split(",") if n}
+        unknown = names - {m.name for m in MUTANTS}
+        if unknown:
+            ap.error(f"unknown mutants {sorted(unknown)}; known: {[m.name for m in MUTANTS]}")
+        chosen = [m for m in MUTANTS if m.name in names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.bug}\n    " + " ".join(m.tests)
+                  + (f" -k {m.k!r}" if m.k else ""))
+        return 0
+
+    total = time.perf_counter()
+    rows: list[Outcome] = []
+    for m in chosen:
+        print(f"mutant {m.name} ...", flush=True)
+        rows.append(run_mutant(m, args.timeout))
+        print(f"  {rows[-1].status} in {rows[-1].seconds:.0f} s", flush=True)
+    if not args.no_control:
+        tests = selection(chosen)
+        print(f"control (no mutant): {len(tests)} tests ...", flush=True)
+        rc, ids, _, seconds, out = run_pytest("none", tests, None, args.timeout * 2)
+        status = "PASS" if rc == 0 else "FAIL"
+        detail = "" if rc == 0 else "\n".join(out.strip().splitlines()[-15:])
+        rows.append(Outcome("control", f"no mutant, the same {len(tests)} tests", status, ids,
+                            seconds, detail))
+    print_table(rows)
+    print(f"\ntotal {time.perf_counter() - total:.0f} s")
+    bad = [r.name for r in rows if r.status not in ("CAUGHT", "PASS")]
+    if bad:
+        print(f"FAILED: {', '.join(bad)}")
+        return 1
+    print("every mutant caught" + ("" if args.no_control else "; control passes"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
