@@ -12,6 +12,7 @@ import pytest
 
 from plait.parallel.pipeline import cli
 from plait.parallel.pipeline.check import check, deadlocks, peak_activations
+from plait.parallel.pipeline.draw import format_table
 from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.schedules import (
@@ -403,11 +404,11 @@ def test_completeness_and_order_problems():
 
 
 def test_format_table():
-    text = build_schedule("1f1b", 2, 2).format_table()
+    text = format_table(build_schedule("1f1b", 2, 2))
     lines = text.splitlines()
     assert lines[1].split() == ["rank", "0:", "F0", "F1", ".", ".", "B0", "B0", ".", "B1", "B1"]
     assert lines[2].split()[2:] == [".", "F0", "B0", "B0", "F1", "B1", "B1", ".", "."]
-    assert "F0a" in build_schedule("zb-v", 2, 2, 2).format_table()
+    assert "F0a" in format_table(build_schedule("zb-v", 2, 2, 2))
 
 
 def test_draw_and_trace(tmp_path):

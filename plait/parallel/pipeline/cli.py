@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from plait.parallel.pipeline.check import check
+from plait.parallel.pipeline.draw import format_table
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.schedules import SCHEDULE_NAMES, build_schedule
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(summary)
     if args.show:
-        print(compute_only.format_table())
+        print(format_table(compute_only))
     return 0
 
 

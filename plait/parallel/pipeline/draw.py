@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from plait.parallel.pipeline.ir import Schedule
-from plait.parallel.pipeline.simulate import Event, SimResult
+from plait.parallel.pipeline.simulate import Durations, Event, SimResult, simulate
 
 COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
 
@@ -103,3 +103,37 @@ def to_chrome_trace(
     path = Path(path_json)
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
     return path
+
+
+def format_table(schedule: Schedule, aligned: bool = True, width: int = 4) -> str:
+    """One row per rank. `aligned`: place actions on a time grid from a unit-time
+    simulation (T_F = T_I = T_W = 1, B = 2, transfers free); '.' is idle. Otherwise
+    just the action order. Labels are kind+micro-batch, with a chunk letter (a, b, ...)
+    for ranks holding several stages (a = the rank's lowest stage)."""
+    chunk = {}
+    for r in range(schedule.pp):
+        for i, s in enumerate(schedule.stages_on(r)):
+            chunk[s] = "abcdefgh"[i] if len(schedule.stages_on(r)) > 1 else ""
+
+    def label(kind: str, stage: int, mb: int) -> str:
+        return f"{kind}{mb}{chunk[stage]}"
+
+    rows: list[list[str]] = []
+    if aligned:
+        res = simulate(schedule, Durations(1.0, 1.0, 1.0))
+        slots = int(round(res.step_time))
+        for events in res.events:
+            row = ["."] * slots
+            for kind, stage, mb, start, end in events:
+                for t in range(int(round(start)), int(round(end))):
+                    row[t] = label(kind, stage, mb)
+            rows.append(row)
+    else:
+        rows = [[str(a) for a in acts] for acts in schedule.actions]
+    w = max([width] + [len(c) + 1 for row in rows for c in row])
+    s = schedule
+    out = [f"{s.name}  pp={s.pp} m={s.microbatches} v={s.virtual_stages}"
+           + ("  (time grid: F=I=W=1, B=2)" if aligned else "")]
+    for r, row in enumerate(rows):
+        out.append(f"rank {r}: " + "".join(c.ljust(w) for c in row).rstrip())
+    return "\n".join(out)
