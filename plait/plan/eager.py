@@ -24,7 +24,7 @@ tensors come from plait/plan/activations.py: one formula for our block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.plan.activations import (
     FP32,
@@ -103,45 +103,34 @@ def _rank_stages(cfg: Config, rank: int):
     return sched, out
 
 
-def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Moment]:
-    """Every candidate peak moment of pipeline rank `rank` (its first dp/tp rank).
+def _stage_params(sh: dict, a: int, z: int, first: bool, last: bool) -> list[tuple[str, list]]:
+    """(name, parameter numels) of one stage's groups (pp = 1: embed, blocks, norm, head)."""
+    out = []
+    if first:
+        out.append(("embed", sh["embed"]))
+    out += [(f"layers.{i}", sh["layer"]) for i in range(a, z)]
+    if last:
+        out += [("norm", sh["norm"]), ("head", sh["head"])]
+    return [(n, ps) for n, ps in out if ps]
 
-    `data_windows`: seq_len windows in the token file, when known: the data loader keeps an
-    int64 permutation of them for the epoch (8 bytes each), alive through every step."""
-    m_cfg, p, tr = cfg.model, cfg.parallel, cfg.train
-    sh = _shapes(cfg)
-    h, t, sp, f_t = sh["h"], sh["t"], sh["sp"], sh["f_t"]
-    e = FP32 if tr.precision == "fp32" else 2
-    pb = e  # parameters and gradients are held in the compute dtype
-    b, s = cfg.micro_batch_size(), tr.seq_len
-    tok = b * s
-    tok_l = tok // t if sp else tok  # tokens of the residual stream on this rank
-    n_dp, zero = p.dp, p.zero
-    recompute = tr.recompute == "full"
-    sched, stages = _rank_stages(cfg, rank)
-    n_micro = cfg.microbatches()
-    from plait.parallel.pipeline.lower import lower
 
-    # ---- parameters of this rank, as ZeRO units (pp = 1: embed, blocks, norm, head) ----
-    def stage_params(a, z, first, last):
-        out = []
-        if first:
-            out.append(("embed", sh["embed"]))
-        out += [(f"layers.{i}", sh["layer"]) for i in range(a, z)]
-        if last:
-            out += [("norm", sh["norm"]), ("head", sh["head"])]
-        return [(n, ps) for n, ps in out if ps]
-
-    groups = [g for st in sorted(stages) for g in stage_params(*stages[st])]
-    if p.pp > 1:  # a PipelineModule's one child (a ModuleDict) is one ZeRO unit
+def _rank_units(sh: dict, stages: dict, pp: int, n_dp: int):
+    """This rank's ZeRO units, their shard elements and their padded (to dp) elements."""
+    groups = [g for st in sorted(stages) for g in _stage_params(sh, *stages[st])]
+    if pp > 1:  # a PipelineModule's one child (a ModuleDict) is one ZeRO unit
         flat = [x for _, ps in groups for x in ps]
         units = [_Unit("stages", sum(flat), max(flat), flat)]
     else:
         units = [_Unit(n, sum(ps), max(ps), ps) for n, ps in groups]
-    n_params = sum(u.numel for u in units)
     k = {u.name: -(-u.numel // n_dp) for u in units}  # shard elements per unit
     padded = {u.name: k[u.name] * n_dp for u in units}
+    return units, k, padded
 
+
+def _model_state_bytes(units: list[_Unit], k: dict, padded: dict, zero: int, e: int,
+                       pb: int) -> tuple[float, float, float, float]:
+    """(parameters, optimizer states, full gradients, gradient shards) bytes of the rank."""
+    n_params = sum(u.numel for u in units)
     if zero == 0:
         params = n_params * pb
         optim = n_params * (8 if e == FP32 else 12)  # fp32: the parameter is its own master
@@ -152,67 +141,274 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
         optim = 12 * sum(k.values())  # fp32 master shard (a copy even in fp32), m, v
         grads_full = n_params * pb
         grad_shards = sum(k.values()) * pb
+    return params, optim, grads_full, grad_shards
 
-    # this rank's int64 token rows, and the loader's epoch permutation
-    inputs = 8 * (tr.global_batch // n_dp) * (s + 1) + 8 * data_windows
 
-    def states(grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
-               opt_extra: float = 0.0) -> dict[str, float]:
-        g = grads + (grad_shards if zero >= 2 else 0.0)
-        return {"parameters": params + gathered, "gradients": g,
-                "optimizer states": optim + opt_extra, "activations": inputs, "logits": 0.0,
-                "communication buffers": comm}
-
-    # ---- activations one (stage, micro-batch) keeps between its F and its B -----------
-    layer_saved = layer_activation_bytes(m_cfg, b, s, t, sp, e)
-    ckpt = e * tok_l * h  # recompute: each block keeps only its input
-    rope = FP32 * s * m_cfg.head_dim  # cos, sin tables (s, d/2) fp32, one pair per forward
-    v_t = sh["v_t"]
-    tp_ids = (8 * tok + tok) if t > 1 else 0  # int64 local ids + bool mask (embed / loss)
-    loss_saved = FP32 * tok * v_t + tp_ids  # log-softmax (t=1) / softmax (vocab-parallel)
-
-    def stage_act(st: int, layers_kept: int | None = None) -> float:
-        """Bytes (stage, micro-batch) holds after its F (layers_kept: only the first n)."""
-        a, z, first, last = stages[st]
-        n = z - a if layers_kept is None else layers_kept
-        out = rope + n * (ckpt if recompute else layer_saved)
-        if first:
-            out += tp_ids
-        if layers_kept is None and last:
-            out += norm_bytes(m_cfg, b, s, t, sp, e) + loss_saved
-        if not last:
-            out += e * tok_l * h  # the stage output, held for its backward
-        if not first and e != FP32 and not recompute:
-            out += e * tok_l * h  # the received input (fp32: it is the first norm's input)
-        return out
-
-    # loss transients on top of what the stage keeps (vocab-parallel: split over t)
+def _loss_transients(cfg: Config, e: int, tok: int, v_t: int, t: int) -> tuple[float, float]:
+    """(forward, backward) loss transients on top of what the stage keeps (vocab-parallel:
+    split over t)."""
     if t == 1:
         loss_fwd = e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)  # logits (+ fp32)
         loss_bwd = 2 * FP32 * tok * v_t  # d(log-softmax) from nll, d(logits) in fp32
     else:
-        padded_cols = _padded_vocab(m_cfg.vocab_size, t) != m_cfg.vocab_size
+        padded_cols = _padded_vocab(cfg.model.vocab_size, t) != cfg.model.vocab_size
         loss_fwd = (e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)
                     + (FP32 * tok * v_t if padded_cols else 0))
         loss_bwd = e * tok * v_t if e != FP32 else 0
+    return loss_fwd, loss_bwd
+
+
+@dataclass(frozen=True)
+class _RankSizes:
+    """What every moment of one pipeline rank is built from, derived once from the config:
+    shapes and element sizes, ZeRO units and shards, model-state bytes, what a (stage,
+    micro-batch) keeps between its F and its B, and the loss / MLP-backward transients."""
+
+    cfg: Config
+    sh: dict  # _shapes(cfg)
+    sched: Any  # the pipeline Schedule (pp = 1: one stage, F and B per micro-batch)
+    stages: dict  # stage -> (first layer, end layer, is_first, is_last)
+    e: int  # bytes per element of the compute dtype
+    pb: int  # parameters and gradients are held in the compute dtype
+    b: int  # micro-batch size
+    s: int  # sequence length
+    tok: int
+    tok_l: int  # tokens of the residual stream on this rank
+    n_micro: int
+    recompute: bool
+    units: list
+    k: dict  # shard elements per unit
+    padded: dict  # unit elements padded to a multiple of dp
+    params: float
+    optim: float
+    grads_full: float
+    grad_shards: float
+    inputs: float  # this rank's int64 token rows, and the loader's epoch permutation
+    layer_saved: float  # one block's saved tensors
+    ckpt: float  # recompute: each block keeps only its input
+    rope: float  # cos, sin tables (s, d/2) fp32, one pair per forward
+    tp_ids: float  # int64 local ids + bool mask (embed / loss)
+    loss_saved: float  # log-softmax (t=1) / softmax (vocab-parallel)
+    loss_fwd: float
+    loss_bwd: float
+    mlp_bwd: float  # net d(out) + 2 f-wide buffers of a block's first MLP backward
+    dy: float
+    dprod: float
+    recv: float  # a pipeline receive buffer: (mbs, seq[/t under SP], dim)
+    w2: float  # w2's weight gradient
+    layer_numel: int
+
+    @property
+    def zero(self) -> int:
+        return self.cfg.parallel.zero
+
+    def states(self, grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
+               opt_extra: float = 0.0) -> dict[str, float]:
+        g = grads + (self.grad_shards if self.zero >= 2 else 0.0)
+        return {"parameters": self.params + gathered, "gradients": g,
+                "optimizer states": self.optim + opt_extra, "activations": self.inputs,
+                "logits": 0.0, "communication buffers": comm}
+
+    def stage_act(self, st: int, layers_kept: int | None = None) -> float:
+        """Bytes (stage, micro-batch) holds after its F (layers_kept: only the first n)."""
+        a, z, first, last = self.stages[st]
+        e, h = self.e, self.sh["h"]
+        n = z - a if layers_kept is None else layers_kept
+        out = self.rope + n * (self.ckpt if self.recompute else self.layer_saved)
+        if first:
+            out += self.tp_ids
+        if layers_kept is None and last:
+            out += norm_bytes(self.cfg.model, self.b, self.s, self.sh["t"], self.sh["sp"],
+                              e) + self.loss_saved
+        if not last:
+            out += e * self.tok_l * h  # the stage output, held for its backward
+        if not first and e != FP32 and not self.recompute:
+            out += e * self.tok_l * h  # the received input (fp32: it is the first norm's input)
+        return out
+
+    def grads_of(self, st: int) -> float:
+        return sum(sum(ps) for _, ps in _stage_params(self.sh, *self.stages[st])) * self.pb
+
+
+def _rank_sizes(cfg: Config, rank: int, data_windows: int) -> _RankSizes:
+    m_cfg, p, tr = cfg.model, cfg.parallel, cfg.train
+    sh = _shapes(cfg)
+    h, t, sp, f_t, v_t = sh["h"], sh["t"], sh["sp"], sh["f_t"], sh["v_t"]
+    e = FP32 if tr.precision == "fp32" else 2
+    pb = e
+    b, s = cfg.micro_batch_size(), tr.seq_len
+    tok = b * s
+    tok_l = tok // t if sp else tok
+    sched, stages = _rank_stages(cfg, rank)
+    units, k, padded = _rank_units(sh, stages, p.pp, p.dp)
+    params, optim, grads_full, grad_shards = _model_state_bytes(units, k, padded, p.zero, e,
+                                                                pb)
+    tp_ids = (8 * tok + tok) if t > 1 else 0
+    loss_fwd, loss_bwd = _loss_transients(cfg, e, tok, v_t, t)
     # first MLP backward of a block: d(out) (whole sequence inside the region), then
     # d(product) (the product itself is freed once w2's gradient is done), d(silu out) and
     # d(w3 out): net d(out) + 2 f-wide buffers
-    mlp_bwd = e * tok * h + 2 * e * tok * f_t
-    dy, dprod = e * tok * h, e * tok * f_t
-    recv = e * tok_l * h  # a pipeline receive buffer: (mbs, seq[/t under SP], dim)
-    w2 = h * f_t * pb
-    layer_numel = sum(sh["layer"])
+    return _RankSizes(
+        cfg=cfg, sh=sh, sched=sched, stages=stages, e=e, pb=pb, b=b, s=s, tok=tok,
+        tok_l=tok_l, n_micro=cfg.microbatches(), recompute=tr.recompute == "full",
+        units=units, k=k, padded=padded, params=params, optim=optim, grads_full=grads_full,
+        grad_shards=grad_shards,
+        inputs=8 * (tr.global_batch // p.dp) * (s + 1) + 8 * data_windows,
+        layer_saved=layer_activation_bytes(m_cfg, b, s, t, sp, e), ckpt=e * tok_l * h,
+        rope=FP32 * s * m_cfg.head_dim, tp_ids=tp_ids, loss_saved=FP32 * tok * v_t + tp_ids,
+        loss_fwd=loss_fwd, loss_bwd=loss_bwd, mlp_bwd=e * tok * h + 2 * e * tok * f_t,
+        dy=e * tok * h, dprod=e * tok * f_t, recv=e * tok_l * h, w2=h * f_t * pb,
+        layer_numel=sum(sh["layer"]))
 
+
+def _loss_forward_moment(sz: _RankSizes, st: int, mb: int, acc: float,
+                         base: float) -> Moment:
+    mo = Moment(f"loss forward (stage {st}, mb {mb})", sz.states(acc))
+    mo.bytes["activations"] += base
+    mo.bytes["logits"] = sz.loss_fwd
+    return mo
+
+
+def _loss_backward_moments(sz: _RankSizes, st: int, mb: int, acc: float, base: float,
+                           first_b: bool) -> list[Moment]:
+    """The loss's backward, then the head's (first_b: the stage's first B this step)."""
+    mo = Moment(f"loss backward (stage {st}, mb {mb})", sz.states(acc))
+    mo.bytes["activations"] += base
+    mo.bytes["logits"] = sz.loss_bwd
+    # head backward: d(logits) in the compute dtype replaces the kept softmax, the
+    # head's weight gradient (a temporary when accumulated) and d(input) are new
+    head_g = sum(sz.sh["head"]) * sz.pb
+    fresh = head_g if (sz.zero >= 2 or first_b) else 0.0
+    gathered = (sz.padded["head"] + sz.padded["norm"]) * sz.pb if sz.zero == 3 else 0.0
+    head = Moment(f"head backward (stage {st}, mb {mb})",
+                  sz.states(acc + fresh, gathered=gathered))
+    e, tok = sz.e, sz.tok
+    head.bytes["activations"] += (base - FP32 * tok * sz.sh["v_t"] + e * tok * sz.sh["h"]
+                                  + head_g - fresh)
+    head.bytes["logits"] = e * tok * sz.sh["v_t"]
+    return [mo, head]
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """One B (or I) action of a stage, as its blocks' backward moments see it."""
+
+    st: int
+    mb: int
+    first_b: bool  # the stage's first backward this step (gradients not yet allocated)
+    others: float  # what the other in-flight (stage, micro-batch) pairs keep
+    this_first: float  # this stage's embed ids/tokens and stage output
+    grads_before: float  # gradients alive before the stage's blocks
+    in_flight: float  # receive buffers posted ahead, input gradients being sent
+
+
+def _backward_moments(sz: _RankSizes, st: int, mb: int, live: dict, first_b: bool,
+                      acc: float, base: float, in_flight: float) -> list[Moment]:
+    """The loss and head backward (last stage), then the blocks of this stage, last first."""
+    a, z, _, last = sz.stages[st]
+    out = _loss_backward_moments(sz, st, mb, acc, base, first_b) if last else []
+    grads_before = acc
+    if first_b and sz.zero < 2 and last:
+        grads_before += (sum(sz.sh["head"]) + sum(sz.sh["norm"])) * sz.pb
+    bw = _Backward(st, mb, first_b,
+                   others=sum(v for key, v in live.items() if key != (st, mb)),
+                   this_first=sz.stage_act(st, layers_kept=0) - sz.rope,
+                   grads_before=grads_before, in_flight=in_flight)
+    for j in range(z - 1, a - 1, -1):
+        out += _block_backward_moments(sz, bw, j)
+    return out
+
+
+def _block_collective_bytes(sz: _RankSizes, bw: _Backward, j: int):
+    """(gathered, comm, chunks, rs_now) while block j's backward runs: ZeRO-3's gathered
+    blocks, the previous unit's reduce-scatter in flight and gloo's all-to-all chunks."""
+    p, pb, padded, k = sz.cfg.parallel, sz.pb, sz.padded, sz.k
+    z = sz.stages[bw.st][1]
+    gathered = comm = chunks = 0.0
+    if sz.zero == 3:  # block j and the prefetched unit before it, gathered whole
+        gathered = (padded[f"layers.{j}"] + padded.get(
+            f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb
+    rs_now = p.pp == 1 and p.dp > 1 and (sz.zero >= 2 or (sz.zero == 1
+                                                           and bw.mb == sz.n_micro - 1))
+    if rs_now:  # the previous unit's reduce-scatter in flight
+        done = [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
+        prev = done[0]
+        comm = (padded[prev] + k[prev]) * pb
+        if sz.zero == 1:  # stage 1's finished shards are communication buffers
+            comm += sum(k[x] for x in done[1:]) * pb
+        chunks = padded[prev] * pb  # gloo's reduce-scatter: all-to-all chunks
+    return gathered, comm, chunks, rs_now
+
+
+def _block_backward_moments(sz: _RankSizes, bw: _Backward, j: int) -> list[Moment]:
+    """Block j's first MLP backward (w2's, then SwiGLU's) and, ZeRO-2/3 (ZeRO-1 on the
+    last micro-batch), its reduce-scatter launch."""
+    a, z = sz.stages[bw.st][:2]
+    st, mb, e, pb = bw.st, bw.mb, sz.e, sz.pb
+    kept = j - a  # blocks before j still hold their saved tensors
+    if sz.recompute:  # fp32: the recomputed block's first norm input is its checkpoint
+        act_b = sz.rope + bw.this_first + (kept + (e != FP32)) * sz.ckpt + sz.layer_saved
+    else:
+        act_b = sz.rope + bw.this_first + (kept + 1) * sz.layer_saved
+    act_b += bw.in_flight
+    gathered, comm, chunks, rs_now = _block_collective_bytes(sz, bw, j)
+    g = bw.grads_before
+    if sz.zero < 2 and bw.first_b:
+        g += (z - 1 - j) * sz.layer_numel * pb
+    # w2's gradient is new (0/1: the first backward; 2/3: since the last
+    # reduce-scatter); accumulated into an existing .grad it is gone by now
+    fresh = sz.w2 if (sz.zero >= 2 or bw.first_b) else 0.0
+    # (a) inside w2's backward: its weight gradient and d(product) are new, the
+    # product is still saved; a gradient to be accumulated is a temporary
+    # gloo's direct reduce-scatter receives all-to-all chunks: communication
+    w2 = Moment(f"block {j} w2 backward (stage {st}, mb {mb})",
+                sz.states(g + fresh, comm + chunks, gathered))
+    w2.bytes["activations"] += bw.others + act_b + sz.dy + sz.dprod + (sz.w2 - fresh)
+    # (b) SwiGLU's product rule: the product freed, d(silu out), d(w3 out) new
+    swiglu = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
+                    sz.states(g + fresh, comm + chunks, gathered))
+    swiglu.bytes["activations"] += bw.others + act_b + sz.mlp_bwd
+    out = [w2, swiglu]
+    if rs_now:
+        out.append(_reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered))
+    return out
+
+
+def _reduce_scatter_launch(sz: _RankSizes, bw: _Backward, j: int, g: float, comm: float,
+                           gathered: float) -> Moment:
+    """Block j's gradients flattened, its reduce-scatter posted (`comm`: what is already
+    in flight)."""
+    u, pb, h, e = f"layers.{j}", sz.pb, sz.sh["h"], sz.e
+    kept = j - sz.stages[bw.st][0]
+    # the block's last weight gradient (attn_norm's) is done while that norm
+    # still keeps its fp32 input and rsqrt; d(x) and d(x·rsqrt) are in flight
+    act_rs = (bw.others + bw.this_first + kept * (sz.ckpt if sz.recompute else sz.layer_saved)
+              + FP32 * sz.tok_l * (h + 1) + 2 * e * sz.tok * h)
+    g_rs = 0.0  # 2/3: .grad freed into the flat gradient
+    if sz.zero == 1:
+        g_rs = g + (sz.layer_numel * pb if bw.first_b else 0.0)
+    # ZeRO-3 frees block j before posting: only the prefetched unit is whole
+    gathered_rs = gathered - sz.padded[u] * pb if sz.zero == 3 else 0.0
+    mo = Moment(f"block {j} reduce-scatter launch (mb {bw.mb})",
+                sz.states(g_rs, comm + (2 * sz.padded[u] + sz.k[u]) * pb, gathered_rs))
+    mo.bytes["activations"] += act_rs
+    return mo
+
+
+def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Moment]:
+    """Every candidate peak moment of pipeline rank `rank` (its first dp/tp rank).
+
+    `data_windows`: seq_len windows in the token file, when known: the data loader keeps an
+    int64 permutation of them for the epoch (8 bytes each), alive through every step."""
+    from plait.parallel.pipeline.lower import lower
+
+    sz = _rank_sizes(cfg, rank, data_windows)
+    sched, recv = sz.sched, sz.recv
     moments: list[Moment] = []
     live: dict[tuple[int, int], float] = {}  # (stage, mb) -> bytes held
     had_b: set[int] = set()  # stages with a backward done this step (grads accumulate)
     actions = (sched if sched.lowered else lower(sched)).actions[rank]
     last_b = max((i for i, a in enumerate(actions) if a.kind in ("B", "I")), default=-1)
-
-    def grads_of(st: int) -> float:
-        return sum(sum(ps) for _, ps in stage_params(*stages[st])) * pb
-
     pending = 0.0  # receive buffers posted ahead of the compute that consumes them
     # Input gradients sent stay alive until the end of the step: gloo's send work never
     # reports completion before `wait()` (measured), and nothing later in the step proves the
@@ -223,7 +419,7 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
         if act.kind in ("RECV_F", "RECV_B"):
             pending += recv
             continue
-        if act.kind == "SEND_B":  # a fresh input gradient, held by the send (see below)
+        if act.kind == "SEND_B":  # a fresh input gradient, held by the send (see above)
             sending += recv
             continue
         if act.kind not in ("F", "B", "I"):
@@ -235,98 +431,23 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
             sched.stage_to_rank[sched.prev_stage(st)] != rank
         if got_f:  # the received input becomes the stage input (counted in stage_act)
             pending -= recv
-        a, z, first, last = stages[st]
-        acc = sum(grads_of(x) for x in had_b) if zero < 2 else 0.0
+        acc = sum(sz.grads_of(x) for x in had_b) if sz.zero < 2 else 0.0
         if act.kind == "F":
-            live[st, mb] = stage_act(st)
-            if last:
+            live[st, mb] = sz.stage_act(st)
+            if sz.stages[st][3]:  # the stage holding the head
                 base = sum(live.values()) + pending + sending
-                mo = Moment(f"loss forward (stage {st}, mb {mb})", states(acc))
-                mo.bytes["activations"] += base
-                mo.bytes["logits"] = loss_fwd
-                moments.append(mo)
+                moments.append(_loss_forward_moment(sz, st, mb, acc, base))
             continue
-        if last:  # the loss's backward, then the head's
-            base = sum(live.values()) + pending + sending
-            mo = Moment(f"loss backward (stage {st}, mb {mb})", states(acc))
-            mo.bytes["activations"] += base
-            mo.bytes["logits"] = loss_bwd
-            moments.append(mo)
-            # head backward: d(logits) in the compute dtype replaces the kept softmax, the
-            # head's weight gradient (a temporary when accumulated) and d(input) are new
-            head_g = sum(sh["head"]) * pb
-            fresh = head_g if (zero >= 2 or st not in had_b) else 0.0
-            gathered = (padded["head"] + padded["norm"]) * pb if zero == 3 else 0.0
-            mo = Moment(f"head backward (stage {st}, mb {mb})",
-                        states(acc + fresh, gathered=gathered))
-            mo.bytes["activations"] += base - FP32 * tok * v_t + e * tok * h + head_g - fresh
-            mo.bytes["logits"] = e * tok * v_t
-            moments.append(mo)
-        # B (or I): the blocks of this stage, last first
-        others = sum(v for key, v in live.items() if key != (st, mb))
-        this_first = stage_act(st, layers_kept=0) - rope  # embed ids/tokens, stage output
-        grads_before = acc
-        if st not in had_b and zero < 2 and last:
-            grads_before += (sum(sh["head"]) + sum(sh["norm"])) * pb
-        for j in range(z - 1, a - 1, -1):
-            kept = j - a  # blocks before j still hold their saved tensors
-            if recompute:  # fp32: the recomputed block's first norm input is its checkpoint
-                act_b = rope + this_first + (kept + (e != FP32)) * ckpt + layer_saved
-            else:
-                act_b = rope + this_first + (kept + 1) * layer_saved
-            act_b += pending - (recv if got_b else 0.0) + sending
-            gathered = comm = chunks = 0.0
-            if zero == 3:  # block j and the prefetched unit before it, gathered whole
-                gathered = (padded[f"layers.{j}"] + padded.get(
-                    f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb
-            rs_now = p.pp == 1 and n_dp > 1 and (zero >= 2 or (zero == 1 and mb == n_micro - 1))
-            if rs_now:  # the previous unit's reduce-scatter in flight
-                done = [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
-                prev = done[0]
-                comm = (padded[prev] + k[prev]) * pb
-                if zero == 1:  # stage 1's finished shards are communication buffers
-                    comm += sum(k[x] for x in done[1:]) * pb
-                chunks = padded[prev] * pb  # gloo's reduce-scatter: all-to-all chunks
-            g = grads_before
-            if zero < 2 and st not in had_b:
-                g += (z - 1 - j) * layer_numel * pb
-            # w2's gradient is new (0/1: the first backward; 2/3: since the last
-            # reduce-scatter); accumulated into an existing .grad it is gone by now
-            fresh = w2 if (zero >= 2 or st not in had_b) else 0.0
-            # (a) inside w2's backward: its weight gradient and d(product) are new, the
-            # product is still saved; a gradient to be accumulated is a temporary
-            # gloo's direct reduce-scatter receives all-to-all chunks: communication
-            mo = Moment(f"block {j} w2 backward (stage {st}, mb {mb})",
-                        states(g + fresh, comm + chunks, gathered))
-            mo.bytes["activations"] += others + act_b + dy + dprod + (w2 - fresh)
-            moments.append(mo)
-            # (b) SwiGLU's product rule: the product freed, d(silu out), d(w3 out) new
-            mo = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
-                        states(g + fresh, comm + chunks, gathered))
-            mo.bytes["activations"] += others + act_b + mlp_bwd
-            moments.append(mo)
-            if rs_now:  # block j's gradients flattened, its reduce-scatter posted
-                u = f"layers.{j}"
-                # the block's last weight gradient (attn_norm's) is done while that norm
-                # still keeps its fp32 input and rsqrt; d(x) and d(x·rsqrt) are in flight
-                act_rs = (others + this_first + kept * (ckpt if recompute else layer_saved)
-                          + FP32 * tok_l * (h + 1) + 2 * e * tok * h)
-                g_rs = 0.0  # 2/3: .grad freed into the flat gradient
-                if zero == 1:
-                    g_rs = g + (layer_numel * pb if st not in had_b else 0.0)
-                # ZeRO-3 frees block j before posting: only the prefetched unit is whole
-                gathered_rs = gathered - padded[u] * pb if zero == 3 else 0.0
-                mo = Moment(f"block {j} reduce-scatter launch (mb {mb})",
-                            states(g_rs, comm + chunks + (2 * padded[u] + k[u]) * pb,
-                                   gathered_rs))
-                mo.bytes["activations"] += act_rs
-                moments.append(mo)
+        base = sum(live.values()) + pending + sending
+        in_flight = pending - (recv if got_b else 0.0) + sending
+        moments += _backward_moments(sz, st, mb, live, st not in had_b, acc, base, in_flight)
         live.pop((st, mb), None)
         had_b.add(st)
         if got_b:
             pending -= recv
         if i == last_b:
-            moments += _end_of_step(cfg, units, k, padded, states, grads_full, pb, e)
+            moments += _end_of_step(cfg, sz.units, sz.k, sz.padded, sz.states, sz.grads_full,
+                                    sz.pb, sz.e)
     return moments
 
 
