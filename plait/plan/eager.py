@@ -231,6 +231,7 @@ class _RankSizes:
 
 
 def _rank_sizes(cfg: Config, rank: int, data_windows: int) -> _RankSizes:
+    """The sizes pipeline rank `rank`'s moments are built from (see _RankSizes)."""
     m_cfg, p, tr = cfg.model, cfg.parallel, cfg.train
     sh = _shapes(cfg)
     h, t, sp, f_t, v_t = sh["h"], sh["t"], sh["sp"], sh["f_t"], sh["v_t"]

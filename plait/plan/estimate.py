@@ -16,6 +16,7 @@ import numpy as np
 from plait.plan import bubble, comm, memory
 from plait.plan.compute import (
     Efficiency,
+    LayerTimes,
     attention_core_flops,
     gemm_time,
     head_flops,
@@ -84,124 +85,223 @@ def _f(x: Num) -> Num:
     return np.asarray(x, dtype=float)
 
 
-def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
-             simulate: bool = False) -> Estimate:
-    gpu, gpn = cluster.gpu, cluster.gpus_per_node
+TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
+
+
+@dataclass(frozen=True)
+class _Basis:
+    """The layout's sizes as float arrays and what every later step derives from them."""
+
+    tp: Num
+    pp: Num
+    dp: Num
+    cp: Num
+    ep: Num
+    mbs: Num
+    v: Num
+    sched: str  # the layout's schedule; "1f1b" unless every layout has pp > 1
+    e: int  # bytes per activation element
+    peak_scale: float  # TF32 tensor cores (fp32): half rate
+    m: Num  # micro-batches per step
+    tokens: Num  # tokens of one micro-batch on one rank (the sequence split over cp)
+    cpr: Num  # pipeline chunks per rank
+    chunk_layers: Num
+    rank_layers: Num
+    saved: Num  # bytes one layer saves per micro-batch under the layout's recompute
+    lt: LayerTimes  # forward times of one layer per micro-batch
+
+
+def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
+           eff: Efficiency) -> _Basis:
     tp, pp, dp, cp, ep, mbs, v = (_f(x) for x in (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep,
                                                  lay.mbs, lay.v))
     sched = lay.schedule if np.all(pp > 1) else "1f1b"
     e = memory.PRECISIONS[train.precision][3]
     peak_scale = 0.5 if train.precision == "fp32" else 1.0  # TF32 tensor cores: half rate
-    m = train.global_batch / (dp * mbs)
     tokens = mbs * shape.seq / cp
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
-    rank_layers = chunk_layers * cpr
-
-    # ---- compute per layer, per micro-batch -------------------------------------------
     saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e)
-    saved = memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e)
-    lt = layer_times(shape, tokens, tp, gpu, eff, saved_none, peak_scale)
+    return _Basis(
+        tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
+        peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
+        chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
+        saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e),
+        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale))
 
-    # ---- collectives inside a layer ------------------------------------------------
+
+@dataclass
+class _LayerComm:
+    """The collectives inside a layer (tp, cp, ep) and their exposed time per layer."""
+
+    colls: list[comm.Collective]
+    t_ar: Num  # one tp all-reduce (or all-gather + reduce-scatter pair)
+    tp_count: Num  # tp collectives per step on one rank
+    cp_exp_f: Num
+    cp_exp_b: Num
+    ep_exp_f: Num
+    ep_exp_b: Num
+
+
+def _layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
+                b: _Basis) -> _LayerComm:
     colls: list[comm.Collective] = []
-    tp_intra = comm.intra_node(1, tp, gpn)
+    gpu, gpn = cluster.gpu, cluster.gpus_per_node
+    tp_intra = comm.intra_node(1, b.tp, gpn)
     bw, al = comm.link(gpu, tp_intra, eff.link_efficiency)
-    s_tp = tokens * shape.hidden * e
-    t_ar, tree = comm.all_reduce(s_tp, tp, bw, al)
-    n_tp_fwd, n_tp_bwd = 2, 2 + (2 if lay.recompute == "full" else 0)
-    tp_count = (n_tp_fwd + n_tp_bwd) * rank_layers * m
-    if np.any(tp > 1):
+    s_tp = b.tokens * shape.hidden * b.e
+    t_ar, tree = comm.all_reduce(s_tp, b.tp, bw, al)
+    n_tp_bwd = 2 + (2 if lay.recompute == "full" else 0)
+    tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
+    if np.any(b.tp > 1):
         op = "all-gather + reduce-scatter" if lay.sp else "all-reduce"
-        colls.append(comm.Collective("tp", op, s_tp, tp_count, tp, tp_intra, t_ar,
+        colls.append(comm.Collective("tp", op, s_tp, tp_count, b.tp, tp_intra, t_ar,
                                      tp_count * t_ar, "none: on the critical path",
                                      "ring" if not np.any(tree) else "tree/ring"))
+    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls)
+    ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls)
+    return _LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
 
-    cp_intra = comm.intra_node(tp, cp, gpn)
-    bw, al = comm.link(gpu, cp_intra, eff.link_efficiency)
-    s_kv = 2 * tokens * shape.kv_dim * e / tp
-    t_kv = np.where(cp > 1, (cp - 1) * comm.p2p(s_kv, bw, al), 0.0)
-    cp_exp_f = np.maximum(t_kv - lt.attn_fwd, 0)
-    cp_exp_b = np.maximum(2 * t_kv - 2 * lt.attn_fwd, 0)
-    if np.any(cp > 1):
-        n = 3 * (cp - 1) * rank_layers * m
-        colls.append(comm.Collective("cp", "p2p (ring K/V)", s_kv, n, cp, cp_intra,
+
+def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+                 colls: list[comm.Collective]) -> tuple[Num, Num]:
+    """Exposed (forward, backward) ring K/V time per layer; appends cp's collective."""
+    cp_intra = comm.intra_node(b.tp, b.cp, cluster.gpus_per_node)
+    bw, al = comm.link(cluster.gpu, cp_intra, eff.link_efficiency)
+    s_kv = 2 * b.tokens * shape.kv_dim * b.e / b.tp
+    t_kv = np.where(b.cp > 1, (b.cp - 1) * comm.p2p(s_kv, bw, al), 0.0)
+    cp_exp_f = np.maximum(t_kv - b.lt.attn_fwd, 0)
+    cp_exp_b = np.maximum(2 * t_kv - 2 * b.lt.attn_fwd, 0)
+    if np.any(b.cp > 1):
+        n = 3 * (b.cp - 1) * b.rank_layers * b.m
+        colls.append(comm.Collective("cp", "p2p (ring K/V)", s_kv, n, b.cp, cp_intra,
                                      comm.p2p(s_kv, bw, al), (cp_exp_f + cp_exp_b)
-                                     * rank_layers * m, "attention core compute"))
+                                     * b.rank_layers * b.m, "attention core compute"))
+    return cp_exp_f, cp_exp_b
 
-    ep_exp_f = ep_exp_b = 0.0
-    if shape.moe:
-        span = np.where(ep <= cp, tp * ep, tp * cp * pp * ep / cp)
-        ep_intra = span <= gpn
-        bw, al = comm.link(gpu, ep_intra, eff.link_efficiency)
-        s_a2a = tokens * shape.top_k * shape.hidden * e / tp
-        t_a2a = comm.gather_like(s_a2a, ep, bw, al)
-        if sched in ("dualpipe", "dualpipev") and np.all(pp > 1):
-            ep_exp_f = np.maximum(2 * t_a2a - lt.forward, 0)  # hidden by the paired chunk
-            ep_exp_b = np.maximum(2 * t_a2a - 2 * lt.forward, 0)
-            how = "the other micro-batch's compute (DualPipe)"
-        else:
-            ep_exp_f, ep_exp_b = 2 * t_a2a, 2 * t_a2a
-            how = "none: on the critical path"
-        if np.any(ep > 1):
-            n = 4 * rank_layers * m
-            colls.append(comm.Collective("ep", "all-to-all", s_a2a, n, ep, ep_intra, t_a2a,
-                                         (ep_exp_f + ep_exp_b) * rank_layers * m, how))
 
-    # ---- per-chunk durations ---------------------------------------------------------
-    f_layer = lt.forward + n_tp_fwd * t_ar + cp_exp_f + ep_exp_f
-    i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * t_ar + cp_exp_b \
-        + ep_exp_b
+def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+                 colls: list[comm.Collective]) -> tuple[Num, Num]:
+    """Exposed (forward, backward) expert all-to-all time per layer (0 for a dense
+    model); appends ep's collective."""
+    if not shape.moe:
+        return 0.0, 0.0
+    tp, cp, pp, ep = b.tp, b.cp, b.pp, b.ep
+    span = np.where(ep <= cp, tp * ep, tp * cp * pp * ep / cp)
+    ep_intra = span <= cluster.gpus_per_node
+    bw, al = comm.link(cluster.gpu, ep_intra, eff.link_efficiency)
+    s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / tp
+    t_a2a = comm.gather_like(s_a2a, ep, bw, al)
+    if b.sched in ("dualpipe", "dualpipev") and np.all(pp > 1):
+        ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
+        ep_exp_b = np.maximum(2 * t_a2a - 2 * b.lt.forward, 0)
+        how = "the other micro-batch's compute (DualPipe)"
+    else:
+        ep_exp_f, ep_exp_b = 2 * t_a2a, 2 * t_a2a
+        how = "none: on the critical path"
+    if np.any(ep > 1):
+        n = 4 * b.rank_layers * b.m
+        colls.append(comm.Collective("ep", "all-to-all", s_a2a, n, ep, ep_intra, t_a2a,
+                                     (ep_exp_f + ep_exp_b) * b.rank_layers * b.m, how))
+    return ep_exp_f, ep_exp_b
+
+
+@dataclass
+class _ChunkTimes:
+    """Durations of one layer's F, I (input gradient), W (weight gradient), of the LM head,
+    and of one pipeline chunk (chunk_layers layers)."""
+
+    f_layer: Num
+    i_layer: Num
+    w_layer: Num
+    hf: Num  # the head's FLOPs
+    head_g: Num  # the head's GEMM time
+    head_f: Num  # the head's forward: GEMM plus writing the logits
+    f_c: Num
+    i_c: Num
+    w_c: Num
+
+
+def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
+                 lc: _LayerComm) -> _ChunkTimes:
+    lt, gpu = b.lt, cluster.gpu
+    f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.cp_exp_f + lc.ep_exp_f
+    i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
+        + lc.cp_exp_b + lc.ep_exp_b
     w_layer = lt.gemm_fwd
     if lay.recompute == "full":
         i_layer = i_layer + f_layer
     elif lay.recompute == "selective":
         i_layer = i_layer + lt.attn_fwd
-    hf = head_flops(shape, tokens, tp)
-    head_g = gemm_time(hf, gpu, eff, peak_scale)
-    head_f = head_g + memory.logits_bytes(shape, mbs, tp, cp, e) / gpu.hbm_bw
-    f_c, i_c, w_c = chunk_layers * f_layer, chunk_layers * i_layer, chunk_layers * w_layer
+    hf = head_flops(shape, b.tokens, b.tp)
+    head_g = gemm_time(hf, gpu, eff, b.peak_scale)
+    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw
+    n = b.chunk_layers
+    return _ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
+                       n * i_layer, n * w_layer)
 
-    pp_intra = comm.intra_node(tp * cp, pp, gpn)
-    bw, al = comm.link(gpu, pp_intra, eff.link_efficiency)
+
+def _pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+            colls: list[comm.Collective]) -> Num:
+    """One pipeline send's time (0 without a pipeline); appends pp's collective."""
+    pp_intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
+    bw, al = comm.link(cluster.gpu, pp_intra, eff.link_efficiency)
     # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank
     # (Narayanan et al. 2021, sec. 4.1), with or without SP
-    s_pp = tokens * shape.hidden * e / tp
-    t_pp = np.where(pp > 1, comm.p2p(s_pp, bw, al), 0.0)
-    if np.any(pp > 1):
-        n = 2 * m * cpr
+    s_pp = b.tokens * shape.hidden * b.e / b.tp
+    t_pp = np.where(b.pp > 1, comm.p2p(s_pp, bw, al), 0.0)
+    if np.any(b.pp > 1):
+        n = 2 * b.m * b.cpr
         colls.append(comm.Collective("pp", "p2p", s_pp, n, 2, pp_intra, t_pp, 0.0,
                                      "inside the pipeline timeline (simulated)"))
+    return t_pp
 
-    info: dict[str, Any] = {}
+
+def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num,
+                   simulate: bool) -> tuple[Num, Num, dict[str, Any]]:
+    """(pipeline time, bubble fraction, the simulator's result or {})."""
     if simulate:
-        res = _simulate_one(shape, sched, int(pp), int(m), int(v), float(f_layer),
-                            float(i_layer), float(w_layer), float(head_f), float(head_g),
-                            float(t_pp))
-        pipe, bub, info = res["step"], res["bubble"], res
-    else:
-        # ranking: the last rank's chunks carry the LM head (spread over its chunks)
-        pipe = bubble.closed_form(sched, pp, m, v, f_c + head_f / cpr, i_c + head_g / cpr,
-                                  w_c + head_g / cpr, t_pp)
-        bub = np.where(pp > 1, 1 - busy_of(m, cpr, f_c, i_c, w_c, head_f, head_g, sched)
-                       / pipe, 0.0)
+        res = _simulate_one(shape, b.sched, int(b.pp), int(b.m), int(b.v), float(ct.f_layer),
+                            float(ct.i_layer), float(ct.w_layer), float(ct.head_f),
+                            float(ct.head_g), float(t_pp))
+        return res["step"], res["bubble"], res
+    # ranking: the last rank's chunks carry the LM head (spread over its chunks)
+    cpr = b.cpr
+    pipe = bubble.closed_form(b.sched, b.pp, b.m, b.v, ct.f_c + ct.head_f / cpr,
+                              ct.i_c + ct.head_g / cpr, ct.w_c + ct.head_g / cpr, t_pp)
+    bub = np.where(b.pp > 1, 1 - busy_of(b.m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f,
+                                         ct.head_g, b.sched) / pipe, 0.0)
+    return pipe, bub, {}
 
-    # ---- memory per rank -------------------------------------------------------------
+
+@dataclass
+class _RankMemory:
+    """Memory of the most loaded rank (the first or the last pipeline rank)."""
+
+    mem: dict[str, Num]  # bytes by category
+    total: Num
+    use_first: Num  # the first pipeline rank is the most loaded
+    params: Num  # parameters on the rank (dense of the larger end, plus experts)
+
+
+def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
+                 info: dict[str, Any], simulate: bool) -> _RankMemory:
+    tp, pp, m, cpr = b.tp, b.pp, b.m, b.cpr
     dense_l = (shape.attn_params() + shape.dense_mlp_params()) / tp
-    expert_l = shape.expert_params() / (ep * tp)
-    dshard, eshard = dp * cp, dp * cp / ep
-    both_ends = sched in ("zb-v", "dualpipev", "dualpipe")
+    expert_l = shape.expert_params() / (b.ep * tp)
+    dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
+    both_ends = b.sched in ("zb-v", "dualpipev", "dualpipe")
     emb, head = shape.embedding_params() / tp, shape.head_params() / tp
-    first_p = rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0)
-    last_p = rank_layers * dense_l + head
-    ex_p = rank_layers * expert_l
-    in0, in_last = memory.inflight_chunks(sched, pp, m, v)
+    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0)
+    last_p = b.rank_layers * dense_l + head
+    ex_p = b.rank_layers * expert_l
+    in0, in_last = memory.inflight_chunks(b.sched, pp, m, b.v)
     if simulate and info.get("peaks"):
         in0, in_last = float(info["peaks"][0]), float(info["peaks"][-1])
         if both_ends:
             in_last = in0
-    logits = memory.logits_bytes(shape, mbs, tp, cp, e)
-    buffers = memory.comm_buffers(shape, mbs, tp, cp, ep, pp, lay.zero,
+    logits = memory.logits_bytes(shape, b.mbs, tp, b.cp, b.e)
+    buffers = memory.comm_buffers(shape, b.mbs, tp, b.cp, b.ep, pp, lay.zero,
                                   dense_l + expert_l, lay.sp,
                                   train.precision)
 
@@ -209,7 +309,7 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         st = memory.model_states(dense_p, dshard, lay.zero, train.precision, train.optimizer)
         ex = memory.model_states(ex_p, eshard, lay.zero, train.precision, train.optimizer)
         out = {k: st[k] + ex[k] for k in st}
-        out["activations"] = np.minimum(inflight, m * cpr) * chunk_layers * saved
+        out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)
         out["communication buffers"] = buffers
         return out
@@ -219,17 +319,22 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     t_first, t_last = sum(first.values()), sum(last.values())
     use_first = t_first >= t_last
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
-    mem_total = np.maximum(t_first, t_last)
+    return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
+                       np.maximum(first_p, last_p) + ex_p)
 
-    # ---- data parallel / ZeRO --------------------------------------------------------
-    pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
-    pr = np.maximum(first_p, last_p) + ex_p  # parameters on the rank
-    span = np.where(dp > 1, tp * cp * pp * dp, tp * cp)
-    dp_intra = span <= gpn
-    bw, al = comm.link(gpu, dp_intra, eff.link_efficiency)
+
+def _dp_exposed(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency, b: _Basis,
+                ct: _ChunkTimes, pr: Num, colls: list[comm.Collective]) -> Num:
+    """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank); appends
+    dp's collectives."""
+    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    m = b.m
+    span = np.where(b.dp > 1, b.tp * b.cp * b.pp * b.dp, b.tp * b.cp)
+    dp_intra = span <= cluster.gpus_per_node
+    bw, al = comm.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
-    f_mb, b_mb = cpr * f_c, cpr * (i_c + w_c)  # one micro-batch on this rank
-    n = dshard
+    f_mb, b_mb = b.cpr * ct.f_c, b.cpr * (ct.i_c + ct.w_c)  # one micro-batch on this rank
+    n = b.dp * b.cp
     t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
     t_rs = comm.gather_like(g_bytes, n, bw, al)
     t_ag = comm.gather_like(p_bytes, n, bw, al)
@@ -257,43 +362,76 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         if np.any(n > 1):
             colls.append(comm.Collective("dp", op, size, _f(count), n, dp_intra, t_each, exp,
                                          how))
+    return dp_exposed
 
-    opt_shard = dshard if lay.zero >= 1 else 1.0
-    t_opt = pr / opt_shard * (2 * kb + gb + pb) / gpu.hbm_bw
 
-    step = pipe + dp_exposed + t_opt
-    tp_total = tp_count * t_ar
-    busy = busy_of(m, cpr, f_c, i_c, w_c, head_f, head_g, sched)
-    time = {
-        "compute": m * (cpr * chunk_layers * 3 * lt.forward + head_f + 2 * head_g)
-        / (1.0 if sched != "dualpipe" else 2.0),
-        "tp comm (exposed)": tp_total,
-        "cp/ep comm (exposed)": (cp_exp_f + cp_exp_b + ep_exp_f + ep_exp_b) * rank_layers * m,
-        "recompute": m * cpr * chunk_layers * (f_layer if lay.recompute == "full" else
-                                               lt.attn_fwd if lay.recompute == "selective"
-                                               else 0.0),
+def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: _Basis,
+                    pr: Num) -> Num:
+    """The optimizer step: reading and writing the rank's (ZeRO: shard of the) states."""
+    pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
+    opt_shard = b.dp * b.cp if lay.zero >= 1 else 1.0
+    return pr / opt_shard * (2 * kb + gb + pb) / cluster.gpu.hbm_bw
+
+
+def _time_breakdown(lay: Layout, b: _Basis, lc: _LayerComm, ct: _ChunkTimes, pipe: Num,
+                    dp_exposed: Num, t_opt: Num) -> dict[str, Num]:
+    m, cpr, lt = b.m, b.cpr, b.lt
+    busy = busy_of(m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f, ct.head_g, b.sched)
+    return {
+        "compute": m * (cpr * b.chunk_layers * 3 * lt.forward + ct.head_f + 2 * ct.head_g)
+        / (1.0 if b.sched != "dualpipe" else 2.0),
+        "tp comm (exposed)": lc.tp_count * lc.t_ar,
+        "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
+        * b.rank_layers * m,
+        "recompute": m * cpr * b.chunk_layers * (ct.f_layer if lay.recompute == "full" else
+                                                 lt.attn_fwd if lay.recompute == "selective"
+                                                 else 0.0),
         "pipeline bubble + p2p": np.maximum(pipe - busy, 0.0),
         "dp comm (exposed)": dp_exposed,
         "optimizer step": t_opt,
     }
-    n_gpu = tp * pp * dp * cp
+
+
+def _step_flops(shape: Shape, train: Training, lay: Layout, b: _Basis) -> tuple[Num, Num]:
+    """(model FLOPs, hardware FLOPs: with recompute) of one step."""
     tokens_step = train.global_batch * shape.seq
     model_flops = model_flops_per_token(shape) * tokens_step
     rec_per_token = 0.0
     if lay.recompute == "full":
-        rec_per_token = shape.layers * lt.flops_fwd / tokens * tp
+        rec_per_token = shape.layers * b.lt.flops_fwd / b.tokens * b.tp
     elif lay.recompute == "selective":
         rec_per_token = shape.layers * attention_core_flops(shape, 1, 1)
-    hw_flops = model_flops + rec_per_token * tokens_step
+    return model_flops, model_flops + rec_per_token * tokens_step
+
+
+def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
+             simulate: bool = False) -> Estimate:
+    """Memory, collectives, compute, pipeline and step time of `lay` (numeric fields may
+    be arrays: a batch of layouts scored at once)."""
+    b = _basis(shape, cluster, train, lay, eff)
+    lc = _layer_comm(shape, cluster, lay, eff, b)
+    colls = lc.colls
+    ct = _chunk_times(shape, cluster, lay, eff, b, lc)
+    t_pp = _pp_p2p(shape, cluster, eff, b, colls)
+    pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate)
+    rm = _rank_memory(shape, train, lay, b, info, simulate)
+    dp_exposed = _dp_exposed(cluster, train, lay, eff, b, ct, rm.params, colls)
+    t_opt = _optimizer_time(cluster, train, lay, b, rm.params)
+    step = pipe + dp_exposed + t_opt
+    time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
+    n_gpu = b.tp * b.pp * b.dp * b.cp
+    tokens_step = train.global_batch * shape.seq
+    model_flops, hw_flops = _step_flops(shape, train, lay, b)
+    gpu = cluster.gpu
     limit = gpu.hbm_bytes * train.mem_limit_frac
     return Estimate(
-        layout=lay, microbatches=m, memory=mem, memory_total=mem_total,
-        peak_rank=np.where(use_first, "first", "last"), fits=mem_total <= limit,
+        layout=lay, microbatches=b.m, memory=rm.mem, memory_total=rm.total,
+        peak_rank=np.where(rm.use_first, "first", "last"), fits=rm.total <= limit,
         collectives=colls, time=time, step_time=step, tokens_per_s=tokens_step / step,
         model_tflops=model_flops / step / n_gpu / 1e12,
         hardware_tflops=hw_flops / step / n_gpu / 1e12,
-        mfu=model_flops / step / n_gpu / (gpu.peak_flops * peak_scale),
-        bubble_fraction=bub, extra={"pipeline": info, "hf": hf},
+        mfu=model_flops / step / n_gpu / (gpu.peak_flops * b.peak_scale),
+        bubble_fraction=bub, extra={"pipeline": info, "hf": ct.hf},
     )
 
 
