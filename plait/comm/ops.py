@@ -31,8 +31,9 @@ class Handle:
     tensors, see `_Alias`). On gloo the worker thread keeps its references to a finished
     work's tensors for a moment after marking it complete; had it the last reference, a
     buffer would be freed at a random later time on that thread, and a memory measurement
-    would depend on thread scheduling (issue 22). `wait()` returns once the backend holds
-    none of them: every release happens on the program's thread, where the program says.
+    would depend on thread scheduling (docs/zero.md, "Deterministic lifetimes"). `wait()`
+    returns once the backend holds none of them: every release happens on the program's
+    thread, where the program says.
     """
 
     def __init__(self, work: dist.Work | None, record: Callable[[float], None] | None,
