@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import Config, load_config  # noqa: E402
-from plait.observe.memory import MemoryTracker  # noqa: E402
+from plait.device.memory import MemoryTracker  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
 from plait.train.optim import decays, lr_at  # noqa: E402
 from plait.train.step import microbatch_loss  # noqa: E402

@@ -27,9 +27,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import load_config  # noqa: E402
+from plait.device.memory import MemoryTracker  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
-from plait.observe.memory import MemoryTracker  # noqa: E402
 from plait.parallel.tensor import apply_tensor_parallel  # noqa: E402
 from plait.testing import run_ranks  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402

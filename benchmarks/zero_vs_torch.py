@@ -4,7 +4,7 @@
 
 Same model, weights, data, AdamW and clipping; gloo on CPU, one thread per rank, fp32.
 Step time: mean over steps after warm-up, runs alternated. Peak memory: exact peak of live
-tensor bytes on rank 0 during step 1 (plait.observe.memory.MemoryTracker, the same
+tensor bytes on rank 0 during step 1 (plait.device.memory.MemoryTracker, the same
 measurement for every contender). Ratios are plait / torch (goal <= 1.0 each).
 """
 

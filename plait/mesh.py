@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from plait.comm.ledger import Ledger
 from plait.config import DEFAULT_ORDER, DIMS, ParallelConfig
+from plait.device import CPU, Device
 
 # Product dims with a group of their own: dp x cp is where expert parallel and the
 # data-parallel gradient reduction of context-parallel runs live. Named "a_b".
@@ -33,12 +34,14 @@ class ParallelMesh:
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     device_mesh: object | None = None
     ledger: Ledger = field(default_factory=Ledger)
+    device: Device = CPU  # where this rank allocates and computes (plait/device)
 
     # ---- construction -----------------------------------------------------------
     @classmethod
     def build(cls, parallel: ParallelConfig, rank: int | None = None,
-              world_size: int | None = None) -> ParallelMesh:
-        """Make the mesh for `parallel`. Needs an initialised process group when world > 1."""
+              world_size: int | None = None, device: Device = CPU) -> ParallelMesh:
+        """Make the mesh for `parallel` on `device`. Needs an initialised process group
+        (of `device.backend`) when world > 1."""
         sizes = {d: getattr(parallel, d) for d in DIMS}
         world = parallel.world_size
         if world > 1:
@@ -51,7 +54,7 @@ class ParallelMesh:
                     f"layout needs {world} ranks (dp*pp*cp*tp) but the world has {actual}"
                 )
         mesh = cls(sizes=sizes, rank=rank or 0, order=tuple(parallel.order),
-                   gpus_per_node=parallel.gpus_per_node)
+                   gpus_per_node=parallel.gpus_per_node, device=device)
         mesh.coords = mesh.coords_of(mesh.rank)
         for d in DIMS:
             mesh.group_ranks[d] = mesh.ranks_along(d)
@@ -69,7 +72,8 @@ class ParallelMesh:
         # DeviceMesh lists dims outermost first; only dims that actually split ranks
         outer_first = [d for d in reversed(self.order) if self.sizes[d] > 1]
         shape = tuple(self.sizes[d] for d in outer_first)
-        self.device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=tuple(outer_first))
+        self.device_mesh = init_device_mesh(self.device.type, shape,
+                                            mesh_dim_names=tuple(outer_first))
         for d in outer_first:
             self.groups[d] = self.device_mesh.get_group(d)
             got = dist.get_process_group_ranks(self.groups[d])

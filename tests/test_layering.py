@@ -17,6 +17,7 @@ LAYERS = [
     ("package", ["plait"]),  # plait/__init__.py (empty); a module matching no longer prefix
     ("model", ["plait.model"]),
     ("config", ["plait.config"]),
+    ("device", ["plait.device"]),  # where a rank computes: torch only
     ("ledger", ["plait.comm.ledger"]),  # the mesh carries the rank's ledger
     ("mesh", ["plait.mesh"]),
     ("placement", ["plait.placement"]),
@@ -33,10 +34,8 @@ RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 KNOWN_UPWARD = {
     ("plait.config", "plait.parallel.pipeline.partition"),  # validation: schedule registry
     ("plait.config", "plait.parallel.pipeline.schedules"),
-    ("plait.observe.report", "plait.cli"),  # flag tables
     ("plait.parallel.zero", "plait.train.optim"),  # adamw_update, sgd_update
     ("plait.parallel.pipeline.partition", "plait.train.step"),  # token_loss
-    ("plait.train.loop", "plait.observe.memory"),  # MemoryTracker
 }
 
 

@@ -10,9 +10,9 @@ from torch.utils._pytree import tree_leaves
 
 from plait.comm import regions
 from plait.config import load_config
+from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.observe.memory import MemoryTracker
 from plait.parallel.tensor import (
     apply_tensor_parallel,
     gather_full_state,

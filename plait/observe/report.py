@@ -4,7 +4,7 @@
     plait report --metrics m.jsonl [--config run.toml | the same train flags] [--json]
 
 Memory: the step `train.memory_step` of the metrics file carries the lead rank's (rank 0's)
-measured peak by category (plait/observe/memory.py); it is compared with the planner's
+measured peak by category (plait/device/memory.py); it is compared with the planner's
 prediction for that rank, `plait.plan.eager.eager_memory_by_rank` (kernels="eager": plait's
 CPU runtime; one cost model, the code `plait plan` uses). Communication: the summary's
 ledger (payload bytes per step per collective@dim, rank 0) beside the planner's
@@ -32,7 +32,7 @@ MEMORY_CATEGORIES = {"params": ("parameters",), "grads": ("gradients",),
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from plait.cli import add_train_args
+    from plait.train.flags import add_train_args
 
     p = subparsers.add_parser("report", help="predicted vs measured memory and communication "
                               "for a metrics file", description=__doc__,
@@ -66,7 +66,7 @@ def read_metrics(path: str | Path) -> tuple[list[dict], dict]:
 
 
 def _flags_given(args: argparse.Namespace) -> bool:
-    from plait.cli import TRAIN_FLAGS
+    from plait.train.flags import TRAIN_FLAGS
 
     return bool(args.config or args.set or any(getattr(args, f, None) is not None
                                                  for f in TRAIN_FLAGS))
@@ -166,7 +166,7 @@ def print_report(rep: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.cli import config_from_args
+    from plait.train.flags import config_from_args
 
     try:
         rows, summary = read_metrics(args.metrics)

@@ -1,7 +1,8 @@
 """One rank of a training job: `torchrun --nproc-per-node N -m plait.train [train flags]`.
 
 Takes the same flags as `plait train` (without --nproc). Reads the launcher's RANK,
-WORLD_SIZE (this is the CLI layer), validates, builds the mesh, trains; rank 0 shows
+WORLD_SIZE and LOCAL_RANK (this is the CLI layer), resolves the device (`--device`:
+cuda:LOCAL_RANK with NCCL, or the CPU with gloo), validates, builds the mesh, trains; rank 0 shows
 progress, writes the metrics file and prints the summary. Any exception exits non-zero
 with its traceback, so the launcher brings the whole job down.
 """
@@ -18,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.cli import add_train_args, config_from_args, resolve_data
+from plait.device import resolve_device
 from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches, TokenFile
+from plait.train.flags import add_train_args, config_from_args, resolve_data
 from plait.train.loop import train
 from plait.train.report import print_summary, progress_reporter
 
@@ -57,17 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    device.activate()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = config_from_args(args).check(world_size=world)
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=args.timeout))
     if data is None:  # non-zero ranks wait for rank 0 to prepare the default corpus
         dist.barrier()
         data = resolve_data(cfg, args.data_dir)
     elif world > 1 and not cfg.train.data:
         dist.barrier()
-    mesh = ParallelMesh.build(cfg.parallel)
+    mesh = ParallelMesh.build(cfg.parallel, device=device)
     batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics_file.close()
         if dist.is_initialized():
             if finished:  # no rank tears its connections down while a peer still talks
-                comm.all_reduce(torch.zeros(1), mesh, "world", tag="shutdown")
+                comm.all_reduce(torch.zeros(1, device=device.torch), mesh, "world",
+                                tag="shutdown")
             dist.destroy_process_group()
     return 0
 

@@ -16,8 +16,8 @@ import torch
 from plait import comm
 from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
+from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
-from plait.observe.memory import MemoryTracker
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.partition import build_pipeline

@@ -1,4 +1,4 @@
-"""Measured memory by category on CPU: live tensor storages, tracked exactly.
+"""Measured memory by category: live tensor storages, tracked exactly, on any device.
 
 CPU has no `max_memory_allocated`, and process RSS is wrong (untouched pages, allocator
 reuse). Instead a `TorchDispatchMode` sees every op's outputs; each new storage is
@@ -128,6 +128,10 @@ class MemoryTracker(TorchDispatchMode):
         self.samples.append(snap)
         return snap
 
+    def allocator_stats(self) -> dict[str, int]:
+        """The device allocator's own figures for the measured span (none on CPU)."""
+        return {}
+
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -146,3 +150,25 @@ class MemoryTracker(TorchDispatchMode):
         if total > self.peak_total:
             self.peak_total, self._peak_sizes = total, sizes
         return out
+
+
+class CudaMemoryMeter(MemoryTracker):
+    """On CUDA: the same exact, categorised tracker, plus the caching allocator's own peak
+    (what `nvidia-smi` users compare with). The allocator's figure includes what the
+    tracker cannot see (NCCL and cuBLAS workspaces, fragmentation), so both are reported:
+    `allocator_peak` (max_memory_allocated) and `allocator_reserved` (max_memory_reserved)
+    over the measured step."""
+
+    def __init__(self, device: torch.device, sources: Sources | None = None):
+        super().__init__(sources)
+        self.device = device
+
+    def __enter__(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return super().__enter__()
+
+    def allocator_stats(self) -> dict[str, int]:
+        torch.cuda.synchronize(self.device)
+        return {"allocator_peak": torch.cuda.max_memory_allocated(self.device),
+                "allocator_reserved": torch.cuda.max_memory_reserved(self.device)}

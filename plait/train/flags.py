@@ -1,0 +1,80 @@
+"""The training flags, shared by `plait train`, the rank entry `python -m plait.train`
+(what torchrun runs) and `plait report`: one table from flag to configuration key, and
+the data file a configuration trains on. Below the CLI so that every command that takes
+train flags reads them from here, not from the `plait` command's module.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from plait.config import SCHEDULES, Config, load_config
+from plait.device import CHOICES as DEVICE_CHOICES
+
+# flag -> config key (None value = flag not given)
+TRAIN_FLAGS = {
+    "model": "model_name", "steps": "train.steps", "seed": "train.seed",
+    "global_batch": "train.global_batch", "seq_len": "train.seq_len",
+    "micro_batch_size": "train.micro_batch_size", "lr": "train.lr",
+    "precision": "train.precision", "recompute": "train.recompute", "data": "train.data",
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
+    "ep": "parallel.ep", "zero": "parallel.zero", "schedule": "parallel.schedule",
+    "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
+    "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
+    "sp": "parallel.sp",
+}
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any setting, e.g. --set train.warmup_steps=5")
+    p.add_argument("--model", help="model preset (tiny, small, llama3-8b, ...)")
+    p.add_argument("--data", help="token file (.bin); default: the embedded corpus")
+    p.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
+    for name in ("steps", "seed", "global-batch", "seq-len", "micro-batch-size", "dp", "tp",
+                 "pp", "cp", "ep", "zero", "microbatches", "virtual-stages", "gpus-per-node"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--precision", choices=("fp32", "bf16"))
+    p.add_argument("--recompute", choices=("none", "full"))
+    p.add_argument("--data-parallel", choices=("naive", "bucketed"))
+    p.add_argument("--sp", action="store_true", default=None,
+                   help="sequence parallel: split norms and residual over tp")
+    p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary")
+    p.add_argument("--trace", help="pp > 1: Chrome trace (Perfetto) of the last step's "
+                   "measured pipeline timeline, a row per rank")
+    p.add_argument("--timeline", help="pp > 1: PNG of the last step's measured timeline")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait before the job fails (default 300)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where each rank computes: cuda:LOCAL_RANK with NCCL, or the CPU with "
+                   "gloo; auto (default) takes CUDA when torch sees a GPU")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
+    return load_config(args.config, overrides=overrides, sets=args.set)
+
+
+def resolve_data(cfg: Config, data_dir: str | None) -> Path:
+    """The token file to train on; the default corpus is prepared on first use."""
+    from plait.train.corpus import default_token_file, prepare
+
+    if cfg.train.data:
+        return Path(cfg.train.data)
+    path = default_token_file(Path(data_dir) if data_dir else None)
+    if not path.is_file() or not path.with_suffix(".json").is_file():
+        print(f"plait: preparing the default corpus in {path.parent} (once)...", flush=True)
+        prepare(path)
+    return path
+
+
+def check_data(cfg: Config, path: Path) -> None:
+    from plait.train.data import GlobalBatches, TokenFile
+
+    GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
+                  cfg.train.seed, cfg.model.vocab_size)
