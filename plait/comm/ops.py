@@ -142,9 +142,9 @@ def all_reduce(tensor: torch.Tensor, mesh: ParallelMesh, dim: str, op: str = "su
             raise ValueError("all_reduce(via='rs_ag') is synchronous")
         flat = tensor.reshape(-1)
         padded_len = -(-flat.numel() // n) * n
-        buf = torch.zeros(padded_len, dtype=tensor.dtype)
+        buf = torch.zeros(padded_len, dtype=tensor.dtype, device=tensor.device)
         buf[: flat.numel()] = flat
-        shard = torch.empty(padded_len // n, dtype=tensor.dtype)
+        shard = torch.empty(padded_len // n, dtype=tensor.dtype, device=tensor.device)
         reduce_scatter(shard, buf, mesh, dim, op, tag=tag)
         all_gather(buf, shard, mesh, dim, tag=tag)
         flat.copy_(buf[: flat.numel()])

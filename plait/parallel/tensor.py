@@ -178,7 +178,7 @@ class _VocabParallelCE(Function):
     def backward(ctx, g):
         softmax, local_t, mine = ctx.saved_tensors
         grad = softmax  # saved only for this one backward: modify in place
-        rows = torch.arange(grad.shape[0])
+        rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= mine.to(grad.dtype)
         grad.mul_(g.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None
@@ -379,7 +379,7 @@ def gather_full_state(model: nn.Module, mesh: ParallelMesh, placements: Placemen
             continue
         t = mesh.size(DIM)
         front = local.movedim(meta.axis, 0).contiguous()
-        buf = torch.empty((t * front.shape[0], *front.shape[1:]))
+        buf = torch.empty((t * front.shape[0], *front.shape[1:]), device=front.device)
         ops.all_gather(buf, front, mesh, DIM, tag="state")
         slices = buf.view(t, *front.shape)[:: meta.replicas]
         full = slices.reshape(-1, *front.shape[1:]).movedim(0, meta.axis)

@@ -33,7 +33,7 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,
     if not placements.any_sharded([p for p, _ in grads]) or mesh.world_size == 1:
         sq = sum(float(g.float().pow(2).sum()) for _, g in grads)
         return math.sqrt(sq)
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
     for p, g in grads:
         if placements.counts_in_norm(p, mesh):
             total += g.double().pow(2).sum()

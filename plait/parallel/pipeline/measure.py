@@ -1,8 +1,9 @@
 """Measured pipeline timelines: bubble, the simulator's prediction for them, pictures.
 
-Every rank's runtime records each compute action's start and end (`time.perf_counter`,
-CLOCK_MONOTONIC: one clock for all processes of a machine), when it began waiting for its
-input, and its thread CPU time. After training the records are gathered over the pp group
+Every rank's runtime records each compute action's start and end on the device's timer
+(`time.perf_counter` on CPU; CUDA events on a GPU, resolved onto that clock), which is
+CLOCK_MONOTONIC, one clock for all processes of a machine; when it began waiting for its
+input; and its thread CPU time. After training the records are gathered over the pp group
 (ledgered, step -1, tag "timeline") and turned into:
   * the measured bubble of a step, with the simulator's definition: idle / (pp x span),
     where span runs from the first rank entering the step to the last compute ending;
@@ -53,17 +54,18 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
         rows += [[step, -2, -1, -1, a, b, 0.0, c] for a, b, c in posts]  # -2: a post
         rows += [[step, _KINDS.index(k), s, mb, a, b, w, c]
                  for (k, s, mb, a, b), (w, c) in zip(events, detail, strict=True)]
-    mine = torch.tensor(rows, dtype=torch.float64)
+    dev = mesh.device.torch  # NCCL gathers device tensors
+    mine = torch.tensor(rows, dtype=torch.float64, device=dev)
     n = mesh.size("pp")
     saved, mesh.ledger.step = mesh.ledger.step, -1  # not part of any training step
     try:
-        counts = torch.zeros(n, dtype=torch.float64)
-        comm.all_gather(counts, torch.tensor([float(len(rows))], dtype=torch.float64), mesh,
-                        "pp", tag="timeline")
+        counts = torch.zeros(n, dtype=torch.float64, device=dev)
+        comm.all_gather(counts, torch.tensor([float(len(rows))], dtype=torch.float64,
+                                             device=dev), mesh, "pp", tag="timeline")
         width = int(counts.max())
-        padded = torch.full((width, 8), float("nan"), dtype=torch.float64)
+        padded = torch.full((width, 8), float("nan"), dtype=torch.float64, device=dev)
         padded[:len(rows)] = mine
-        every = torch.empty(n * width, 8, dtype=torch.float64)
+        every = torch.empty(n * width, 8, dtype=torch.float64, device=dev)
         comm.all_gather(every, padded, mesh, "pp", tag="timeline")
     finally:
         mesh.ledger.step = saved

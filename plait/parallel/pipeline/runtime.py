@@ -110,6 +110,9 @@ class PipelineRuntime:
         (last: this rank's final one of the step). The optimizer protocol plugs in here."""
         self.schedule = schedule if schedule.lowered else lower(schedule)
         self.mesh, self.dim = mesh, dim
+        # compute actions are timed on the device's clock (CUDA events on a GPU: a host
+        # clock would time kernel launches); waits and posts are host-side, on perf_counter
+        self.timer = mesh.device.timer()
         self.me = mesh.coord(dim) if mesh.size(dim) > 1 else 0
         self.peers = mesh.group_ranks[dim] if mesh.size(dim) > 1 else [mesh.rank]
         self.actions = self.schedule.actions[self.me]
@@ -152,11 +155,11 @@ class PipelineRuntime:
         self._sends: list[tuple[Handle, torch.Tensor]] = []
         # forward sends by (stage, mb): complete once the gradient for that output arrives
         self._sends_f: dict[tuple[int, int], tuple[Handle, torch.Tensor]] = {}
-        self._loss = torch.zeros(1, dtype=torch.float64)
+        self._loss = torch.zeros(1, dtype=torch.float64, device=self.mesh.device.torch)
         events: list[Event] = []
         detail: list[Detail] = []
         self._posts: list[tuple[float, float, float]] = []
-        start = time.perf_counter()
+        start = self.timer.mark()
         i = 0
         while i < len(self.actions):
             if self.actions[i].is_comm:
@@ -170,8 +173,7 @@ class PipelineRuntime:
             c0 = time.thread_time()
             ev = self._compute(self.actions[i], i)
             events.append(ev)
-            detail.append((ev[3] if self._wait_start is None else self._wait_start,
-                           time.thread_time() - c0))
+            detail.append((self._wait_start, time.thread_time() - c0))
             self._reap_sends()
             i += 1
         for h, _ in self._sends + list(self._sends_f.values()):
@@ -181,11 +183,20 @@ class PipelineRuntime:
             raise RuntimeError(f"rank {self.me}: step ended with work left: live "
                                f"{sorted(self._live)}, receives {sorted(self._recvs)}")
         self._sends.clear()
-        self.steps_events.append(events)
-        self.steps_detail.append(detail)
-        self.steps_posts.append(self._posts)
-        self.steps_window.append((start, time.perf_counter()))
+        self._record_step(start, events, detail)
         return self._loss
+
+    def _record_step(self, start: object, events: list[Event], detail: list[Detail]) -> None:
+        """The step's marks on one clock (seconds): each action's (start, end); a detail's
+        input-ready time is its wait's start, or the action's start if it did not wait."""
+        sec = self.timer.seconds
+        end = sec(self.timer.mark())
+        timed = [(k, s, mb, sec(a), sec(b)) for k, s, mb, a, b in events]
+        self.steps_events.append(timed)
+        self.steps_detail.append([(ev[3] if w is None else w, c)
+                                  for ev, (w, c) in zip(timed, detail, strict=True)])
+        self.steps_posts.append(self._posts)
+        self.steps_window.append((sec(start), end))
 
     def _post(self, actions: Sequence[Action]) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -196,7 +207,8 @@ class PipelineRuntime:
                 sends.append((self._to_send.pop((a.kind[-1], a.stage, a.microbatch)), peer))
                 send_keys.append((a.kind, a.stage, a.microbatch))
             else:
-                buf = torch.empty(self.act_shape, dtype=self.act_dtype)
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype,
+                                  device=self.mesh.device.torch)
                 recvs.append((buf, peer))
                 keys.append((a.kind[-1], a.stage, a.microbatch))
         handles = comm.batch_send_recv(sends, recvs, self.mesh, self.dim, tag="pp")
@@ -242,7 +254,7 @@ class PipelineRuntime:
                 x = self._arrived("F", s, mb).requires_grad_()
             else:
                 x = self._local_in.pop((s, mb))
-            t0 = time.perf_counter()
+            t0 = self.timer.mark()
             cap = self.capture.get(s)
             if cap:
                 cap.start()
@@ -257,16 +269,16 @@ class PipelineRuntime:
                 self._local_in[nxt, mb] = out.detach().requires_grad_()
             else:
                 self._to_send["F", s, mb] = out.detach()
-            return ("F", s, mb, t0, time.perf_counter())
+            return ("F", s, mb, t0, self.timer.mark())
 
         if a.kind == "W":
-            t0 = time.perf_counter()
+            t0 = self.timer.mark()
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
             backward_weight(self._live.pop((s, mb)).deferred)
             if self.after_weight_grad is not None:
                 self.after_weight_grad(index == self.final_grad_action)
-            return ("W", s, mb, t0, time.perf_counter())
+            return ("W", s, mb, t0, self.timer.mark())
 
         # B or I: needs the gradient of the stage output
         if last:
@@ -275,7 +287,7 @@ class PipelineRuntime:
             grad_out = self._arrived("B", s, mb)
         else:
             grad_out = self._local_grad.pop((s, mb))
-        t0 = time.perf_counter()
+        t0 = self.timer.mark()
         live = self._live[s, mb]
         if a.kind == "B":
             if self.before_weight_grad is not None:
@@ -296,7 +308,7 @@ class PipelineRuntime:
                 self._local_grad[prev, mb] = grad_x
             else:
                 self._to_send["B", s, mb] = grad_x
-        return (a.kind, s, mb, t0, time.perf_counter())
+        return (a.kind, s, mb, t0, self.timer.mark())
 
 
 # ---- DualPipe: two copies of every block ----------------------------------------------
