@@ -1,0 +1,246 @@
+"""The sizes the eager memory model (plait/plan/eager.py) is built from, per pipeline rank.
+
+From the configuration alone: the model's shapes per tensor-parallel rank, the stages a
+pipeline rank holds, its ZeRO units and shards, model-state bytes by category, and what
+one micro-batch keeps between its forward and backward (`RankSizes`, made once by
+`rank_sizes`). eager.py walks the schedule with these to find the peak moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from plait.plan.activations import (
+    FP32,
+    kv_width_per_rank,
+    layer_activation_bytes,
+    norm_bytes,
+)
+
+if TYPE_CHECKING:
+    from plait.config import Config
+
+CATEGORIES = ("parameters", "gradients", "optimizer states", "activations", "logits",
+              "communication buffers")
+
+
+@dataclass
+class Moment:
+    """Live bytes by category at one moment of the step on one rank."""
+
+    name: str
+    bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.bytes.values()))
+
+
+@dataclass
+class ZeroUnit:
+    """One ZeRO unit (or one parameter group): local numel, its largest parameter."""
+
+    name: str
+    numel: int
+    largest: int
+    params: list[int]
+
+
+def _padded_vocab(v: int, t: int) -> int:
+    return -(-v // t) * t
+
+
+def _shapes(cfg: Config):
+    m, p, t = cfg.model, cfg.parallel, cfg.parallel.tp
+    h = m.dim
+    k_t = kv_width_per_rank(m, t)
+    v_t = _padded_vocab(m.vocab_size, t) // t if t > 1 else m.vocab_size
+    layer = [h, h * h // t, h * k_t, h * k_t, h * h // t, h, h * m.ffn_dim // t,
+             h * m.ffn_dim // t, h * m.ffn_dim // t]  # norm, wq, wk, wv, wo, norm, w1, w3, w2
+    return {"h": h, "t": t, "sp": p.sp, "k_t": k_t, "v_t": v_t, "f_t": m.ffn_dim // t,
+            "embed": [v_t * h], "layer": layer, "norm": [h],
+            "head": [] if m.tie_embeddings and p.zero == 0 else [v_t * h]}
+
+
+def rank_stages(cfg: Config, rank: int):
+    """(schedule, {stage: (first layer, end layer, is_first, is_last)}) of pipeline rank."""
+    from plait.parallel.pipeline.partition import (
+        natural_virtual_stages,
+        num_model_stages,
+        partition_for,
+    )
+    from plait.parallel.pipeline.schedules import build_schedule
+
+    p, n = cfg.parallel, cfg.model.n_layers
+    m = cfg.microbatches()
+    if p.pp == 1:
+        return build_schedule("1f1b", 1, m), {0: (0, n, True, True)}
+    v = natural_virtual_stages(p.schedule, p.virtual_stages)
+    sched = build_schedule(p.schedule, p.pp, m, v)
+    part = partition_for(cfg.model, cfg.train.seq_len, num_model_stages(p.schedule, p.pp, v))
+    out = {}
+    for s in sched.stages_on(rank):
+        j = sched.model_stage(s)
+        a, b = part.layers[j]
+        out[s] = (a, b, j == 0, j == part.num_stages - 1)
+    return sched, out
+
+
+def _stage_params(sh: dict, a: int, z: int, first: bool, last: bool) -> list[tuple[str, list]]:
+    """(name, parameter numels) of one stage's groups (pp = 1: embed, blocks, norm, head)."""
+    out = []
+    if first:
+        out.append(("embed", sh["embed"]))
+    out += [(f"layers.{i}", sh["layer"]) for i in range(a, z)]
+    if last:
+        out += [("norm", sh["norm"]), ("head", sh["head"])]
+    return [(n, ps) for n, ps in out if ps]
+
+
+def _rank_units(sh: dict, stages: dict, pp: int, n_dp: int):
+    """This rank's ZeRO units, their shard elements and their padded (to dp) elements."""
+    groups = [g for st in sorted(stages) for g in _stage_params(sh, *stages[st])]
+    if pp > 1:  # a PipelineModule's one child (a ModuleDict) is one ZeRO unit
+        flat = [x for _, ps in groups for x in ps]
+        units = [ZeroUnit("stages", sum(flat), max(flat), flat)]
+    else:
+        units = [ZeroUnit(n, sum(ps), max(ps), ps) for n, ps in groups]
+    k = {u.name: -(-u.numel // n_dp) for u in units}  # shard elements per unit
+    padded = {u.name: k[u.name] * n_dp for u in units}
+    return units, k, padded
+
+
+def _model_state_bytes(units: list[ZeroUnit], k: dict, padded: dict, zero: int, e: int,
+                       pb: int) -> tuple[float, float, float, float]:
+    """(parameters, optimizer states, full gradients, gradient shards) bytes of the rank."""
+    n_params = sum(u.numel for u in units)
+    if zero == 0:
+        params = n_params * pb
+        optim = n_params * (8 if e == FP32 else 12)  # fp32: the parameter is its own master
+        grads_full = n_params * pb
+        grad_shards = 0.0
+    else:
+        params = sum(k.values()) * pb if zero == 3 else sum(padded.values()) * pb
+        optim = 12 * sum(k.values())  # fp32 master shard (a copy even in fp32), m, v
+        grads_full = n_params * pb
+        grad_shards = sum(k.values()) * pb
+    return params, optim, grads_full, grad_shards
+
+
+def _loss_transients(cfg: Config, e: int, tok: int, v_t: int, t: int) -> tuple[float, float]:
+    """(forward, backward) loss transients on top of what the stage keeps (vocab-parallel:
+    split over t)."""
+    if t == 1:
+        loss_fwd = e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)  # logits (+ fp32)
+        loss_bwd = 2 * FP32 * tok * v_t  # d(log-softmax) from nll, d(logits) in fp32
+    else:
+        padded_cols = _padded_vocab(cfg.model.vocab_size, t) != cfg.model.vocab_size
+        loss_fwd = (e * tok * v_t + (FP32 * tok * v_t if e != FP32 else 0)
+                    + (FP32 * tok * v_t if padded_cols else 0))
+        loss_bwd = e * tok * v_t if e != FP32 else 0
+    return loss_fwd, loss_bwd
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """What every moment of one pipeline rank is built from, derived once from the config:
+    shapes and element sizes, ZeRO units and shards, model-state bytes, what a (stage,
+    micro-batch) keeps between its F and its B, and the loss / MLP-backward transients."""
+
+    cfg: Config
+    sh: dict  # _shapes(cfg)
+    sched: Any  # the pipeline Schedule (pp = 1: one stage, F and B per micro-batch)
+    stages: dict  # stage -> (first layer, end layer, is_first, is_last)
+    e: int  # bytes per element of the compute dtype
+    pb: int  # parameters and gradients are held in the compute dtype
+    b: int  # micro-batch size
+    s: int  # sequence length
+    tok: int
+    tok_l: int  # tokens of the residual stream on this rank
+    n_micro: int
+    recompute: bool
+    units: list
+    k: dict  # shard elements per unit
+    padded: dict  # unit elements padded to a multiple of dp
+    params: float
+    optim: float
+    grads_full: float
+    grad_shards: float
+    inputs: float  # this rank's int64 token rows, and the loader's epoch permutation
+    layer_saved: float  # one block's saved tensors
+    ckpt: float  # recompute: each block keeps only its input
+    rope: float  # cos, sin tables (s, d/2) fp32, one pair per forward
+    tp_ids: float  # int64 local ids + bool mask (embed / loss)
+    loss_saved: float  # log-softmax (t=1) / softmax (vocab-parallel)
+    loss_fwd: float
+    loss_bwd: float
+    mlp_bwd: float  # net d(out) + 2 f-wide buffers of a block's first MLP backward
+    dy: float
+    dprod: float
+    recv: float  # a pipeline receive buffer: (mbs, seq[/t under SP], dim)
+    w2: float  # w2's weight gradient
+    layer_numel: int
+
+    @property
+    def zero(self) -> int:
+        return self.cfg.parallel.zero
+
+    def states(self, grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
+               opt_extra: float = 0.0) -> dict[str, float]:
+        g = grads + (self.grad_shards if self.zero >= 2 else 0.0)
+        return {"parameters": self.params + gathered, "gradients": g,
+                "optimizer states": self.optim + opt_extra, "activations": self.inputs,
+                "logits": 0.0, "communication buffers": comm}
+
+    def stage_act(self, st: int, layers_kept: int | None = None) -> float:
+        """Bytes (stage, micro-batch) holds after its F (layers_kept: only the first n)."""
+        a, z, first, last = self.stages[st]
+        e, h = self.e, self.sh["h"]
+        n = z - a if layers_kept is None else layers_kept
+        out = self.rope + n * (self.ckpt if self.recompute else self.layer_saved)
+        if first:
+            out += self.tp_ids
+        if layers_kept is None and last:
+            out += norm_bytes(self.cfg.model, self.b, self.s, self.sh["t"], self.sh["sp"],
+                              e) + self.loss_saved
+        if not last:
+            out += e * self.tok_l * h  # the stage output, held for its backward
+        if not first and e != FP32 and not self.recompute:
+            out += e * self.tok_l * h  # the received input (fp32: it is the first norm's input)
+        return out
+
+    def grads_of(self, st: int) -> float:
+        return sum(sum(ps) for _, ps in _stage_params(self.sh, *self.stages[st])) * self.pb
+
+
+def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
+    """The sizes pipeline rank `rank`'s moments are built from (see RankSizes)."""
+    m_cfg, p, tr = cfg.model, cfg.parallel, cfg.train
+    sh = _shapes(cfg)
+    h, t, sp, f_t, v_t = sh["h"], sh["t"], sh["sp"], sh["f_t"], sh["v_t"]
+    e = FP32 if tr.precision == "fp32" else 2
+    pb = e
+    b, s = cfg.micro_batch_size(), tr.seq_len
+    tok = b * s
+    tok_l = tok // t if sp else tok
+    sched, stages = rank_stages(cfg, rank)
+    units, k, padded = _rank_units(sh, stages, p.pp, p.dp)
+    params, optim, grads_full, grad_shards = _model_state_bytes(units, k, padded, p.zero, e,
+                                                                pb)
+    tp_ids = (8 * tok + tok) if t > 1 else 0
+    loss_fwd, loss_bwd = _loss_transients(cfg, e, tok, v_t, t)
+    # first MLP backward of a block: d(out) (whole sequence inside the region), then
+    # d(product) (the product itself is freed once w2's gradient is done), d(silu out) and
+    # d(w3 out): net d(out) + 2 f-wide buffers
+    return RankSizes(
+        cfg=cfg, sh=sh, sched=sched, stages=stages, e=e, pb=pb, b=b, s=s, tok=tok,
+        tok_l=tok_l, n_micro=cfg.microbatches(), recompute=tr.recompute == "full",
+        units=units, k=k, padded=padded, params=params, optim=optim, grads_full=grads_full,
+        grad_shards=grad_shards,
+        inputs=8 * (tr.global_batch // p.dp) * (s + 1) + 8 * data_windows,
+        layer_saved=layer_activation_bytes(m_cfg, b, s, t, sp, e), ckpt=e * tok_l * h,
+        rope=FP32 * s * m_cfg.head_dim, tp_ids=tp_ids, loss_saved=FP32 * tok * v_t + tp_ids,
+        loss_fwd=loss_fwd, loss_bwd=loss_bwd, mlp_bwd=e * tok * h + 2 * e * tok * f_t,
+        dy=e * tok * h, dprod=e * tok * f_t, recv=e * tok_l * h, w2=h * f_t * pb,
+        layer_numel=sum(sh["layer"]))
