@@ -203,9 +203,8 @@ def _shared_slots(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """(module, attribute) slots holding the same parameter, per shared parameter."""
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                slots.setdefault(id(p), []).append((m, name))
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            slots.setdefault(id(p), []).append((m, name))
     return [s for s in slots.values() if len(s) > 1]
 
 
