@@ -102,17 +102,15 @@ def non_causal_attention():
 
 
 def _patch_rope_tables(fn):
-    from plait.model import transformer
-    from plait.parallel.pipeline import partition
+    from plait.model import rope
 
-    transformer.rope_tables = fn
-    partition.rope_tables = fn  # imported by name there
+    rope.rope_tables = fn  # the model's RoPE cache builds its tables with it
 
 
 def rope_positions_reversed():
-    from plait.model import transformer
+    from plait.model import rope
 
-    tables = transformer.rope_tables
+    tables = rope.rope_tables
 
     def reversed_tables(head_dim, seq_len, theta):
         cos, sin = tables(head_dim, seq_len, theta)
@@ -124,14 +122,15 @@ def rope_positions_reversed():
 def rope_pairs_by_halves():
     import torch
 
-    from plait.model import transformer
+    from plait.model import rope, transformer
 
     def halves(x, cos, sin):  # pairs (x[i], x[i + d/2]) instead of (x[2i], x[2i+1])
         h = x.shape[-1] // 2
         x1, x2 = x[..., :h].float(), x[..., h:].float()
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
-    transformer.apply_rope = halves
+    rope.apply_rope = halves
+    transformer.apply_rope = halves  # imported by name there: the attention's rotation
 
 
 def bf16_masters():
@@ -181,15 +180,17 @@ def zero_reduce_scatter_average():
 
 
 def loss_over_local_tokens():
+    from plait.model import loss
     from plait.parallel.pipeline import partition
     from plait.train import step
 
-    token_loss = step.token_loss
+    token_loss = loss.token_loss
 
     def local(logits, targets, tokens_in_global_batch, loss_fn=None):
         return token_loss(logits, targets, targets.numel(), loss_fn)  # micro-batch mean
 
-    step.token_loss = local
+    loss.token_loss = local
+    step.token_loss = local  # imported by name: microbatch_loss
     partition.token_loss = local  # imported by name: the stages' loss
 
 

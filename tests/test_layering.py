@@ -35,7 +35,6 @@ KNOWN_UPWARD = {
     ("plait.config", "plait.parallel.pipeline.partition"),  # validation: schedule registry
     ("plait.config", "plait.parallel.pipeline.schedules"),
     ("plait.parallel.zero", "plait.train.optim"),  # adamw_update, sgd_update
-    ("plait.parallel.pipeline.partition", "plait.train.step"),  # token_loss
 }
 
 

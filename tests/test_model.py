@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from helpers import config
 
 from plait.model.presets import PRESETS, ModelConfig
-from plait.model.transformer import Attention, RMSNorm, apply_rope, build_model, rope_tables
+from plait.model.rope import Positions, apply_rope, rope_tables
+from plait.model.transformer import Attention, RMSNorm, build_model
 from plait.train.optim import lr_at
 
 SEED = 1234
@@ -75,7 +76,7 @@ def test_attention_matches_naive_softmax_with_gqa():
     x = torch.randn(b, s, cfg.dim, generator=gen)
     cos, sin = rope_tables(d, s, cfg.rope_theta)
     with torch.no_grad():
-        got = attn(x, cos, sin)
+        got = attn(x, Positions(None, cos, sin))
         q = (x @ attn.wq.weight.T).view(b, s, cfg.n_heads, d).transpose(1, 2)
         k = (x @ attn.wk.weight.T).view(b, s, cfg.n_kv_heads, d).transpose(1, 2)
         v = (x @ attn.wv.weight.T).view(b, s, cfg.n_kv_heads, d).transpose(1, 2)

@@ -9,7 +9,8 @@ from helpers import batches_for, config, reference, run_layout
 from plait.config import ConfigError
 from plait.mesh import ParallelMesh
 from plait.model.presets import PRESETS
-from plait.model.transformer import Block, build_model, rope_tables
+from plait.model.rope import Positions, rope_tables
+from plait.model.transformer import Block, build_model
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.partition import Stage, partition_layers
 from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
@@ -28,17 +29,17 @@ def test_iw_split_equals_plain_backward_on_a_block():
     cfg = PRESETS["tiny"]
     torch.manual_seed(0)
     block = Block(cfg)
-    cos, sin = rope_tables(cfg.head_dim, 16, cfg.rope_theta)
+    pos = Positions(None, *rope_tables(cfg.head_dim, 16, cfg.rope_theta))
     x = torch.randn(2, 16, cfg.dim, requires_grad=True)
     g = torch.randn(2, 16, cfg.dim)
-    block(x, cos, sin).backward(g)
+    block(x, pos).backward(g)
     plain_x, plain = x.grad.clone(), _grads(block)
     block.zero_grad(set_to_none=True)
 
     cap = OutputCapture(block)
     x2 = x.detach().clone().requires_grad_()
     cap.start()
-    out = block(x2, cos, sin)
+    out = block(x2, pos)
     kept = cap.stop()
     assert len(kept) == 9  # 2 norms + 4 attention + 3 MLP projections
     (gx,), deferred = backward_input(out, g, [x2], kept)

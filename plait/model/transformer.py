@@ -1,13 +1,19 @@
 """A plain Llama-style decoder. It knows nothing of parallelism.
 
 Token embedding -> n x [RMSNorm -> GQA causal attention (RoPE) -> residual,
-RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head.
-Strategies are applied to it from outside (module swaps, layer splits, sharding).
+RMSNorm -> MLP (SwiGLU) -> residual] -> RMSNorm -> LM head.
+Strategies are applied to it from outside (module swaps, layer splits, sharding). The
+seams they plug into: `Positions` from the top-level forward (RoPE and the causal mask
+come from token positions, not from 0..s-1), the attention core `attn.core` (a
+parameter-free module a strategy may swap), the MLP factory `make_mlp` and its optional
+auxiliary loss, `run_blocks` (the one layer loop, shared with a pipeline stage) and
+`materialise` (the one weight initialisation).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from plait.model.presets import ModelConfig
+from plait.model.rope import Positions, RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -30,18 +37,27 @@ class RMSNorm(nn.Module):
         return out.to(x.dtype) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape (seq_len, head_dim/2) (Su et al. 2021)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+class CausalAttentionCore(nn.Module):
+    """softmax(q kᵀ / √d + causal mask) v (Vaswani et al. 2017), GQA by head groups
+    (Ainslie et al. 2023). No parameters: a strategy replaces it by module swap (ring
+    attention, Liu et al. 2023, brings the other ranks' k, v to it).
 
+    The mask comes from the positions: query i sees key j when pos_j <= pos_i, right for
+    load-balanced, out-of-order chunks of a sequence. Contiguous positions 0..s-1 take the
+    fused causal kernel (`is_causal=True`), as the model always has.
+    """
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, heads, seq, head_dim)."""
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: Positions) -> torch.Tensor:
+        """q (b, heads, s, d), k and v (b, kv heads, s, d), after RoPE -> (b, heads, s, d)."""
+        gqa = q.shape[1] != k.shape[1]
+        if positions.contiguous:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        ids = positions.index()
+        mask = ids.unsqueeze(-1) >= ids.unsqueeze(-2)  # (s, s) or (b, s, s): key <= query
+        if mask.dim() == 3:
+            mask = mask.unsqueeze(1)  # broadcast over the heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -52,20 +68,25 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Positions) -> torch.Tensor:
         b, s, _ = x.shape
         # head counts come from the weights, so a strategy that shards heads needs no edit here
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        q, k = apply_rope(q, positions.cos, positions.sin), apply_rope(k, positions.cos,
+                                                                       positions.sin)
+        out = self.core(q, k, v, positions)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) (Shazeer 2020). Dense: it reports no auxiliary loss."""
+
+    aux_loss: torch.Tensor | None = None
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
@@ -76,24 +97,59 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    """The block's MLP for `cfg`: SwiGLU of width cfg.ffn_dim while the model is dense.
+
+    The contract an MLP keeps: forward(x) -> a tensor shaped like x (tensor parallel's
+    region hooks wrap exactly that), and an `aux_loss` attribute, None or the scalar
+    auxiliary loss of its last forward (a MoE router's load-balancing loss, Fedus et al.
+    2022), which `run_blocks` collects.
+    """
+    if cfg.n_experts:
+        raise ValueError(f"MoE blocks are not built yet (n_experts={cfg.n_experts}): use a "
+                         "dense preset (model.n_experts=0)")
+    return SwiGLU(cfg.dim, cfg.ffn_dim)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.mlp = make_mlp(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, positions: Positions) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, positions: Positions,
+               recompute: bool = False, aux_losses: list[torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """x through `blocks` in order: the one layer loop, of the model and of a pipeline stage.
+
+    `recompute`: each block keeps only its input and recomputes its activations in backward
+    (Chen et al. 2016), when gradients are on. `aux_losses`: when given, each block's MLP
+    auxiliary loss (`mlp.aux_loss`, see `make_mlp`) of this forward is appended to it, in
+    block order; a dense MLP reports none, and without the list nothing is looked up.
+    """
+    checkpoint = recompute and torch.is_grad_enabled()
+    for block in blocks:
+        if checkpoint:
+            x = torch.utils.checkpoint.checkpoint(block, x, positions, use_reentrant=False)
+        else:
+            x = block(x, positions)
+        if aux_losses is not None:
+            aux = getattr(block.mlp, "aux_loss", None)
+            if aux is not None:
+                aux_losses.append(aux)
+    return x
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.n_experts:
-            raise ValueError("MoE blocks are not built yet: use a dense preset (n_experts=0)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -101,24 +157,25 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
         # recomputation is a runtime choice made by the trainer, not a model property
         self.recompute = False
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final normalised hidden states (batch, seq, dim)."""
-        s = tokens.shape[1]
-        cos, sin = rope_tables(self.cfg.head_dim, s, self.cfg.rope_theta)
-        x = self.embed(tokens)
-        for layer in self.layers:
-            if self.recompute and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+               aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Final normalised hidden states (batch, seq, dim).
+
+        `positions`: each token's position in the full sequence, int64 (seq,) or (batch,
+        seq); default 0..seq-1. `aux_losses`: collects the MLPs' auxiliary losses.
+        """
+        pos = self.rope(tokens.shape[1], tokens.device, positions)
+        x = run_blocks(self.layers, self.embed(tokens), pos, self.recompute, aux_losses)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab)."""
-        return self.head(self.hidden(tokens))
+        return self.head(self.hidden(tokens, positions, aux_losses))
 
 
 def param_seed(base_seed: int, name: str) -> int:
@@ -142,17 +199,43 @@ def init_full_param(name: str, shape: torch.Size, cfg: ModelConfig, base_seed: i
     return torch.randn(shape, generator=gen) * std
 
 
-def build_model(cfg: ModelConfig, seed: int, device: str = "cpu",
+def _shared_slots(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) slots holding the same parameter, per shared parameter."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            slots.setdefault(id(p), []).append((m, name))
+    return [s for s in slots.values() if len(s) > 1]
+
+
+def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
+                dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> nn.Module:
+    """Allocate a meta-built module (the model or a slice of it) on `device` and fill each
+    parameter from its name-seeded full init, then cast to `dtype`.
+
+    Tied parameters (the LM head sharing the embedding) are tied again: `to_empty` gives
+    each slot its own tensor. RoPE caches are built here, before any step runs.
+    """
+    shared = _shared_slots(module)
+    module.to_empty(device=device)
+    for (first, first_name), *rest in shared:
+        for m, name in rest:
+            setattr(m, name, getattr(first, first_name))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(init_full_param(name, p.shape, cfg, seed))
+    for m in module.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.warm(device)
+    return module.to(dtype)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> Transformer:
     """Build on the meta device, then materialise every parameter from its name-seeded init."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    if device == "meta":
+    if str(device) == "meta":
         return model
-    model.to_empty(device=device)
-    if cfg.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
-        model.head.weight = model.embed.weight
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(init_full_param(name, p.shape, cfg, seed))
-    return model.to(dtype)
+    return materialise(model, cfg, seed, dtype, device)

@@ -28,8 +28,9 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
     """Predicted peak bytes per category on the most loaded rank for a plait Config.
 
     kernels="fused" (default, GPU planning): the search's model, below. kernels="eager":
-    what plait's own CPU runtime holds at its peak moment (plait/plan/eager.py, sizes in plait/plan/eager_sizes.py); the test
-    tests/test_predict_vs_measured.py compares it with the runtime's MemoryTracker.
+    what plait's own CPU runtime holds at its peak moment (plait/plan/eager.py, sizes in
+    plait/plan/eager_sizes.py); tests/test_predict_vs_measured.py compares it with the
+    runtime's MemoryTracker.
     `data_windows` (eager only): windows of the token file, for the loader's permutation.
 
     Categories are the ledger's: parameters, gradients, optimizer states, activations

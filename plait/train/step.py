@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
 from plait.mesh import ParallelMesh
+from plait.model.loss import token_loss  # the stages' loss too; re-exported here
 from plait.placement import PlacementTable
 
 
@@ -48,17 +48,3 @@ def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_bat
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     return token_loss(model(inputs), targets, tokens_in_global_batch, loss_fn)
 
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_batch: int,
-               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-               ) -> torch.Tensor:
-    """Summed cross-entropy of logits against targets / tokens in the global batch.
-
-    `loss_fn(logits, targets)` (a summed loss) replaces the summed CE when the logits are
-    split (tensor parallel's vocab-parallel loss).
-    """
-    if loss_fn is not None:
-        return loss_fn(logits, targets) / tokens_in_global_batch
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                               targets.reshape(-1), reduction="sum")
-    return loss_sum / tokens_in_global_batch

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
+from plait.model.loss import token_loss
 from plait.model.presets import ModelConfig
-from plait.model.transformer import Transformer, build_model, init_full_param, rope_tables
+from plait.model.transformer import Transformer, build_model, materialise, run_blocks
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.placement import PlacementTable
-from plait.train.step import token_loss
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -168,18 +167,18 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(*layers)})
         if last:
             self.norm, self.head = model.norm, model.head
+        self.rope = model.rope  # the model's RoPE cache (no parameters)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                tokens_in_global_batch: int = 1) -> torch.Tensor:
+                tokens_in_global_batch: int = 1, positions: torch.Tensor | None = None,
+                aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`positions` and `aux_losses` as in `Transformer.hidden`."""
+        # RoPE and the mask are over the full sequence, whatever crosses the boundary
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
-        cos, sin = rope_tables(self.cfg.head_dim, seq, self.cfg.rope_theta)
+        pos = self.rope(seq, x.device, positions)
         if self.first:
             x = self.embed(x)
-        for layer in self.layers.values():
-            if self.recompute and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+        x = run_blocks(self.layers.values(), x, pos, self.recompute, aux_losses)
         if not self.last:
             return x
         logits = self.head(self.norm(x))
@@ -190,16 +189,6 @@ class Stage(nn.Module):
     def boundary_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
         """The hidden states this stage receives or sends at a stage boundary."""
         return (batch, seq_len // self.seq_shards, self.cfg.dim)
-
-
-def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Allocate a meta-built module and fill each parameter from its name-seeded full init."""
-    module.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(init_full_param(name, p.shape, cfg, seed))
-    return module.to(dtype)
 
 
 class PipelineModule(nn.Module):
