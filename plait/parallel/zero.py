@@ -30,8 +30,8 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
+from plait.optim import adamw_update, decays, sgd_update
 from plait.placement import PlacementTable
-from plait.train.optim import adamw_update, decays, sgd_update
 
 
 class _Unit:
