@@ -230,7 +230,7 @@ class ZeroOptimizer:
             u.grad_shard.add_(u.rs_out)
         u.rs_handle, u.rs_out, u.rs_in = None, None, None
 
-    # ---- the step's protocol (same as DataParallel + optimizer) -------------------------
+    # ---- the step's protocol (GradSyncOptimizer, plait/parallel/optimizer.py) -----------
     def before_backward(self, last_microbatch: bool) -> None:
         self.in_backward = False
         self._last_microbatch = last_microbatch
@@ -250,6 +250,9 @@ class ZeroOptimizer:
                 self._free(u)
         self._next_rs = 0
         self.in_backward = False
+
+    def finish_gradients(self) -> None:
+        """Nothing: the last `after_backward` completed every reduce-scatter."""
 
     def grad_norm(self) -> float:
         """Global L2 norm: each shard element once (replicas over other dims skipped)."""
