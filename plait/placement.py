@@ -11,9 +11,14 @@ A parameter's record says
     tensor split (pipeline stages: each pp rank holds other layers);
   * `norm_owner`: among ranks holding the same slice, whether this one counts it in the
     global grad norm.
+  * `flat_shard`: set by ZeRO (plait/parallel/zero.py): this rank's tensor (tp-local where
+    tp splits it) is a run of elements of a flat, padded buffer sharded over dp, and which
+    elements each dp rank's optimizer shard holds (`FlatShard.on_rank`).
 Every dim not named is a replica dim: the parameter is the same on all its ranks, and only
-coordinate 0 counts it in the norm. ZeRO's flat shards over dp are the optimizer's own
-index (plait/parallel/zero.py), not a placement of the parameter.
+coordinate 0 counts it in the norm. `flat_shard` is not a split of the tensor (in stages 1
+and 2 every dp rank computes with the whole of it), so it names no dim in `sharded_dims`;
+ZeRO's own norm passes its dim to `counts_in_norm`. The optimizer's index of the shards by
+name and state is `ZeroOptimizer.shard_index()` (plait/parallel/zero_index.py).
 """
 
 from __future__ import annotations
@@ -36,11 +41,32 @@ class Split:
 
 
 @dataclass(frozen=True)
+class FlatShard:
+    """ZeRO over mesh dim `dim`: this rank's tensor, flattened, is elements [offset, offset +
+    numel) of unit `unit`'s flat buffer, of which dp rank r holds [r*k, (r+1)*k) (k =
+    `shard_numel`; the buffer is padded to a multiple of the dim's size)."""
+
+    dim: str
+    unit: int
+    offset: int
+    numel: int
+    shard_numel: int
+
+    def on_rank(self, r: int) -> tuple[int, int] | None:
+        """(start, stop): the elements of the flattened tensor dp rank `r` holds; None if
+        its shard holds none (padding is never part of a parameter)."""
+        lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
+        a, b = max(self.offset, lo), min(self.offset + self.numel, hi)
+        return (a - self.offset, b - self.offset) if a < b else None
+
+
+@dataclass(frozen=True)
 class Placement:
     full_shape: tuple[int, ...]
     splits: tuple[Split, ...] = ()
     distinct_over: tuple[str, ...] = ()
     norm_owner: bool = True
+    flat_shard: FlatShard | None = None
 
     @property
     def sharded_dims(self) -> tuple[str, ...]:
@@ -80,6 +106,10 @@ class PlacementTable:
         base = self.of(p)
         if dim not in base.distinct_over:
             self._set(p, replace(base, distinct_over=(*base.distinct_over, dim)))
+
+    def mark_flat_shard(self, p: torch.Tensor, shard: FlatShard) -> None:
+        """ZeRO keeps `p` (this rank's tensor) in a flat buffer sharded over `shard.dim`."""
+        self._set(p, replace(self.of(p), flat_shard=shard))
 
     def any_sharded(self, params: list[torch.Tensor]) -> bool:
         return any(self.of(p).sharded_dims for p in params)

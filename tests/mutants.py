@@ -136,7 +136,7 @@ def rope_pairs_by_halves():
 def bf16_masters():
     import torch
 
-    from plait.train import optim
+    from plait import optim  # the maths' own module: adamw_update calls its _adam_chunk
 
     init, chunk = optim.MixedPrecisionAdamW.__init__, optim._adam_chunk
 

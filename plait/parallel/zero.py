@@ -15,6 +15,7 @@ variance of that shard only: 12 bytes a parameter / N.
   all-gather is issued (prefetch) as soon as the current one is in place, so it overlaps
   compute. Gradients are reduce-scattered as in stage 2.
 Padding is zero in every gradient, so it never reaches the maths (Adam leaves it at zero).
+`shard_index()` names the shards by parameter and state, padding excluded (zero_index.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
-from plait.placement import PlacementTable
-from plait.train.optim import adamw_update, decays, sgd_update
+from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
+from plait.placement import FlatShard, PlacementTable
 
 
 class _Unit:
@@ -142,6 +144,7 @@ class ZeroOptimizer:
         self._forward_start: dict[int, float] = {}
         self._next_rs = 0
         self._where = {id(p): u for u in self.units for p in u.params}
+        self._index_shards(model)
         for u in self.units:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -150,6 +153,44 @@ class ZeroOptimizer:
                 self._free(u)
                 u.module.register_forward_pre_hook(partial(self._pre_forward, u))
                 u.module.register_forward_hook(partial(self._post_forward, u))
+
+    # ---- the shard index (zero_index.py): built once, read by checkpoints ---------------
+    def _index_shards(self, model: nn.Module) -> None:
+        """Each parameter's FlatShard into the placement table, and the index from them."""
+        model_names = getattr(model, "model_names", {})  # pipeline stages: the model's names
+        named = []
+        for u in self.units:
+            for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
+                self.placements.mark_flat_shard(
+                    p, FlatShard(self.dim, u.index, off, p.numel(), u.k))
+                named.append((model_names.get(name, name), p))
+        self.states = STATES if self.kind == "adamw" else ("param", "master")
+        self._index = build_shard_index(named, self.placements, self.n, self.states)
+
+    def shard_index(self, dp_rank: int | None = None) -> list[ShardSlice]:
+        """The slices of every parameter and state that dp rank `dp_rank` (None: this one)
+        holds, padding excluded; any rank's layout can be asked on every rank."""
+        r = self.rank if dp_rank is None else dp_rank
+        return [e for e in self._index if e.dp_rank == r]
+
+    def shard_tensor(self, unit: int, state: str) -> torch.Tensor:
+        """This rank's shard of unit `unit` for `state` (flat; `param`: stage 3's
+        persistent shard, else this rank's part of the gathered compute buffer)."""
+        if state not in self.states:
+            raise KeyError(f"state {state!r}; this optimizer keeps {self.states}")
+        u = self.units[unit]
+        if state == "param":
+            return u.shard if self.stage == 3 else u.full[u.lo:u.hi]
+        return getattr(u, state)  # master, exp_avg, exp_avg_sq
+
+    def shard_view(self, entry: ShardSlice) -> torch.Tensor:
+        """The live elements of `entry` on this rank (a flat view, no copy; shaped
+        `entry.view_shape()` when whole rows)."""
+        if entry.dp_rank != self.rank:
+            raise ValueError(f"{entry.name}: a slice of dp rank {entry.dp_rank}, this is "
+                             f"dp rank {self.rank}")
+        flat = self.shard_tensor(entry.unit, entry.state)
+        return flat[entry.offset:entry.offset + entry.numel]
 
     # ---- stage 3: gather around use ------------------------------------------------
     def _issue_gather(self, u: _Unit) -> None:
@@ -230,7 +271,7 @@ class ZeroOptimizer:
             u.grad_shard.add_(u.rs_out)
         u.rs_handle, u.rs_out, u.rs_in = None, None, None
 
-    # ---- the step's protocol (same as DataParallel + optimizer) -------------------------
+    # ---- the step's protocol (GradSyncOptimizer, plait/parallel/optimizer.py) -----------
     def before_backward(self, last_microbatch: bool) -> None:
         self.in_backward = False
         self._last_microbatch = last_microbatch
@@ -250,6 +291,9 @@ class ZeroOptimizer:
                 self._free(u)
         self._next_rs = 0
         self.in_backward = False
+
+    def finish_gradients(self) -> None:
+        """Nothing: the last `after_backward` completed every reduce-scatter."""
 
     def grad_norm(self) -> float:
         """Global L2 norm: each shard element once (replicas over other dims skipped)."""

@@ -18,15 +18,14 @@ from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
 from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
-from plait.parallel.data import DataParallel
+from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.partition import build_pipeline
-from plait.parallel.pipeline.runtime import PipelineRuntime, sum_copy_gradients
-from plait.parallel.zero import ZeroOptimizer
+from plait.parallel.pipeline.runtime import PipelineRuntime
+from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
 from plait.train.data import GlobalBatches
-from plait.train.optim import MixedPrecisionAdamW, clip_coefficient, lr_at
-from plait.train.step import global_grad_norm
+from plait.train.optim import clip_coefficient, lr_at
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -36,7 +35,7 @@ class TrainResult:
     metrics: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     model: torch.nn.Module | None = None  # the Transformer, or this rank's pipeline stages
-    optimizer: object | None = None
+    optimizer: GradSyncOptimizer | None = None
     pipeline: dict | None = None  # pp > 1: measured timeline and bubble (see measure.py)
     # train(capture_first_grads=True): the first step's full gradients by name, summed
     # over the mesh, before clipping (what the parity oracle compares)
@@ -48,30 +47,25 @@ class TrainResult:
         return [m["loss"] for m in self.metrics]
 
 
-def full_state(model: torch.nn.Module, optimizer: object | None = None,
+def full_state(model: torch.nn.Module, optimizer: GradSyncOptimizer | None = None,
                mesh: ParallelMesh | None = None, placements: PlacementTable | None = None
                ) -> dict[str, torch.Tensor]:
     """Full fp32 parameters by name, gathered from their shards where they are sharded (dp
-    shards of ZeRO; tp shards too when `mesh` is given: then collective over tp). A
-    pipeline rank returns its own stages' parameters, by the model's names. `placements`:
-    the run's (TrainResult.placements), needed where tp splits parameters."""
-    if isinstance(optimizer, ZeroOptimizer):
+    shards of ZeRO, by the optimizer; tp shards too when `mesh` is given: then collective
+    over tp). A pipeline rank returns its own stages' parameters, by the model's names.
+    `placements`: the run's (TrainResult.placements), needed where tp splits parameters."""
+    if optimizer is not None:
         state = optimizer.full_state()
     else:
         state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return _by_model_name(model, mesh, placements, state)
 
 
-def full_grads(model: torch.nn.Module, optimizer: object, mesh: ParallelMesh,
+def full_grads(model: torch.nn.Module, optimizer: GradSyncOptimizer, mesh: ParallelMesh,
                placements: PlacementTable) -> dict[str, torch.Tensor]:
     """Full fp32 gradients by name, as the optimizer is about to see them (synced over dp,
     before clipping); gathered like `full_state`. Collective over dp (ZeRO) and tp."""
-    if isinstance(optimizer, ZeroOptimizer):
-        state = optimizer.full_grads()
-    else:
-        state = {n: (p.grad.detach().float().clone() if p.grad is not None
-                     else torch.zeros(p.shape)) for n, p in model.named_parameters()}
-    return _by_model_name(model, mesh, placements, state)
+    return _by_model_name(model, mesh, placements, optimizer.full_grads())
 
 
 def _by_model_name(model: torch.nn.Module, mesh: ParallelMesh | None,
@@ -94,58 +88,6 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
     return {"per_step": rows, "sent_bytes_per_step": totals["sent"] / steps,
             "received_bytes_per_step": totals["received"] / steps,
             "comm_seconds_per_step": totals["seconds"] / steps}
-
-
-class ReplicatedOptimizer:
-    """ZeRO stage 0: data-parallel gradient sync + AdamW over whole, replicated parameters.
-
-    Same protocol as ZeroOptimizer: before_backward / after_backward / grad_norm / step /
-    zero_grad / memory_sources.
-    """
-
-    def __init__(self, model: torch.nn.Module, mesh: ParallelMesh, cfg: Config,
-                 placements: PlacementTable):
-        t, p = cfg.train, cfg.parallel
-        self.model, self.mesh, self.placements = model, mesh, placements
-        self.params = [q for q in model.parameters() if q.requires_grad]
-        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
-        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
-                                         kind=t.optimizer)
-
-    def before_backward(self, last_microbatch: bool) -> None:
-        self.dp.before_backward(last_microbatch)
-
-    def after_backward(self, last_microbatch: bool) -> None:
-        if last_microbatch:
-            self.dp.finish()
-
-    def grad_norm(self) -> float:
-        return global_grad_norm(self.params, self.mesh, self.placements)
-
-    def step(self, lr: float, grad_scale: float) -> None:
-        self.optim.step(lr, grad_scale)
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-
-    def memory_sources(self) -> dict[str, list[torch.Tensor]]:
-        o = self.optim
-        masters = [m for m, q in zip(o.master, o.params) if m is not q.data]
-        return {"params": list(self.params),
-                "grads": [q.grad for q in self.params if q.grad is not None],
-                "optimizer": masters + o.exp_avg + o.exp_avg_sq,
-                "comm": [b.flat for b in self.dp.buckets if b.flat is not None]}
-
-
-def make_optimizer(model: torch.nn.Module, mesh: ParallelMesh, cfg: Config,
-                   placements: PlacementTable):
-    """The gradient-sync + optimizer strategy for cfg.parallel.zero (0: replicated)."""
-    t = cfg.train
-    if cfg.parallel.zero == 0:
-        return ReplicatedOptimizer(model, mesh, cfg, placements)
-    return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
-                         t.weight_decay, kind=t.optimizer, placements=placements)
 
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
@@ -174,7 +116,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     # -- end tensor parallel --
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     param_count = sum(q.numel() for _, q in named)
-    opt = make_optimizer(model, mesh, cfg, placements)
+    opt = make_optimizer(model, mesh, cfg, placements, pipe)
     n_micro = cfg.microbatches()
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime
@@ -198,11 +140,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
         micro = [local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)]
         loss_sum = runtime.step(micro, tokens_per_step)
-        if pipe.schedule.num_chains > 1:  # DualPipe: sum the two copies, count each once
-            sum_copy_gradients(pipe.stages, pipe.schedule, mesh)
-            norm = global_grad_norm(model.owned_parameters(), mesh, placements)
-        else:
-            norm = opt.grad_norm()
+        opt.finish_gradients()
+        norm = opt.grad_norm()
         if capture_first_grads and step == start_step:  # a check's, not the step's, bytes
             mesh.ledger.step = OUTSIDE_STEP
             result.first_grads = full_grads(model, opt, mesh, placements)

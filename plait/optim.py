@@ -1,0 +1,126 @@
+"""The optimizer's maths: AdamW and plain SGD on fp32 masters, in place, no communication.
+
+With precision "bf16" the model holds bf16 parameters and gradients (2 + 2 bytes a
+parameter) and the optimizer holds an fp32 master copy, momentum and variance (4 + 4 + 4):
+the 16 bytes per parameter of Rajbhandari et al. 2020 (ZeRO), section 3.1. With "fp32" the
+parameter is its own master (4 + 4 + 8).
+The update follows torch.optim.AdamW's arithmetic exactly (Loshchilov & Hutter 2019), so the
+fp32 single-process reference can use torch's optimizer as an independent oracle.
+
+Its own layer, below `comm` and `parallel` (tests/test_layering.py): the replicated optimizer
+and ZeRO (plait/parallel/) run the same update on whole tensors or on flat shards. The
+schedule and clipping of a training run are in plait/train/optim.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices only: not on norm gains (the usual Llama/GPT practice)."""
+    return p.ndim >= 2
+
+
+class MixedPrecisionAdamW:
+    """AdamW (or plain SGD) over `named_params`; masters are fp32 (the parameter itself when
+    it is fp32). SGD keeps no moments."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], betas: tuple[float, float],
+                 eps: float, weight_decay: float, kind: str = "adamw"):
+        self.params = [p for _, p in named_params]
+        self.decay = [decays(n, p) for n, p in named_params]
+        self.master = [p.data if p.dtype == torch.float32 else p.detach().float().clone()
+                       for p in self.params]
+        self.kind = kind
+        moments = kind == "adamw"
+        self.exp_avg = [torch.zeros_like(m) for m in self.master] if moments else []
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if moments else []
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One update with gradients p.grad * grad_scale (the clipping coefficient)."""
+        self.steps += 1
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not live:
+            return
+        if self.kind == "sgd":
+            sgd_update([self.master[i] for i in live], [self.params[i].grad for i in live],
+                       lr, grad_scale)
+        else:
+            adamw_update(
+                masters=[self.master[i] for i in live],
+                grads=[self.params[i].grad for i in live],
+                exp_avgs=[self.exp_avg[i] for i in live],
+                exp_avg_sqs=[self.exp_avg_sq[i] for i in live],
+                decayed=[self.master[i] for i in live if self.decay[i]],
+                step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
+                weight_decay=self.weight_decay, grad_scale=grad_scale)
+        for i in live:
+            if self.master[i] is not self.params[i].data:
+                self.params[i].data.copy_(self.master[i])
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes held by the optimizer: fp32 master (when separate) and the two moments."""
+        master = sum(m.numel() * 4 for m, p in zip(self.master, self.params) if m is not p.data)
+        moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+        return {"master": master, "moments": moments}
+
+
+@torch.no_grad()
+def adamw_update(masters: list[torch.Tensor], grads: list[torch.Tensor],
+                 exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                 decayed: list[torch.Tensor], step: int, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float,
+                 grad_scale: float = 1.0) -> None:
+    """AdamW on fp32 tensors in place, torch.optim.AdamW's arithmetic element for element.
+
+    Multi-tensor (foreach) kernels: a few calls instead of a few per tensor, in chunks of
+    about `CHUNK` elements so the temporaries (fp32 gradient copy, denominator) stay small.
+    `decayed` are the masters (or views of them) that take weight decay.
+    """
+    if decayed and weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+    start, size = 0, 0
+    for i, m in enumerate(masters):
+        size += m.numel()
+        if size >= CHUNK or i == len(masters) - 1:
+            sl = slice(start, i + 1)
+            _adam_chunk(masters[sl], [g.float() for g in grads[sl]], exp_avgs[sl],
+                        exp_avg_sqs[sl], step, lr, betas, eps, grad_scale)
+            start, size = i + 1, 0
+
+
+@torch.no_grad()
+def sgd_update(masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float,
+               grad_scale: float = 1.0) -> None:
+    """Plain SGD on fp32 masters, torch.optim.SGD's arithmetic (no momentum, no decay):
+    the gradient is clipped first (scaled), then master -= lr * gradient."""
+    for start in range(0, len(masters), 64):  # bounded fp32 temporaries
+        g = [x.float() for x in grads[start:start + 64]]
+        if grad_scale != 1.0:
+            g = torch._foreach_mul(g, grad_scale)
+        torch._foreach_add_(masters[start:start + 64], g, alpha=-lr)
+
+
+CHUNK = 1 << 16  # elements per foreach chunk: bounds the update's temporaries
+
+
+def _adam_chunk(masters, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, grad_scale):
+    b1, b2 = betas
+    bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
+    if grad_scale != 1.0:
+        grads = torch._foreach_mul(grads, grad_scale)  # not in place: grads stay as reduced
+    torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, math.sqrt(bias2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(masters, exp_avgs, denom, value=-lr / bias1)
+

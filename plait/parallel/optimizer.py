@@ -1,0 +1,94 @@
+"""The gradient-sync + optimizer protocol the training loop drives, and the factory.
+
+One object per run owns everything between "backward produced gradients" and "the
+parameters are updated": gradient synchronisation over dp, the global grad norm, the
+update, and what the memory tracker and the parity oracle read. Implementations:
+
+  * `ReplicatedOptimizer` (plait/parallel/replicated.py), zero = 0: `DataParallel` +
+    `MixedPrecisionAdamW` over whole parameters;
+  * `TwoCopyOptimizer` (same module), zero = 0 with DualPipe's two model copies;
+  * `ZeroOptimizer` (plait/parallel/zero.py), zero = 1, 2, 3.
+
+Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/runtime.py):
+
+1. the pipeline runtime, around each gradient-writing action (B or W) of this rank:
+   `before_backward(last)` (`last`: that stage's final B/W of the step: data parallel may
+   reduce during it) and `after_backward(last)` (`last`: this rank's final B/W);
+2. the loop, once the runtime's step has returned: `finish_gradients()`: when it
+   returns the gradients are final (synced over dp, DualPipe's copies summed);
+3. `grad_norm()`: the global L2 norm of the step's gradient, each element counted once
+   over the mesh (collective over the world);
+4. optionally `full_grads()` (the parity check's first-step gradients, collective over dp);
+5. `step(lr, grad_scale)`: the update with gradients x grad_scale (the clip coefficient);
+6. `zero_grad()`.
+Between steps: `full_state()` (collective over dp for ZeRO) and, on the memory step,
+`memory_sources()` (read by plait/observe/memory.py's MemoryTracker).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from plait.config import Config
+from plait.mesh import ParallelMesh
+from plait.parallel.replicated import ReplicatedOptimizer, TwoCopyOptimizer
+from plait.parallel.zero import ZeroOptimizer
+from plait.placement import PlacementTable
+
+if TYPE_CHECKING:
+    from plait.parallel.pipeline.partition import PipelineParts
+
+
+@runtime_checkable
+class GradSyncOptimizer(Protocol):
+    """Gradient sync over dp + the optimizer, as the training loop drives them."""
+
+    def before_backward(self, last_microbatch: bool) -> None:
+        """Before each backward (B or W) of this rank: `last_microbatch` is the stage's
+        final one of the step."""
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        """After each backward of this rank: `last_microbatch` is the rank's final one."""
+
+    def finish_gradients(self) -> None:
+        """Once per step, after every backward of the step: gradients final on return."""
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the step's gradient (collective over the world)."""
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Update with gradients x `grad_scale` (the clipping coefficient)."""
+
+    def zero_grad(self) -> None:
+        """Drop the step's gradients (or zero the accumulating shards)."""
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, fp32, by its module's names; dp shards gathered (tp
+        slices stay slices: plait.train.loop.full_state gathers them)."""
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The gradients `step` will use (synced, before clipping), like `full_state`."""
+
+    def memory_sources(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors the strategy holds, by category: params, grads, optimizer, comm."""
+
+
+def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
+                   placements: PlacementTable, pipeline: PipelineParts | None = None
+                   ) -> GradSyncOptimizer:
+    """The strategy for cfg.parallel.zero (0: replicated) and, for DualPipe's two model
+    copies, the replicated one that sums them (`pipeline`: this rank's stages)."""
+    t = cfg.train
+    two_copies = pipeline is not None and pipeline.schedule.num_chains > 1
+    if cfg.parallel.zero == 0 and two_copies:
+        return TwoCopyOptimizer(model, mesh, cfg, placements, pipeline.stages,
+                                pipeline.schedule)
+    if cfg.parallel.zero == 0:
+        return ReplicatedOptimizer(model, mesh, cfg, placements)
+    if two_copies:  # config validation refuses it; a direct caller gets the reason too
+        raise ValueError("ZeRO with DualPipe's two model copies is not supported")
+    return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
+                         t.weight_decay, kind=t.optimizer, placements=placements)

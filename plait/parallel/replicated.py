@@ -1,0 +1,118 @@
+"""ZeRO stage 0: whole, replicated parameters; data-parallel gradient sync + AdamW/SGD.
+
+`ReplicatedOptimizer` is the GradSyncOptimizer (plait/parallel/optimizer.py) for zero = 0;
+`TwoCopyOptimizer` is its DualPipe variant, where each rank holds two copies of some
+blocks whose gradients must be summed before the norm and the update. Also here: the
+global grad norm over whole (or tp-split) parameters, which both use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.config import Config
+from plait.mesh import ParallelMesh
+from plait.optim import MixedPrecisionAdamW
+from plait.parallel.data import DataParallel
+from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.runtime import sum_copy_gradients
+from plait.placement import PlacementTable
+
+
+def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,
+                     placements: PlacementTable) -> float:
+    """L2 norm of the full gradient across the mesh, each parameter element counted once.
+
+    A parameter replicated over a dim contributes only from the rank at coordinate 0 of
+    that dim (`placements.counts_in_norm`); the partial sums are then all-reduced once over
+    the world. When nothing is sharded every rank already holds the whole gradient and no
+    communication is needed.
+    """
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    if not placements.any_sharded([p for p, _ in grads]) or mesh.world_size == 1:
+        sq = sum(float(g.float().pow(2).sum()) for _, g in grads)
+        return math.sqrt(sq)
+    total = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
+    for p, g in grads:
+        if placements.counts_in_norm(p, mesh):
+            total += g.double().pow(2).sum()
+    comm.all_reduce(total, mesh, "world", tag="grad_norm")
+    return math.sqrt(float(total))
+
+
+class ReplicatedOptimizer:
+    """ZeRO stage 0: data-parallel gradient sync + AdamW over whole, replicated parameters.
+
+    A GradSyncOptimizer: DataParallel reduces during the last micro-batch's backward and
+    `after_backward(last)` waits for it, so `finish_gradients` has nothing left to do.
+    """
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, cfg: Config,
+                 placements: PlacementTable):
+        t, p = cfg.train, cfg.parallel
+        self.model, self.mesh, self.placements = model, mesh, placements
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
+                                         kind=t.optimizer)
+
+    def before_backward(self, last_microbatch: bool) -> None:
+        self.dp.before_backward(last_microbatch)
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        if last_microbatch:
+            self.dp.finish()
+
+    def finish_gradients(self) -> None:
+        """Nothing: the last backward's `after_backward` already synced over dp."""
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.params, self.mesh, self.placements)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.optim.step(lr, grad_scale)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return {n: q.detach().float().clone() for n, q in self.model.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {n: (q.grad.detach().float().clone() if q.grad is not None
+                    else torch.zeros(q.shape, device=q.device))
+                for n, q in self.model.named_parameters()}
+
+    def memory_sources(self) -> dict[str, list[torch.Tensor]]:
+        o = self.optim
+        masters = [m for m, q in zip(o.master, o.params) if m is not q.data]
+        return {"params": list(self.params),
+                "grads": [q.grad for q in self.params if q.grad is not None],
+                "optimizer": masters + o.exp_avg + o.exp_avg_sq,
+                "comm": [b.flat for b in self.dp.buckets if b.flat is not None]}
+
+
+class TwoCopyOptimizer(ReplicatedOptimizer):
+    """DualPipe: block j lives on pp rank j (copy 0, *owned*) and on rank p-1-j (copy 1).
+
+    Both copies must step with the sum of their gradients: `finish_gradients` swaps them
+    with the mirror rank after the step's backward (not inside it: the runtime may still
+    owe the mirror a transfer) and adds; the norm counts the owned copies only.
+    """
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, cfg: Config,
+                 placements: PlacementTable, stages: dict[int, nn.Module], schedule: Schedule):
+        super().__init__(model, mesh, cfg, placements)
+        self.stages, self.schedule = stages, schedule
+        self.owned = model.owned_parameters()  # PipelineModule: chain 0's stages
+
+    def finish_gradients(self) -> None:
+        sum_copy_gradients(self.stages, self.schedule, self.mesh)
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.owned, self.mesh, self.placements)
