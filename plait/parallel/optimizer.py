@@ -22,7 +22,7 @@ Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/
 5. `step(lr, grad_scale)`: the update with gradients x grad_scale (the clip coefficient);
 6. `zero_grad()`.
 Between steps: `full_state()` (collective over dp for ZeRO) and, on the memory step,
-`memory_sources()` (read by plait/observe/memory.py's MemoryTracker).
+`memory_sources()` (read by the memory meter, plait/device/memory.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The training loop: one function for every layout, the single-process case included.
 
-config -> model built on meta, materialised from name-seeded init -> strategies applied ->
-optimizer over local parameters -> for each step: micro-batches forward/backward, data
-parallel gradient sync, global grad norm, clip, AdamW, metrics (loss, tokens/s, ledger).
+config -> the plain model built on meta -> `parallelize` (plait/parallel/parallelize.py:
+every strategy, in one order; this rank's stages materialised from name-seeded init on
+the mesh's device; the gradient-sync + optimizer object) -> for each step: micro-batches
+forward/backward through the pipeline runtime, data parallel gradient sync, global grad
+norm, clip, AdamW, metrics (loss, tokens/s on the device's timer, ledger).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,18 +17,16 @@ import torch
 from plait import comm
 from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
-from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
-from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
+from plait.model.transformer import build_model
+from plait.parallel.optimizer import GradSyncOptimizer
+from plait.parallel.parallelize import DTYPES, ParallelModel, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
-from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
 from plait.train.data import GlobalBatches
 from plait.train.optim import clip_coefficient, lr_at
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -97,97 +96,98 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads)."""
     t = cfg.train
-    # the model cut into this rank's pipeline stages (pp=1: one stage, the whole model)
-    placements = PlacementTable()  # where each parameter lives, set by the strategies
-    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[t.precision], placements)
-    model = pipe.model
-    # -- tensor/sequence parallel: module swaps before anything holds the parameters --
-    # Each stage applies the plan on the tp group of its own pp coordinate: the first holds
-    # the vocab-parallel embedding, the last the vocab-parallel head and loss.
-    if cfg.parallel.tp > 1:
-        from plait.parallel.tensor import apply_tensor_parallel
-        pp = cfg.parallel.pp > 1
-        for stage in pipe.stages.values():
-            # a tp slice of a stage's parameter keeps the stage's placement (distinct per pp)
-            stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp,
-                                                  partial=pp, placements=placements).loss_sum
-        if not pp:  # the stage shares the model's blocks; re-point the ends
-            model.embed, model.head = pipe.stages[0].embed, pipe.stages[0].head
-    # -- end tensor parallel --
-    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    param_count = sum(q.numel() for _, q in named)
-    opt = make_optimizer(model, mesh, cfg, placements, pipe)
-    n_micro = cfg.microbatches()
+    # the plain model, on meta: parallelize materialises only what this rank holds
+    par = parallelize(build_model(cfg.model, seed=t.seed, device="meta"), mesh, cfg)
+    model, opt = par.model, par.optimizer
+    param_count = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
-    # gradient accumulation is the one-stage case of the same runtime
-    # what crosses a stage boundary, as the stages say (sequence parallel splits it)
-    boundary = {st.boundary_shape(mbs, t.seq_len) for st in pipe.stages.values()}
+    # gradient accumulation is the one-stage case of the same runtime; what crosses a
+    # stage boundary is as the stages say (sequence parallel splits it)
+    boundary = {st.boundary_shape(mbs, t.seq_len) for st in par.stages.values()}
     if len(boundary) != 1:
         raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
-    runtime = PipelineRuntime(pipe.schedule, pipe.stages, mesh, boundary.pop(),
+    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(),
                               DTYPES[t.precision],
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward)
-    tokens_per_step = t.global_batch * t.seq_len
-    result = TrainResult(model=model, placements=placements)
-
+    result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     for step in range(start_step, t.steps):
-        mesh.ledger.step = step
-        tracker = MemoryTracker(opt.memory_sources) if step == t.memory_step else None
-        if tracker is not None:
-            tracker.__enter__()
-        start = time.perf_counter()
-        local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
-        micro = [local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)]
-        loss_sum = runtime.step(micro, tokens_per_step)
-        opt.finish_gradients()
-        norm = opt.grad_norm()
-        if capture_first_grads and step == start_step:  # a check's, not the step's, bytes
-            mesh.ledger.step = OUTSIDE_STEP
-            result.first_grads = full_grads(model, opt, mesh, placements)
-            mesh.ledger.step = step
-        lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-        memory = {}
-        if tracker is not None:
-            memory["pre_optimizer"] = tracker.sample("pre_optimizer").bytes
-            tracker.phase = "optimizer"  # the update's temporaries are optimizer memory
-        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
-        opt.zero_grad()
-        # the logged loss is the global-batch mean: sum the partial sums of the last
-        # stages (pp) and of the replicas (dp)
-        comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-        comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
-            memory["peak"] = tracker.peak.bytes
-            memory["peak_total"] = tracker.peak_total
-        elapsed = time.perf_counter() - start
-        sent = sum(r.sent for r in mesh.ledger.for_step(step))
-        row = {"step": step, "loss": float(loss_sum), "tokens": tokens_per_step,
-               "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
-               "grad_norm": norm, "lr": lr, "comm_sent_bytes": sent}
-        if memory:
-            row["memory"] = memory
+        row = _train_step(cfg, mesh, batches, runtime, par, step,
+                          capture_first_grads and step == start_step, result)
         result.metrics.append(row)
         if on_step is not None:
             on_step(row)
-        result.optimizer = opt
-    steps_run = max(t.steps - start_step, 1)
-    times = [m["step_time"] for m in result.metrics[1:]] or [m["step_time"]
-                                                             for m in result.metrics]
-    result.summary = {
+    result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
+                              param_count)
+    if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
+        result.pipeline = pipeline_report(runtime, par.partition, mesh)
+        result.summary["pipeline"] = result.pipeline["summary"]
+    return result
+
+
+def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
+                runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
+                result: TrainResult) -> dict:
+    """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
+    update, the logged loss; its metrics row. `capture`: keep the full gradients."""
+    t, opt = cfg.train, par.optimizer
+    tokens_per_step = t.global_batch * t.seq_len
+    mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
+    mesh.ledger.step = step
+    meter = mesh.device.memory_meter(opt.memory_sources) if step == t.memory_step else None
+    if meter is not None:
+        meter.__enter__()
+    timer = mesh.device.timer()  # the device's work, not the host's launches
+    start = timer.mark()
+    local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
+    loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
+                            tokens_per_step)
+    opt.finish_gradients()
+    norm = opt.grad_norm()
+    if capture:  # a check's, not the step's, bytes
+        mesh.ledger.step = OUTSIDE_STEP
+        result.first_grads = full_grads(par.model, opt, mesh, par.placements)
+        mesh.ledger.step = step
+    lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+    memory = {}
+    if meter is not None:
+        memory["pre_optimizer"] = meter.sample("pre_optimizer").bytes
+        meter.phase = "optimizer"  # the update's temporaries are optimizer memory
+    opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
+    opt.zero_grad()
+    # the logged loss is the global-batch mean: sum the partial sums of the last
+    # stages (pp) and of the replicas (dp)
+    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    if meter is not None:
+        meter.__exit__(None, None, None)
+        memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
+                      **meter.allocator_stats())
+    elapsed = timer.elapsed(start, timer.mark())
+    row = {"step": step, "loss": float(loss_sum), "tokens": tokens_per_step,
+           "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+           "grad_norm": norm, "lr": lr,
+           "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
+    if memory:
+        row["memory"] = memory
+    return row
+
+
+def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
+             param_count: int) -> dict:
+    """The run's summary line: layout, final loss, mean step time (the first step, which
+    warms caches, left out when there are others), the ledger's per-step averages."""
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    times = [m["step_time"] for m in metrics[1:]] or [m["step_time"] for m in metrics]
+    return {
         "summary": True,
         "layout": mesh.describe(),
         "world_size": mesh.world_size,
         "steps": steps_run,
-        "final_loss": result.metrics[-1]["loss"] if result.metrics else None,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
         "mean_step_time": sum(times) / len(times) if times else None,
         "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
         "param_count": param_count,
         "ledger": ledger_summary(mesh, steps_run),
         "config": cfg.to_dict(),  # what `plait report` predicts from (plait/observe/report.py)
     }
-    if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
-        result.pipeline = pipeline_report(runtime, pipe.partition, mesh)
-        result.summary["pipeline"] = result.pipeline["summary"]
-    return result

@@ -222,16 +222,22 @@ class PipelineParts:
 
 
 def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
-                   placements: PlacementTable | None = None) -> PipelineParts:
-    """Cut the model for cfg's schedule and materialise the stages rank `pp_rank` holds.
-    With pp == 1 the one stage is the whole model and the schedule F, B per micro-batch.
-    The stages' parameters are recorded in `placements` as distinct over pp."""
+                   placements: PlacementTable | None = None, *,
+                   model: Transformer | None = None,
+                   device: torch.device | str = "cpu") -> PipelineParts:
+    """Cut the model for cfg's schedule and materialise, on `device`, the stages rank
+    `pp_rank` holds. `model`: the plain model built on the meta device (default: built
+    here from cfg; its `recompute` flag then follows cfg.train.recompute). With pp == 1
+    the one stage is the whole model and the schedule F, B per micro-batch. The stages'
+    parameters are recorded in `placements` as distinct over pp."""
     placements = PlacementTable() if placements is None else placements
     p, t = cfg.parallel, cfg.train
     m = cfg.microbatches()
-    if p.pp == 1:
-        model = build_model(cfg.model, seed=t.seed, dtype=dtype)
+    if model is None:
+        model = build_model(cfg.model, seed=t.seed, device="meta")
         model.recompute = t.recompute == "full"
+    if p.pp == 1:
+        model = materialise(model, cfg.model, t.seed, dtype, device)
         n = cfg.model.n_layers
         part = Partition(((0, n),), (1.0,))
         return PipelineParts(model, {0: Stage(model, (0, n), True, True)},
@@ -239,13 +245,11 @@ def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
     v = natural_virtual_stages(p.schedule, p.virtual_stages)
     schedule = build_schedule(p.schedule, p.pp, m, v)
     part = partition_for(cfg.model, t.seq_len, num_model_stages(p.schedule, p.pp, v))
-    meta = build_model(cfg.model, seed=t.seed, device="meta")
-    meta.recompute = t.recompute == "full"
     stages = {}
     for s in schedule.stages_on(pp_rank):
         j = schedule.model_stage(s)
-        stage = Stage(meta, part.layers[j], first=j == 0, last=j == part.num_stages - 1)
-        stages[s] = materialise(stage, cfg.model, t.seed, dtype)
+        stage = Stage(model, part.layers[j], first=j == 0, last=j == part.num_stages - 1)
+        stages[s] = materialise(stage, cfg.model, t.seed, dtype, device)
         for q in stage.parameters():
             placements.mark_distinct(q, "pp")  # other layers on each pp rank
     owned = [s for s in stages if schedule.chain_of_stage(s) == 0]

@@ -1,0 +1,99 @@
+"""parallelize(model, mesh, cfg): every strategy applied to a model, in one place, in one order.
+
+This is the only code that knows the order in which strategies are applied. It takes the
+plain model built on the meta device (no memory yet: `build_model(..., device="meta")`)
+and returns this rank's part of the parallel model: its pipeline stages, materialised on
+the mesh's device, and the one gradient-sync + optimizer object the loop drives.
+
+The order, and why:
+
+1. **Recompute** (`train.recompute = "full"`): a flag on the model that the shared block
+   loop (`plait.model.transformer.run_blocks`) reads; every stage cut from the model
+   inherits it.
+2. **Pipeline split** (`parallel.pp`, `parallel.schedule`): the layers are cut into model
+   stages (balanced by cost) and only the stages this pp rank holds are materialised,
+   from the name-seeded init, on `mesh.device`. The split *selects* modules and renames
+   nothing, so applying the module swaps below to each stage is the same as applying them
+   to the whole model first - and no rank ever holds layers it does not run.
+3. **Tensor + sequence parallel** (`parallel.tp`, `parallel.sp`): module swaps on each stage
+   (column/row-parallel linears, vocab-parallel embedding and head, the vocab-parallel
+   loss), on the tp group of the stage's pp coordinate; each swapped parameter's split is
+   recorded in the placement table.
+4. (Context parallel would swap each attention's `core` here, and expert parallel the MLPs
+   made by `make_mlp`; neither is built: config validation refuses cp > 1, ep > 1 and MoE
+   presets with the fix.)
+5. **Data parallel / ZeRO** (`parallel.dp`, `parallel.zero`, `parallel.data_parallel`): the
+   gradient-sync + optimizer object over the local parameters (`make_optimizer`: replicated
+   with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed).
+
+Every strategy records where it put each parameter in one `PlacementTable`, returned with
+the parts: the grad norm, full-state gathering and the ZeRO shard index read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.config import Config
+from plait.mesh import ParallelMesh
+from plait.model.transformer import Transformer
+from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
+from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
+from plait.placement import PlacementTable
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of the parallel model, as `parallelize` made it."""
+
+    model: nn.Module  # the Transformer when pp == 1, else this rank's PipelineModule
+    stages: dict[int, Stage]  # schedule stage id -> module (pp == 1: one, the whole model)
+    schedule: Schedule  # the action lists (pp == 1: F, B per micro-batch)
+    partition: Partition  # the layers of each model stage
+    optimizer: GradSyncOptimizer  # gradient sync over dp + the update
+    placements: PlacementTable  # where each of this rank's parameters lives
+
+    @property
+    def pipeline(self) -> PipelineParts:
+        return PipelineParts(self.model, self.stages, self.schedule, self.partition)
+
+
+def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config) -> ParallelModel:
+    """Apply every strategy of `cfg.parallel` to `model` (built on the meta device) for this
+    rank of `mesh`, in the order of this module's docstring."""
+    on_meta = {p.device.type for p in model.parameters()}
+    if on_meta != {"meta"}:
+        raise ValueError("parallelize takes the model built on the meta device "
+                         "(build_model(cfg, seed, device='meta')): each rank materialises "
+                         f"only the layers it holds; got parameters on {sorted(on_meta)}")
+    placements = PlacementTable()
+    model.recompute = cfg.train.recompute == "full"  # 1. recompute
+    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
+                          placements, model=model, device=mesh.device.torch)
+    _tensor_parallel(pipe, mesh, cfg, placements)  # 3. tp + sp
+    optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 5. dp / ZeRO
+    return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,
+                         placements)
+
+
+def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
+                     placements: PlacementTable) -> None:
+    """Module swaps on each stage, on the tp group of its own pp coordinate: the first
+    stage holds the vocab-parallel embedding, the last the vocab-parallel head and loss."""
+    if cfg.parallel.tp == 1:
+        return
+    from plait.parallel.tensor import apply_tensor_parallel
+
+    pp = cfg.parallel.pp > 1
+    for stage in pipe.stages.values():
+        # a tp slice of a stage's parameter keeps the stage's placement (distinct per pp)
+        stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp, partial=pp,
+                                              placements=placements).loss_sum
+    if not pp:  # the one stage shares the model's blocks; re-point the model's ends
+        pipe.model.embed, pipe.model.head = pipe.stages[0].embed, pipe.stages[0].head
