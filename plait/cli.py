@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from plait.config import SCHEDULES, Config, ConfigError, load_config
+from plait.config import Config, ConfigError, load_config
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES
 from plait.train.data import DataError
 
 # flag -> config key (None value = flag not given)
@@ -44,7 +45,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                  "pp", "cp", "ep", "zero", "microbatches", "virtual-stages", "gpus-per-node"):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES)
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--recompute", choices=("none", "full"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"))
