@@ -39,7 +39,9 @@ class ScheduleSpec:
     name: str
     build: Callable[..., Schedule]  # (p, m, v), or (p, m, v, durations) if list_scheduled
     rules: tuple[Rule, ...]  # what it needs of (p, m, v), in the order problems are shown
-    search_order: int  # the planner scores schedules in this order; ties go to the earlier
+    # the planner scores schedules in this order, and of layouts with equal closed-form
+    # step times the earlier wins (1f1b before gpipe: the same time, less memory)
+    search_order: int
     # v when not given; fixed unless free_virtual_stages (interleaved: any v >= 2)
     virtual_stages: int = 1
     free_virtual_stages: bool = False
@@ -51,7 +53,7 @@ class ScheduleSpec:
     # its conditions fail); `paper_bubble`: the bubble time as the papers state it.
     sync_bubble: Bubble | None = None
     paper_bubble: Bubble | None = None
-    # --- the planner (plait/plan/) ---
+    # --- the planner (plait/plan/); the defaults are 1F1B's ---
     # its ranking bubble on the slowest rank, (slots, idle per slot) for (p, F, I, W):
     # the bubble is slots x idle, each clipped at 0; elementwise on arrays
     ranking_bubble: Callable[[Num, Num, Num, Num], tuple[Num, Num]] = lambda p, f, i, w: (
@@ -82,7 +84,6 @@ class ScheduleSpec:
 
 
 # --- the table ----------------------------------------------------------------------------
-
 
 
 def _fill_and_drain(p: int, m: int, f: float, i: float, w: float) -> float:
@@ -138,8 +139,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
         search_order=5, virtual_stages=2, split_backward=True,
         ranking_bubble=lambda p, f, i, w: (p / 2 - 1, f + 2 * i - 2 * w),
         peak_inflight=lambda p, m, v, lo: (lo(2 * (p + 1), 2 * m), 1),
-        # the planner's search predates the m >= 2p-1 rule: it tries m >= p (kept so its
-        # outputs stay as frozen in tests/golden/; tests/test_registry.py marks the gap)
+        # the search tries m >= p, looser than the m >= 2p-1 a build needs: a known gap,
+        # kept so its outputs stay as frozen in tests/golden/ (tests/test_registry.py)
         search_rules=(r.TWO_STAGES_IN_A_V, r.MICROBATCHES_AT_LEAST_PP),
         head_on_first_rank=True, pairs_forward_with_backward=True),
     ScheduleSpec(  # DeepSeek-V3 report s3.2.1: two copies, m/2 micro-batches each way
@@ -151,7 +152,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
         paper_bubble=lambda p, m, f, i, w: (p / 2 - 1) * (f + 2 * i - w),
         ranking_bubble=lambda p, f, i, w: (p / 2 - 1, f + 2 * i - 2 * w),
         peak_inflight=lambda p, m, v, lo: (lo(p + 1, m), 1),  # p+1 stages' worth
-        # the search has always asked m >= p of it too; kept so its outputs hold
+        # the search also asks m >= p, as it always has (kept so its outputs hold)
         search_rules=(r.one_stage_per_rank("one stage of each of its two model copies"),
                       r.EVEN_PP, r.HALF_THE_MICROBATCHES_EACH_WAY,
                       r.MICROBATCHES_AT_LEAST_PP),
