@@ -1,9 +1,9 @@
 """Schedule builders: name, pp, micro-batches, virtual stages -> per-rank compute actions.
 
 Each builder takes (p, m, v) (the list-scheduled ones also `durations`) and returns an
-unlowered `Schedule` (compute actions only; `lower.py` adds the transfers). Requests are
-checked before a builder runs: call `registry.build_schedule`, which also holds each
-schedule's other facts. Placement per schedule:
+unlowered `Schedule` (compute actions only; `lower.py` adds the transfers). A builder
+trusts its request: call `registry.build_schedule`, which checks it first (the registry,
+registry.py, holds every other fact about each schedule). Placement per schedule:
   gpipe, 1f1b, zb-h1, zb-h2   one stage per rank (stage s on rank s)
   interleaved                 v stages per rank, round-robin: stage s on rank s % p
   zb-v, dualpipev             2 stages per rank in a V: rank r holds stages r and 2p-1-r
