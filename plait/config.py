@@ -15,9 +15,20 @@ from typing import Any
 
 from plait.model.presets import PRESETS, ModelConfig
 
+# pure Python, no torch: the schedule layer sits below config (tests/test_layering.py)
+from plait.parallel.pipeline.registry import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    natural_virtual_stages,
+    validate_schedule_request,
+)
+
 DIMS = ("dp", "pp", "cp", "tp")  # the mesh dimensions; ep is laid over dp x cp
 DEFAULT_ORDER = ("tp", "cp", "pp", "dp")  # innermost first: tp stays inside a node
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 class ConfigError(ValueError):
@@ -38,8 +49,8 @@ class ParallelConfig:
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
-    # Pipeline stages per rank; None: the schedule's own (2 for interleaved and the V
-    # schedules zb-v / dualpipev, else 1).
+    # Pipeline stages per rank; None: the schedule's own (its registry entry: 2 for
+    # interleaved and the V schedules zb-v / dualpipev, else 1).
     virtual_stages: int | None = None
     # Micro-batches per step per data-parallel replica. None: derived from
     # train.micro_batch_size, or 1 (pp for pipelines) when neither is given.
@@ -103,65 +114,68 @@ class Config:
         return dataclasses.asdict(self)
 
     # ---- validation ------------------------------------------------------------
+    # Each step returns its problems; the order of the steps is the order they are shown.
     def validate(self, world_size: int | None = None) -> list[str]:
         """Every problem with this configuration, each naming the fix. Empty when valid."""
-        problems: list[str] = []
-        m, p, t = self.model, self.parallel, self.train
-
-        def divisors(n: int) -> str:
-            return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-        for name in ("dp", "tp", "pp", "cp", "ep"):
-            if getattr(p, name) < 1:
-                problems.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
-        if problems:
+        p = self.parallel
+        problems = [f"parallel.{name}={getattr(p, name)} must be >= 1"
+                    for name in ("dp", "tp", "pp", "cp", "ep") if getattr(p, name) < 1]
+        if problems:  # every later check divides by these sizes
             return problems
-        if world_size is not None and p.world_size != world_size:
-            problems.append(
-                f"layout dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} does not "
-                f"match the world size {world_size}; change the layout or launch "
-                f"{p.world_size} ranks (--nproc {p.world_size})"
-            )
-        if sorted(p.order) != sorted(DIMS):
-            problems.append(
-                f"parallel.order={','.join(p.order)} must name each of {', '.join(DIMS)} once"
-            )
-        if p.zero not in (0, 1, 2, 3):
-            problems.append(f"parallel.zero={p.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
-        if p.data_parallel not in ("naive", "bucketed"):
-            problems.append(
-                f"parallel.data_parallel={p.data_parallel!r}; use 'naive' or 'bucketed'"
-            )
-        if p.bucket_mb <= 0:
-            problems.append(f"parallel.bucket_mb={p.bucket_mb} must be > 0")
-        if p.schedule not in SCHEDULES:
-            problems.append(f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if p.gpus_per_node < 1:
-            problems.append(f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1")
+        return (self._parallel_problems(world_size) + self._model_problems()
+                + self._tensor_parallel_problems() + self._pipeline_problems()
+                + self._unbuilt_problems() + self._batch_problems() + self._train_problems())
 
-        # model shape
+    def _parallel_problems(self, world_size: int | None) -> list[str]:
+        """The layout against the world, and the parallel settings' own ranges."""
+        p = self.parallel
+        checks = [
+            (world_size is not None and p.world_size != world_size,
+             f"layout dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} does not "
+             f"match the world size {world_size}; change the layout or launch "
+             f"{p.world_size} ranks (--nproc {p.world_size})"),
+            (sorted(p.order) != sorted(DIMS),
+             f"parallel.order={','.join(p.order)} must name each of {', '.join(DIMS)} once"),
+            (p.zero not in (0, 1, 2, 3),
+             f"parallel.zero={p.zero} is not a ZeRO stage; use 0, 1, 2 or 3"),
+            (p.data_parallel not in ("naive", "bucketed"),
+             f"parallel.data_parallel={p.data_parallel!r}; use 'naive' or 'bucketed'"),
+            (p.bucket_mb <= 0, f"parallel.bucket_mb={p.bucket_mb} must be > 0"),
+            (p.schedule not in SCHEDULES,
+             f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}"),
+            (p.gpus_per_node < 1, f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1"),
+        ]
+        return [problem for broken, problem in checks if broken]
+
+    def _model_problems(self) -> list[str]:
+        """The model's own shape: heads, head dim."""
+        problems: list[str] = []
+        m = self.model
         if m.n_heads % m.n_kv_heads:
             problems.append(
                 f"model.n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}; use one "
-                f"of {divisors(m.n_heads)}"
+                f"of {_divisors(m.n_heads)}"
             )
         if m.dim % m.n_heads:
             problems.append(f"model.dim={m.dim} is not a multiple of n_heads={m.n_heads}")
         elif (m.dim // m.n_heads) % 2:
             problems.append(f"head dim {m.dim // m.n_heads} must be even for RoPE")
+        return problems
 
-        # shape divisibility, checked now so every problem is reported at once
+    def _tensor_parallel_problems(self) -> list[str]:
+        """Shapes tp must divide (plait/parallel/tensor.py), and sequence parallel."""
+        problems: list[str] = []
+        m, p, t = self.model, self.parallel, self.train
         if p.tp > 1:
             for what, n in (("n_heads", m.n_heads), ("dim", m.dim), ("ffn_dim", m.ffn_dim)):
                 if n % p.tp:
                     problems.append(
-                        f"tp={p.tp} does not divide model.{what}={n}; use tp in {divisors(n)}")
-            # -- tensor parallel (plait/parallel/tensor.py) --
+                        f"tp={p.tp} does not divide model.{what}={n}; use tp in {_divisors(n)}")
             if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
                 problems.append(
                     f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
                     f"tp divides them and replicated when they divide tp; use tp in "
-                    f"{divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
+                    f"{_divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
         if p.sp and p.tp == 1:
             problems.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
                             "--tp > 1 or drop --sp")
@@ -169,17 +183,42 @@ class Config:
             problems.append(
                 f"sequence parallel splits train.seq_len={t.seq_len} over tp={p.tp}; use a "
                 f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
-        # -- end tensor parallel --
+        return problems
+
+    def _pipeline_problems(self) -> list[str]:
+        """For pp > 1: the schedule's requests (the registry's rules), the layer split, and
+        the combinations not built with a pipeline."""
+        m, p, t = self.model, self.parallel, self.train
         if p.pp > m.n_layers:
-            problems.append(f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
-                            f"pp <= {m.n_layers}")
-        elif p.pp > 1 and p.schedule in SCHEDULES:
-            problems += self._pipeline_problems()
+            return [f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
+                    f"pp <= {m.n_layers}"]
+        if p.pp == 1 or p.schedule not in SCHEDULES:
+            return []
+        spec = SCHEDULES[p.schedule]
+        v = natural_virtual_stages(p.schedule, p.virtual_stages)
+        problems = validate_schedule_request(p.schedule, p.pp, self.microbatches(), v,
+                                             n_layers=m.n_layers)
+        if spec.chains > 1 and p.zero:
+            problems.append(f"zero={p.zero} with schedule {p.schedule} (two model copies "
+                            "whose gradients are summed) is not supported yet; use zero=0 or "
+                            "schedule dualpipev")
+        if m.tie_embeddings:
+            problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
+                            "sit on different stages; set model.tie_embeddings=false")
+        if t.recompute != "none" and spec.split_backward:
+            whole_b = " / ".join(n for n, s in SCHEDULES.items() if not s.split_backward)
+            problems.append(f"train.recompute={t.recompute} with schedule {p.schedule} (I/W "
+                            "split) is not supported; use train.recompute=none or schedule "
+                            f"{whole_b}")
+        return problems
+
+    def _unbuilt_problems(self) -> list[str]:
+        """Strategies and combinations not built yet: refused, never silently ignored."""
+        problems: list[str] = []
+        m, p = self.model, self.parallel
         if m.n_experts:
             problems.append(f"model has {m.n_experts} experts: MoE blocks are not built yet; "
                             "use a dense model (n_experts=0)")
-
-        # strategies not built yet are refused, never silently ignored
         for name, size in (("cp", p.cp), ("ep", p.ep)):
             if size > 1:
                 problems.append(
@@ -192,93 +231,68 @@ class Config:
         if p.zero >= 2 and p.pp > 1:
             problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
                             "gradients across micro-batches; use zero=0 or 1 with pp")
+        return problems
 
-        # batch arithmetic: the global batch is set once, everything else derives from it
+    def _batch_problems(self) -> list[str]:
+        """Batch arithmetic: the global batch is set once, everything else derives from it."""
+        p, t = self.parallel, self.train
         if t.global_batch < 1:
-            problems.append(f"train.global_batch={t.global_batch} must be >= 1")
-        elif t.global_batch % p.dp:
+            return [f"train.global_batch={t.global_batch} must be >= 1"]
+        if t.global_batch % p.dp:
+            return [f"train.global_batch={t.global_batch} is not divisible by dp={p.dp}; use "
+                    f"a multiple of {p.dp}"]
+        problems: list[str] = []
+        per_replica = t.global_batch // p.dp
+        if p.microbatches is not None and p.microbatches < 1:
+            problems.append(f"parallel.microbatches={p.microbatches} must be >= 1")
+        elif p.microbatches is not None and per_replica % p.microbatches:
             problems.append(
-                f"train.global_batch={t.global_batch} is not divisible by dp={p.dp}; use a "
-                f"multiple of {p.dp}"
+                f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
+                f"{p.dp}) do not split into {p.microbatches} micro-batches; use one of "
+                f"{_divisors(per_replica)}"
             )
-        else:
-            per_replica = t.global_batch // p.dp
-            if p.microbatches is not None and p.microbatches < 1:
-                problems.append(f"parallel.microbatches={p.microbatches} must be >= 1")
-            elif p.microbatches is not None and per_replica % p.microbatches:
-                problems.append(
-                    f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
-                    f"{p.dp}) do not split into {p.microbatches} micro-batches; use one of "
-                    f"{divisors(per_replica)}"
-                )
-            if t.micro_batch_size is not None:
-                if t.micro_batch_size < 1 or per_replica % t.micro_batch_size:
-                    problems.append(
-                        f"train.micro_batch_size={t.micro_batch_size} does not divide the "
-                        f"{per_replica} sequences per replica; use one of {divisors(per_replica)}"
-                    )
-                elif (
-                    p.microbatches is not None
-                    and p.microbatches * t.micro_batch_size != per_replica
-                ):
-                    problems.append(
-                        f"parallel.microbatches={p.microbatches} and train.micro_batch_size="
-                        f"{t.micro_batch_size} disagree ({per_replica} sequences per replica); "
-                        "set only one of them"
-                    )
-        if t.seq_len < 1:
-            problems.append(f"train.seq_len={t.seq_len} must be >= 1")
-        elif t.seq_len > m.max_seq_len:
+        if t.micro_batch_size is None:
+            return problems
+        if t.micro_batch_size < 1 or per_replica % t.micro_batch_size:
             problems.append(
-                f"train.seq_len={t.seq_len} is longer than the model's max_seq_len="
-                f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
-                "model.max_seq_len"
+                f"train.micro_batch_size={t.micro_batch_size} does not divide the "
+                f"{per_replica} sequences per replica; use one of {_divisors(per_replica)}"
             )
-        if t.steps < 1:
-            problems.append(f"train.steps={t.steps} must be >= 1")
-        if t.precision not in ("fp32", "bf16"):
-            problems.append(f"train.precision={t.precision!r}; use 'fp32' or 'bf16'")
-        if t.recompute not in ("none", "full"):
-            problems.append(f"train.recompute={t.recompute!r}; use 'none' or 'full'")
-        if t.lr <= 0:
-            problems.append(f"train.lr={t.lr} must be > 0")
-        if t.grad_clip < 0:
-            problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-        if t.optimizer not in ("adamw", "sgd"):
-            problems.append(f"train.optimizer={t.optimizer!r}; use 'adamw' or 'sgd'")
-        elif t.optimizer == "sgd" and t.weight_decay:
-            problems.append(f"train.optimizer='sgd' has no weight decay; set "
-                            f"train.weight_decay=0 (it is {t.weight_decay})")
-        if not 0 <= t.min_lr_ratio <= 1:
-            problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-        if t.warmup_steps < 0:
-            problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+        elif p.microbatches is not None and p.microbatches * t.micro_batch_size != per_replica:
+            problems.append(
+                f"parallel.microbatches={p.microbatches} and train.micro_batch_size="
+                f"{t.micro_batch_size} disagree ({per_replica} sequences per replica); "
+                "set only one of them"
+            )
         return problems
 
-    def _pipeline_problems(self) -> list[str]:
-        """The schedule (micro-batches, stage counts) and the layer split, for pp > 1."""
-        from plait.parallel.pipeline.partition import natural_virtual_stages, validate_partition
-        from plait.parallel.pipeline.schedules import validate_schedule_request
-
-        m, p, t = self.model, self.parallel, self.train
-        v = natural_virtual_stages(p.schedule, p.virtual_stages)
-        problems = list(validate_schedule_request(
-            p.schedule, p.pp, self.microbatches(), v))
-        if not problems:
-            problems += validate_partition(m, p.schedule, p.pp, v)
-        if p.schedule == "dualpipe" and p.zero:
-            problems.append(f"zero={p.zero} with schedule dualpipe (two model copies whose "
-                            "gradients are summed) is not supported yet; use zero=0 or "
-                            "schedule dualpipev")
-        if m.tie_embeddings:
-            problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
-                            "sit on different stages; set model.tie_embeddings=false")
-        if t.recompute != "none" and p.schedule in ("zb-h1", "zb-h2", "zb-v", "dualpipev",
-                                                     "dualpipe"):
-            problems.append(f"train.recompute={t.recompute} with schedule {p.schedule} (I/W "
-                            "split) is not supported; use train.recompute=none or schedule "
-                            "1f1b / interleaved / gpipe")
-        return problems
+    def _train_problems(self) -> list[str]:
+        """The training settings' own ranges (sequence, steps, precision, optimizer, LR)."""
+        m, t = self.model, self.train
+        checks = [
+            (t.seq_len < 1, f"train.seq_len={t.seq_len} must be >= 1"),
+            (t.seq_len >= 1 and t.seq_len > m.max_seq_len,
+             f"train.seq_len={t.seq_len} is longer than the model's max_seq_len="
+             f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
+             "model.max_seq_len"),
+            (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
+            (t.precision not in ("fp32", "bf16"),
+             f"train.precision={t.precision!r}; use 'fp32' or 'bf16'"),
+            (t.recompute not in ("none", "full"),
+             f"train.recompute={t.recompute!r}; use 'none' or 'full'"),
+            (t.lr <= 0, f"train.lr={t.lr} must be > 0"),
+            (t.grad_clip < 0,
+             f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)"),
+            (t.optimizer not in ("adamw", "sgd"),
+             f"train.optimizer={t.optimizer!r}; use 'adamw' or 'sgd'"),
+            (t.optimizer == "sgd" and bool(t.weight_decay),
+             f"train.optimizer='sgd' has no weight decay; set train.weight_decay=0 (it is "
+             f"{t.weight_decay})"),
+            (not 0 <= t.min_lr_ratio <= 1,
+             f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]"),
+            (t.warmup_steps < 0, f"train.warmup_steps={t.warmup_steps} must be >= 0"),
+        ]
+        return [problem for broken, problem in checks if broken]
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what was meant, or worth saying."""

@@ -13,8 +13,13 @@ from plait.model.rope import Positions, rope_tables
 from plait.model.transformer import Block, build_model
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.partition import Stage, partition_layers
+from plait.parallel.pipeline.registry import (
+    SCHEDULE_NAMES,
+    build_schedule,
+    natural_virtual_stages,
+    validate_schedule_request,
+)
 from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
-from plait.parallel.pipeline.schedules import build_schedule
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train.loop import train
 
@@ -116,11 +121,9 @@ def test_valid_pipeline_config_passes_and_picks_two_stages_per_rank_for_v():
 # --- parity: every schedule, pp 2 and 4, m 4 and 8 ------------------------------------------
 
 STEPS = "train.steps=2"
-V = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
-CASES = [(s, pp, m) for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v",
-                              "dualpipev", "dualpipe")
-         for pp in (2, 4) for m in (4, 8)
-         if not (s == "dualpipev" and m < 2 * pp - 1)]
+# every registered schedule where it accepts (pp, m): dualpipev needs m >= 2pp-1
+CASES = [(s, pp, m) for s in SCHEDULE_NAMES for pp in (2, 4) for m in (4, 8)
+         if not validate_schedule_request(s, pp, m, natural_virtual_stages(s, None))]
 
 
 @pytest.mark.parametrize("schedule, pp, m", CASES)
@@ -169,7 +172,7 @@ def test_ledger_p2p_bytes_are_boundary_crossings(schedule, pp, m):
     cfg = config(*sets)
     b, s, h = cfg.micro_batch_size(), cfg.train.seq_len, cfg.model.dim
     act = b * s * h * 4
-    sched = lower(build_schedule(schedule, pp, m, V.get(schedule, 1)))
+    sched = lower(build_schedule(schedule, pp, m, natural_virtual_stages(schedule, None)))
     # stage boundaries that cross ranks, once per micro-batch through them
     crossings = sum(1 for s_ in range(sched.num_stages)
                     if (n := sched.next_stage(s_)) is not None

@@ -1,6 +1,7 @@
 """Pipeline schedules as data: validity, deadlock freedom, text round-trip, closed forms.
 
-Pure Python, no processes. Closed forms cite their papers in plait/parallel/pipeline/.
+Pure Python, no processes. Closed forms cite their papers in plait/parallel/pipeline/
+(the registry holds them, one entry per schedule).
 """
 
 from __future__ import annotations
@@ -15,30 +16,26 @@ from plait.parallel.pipeline.check import check, deadlocks, peak_activations
 from plait.parallel.pipeline.draw import format_table
 from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.schedules import (
+from plait.parallel.pipeline.registry import (
     SCHEDULE_NAMES,
     build_schedule,
+    closed_form_bubble,
+    natural_virtual_stages,
+    paper_bubble_time,
     validate_schedule_request,
 )
-from plait.parallel.pipeline.simulate import (
-    DeadlockError,
-    Durations,
-    closed_form_bubble,
-    paper_bubble_time,
-    simulate,
-)
+from plait.parallel.pipeline.simulate import DeadlockError, Durations, simulate
 
 EXACT = 1e-9
-V_OF = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
 EQUAL = Durations(1.0, 1.0, 1.0)  # T_F = T_I = T_W
 
 
 def plan():
-    """The test matrix: every schedule, p in {2, 4, 8}, m in {p, 2p}."""
+    """The test matrix: every schedule, p in {2, 4, 8}, m in {p, 2p}, its own v."""
     for name in SCHEDULE_NAMES:
         for p in (2, 4, 8):
             for m in (p, 2 * p):
-                yield name, p, m, V_OF.get(name, 1)
+                yield name, p, m, natural_virtual_stages(name, None)
 
 
 def bubble_time(res) -> float:

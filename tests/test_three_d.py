@@ -6,7 +6,7 @@ import torch
 from helpers import config, reference, run_layout
 
 from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.schedules import build_schedule
+from plait.parallel.pipeline.registry import build_schedule
 from plait.testing import PARITY_TOLERANCES, assert_parity, merge_ranks
 
 LAYERS, STEPS = "model.n_layers=4", "train.steps=2"

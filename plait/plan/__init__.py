@@ -55,7 +55,7 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
 
 def estimate_config(cfg: Config) -> Estimate:
     """The planner's `evaluate` for the layout of a plait Config (memory, collectives)."""
-    from plait.parallel.pipeline.partition import natural_virtual_stages
+    from plait.parallel.pipeline.registry import natural_virtual_stages
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
 
     p, t = cfg.parallel, cfg.train

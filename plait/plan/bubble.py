@@ -11,7 +11,8 @@ shapes). Closed forms of the step (busy + bubble) on the slowest rank:
   zb-v           2m (F+I+W) + (p-1)(F + I - 2W)       Qi et al. 2024 (V schedule), chunk times
   dualpipe(v)    c m (F+I+W) + (p/2 - 1)(F + 2I - 2W) DeepSeek-V3 report, Table 2, with
                                                       F&B = F + B (no overlap modelled)
-plus 2(p-1) p2p transfers on the fill/drain path.
+plus 2(p-1) p2p transfers on the fill/drain path. Each schedule's bubble term is its
+registry entry's `ranking_bubble` (plait/parallel/pipeline/registry.py).
 """
 
 from __future__ import annotations
@@ -21,64 +22,63 @@ from typing import Any
 
 import numpy as np
 
+from plait.parallel.pipeline.registry import build_schedule, schedule_spec
+
 Num = Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
 # actions we let the simulator lay out per call before extrapolating in m
 _SIM_ACTIONS = 24_000
-# zb-v and dualpipe are list-scheduled when built (their order is searched for the
-# durations), which costs ~(p*m)^2: above this p*m the planner uses the closed form
+# list-scheduled schedules (zb-v, dualpipe) have their order searched for the durations
+# when built, which costs ~(p*m)^2: above this p*m the planner uses the closed form
 _LIST_BUILD_LIMIT = 400
-_LIST_SCHEDULED = ("zb-v", "dualpipe")
 
 
 def chunks_per_rank(schedule: str, v: Num) -> Num:
-    if schedule == "interleaved":
-        return v
-    if schedule in ("zb-v", "dualpipev", "dualpipe"):
-        return 2
-    return 1
+    """Stages (chunks) one rank holds (the registry's `stages_per_rank`)."""
+    return schedule_spec(schedule).stages_per_rank(v)
 
 
 def stages_per_chain(schedule: str, pp: Num, v: Num) -> Num:
     """Stages one copy of the model is cut into (dualpipe: each of its two chains has pp)."""
-    if schedule == "dualpipe":
-        return pp
-    return pp * chunks_per_rank(schedule, v)
+    return schedule_spec(schedule).model_stages(pp, v)
 
 
 def closed_form(schedule: str, pp: Num, m: Num, v: Num, f: Num, i: Num, w: Num,
                 p2p: Num) -> Num:
     """Pipeline step time on the slowest rank (see the module docstring)."""
+    spec = schedule_spec(schedule)
     p = np.asarray(pp, dtype=float)
     m = np.asarray(m, dtype=float)
     b = f + i + w
-    c = chunks_per_rank(schedule, np.asarray(v, dtype=float))
-    busy = m * c * b if schedule != "dualpipe" else m * b
-    if schedule in ("gpipe", "1f1b", "interleaved"):
-        bubble = (p - 1) * b
-    elif schedule == "zb-h1":
-        bubble = (p - 1) * np.maximum(f + i - w, 0)
-    elif schedule in ("zb-h2", "zb-v"):
-        bubble = (p - 1) * np.maximum(f + i - 2 * w, 0)
-    elif schedule in ("dualpipe", "dualpipev"):
-        bubble = np.maximum(p / 2 - 1, 0) * np.maximum(f + 2 * i - 2 * w, 0)
-    else:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    c = spec.stages_per_rank(np.asarray(v, dtype=float))
+    busy = m * c * b / spec.chains  # each chain runs its share of the micro-batches
+    slots, idle = spec.ranking_bubble(p, f, i, w)
+    bubble = np.maximum(slots, 0) * np.maximum(idle, 0)
     return np.where(p > 1, busy + bubble + 2 * (p - 1) * p2p, m * c * b)
 
 
-def _valid_m(schedule: str, p: int, target: int) -> int:
-    """The smallest micro-batch count >= target the schedule accepts."""
-    step = p if schedule == "interleaved" else 2 if schedule == "dualpipe" else 1
-    return max(-(-target // step) * step, p if schedule != "gpipe" else 1)
+def _valid_m(schedule: str, p: int, v: int, target: int) -> int:
+    """The smallest micro-batch count >= target, and >= p (a steady state to extrapolate
+    from), the search accepts for the schedule."""
+    rules = schedule_spec(schedule).planner_rules
+    start = max(target, p)
+    for m in range(start, 2 * start + 2 * p):  # a multiple of p, or of 2, lies in there
+        if all(rule.holds(p, m, v) for rule in rules):
+            return m
+    raise ValueError(f"no micro-batch count >= {start} suits {schedule} at pp={p}, v={v}")
+
+
+def _peaks_grow_with_m(schedule: str, p: int, v: int) -> bool:
+    """Whether the closed-form peak activations keep growing with m (gpipe: all m in
+    flight): then a short run's peaks are not a long run's, so it is never extrapolated."""
+    peaks, big = schedule_spec(schedule).peak_inflight, 1 << 40
+    return peaks(p, big, v, min) != peaks(p, 2 * big, v, min)
 
 
 @lru_cache(maxsize=256)
 def _build(schedule: str, pp: int, m: int, v: int, ratios: tuple[float, float, float]) -> Any:
     """The schedule, built once per (name, p, m, v, rounded duration ratios): list-scheduled
     orders are tuned to the ratios I/F, W/F, p2p/F, valid under any durations."""
-    from plait.parallel.pipeline.schedules import build_schedule
     from plait.parallel.pipeline.simulate import Durations
 
     return build_schedule(schedule, pp, m, v, durations=Durations(1.0, *ratios))
@@ -109,35 +109,34 @@ def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i:
     """Step time, bubble and per-rank peak activations from the shared simulator, with
     per-stage durations. Long runs are simulated at two smaller micro-batch counts and
     extrapolated linearly in m (exact once the steady state repeats)."""
+    spec = schedule_spec(schedule)
     key = (tuple(f), tuple(i), tuple(w), float(p2p))
-    actions = pp * m * 2 * chunks_per_rank(schedule, v)
+    actions = pp * m * 2 * spec.stages_per_rank(v)
     try:
-        if schedule in _LIST_SCHEDULED and pp * m > _LIST_BUILD_LIMIT and \
+        if spec.list_scheduled and pp * m > _LIST_BUILD_LIMIT and \
                 3 * pp * pp > _LIST_BUILD_LIMIT:
             raise TooLargeToSimulate(f"{schedule} with p*m={pp * m} is too large to "
                                      "list-schedule here")
-        if schedule in _LIST_SCHEDULED and pp * m > _LIST_BUILD_LIMIT:
+        if spec.list_scheduled and pp * m > _LIST_BUILD_LIMIT:
             actions = _SIM_ACTIONS + 1  # extrapolate from small builds
-        if actions <= _SIM_ACTIONS or schedule == "gpipe":
+        if actions <= _SIM_ACTIONS or _peaks_grow_with_m(schedule, pp, v):
             step, bubble, peaks = _simulate(schedule, pp, m, v, *key)
             return {"step": step, "bubble": bubble, "peaks": list(peaks),
                     "source": "simulator"}
-        m1 = _valid_m(schedule, pp, 2 * pp)
-        m2 = _valid_m(schedule, pp, m1 + max(pp, 2))
+        m1 = _valid_m(schedule, pp, v, 2 * pp)
+        m2 = _valid_m(schedule, pp, v, m1 + max(pp, 2))
         s1, _, _ = _simulate(schedule, pp, m1, v, *key)
         s2, _, peaks = _simulate(schedule, pp, m2, v, *key)
         step = s2 + (m - m2) * (s2 - s1) / (m2 - m1)
-        busy = m * chunks_per_rank(schedule, v) * (sum(f) + sum(i) + sum(w)) / len(f)
-        if schedule == "dualpipe":
-            busy /= 2
+        busy = m * spec.stages_per_rank(v) * (sum(f) + sum(i) + sum(w)) / len(f)
+        busy /= spec.chains  # each chain runs its share of the micro-batches
         return {"step": step, "bubble": max(0.0, 1 - busy / step), "peaks": list(peaks),
                 "source": f"simulator at m={m1},{m2}, extrapolated to m={m}"}
     except TooLargeToSimulate as exc:  # the closed form stands in, and says so
         n = len(f)
         fm, im, wm = (max(x) for x in (f, i, w))
         step = float(closed_form(schedule, pp, m, v, fm, im, wm, p2p))
-        busy = m * chunks_per_rank(schedule, v) * (sum(f) + sum(i) + sum(w)) / n
-        if schedule == "dualpipe":
-            busy /= 2
+        busy = m * spec.stages_per_rank(v) * (sum(f) + sum(i) + sum(w)) / n
+        busy /= spec.chains
         return {"step": step, "bubble": max(0.0, 1 - busy / step), "peaks": None,
                 "source": f"closed form ({exc})"}

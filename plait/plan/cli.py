@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from plait.model.presets import PRESETS
-from plait.plan.bubble import SCHEDULES
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.plan.calibration import EFFICIENCY
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay = p.add_argument_group("one layout (instead of searching)")
     lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
     lay.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
-    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
+    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULE_NAMES))
     lay.add_argument("--virtual-stages", type=int, default=1)
     lay.add_argument("--recompute", default="selective", choices=list(RECOMPUTE))
     lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
@@ -115,8 +115,9 @@ def parse_layout(text: str, args: argparse.Namespace) -> Layout:
             raise PlanError(f"bad layout item {part!r}: use tp=N,pp=N,dp=N[,cp=N,ep=N]")
         sizes[k] = int(v)
     v = args.virtual_stages
-    if args.schedule in ("zb-v", "dualpipev"):
-        v = 2
+    spec = schedule_spec(args.schedule)
+    if not spec.free_virtual_stages and spec.virtual_stages > 1:
+        v = spec.virtual_stages  # the V schedules fix 2 per rank, whatever the flag says
     return Layout(**sizes, mbs=args.microbatch, schedule=args.schedule, v=v, zero=args.zero,
                   recompute=args.recompute, sp=not args.no_sp)
 
@@ -169,7 +170,8 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
         t.add_column(col, no_wrap=col == "layout")
     for k, e in enumerate(ests, 1):
         lay = e.layout
-        sched = lay.schedule + (f" v={lay.v}" if lay.schedule == "interleaved" else "")
+        free_v = schedule_spec(lay.schedule).free_virtual_stages
+        sched = lay.schedule + (f" v={lay.v}" if free_v else "")
         t.add_row(str(k), lay.label(), f"{lay.mbs}x{int(e.microbatches)}",
                   sched if lay.pp > 1 else "-", str(lay.zero), lay.recompute,
                   f"{float(e.step_time):.3f}", f"{float(e.tokens_per_s):,.0f}",

@@ -299,9 +299,12 @@ def not_covered(cfg: Config) -> str | None:
         return None
     sched, _ = rank_stages(cfg, 0)
     if any(a.kind == "I" for acts in sched.actions for a in acts):
+        from plait.parallel.pipeline.registry import SCHEDULES
+
+        whole_b = ", ".join(n for n, spec in SCHEDULES.items() if not spec.split_backward)
         return (f"schedule {p.schedule} splits backward into I and W; the eager memory model "
                 "does not hold the outputs and gradients kept for W; predict with a F/B "
-                "schedule (1f1b, gpipe, interleaved) or kernels='fused'")
+                f"schedule ({whole_b}) or kernels='fused'")
     if p.zero >= 1:
         return (f"zero={p.zero} with pp={p.pp}: the eager memory model does not follow the "
                 "pipeline's ZeRO unit; predict with zero=0 or kernels='fused'")

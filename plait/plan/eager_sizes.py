@@ -65,12 +65,12 @@ def _shapes(cfg: Config):
 
 def rank_stages(cfg: Config, rank: int):
     """(schedule, {stage: (first layer, end layer, is_first, is_last)}) of pipeline rank."""
-    from plait.parallel.pipeline.partition import (
+    from plait.parallel.pipeline.partition import partition_for
+    from plait.parallel.pipeline.registry import (
+        build_schedule,
         natural_virtual_stages,
         num_model_stages,
-        partition_for,
     )
-    from plait.parallel.pipeline.schedules import build_schedule
 
     p, n = cfg.parallel, cfg.model.n_layers
     m = cfg.microbatches()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import bubble, comm, memory
 from plait.plan.compute import (
     Efficiency,
@@ -192,7 +193,7 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
     bw, al = comm.link(cluster.gpu, ep_intra, eff.link_efficiency)
     s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / tp
     t_a2a = comm.gather_like(s_a2a, ep, bw, al)
-    if b.sched in ("dualpipe", "dualpipev") and np.all(pp > 1):
+    if schedule_spec(b.sched).pairs_forward_with_backward and np.all(pp > 1):
         ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
         ep_exp_b = np.maximum(2 * t_a2a - 2 * b.lt.forward, 0)
         how = "the other micro-batch's compute (DualPipe)"
@@ -290,7 +291,7 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
     dense_l = (shape.attn_params() + shape.dense_mlp_params()) / tp
     expert_l = shape.expert_params() / (b.ep * tp)
     dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
-    both_ends = b.sched in ("zb-v", "dualpipev", "dualpipe")
+    both_ends = schedule_spec(b.sched).head_on_first_rank
     emb, head = shape.embedding_params() / tp, shape.head_params() / tp
     first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0)
     last_p = b.rank_layers * dense_l + head
@@ -379,7 +380,7 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: _LayerComm, ct: _ChunkTimes, pip
     busy = busy_of(m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f, ct.head_g, b.sched)
     return {
         "compute": m * (cpr * b.chunk_layers * 3 * lt.forward + ct.head_f + 2 * ct.head_g)
-        / (1.0 if b.sched != "dualpipe" else 2.0),
+        / schedule_spec(b.sched).chains,
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
         "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
         * b.rank_layers * m,
@@ -439,7 +440,7 @@ def busy_of(m: Num, cpr: Num, f_c: Num, i_c: Num, w_c: Num, head_f: Num, head_g:
             sched: str) -> Num:
     """Busy time of the last pipeline rank (it holds the LM head) in one step."""
     per_mb = cpr * (f_c + i_c + w_c) + head_f + 2 * head_g
-    return m * per_mb / (2.0 if sched == "dualpipe" else 1.0)
+    return m * per_mb / schedule_spec(sched).chains  # each chain its share of the m
 
 
 def _simulate_one(shape: Shape, sched: str, pp: int, m: int, v: int, f: float, i: float,
@@ -450,7 +451,7 @@ def _simulate_one(shape: Shape, sched: str, pp: int, m: int, v: int, f: float, i
         c = shape.layers
         step = m * (c * (f + i + w) + head_f + 2 * head_g)
         return {"step": step, "bubble": 0.0, "peaks": [1], "source": "no pipeline"}
-    chains = 2 if sched == "dualpipe" else 1
+    chains = schedule_spec(sched).chains
     n = bubble.stages_per_chain(sched, pp, v)
     base, extra = divmod(shape.layers, n)
     layers = [base + (1 if s >= n - extra else 0) for s in range(n)]

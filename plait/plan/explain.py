@@ -8,6 +8,7 @@ Stanford CS336, lecture 8 (parallelism), checked one by one.
 
 from __future__ import annotations
 
+from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.estimate import Estimate, Training
 from plait.plan.hardware import GB, Cluster
 from plait.plan.memory import state_bytes
@@ -45,9 +46,9 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
     by = best_by or {}
     # rule comparisons use the closed forms on both sides (the search's ranking numbers)
     t = by.get("best") or float(best.step_time)
+    free_v = schedule_spec(lay.schedule).free_virtual_stages  # v worth naming (interleaved)
     lines = [f"Best: {lay.label()}, micro-batch {lay.mbs} x {int(best.microbatches)}, "
-             f"schedule {lay.schedule}" + (f" (v={lay.v})" if lay.schedule == "interleaved"
-                                           else "")
+             f"schedule {lay.schedule}" + (f" (v={lay.v})" if free_v else "")
              + f", ZeRO-{lay.zero}, recompute {lay.recompute}: {float(best.step_time):.3f} s/step, "
              f"MFU {float(best.mfu):.1%}."]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.shape import Shape, activation_terms
 
 Num = Any
@@ -83,7 +84,8 @@ def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recomp
 
 def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
     """Closed-form micro-batch x chunk activation sets alive at the peak on the first and
-    on the last pipeline rank (used for ranking; shown numbers come from the simulator).
+    on the last pipeline rank (used for ranking; shown numbers come from the simulator):
+    the registry entry's `peak_inflight`, with its citations.
 
     1f1b: p on rank 0 (Narayanan et al. 2021); interleaved: p*v + p - 1 chunks of L/(pv)
     layers, i.e. the (1 + (p-1)/(pv)) penalty (Korthikanti et al. 2022, sec. 4.2.3 /
@@ -92,21 +94,8 @@ def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
     """
     p, m, v = (np.asarray(x, dtype=float) for x in (pp, m, v))
     one = np.ones_like(p * m)
-    if schedule == "gpipe":
-        return m * one, m * one
-    if schedule in ("1f1b", "zb-h1"):
-        return np.minimum(p, m), one
-    if schedule == "interleaved":
-        return np.minimum(p * v + p - 1, m * v), np.minimum((v - 1) * p + 1, m * v)
-    if schedule == "zb-h2":
-        return np.minimum(2 * p - 1, m), np.minimum(p, m)
-    if schedule == "zb-v":
-        return np.minimum(2 * p, 2 * m), one
-    if schedule == "dualpipev":
-        return np.minimum(2 * (p + 1), 2 * m), one
-    if schedule == "dualpipe":
-        return np.minimum(p + 1, m), one
-    raise ValueError(f"unknown schedule {schedule!r}")
+    first, last = schedule_spec(schedule).peak_inflight(p, m, v, np.minimum)
+    return first * one, last * one
 
 
 def logits_bytes(shape: Shape, mbs: Num, tp: Num, cp: Num, act_bytes: int = 2) -> Num:

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from plait.plan.bubble import SCHEDULES
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
+from plait.plan.bubble import stages_per_chain
 from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import Cluster
@@ -56,9 +57,9 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
         out.append(f"global batch {train.global_batch} sequences is not divisible by dp*"
                    f"micro-batch = {lay.dp}*{lay.mbs}")
     if lay.schedule not in SCHEDULES:
-        out.append(f"schedule {lay.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        out.append(f"schedule {lay.schedule!r} is unknown; use one of "
+                   f"{', '.join(SCHEDULE_NAMES)}")
     elif lay.pp > 1 and not out:
-        from plait.plan.bubble import stages_per_chain
         m = train.global_batch // (lay.dp * lay.mbs)
         if not _schedule_ok(lay.schedule, np.array([lay.pp]), np.array([m]), lay.v,
                             shape.layers)[0]:
@@ -72,28 +73,29 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
 
 
 def _schedule_hint(s: str, p: int, m: int, v: int, layers: int, stages: int) -> str:
+    needs = " and ".join(rule.brief for rule in SCHEDULES[s].planner_rules)
     return (f"schedule {s} with pp={p}, {m} micro-batches, virtual stages {v} is not valid "
-            f"({stages} stages for {layers} layers; interleaved needs v>=2 and micro-batches "
-            "divisible by pp; zb-*/dualpipe need micro-batches >= pp; dualpipe an even pp "
-            "and micro-batch count)")
+            f"({stages} stages for {layers} layers; {s} needs {needs}, and a layer per stage)")
 
 
 def _schedule_ok(s: str, pp: np.ndarray, m: np.ndarray, v: int, layers: int) -> np.ndarray:
-    if s == "interleaved":
-        return (v >= 2) & (m % pp == 0) & (pp * v <= layers)
-    if s in ("zb-v", "dualpipev"):
-        return (m >= pp) & (2 * pp <= layers) & (v == 2)
-    if s == "dualpipe":
-        return (pp % 2 == 0) & (m % 2 == 0) & (m >= pp) & (v == 1)
-    if s in ("zb-h1", "zb-h2"):
-        return (m >= pp) & (v == 1)
-    return v == 1 + 0 * pp
+    """Which layouts (arrays of pp and micro-batch counts) the schedule can run: its
+    registry rules as the search applies them, and a layer for every stage."""
+    spec = SCHEDULES[s]
+    ok = np.ones(np.shape(pp), dtype=bool)
+    for rule in spec.planner_rules:
+        ok = ok & rule.holds(pp, m, v)
+    return ok & (spec.model_stages(pp, v) <= layers)
 
 
 def _schedule_variants() -> list[tuple[str, int]]:
-    out = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2),
-           ("dualpipev", 2), ("dualpipe", 1)]
-    return out + [("interleaved", v) for v in VIRTUAL_STAGES]
+    """(schedule, virtual stages) pairs the search scores, in the registry's search order;
+    a free stage count (interleaved) is tried at each of VIRTUAL_STAGES."""
+    out = []
+    for spec in sorted(SCHEDULES.values(), key=lambda spec: spec.search_order):
+        vs = VIRTUAL_STAGES if spec.free_virtual_stages else (spec.virtual_stages,)
+        out += [(spec.name, v) for v in vs]
+    return out
 
 
 def numeric_candidates(shape: Shape, cluster: Cluster, train: Training) -> dict[str, np.ndarray]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.config import SCHEDULES, Config, load_config
+from plait.config import Config, load_config
 from plait.device import CHOICES as DEVICE_CHOICES
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES
 
 # flag -> config key (None value = flag not given)
 TRAIN_FLAGS = {
@@ -37,7 +38,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                  "pp", "cp", "ep", "zero", "microbatches", "virtual-stages", "gpus-per-node"):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES)
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--recompute", choices=("none", "full"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"))

@@ -19,16 +19,15 @@ from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.draw import format_table
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.schedules import SCHEDULE_NAMES, build_schedule
-from plait.parallel.pipeline.simulate import (
-    Durations,
+from plait.parallel.pipeline.registry import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    build_schedule,
     closed_form_bubble,
+    natural_virtual_stages,
     paper_bubble_time,
-    simulate,
 )
-
-# schedules whose natural stage count per rank is 2 (used when --virtual-stages is omitted)
-_DEFAULT_V = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
+from plait.parallel.pipeline.simulate import Durations, simulate
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -52,7 +51,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         "--virtual-stages",
         type=int,
         default=None,
-        help="stages per rank (default: 2 for interleaved, zb-v, dualpipev; else 1)",
+        help=f"stages per rank (default: {_default_v_help()})",
     )
     sp.add_argument("--forward", type=float, default=1.0, help="T_F per stage per micro-batch")
     sp.add_argument("--backward-input", type=float, default=1.0, help="T_I (B = I + W)")
@@ -66,12 +65,22 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _default_v_help() -> str:
+    """E.g. '2 for interleaved, zb-v, dualpipev; else 1', from the registry."""
+    by_v: dict[int, list[str]] = {}
+    for name, spec in SCHEDULES.items():
+        if spec.virtual_stages != 1:
+            by_v.setdefault(spec.virtual_stages, []).append(name)
+    return "; ".join([f"{v} for {', '.join(names)}" for v, names in by_v.items()] + ["else 1"])
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.load:
             schedule = Schedule.from_text(Path(args.load).read_text())
         else:
-            v = args.virtual_stages or _DEFAULT_V.get(args.schedule, 1)
+            # 0 like omitted: the schedule's own
+            v = natural_virtual_stages(args.schedule, args.virtual_stages or None)
             schedule = build_schedule(args.schedule, args.pp, args.microbatches, v)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

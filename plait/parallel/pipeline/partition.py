@@ -4,7 +4,9 @@ A *model stage* is a contiguous block of decoder layers; the first also holds th
 embedding, the last the final norm, LM head and loss. Blocks are balanced by cost (forward
 FLOPs per token, the embedding and the head counted) with a min-max split; every stage gets
 at least one layer, so a model with fewer layers than stages is refused with the options
-that work, and an uneven split is deliberate and reported by `Partition.describe()`.
+that work (config validation: `registry.validate_schedule_request(..., n_layers=)`), and an
+uneven split is deliberate and reported by `Partition.describe()`. How many stages a
+schedule cuts the layers into is the registry's (`num_model_stages`).
 
 `Stage` wraps slices of a built `Transformer` without editing model code: its parameters
 keep the model's names (`layers.5.attn.wq.weight`), so name-seeded init gives every layout
@@ -23,32 +25,15 @@ from plait.model.loss import token_loss
 from plait.model.presets import ModelConfig
 from plait.model.transformer import Transformer, build_model, materialise, run_blocks
 from plait.parallel.pipeline.ir import Schedule
-from plait.parallel.pipeline.schedules import build_schedule
+from plait.parallel.pipeline.registry import (
+    build_schedule,
+    natural_virtual_stages,
+    num_model_stages,
+)
 from plait.placement import PlacementTable
 
 if TYPE_CHECKING:
     from plait.config import Config
-
-# schedules holding 2 model stages per rank (a V); dualpipe holds two *copies* of p stages
-V_SHAPED = ("zb-v", "dualpipev")
-
-
-def natural_virtual_stages(schedule: str, virtual_stages: int | None) -> int:
-    """Stages per rank: as given, else what the schedule is built for (2 for V/interleaved)."""
-    if virtual_stages is not None:
-        return virtual_stages
-    return 2 if schedule in V_SHAPED + ("interleaved",) else 1
-
-
-def num_model_stages(schedule: str, pp: int, virtual_stages: int) -> int:
-    """How many blocks the layers are cut into (DualPipe's two copies share the blocks)."""
-    if pp == 1:
-        return 1
-    if schedule == "dualpipe":
-        return pp
-    if schedule in V_SHAPED:
-        return 2 * pp
-    return pp * virtual_stages
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
@@ -125,22 +110,6 @@ def partition_layers(n_layers: int, num_stages: int, embed: float = 0.0, layer: 
 def partition_for(cfg: ModelConfig, seq_len: int, num_stages: int) -> Partition:
     embed, layer, head = layer_costs(cfg, seq_len)
     return partition_layers(cfg.n_layers, num_stages, embed, layer, head)
-
-
-def validate_partition(cfg: ModelConfig, schedule: str, pp: int, virtual_stages: int
-                       ) -> list[str]:
-    """Problems cutting the model for this schedule, each naming the options that work."""
-    if pp <= 1:
-        return []
-    stages = num_model_stages(schedule, pp, virtual_stages)
-    if stages <= cfg.n_layers:
-        return []
-    per_rank = stages // pp
-    ok_pp = [q for q in range(2, cfg.n_layers + 1) if q * per_rank <= cfg.n_layers]
-    fix = (f"use pp in {', '.join(map(str, ok_pp))}" if ok_pp else
-           "use a schedule with one stage per rank (1f1b, zb-h1, ...)")
-    return [f"{schedule} at pp={pp} cuts the model into {stages} stages but model.n_layers="
-            f"{cfg.n_layers}; every stage needs a layer: {fix}, or set model.n_layers>={stages}"]
 
 
 class Stage(nn.Module):

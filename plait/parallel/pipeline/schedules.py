@@ -1,7 +1,9 @@
 """Schedule builders: name, pp, micro-batches, virtual stages -> per-rank compute actions.
 
-Each builder returns an unlowered `Schedule` (compute actions only; `lower.py` adds the
-transfers). Placement per schedule:
+Each builder takes (p, m, v) (the list-scheduled ones also `durations`) and returns an
+unlowered `Schedule` (compute actions only; `lower.py` adds the transfers). A builder
+trusts its request: call `registry.build_schedule`, which checks it first (the registry,
+registry.py, holds every other fact about each schedule). Placement per schedule:
   gpipe, 1f1b, zb-h1, zb-h2   one stage per rank (stage s on rank s)
   interleaved                 v stages per rank, round-robin: stage s on rank s % p
   zb-v, dualpipev             2 stages per rank in a V: rank r holds stages r and 2p-1-r
@@ -16,104 +18,6 @@ from collections.abc import Callable
 from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.simulate import Durations
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
-
-# schedules whose placement is fixed at 2 stages per rank
-_V_SHAPED = ("zb-v", "dualpipev")
-
-
-def validate_schedule_request(
-    name: str, pp: int, microbatches: int, virtual_stages: int = 1
-) -> list[str]:
-    """Every problem with the request, each naming the fix; [] when it can be built."""
-    p, m, v = pp, microbatches, virtual_stages
-    if name not in SCHEDULE_NAMES:
-        return [f"schedule={name!r} is unknown; use one of {', '.join(SCHEDULE_NAMES)}"]
-    problems = []
-    if p < 1:
-        problems.append(f"pp={p} must be >= 1")
-    if m < 1:
-        problems.append(f"microbatches={m} must be >= 1")
-    if v < 1:
-        problems.append(f"virtual_stages={v} must be >= 1")
-    if problems:
-        return problems
-    if name == "interleaved":
-        if v < 2:
-            problems.append(
-                f"interleaved needs virtual_stages >= 2 (got {v}); use virtual_stages=2, "
-                "or schedule=1f1b for one stage per rank"
-            )
-        if m % p:
-            problems.append(
-                f"interleaved needs microbatches divisible by pp={p} (got {m}); use "
-                f"microbatches={_round_up(m, p)} or another multiple of {p}"
-            )
-    elif name in _V_SHAPED:
-        if v != 2:
-            problems.append(
-                f"{name} places exactly 2 stages per rank in a V (got virtual_stages={v}); "
-                "use virtual_stages=2"
-            )
-    elif v != 1:
-        fix = "use virtual_stages=1"
-        if name in ("1f1b", "zb-h1", "zb-h2"):
-            fix += ", or schedule=interleaved / zb-v for several stages per rank"
-        what = "one stage of each of its two model copies" if name == "dualpipe" else "one stage"
-        problems.append(f"{name} places {what} per rank (got virtual_stages={v}); {fix}")
-    if name in ("zb-h1", "zb-h2", "zb-v") and m < p:
-        problems.append(f"{name} needs microbatches >= pp={p} (got {m}); use microbatches>={p}")
-    if name == "dualpipev" and m < 2 * p - 1:
-        problems.append(
-            f"dualpipev needs microbatches >= 2*pp-1 = {2 * p - 1} (got {m}) to fill its "
-            f"warm-up; use microbatches>={2 * p - 1}"
-        )
-    if name == "dualpipe":
-        if p % 2:
-            problems.append(
-                f"dualpipe needs an even pp (got {p}); use pp={p + 1} or pp={p - 1}"
-                if p > 1
-                else "dualpipe needs an even pp >= 2; use pp=2"
-            )
-        if m % 2:
-            problems.append(
-                f"dualpipe sends half the micro-batches each way: microbatches must be even "
-                f"(got {m}); use microbatches={m + 1}"
-            )
-    return problems
-
-
-def build_schedule(
-    name: str,
-    pp: int,
-    microbatches: int,
-    virtual_stages: int = 1,
-    durations: Durations | None = None,
-) -> Schedule:
-    """Build the named schedule; ValueError listing every problem (and its fix) otherwise.
-    `durations` only matters for the list-scheduled zb-v and dualpipe, whose order is
-    searched for those durations (default: T_F = T_I = T_W, free transfers)."""
-    problems = validate_schedule_request(name, pp, microbatches, virtual_stages)
-    if problems:
-        raise ValueError(f"cannot build schedule {name!r}: " + "; ".join(problems))
-    builder = {
-        "gpipe": _gpipe,
-        "1f1b": _one_f_one_b,
-        "zb-h1": _zb_h1,
-        "zb-h2": _zb_h2,
-        "interleaved": _interleaved,
-        "zb-v": _zb_v,
-        "dualpipev": _dualpipev,
-        "dualpipe": _dualpipe,
-    }[name]
-    if name in ("zb-v", "dualpipe"):
-        return builder(pp, microbatches, virtual_stages, durations)
-    return builder(pp, microbatches, virtual_stages)
-
-
-def _round_up(x: int, k: int) -> int:
-    return -(-x // k) * k
-
 
 def _linear(name: str, p: int, m: int, actions: list[list[Action]]) -> Schedule:
     return Schedule(name, p, m, 1, p, list(range(p)), actions)
@@ -122,7 +26,7 @@ def _linear(name: str, p: int, m: int, actions: list[list[Action]]) -> Schedule:
 # --- one stage per rank -------------------------------------------------------------------
 
 
-def _gpipe(p: int, m: int, v: int) -> Schedule:
+def build_gpipe(p: int, m: int, v: int) -> Schedule:
     """All forwards, then all backwards (Huang et al. 2019). Peak activations m per rank."""
     acts = [
         [Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
@@ -131,7 +35,7 @@ def _gpipe(p: int, m: int, v: int) -> Schedule:
     return _linear("gpipe", p, m, acts)
 
 
-def _one_f_one_b(p: int, m: int, v: int) -> Schedule:
+def build_1f1b(p: int, m: int, v: int) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021): rank r runs p-1-r warm-up forwards,
     then alternates one forward, one backward; at most p-r activations alive."""
     acts = []
@@ -146,7 +50,7 @@ def _one_f_one_b(p: int, m: int, v: int) -> Schedule:
     return _linear("1f1b", p, m, acts)
 
 
-def _zb_h1(p: int, m: int, v: int) -> Schedule:
+def build_zb_h1(p: int, m: int, v: int) -> Schedule:
     """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with B split into I and W, and rank r
     deferring its W's by r micro-batches. The I chain no longer waits for W's, so the
     bubble shrinks to (p-1)(T_F+T_I-T_W) while activations stay at 1F1B's p-r (the r
@@ -154,7 +58,7 @@ def _zb_h1(p: int, m: int, v: int) -> Schedule:
     return _split_1f1b("zb-h1", p, m, warm=lambda r: p - 1 - r, w_delay=lambda r: r)
 
 
-def _zb_h2(p: int, m: int, v: int) -> Schedule:
+def build_zb_h2(p: int, m: int, v: int) -> Schedule:
     """ZB-H2 (Qi et al. 2023, section 2.2): 2(p-1-r) warm-up forwards fill the time until
     the first gradient returns, and W's are deferred by 2r micro-batches to fill the tail.
     Rank 0 holds up to 2p-1 activations. Every rank then works without a gap from its first
@@ -184,7 +88,7 @@ def _split_1f1b(name: str, p: int, m: int, warm, w_delay) -> Schedule:
 # --- several stages per rank --------------------------------------------------------------
 
 
-def _interleaved(p: int, m: int, v: int) -> Schedule:
+def build_interleaved(p: int, m: int, v: int) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, section 2.2), Megatron-LM's order: stage s on
     rank s % p; forwards go in rounds of p micro-batches per chunk (chunk 0 for mb 0..p-1,
     chunk 1 for the same mbs, ..., then mb p..2p-1), backwards in the same rounds with the
@@ -218,7 +122,7 @@ def _v_placement(p: int) -> list[int]:
     return list(range(p)) + list(range(p - 1, -1, -1))
 
 
-def _zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, about 2p stage
     activations per rank (= 1F1B's peak p, as each stage is half a rank's layers). The
     order comes from the list scheduler below, run with `durations` (default T_F = T_I =
@@ -240,7 +144,7 @@ def _zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedul
     )
 
 
-def _dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
     """DualPipe (DeepSeek-V3 technical report, 2024, section 3.2.1): two chains over two
     copies of the model, micro-batches 0..m/2-1 enter at rank 0, m/2..m-1 at rank p-1, so
     each end's warm-up fills the other's bubble. Order from the list scheduler with at most
@@ -254,7 +158,7 @@ def _dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Sch
     )
 
 
-def _dualpipev(p: int, m: int, v: int) -> Schedule:
+def build_dualpipev(p: int, m: int, v: int) -> Schedule:
     """DualPipeV, DualPipe "cut in half" onto a V (rank r: chunk 0 = stage r, chunk 1 =
     stage 2p-1-r), written from DualPipe's published phase structure. Per rank:
       1. 2(p-1-r) forwards of chunk 0            5. p-1-r x (B chunk 1, F 1, B 0)
@@ -314,6 +218,10 @@ def _dualpipev(p: int, m: int, v: int) -> Schedule:
     return Schedule("dualpipev", p, m, 2, 2 * p, _v_placement(p), acts)
 
 
+Quota = Callable[[int], tuple[object, int, bool]]  # stage -> (key, limit, gated)
+Item = tuple[int, int, int, str]  # (priority, micro-batch, -stage, kind): min() picks
+
+
 def _list_schedule(
     name: str,
     p: int,
@@ -321,7 +229,7 @@ def _list_schedule(
     v: int,
     stage_to_rank: list[int],
     chains: int,
-    quota: Callable[[int], tuple[object, int, bool]],
+    quota: Quota,
     durations: Durations | None = None,
 ) -> Schedule:
     """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
@@ -336,66 +244,82 @@ def _list_schedule(
       3. else a W (it fills what would be a bubble), oldest first.
     The resulting order is the schedule: plain data, valid under any durations, tuned for
     the ones it was built with."""
-    d = durations or Durations(1.0, 1.0, 1.0)
     shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
-    todo: list[list[tuple[int, int, int, str]]] = [[] for _ in range(p)]  # (prio, mb, -s, kind)
-    for mb in range(m):
-        for s in shape.stages_of(mb):
-            for prio, kind in ((1, "F"), (0, "I"), (2, "W")):
-                todo[stage_to_rank[s]].append((prio, mb, -s, kind))
-    end: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
+    acts = _ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0)).run()
+    return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)
 
-    def arrival(kind: str, src: int, mb: int, rank: int) -> float | None:
-        t = end.get((kind, src, mb))
+
+class _ListScheduler:
+    """One run of `_list_schedule`: the clock, what each rank has left, what has finished."""
+
+    def __init__(self, shape: Schedule, quota: Quota, d: Durations):
+        self.shape, self.quota, self.d = shape, quota, d
+        self.todo: list[list[Item]] = [[] for _ in range(shape.pp)]
+        for mb in range(shape.microbatches):
+            for s in shape.stages_of(mb):
+                for prio, kind in ((1, "F"), (0, "I"), (2, "W")):
+                    self.todo[shape.stage_to_rank[s]].append((prio, mb, -s, kind))
+        self.end: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish
+        self.live: dict[object, int] = {}  # quota key -> admitted and not yet freed
+        self.free = [0.0] * shape.pp  # when each rank is next free
+        self.acts: list[list[Action]] = [[] for _ in range(shape.pp)]
+
+    def run(self) -> list[list[Action]]:
+        t = 0.0
+        while any(self.todo):
+            for r in range(self.shape.pp):
+                if self.free[r] > t or not self.todo[r]:
+                    continue
+                ready = [item for item in self.todo[r] if self._ready(r, item, t)]
+                if ready:
+                    self._start(r, min(ready), t)
+            later = self._next_moment(t)
+            if later is None:
+                if any(self.todo):  # cannot happen: some action is always ready eventually
+                    raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
+                break
+            t = later
+        return self.acts
+
+    def _arrival(self, kind: str, src: int, mb: int, rank: int) -> float | None:
+        """When the output of (kind, src, mb) is on `rank`; None if not yet computed."""
+        t = self.end.get((kind, src, mb))
         if t is None:
             return None
-        return t + (d.p2p if stage_to_rank[src] != rank else 0.0)
+        return t + (self.d.p2p if self.shape.stage_to_rank[src] != rank else 0.0)
 
-    def ready_at(r: int, item: tuple[int, int, int, str], t: float) -> bool:
+    def _ready(self, r: int, item: Item, t: float) -> bool:
         _, mb, neg_s, kind = item
-        s = -neg_s
+        s, inf = -neg_s, float("inf")
         if kind == "F":
-            src = shape.prev_stage(s)
-            key, limit, gated = quota(s)
-            if gated and live.get(key, 0) >= limit:
+            src = self.shape.prev_stage(s)
+            key, limit, gated = self.quota(s)
+            if gated and self.live.get(key, 0) >= limit:
                 return False
-            return src is None or (arrival("F", src, mb, r) or inf) <= t
+            return src is None or (self._arrival("F", src, mb, r) or inf) <= t
         if kind == "I":
-            src = shape.next_stage(s)
-            return end.get(("F", s, mb), inf) <= t and (
-                src is None or (arrival("I", src, mb, r) or inf) <= t
+            src = self.shape.next_stage(s)
+            return self.end.get(("F", s, mb), inf) <= t and (
+                src is None or (self._arrival("I", src, mb, r) or inf) <= t
             )
-        return end.get(("I", s, mb), inf) <= t
+        return self.end.get(("I", s, mb), inf) <= t
 
-    inf = float("inf")
-    live: dict[object, int] = {}  # quota key -> micro-batches admitted and not yet freed
-    free = [0.0] * p
-    acts: list[list[Action]] = [[] for _ in range(p)]
-    t = 0.0
-    while any(todo):
-        for r in range(p):
-            if free[r] > t or not todo[r]:
-                continue
-            ready = [item for item in todo[r] if ready_at(r, item, t)]
-            if not ready:
-                continue
-            item = min(ready)
-            todo[r].remove(item)
-            _, mb, neg_s, kind = item
-            free[r] = t + d.of(kind, -neg_s)
-            end[(kind, -neg_s, mb)] = free[r]
-            if kind != "W":
-                key = quota(-neg_s)[0]
-                live[key] = live.get(key, 0) + (1 if kind == "F" else -1)
-            acts[r].append(Action(kind, -neg_s, mb))
-        # next moment anything can change: a rank frees up or an input arrives
-        later = [x for x in free if x > t]
-        later += [x + d.p2p for x in end.values() if x + d.p2p > t] + [
-            x for x in end.values() if x > t
+    def _start(self, r: int, item: Item, t: float) -> None:
+        """Run `item` on rank r from time t: its finish, the quota count, the order."""
+        self.todo[r].remove(item)
+        _, mb, neg_s, kind = item
+        self.free[r] = t + self.d.of(kind, -neg_s)
+        self.end[(kind, -neg_s, mb)] = self.free[r]
+        if kind != "W":
+            key = self.quota(-neg_s)[0]
+            self.live[key] = self.live.get(key, 0) + (1 if kind == "F" else -1)
+        self.acts[r].append(Action(kind, -neg_s, mb))
+
+    def _next_moment(self, t: float) -> float | None:
+        """The next time anything can change: a rank frees up or an input arrives."""
+        p2p = self.d.p2p
+        later = [x for x in self.free if x > t]
+        later += [x + p2p for x in self.end.values() if x + p2p > t] + [
+            x for x in self.end.values() if x > t
         ]
-        if not later:
-            if any(todo):  # cannot happen: some action is always ready eventually
-                raise RuntimeError(f"list scheduler for {name} made no progress")
-            break
-        t = min(later)
-    return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)
+        return min(later) if later else None

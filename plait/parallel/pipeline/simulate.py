@@ -2,7 +2,8 @@
 
 Used by `plait simulate`, by the planner (`plait/plan/`) and by the validator that compares
 measured timelines with this prediction: one cost model (docs/architecture.md,
-"One cost model").
+"One cost model"). The closed forms it must agree with are the registry's
+(`registry.closed_form_bubble`, `registry.paper_bubble_time`).
 
 What is modelled. Each rank runs its compute actions strictly in list order, one at a time.
 An action starts when its rank is free *and* its input has arrived:
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.parallel.pipeline.check import peak_activations
-from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.ir import Action, Schedule
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 
@@ -83,80 +84,8 @@ class DeadlockError(ValueError):
 def simulate(schedule: Schedule, durations: Durations) -> SimResult:
     """Lay the schedule out in time (see the module docstring for the rules)."""
     _check_durations(schedule, durations)
-    rank_of = schedule.stage_to_rank
-    if durations.post > 0:
-        if not schedule.lowered:
-            from plait.parallel.pipeline.lower import lower
-
-            schedule = lower(schedule)
-        # a run of transfers becomes one None entry: `post` of the rank's time
-        queues = [[a for k, a in enumerate(acts)
-                   if not a.is_comm or k == 0 or not acts[k - 1].is_comm] for acts in
-                  schedule.actions]
-        queues = [[None if a.is_comm else a for a in q] for q in queues]
-    else:
-        queues = [[a for a in acts if not a.is_comm] for acts in schedule.actions]
-    pos = [0] * schedule.pp
-    free = [0.0] * schedule.pp
-    # end time of each finished compute, keyed by (kind family, stage, mb):
-    # "F" for forwards, "G" for the input-gradient producer (I or B), "W" for W.
-    done: dict[tuple[str, int, int], float] = {}
-    events: list[list[Event]] = [[] for _ in range(schedule.pp)]
-
-    def ready_time(kind: str, stage: int, mb: int) -> float | None:
-        """When the inputs of this action are available on its rank; None if not yet."""
-        rank = rank_of[stage]
-        if kind == "F":
-            src = schedule.prev_stage(stage)
-            key = None if src is None else ("F", src, mb)
-        elif kind in ("I", "B"):
-            src = schedule.next_stage(stage)
-            if src is None:  # last stage of the chain: the loss gradient is local
-                return done.get(("F", stage, mb))
-            if ("F", stage, mb) not in done:
-                return None
-            key = ("G", src, mb)
-        else:  # W needs its own I
-            return done.get(("G", stage, mb))
-        if key is None:
-            return 0.0
-        if key not in done:
-            return None
-        return done[key] + (durations.p2p if rank_of[src] != rank else 0.0)
-
-    remaining = sum(len(q) for q in queues)
-    while remaining:
-        progressed = False
-        for r in range(schedule.pp):
-            # run this rank as far as its inputs allow
-            while pos[r] < len(queues[r]):
-                a = queues[r][pos[r]]
-                if a is None:  # posting a batch of transfers
-                    free[r] += durations.post
-                    pos[r] += 1
-                    remaining -= 1
-                    progressed = True
-                    continue
-                t = ready_time(a.kind, a.stage, a.microbatch)
-                if t is None:
-                    break
-                start = max(free[r], t)
-                end = start + durations.of(a.kind, a.stage)
-                free[r] = end
-                fam = "G" if a.kind in ("I", "B") else a.kind
-                done[(fam, a.stage, a.microbatch)] = end
-                events[r].append((a.kind, a.stage, a.microbatch, start, end))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [
-                f"rank {r} waits at {queues[r][pos[r]]}"
-                for r in range(schedule.pp)
-                if pos[r] < len(queues[r])
-            ]
-            raise DeadlockError("schedule cannot finish: " + "; ".join(stuck))
-
+    schedule, queues = _queues(schedule, durations)
+    events = _lay_out(schedule, queues, durations)
     step = max((ev[-1][4] for ev in events if ev), default=0.0)
     busy = [sum(e - s for _, _, _, s, e in ev) for ev in events]
     per_rank = [(step - b) / step if step > 0 else 0.0 for b in busy]
@@ -173,6 +102,86 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
     )
 
 
+Queue = list[Action | None]  # a rank's compute actions; None: posting a batch of transfers
+
+
+def _queues(schedule: Schedule, durations: Durations) -> tuple[Schedule, list[Queue]]:
+    """Each rank's work in order: its compute actions, and with post > 0 one None per run
+    of consecutive transfers (the schedule lowered first if it is not)."""
+    if durations.post <= 0:
+        return schedule, [[a for a in acts if not a.is_comm] for acts in schedule.actions]
+    if not schedule.lowered:
+        from plait.parallel.pipeline.lower import lower
+
+        schedule = lower(schedule)
+    runs = [[a for k, a in enumerate(acts)
+             if not a.is_comm or k == 0 or not acts[k - 1].is_comm] for acts in
+            schedule.actions]
+    return schedule, [[None if a.is_comm else a for a in q] for q in runs]
+
+
+def _lay_out(schedule: Schedule, queues: list[Queue], durations: Durations
+             ) -> list[list[Event]]:
+    """Run every rank as far as its inputs allow, round after round, until all is done."""
+    pos = [0] * schedule.pp
+    free = [0.0] * schedule.pp
+    # end time of each finished compute, keyed by (kind family, stage, mb):
+    # "F" for forwards, "G" for the input-gradient producer (I or B), "W" for W.
+    done: dict[tuple[str, int, int], float] = {}
+    events: list[list[Event]] = [[] for _ in range(schedule.pp)]
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for r in range(schedule.pp):
+            while pos[r] < len(queues[r]):
+                a = queues[r][pos[r]]
+                if a is None:  # posting a batch of transfers
+                    free[r] += durations.post
+                else:
+                    t = _ready_time(schedule, durations, done, a)
+                    if t is None:
+                        break
+                    start = max(free[r], t)
+                    free[r] = start + durations.of(a.kind, a.stage)
+                    fam = "G" if a.kind in ("I", "B") else a.kind
+                    done[(fam, a.stage, a.microbatch)] = free[r]
+                    events[r].append((a.kind, a.stage, a.microbatch, start, free[r]))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [
+                f"rank {r} waits at {queues[r][pos[r]]}"
+                for r in range(schedule.pp)
+                if pos[r] < len(queues[r])
+            ]
+            raise DeadlockError("schedule cannot finish: " + "; ".join(stuck))
+    return events
+
+
+def _ready_time(schedule: Schedule, durations: Durations,
+                done: dict[tuple[str, int, int], float], a: Action) -> float | None:
+    """When the inputs of compute action `a` are available on its rank; None if not yet."""
+    rank_of, stage, mb = schedule.stage_to_rank, a.stage, a.microbatch
+    if a.kind == "F":
+        src = schedule.prev_stage(stage)
+        if src is None:
+            return 0.0
+        key = ("F", src, mb)
+    elif a.kind in ("I", "B"):
+        src = schedule.next_stage(stage)
+        if src is None:  # last stage of the chain: the loss gradient is local
+            return done.get(("F", stage, mb))
+        if ("F", stage, mb) not in done:
+            return None
+        key = ("G", src, mb)
+    else:  # W needs its own I
+        return done.get(("G", stage, mb))
+    if key not in done:
+        return None
+    return done[key] + (durations.p2p if rank_of[src] != rank_of[stage] else 0.0)
+
+
 def _check_durations(schedule: Schedule, d: Durations) -> None:
     for name in ("forward_per_stage", "backward_input_per_stage", "backward_weight_per_stage"):
         v = getattr(d, name)
@@ -183,63 +192,3 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
             )
     if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post) < 0:
         raise ValueError("durations must be >= 0")
-
-
-def closed_form_bubble(
-    name: str, pp: int, microbatches: int, virtual_stages: int, d: Durations
-) -> float | None:
-    """The bubble fraction `simulate` must give (idle / (pp * step), synchronous step: every
-    rank waits for the last one), for uniform stages and p2p = 0; None where no closed form
-    applies. Bubble *time* per rank, T_B = T_I + T_W, per-stage times:
-      gpipe, 1f1b   (p-1)(T_F+T_B)        GPipe (Huang et al. 2019); 1F1B (Narayanan 2021)
-      interleaved   (p-1)(T_F+T_B)        Narayanan et al. 2021 s2.2: (p-1)/(v m) of ideal
-      zb-h1         (p-1)(T_F+T_I-T_W)    Qi et al. 2023 s2.1; m >= p, T_W <= T_F, T_I
-      zb-h2         (p-1) T_F             the fill triangle that the paper's parallelogram
-                                          leaves under a synchronous step; m >= 2p-1,
-                                          T_W <= T_F, T_W <= T_I <= 2 T_W (derived here,
-                                          checked by tests; see `paper_bubble_time`)
-    Busy time per rank is m v (T_F + T_B)."""
-    if (d.p2p or d.post or d.forward_per_stage or d.backward_input_per_stage
-            or d.backward_weight_per_stage):
-        return None
-    p, m, v = pp, microbatches, virtual_stages
-    tf, ti, tw = d.forward, d.backward_input, d.backward_weight
-    busy = m * v * (tf + ti + tw)
-    if name in ("gpipe", "1f1b", "interleaved"):
-        bubble = (p - 1) * (tf + ti + tw)
-    elif name == "zb-h1" and m >= p and tw <= tf and tw <= ti:
-        bubble = (p - 1) * (tf + ti - tw)
-    elif name == "zb-h2" and m >= 2 * p - 1 and tw <= tf and tw <= ti <= 2 * tw:
-        bubble = (p - 1) * tf
-    else:
-        return None
-    return bubble / (busy + bubble)
-
-
-def paper_bubble_time(
-    name: str, pp: int, microbatches: int, virtual_stages: int, d: Durations
-) -> float | None:
-    """The bubble *time* per rank as the papers state it, where they do. The zero-bubble
-    paper and the DeepSeek-V3 report count idle inside a rank's span (compare with
-    `max(SimResult.span_idle_per_rank)`); for gpipe/1f1b/interleaved/zb-h1 that equals the
-    synchronous bubble. Uniform stages, p2p = 0.
-      zb-h2      (p-1)(T_F+T_I-2T_W)               Qi et al. 2023 s2.2, m >= 2p-1
-      dualpipe   (p/2-1)(T_F&B + T_B - 3T_W)       DeepSeek-V3 report, Table 2, with
-                 = (p/2-1)(T_F + 2T_I - T_W)       T_F&B = T_F + T_B here: this model does
-                                                   not overlap a forward with a backward,
-                                                   so it is a bound to meet, not an identity
-    """
-    if (d.p2p or d.post or d.forward_per_stage or d.backward_input_per_stage
-            or d.backward_weight_per_stage):
-        return None
-    p, m = pp, microbatches
-    tf, ti, tw = d.forward, d.backward_input, d.backward_weight
-    if name in ("gpipe", "1f1b", "interleaved"):
-        return (p - 1) * (tf + ti + tw)
-    if name == "zb-h1" and m >= p:
-        return (p - 1) * (tf + ti - tw)
-    if name == "zb-h2" and m >= 2 * p - 1:
-        return (p - 1) * (tf + ti - 2 * tw)
-    if name == "dualpipe":
-        return (p / 2 - 1) * (tf + 2 * ti - tw)
-    return None
