@@ -75,3 +75,35 @@ def test_train_device_cuda_refused_before_launch(tmp_path):
                         "--metrics-out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--device cuda" in r.stderr and "--device cpu" in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+# Host-side allocations that are right on the CPU whatever the device: the name-seeded init
+# and the RoPE tables are computed on the host (float64 angles) and copied to the device,
+# so every device starts from the same bits; the planner, the oracle and the data loader
+# never touch a device tensor.
+HOST_SIDE = ("plait/model/", "plait/plan/", "plait/train/reference.py", "plait/train/data.py",
+             "plait/train/corpus.py", "plait/testing.py")
+FACTORIES = {"zeros", "empty", "ones", "full", "tensor", "arange", "randn", "rand",
+             "randint", "linspace"}
+
+
+def test_every_allocation_names_its_device():
+    """A factory call without `device=` allocates on the CPU, which on CUDA is a silent
+    host round trip or a NCCL error: below the CLI every one must name its device (the
+    mesh's, or a tensor's), or be a *_like of a tensor already on it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    missing = []
+    for path in sorted((root / "plait").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(HOST_SIDE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and node.func.attr in FACTORIES
+                    and not any(k.arg == "device" for k in node.keywords)):
+                missing.append(f"{rel}:{node.lineno} torch.{node.func.attr}")
+    assert not missing, "allocations that name no device:\n" + "\n".join(missing)

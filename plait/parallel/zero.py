@@ -49,15 +49,16 @@ class _Unit:
         self.k = -(-self.numel // n)  # shard elements
         self.lo, self.hi = rank * self.k, (rank + 1) * self.k
         self.offsets = list(_cumulative(p.numel() for p in self.params))
-        dtype = self.params[0].dtype
-        self.full = torch.zeros(self.k * n, dtype=dtype)
+        dtype, dev = self.params[0].dtype, self.params[0].device
+        self.full = torch.zeros(self.k * n, dtype=dtype, device=dev)
         for p, off in zip(self.params, self.offsets, strict=True):
             self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.full[off:off + p.numel()].view_as(p)
         self.master = self.full[self.lo:self.hi].float().clone()
         # Adam's moments (SGD keeps none: empty tensors, nothing to count)
-        self.exp_avg = torch.zeros_like(self.master) if moments else torch.zeros(0)
-        self.exp_avg_sq = torch.zeros_like(self.master) if moments else torch.zeros(0)
+        none = torch.zeros(0, device=dev)
+        self.exp_avg = torch.zeros_like(self.master) if moments else none
+        self.exp_avg_sq = torch.zeros_like(self.master) if moments else none
         self.shard: torch.Tensor | None = None  # stage 3: the persistent compute-dtype shard
         self.grad_shard: torch.Tensor | None = None
         self.gathered = True
@@ -82,7 +83,8 @@ class _Unit:
         `free` drops the per-parameter gradients (stages 2 and 3); stage 1 keeps them, they
         are its 2 bytes/parameter of gradient state.
         """
-        flat = torch.zeros(self.full.shape, dtype=self.full.dtype)  # `full` may be freed
+        # `full` may be freed (stage 3): a new buffer of its shape
+        flat = torch.zeros(self.full.shape, dtype=self.full.dtype, device=self.full.device)
         for p, off in zip(self.params, self.offsets, strict=True):
             if p.grad is not None:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -217,6 +219,7 @@ class ZeroOptimizer:
         self._ensure_gathered(u)
         if not self.in_backward and u.index + 1 < len(self.units):
             self._issue_gather(self.units[u.index + 1])  # prefetch: overlaps this unit
+        # host time: what the prefetch check needs is the order of issue, not kernel time
         self._forward_start[u.index] = time.perf_counter()
 
     def _post_forward(self, u: _Unit, module, args, output):
@@ -254,7 +257,7 @@ class ZeroOptimizer:
         u.rs_in = u.flat_grad(free=self.stage >= 2)
         if self.stage == 3 and u.gathered:
             self._free(u)  # its backward is done
-        u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype)
+        u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype, device=u.rs_in.device)
         u.rs_handle = comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, self.dim,
                                           async_op=True, tag="grads")
         u.ready.clear()
@@ -297,7 +300,7 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm: each shard element once (replicas over other dims skipped)."""
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.mesh.device.torch)
         for u in self.units:
             if u.grad_shard is None:
                 continue
@@ -356,12 +359,12 @@ class ZeroOptimizer:
         """Full fp32 gradients by name (summed over dp), from every rank's gradient shard;
         call between backward and step()."""
         return self._gather_by_name(lambda u: u.grad_shard.float() if u.grad_shard is not None
-                                    else torch.zeros(u.k))
+                                    else torch.zeros(u.k, device=u.master.device))
 
     def _gather_by_name(self, shard_of) -> dict[str, torch.Tensor]:
         out = {}
         for u in self.units:
-            full = torch.empty(u.k * self.n, dtype=torch.float32)
+            full = torch.empty(u.k * self.n, dtype=torch.float32, device=u.master.device)
             comm.all_gather(full, shard_of(u), self.mesh, self.dim, tag="state")
             for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
                 out[name] = full[off:off + p.numel()].view(p.shape).clone()
