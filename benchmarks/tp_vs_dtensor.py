@@ -95,8 +95,8 @@ def _dtensor_model(cfg, sp):
         if sp:
             plan.update({
                 "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                           desired_input_layouts=(Replicate(), None, None)),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                           desired_input_layouts=(Replicate(), None)),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                           desired_input_layouts=(Replicate(),)),
             })
