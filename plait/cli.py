@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from plait.config import ConfigError
 from plait.device import DeviceError, resolve_device
+from plait.launch import LocalLaunch
 from plait.train.data import DataError
 from plait.train.flags import (
     add_train_args,
@@ -49,12 +49,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if out and not Path(out).resolve().parent.is_dir():
             return _fail(f"--{flag.replace('_', '-')} {out}: directory does not exist")
     rank_args = _strip_flag(argv, "--nproc") + ["--data", str(data)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "plait.train", *rank_args]
-    env = dict(os.environ)
-    # one intra-op thread per rank (docs/architecture.md, Facts)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    launch = LocalLaunch(nproc, rank_args, timeout_s=args.timeout)  # loopback only
+    return subprocess.call(launch.command, env=launch.env)
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:

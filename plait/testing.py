@@ -24,6 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.device.network import bound_store, loopback_interface, transport_env
+
+LOOPBACK = loopback_interface()
+
 
 class RankFailure(AssertionError):
     """One or more ranks raised or timed out; the message holds their tracebacks."""
@@ -43,8 +47,8 @@ def _rendezvous(rank: int, world_size: int, port, port_ready, timeout: datetime.
     No window in which another process can take the port (free_port's race), and no store
     thread in the parent (forking a process with a live thread can deadlock the child)."""
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                              wait_for_workers=False, timeout=timeout)
+        # listening on loopback only, not every interface (plait/device/network.py)
+        store = bound_store("127.0.0.1", 0, world_size, timeout)
         port.value = store.port
         port_ready.set()
         return store
@@ -57,6 +61,9 @@ def _child(fn: Callable, rank: int, world_size: int, port, port_ready, pg_timeou
            results: mp.Queue, args: tuple, kwargs: dict) -> None:
     torch.set_num_threads(1)
     try:
+        # gloo takes its interface from the environment only: the loopback one, so that no
+        # rank listens on the network (read by init_process_group below, in this child)
+        os.environ.update(transport_env(LOOPBACK))
         timeout = datetime.timedelta(seconds=pg_timeout)
         store = _rendezvous(rank, world_size, port, port_ready, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,

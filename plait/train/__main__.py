@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.device import resolve_device
+from plait.launch import init_rank_process_group
 from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, config_from_args, resolve_data
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args).check(world_size=world)
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:
-        dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=args.timeout))
+        init_rank_process_group(device.backend, datetime.timedelta(seconds=args.timeout))
     if data is None:  # non-zero ranks wait for rank 0 to prepare the default corpus
         dist.barrier()
         data = resolve_data(cfg, args.data_dir)

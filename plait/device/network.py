@@ -1,0 +1,145 @@
+"""Where a run listens: every rendezvous store and transport socket on the address it names.
+
+The c10d TCPStore's server binds the any-address (`[::]`, every interface) whatever host
+it is given, and gloo's transport listens on the address the machine's hostname resolves
+to. Neither authenticates a peer, so a run that only asked to be local must not open a
+port to the network:
+
+- a store's server here listens on a socket we bind ourselves (`bound_store`: TCPStore's
+  `master_listen_fd`), on the host asked for: loopback for a single-node run, the master's
+  address for a multi-node one;
+- gloo and NCCL take their interface only from `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME`,
+  so launchers set them in the ranks' environment (`transport_env`);
+- `listening_sockets(pids)` reads the kernel's table of listening TCP sockets
+  (/proc/net/tcp, /proc/net/tcp6) and keeps those whose inode one of `pids` holds: what
+  the tests check, and what a user can run to see for themselves.
+
+A store on a trusted network is still unauthenticated (as torchrun's documentation says
+of its own): multi-node runs belong on a network only the cluster can reach.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+IFF_LOOPBACK = 0x8  # linux/if.h
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface ("lo" on Linux), from sysfs."""
+    for iface in sorted(Path("/sys/class/net").iterdir()):
+        try:
+            if int((iface / "flags").read_text(), 16) & IFF_LOOPBACK:
+                return iface.name
+        except (OSError, ValueError):
+            continue
+    return "lo"
+
+
+def transport_env(interface: str) -> dict[str, str]:
+    """Environment for ranks so that gloo's and NCCL's sockets use `interface` only."""
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
+
+
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `host:port` only (port 0: one the OS picks)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    return sock
+
+
+def bound_store(host: str, port: int, world_size: int | None,
+                timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore server listening on `host:port` only (not on every interface)."""
+    sock = listen_socket(host, port)
+    # the store owns the descriptor from here on: detach so Python never closes it
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    address: str  # IPv4 or IPv6 text
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        ip = ipaddress.ip_address(self.address)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return (mapped or ip).is_loopback
+
+
+def _decode(hex_addr: str) -> tuple[str, int]:
+    """/proc/net/tcp{,6} "local_address": host-byte-order 32-bit words in hex, then port."""
+    addr, port = hex_addr.split(":")
+    raw = bytes.fromhex(addr)
+    # each 4-byte word is little-endian on the machines this runs on (x86, arm64)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(words) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words), int(port, 16)
+
+
+def _socket_inodes(pids: list[int]) -> dict[str, int]:
+    inodes = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes[link[8:-1]] = pid
+    return inodes
+
+
+def listening_sockets(pids: list[int]) -> list[Listener]:
+    """The TCP sockets in LISTEN state held by any of `pids` (Linux /proc)."""
+    inodes = _socket_inodes(pids)
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                addr, port = _decode(fields[1])
+                out.append(Listener(inodes[fields[9]], addr, port))
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
