@@ -48,10 +48,17 @@ class CommRecord:
     step: int
     tag: str = ""
     dtype: str = ""
+    blocked: float = 0.0  # seconds the issuing rank waited for it (exposed)
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    @property
+    def hidden(self) -> float:
+        """Seconds in flight while the rank did other work (issue to completion, less
+        the wait): an async op's overlap; 0 for a synchronous one."""
+        return max(self.seconds - self.blocked, 0.0)
 
 
 # The step of collectives that belong to no training step: gathering a full state or the
@@ -66,10 +73,12 @@ class Ledger:
 
     def add(self, op: str, dim: str, group_size: int, payload: int, sent: float,
             received: float, link: str, start: float, tag: str = "", dtype: str = "",
-            end: float | None = None) -> CommRecord:
+            end: float | None = None, blocked: float | None = None) -> CommRecord:
+        """`blocked` (default: all of it) is the part of issue..end the rank waited."""
+        end = time.perf_counter() if end is None else end
         rec = CommRecord(op, dim, group_size, int(payload), float(sent), float(received), link,
-                         start, time.perf_counter() if end is None else end, self.step, tag,
-                         dtype)
+                         start, end, self.step, tag, dtype,
+                         float(end - start if blocked is None else blocked))
         self.records.append(rec)
         return rec
 
@@ -83,9 +92,11 @@ class Ledger:
         return [r for r in self.records if r.step == step]
 
     def summary(self, step: int | None = None) -> dict[str, dict[str, float]]:
-        """Totals keyed by "op@dim": count, payload, sent, received, seconds."""
+        """Totals keyed by "op@dim": count, payload, sent, received, seconds (issue to
+        completion), exposed (blocked) and hidden seconds."""
         out: dict[str, dict[str, float]] = defaultdict(
-            lambda: {"count": 0, "payload": 0, "sent": 0.0, "received": 0.0, "seconds": 0.0})
+            lambda: {"count": 0, "payload": 0, "sent": 0.0, "received": 0.0, "seconds": 0.0,
+                     "exposed": 0.0, "hidden": 0.0})
         for r in self.for_step(step):
             row = out[f"{r.op}@{r.dim}"]
             row["count"] += 1
@@ -93,6 +104,20 @@ class Ledger:
             row["sent"] += r.sent
             row["received"] += r.received
             row["seconds"] += r.seconds
+            row["exposed"] += r.blocked
+            row["hidden"] += r.hidden
+        return dict(out)
+
+    def overlap_by_dim(self, step: int | None = None) -> dict[str, dict[str, float]]:
+        """Per mesh dim: communication seconds (issue to completion), exposed (the rank
+        waited) and hidden (in flight behind other work)."""
+        out: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"seconds": 0.0, "exposed": 0.0, "hidden": 0.0})
+        for r in self.for_step(step):
+            row = out[r.dim]
+            row["seconds"] += r.seconds
+            row["exposed"] += r.blocked
+            row["hidden"] += r.hidden
         return dict(out)
 
     def totals(self, step: int | None = None) -> dict[str, float]:
@@ -102,6 +127,7 @@ class Ledger:
             "sent": sum(r.sent for r in recs),
             "received": sum(r.received for r in recs),
             "seconds": sum(r.seconds for r in recs),
+            "exposed": sum(r.blocked for r in recs),
         }
 
     def by_dim(self, step: int | None = None) -> dict[str, float]:

@@ -1,9 +1,11 @@
 """Ledgered collectives: thin wrappers over torch.distributed, one per op.
 
 Each call names the mesh dim it runs on; the ledger gets op, dim, group size, payload,
-the ring-algorithm bytes this rank sends and receives, the link and the wall time. A dim of
-size 1 is a no-op with no record. Async calls return a `Handle`; the record is written
-when it is waited on, so its time spans issue to completion.
+the ring-algorithm bytes this rank sends and receives, the link, the wall time and the
+part of it the caller was blocked (exposed: all of a synchronous call; for an async one,
+its time inside `Handle.wait()`). A dim of size 1 is a no-op with no record. Async calls
+return a `Handle`; the record is written when it is waited on, so its time spans issue
+to completion, and what is not exposed was hidden behind the caller's other work.
 """
 
 from __future__ import annotations
@@ -43,9 +45,13 @@ class Handle:
         self._aliases = list(aliases)
         self.buffers: list[torch.Tensor] = []  # internal buffers alive until wait()
 
-    def wait(self) -> None:
+    def wait(self, issued_blocking: bool = False) -> None:
+        """Complete the collective. The time spent in here is what the caller was blocked
+        by it (its exposed time); `issued_blocking`: the call itself was synchronous, so
+        all of it, from issue, was exposed."""
         if self.done:
             return
+        entered = time.perf_counter()
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -54,7 +60,8 @@ class Handle:
         if self._then is not None:
             self._then()
         if self._record is not None:
-            self._record(time.perf_counter())
+            end = time.perf_counter()
+            self._record(end, None if issued_blocking else end - entered)
         self.done, self.buffers = True, []
 
     def is_completed(self) -> bool:
@@ -106,9 +113,12 @@ def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
     start = time.perf_counter()
     n = mesh.size(dim)
 
-    def record(end: float) -> None:
+    def record(end: float, blocked: float | None = None) -> None:
+        """`blocked`: seconds the caller waited in `wait()`; None: a synchronous call,
+        blocked from issue to completion."""
         mesh.ledger.add(op, dim, n, payload, sent, received, link or mesh.link(dim), start,
-                        tag=tag, dtype=str(dtype).removeprefix("torch."), end=end)
+                        tag=tag, dtype=str(dtype).removeprefix("torch."), end=end,
+                        blocked=end - start if blocked is None else blocked)
 
     return record
 
@@ -122,7 +132,7 @@ def _run(issue: Callable[[], dist.Work], record, async_op: bool,
     handle = Handle(issue(), record, aliases=aliases)
     if async_op:
         return handle
-    handle.wait()
+    handle.wait(issued_blocking=True)
     return None
 
 

@@ -86,7 +86,11 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
     totals = mesh.ledger.totals()
     return {"per_step": rows, "sent_bytes_per_step": totals["sent"] / steps,
             "received_bytes_per_step": totals["received"] / steps,
-            "comm_seconds_per_step": totals["seconds"] / steps}
+            "comm_seconds_per_step": totals["seconds"] / steps,
+            "comm_exposed_seconds_per_step": totals["exposed"] / steps,
+            # per mesh dim: issue-to-completion, exposed (waited for) and hidden seconds
+            "overlap_per_step": {d: {k: v / steps for k, v in row.items()}
+                                 for d, row in mesh.ledger.overlap_by_dim().items()}}
 
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,

@@ -1,0 +1,84 @@
+"""Measured overlap per mesh dim: how much of each layout's communication is exposed.
+
+    python benchmarks/overlap.py [--model small] [--steps 6] [--seq-len 128]
+
+For each layout (4 ranks, gloo on CPU, one thread per rank) plait trains `--steps` steps
+and every rank's ledger gives, per mesh dim and step: communication seconds from issue
+to completion, exposed seconds (the rank was blocked waiting: all of a synchronous call,
+an async one's time in wait()) and hidden = total - exposed. Printed: rank 0's mean per
+step over the steps after the first, and the exposed share of each dim's communication
+beside the step time. Naive DP and TP are synchronous (exposed share 1.0 by construction);
+bucketed DP, ZeRO's reduce-scatters and ZeRO-3's prefetched all-gathers hide part of theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from common import batches
+
+from plait.config import load_config
+from plait.mesh import ParallelMesh
+from plait.testing import run_ranks
+from plait.train.data import synthetic_token_file
+from plait.train.loop import train
+
+LAYOUTS = {
+    "dp4 naive": ["parallel.dp=4", "parallel.data_parallel=naive"],
+    "dp4 bucketed": ["parallel.dp=4", "parallel.data_parallel=bucketed", "parallel.bucket_mb=4"],
+    "dp4 zero-1": ["parallel.dp=4", "parallel.zero=1"],
+    "dp4 zero-2": ["parallel.dp=4", "parallel.zero=2"],
+    "dp4 zero-3": ["parallel.dp=4", "parallel.zero=3"],
+    "tp4": ["parallel.tp=4"],
+    "dp2 x tp2 +sp": ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true"],
+    "pp4 1f1b": ["parallel.pp=4", "parallel.schedule=1f1b", "parallel.microbatches=8"],
+}
+
+
+def _cfg(args, sets):
+    return load_config(overrides={"model_name": args.model}, sets=[
+        f"train.steps={args.steps}", "train.global_batch=16", f"train.seq_len={args.seq_len}",
+        f"model.vocab_size={args.vocab}", *sets]).check(4)
+
+
+def _rank(rank, world, args, sets, path):
+    cfg = _cfg(args, sets)
+    mesh = ParallelMesh.build(cfg.parallel)
+    res = train(cfg, mesh, batches(cfg, path))
+    steps = range(1, cfg.train.steps)  # the first step warms caches
+    per_dim: dict[str, dict[str, float]] = {}
+    for s in steps:
+        for dim, row in mesh.ledger.overlap_by_dim(s).items():
+            acc = per_dim.setdefault(dim, {"seconds": 0.0, "exposed": 0.0, "hidden": 0.0})
+            for k, v in row.items():
+                acc[k] += v / len(steps)
+    step_time = sum(res.metrics[s]["step_time"] for s in steps) / len(steps)
+    return {"per_dim": per_dim, "step_time": step_time}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=4096)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthetic_token_file(Path(tmp) / "t.bin", 200_000, args.vocab, seed=3)
+        print(f"model {args.model}, 4 ranks (gloo, CPU), seq {args.seq_len}, global batch 16, "
+              f"{args.steps} steps (mean of steps 1..); rank 0, ms per step")
+        print(f"{'layout':<16} {'step':>8}  {'dim':<4} {'comm':>8} {'exposed':>8} "
+              f"{'hidden':>8}  exposed share")
+        for name, sets in LAYOUTS.items():
+            out = run_ranks(_rank, 4, args, sets, path)[0]
+            for i, (dim, row) in enumerate(sorted(out["per_dim"].items())):
+                share = row["exposed"] / row["seconds"] if row["seconds"] else float("nan")
+                head = f"{name:<16} {out['step_time'] * 1e3:8.1f}" if i == 0 else " " * 25
+                print(f"{head}  {dim:<4} {row['seconds'] * 1e3:8.2f} "
+                      f"{row['exposed'] * 1e3:8.2f} {row['hidden'] * 1e3:8.2f}  {share:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
