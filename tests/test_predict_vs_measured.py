@@ -100,9 +100,13 @@ def test_plait_report_on_a_metrics_file(tmp_path, capsys):
     assert cats["params"]["ratio"] == pytest.approx(1.0, abs=0.05)
     dp = next(d for d in rep["communication"] if d["dim"] == "dp")
     assert dp["ratio"] == pytest.approx(1.0, abs=0.05)  # reduce-scatter + all-gather bytes
+    # overlap: ZeRO-1's reduce-scatters are async (partly hidden), measured as the ledger
+    assert 0 < dp["measured_exposed_share"] <= 1 and 0 <= dp["predicted_exposed_share"] <= 1
+    ledger = out["summary"]["ledger"]["overlap_per_step"]["dp"]
+    assert dp["measured_exposed_s"] == ledger["exposed"]
     assert main(["report", "--metrics", str(path)]) == 0  # the rich tables
     text = capsys.readouterr().out
-    assert "predicted" in text and "all_gather" in text
+    assert "predicted" in text and "all_gather" in text and "exposed share" in text
 
 
 @pytest.mark.parametrize("sets", [["parallel.schedule=zb-h1"], ["parallel.zero=1",

@@ -110,12 +110,14 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
         measured_by_dim.setdefault(dim, []).append(
             {"op": op, "calls": row["count"], "bytes_per_step": row["payload"]})
     dims = []
+    overlap = summary.get("ledger", {}).get("overlap_per_step", {})
     for dim in sorted(set(predicted) | set(measured_by_dim)):
         p = sum(x["bytes_per_step"] for x in predicted.get(dim, []))
         m = sum(x["bytes_per_step"] for x in measured_by_dim.get(dim, []))
         dims.append({"dim": dim, "predicted": predicted.get(dim, []),
                      "measured": measured_by_dim.get(dim, []), "predicted_bytes": p,
-                     "measured_bytes": m, "ratio": p / m if m and p else None})
+                     "measured_bytes": m, "ratio": p / m if m and p else None,
+                     **_exposure(dim, est.collectives, overlap.get(dim))})
     out["communication"] = dims
     if not ledger:
         out["notes"].append("the summary line has no ledger")
@@ -124,7 +126,64 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
         "parameters, activations); the ledger also counts the metrics and grad-norm "
         "all-reduces (dims world, and a few bytes on dp/pp), the embedding/loss "
         "collectives of tp, and sizes everything in the dtype actually sent")
+    _explain_exposure(out)
     return out
+
+
+def _explain_exposure(out: dict) -> None:
+    """A note on the dim whose measured exposed share differs most from the planner's."""
+    pairs = [(abs(d["measured_exposed_share"] - d["predicted_exposed_share"]), d)
+             for d in out["communication"]
+             if d["measured_exposed_share"] is not None
+             and d["predicted_exposed_share"] is not None]
+    if not pairs:
+        return
+    gap, d = max(pairs, key=lambda x: x[0])
+    out["notes"].append(
+        f"overlap: the largest difference is on {d['dim']}: measured exposed share "
+        f"{d['measured_exposed_share']:.2f}, planner {d['predicted_exposed_share']:.2f}. "
+        "The planner hides a collective behind the compute its model schedules beside it "
+        "on its GPU model; on CPU/gloo the same rank's cores run both, so an async "
+        "collective progresses only while the rank is not computing and its wait exposes "
+        "the rest")
+
+
+def _exposure(dim: str, collectives: list, measured: dict | None) -> dict:
+    """The share of a dim's communication time that is exposed (the rank waits for it),
+    predicted by the planner and measured by the ledger. A share, not seconds: the
+    planner's seconds are for its hardware model, the run's for this machine; the share
+    says what overlaps with what on both."""
+    own = [c for c in collectives if c.dim == dim]
+    total = float(sum(c.total for c in own))
+    predicted = float(sum(c.exposed for c in own)) / total if total > 0 else None
+    out = {"predicted_exposed_share": predicted, "measured_seconds": None,
+           "measured_exposed_s": None, "measured_hidden_s": None,
+           "measured_exposed_share": None}
+    if measured and measured["seconds"] > 0:
+        out.update(measured_seconds=measured["seconds"], measured_exposed_s=measured["exposed"],
+                   measured_hidden_s=measured["hidden"],
+                   measured_exposed_share=measured["exposed"] / measured["seconds"])
+    return out
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def print_overlap(console: Any, dims: list[dict]) -> None:
+    """Exposed share of each dim's communication, planner vs ledger, with the seconds."""
+    from rich.table import Table
+
+    t = Table(title="overlap per step, rank 0: exposed share of communication time")
+    for col in ("dim", "planner", "measured", "measured exposed ms", "hidden ms"):
+        t.add_column(col, justify="left" if col == "dim" else "right")
+    for d in dims:
+        seen = d["measured_seconds"] is not None
+        t.add_row(d["dim"], _share(d["predicted_exposed_share"]),
+                  _share(d["measured_exposed_share"]),
+                  f"{d['measured_exposed_s'] * 1e3:.2f}" if seen else "-",
+                  f"{d['measured_hidden_s'] * 1e3:.2f}" if seen else "-")
+    console.print(t)
 
 
 def _fmt(n: float | None) -> str:
@@ -161,6 +220,7 @@ def print_report(rep: dict) -> None:
                   _fmt(d["measured_bytes"] or None),
                   "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
     console.print(t)
+    print_overlap(console, rep["communication"])
     for n in rep["notes"]:
         console.print(f"note: {n}")
 
