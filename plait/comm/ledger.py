@@ -16,8 +16,10 @@ Stanford CS336, lecture 8 (parallelism): "all-reduce = reduce-scatter + all-gath
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 
@@ -84,6 +86,16 @@ class Ledger:
 
     def clear(self) -> None:
         self.records.clear()
+
+    @contextlib.contextmanager
+    def outside_step(self) -> Iterator[None]:
+        """Record what runs inside as OUTSIDE_STEP (a check's or a gather's bytes, not a
+        training step's), then go back to the current step."""
+        saved, self.step = self.step, OUTSIDE_STEP
+        try:
+            yield
+        finally:
+            self.step = saved
 
     def for_step(self, step: int | None = None) -> list[CommRecord]:
         """The records of `step`, or of every training step (not OUTSIDE_STEP's)."""

@@ -9,13 +9,13 @@ norm, clip, AdamW, metrics (loss, tokens/s on the device's timer, ledger).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from plait import comm
-from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
@@ -53,18 +53,21 @@ def full_state(model: torch.nn.Module, optimizer: GradSyncOptimizer | None = Non
     shards of ZeRO, by the optimizer; tp shards too when `mesh` is given: then collective
     over tp). A pipeline rank returns its own stages' parameters, by the model's names.
     `placements`: the run's (TrainResult.placements), needed where tp splits parameters."""
-    if optimizer is not None:
-        state = optimizer.full_state()
-    else:
-        state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return _by_model_name(model, mesh, placements, state)
+    owner = mesh if mesh is not None else getattr(optimizer, "mesh", None)
+    with owner.ledger.outside_step() if owner is not None else contextlib.nullcontext():
+        if optimizer is not None:
+            state = optimizer.full_state()
+        else:
+            state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        return _by_model_name(model, mesh, placements, state)
 
 
 def full_grads(model: torch.nn.Module, optimizer: GradSyncOptimizer, mesh: ParallelMesh,
                placements: PlacementTable) -> dict[str, torch.Tensor]:
     """Full fp32 gradients by name, as the optimizer is about to see them (synced over dp,
     before clipping); gathered like `full_state`. Collective over dp (ZeRO) and tp."""
-    return _by_model_name(model, mesh, placements, optimizer.full_grads())
+    with mesh.ledger.outside_step():  # a check's bytes, not the step's
+        return _by_model_name(model, mesh, placements, optimizer.full_grads())
 
 
 def _by_model_name(model: torch.nn.Module, mesh: ParallelMesh | None,
@@ -148,10 +151,8 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                             tokens_per_step)
     opt.finish_gradients()
     norm = opt.grad_norm()
-    if capture:  # a check's, not the step's, bytes
-        mesh.ledger.step = OUTSIDE_STEP
+    if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
-        mesh.ledger.step = step
     lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
     memory = {}
     if meter is not None:

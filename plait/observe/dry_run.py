@@ -1,0 +1,92 @@
+"""Dry run: one rank of a layout of any size, built and trained on this one process.
+
+`dry_run(cfg, world_size, rank, batches)` joins torch's *fake* process group (the `fake`
+backend: every collective returns at once without communicating) as rank `rank` of a
+`world_size`-rank layout, builds exactly what that rank holds - its pipeline stages, its
+tensor-parallel slices, its ZeRO shards, through the same `parallelize` as a real run - and
+trains a few steps on real tensors. What it measures is what the real rank would hold and
+issue: memory by category (the same tracker, on the measuring step) and the ledger's
+collectives with their bytes (the ledger records calls, not transfers). Beside them: the
+planner's prediction for the same layout and rank (`kernels="eager"` memory, plait's own
+runtime, where that model covers the layout; the planner's collectives per step).
+
+The values computed are meaningless - received tensors are whatever the buffers held - so
+losses are not reported. The process group is the process's own: a dry run runs in a
+process of its own (the CLI's `plait train --dry-run`, or a test's child).
+
+On a collective's temporaries: with the fake backend `reduce_scatter` takes torch's own
+path, not gloo's direct algorithm (plait/comm/ops.py), so the gloo-only chunk buffer of
+a real CPU run is absent - as on NCCL, which the dry run of a GPU layout stands for.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch.distributed as dist
+
+from plait.config import Config
+from plait.device import CPU, Device
+from plait.mesh import ParallelMesh
+from plait.train.data import GlobalBatches
+from plait.train.loop import train
+
+MEASURE_STEP = 1  # the first step warms caches; the second is the measured one
+
+
+def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
+            device: Device = CPU) -> dict[str, Any]:
+    """Rank `rank` of `cfg`'s layout on `world_size` ranks: measured memory by category,
+    the ledger's bytes per mesh dim per step, and the planner's prediction for both."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if cfg.parallel.world_size != world_size:
+        raise ValueError(f"the layout needs {cfg.parallel.world_size} ranks (dp*pp*cp*tp), "
+                         f"not --world-size {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank}: choose 0..{world_size - 1}")
+    cfg = copy.deepcopy(cfg)
+    cfg.train.steps = max(cfg.train.steps, MEASURE_STEP + 1)
+    cfg.train.memory_step = MEASURE_STEP
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        mesh = ParallelMesh.build(cfg.parallel, device=device)
+        result = train(cfg, mesh, batches)
+    finally:
+        dist.destroy_process_group()
+    measured = result.metrics[MEASURE_STEP]["memory"]
+    return {"rank": rank, "world_size": world_size, "coords": dict(mesh.coords),
+            "layout": mesh.describe(), "memory": measured,
+            "predicted_memory": _predicted_memory(cfg, mesh.coord("pp")),
+            "bytes_per_step": payload_by_dim(mesh, MEASURE_STEP),
+            "predicted_bytes_per_step": _predicted_bytes(cfg),
+            "param_count_local": sum(p.numel() for p in result.model.parameters())}
+
+
+def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
+    """Payload bytes of the step's collectives by mesh dim (what the planner counts)."""
+    out: dict[str, float] = {}
+    for r in mesh.ledger.for_step(step):
+        out[r.dim] = out.get(r.dim, 0.0) + r.payload
+    return out
+
+
+def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
+    """The eager model's peak for this pipeline rank, or why it has none."""
+    from plait.plan.eager import eager_memory_by_rank, not_covered, token_file_windows
+
+    why = not_covered(cfg)
+    if why is not None:
+        return {"not_covered": why}
+    return eager_memory_by_rank(cfg, token_file_windows(cfg))[pp_rank]
+
+
+def _predicted_bytes(cfg: Config) -> dict[str, float]:
+    """The planner's payload bytes per step by mesh dim (its collectives, the model's data)."""
+    from plait.plan import estimate_config
+
+    out: dict[str, float] = {}
+    for c in estimate_config(cfg).collectives:
+        out[c.dim] = out.get(c.dim, 0.0) + float(c.size * c.count)
+    return out

@@ -1,0 +1,79 @@
+"""Dry run: one rank of a layout, alone on the fake process group, holds and issues exactly
+what that rank of a real run does (memory by category to the byte, ledger payloads)."""
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+from helpers import batches_for, config, run_layout
+
+from plait.observe.dry_run import MEASURE_STEP, dry_run
+
+LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+          "train.steps=2", f"train.memory_step={MEASURE_STEP}"]
+
+
+def _child(sets, world, rank, q):
+    torch.set_num_threads(1)
+    try:
+        cfg = config(*sets).check(world)
+        q.put(("ok", dry_run(cfg, world, rank, batches_for(cfg))))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        q.put(("error", traceback.format_exc()))
+
+
+def _dry(sets, world, rank):
+    """A dry run in a process of its own (the fake process group is per process)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(list(sets), world, rank, q))
+    p.start()
+    status, out = q.get(timeout=300)
+    p.join(60)
+    assert status == "ok", out
+    return out
+
+
+def _payload(ledger, step):
+    out = {}
+    for r in ledger:
+        if r["step"] == step:
+            out[r["dim"]] = out.get(r["dim"], 0.0) + r["payload"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def real():
+    return run_layout(*LAYOUT)
+
+
+@pytest.mark.parametrize("rank", [0, 7])  # first and last pipeline rank
+def test_dry_run_rank_equals_the_real_rank(real, rank):
+    dry = _dry(LAYOUT, 8, rank)
+    assert dry["coords"]["pp"] == rank // 4 and dry["world_size"] == 8
+    measured = real[rank]["metrics"][MEASURE_STEP]["memory"]
+    assert dry["memory"]["peak"] == measured["peak"]  # every category, to the byte
+    assert dry["memory"]["peak_total"] == measured["peak_total"]
+    assert dry["bytes_per_step"] == _payload(real[rank]["ledger"], MEASURE_STEP)
+    # the eager model covers this layout: its prediction for the rank is within 5 %
+    pred = dry["predicted_memory"]
+    assert pred["total"] == pytest.approx(dry["memory"]["peak_total"], rel=0.05)
+
+
+def test_dry_run_of_a_1024_rank_layout_builds_one_rank():
+    sets = ["parallel.dp=32", "parallel.tp=8", "parallel.pp=4", "parallel.microbatches=4",
+            "model.n_heads=8", "model.n_kv_heads=8", "model.n_layers=4",
+            "train.global_batch=128", "train.steps=2"]
+    dry = _dry(sets, 1024, 1023)
+    assert dry["coords"] == {"tp": 7, "cp": 0, "pp": 3, "dp": 31}
+    assert dry["memory"]["peak_total"] > 0
+    assert set(dry["bytes_per_step"]) >= {"tp", "pp", "dp"}
+    full = sum(p.numel() for p in __import__("plait.model.transformer", fromlist=["x"])
+               .build_model(config(*sets).model, 0, device="meta").parameters())
+    assert dry["param_count_local"] < full / 8  # one pp stage's tp slice
+
+
+def test_dry_run_refuses_a_wrong_world_size():
+    with pytest.raises(ValueError, match="needs 8 ranks"):
+        dry_run(config(*LAYOUT), 4, 0, None)
