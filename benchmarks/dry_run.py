@@ -1,0 +1,101 @@
+"""Dry run at scale: the first and last pipeline rank of a 1,024-rank layout, on this CPU.
+
+    python benchmarks/dry_run.py [--model llama3-8b] [--layout tp=8,pp=4,dp=32]
+                                 [--seq-len 1024] [--microbatches 4] [--steps 2]
+
+Each rank runs in a process of its own on torch's fake process group (plait/observe/
+dry_run.py): it builds exactly that rank's stages, tensor-parallel slices and optimizer
+state through `parallelize`, trains `--steps` steps on real tensors (the second measured
+by the memory tracker), and prints its measured memory by category beside the planner's
+eager-runtime prediction for the same rank, the ledger's payload bytes per mesh dim
+beside the planner's, and the wall time. fp32, ZeRO 0, one micro-batch of one sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plait.config import load_config  # noqa: E402
+from plait.observe.dry_run import dry_run  # noqa: E402
+from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
+
+CATS = ("params", "grads", "optimizer", "comm", "activations")
+PLANNER = {"params": ("parameters",), "grads": ("gradients",),
+           "optimizer": ("optimizer states",), "comm": ("communication buffers",),
+           "activations": ("activations", "logits")}
+
+
+def _config(args):
+    dims = dict(kv.split("=") for kv in args.layout.split(","))
+    sets = [f"parallel.{k}={v}" for k, v in dims.items()]
+    world = 1
+    for v in dims.values():
+        world *= int(v)
+    dp = int(dims.get("dp", 1))
+    return load_config(overrides={"model_name": args.model}, sets=[
+        *sets, f"parallel.microbatches={args.microbatches}", f"train.seq_len={args.seq_len}",
+        f"train.global_batch={dp * args.microbatches}", f"train.steps={args.steps}"]
+        ).check(world), world
+
+
+def _one(args, rank, path, q):
+    torch.set_num_threads(1)
+    cfg, world = _config(args)
+    data = GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
+                         cfg.train.seed, cfg.model.vocab_size)
+    t0 = time.perf_counter()
+    out = dry_run(cfg, world, rank, data)
+    out["seconds"] = time.perf_counter() - t0
+    q.put(out)
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:8.3f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--layout", default="tp=8,pp=4,dp=32")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+    cfg, world = _config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthetic_token_file(Path(tmp) / "t.bin", 4 * args.seq_len * 64,
+                                    cfg.model.vocab_size, seed=1)
+        for rank in (0, world - 1):
+            ctx = mp.get_context("fork")
+            q = ctx.Queue()
+            proc = ctx.Process(target=_one, args=(args, rank, path, q))
+            proc.start()
+            out = q.get()
+            proc.join()
+            pred = out["predicted_memory"]
+            print(f"{args.model} {args.layout} seq {args.seq_len} m {args.microbatches}: "
+                  f"rank {rank} {out['coords']}, {out['param_count_local']:,} parameters, "
+                  f"{out['seconds']:.0f} s")
+            print(f"  {'category':<12} {'measured GiB':>12} {'predicted GiB':>14}")
+            for c in CATS:
+                pr = "-" if "not_covered" in pred else _gib(sum(pred[n] for n in PLANNER[c]))
+                print(f"  {c:<12} {_gib(out['memory']['peak'][c]):>12} {pr:>14}")
+            total = "-" if "not_covered" in pred else _gib(pred["total"])
+            print(f"  {'peak total':<12} {_gib(out['memory']['peak_total']):>12} {total:>14}")
+            for dim, b in sorted(out["bytes_per_step"].items()):
+                pb = out["predicted_bytes_per_step"].get(dim)
+                print(f"  bytes/step {dim:<5} ledger {b:14,.0f}  planner "
+                      f"{'-' if pb is None else f'{pb:14,.0f}'}")
+
+
+if __name__ == "__main__":
+    main()
