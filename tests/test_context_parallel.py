@@ -12,7 +12,12 @@ from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
 from plait.model.rope import Positions
 from plait.model.transformer import build_model
-from plait.parallel.context import ContextLayout, ContextParallelAttention, apply_context_parallel
+from plait.parallel.context import (
+    ContextLayout,
+    ContextParallelAttention,
+    apply_context_parallel,
+    fused_available,
+)
 from plait.parallel.pipeline.partition import Stage
 from plait.plan import estimate_config
 from plait.plan.activations import layer_activation_bytes
@@ -26,14 +31,14 @@ from plait.testing import PARITY_TOLERANCES, assert_parity, run_ranks
 CORE_ATOL = 1e-5
 
 
-def _core(rank, world, layout, mode, kv_heads):
+def _core(rank, world, layout, mode, kv_heads, fused=None):
     mesh = ParallelMesh.build(load_config(sets=[f"parallel.cp={world}"]).parallel)
     b, h, s, d = 2, 4, 32, 8
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
     lay = ContextLayout(world, s, layout)
-    core = ContextParallelAttention(mesh, lay, mode)
+    core = ContextParallelAttention(mesh, lay, mode, fused=fused)
     pos = lay.positions(mesh.coord("cp"), "cpu")
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     out = core(*mine, Positions(pos, torch.zeros(1), torch.zeros(1)))
@@ -52,6 +57,15 @@ def _core(rank, world, layout, mode, kv_heads):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_core_equals_full_causal_attention(cp, layout, mode, kv_heads):
     for err, _, _ in run_ranks(_core, cp, layout, mode, kv_heads):
+        assert err <= CORE_ATOL, err
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_eager_block_maths_equals_full_causal_attention(cp, kv_heads):
+    # the path devices without the fused CPU kernel take (the fused one is the default here)
+    assert fused_available(torch.device("cpu"))
+    for err, _, _ in run_ranks(_core, cp, "zigzag", "ring", kv_heads, False):
         assert err <= CORE_ATOL, err
 
 
