@@ -139,6 +139,14 @@ def test_parity_pp2_cp2(schedule):
                       "parallel.microbatches=2"), *model)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb-h2", "zb-v", "dualpipev"])
+def test_parity_pp2_cp2_other_schedules(schedule):
+    # the rest of the registry (dualpipe below): 4 layers for the two-stage-per-rank ones
+    model = ["model.tie_embeddings=false", "model.n_layers=4", "train.steps=2"]
+    _check(run_layout(*model, "parallel.pp=2", "parallel.cp=2", f"parallel.schedule={schedule}",
+                      "parallel.microbatches=4"), *model)
+
+
 def test_parity_dualpipe_and_three_dims():
     # DualPipe's two copies summed over pp, then over dp x cp; three dims on 8 ranks (all
     # four would take 16): dp2 x pp2 x cp2 with ZeRO-1, and pp2 x cp2 x tp2 with SP
