@@ -261,7 +261,7 @@ MUTANTS = [
     Mutant("cp-grads-over-dp-only", "context parallel: gradients summed over dp, not dp x cp",
            cp_grads_over_dp_only, [CP + "test_parity[cp=2]", CP + "test_parity[dp=2,cp=2]"]),
     Mutant("cp-future-blocks-seen", "ring attention computes key chunks after the query's",
-           cp_future_blocks_seen, [CP + "test_ring_equals_full_causal_attention[2-zigzag-4]",
+           cp_future_blocks_seen, [CP + "test_core_equals_full_causal_attention[2]",
                                    CP + "test_parity[cp=2]"]),
 ]
 

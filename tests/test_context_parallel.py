@@ -31,9 +31,9 @@ from plait.testing import PARITY_TOLERANCES, assert_parity, run_ranks
 CORE_ATOL = 1e-5
 
 
-def _core(rank, world, layout, mode, kv_heads, fused=None):
-    mesh = ParallelMesh.build(load_config(sets=[f"parallel.cp={world}"]).parallel)
+def _core(mesh, layout, mode, kv_heads, fused=None):
     b, h, s, d = 2, 4, 32, 8
+    world = mesh.size("cp")
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
@@ -51,26 +51,24 @@ def _core(rank, world, layout, mode, kv_heads, fused=None):
     return max(float(e) for e in errs), core.ring.work, lay.work(mesh.coord("cp"))
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+# (layout, mode, KV heads, fused): ring both layouts, MHA and GQA, with the fused CPU kernel
+# (the default here) and with the eager maths (what devices without it run); all-gather
+CASES = [(lay, "ring", kv, None) for lay in ("zigzag", "contiguous") for kv in (4, 2)]
+CASES += [("zigzag", "ring", 4, False), ("contiguous", "ring", 2, False),
+          ("contiguous", "allgather", 4, None), ("zigzag", "allgather", 2, None)]
+
+
+def _cores(rank, world, cases):
+    mesh = ParallelMesh.build(load_config(sets=[f"parallel.cp={world}"]).parallel)
+    return [_core(mesh, *case) for case in cases]  # one process group for every case
+
+
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_equals_full_causal_attention(cp, layout, kv_heads):
-    for err, _, _ in run_ranks(_core, cp, layout, "ring", kv_heads):
-        assert err <= CORE_ATOL, err
-
-
-@pytest.mark.parametrize(("cp", "layout", "kv_heads"), [(2, "contiguous", 4), (4, "zigzag", 2)])
-def test_allgather_equals_full_causal_attention(cp, layout, kv_heads):
-    for err, _, _ in run_ranks(_core, cp, layout, "allgather", kv_heads):
-        assert err <= CORE_ATOL, err
-
-
-@pytest.mark.parametrize(("cp", "kv_heads"), [(2, 4), (4, 2)])
-def test_eager_block_maths_equals_full_causal_attention(cp, kv_heads):
-    # the path devices without the fused CPU kernel take (the fused one is the default here)
+def test_core_equals_full_causal_attention(cp):
     assert fused_available(torch.device("cpu"))
-    for err, _, _ in run_ranks(_core, cp, "zigzag", "ring", kv_heads, False):
-        assert err <= CORE_ATOL, err
+    for rank_rows in run_ranks(_cores, cp, CASES):
+        for case, (err, _, _) in zip(CASES, rank_rows, strict=True):
+            assert err <= CORE_ATOL, (case, err)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -78,11 +76,12 @@ def test_zigzag_balances_the_causal_work(cp):
     """Counted: each rank's scores computed in forward (future blocks skipped, diagonal
     ones half) equal the layout's formula; zigzag gives every rank the same work,
     contiguous gives the last rank (cp - 1/2)/(cp/2) of the mean."""
+    cases = [("zigzag", "ring", 4), ("contiguous", "ring", 4)]
+    rows = run_ranks(_cores, cp, cases)  # rows[rank][case]
     shares = {}
-    for layout in ("zigzag", "contiguous"):
-        rows = run_ranks(_core, cp, layout, "ring", 4)
-        assert [w for _, w, _ in rows] == [want for _, _, want in rows]
-        work = [w for _, w, _ in rows]
+    for c, (layout, _, _) in enumerate(cases):
+        assert [r[c][1] for r in rows] == [r[c][2] for r in rows]
+        work = [r[c][1] for r in rows]
         shares[layout] = max(work) / (sum(work) / cp)
     assert shares["zigzag"] == 1.0
     assert shares["contiguous"] == pytest.approx((cp - 0.5) / (cp / 2))
@@ -293,3 +292,19 @@ def test_unknown_attention_core_refused():
     mesh = ParallelMesh.build(load_config().parallel)
     with pytest.raises(ValueError, match="cannot shard layers.1.attn.core"):
         apply_context_parallel({0: stage}, mesh, "ring", ContextLayout(2, 32))
+
+
+def test_cp_flags_reach_the_config():
+    import argparse
+
+    from plait.train.flags import add_train_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    cfg = config_from_args(parser.parse_args(["--cp", "2", "--cp-mode", "allgather",
+                                              "--cp-layout", "contiguous"]))
+    assert (cfg.parallel.cp, cfg.parallel.cp_mode, cfg.parallel.cp_layout) == (
+        2, "allgather", "contiguous")
+    assert cfg.validate(2) == []
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser.parse_args(["--cp-mode", "ulysses"])

@@ -346,7 +346,6 @@ class ContextParallelAttention(nn.Module):
                                 for r in range(layout.cp)])
         self._checked = False  # the positions are checked once: they never change
 
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: Positions) -> torch.Tensor:
         if q.shape[-2] != self.q_pos.numel() or not self._checked and (
