@@ -48,6 +48,10 @@ class ParallelConfig:
     ep: int = 1
     zero: int = 0
     sp: bool = False
+    # context parallel (plait/parallel/context.py): "ring" (Liu et al. 2023) or "allgather"
+    # K/V (Llama 3); "zigzag" (rank i: chunks i and 2cp-1-i of 2cp) or "contiguous" slices
+    cp_mode: str = "ring"
+    cp_layout: str = "zigzag"
     schedule: str = "1f1b"
     # Pipeline stages per rank; None: the schedule's own (its registry entry: 2 for
     # interleaved and the V schedules zb-v / dualpipev, else 1).
@@ -123,7 +127,8 @@ class Config:
         if problems:  # every later check divides by these sizes
             return problems
         return (self._parallel_problems(world_size) + self._model_problems()
-                + self._tensor_parallel_problems() + self._pipeline_problems()
+                + self._tensor_parallel_problems() + self._context_parallel_problems()
+                + self._pipeline_problems()
                 + self._unbuilt_problems() + self._batch_problems() + self._train_problems())
 
     def _parallel_problems(self, world_size: int | None) -> list[str]:
@@ -185,6 +190,25 @@ class Config:
                 f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
         return problems
 
+    def _context_parallel_problems(self) -> list[str]:
+        """The cp mode and layout, and the sequence cp (and SP within it) must split."""
+        p, t = self.parallel, self.train
+        chunks = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
+        checks = [
+            (p.cp_mode not in ("ring", "allgather"),
+             f"parallel.cp_mode={p.cp_mode!r}; use 'ring' or 'allgather'"),
+            (p.cp_layout not in ("zigzag", "contiguous"),
+             f"parallel.cp_layout={p.cp_layout!r}; use 'zigzag' or 'contiguous'"),
+            (p.cp > 1 and t.seq_len % chunks,
+             f"cp={p.cp} ({p.cp_layout}) cuts train.seq_len={t.seq_len} into {chunks} equal "
+             f"chunks; use a seq_len that is a multiple of {chunks} (e.g. "
+             f"{max(t.seq_len - t.seq_len % chunks, chunks)})"),
+            (p.cp > 1 and p.sp and t.seq_len % chunks == 0 and (t.seq_len // p.cp) % p.tp,
+             f"sequence parallel splits each cp rank's {t.seq_len // max(p.cp, 1)} tokens over "
+             f"tp={p.tp}; use a seq_len that is a multiple of {chunks * p.tp}"),
+        ]
+        return [problem for broken, problem in checks if broken]
+
     def _pipeline_problems(self) -> list[str]:
         """For pp > 1: the schedule's requests (the registry's rules), the layer split, and
         the combinations not built with a pipeline."""
@@ -219,12 +243,9 @@ class Config:
         if m.n_experts:
             problems.append(f"model has {m.n_experts} experts: MoE blocks are not built yet; "
                             "use a dense model (n_experts=0)")
-        for name, size in (("cp", p.cp), ("ep", p.ep)):
-            if size > 1:
-                problems.append(
-                    f"parallel.{name}={size}: {name} is not implemented in this build yet; "
-                    f"use {name}=1 (data parallel is available)"
-                )
+        if p.ep > 1:
+            problems.append(f"parallel.ep={p.ep}: ep is not implemented in this build yet; "
+                            "use ep=1 (data parallel is available)")
         if p.zero > 0 and m.tie_embeddings:
             problems.append("ZeRO shards each parameter within one module: set "
                             "model.tie_embeddings=false, or zero=0")

@@ -121,6 +121,7 @@ class PlacementTable:
         splits its gradient over, e.g. ZeRO's dp); a slice replicated within a split dim
         counts on its first holder only."""
         pl = self.of(p)
-        sharded = pl.sharded_dims + also_sharded
+        # a product dim ("dp_cp": ZeRO's shards under context parallel) names its parts
+        sharded = pl.sharded_dims + tuple(d for s in also_sharded for d in s.split("_"))
         owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded)
         return owner and pl.norm_owner

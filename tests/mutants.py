@@ -200,8 +200,30 @@ def clip_ignored():
     loop.clip_coefficient = lambda total_norm, max_norm: 1.0
 
 
+def cp_grads_over_dp_only():
+    from plait.parallel.replicated import ReplicatedOptimizer
+
+    init = ReplicatedOptimizer.__init__
+
+    def dp_only(self, model, mesh, cfg, placements, dim="dp"):
+        init(self, model, mesh, cfg, placements, "dp")  # cp ranks' shares never summed
+
+    ReplicatedOptimizer.__init__ = dp_only
+
+
+def cp_future_blocks_seen():
+    from plait.parallel.context import Ring
+
+    def every_block(self, src):  # no key chunk skipped: queries see the future
+        mine, theirs = self.layout.chunks(self.me), self.layout.chunks(src)
+        return [(i, j, kq == qq) for i, qq in enumerate(mine) for j, kq in enumerate(theirs)]
+
+    Ring.pairs = every_block
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
+CP = "tests/test_context_parallel.py::"
 ZERO = "tests/test_zero.py::"
 MODEL = "tests/test_model.py"
 
@@ -236,6 +258,11 @@ MUTANTS = [
     Mutant("clip-ignored", "clipping coefficient ignored (always 1)", clip_ignored,
            [DP + "test_single_rank_plait_equals_reference",
             DP + "test_parity_with_accumulation_and_clipping[2-bucketed]"]),
+    Mutant("cp-grads-over-dp-only", "context parallel: gradients summed over dp, not dp x cp",
+           cp_grads_over_dp_only, [CP + "test_parity[cp=2]", CP + "test_parity[dp=2,cp=2]"]),
+    Mutant("cp-future-blocks-seen", "ring attention computes key chunks after the query's",
+           cp_future_blocks_seen, [CP + "test_core_equals_full_causal_attention[2]",
+                                   CP + "test_parity[cp=2]"]),
 ]
 
 

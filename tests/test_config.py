@@ -55,8 +55,9 @@ def test_microbatches_derived_once():
 
 
 def test_unbuilt_strategies_refused_not_ignored():
-    problems = load_config(sets=["parallel.cp=2"]).validate(2)
-    assert any("cp is not implemented" in p for p in problems)
+    problems = load_config(sets=["parallel.ep=2"]).validate(2)
+    assert any("ep is not implemented" in p for p in problems)
+    assert load_config(sets=["parallel.cp=2"]).validate(2) == []  # context parallel runs now
     assert load_config(sets=["parallel.pp=2"]).validate(2) == []  # pipelines run now
     cfg = load_config(sets=["parallel.zero=1"])
     assert cfg.validate(1) == [] and "does nothing" in cfg.warnings()[0]

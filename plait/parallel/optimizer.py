@@ -82,13 +82,15 @@ def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
     """The strategy for cfg.parallel.zero (0: replicated) and, for DualPipe's two model
     copies, the replicated one that sums them (`pipeline`: this rank's stages)."""
     t = cfg.train
+    # parameters are replicated over cp: their gradients are summed over dp x cp
+    dim = "dp_cp" if cfg.parallel.cp > 1 else "dp"
     two_copies = pipeline is not None and pipeline.schedule.num_chains > 1
     if cfg.parallel.zero == 0 and two_copies:
         return TwoCopyOptimizer(model, mesh, cfg, placements, pipeline.stages,
-                                pipeline.schedule)
+                                pipeline.schedule, dim=dim)
     if cfg.parallel.zero == 0:
-        return ReplicatedOptimizer(model, mesh, cfg, placements)
+        return ReplicatedOptimizer(model, mesh, cfg, placements, dim=dim)
     if two_copies:  # config validation refuses it; a direct caller gets the reason too
         raise ValueError("ZeRO with DualPipe's two model copies is not supported")
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
-                         t.weight_decay, kind=t.optimizer, placements=placements)
+                         t.weight_decay, dim=dim, kind=t.optimizer, placements=placements)

@@ -19,12 +19,18 @@ The order, and why:
    (column/row-parallel linears, vocab-parallel embedding and head, the vocab-parallel
    loss), on the tp group of the stage's pp coordinate; each swapped parameter's split is
    recorded in the placement table.
-4. (Context parallel would swap each attention's `core` here, and expert parallel the MLPs
-   made by `make_mlp`; neither is built: config validation refuses cp > 1, ep > 1 and MoE
-   presets with the fix.)
+4. **Context parallel** (`parallel.cp`, `parallel.cp_mode`, `parallel.cp_layout`): each
+   attention's parameter-free `core` is swapped for ring (or all-gather) attention over
+   the cp group (plait/parallel/context.py); it composes with TP because it sees only
+   this tp rank's heads, and after the split because a core holds no parameters. This
+   rank's token positions come back with the parts (`ParallelModel.positions`): the
+   runtime indexes each sequence's inputs and targets with them and RoPE rotates by them.
+   (Expert parallel will swap the MLPs made by `make_mlp` here; validation refuses ep > 1
+   and MoE presets until it exists.)
 5. **Data parallel / ZeRO** (`parallel.dp`, `parallel.zero`, `parallel.data_parallel`): the
    gradient-sync + optimizer object over the local parameters (`make_optimizer`: replicated
-   with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed).
+   with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed); over
+   dp x cp (the mesh's "dp_cp") when cp > 1, parameters being replicated over cp.
 
 Every strategy records where it put each parameter in one `PlacementTable`, returned with
 the parts: the grad norm, full-state gathering and the ZeRO shard index read it.
@@ -58,6 +64,8 @@ class ParallelModel:
     partition: Partition  # the layers of each model stage
     optimizer: GradSyncOptimizer  # gradient sync over dp + the update
     placements: PlacementTable  # where each of this rank's parameters lives
+    # cp > 1: this rank's token positions in each sequence (int64 (seq/cp,)); None: all
+    positions: torch.Tensor | None = None
 
     @property
     def pipeline(self) -> PipelineParts:
@@ -77,9 +85,22 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config) -> Parallel
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
                           placements, model=model, device=mesh.device.torch)
     _tensor_parallel(pipe, mesh, cfg, placements)  # 3. tp + sp
+    positions = _context_parallel(pipe, mesh, cfg)  # 4. cp
     optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 5. dp / ZeRO
     return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,
-                         placements)
+                         placements, positions)
+
+
+def _context_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config
+                      ) -> torch.Tensor | None:
+    """Swap each attention core of this rank's stages for the cp ring (or all-gather)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return None
+    from plait.parallel.context import ContextLayout, apply_context_parallel
+
+    layout = ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout)
+    return apply_context_parallel(pipe.stages, mesh, p.cp_mode, layout)
 
 
 def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,

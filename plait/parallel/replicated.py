@@ -52,11 +52,13 @@ class ReplicatedOptimizer:
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, cfg: Config,
-                 placements: PlacementTable):
+                 placements: PlacementTable, dim: str = "dp"):
+        """`dim`: where gradients are summed ("dp_cp" under context parallel)."""
         t, p = cfg.train, cfg.parallel
         self.model, self.mesh, self.placements = model, mesh, placements
         self.params = [q for q in model.parameters() if q.requires_grad]
-        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb)
+        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb,
+                               dim=dim)
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
                                          kind=t.optimizer)
@@ -106,8 +108,9 @@ class TwoCopyOptimizer(ReplicatedOptimizer):
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, cfg: Config,
-                 placements: PlacementTable, stages: dict[int, nn.Module], schedule: Schedule):
-        super().__init__(model, mesh, cfg, placements)
+                 placements: PlacementTable, stages: dict[int, nn.Module], schedule: Schedule,
+                 dim: str = "dp"):
+        super().__init__(model, mesh, cfg, placements, dim)
         self.stages, self.schedule = stages, schedule
         self.owned = model.owned_parameters()  # PipelineModule: chain 0's stages
 

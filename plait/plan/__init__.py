@@ -64,6 +64,7 @@ def estimate_config(cfg: Config) -> Estimate:
     lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, mbs=cfg.micro_batch_size(),
                  schedule=p.schedule, v=natural_virtual_stages(p.schedule, p.virtual_stages),
                  zero=p.zero,
-                 recompute="full" if t.recompute == "full" else "selective", sp=p.sp)
+                 recompute="full" if t.recompute == "full" else "selective", sp=p.sp,
+                 cp_mode=p.cp_mode)
     return evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
                     lay, EFFICIENCY, simulate=p.pp > 1)

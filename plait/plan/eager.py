@@ -293,8 +293,13 @@ def not_covered(cfg: Config) -> str | None:
     Covered and checked against the tracker (tests/test_predict_vs_measured.py): dp with
     ZeRO 0-3, tp (+SP), pp with F/B schedules, and tp x pp with them. Not covered: the
     deferred weight work of I/W-split schedules, and ZeRO with pp (measured 12-22 % under
-    and 7 % over the tracker at pp=2)."""
+    and 7 % over the tracker at pp=2), and context parallel (its ring buffers, the
+    fp32 partial outputs and scores of each block are not modelled)."""
     p = cfg.parallel
+    if p.cp > 1:
+        return (f"cp={p.cp}: the eager memory model does not follow context parallel's "
+                "attention (ring K/V buffers, per-block scores); predict with "
+                "kernels='fused', whose activations fall as 1/cp")
     if p.pp == 1:
         return None
     sched, _ = rank_stages(cfg, 0)

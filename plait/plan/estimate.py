@@ -53,6 +53,7 @@ class Layout:
     zero: int = 1
     recompute: str = "selective"
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022)
+    cp_mode: str = "ring"  # "ring" (Liu et al. 2023) | "allgather" K/V (Llama 3)
 
     def label(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp}"
@@ -159,17 +160,28 @@ def _layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
         colls.append(comm.Collective("tp", op, s_tp, tp_count, b.tp, tp_intra, t_ar,
                                      tp_count * t_ar, "none: on the critical path",
                                      "ring" if not np.any(tree) else "tree/ring"))
-    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls)
+    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode)
     ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls)
     return _LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
 
 
 def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
-                 colls: list[comm.Collective]) -> tuple[Num, Num]:
-    """Exposed (forward, backward) ring K/V time per layer; appends cp's collective."""
+                 colls: list[comm.Collective], mode: str = "ring") -> tuple[Num, Num]:
+    """Exposed (forward, backward) K/V time per layer; appends cp's collective. Ring: the
+    local K/V chunk hops cp-1 times forward, K/V and dK/dV 2(cp-1) times backward, each
+    hop hidden behind a block's compute; all-gather: K/V gathered forward, dK/dV
+    reduce-scattered backward, not overlapped (plait/parallel/context.py)."""
     cp_intra = comm.intra_node(b.tp, b.cp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, cp_intra, eff.link_efficiency)
     s_kv = 2 * b.tokens * shape.kv_dim * b.e / b.tp
+    if mode == "allgather":
+        t_ag = comm.gather_like(b.cp * s_kv, b.cp, bw, al)
+        if np.any(b.cp > 1):
+            n = 2 * b.rank_layers * b.m
+            colls.append(comm.Collective("cp", "all-gather K/V + reduce-scatter dK/dV",
+                                         b.cp * s_kv, n, b.cp, cp_intra, t_ag,
+                                         n * t_ag, "none: before and after attention"))
+        return t_ag, t_ag
     t_kv = np.where(b.cp > 1, (b.cp - 1) * comm.p2p(s_kv, bw, al), 0.0)
     cp_exp_f = np.maximum(t_kv - b.lt.attn_fwd, 0)
     cp_exp_b = np.maximum(2 * t_kv - 2 * b.lt.attn_fwd, 0)

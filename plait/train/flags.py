@@ -23,7 +23,7 @@ TRAIN_FLAGS = {
     "ep": "parallel.ep", "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
-    "sp": "parallel.sp",
+    "sp": "parallel.sp", "cp_mode": "parallel.cp_mode", "cp_layout": "parallel.cp_layout",
 }
 
 
@@ -42,6 +42,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--recompute", choices=("none", "full"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"))
+    p.add_argument("--cp-mode", choices=("ring", "allgather"),
+                   help="context parallel: K/V around a ring (default) or all-gathered")
+    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"),
+                   help="context parallel: load-balanced zigzag chunks (default) or slices")
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
     p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary")

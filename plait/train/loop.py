@@ -116,7 +116,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(),
                               DTYPES[t.precision],
                               before_weight_grad=opt.before_backward,
-                              after_weight_grad=opt.after_backward)
+                              after_weight_grad=opt.after_backward,
+                              positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     for step in range(start_step, t.steps):
         row = _train_step(cfg, mesh, batches, runtime, par, step,
@@ -161,8 +162,9 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
     opt.zero_grad()
     # the logged loss is the global-batch mean: sum the partial sums of the last
-    # stages (pp) and of the replicas (dp)
+    # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
     comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
     comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
     if meter is not None:
         meter.__exit__(None, None, None)

@@ -104,10 +104,14 @@ class PipelineRuntime:
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], mesh: ParallelMesh,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  before_weight_grad: Callable[[bool], None] | None = None,
-                 after_weight_grad: Callable[[bool], None] | None = None, dim: str = "pp"):
+                 after_weight_grad: Callable[[bool], None] | None = None, dim: str = "pp",
+                 positions: torch.Tensor | None = None):
         """`before_weight_grad(last)` runs before each B/W (last: the stage's final one, after
         which data parallel may reduce its gradients), `after_weight_grad(last)` after each
-        (last: this rank's final one of the step). The optimizer protocol plugs in here."""
+        (last: this rank's final one of the step). The optimizer protocol plugs in here.
+        `positions` (context parallel): this rank's token positions in each sequence; the
+        first stage takes those columns of the inputs, the last those of the targets, and
+        every stage hands them to RoPE and the attention mask."""
         self.schedule = schedule if schedule.lowered else lower(schedule)
         self.mesh, self.dim = mesh, dim
         # compute actions are timed on the device's clock (CUDA events on a GPU: a host
@@ -116,7 +120,7 @@ class PipelineRuntime:
         self.me = mesh.coord(dim) if mesh.size(dim) > 1 else 0
         self.peers = mesh.group_ranks[dim] if mesh.size(dim) > 1 else [mesh.rank]
         self.actions = self.schedule.actions[self.me]
-        self.stages = stages
+        self.stages, self.positions = stages, positions
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
         kinds = {(a.kind, a.stage) for a in self.actions}
@@ -244,12 +248,18 @@ class PipelineRuntime:
             self._sends_f.pop((stage, mb))[0].wait()
         return buf
 
+    def _columns(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of each sequence (all of them without context parallel)."""
+        if self.positions is None:
+            return tokens
+        return tokens.index_select(1, self.positions.to(tokens.device))
+
     def _compute(self, a: Action, index: int) -> Event:
         sched, s, mb = self.schedule, a.stage, a.microbatch
         first, last = sched.prev_stage(s) is None, sched.next_stage(s) is None
         if a.kind == "F":
             if first:
-                x = self._micro[mb][:, :-1]
+                x = self._columns(self._micro[mb][:, :-1])
             elif ("F", s, mb) in self._recvs:
                 x = self._arrived("F", s, mb).requires_grad_()
             else:
@@ -258,8 +268,8 @@ class PipelineRuntime:
             cap = self.capture.get(s)
             if cap:
                 cap.start()
-            targets = self._micro[mb][:, 1:] if last else None
-            out = self.stages[s](x, targets, self._ntok)
+            targets = self._columns(self._micro[mb][:, 1:]) if last else None
+            out = self.stages[s](x, targets, self._ntok, positions=self.positions)
             kept = cap.stop() if cap else []
             self._live[s, mb] = _Live(None if first else x, out, kept)
             nxt = sched.next_stage(s)

@@ -1,0 +1,381 @@
+"""Context parallel: the sequence split over the `cp` ranks, attention exchanging K/V.
+
+Each cp rank holds seq/cp tokens of every sequence, and every layer but attention is
+per-token, so only attention talks. Two ways (`parallel.cp_mode`):
+
+* **ring** (default; Liu et al. 2023, "Ring Attention with Blockwise Transformers"): the
+  packed K/V chunk of each rank travels around the cp ring, one hop per step, posted
+  asynchronously (`plait.comm.ops.batch_send_recv`) before the current chunk is computed,
+  so the transfer overlaps the compute. Each (query chunk, key chunk) block gives a partial
+  output and its log-sum-exp; partials merge exactly (o = Σ o_i·exp(lse_i − lse)). The
+  backward travels the ring again: K/V hop on as in forward and an accumulator of dK/dV
+  follows each chunk one hop behind, ending at the chunk's owner. Per layer and micro-batch
+  a rank sends (cp−1) K/V chunks forward and 2(cp−1) backward (K/V, then dK/dV).
+* **allgather** (Dubey et al. 2024, Llama 3, section 3.3.2): all-gather K/V over cp before
+  attention, reduce-scatter dK/dV in backward: (cp−1)/cp of the gathered K/V each way.
+  Cheap with GQA's few K/V heads; no overlap.
+
+Causal masking is exact at chunk granularity: the sequence is cut into equal chunks with
+global ids; a key chunk after the query chunk is skipped, the diagonal one is causal, an
+earlier one is full. **Load balance** (`parallel.cp_layout`): with a contiguous split rank
+r computes r+1 blocks, the last rank cp of them; "zigzag" cuts 2·cp chunks and gives rank
+r chunks r and 2cp−1−r, so every rank computes 2cp+1 half-size blocks (Stanford CS336,
+lecture 8; the "load-balanced" layout of Llama 3 section 3.3.2). RoPE and the loss follow
+the permutation: the rank's token positions (`ContextLayout.positions`) index its inputs
+and targets and give RoPE its angles.
+
+Parameters are replicated over cp: each rank's gradient is its tokens' share (dK/dV came
+back from the ranks whose queries used its keys), so gradients are summed over dp×cp (the
+mesh's product dim "dp_cp", plait/parallel/optimizer.py), and the logged loss over cp.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from plait.comm import ops
+from plait.mesh import ParallelMesh
+from plait.model.rope import Positions
+from plait.model.transformer import CausalAttentionCore
+
+DIM = "cp"
+MODES = ("ring", "allgather")
+LAYOUTS = ("zigzag", "contiguous")
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """Which chunks of a sequence of `seq_len` tokens each of `cp` ranks holds."""
+
+    cp: int
+    seq_len: int
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"cp layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
+        if self.seq_len % self.n_chunks:
+            raise ValueError(f"seq_len {self.seq_len} does not split into {self.n_chunks} "
+                             f"chunks ({self.layout}, cp={self.cp})")
+
+    @property
+    def n_chunks(self) -> int:
+        return 2 * self.cp if self.layout == "zigzag" else self.cp
+
+    @property
+    def chunk_len(self) -> int:
+        return self.seq_len // self.n_chunks
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        """Global chunk ids rank `rank` holds, in the order it holds them."""
+        if self.layout == "zigzag":
+            return (rank, 2 * self.cp - 1 - rank)
+        return (rank,)
+
+    def positions(self, rank: int, device: torch.device | str) -> torch.Tensor:
+        """int64 (seq_len/cp,): the positions of rank `rank`'s tokens in the sequence."""
+        c = self.chunk_len
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                          for i in self.chunks(rank)])
+
+    def work(self, rank: int) -> float:
+        """Causal attention scores rank `rank` needs per (batch, head): a full block is c²,
+        a diagonal one c²/2, a future one nothing. Its share of the attention work."""
+        mine, c = self.chunks(rank), self.chunk_len
+        return sum(c * c * (1.0 if k < q else 0.5) for q in mine for r in range(self.cp)
+                   for k in self.chunks(r) if k <= q)
+
+
+# ---- one block: partial attention and its gradient (fp32) ------------------------------
+# Two implementations of the same maths. "fused": torch's CPU flash-attention kernel, which
+# returns the log-sum-exp the merge needs and whose backward takes the *merged* output and
+# lse (what ring implementations feed a flash backward); 5-6x faster than "eager" here.
+# "eager": the formulas in plain matmuls, one block's scores at a time, for any device
+# (CUDA runs it until a GPU run has checked the fused CUDA kernels).
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                     None)
+
+
+def fused_available(device: torch.device) -> bool:
+    return device.type == "cpu" and _FLASH is not None and _FLASH_BWD is not None
+
+
+def _expand(kv: torch.Tensor, g: int) -> torch.Tensor:
+    """GQA: each KV head repeated for its g query heads (head i uses KV head i // g)."""
+    return kv if g == 1 else kv.repeat_interleave(g, dim=1)
+
+
+def _fold(grad: torch.Tensor, g: int) -> torch.Tensor:
+    """The adjoint of `_expand`: sum each KV head's g query-head gradients."""
+    return grad if g == 1 else grad.unflatten(1, (-1, g)).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """q (b, kv, g, m, d), k (b, kv, n, d) -> masked scores (b, kv, g, m, n)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:  # the diagonal block: square, key j visible to query i when j <= i
+        m, n = s.shape[-2:]
+        keep = torch.ones(m, n, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, fused: bool):
+    """q (b, h, m, d) against one key chunk k, v (b, kv, n, d), fp32 -> partial output
+    (b, h, m, d) and its log-sum-exp (b, h, m)."""
+    g = q.shape[1] // k.shape[1]
+    if fused:
+        out, lse = _FLASH(q, _expand(k, g), _expand(v, g), 0.0, causal, scale=scale)
+        return out, lse
+    s = _scores(q.unflatten(1, (-1, g)), k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: bool):
+    """(dq, dk, dv) of one block from the *merged* output and lse of q's rows (the flash
+    backward: P = exp(S - lse), dS = P (dO Vᵀ - rowsum(dO O)))."""
+    g = q.shape[1] // k.shape[1]
+    if fused:
+        dq, dk, dv = _FLASH_BWD(dout, q, _expand(k, g), _expand(v, g), out, lse, 0.0,
+                                causal, scale=scale)
+        return dq, _fold(dk, g), _fold(dv, g)
+    q5, do5 = q.unflatten(1, (-1, g)), dout.unflatten(1, (-1, g))
+    delta = (do5 * out.unflatten(1, (-1, g))).sum(-1, keepdim=True)
+    p = torch.exp(_scores(q5, k, causal, scale) - lse.unflatten(1, (-1, g)).unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
+    ds = p * (torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * scale
+    return dq.flatten(1, 2), dk, dv
+
+
+def _merge(acc, out, lse):
+    """Exact merge of two partial softmax results (log-sum-exp rescaling)."""
+    if acc is None:
+        return out, lse
+    o, l0 = acc
+    total = torch.logaddexp(l0, lse)
+    return (o * torch.exp(l0 - total).unsqueeze(-1)
+            + out * torch.exp(lse - total).unsqueeze(-1)), total
+
+
+@dataclass
+class Ring:
+    """This rank's place on the cp ring and the layout: what the autograd function needs.
+
+    `fused`: block maths by torch's CPU flash kernel (None: where it exists, see
+    `fused_available`). `work` and `compute_s` measure the balance: the last forward's
+    causal scores per (batch, head) (= `ContextLayout.work`), and the thread CPU seconds
+    spent in block maths, forward and backward, since the last reset."""
+
+    mesh: ParallelMesh
+    layout: ContextLayout
+    tag: str = "cp"
+    fused: bool | None = None
+    work: float = 0.0
+    compute_s: float = 0.0
+
+    @property
+    def me(self) -> int:
+        return self.mesh.coord(DIM)
+
+    def peer(self, offset: int) -> int:
+        ranks = self.mesh.group_ranks[DIM]
+        return ranks[(self.me + offset) % len(ranks)]
+
+    def use_fused(self, device: torch.device) -> bool:
+        return fused_available(device) if self.fused is None else self.fused
+
+    def pairs(self, src: int) -> list[tuple[int, int, bool]]:
+        """(my chunk slot, src's chunk slot, causal) of the blocks to compute against rank
+        src's keys; blocks entirely in the future are skipped."""
+        mine, theirs = self.layout.chunks(self.me), self.layout.chunks(src)
+        return [(i, j, kq == qq) for i, qq in enumerate(mine) for j, kq in enumerate(theirs)
+                if kq <= qq]
+
+
+def _slot(t: torch.Tensor, i: int, c: int) -> torch.Tensor:
+    """Chunk slot i (of length c) along the sequence axis (-2) of (..., L, d)."""
+    return t[..., i * c:(i + 1) * c, :]
+
+
+def _rows(t: torch.Tensor, i: int, c: int) -> torch.Tensor:
+    """Chunk slot i of a per-row statistic (..., L)."""
+    return t[..., i * c:(i + 1) * c]
+
+
+def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
+    """Forward around the ring: q (b, h, L, d) fp32, kv (2, b, kv, L, d) packed."""
+    n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    sends, cur, work = [], kv, 0.0
+    for t in range(n):
+        src = (ring.me - t) % n
+        if t < n - 1:  # post the next hop before computing on this chunk: overlap
+            nxt = torch.empty_like(cur)
+            send, recv = ops.batch_send_recv([(cur, ring.peer(1))], [(nxt, ring.peer(-1))],
+                                             ring.mesh, DIM, tag=f"{ring.tag}.fwd")
+            sends.append(send)
+        c0 = time.thread_time()
+        k, v = cur[0].float(), cur[1].float()
+        for i, j, causal in ring.pairs(src):
+            part = _block_forward(_slot(q, i, c), _slot(k, j, c), _slot(v, j, c), causal,
+                                  scale, fused)
+            acc[i] = _merge(acc.get(i), *part)
+            work += c * c * (0.5 if causal else 1.0)
+        ring.compute_s += time.thread_time() - c0
+        if t < n - 1:
+            recv.wait()
+            cur = nxt
+    for h in sends:
+        h.wait()
+    ring.work = work
+    slots = sorted(acc)
+    return (torch.cat([acc[i][0] for i in slots], -2), torch.cat([acc[i][1] for i in slots], -1))
+
+
+def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
+    """Backward around the ring: K/V hop on as in forward; each chunk's dK/dV accumulator
+    follows one hop behind and reaches the owner after the last step."""
+    n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    dq = torch.zeros_like(q)
+    sends, cur, own, acc_in = [], kv, None, None
+    for t in range(n):
+        src = (ring.me - t) % n
+        if t < n - 1:
+            nxt = torch.empty_like(cur)
+            s, kv_recv = ops.batch_send_recv([(cur, ring.peer(1))], [(nxt, ring.peer(-1))],
+                                             ring.mesh, DIM, tag=f"{ring.tag}.bwd")
+            sends.append(s)
+        c0 = time.thread_time()
+        k, v = cur[0].float(), cur[1].float()
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        for i, j, causal in ring.pairs(src):
+            dqi, dkj, dvj = _block_backward(
+                _slot(q, i, c), _slot(k, j, c), _slot(v, j, c), _slot(out, i, c),
+                _rows(lse, i, c), _slot(dout, i, c), causal, scale, fused)
+            _slot(dq, i, c).add_(dqi)
+            _slot(dkv[0], j, c).add_(dkj)
+            _slot(dkv[1], j, c).add_(dvj)
+        ring.compute_s += time.thread_time() - c0
+        if t == 0:
+            own = dkv
+        else:
+            if acc_in is not None:  # the accumulator for this chunk, from the previous rank
+                acc_in[1].wait()
+                dkv += acc_in[0].float()
+            buf = torch.empty_like(kv)
+            s, r = ops.batch_send_recv([(dkv.to(kv.dtype), ring.peer(1))],
+                                       [(buf, ring.peer(-1))], ring.mesh, DIM,
+                                       tag=f"{ring.tag}.bwd")
+            sends.append(s)
+            acc_in = (buf, r)
+        if t < n - 1:
+            kv_recv.wait()
+            cur = nxt
+    if acc_in is not None:  # my own chunk's dK/dV from every other rank
+        acc_in[1].wait()
+        own += acc_in[0].float()
+    for h in sends:
+        h.wait()
+    return dq, own
+
+
+class _RingAttention(Function):
+    """softmax(q kᵀ/√d, causal by position) v over the whole sequence, K/V on a ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        scale = q.shape[-1] ** -0.5
+        kv = torch.stack([k, v]).contiguous()
+        out, lse = _ring_forward(ring, q.float(), kv, scale)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out, lse, dout.float().contiguous(),
+                                 ctx.scale)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None
+
+
+class _GatherKV(Function):
+    """All-gather the packed K/V over cp (rank order); backward: reduce-scatter dK/dV."""
+
+    @staticmethod
+    def forward(ctx, kv, mesh: ParallelMesh, tag: str):
+        ctx.mesh, ctx.tag = mesh, tag
+        n = mesh.size(DIM)
+        out = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)
+        ops.all_gather(out, kv.reshape(-1), mesh, DIM, tag=f"{tag}.fwd")
+        return out.view(n, *kv.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty(g[0].numel(), dtype=g.dtype, device=g.device)
+        ops.reduce_scatter(out, g.reshape(-1), ctx.mesh, DIM, tag=f"{ctx.tag}.bwd")
+        return out.view(g.shape[1:]), None, None
+
+
+class ContextParallelAttention(nn.Module):
+    """The attention core under context parallel (swapped in for `CausalAttentionCore`):
+    q, k, v are this rank's tokens (after RoPE at their positions), in `layout` order."""
+
+    def __init__(self, mesh: ParallelMesh, layout: ContextLayout, mode: str = "ring",
+                 tag: str = "cp", fused: bool | None = None):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"cp mode {mode!r}; use one of {', '.join(MODES)}")
+        self.mesh, self.layout, self.mode, self.tag = mesh, layout, mode, tag
+        self.ring = Ring(mesh, layout, tag, fused)
+        me = mesh.coord(DIM)
+        self.q_pos = layout.positions(me, mesh.device.torch)
+        self.k_pos = torch.cat([layout.positions(r, mesh.device.torch)
+                                for r in range(layout.cp)])
+        self._checked = False  # the positions are checked once: they never change
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: Positions) -> torch.Tensor:
+        if q.shape[-2] != self.q_pos.numel() or not self._checked and (
+                positions.ids is None or not torch.equal(positions.ids, self.q_pos)):
+            raise ValueError("context parallel: the attention's tokens are not this rank's "
+                             f"{self.layout.layout} chunks {self.layout.chunks(self.ring.me)}")
+        self._checked = True
+        if self.mode == "ring":
+            return _RingAttention.apply(q, k, v, self.ring)
+        full = _GatherKV.apply(torch.stack([k, v]), self.mesh, self.tag)  # (cp, 2, b, kv, L, d)
+        kf = full[:, 0].permute(1, 2, 0, 3, 4).flatten(2, 3)  # (b, kv, cp*L, d), rank order
+        vf = full[:, 1].permute(1, 2, 0, 3, 4).flatten(2, 3)
+        mask = self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)  # key <= query, exact
+        return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mode: str,
+                           layout: ContextLayout) -> torch.Tensor:
+    """Swap every attention core of this rank's stages for the cp one; mark the stages'
+    boundary as split cp ways along the sequence. Returns this rank's token positions (the
+    indices of its inputs and targets in each sequence, and RoPE's positions)."""
+    for stage in stages.values():
+        for name, mod in stage.named_modules():
+            core = getattr(mod, "core", None)
+            if core is None:
+                continue
+            if type(core) is not CausalAttentionCore:
+                raise ValueError(f"context parallel cannot shard {name}.core "
+                                 f"({type(core).__name__}): it knows causal attention only")
+            mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}")
+        stage.seq_shards *= layout.cp
+    return layout.positions(mesh.coord(DIM), mesh.device.torch)
