@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plait import comm
+from plait.checkpoint import Checkpointing
 from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
 from plait.mesh import ParallelMesh
@@ -91,14 +92,19 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
-          capture_first_grads: bool = False) -> TrainResult:
+          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None
+          ) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
-    `capture_first_grads`: keep the first step's full gradients (result.first_grads)."""
+    `capture_first_grads`: keep the first step's full gradients (result.first_grads).
+    `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
+    (plait/checkpoint)."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     par = parallelize(build_model(cfg.model, seed=t.seed, device="meta"), mesh, cfg)
     model, opt = par.model, par.optimizer
+    if checkpoint is not None:  # every rank reads what it now holds; no step has run
+        start_step = checkpoint.restore(par, mesh, cfg, start_step)
     param_count = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime; what crosses a
@@ -115,6 +121,10 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result)
         result.metrics.append(row)
+        if checkpoint is not None:  # outside the step: its collectives are tagged so
+            checkpoint.after_step(step, par, mesh, cfg, {"lr": row["lr"], "data": {
+                "next_step": step + 1, "seed": t.seed, "global_batch": t.global_batch,
+                "seq_len": t.seq_len}})
         if on_step is not None:
             on_step(row)
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
