@@ -3,7 +3,7 @@
 `Checkpointing` is what the training loop drives: `restore` once after `parallelize`
 (the step to continue from) and `after_step` after each step (save every N steps and at
 the last). The format is format.py; what a rank holds, pieces.py; the save protocol,
-save.py; loading under any layout, load.py; inspect and consolidate, export.py; the
+writer.py; loading under any layout, reader.py; inspect and consolidate, export.py; the
 `plait checkpoint` command and the train flags, cli.py.
 """
 
@@ -17,8 +17,8 @@ from plait.mesh import ParallelMesh
 from plait.parallel.parallelize import ParallelModel
 
 from .format import CheckpointError, CorruptCheckpoint
-from .load import CheckpointWarning, restore
-from .save import save
+from .reader import CheckpointWarning, restore
+from .writer import save
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Checkpointing", "CorruptCheckpoint",
            "restore", "save"]

@@ -9,6 +9,7 @@ when resuming, that a committed checkpoint exists and is of this model. Errors a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from plait.config import Config
 from . import Checkpointing
 from .export import DTYPES, consolidate, inspect_text
 from .format import CheckpointError, read_metadata
-from .load import candidates, check_compatible
+from .reader import candidates, check_compatible
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -46,8 +47,14 @@ def preflight(args: argparse.Namespace, cfg: Config) -> Checkpointing:
     problems = ck.problems()
     if problems:
         raise CheckpointError("; ".join(problems))
-    if ck.dir is not None and ck.dir.exists() and not ck.dir.is_dir():
-        raise CheckpointError(f"--checkpoint-dir {ck.dir}: not a directory")
+    if ck.dir is not None and ck.every:
+        try:  # the first save would find out after a step; find out now
+            ck.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"--checkpoint-dir {ck.dir}: cannot create it "
+                                  f"({e.strerror or e})") from e
+        if not os.access(ck.dir, os.W_OK | os.X_OK):
+            raise CheckpointError(f"--checkpoint-dir {ck.dir}: not writable")
     src = ck.source()
     if src is not None:
         path = candidates(src)[0][0]

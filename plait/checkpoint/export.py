@@ -24,7 +24,7 @@ from .format import (
     checkpoints,
     read_metadata,
 )
-from .load import candidates, full_tensor
+from .reader import candidates, full_tensor
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"),
           "fp16": (torch.float16, "F16")}
