@@ -37,6 +37,8 @@ PP2_TP2_SP = ("parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.sc
               "parallel.microbatches=4")
 DUALPIPE = ("parallel.pp=2", "parallel.schedule=dualpipe", "parallel.microbatches=4")
 TP2 = ("parallel.tp=2",)
+BF16_DP2_Z1 = ("train.precision=bf16", "parallel.dp=2", "parallel.zero=1")
+SGD = ("train.optimizer=sgd", "train.weight_decay=0")  # plain SGD: masters only, no moments
 
 
 # the first model built on meta imports torch's reference ops (~10 s a process on a busy
@@ -146,8 +148,10 @@ def test_runs_of_boxes_and_ranges_cover_the_right_elements():
 
 # ---- item 2: exact resume on the same layout ---------------------------------------------
 @pytest.mark.parametrize("sets", [(), DP2_Z2, ("parallel.dp=2", "parallel.zero=3"),
-                                  PP2_TP2_SP, DUALPIPE], ids=lambda s: "+".join(s) or "single")
+                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1],
+                         ids=lambda s: "+".join(s) or "single")
 def test_resume_same_layout_is_bit_identical(sets):
+    # bf16 too: the compute parameter is its master cast, after an update and after a load
     full, d = _full(sets)
     res = _run(sets, {"resume": str(d / "step-00000002")})
     assert [r["step"] for r in res[0]["rows"]] == [2, 3]
@@ -182,6 +186,7 @@ PAIRS = [
     (DUALPIPE, ("parallel.dp=4", "parallel.zero=3")),  # 2 -> 4
     (TP2, PP2_TP2_SP),  # 2 -> 4, tp without sp -> with, into a pipeline
     (TP2, ()),  # 2 -> 1
+    ((*SGD, *DP2_Z2), (*SGD, *TP2)),  # SGD: no moments saved or needed
 ]
 
 
@@ -195,7 +200,7 @@ def test_reshard_continues_within_parity_of_the_reference(src, dst):
     new_losses, new_norms = _losses(res)
     run = {"losses": losses[:2] + new_losses, "grad_norms": norms[:2] + new_norms,
            "params": _params(res)}
-    ref = reference(LAYERS)
+    ref = reference(LAYERS, *(s for s in src if not s.startswith("parallel.")))
     # fp32: both layouts only reorder sums; this MHA model's tp layouts measured 2e-5
     # (tests/test_three_d.py), so every pair is held to fp32's 1e-4, not fp32-tp's 1e-3
     assert_parity(run, ref, "fp32")

@@ -193,10 +193,11 @@ def restore(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: str | P
 
 
 def _restore_rng(meta: dict, mesh: ParallelMesh) -> None:
-    """The same layout's rank gets its RNG back. plait's training draws no random numbers
-    today (data order and init are seeded pure functions of the step and the name), so
-    nothing depends on it yet; a strategy that draws (dropout) would."""
-    if meta["layout"]["world_size"] != mesh.world_size:
+    """On the same layout each rank gets its RNG back (on another, a rank's role differs
+    and there is nothing to map it to). plait's training draws no random numbers today
+    (data order and init are seeded pure functions of the step and the name), so nothing
+    depends on it yet; a strategy that draws (dropout) would."""
+    if meta["layout"]["sizes"] != mesh.sizes or meta["layout"]["order"] != list(mesh.order):
         return
     state = meta["rng"][str(mesh.rank)]
     raw = np.frombuffer(base64.b64decode(state["cpu"]), np.uint8).copy()
