@@ -160,19 +160,26 @@ def param_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
     return out
 
 
+def optimizer_steps(par: ParallelModel) -> int:
+    """The updates the optimizer has made (Adam's bias correction): the step, less any
+    skipped for a non-finite gradient."""
+    opt = par.optimizer
+    return opt.steps if isinstance(opt, ZeroOptimizer) else opt.optim.steps
+
+
 @torch.no_grad()
-def publish(par: ParallelModel, step: int) -> None:
+def publish(par: ParallelModel, steps: int) -> None:
     """After a load: the compute parameters from the loaded masters where they are not
-    read directly, and the optimizer's step count (Adam's bias correction)."""
+    read directly, and the optimizer's update count `steps`."""
     opt = par.optimizer
     if isinstance(opt, ZeroOptimizer):
         if opt.stage == 3:
             for u in opt.units:
                 u.shard.copy_(u.master)  # as ZeroOptimizer._publish: the next forward gathers
-        opt.steps = step
+        opt.steps = steps
         return
     o = opt.optim
     for m, p in zip(o.master, o.params, strict=True):
         if m is not p.data:
             p.data.copy_(m)
-    o.steps = step
+    o.steps = steps

@@ -185,7 +185,7 @@ def restore(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: str | P
             warnings.warn(f"skipping {path}: {msg}; falling back to an older checkpoint",
                           CheckpointWarning, stacklevel=2)
             continue
-        publish(par, meta["step"])
+        publish(par, meta["optimizer"]["steps"])
         _restore_rng(meta, mesh)
         return meta["step"], path
     raise CheckpointError(f"{source}: no complete, valid checkpoint ("

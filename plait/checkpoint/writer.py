@@ -49,7 +49,7 @@ from .format import (
     step_dir,
     write_json,
 )
-from .pieces import pieces, states_of
+from .pieces import optimizer_steps, pieces, states_of
 
 
 def plait_version() -> str:
@@ -68,7 +68,8 @@ def save(par: ParallelModel, mesh: ParallelMesh, cfg: Config, root: Path, step: 
     try:
         tmp = _make_tmp(mesh, root, step)
         _write_all(par, mesh, cfg, tmp, step)
-        final = _commit_all(mesh, cfg, tmp, root, step, progress or {}, keep)
+        progress = {**(progress or {}), "optimizer_steps": optimizer_steps(par)}
+        final = _commit_all(mesh, cfg, tmp, root, step, progress, keep)
     finally:
         mesh.ledger.step = before
     return final
@@ -176,7 +177,7 @@ def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
                    "zero": cfg.parallel.zero, "schedule": cfg.parallel.schedule,
                    "sp": cfg.parallel.sp, "precision": cfg.train.precision},
         "config": cfg.to_dict(), "progress": {"next_step": step, **progress},
-        "optimizer": {"kind": cfg.train.optimizer, "steps": step,
+        "optimizer": {"kind": cfg.train.optimizer, "steps": progress["optimizer_steps"],
                       "states": list(states_of(cfg.train.optimizer))},
         "tensors": {n: {"shape": list(p.shape), "dtype": "float32"}
                     for n, p in model.named_parameters()},

@@ -9,6 +9,7 @@ norm, clip, AdamW, metrics (loss, tokens/s on the device's timer, ledger).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -117,6 +118,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
+    streak = 0  # non-finite steps in a row
     for step in range(start_step, t.steps):
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result)
@@ -127,6 +129,9 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 "seq_len": t.seq_len}})
         if on_step is not None:
             on_step(row)
+        streak = streak + 1 if row.get("skipped") else 0
+        if streak >= max(t.max_nonfinite_steps, 1):  # every rank alike: the norm is global
+            raise NonFiniteError(_nonfinite_message(step, streak, checkpoint))
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
@@ -163,7 +168,12 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if meter is not None:
         memory["pre_optimizer"] = meter.sample("pre_optimizer").bytes
         meter.phase = "optimizer"  # the update's temporaries are optimizer memory
-    opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
+    # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
+    # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
+    # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
     opt.zero_grad()
     # the logged loss is the global-batch mean: sum the partial sums of the last
     # stages (pp) and of the replicas (dp)
@@ -180,7 +190,22 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
            "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
     if memory:
         row["memory"] = memory
+    if skipped:
+        row["skipped"] = True
     return row
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite gradient norm."""
+
+
+def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None) -> str:
+    saved = checkpoint and ((checkpoint.saved or [None])[-1] or checkpoint.resumed_from)
+    keep = (f"the last checkpoint, {saved}, holds the weights before them (skipped steps "
+            "change nothing)" if saved else "no checkpoint was written")
+    return (f"steps {step - streak + 1}..{step}: {streak} non-finite gradient norms in a "
+            f"row (train.max_nonfinite_steps); their updates were skipped and the run "
+            f"stops; {keep}. Lower the learning rate or check the data")
 
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
