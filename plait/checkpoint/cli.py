@@ -30,6 +30,9 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="save after every N steps and after the last (default: never)")
     g.add_argument("--keep", type=int, metavar="K",
                    help="keep the newest K committed checkpoints (default: all)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints on a background thread from a host copy while "
+                   "training goes on (committed one step later)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                    help="resume: alone, from the newest complete checkpoint in "
                    "--checkpoint-dir; or from PATH (a checkpoint, or a directory of them)")
@@ -38,7 +41,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> Checkpointing:
     return Checkpointing(dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
                          every=args.checkpoint_every or 0, keep=args.keep,
-                         resume=args.resume)
+                         resume=args.resume, background=args.async_checkpoint)
 
 
 def preflight(args: argparse.Namespace, cfg: Config) -> Checkpointing:

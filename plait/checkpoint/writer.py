@@ -21,8 +21,11 @@ import datetime
 import json
 import os
 import shutil
+import threading
 import time
 import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
@@ -60,19 +63,34 @@ def plait_version() -> str:
 
 
 def save(par: ParallelModel, mesh: ParallelMesh, cfg: Config, root: Path, step: int,
-         progress: dict | None = None, keep: int | None = None) -> Path:
+         progress: dict | None = None, keep: int | None = None, background: bool = False
+         ) -> Path | PendingSave:
     """Save the state after `step` completed steps under `root`; collective over the world
-    (every rank calls it). Returns the committed directory."""
-    root, before = Path(root), mesh.ledger.step
-    mesh.ledger.step = OUTSIDE_STEP  # a checkpoint's bytes are not the step's
-    try:
+    (every rank calls it). Returns the committed directory; with `background`, a
+    `PendingSave` whose files are being written by a thread from a host copy of the
+    state, to be `commit()`ted later by every rank (training may go on meanwhile)."""
+    root = Path(root)
+    with _outside_step(mesh):
         tmp = _make_tmp(mesh, root, step)
-        _write_all(par, mesh, cfg, tmp, step)
-        progress = {**(progress or {}), "optimizer_steps": optimizer_steps(par)}
-        final = _commit_all(mesh, cfg, tmp, root, step, progress, keep)
+        snap = _snapshot(par, mesh, cfg, copy=background)
+    progress = {**(progress or {}), "optimizer_steps": optimizer_steps(par)}
+    pending = PendingSave(mesh, cfg, tmp, root, step, progress, keep)
+    if not background:
+        pending.write(*snap)
+        return pending.commit()
+    pending.thread = threading.Thread(target=pending.write, args=snap, daemon=True,
+                                      name=f"checkpoint-{step}")
+    pending.thread.start()
+    return pending
+
+
+@contextmanager
+def _outside_step(mesh: ParallelMesh):
+    before, mesh.ledger.step = mesh.ledger.step, OUTSIDE_STEP  # not the step's bytes
+    try:
+        yield
     finally:
         mesh.ledger.step = before
-    return final
 
 
 def _agree(mesh: ParallelMesh, values: list[int]) -> list[int]:
@@ -98,13 +116,58 @@ def _make_tmp(mesh: ParallelMesh, root: Path, step: int) -> Path:
     return root / f"{step_dir(root, step).name}.tmp-{token}"
 
 
-def _write_all(par: ParallelModel, mesh: ParallelMesh, cfg: Config, tmp: Path, step: int
-               ) -> None:
-    err = None
-    try:
-        _write_rank(par, mesh, cfg, tmp)
-    except OSError as e:  # a full disk, a vanished directory
-        err = e
+def _snapshot(par: ParallelModel, mesh: ParallelMesh, cfg: Config, copy: bool
+              ) -> tuple[list[tuple[dict, torch.Tensor]], dict]:
+    """This rank's pieces to write (chunk metadata, fp32 host tensor) and its RNG state.
+    `copy`: host copies that later steps cannot change (a background write); otherwise
+    views where the state is already on the host (written before training resumes)."""
+    out = []
+    for p in pieces(par, mesh, cfg.train.optimizer):
+        if p.write:
+            host = p.tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32,
+                                                     copy=copy)
+            out.append(({"name": p.name, "state": p.state, "box_offset": list(p.box_offset),
+                         "box_shape": list(p.box_shape), "start": p.start, "stop": p.stop},
+                        host))
+    rng = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if mesh.device.type == "cuda":
+        rng["cuda"] = base64.b64encode(
+            torch.cuda.get_rng_state(mesh.device.torch).numpy().tobytes()).decode()
+    return out, rng
+
+
+@dataclass
+class PendingSave:
+    """A save between its files and its commit. `write` runs on this rank (in a thread
+    for a background save): file I/O only, no collective. `commit` runs on every rank's
+    main thread: it waits for the files, agrees on failures and commits."""
+
+    mesh: ParallelMesh
+    cfg: Config
+    tmp: Path
+    root: Path
+    step: int
+    progress: dict
+    keep: int | None
+    thread: threading.Thread | None = None
+    error: OSError | None = None
+
+    def write(self, snap: list[tuple[dict, torch.Tensor]], rng: dict) -> None:
+        try:
+            _write_files(self.tmp, self.mesh, snap, rng)
+        except OSError as e:  # a full disk, a vanished directory: reported at commit
+            self.error = e
+
+    def commit(self) -> Path:
+        if self.thread is not None:
+            self.thread.join()
+        with _outside_step(self.mesh):
+            _check_writes(self.mesh, self.tmp, self.step, self.error)
+            return _commit_all(self.mesh, self.cfg, self.tmp, self.root, self.step,
+                               self.progress, self.keep)
+
+
+def _check_writes(mesh: ParallelMesh, tmp: Path, step: int, err: OSError | None) -> None:
     failed = _agree(mesh, [int(r == mesh.rank and err is not None)
                            for r in range(mesh.world_size)])
     if not any(failed):
@@ -117,25 +180,17 @@ def _write_all(par: ParallelModel, mesh: ParallelMesh, cfg: Config, tmp: Path, s
                           "nothing was committed, the previous checkpoints are kept")
 
 
-def _write_rank(par: ParallelModel, mesh: ParallelMesh, cfg: Config, tmp: Path) -> None:
-    """This rank's data file (its pieces marked `write`) and its manifest."""
+def _write_files(tmp: Path, mesh: ParallelMesh, snap: list[tuple[dict, torch.Tensor]],
+                 rng: dict) -> None:
+    """This rank's data file and its manifest."""
     name = rank_file(mesh.rank)
     writer = RankWriter(tmp / name)
     chunks = []
     try:
-        for p in pieces(par, mesh, cfg.train.optimizer):
-            if not p.write:
-                continue
-            data = p.tensor.detach().float().reshape(-1).cpu().numpy()
-            chunks.append({"name": p.name, "state": p.state, "file": name,
-                           "offset": writer.write(data), "box_offset": list(p.box_offset),
-                           "box_shape": list(p.box_shape), "start": p.start, "stop": p.stop})
+        for meta, host in snap:
+            chunks.append({**meta, "file": name, "offset": writer.write(host.numpy())})
     finally:
         entry = writer.close()
-    rng = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if mesh.device.type == "cuda":
-        rng["cuda"] = base64.b64encode(
-            torch.cuda.get_rng_state(mesh.device.torch).numpy().tobytes()).decode()
     write_json(tmp / name.replace(".bin", ".json"),
                {"rank": mesh.rank, "coords": mesh.coords, "file": name, **entry,
                 "chunks": chunks, "rng": rng})

@@ -131,7 +131,11 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             on_step(row)
         streak = streak + 1 if row.get("skipped") else 0
         if streak >= max(t.max_nonfinite_steps, 1):  # every rank alike: the norm is global
+            if checkpoint is not None:
+                checkpoint.finish()
             raise NonFiniteError(_nonfinite_message(step, streak, checkpoint))
+    if checkpoint is not None:  # a background save of the last step
+        checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
