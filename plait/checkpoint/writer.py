@@ -12,6 +12,9 @@ the training step):
    either the previous checkpoints alone or the new one complete. Only then does `keep`
    delete older checkpoints (and dead attempts' temporary directories).
 A failed save raises `CheckpointError` on every rank and leaves the committed ones.
+A background save (--async-checkpoint) runs step 2's file writes on a thread from a host
+copy of the pieces; its step-2 agreement and step 3 run at `PendingSave.commit()`, on the
+main thread of every rank (no collective runs off it).
 """
 
 from __future__ import annotations
