@@ -200,10 +200,34 @@ def clip_ignored():
     loop.clip_coefficient = lambda total_norm, max_norm: 1.0
 
 
+def ckpt_moments_dropped():
+    from plait.checkpoint import reader
+
+    read = reader.read_pieces
+
+    def without_second_moment(path, meta, wanted, files=None):
+        read(path, meta, [p for p in wanted if p.state != "exp_avg_sq"], files)
+
+    reader.read_pieces = without_second_moment  # resumed Adam starts with v = 0
+
+
+def ckpt_tp_offset_lost():
+    from plait.checkpoint import pieces
+
+    box = pieces.tp_box
+
+    def at_zero(name, pl, local_shape, mesh):
+        got = box(name, pl, local_shape, mesh)
+        return None if got is None else ((0,) * len(got[0]), got[1])
+
+    pieces.tp_box = at_zero  # every tp slice written and read as the first one
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
 ZERO = "tests/test_zero.py::"
 MODEL = "tests/test_model.py"
+CKPT = "tests/test_checkpoint.py::"
 
 MUTANTS = [
     Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
@@ -236,6 +260,12 @@ MUTANTS = [
     Mutant("clip-ignored", "clipping coefficient ignored (always 1)", clip_ignored,
            [DP + "test_single_rank_plait_equals_reference",
             DP + "test_parity_with_accumulation_and_clipping[2-bucketed]"]),
+    Mutant("ckpt-moments-dropped", "a resume loads no Adam second moment",
+           ckpt_moments_dropped, [CKPT + "test_resume_same_layout_is_bit_identical[single]"]),
+    Mutant("ckpt-tp-offset-lost", "checkpoint tp slices placed at offset 0",
+           ckpt_tp_offset_lost,
+           [CKPT + "test_reshard_continues_within_parity_of_the_reference[parallel.tp=2->"
+            "single]"]),
 ]
 
 

@@ -249,6 +249,11 @@ def test_inspect_shows_step_layout_tensors_bytes_and_completeness(tmp_path, caps
     assert "layers.3.mlp.w2.weight" in text and "64x176" in text  # global shapes
     assert main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    only = tmp_path / "only"  # nothing committed: the listing, and the error
+    shutil.copytree(d / "step-00000004", only / "step-00000004")
+    assert main(["checkpoint", "inspect", str(only)]) == 2
+    err = capsys.readouterr().err
+    assert "INCOMPLETE (no marker)" in err and "no committed checkpoint (1 uncommitted)" in err
 
 
 # ---- item 5: atomic and verified --------------------------------------------------------
@@ -374,27 +379,29 @@ def _metrics(path: Path) -> list[dict]:
 def test_train_saves_and_resumes_through_torchrun(tmp_path, capsys):
     from plait.cli import main
 
-    d, m1, m2 = tmp_path / "ck", tmp_path / "m1.jsonl", tmp_path / "m2.jsonl"
-    layout = ["--nproc", "2", "--dp", "2", "--zero", "1", "--quiet"]
-    r = _plait("train", *layout, "--checkpoint-dir", str(d), "--checkpoint-every", "2",
-               "--metrics-out", str(m1))
+    full, src = _full(DP2_Z2)  # the same layout, trained in this process's forks
+    d, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    layout = ["--nproc", "2", "--dp", "2", "--zero", "2", "--quiet"]
+    # one launch resumes (--resume PATH) and saves (--checkpoint-dir/-every/--keep)
+    r = _plait("train", *layout, "--resume", str(src / "step-00000002"), "--checkpoint-dir",
+               str(d), "--checkpoint-every", "1", "--keep", "1", "--metrics-out", str(m))
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in d.iterdir()) == ["step-00000002", "step-00000004"]
-    r = _plait("train", *layout, "--resume", str(d / "step-00000002"),
-               "--metrics-out", str(m2))
-    assert r.returncode == 0, r.stderr
-    first, resumed = _metrics(m1), _metrics(m2)
+    resumed = _metrics(m)
     assert [x["step"] for x in resumed] == [2, 3]
-    assert [x["loss"] for x in resumed] == [x["loss"] for x in first[2:]]  # bit-identical
+    assert [x["loss"] for x in resumed] == [x["loss"] for x in full[0]["rows"][2:]]
+    assert sorted(p.name for p in d.iterdir()) == ["step-00000004"]  # --keep 1
+    for rk in range(2):  # the resumed run's last checkpoint is the uninterrupted run's
+        f = f"rank-{rk:05d}.bin"
+        assert (d / "step-00000004" / f).read_bytes() == (src / "step-00000004" / f).read_bytes()
     # bad input is refused before any rank starts (in this process: main returns first)
     from helpers import BASE
     sets = ["--data", str(token_file()), *[a for s in (*BASE, LAYERS) for a in ("--set", s)]]
     for extra, message in [
-            (["--resume", str(d)], "nothing left to train"),
-            (["--resume", str(d), "--steps", "6", "--set", "model.dim=32"], "another model"),
+            (["--resume", str(src)], "nothing left to train"),
+            (["--resume", str(src), "--steps", "6", "--set", "model.dim=32"], "another model"),
             (["--resume"], "--resume without a path"),
             (["--resume", str(tmp_path / "nope")], "no such directory"),
             (["--checkpoint-every", "2"], "need --checkpoint-dir"),
-            (["--checkpoint-dir", str(m1 / "x"), "--checkpoint-every", "1"], "cannot create")]:
+            (["--checkpoint-dir", str(m / "x"), "--checkpoint-every", "1"], "cannot create")]:
         assert main(["train", *sets, *layout, *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra

@@ -57,7 +57,12 @@ def inspect_text(source: Path, check: bool = True) -> str:
         lines.append(f"{source}: {len(listing)} checkpoint(s)")
         lines += [f"  step {s:>8}  {'committed' if ok else 'INCOMPLETE (no marker)'}  {p.name}"
                   for s, p, ok in listing]
-    path = resolve(source)
+    try:
+        path = resolve(source)
+    except CheckpointError as e:
+        if not listing:
+            raise
+        raise CheckpointError("\n".join([*lines, str(e)])) from e
     meta = read_metadata(path)
     problems = verify(path, meta) if check else []
     status = ("complete, every checksum verified" if check and not problems
