@@ -101,6 +101,7 @@ def _run(sets, ck: dict, **kw) -> list[dict]:
 def _params(outs: list[dict]) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for o in outs:
+        assert o["error"] is None, o["error"]
         for n, t in o["params"].items():
             assert n not in merged or torch.equal(merged[n], t), n
             merged[n] = t
@@ -116,7 +117,9 @@ def _full(sets: tuple[str, ...]) -> tuple[list[dict], Path]:
     """The uninterrupted 4-step run of a layout, saving after steps 2 and 4."""
     d = ROOT / "full" / "_".join(s.split(".")[-1] for s in sets or ("single",))
     shutil.rmtree(d, ignore_errors=True)
-    return _run(sets, {"dir": d, "every": 2}), d
+    outs = _run(sets, {"dir": d, "every": 2})
+    assert all(o["error"] is None for o in outs), [o["error"] for o in outs]
+    return outs, d
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -405,3 +408,19 @@ def test_train_saves_and_resumes_through_torchrun(tmp_path, capsys):
             (["--checkpoint-dir", str(m / "x"), "--checkpoint-every", "1"], "cannot create")]:
         assert main(["train", *sets, *layout, *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+def test_commit_refuses_chunks_that_overlap_or_leave_gaps():
+    from plait.checkpoint.format import check_coverage
+
+    def meta(*chunks):
+        return {"tensors": {"w": {"shape": [4, 6]}}, "optimizer": {"states": ["master"]},
+                "chunks": [{"name": "w", "state": "master", "box_offset": list(o),
+                            "box_shape": list(b), "start": a, "stop": z}
+                           for o, b, a, z in chunks]}
+    check_coverage(meta(((0, 0), (4, 3), 0, 12), ((0, 3), (4, 3), 0, 12)))  # two columns
+    check_coverage(meta(((0, 0), (4, 6), 0, 10), ((0, 0), (4, 6), 10, 24)))  # ZeRO ranges
+    with pytest.raises(CheckpointError, match="24 elements .overlapping."):
+        check_coverage(meta(((0, 0), (4, 3), 0, 12), ((0, 0), (4, 3), 0, 12)))  # same slice
+    with pytest.raises(CheckpointError, match="w master: the chunks hold 12 elements"):
+        check_coverage(meta(((0, 0), (4, 3), 0, 12)))

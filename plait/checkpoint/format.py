@@ -244,12 +244,21 @@ def chunks_by_tensor(meta: dict) -> dict[tuple[str, str], list[dict]]:
 
 
 def check_coverage(meta: dict) -> None:
-    """Every state of every tensor is saved exactly once: chunk sizes sum to its size
-    (writers own disjoint pieces, so equal sums mean the pieces tile the tensor)."""
-    got = {k: sum(c["stop"] - c["start"] for c in v) for k, v in chunks_by_tensor(meta).items()}
+    """Every state of every tensor is saved exactly once: the chunks' runs of the global
+    index are disjoint and add up to the tensor (a writer that saved a replica twice, or
+    put a slice in the wrong place, fails the save instead of a later resume)."""
+    by = chunks_by_tensor(meta)
     for name, t in meta["tensors"].items():
+        shape, n = tuple(t["shape"]), math.prod(t["shape"])
         for state in meta["optimizer"]["states"]:
-            n = math.prod(t["shape"])
-            if got.get((name, state), 0) != n:
-                raise CheckpointError(f"{name} {state}: {got.get((name, state), 0)} elements "
-                                      f"saved, the tensor has {n} (a writer bug)")
+            runs = [global_runs(shape, tuple(c["box_offset"]), tuple(c["box_shape"]),
+                                c["start"], c["stop"]) for c in by.get((name, state), [])]
+            g = np.concatenate([r[0] for r in runs]) if runs else np.zeros(0, np.int64)
+            k = np.concatenate([r[2] for r in runs]) if runs else np.zeros(0, np.int64)
+            order = np.argsort(g, kind="stable")
+            g, k = g[order], k[order]
+            overlap = bool((g[:-1] + k[:-1] > g[1:]).any()) if len(g) > 1 else False
+            if overlap or int(k.sum()) != n:
+                raise CheckpointError(f"{name} {state}: the chunks hold {int(k.sum())} "
+                                      f"elements{' (overlapping)' if overlap else ''}, the "
+                                      f"tensor has {n} (a writer bug)")
