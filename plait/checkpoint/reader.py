@@ -88,7 +88,7 @@ def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
                               f"train.steps is {cfg.train.steps}: nothing left to train; "
                               "raise --steps")
     mine_t = dataclasses.asdict(cfg.train)
-    changed = [k for k in mine_t if k not in ("steps", "data")
+    changed = [k for k in mine_t if k != "data"  # the same tokens may move
                and saved["train"].get(k) != mine_t[k]]
     if changed:
         warnings.warn(f"{path}: training settings differ from the checkpoint's "
