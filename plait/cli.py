@@ -1,4 +1,4 @@
-"""The `plait` command: train | demo | data prepare | simulate | plan | report.
+"""The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plait.checkpoint.cli import preflight as checkpoint_preflight
+from plait.checkpoint.format import CheckpointError
 from plait.config import ConfigError
 from plait.device import DeviceError, resolve_device
 from plait.launch import LocalLaunch
@@ -42,7 +44,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         resolve_device(args.device, local_rank=nproc - 1)  # every local rank has its device
         data = resolve_data(cfg, args.data_dir)
         check_data(cfg, data)
-    except (ConfigError, DataError, DeviceError) as e:
+        checkpoint_preflight(args, cfg)  # flags, and a resume's checkpoint: before any rank
+    except (ConfigError, DataError, DeviceError, CheckpointError) as e:
         return _fail(str(e))
     for flag in ("metrics_out", "trace", "timeline"):
         out = getattr(args, flag, None)
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--vocab-size", type=int)
 
     # subcommands that live beside their subsystem register themselves
+    from plait.checkpoint import cli as checkpoint_cli
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
     from plait.plan import cli as plan_cli
@@ -131,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     report_cli.add_parser(sub)
+    checkpoint_cli.add_parser(sub)
     return parser
 
 

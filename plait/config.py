@@ -91,6 +91,9 @@ class TrainConfig:
     seed: int = 1234
     data: str | None = None  # token file (.bin with .json beside it); None: default corpus
     memory_step: int = -1  # measure memory by category during this step (-1: never)
+    # a step whose global grad norm is not finite skips its update; this many in a row
+    # stop the run (plait/train/loop.py, docs/checkpoint.md)
+    max_nonfinite_steps: int = 3
 
 
 @dataclass

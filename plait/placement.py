@@ -1,6 +1,6 @@
 """Where each parameter lives on the mesh: one record per parameter, set by the strategy
 that shards it, read by everything that must know (the grad norm, full-state gathering,
-and next checkpoints that reshard).
+and checkpoints: plait/checkpoint/pieces.py).
 
 A parameter's record says
   * `splits`: the mesh dims that cut it along a tensor axis (tensor parallel: `tp` along

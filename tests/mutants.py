@@ -221,11 +221,35 @@ def cp_future_blocks_seen():
     Ring.pairs = every_block
 
 
+def ckpt_moments_dropped():
+    from plait.checkpoint import reader
+
+    read = reader.read_pieces
+
+    def without_second_moment(path, meta, wanted, files=None):
+        read(path, meta, [p for p in wanted if p.state != "exp_avg_sq"], files)
+
+    reader.read_pieces = without_second_moment  # resumed Adam starts with v = 0
+
+
+def ckpt_tp_offset_lost():
+    from plait.checkpoint import pieces
+
+    box = pieces.tp_box
+
+    def at_zero(name, pl, local_shape, mesh):
+        got = box(name, pl, local_shape, mesh)
+        return None if got is None else ((0,) * len(got[0]), got[1])
+
+    pieces.tp_box = at_zero  # every tp slice written and read as the first one
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
 CP = "tests/test_context_parallel.py::"
 ZERO = "tests/test_zero.py::"
 MODEL = "tests/test_model.py"
+CKPT = "tests/test_checkpoint.py::"
 
 MUTANTS = [
     Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
@@ -263,6 +287,12 @@ MUTANTS = [
     Mutant("cp-future-blocks-seen", "ring attention computes key chunks after the query's",
            cp_future_blocks_seen, [CP + "test_core_equals_full_causal_attention[2]",
                                    CP + "test_parity[cp=2]"]),
+    Mutant("ckpt-moments-dropped", "a resume loads no Adam second moment",
+           ckpt_moments_dropped, [CKPT + "test_resume_same_layout_is_bit_identical[single]"]),
+    Mutant("ckpt-tp-offset-lost", "checkpoint tp slices placed at offset 0",
+           ckpt_tp_offset_lost,
+           [CKPT + "test_reshard_continues_within_parity_of_the_reference[parallel.tp=2->"
+            "single]"]),
 ]
 
 

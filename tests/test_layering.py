@@ -38,6 +38,7 @@ LAYERS = [
     ("optim", ["plait.optim"]),  # the update maths: torch only, no communication
     ("comm", ["plait.comm"]),
     ("parallel", ["plait.parallel"]),
+    ("checkpoint", ["plait.checkpoint"]),  # save/load what parallelize placed; train drives it
     ("train", ["plait.train"]),
     ("plan", ["plait.plan"]),
     ("observe", ["plait.observe"]),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.checkpoint.cli import preflight
 from plait.device import resolve_device
 from plait.launch import init_rank_process_group
 from plait.mesh import ParallelMesh
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     device.activate()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = config_from_args(args).check(world_size=world)
+    checkpoint = preflight(args, cfg)  # bad checkpoint flags or input: before any collective
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:
         init_rank_process_group(device.backend, datetime.timedelta(seconds=args.timeout))
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
 
-            result = train(cfg, mesh, batches, on_step=on_step)
+            result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint)
+        if lead and checkpoint.resumed_from is not None and not args.quiet:
+            print(f"resumed from {checkpoint.resumed_from}")
         if metrics_file:
             metrics_file.write(json.dumps(result.summary) + "\n")
         if lead and not args.quiet:

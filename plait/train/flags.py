@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from plait.checkpoint.cli import add_checkpoint_args
 from plait.config import Config, load_config
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES
@@ -58,6 +59,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where each rank computes: cuda:LOCAL_RANK with NCCL, or the CPU with "
                    "gloo; auto (default) takes CUDA when torch sees a GPU")
+    add_checkpoint_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -10,12 +10,14 @@ norm, clip, AdamW, metrics (loss, tokens/s on the device's timer, ledger).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from plait import comm
+from plait.checkpoint import Checkpointing
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
@@ -98,14 +100,19 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
-          capture_first_grads: bool = False) -> TrainResult:
+          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None
+          ) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
-    `capture_first_grads`: keep the first step's full gradients (result.first_grads)."""
+    `capture_first_grads`: keep the first step's full gradients (result.first_grads).
+    `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
+    (plait/checkpoint)."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     par = parallelize(build_model(cfg.model, seed=t.seed, device="meta"), mesh, cfg)
     model, opt = par.model, par.optimizer
+    if checkpoint is not None:  # every rank reads what it now holds; no step has run
+        start_step = checkpoint.restore(par, mesh, cfg, start_step)
     param_count = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime; what crosses a
@@ -119,12 +126,24 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
+    streak = 0  # non-finite steps in a row
     for step in range(start_step, t.steps):
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result)
         result.metrics.append(row)
+        if checkpoint is not None:  # outside the step: its collectives are tagged so
+            checkpoint.after_step(step, par, mesh, cfg, {"lr": row["lr"], "data": {
+                "next_step": step + 1, "seed": t.seed, "global_batch": t.global_batch,
+                "seq_len": t.seq_len}})
         if on_step is not None:
             on_step(row)
+        streak = streak + 1 if row.get("skipped") else 0
+        if streak >= max(t.max_nonfinite_steps, 1):  # every rank alike: the norm is global
+            if checkpoint is not None:
+                checkpoint.finish()
+            raise NonFiniteError(_nonfinite_message(step, streak, checkpoint))
+    if checkpoint is not None:  # a background save of the last step
+        checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
@@ -159,7 +178,12 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if meter is not None:
         memory["pre_optimizer"] = meter.sample("pre_optimizer").bytes
         meter.phase = "optimizer"  # the update's temporaries are optimizer memory
-    opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
+    # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
+    # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
+    # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
     opt.zero_grad()
     # the logged loss is the global-batch mean: sum the partial sums of the last
     # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
@@ -177,7 +201,22 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
            "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
     if memory:
         row["memory"] = memory
+    if skipped:
+        row["skipped"] = True
     return row
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite gradient norm."""
+
+
+def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None) -> str:
+    saved = checkpoint and ((checkpoint.saved or [None])[-1] or checkpoint.resumed_from)
+    keep = (f"the last checkpoint, {saved}, holds the weights before them (skipped steps "
+            "change nothing)" if saved else "no checkpoint was written")
+    return (f"steps {step - streak + 1}..{step}: {streak} non-finite gradient norms in a "
+            f"row (train.max_nonfinite_steps); their updates were skipped and the run "
+            f"stops; {keep}. Lower the learning rate or check the data")
 
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,

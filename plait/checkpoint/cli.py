@@ -1,0 +1,99 @@
+"""`plait checkpoint inspect D` and `plait checkpoint consolidate D --out F`, and the train
+flags that save and resume (--checkpoint-dir, --checkpoint-every, --keep, --resume).
+
+`preflight` is what `plait train` runs before launching any rank: the flags' problems and,
+when resuming, that a committed checkpoint exists and is of this model. Errors are
+`CheckpointError`s with the fix; nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from plait.config import Config
+
+from . import Checkpointing
+from .export import DTYPES, consolidate, inspect_text
+from .format import CheckpointError, read_metadata
+from .reader import candidates, check_compatible
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The train flags (plait/train/flags.py adds them to `plait train` and the rank entry)."""
+    g = p.add_argument_group("checkpoints (docs/checkpoint.md)")
+    g.add_argument("--checkpoint-dir", help="save checkpoints under this directory")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="save after every N steps and after the last (default: never)")
+    g.add_argument("--keep", type=int, metavar="K",
+                   help="keep the newest K committed checkpoints (default: all)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints on a background thread from a host copy while "
+                   "training goes on (committed one step later)")
+    g.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                   help="resume: alone, from the newest complete checkpoint in "
+                   "--checkpoint-dir; or from PATH (a checkpoint, or a directory of them)")
+
+
+def from_args(args: argparse.Namespace) -> Checkpointing:
+    return Checkpointing(dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+                         every=args.checkpoint_every or 0, keep=args.keep,
+                         resume=args.resume, background=args.async_checkpoint)
+
+
+def preflight(args: argparse.Namespace, cfg: Config) -> Checkpointing:
+    """The checkpoint flags checked before any rank starts (CheckpointError on a problem)."""
+    ck = from_args(args)
+    problems = ck.problems()
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    if ck.dir is not None and ck.every:
+        try:  # the first save would find out after a step; find out now
+            ck.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"--checkpoint-dir {ck.dir}: cannot create it "
+                                  f"({e.strerror or e})") from e
+        if not os.access(ck.dir, os.W_OK | os.X_OK):
+            raise CheckpointError(f"--checkpoint-dir {ck.dir}: not writable")
+    src = ck.source()
+    if src is not None:
+        path = candidates(src)[0][0]
+        check_compatible(read_metadata(path), cfg, path)
+    return ck
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("checkpoint", help="inspect or consolidate checkpoints",
+                              description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="checkpoint_command", required=True)
+    ins = sub.add_parser("inspect", help="step, layout, tensors, bytes per rank, complete?")
+    ins.add_argument("path", help="a checkpoint, or a directory of them (the newest "
+                     "committed is shown)")
+    ins.add_argument("--no-verify", action="store_true",
+                     help="skip reading every block to check its checksum")
+    con = sub.add_parser("consolidate", help="the full model as one safetensors file")
+    con.add_argument("path", help="a checkpoint, or a directory of them (the newest)")
+    con.add_argument("--out", required=True, help="the .safetensors file to write")
+    con.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                     help="dtype of the exported weights (default fp32: the masters)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.checkpoint_command == "inspect":
+            print(inspect_text(Path(args.path), check=not args.no_verify))
+            return 0
+        out = Path(args.out)
+        if not out.resolve().parent.is_dir():
+            raise CheckpointError(f"--out {out}: directory does not exist")
+        path, n = consolidate(Path(args.path), out, args.dtype)
+        print(f"wrote {path}: {n} tensors, {args.dtype}")
+        return 0
+    except CheckpointError as e:
+        print(f"plait: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,139 @@
+"""`plait checkpoint inspect` and `consolidate`: read a checkpoint without any process group.
+
+Consolidate writes the full model as safetensors (the `safetensors` package is not a
+dependency: the format is small, https://github.com/huggingface/safetensors#format):
+an 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape,
+data_offsets: [begin, end)}, "__metadata__": {...}} padded with spaces to a multiple of
+8, then the tensors' raw little-endian bytes, back to back in header order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .format import (
+    CheckpointError,
+    CorruptCheckpoint,
+    VerifiedFile,
+    checkpoints,
+    read_metadata,
+)
+from .reader import candidates, full_tensor
+
+DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"),
+          "fp16": (torch.float16, "F16")}
+
+
+def resolve(source: Path) -> Path:
+    """A checkpoint directory, or the newest committed one under a root."""
+    paths, _ = candidates(source)
+    return paths[0]
+
+
+def verify(path: Path, meta: dict) -> list[str]:
+    """Every file's size and every block's checksum; the problems found."""
+    problems = []
+    for name, entry in meta["files"].items():
+        try:
+            VerifiedFile(path / name, entry).verify_all()
+        except CorruptCheckpoint as e:
+            problems.append(str(e))
+    return problems
+
+
+def inspect_text(source: Path, check: bool = True) -> str:
+    """What `plait checkpoint inspect` prints: the checkpoints under a root, then the
+    chosen one's step, layout, tensors, bytes per rank and whether it is complete."""
+    source = Path(source)
+    lines = []
+    listing = checkpoints(source)
+    if listing:
+        lines.append(f"{source}: {len(listing)} checkpoint(s)")
+        lines += [f"  step {s:>8}  {'committed' if ok else 'INCOMPLETE (no marker)'}  {p.name}"
+                  for s, p, ok in listing]
+    try:
+        path = resolve(source)
+    except CheckpointError as e:
+        if not listing:
+            raise
+        raise CheckpointError("\n".join([*lines, str(e)])) from e
+    meta = read_metadata(path)
+    problems = verify(path, meta) if check else []
+    status = ("complete, every checksum verified" if check and not problems
+              else "complete (marker), checksums not verified" if not problems
+              else "CORRUPT: " + "; ".join(problems))
+    lay, opt = meta["layout"], meta["optimizer"]
+    total = sum(f["bytes"] for f in meta["files"].values())
+    lines += [f"checkpoint {path}", f"  step        {meta['step']}",
+              f"  status      {status}",
+              f"  layout      {lay['describe']}; zero {lay['zero']}, schedule "
+              f"{lay['schedule']}, sp {lay['sp']}, {lay['precision']}",
+              f"  optimizer   {opt['kind']} (step count {opt['steps']}), states "
+              f"{', '.join(opt['states'])}",
+              f"  written by  plait {meta['plait_version']}, torch {meta['torch_version']}, "
+              f"{meta['created']}",
+              f"  bytes       {total:,} in {len(meta['files'])} file(s)"]
+    lines += [f"    rank {f['rank']:>4}  {f['bytes']:>14,}  {name}"
+              for name, f in sorted(meta["files"].items())]
+    n_params = sum(math.prod(t["shape"]) for t in meta["tensors"].values())
+    lines.append(f"  tensors     {len(meta['tensors'])} ({n_params:,} parameters), global "
+                 "shapes:")
+    lines += [f"    {name:<34} {'x'.join(map(str, t['shape']))}"
+              for name, t in meta["tensors"].items()]
+    return "\n".join(lines)
+
+
+def consolidate(source: Path, out: Path, dtype: str = "fp32") -> tuple[Path, int]:
+    """The full model (the fp32 masters, cast to `dtype`) as one safetensors file;
+    returns (its path, tensors written). Writes `out` via a temporary name."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    path = resolve(Path(source))
+    meta = read_metadata(path)
+    files = {name: VerifiedFile(path / name, e) for name, e in meta["files"].items()}
+    for f in files.values():
+        f.check_size()
+    tdtype, code = DTYPES[dtype]
+    names = sorted(meta["tensors"])
+    width = torch.empty(0, dtype=tdtype, device="cpu").element_size()
+    header, offset = {}, 0
+    for n in names:
+        shape = meta["tensors"][n]["shape"]
+        size = math.prod(shape) * width
+        header[n] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt", "plait_step": str(meta["step"]),
+                              "plait_checkpoint": str(path)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for n in names:  # one tensor in memory at a time
+            t = torch.from_numpy(full_tensor(path, meta, n, files=files)).to(tdtype)
+            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    tmp.replace(out)
+    return out, len(names)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (for tests and for checking an export)."""
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    codes = {code: t for t, code in DTYPES.values()}
+    out = {}
+    for name, h in header.items():
+        a, b = h["data_offsets"]
+        buf = np.frombuffer(data, np.uint8, count=b - a, offset=8 + n + a).copy()
+        out[name] = torch.from_numpy(buf).view(codes[h["dtype"]]).reshape(h["shape"])
+    return out
