@@ -18,7 +18,7 @@ from pathlib import Path
 
 from plait.config import ConfigError
 from plait.device import DeviceError
-from plait.launch import TORCHRUN_COMMAND, launch_ranks, run_torchrun
+from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, launch_ranks, run_torchrun
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
 
@@ -42,11 +42,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"plait: warning: {w}", file=sys.stderr)
     rank_args = _strip_flag(argv, "--nproc") + ["--data", str(found.data)]
     cmd = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND, "--standalone",
-           f"--nproc-per-node={found.nproc}", "-m", "plait.train", *rank_args]
+           f"--nproc-per-node={found.nproc}", f"--shutdown-timeout={int(STOP_GRACE_S) // 2}",
+           "-m", "plait.train", *rank_args]
     env = dict(os.environ)
     # one intra-op thread per rank (docs/architecture.md, Facts)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("LOGLEVEL", "ERROR")  # torch elastic's per-process chatter off
     return launch_ranks(cmd, env)
 
 

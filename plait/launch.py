@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -138,6 +139,9 @@ def launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
 def run_torchrun(argv: list[str]) -> int:
     """torch.distributed.run without its tracebacks: a rank's own message is the report."""
     die_with_parent()
+    # torch's own "sending closing signal" chatter: plait says what happened, once
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read by torch elastic's get_logger
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -147,7 +151,32 @@ def run_torchrun(argv: list[str]) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        first = min(e.failures.values(), key=lambda f: f.timestamp)  # the root cause
+        print(f"plait: rank {first.local_rank} exited first, with {_exit_text(first.exitcode)}",
+              file=sys.stderr, flush=True)
         codes = [f.exitcode for f in e.failures.values()]
         # a rank stopped by a signal reports 128 + it; an error in a rank is a failed run
         return max(codes) if codes and min(codes) > 128 else 1
     return 0
+
+
+def _exit_text(code: int) -> str:
+    """'status 1', or 'status 143 (SIGTERM)' / 'signal SIGKILL' for a signal."""
+    with contextlib.suppress(ValueError):
+        if code < 0:
+            return f"signal {signal_name(-code)}"
+        if code > 128:
+            return f"status {code} ({signal_name(code - 128)})"
+    return f"status {code}"
+
+
+# what a rank sees when a peer has gone: gloo's text, for the one line a rank prints
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as one short line."""
+    text = str(e)
+    if any(marker in text for marker in PEER_GONE):
+        return "lost the connection to another rank (it stopped or failed first)"
+    return f"{type(e).__name__}: {text}"

@@ -26,7 +26,13 @@ from plait import comm
 from plait.config import ConfigError
 from plait.device import DeviceError, resolve_device
 from plait.files import PartialFile
-from plait.launch import StopRequested, die_with_parent, raise_on_stop_signals, signal_name
+from plait.launch import (
+    StopRequested,
+    describe_error,
+    die_with_parent,
+    raise_on_stop_signals,
+    signal_name,
+)
 from plait.mesh import ParallelMesh
 from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, config_from_args, resolve_data
@@ -98,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             traceback.print_exc()
-        print(f"plait: rank {rank} failed after {run.steps_done} steps: {type(e).__name__}: "
-              f"{e}{run.kept_metrics()}" + ("" if args.debug else " (rerun with --debug "
+        print(f"plait: rank {rank} failed after {run.steps_done} steps: {describe_error(e)}"
+              f"{run.kept_metrics()}" + ("" if args.debug else " (rerun with --debug "
                                             "for the traceback)"), file=sys.stderr)
         return 1
 

@@ -53,7 +53,8 @@ def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) 
     """The one line every run ends with, --quiet or not."""
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     where = f"; metrics in {metrics_path}" if metrics_path else ""
-    return (f"plait: done: {summary['steps']} steps on {summary['layout'].split(' (')[0]}, loss {first:.4f} "
+    layout = summary["layout"].split(" (")[0]  # the sizes, without the order note
+    return (f"plait: done: {summary['steps']} steps on {layout}, loss {first:.4f} "
             f"-> {last:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{where}")
 
 
