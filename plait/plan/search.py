@@ -9,6 +9,7 @@ layouts are then re-evaluated through the shared simulator, re-ranked, and shown
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,9 @@ class PlanError(ValueError):
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (trial division to sqrt(n): fast for any GPU count)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout) -> list[str]:

@@ -27,7 +27,9 @@ TRAIN_FLAGS = {
 }
 
 
-def add_train_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The flags that build the configuration and name its data (what `plait report`
+    takes beside a metrics file)."""
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set train.warmup_steps=5")
@@ -45,7 +47,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("data-parallel"))
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
-    p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """The configuration flags and a run's own: outputs, timeout, output level, device."""
+    add_config_args(p)
+    p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary (streamed "
+                   "to NAME.partial, renamed to NAME when the run completes)")
     p.add_argument("--trace", help="pp > 1: Chrome trace (Perfetto) of the last step's "
                    "measured pipeline timeline, a row per rank")
     p.add_argument("--timeline", help="pp > 1: PNG of the last step's measured timeline")
