@@ -79,6 +79,8 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
         found.cfg = config_from_args(args)
     except ConfigError as e:
         found.problems += e.problems
+        data = Path(args.data) if getattr(args, "data", None) else None
+        found.problems += output_path_problems(args, data)
         return found
     cfg = found.cfg
     nproc = getattr(args, "nproc", None)

@@ -108,6 +108,9 @@ def prepare_problems(out: Path, files: list[Path], tokenizer_file: Path | None,
     if vocab_size is not None and not MIN_VOCAB <= vocab_size < MAX_VOCAB:
         problems.append(f"--vocab-size {vocab_size} must be between {MIN_VOCAB} (the 256 "
                         f"bytes and end-of-text) and {MAX_VOCAB - 1}")
+    if Path(out).is_dir():
+        return [*problems, f"--out {out} is a directory; give a token file path inside it, "
+                f"e.g. {Path(out) / 'tokens.bin'}"]
     bin_path = Path(out).with_suffix(".bin")
     inputs = [*files, *([tokenizer_file] if tokenizer_file else [])]
     for path in (bin_path, bin_path.with_suffix(".json"),

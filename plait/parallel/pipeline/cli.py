@@ -46,19 +46,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
-    sp.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    sp.add_argument("--microbatches", "-m", type=int, default=8)
+    sp.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b", help="default 1f1b")
+    sp.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    sp.add_argument("--microbatches", "-m", type=int, default=8,
+                    help="micro-batches per step (default 8)")
     sp.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
         help=f"stages per rank (default: {_default_v_help()})",
     )
-    sp.add_argument("--forward", type=float, default=1.0, help="T_F per stage per micro-batch")
-    sp.add_argument("--backward-input", type=float, default=1.0, help="T_I (B = I + W)")
-    sp.add_argument("--backward-weight", type=float, default=1.0, help="T_W")
-    sp.add_argument("--p2p", type=float, default=0.0, help="one transfer between ranks")
+    sp.add_argument("--forward", type=float, default=1.0,
+                    help="T_F per stage per micro-batch (default 1)")
+    sp.add_argument("--backward-input", type=float, default=1.0, help="T_I (B = I + W; default 1)")
+    sp.add_argument("--backward-weight", type=float, default=1.0, help="T_W (default 1)")
+    sp.add_argument("--p2p", type=float, default=0.0, help="one transfer between ranks (default 0)")
     sp.add_argument("--png", help="draw the timeline to this PNG (needs matplotlib)")
     sp.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     sp.add_argument("--save", help="write the lowered schedule as text")
