@@ -127,6 +127,8 @@ CASES = [
     train("--data", "{w}/truncated.bin", phrases="do not hold", id="token-file-truncated"),
     train("--data", "{w}/missing.bin", phrases="not found", id="token-file-missing"),
     train("--data", "{w}/wide.bin", phrases="holds token id 999", id="token-ids-past-vocab"),
+    cmd("train", "--data-dir", "{w}/afile/corpus", *BASE_FLAGS,
+        phrases="is a file, not a directory", id="default-corpus-dir-unwritable"),
     # ---- plait demo -----------------------------------------------------------------
     cmd("demo", "--nproc", "0", "--data-dir", "{w}/nocorpus", phrases="--nproc 0",
         id="demo-nproc-0"),

@@ -95,6 +95,12 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
     if cfg.train.data:
         found.data = Path(cfg.train.data)
     found.problems += output_path_problems(args, found.data)
+    if found.data is None:  # the default corpus: prepared on first use, where it is allowed
+        from plait.train.corpus import default_token_file
+
+        target = default_token_file(Path(args.data_dir) if args.data_dir else None)
+        if not target.is_file():
+            found.problems += output_problems("--data-dir", target)
     if found.data is None and found.problems:
         return found  # the default corpus is prepared only for a run that will start
     try:
