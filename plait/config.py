@@ -8,12 +8,12 @@ the number of micro-batches per step is derived from it and the layout.
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.config_values import coerce_value
 from plait.model.presets import PRESETS, ModelConfig
 
 # pure Python, no torch: the schedule layer sits below config (tests/test_layering.py)
@@ -158,6 +158,9 @@ class Config:
             (p.schedule not in SCHEDULES,
              f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}"),
             (p.gpus_per_node < 1, f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1"),
+            (p.virtual_stages is not None and p.virtual_stages < 1,
+             f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (leave it out for "
+             "the schedule's own)"),
         ]
         return [problem for broken, problem in checks if broken]
 
@@ -347,67 +350,6 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
-def _coerce(value: Any, current: Any, type_name: str) -> Any:
-    """Parse a `--set` string, or check a TOML / flag value, into the type the field holds.
-
-    Raises ValueError naming the expected type: `steps = 3.5` or `lr = nan` never pass."""
-    if isinstance(value, str):
-        value = _parse_text(value, type_name)
-    if value is None:
-        if "None" in type_name:
-            return None
-        raise ValueError("expected a value, got none")
-    if "tuple" in type_name:
-        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        raise ValueError(f"expected a list of names, got {value!r}")
-    if "bool" in type_name:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"expected true or false, got {value!r}")
-    if "int" in type_name and "float" not in type_name:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # 4.0 is 4; 3.5 is not an integer
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ValueError(f"expected an integer, got {value!r}")
-    if "float" in type_name:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"expected a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number, got {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _parse_text(text: str, type_name: str) -> Any:
-    """A string (from `--set`) parsed to the field's type; other fields keep the string."""
-    text = text.strip()
-    if "tuple" in type_name:
-        return tuple(s.strip() for s in text.split(",") if s.strip())
-    if text.lower() in ("none", "null") and "None" in type_name:
-        return None
-    if "bool" in type_name:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true or false, got {text!r}")
-    if "int" in type_name and "float" not in type_name:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
-    if "float" in type_name:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
-    return text
-
-
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
     """Set `section.field` (e.g. `train.lr`) on cfg, parsing strings to the field's type."""
     section, _, name = dotted.partition(".")
@@ -421,7 +363,7 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
         )
     type_name = str(fields[name].type)
     try:
-        parsed = _coerce(value, getattr(obj, name), type_name)
+        parsed = coerce_value(value, type_name)
     except ValueError as e:
         raise ConfigError([f"{dotted}={value!r}: {e}"]) from None
     if section == "model":

@@ -18,6 +18,7 @@ from plait.train.data import DataError, TokenFile
 from plait.train.flags import check_data, config_from_args, resolve_data
 
 OUTPUT_FLAGS = ("metrics_out", "trace", "timeline")
+MAX_LOCAL_RANKS = 256  # processes on one machine; past it a typo, not a plan
 
 
 @dataclass
@@ -36,6 +37,9 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     if nproc is not None and nproc < 1:
         problems.append(f"--nproc {nproc}: launch at least one rank (--nproc 1 or more), or "
                         "leave it out to launch the layout's dp*pp*cp*tp")
+    elif nproc is not None and nproc > MAX_LOCAL_RANKS:
+        problems.append(f"--nproc {nproc}: plait train launches at most {MAX_LOCAL_RANKS} "
+                        "ranks on one machine; use torchrun -m plait.train across nodes")
     timeout = args.timeout
     if not math.isfinite(timeout) or timeout <= 0:
         problems.append(f"--timeout {timeout}: seconds a collective may wait must be a "
