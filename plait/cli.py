@@ -66,7 +66,6 @@ def _strip_flag(argv: list[str], flag: str) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    Path("runs").mkdir(exist_ok=True)
     argv = ["--model", "tiny", "--dp", str(args.nproc), "--global-batch", "16",
             "--seq-len", "128", "--steps", str(args.steps), "--lr", "3e-3",
             "--set", "train.warmup_steps=5", "--metrics-out", "runs/demo.jsonl"]

@@ -315,6 +315,13 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     return code, out.err + out.out
 
 
+def test_refused_demo_creates_nothing_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, text = run_main(["demo", "--nproc", "0", "--data-dir", str(tmp_path / "c")], capsys)
+    assert code == 2 and "--nproc 0" in text
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_table_is_large_and_covers_every_subcommand():
     assert len(CASES) >= 60
     assert len({c.id for c in CASES}) == len(CASES)
