@@ -185,9 +185,18 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     best_by = _best_by(c, rows, group, scored, times, fits)
     # re-rank the closed form's best 2 x top through the simulator
     n_sim = simulate_top or 2 * top
-    order = np.nonzero(fits)[0][np.argsort(times[fits], kind="stable")][:n_sim]
-    sims = [evaluate(shape, cluster, train, layout_at(int(j)), eff, simulate=True)
-            for j in order]
+    order = np.nonzero(fits)[0][np.argsort(times[fits], kind="stable")]
+    sims = []
+    for j in order[:10 * n_sim]:
+        try:
+            sims.append(evaluate(shape, cluster, train, layout_at(int(j)), eff, simulate=True))
+        except ValueError:  # the search's looser rule admitted a layout no build accepts
+            continue  # (dualpipev's m >= p, registry.py): never shown, the next one is
+        if len(sims) == n_sim:
+            break
+    if not sims:
+        raise PlanError("every best-ranked layout failed to build its pipeline schedule; "
+                        "give one with --layout")
     sims = [s for s in sims if bool(s.fits)] or sims
     sims.sort(key=lambda s: float(s.step_time))
     return SearchResult(sims[:top], considered, int(fits.sum()), extra={"best_by": best_by})
