@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -53,6 +54,25 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def exit_with_parent(children_too: bool = False, poll_s: float = 0.5) -> None:
+    """The backstop of die_with_parent: a daemon thread that ends this process once its
+    parent is gone and a clean stop has had STOP_GRACE_S / 2 (a signal that landed in a
+    finalizer is ignored by Python, so the signal alone is not enough)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        time.sleep(STOP_GRACE_S / 2)
+        if children_too:
+            for p in descendants(os.getpid()):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, signal.SIGKILL)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="plait-exit-with-parent", daemon=True).start()
 
 
 def raise_on_stop_signals() -> None:
@@ -139,6 +159,7 @@ def launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
 def run_torchrun(argv: list[str]) -> int:
     """torch.distributed.run without its tracebacks: a rank's own message is the report."""
     die_with_parent()
+    exit_with_parent(children_too=True)
     # torch's own "sending closing signal" chatter: plait says what happened, once
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read by torch elastic's get_logger

@@ -30,6 +30,7 @@ from plait.launch import (
     StopRequested,
     describe_error,
     die_with_parent,
+    exit_with_parent,
     raise_on_stop_signals,
     signal_name,
 )
@@ -81,6 +82,7 @@ class _Run:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # torchrun gone, even by SIGKILL: this rank goes too
+    exit_with_parent()
     raise_on_stop_signals()
     parser = argparse.ArgumentParser(prog="python -m plait.train")
     add_train_args(parser)
