@@ -24,6 +24,7 @@ def test_train_through_torchrun_matches_reference(tmp_path):
     r = plait("train", "--nproc", "2", "--dp", "2", "--data", str(token_file()), *SETS,
               "--microbatches", "2", "--metrics-out", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
+    assert "plait: done: 4 steps on dp=2" in r.stdout and str(out) in r.stdout  # --quiet too
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     steps, summary = rows[:-1], rows[-1]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]

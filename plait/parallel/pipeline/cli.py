@@ -134,6 +134,24 @@ def _load(path: Path) -> Schedule:
         raise ValueError(f"--load {path} is not a schedule saved by --save ({e!s})") from None
 
 
+def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
+                   lowered: Schedule) -> None:
+    """--save, --trace, --png, each written whole (plait/files.py) and announced."""
+    written = []
+    if args.save:
+        written.append(("schedule", write_text_atomic(args.save, lowered.to_text())))
+    if args.trace:
+        from plait.parallel.pipeline.draw import to_chrome_trace
+
+        written.append(("Chrome trace", to_chrome_trace(res.events, args.trace)))
+    if args.png:
+        from plait.parallel.pipeline.draw import draw_timeline
+
+        written.append(("timeline PNG", draw_timeline(res, compute_only, args.png)))
+    for what, path in written:  # stderr: --json's stdout stays one document
+        print(f"{what} written to {path}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     problems = input_problems(args)
     if problems:
@@ -175,19 +193,7 @@ def run(args: argparse.Namespace) -> int:
     closed = closed_form_bubble(
         schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
     )
-    written = []
-    if args.save:
-        written.append(("schedule", write_text_atomic(args.save, lowered.to_text())))
-    if args.trace:
-        from plait.parallel.pipeline.draw import to_chrome_trace
-
-        written.append(("Chrome trace", to_chrome_trace(res.events, args.trace)))
-    if args.png:
-        from plait.parallel.pipeline.draw import draw_timeline
-
-        written.append(("timeline PNG", draw_timeline(res, compute_only, args.png)))
-    for what, path in written:  # stderr: --json's stdout stays one document
-        print(f"{what} written to {path}", file=sys.stderr)
+    _write_outputs(args, res, compute_only, lowered)
 
     summary = {
         "schedule": schedule.name,
