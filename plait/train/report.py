@@ -33,8 +33,9 @@ def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dic
 
         def show(row: dict) -> None:
             if row["step"] % every == 0 or row["step"] == total_steps - 1:
-                progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
-                                       f"grad norm {row['grad_norm']:.3f}")
+                # stdout, beside the summary (the live bar, on stderr, shows it above itself)
+                print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
+                      f"grad norm {row['grad_norm']:.3f}", flush=True)
             progress.update(task, advance=1, description=(
                 f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                 f"lr {row['lr']:.2e}"))
