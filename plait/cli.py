@@ -11,49 +11,46 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 from plait.checkpoint.cli import preflight as checkpoint_preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import ConfigError
-from plait.device import DeviceError, resolve_device
-from plait.launch import LocalLaunch
+from plait.device import DeviceError
+from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
 from plait.train.data import DataError
-from plait.train.flags import (
-    add_train_args,
-    check_data,
-    config_from_args,
-    resolve_data,
-)
+from plait.train.flags import add_train_args
+
+# exit codes (README, "Exit codes"): 0 done, 1 the run failed, 2 bad input, 128 + signal
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+USER_ERRORS = (ConfigError, DataError, DeviceError)
 
 
 def _fail(msg: str) -> int:
     print(f"plait: {msg}", file=sys.stderr)
-    return 2
+    return EXIT_BAD_INPUT
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from plait.train.checks import train_inputs
+
+    found = train_inputs(args)
+    if found.problems:
+        return _fail("cannot start training:\n" + "\n".join(f"  - {p}" for p in found.problems))
+    for w in found.warnings:
+        print(f"plait: warning: {w}", file=sys.stderr)
     try:
-        cfg = config_from_args(args)
-        nproc = args.nproc or cfg.parallel.world_size
-        cfg.check(world_size=nproc)
-        for w in cfg.warnings():
-            print(f"plait: warning: {w}", file=sys.stderr)
-        resolve_device(args.device, local_rank=nproc - 1)  # every local rank has its device
-        data = resolve_data(cfg, args.data_dir)
-        check_data(cfg, data)
-        checkpoint_preflight(args, cfg)  # flags, and a resume's checkpoint: before any rank
-    except (ConfigError, DataError, DeviceError, CheckpointError) as e:
+        checkpoint_preflight(args, found.cfg)  # a resume's checkpoint: before any rank
+    except CheckpointError as e:
         return _fail(str(e))
-    for flag in ("metrics_out", "trace", "timeline"):
-        out = getattr(args, flag, None)
-        if out and not Path(out).resolve().parent.is_dir():
-            return _fail(f"--{flag.replace('_', '-')} {out}: directory does not exist")
-    rank_args = _strip_flag(argv, "--nproc") + ["--data", str(data)]
-    launch = LocalLaunch(nproc, rank_args, timeout_s=args.timeout)  # loopback only
-    return subprocess.call(launch.command, env=launch.env)
+    rank_args = _strip_flag(argv, "--nproc") + ["--data", str(found.data)]
+    # every listener on loopback (plait/launch.py); the store lives while the ranks run
+    launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout,
+                         torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
+                         extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
+    return launch_ranks(launch.command, launch.env)
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:
@@ -72,7 +69,6 @@ def _strip_flag(argv: list[str], flag: str) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    Path("runs").mkdir(exist_ok=True)
     argv = ["--model", "tiny", "--dp", str(args.nproc), "--global-batch", "16",
             "--seq-len", "128", "--steps", str(args.steps), "--lr", "3e-3",
             "--set", "train.warmup_steps=5", "--metrics-out", "runs/demo.jsonl"]
@@ -88,43 +84,67 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from plait.train.corpus import DEFAULT_VOCAB, default_token_file, prepare
+    from plait.train.corpus import DEFAULT_VOCAB, default_token_file, prepare, prepare_problems
 
     out = Path(args.out) if args.out else default_token_file(
         Path(args.data_dir) if args.data_dir else None)
-    try:
-        path = prepare(out, files=[Path(f) for f in args.files] or None,
-                       tokenizer_file=Path(args.tokenizer) if args.tokenizer else None,
-                       vocab_size=args.vocab_size or DEFAULT_VOCAB)
-    except DataError as e:
-        return _fail(str(e))
+    files = [Path(f) for f in args.files]
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    problems = prepare_problems(out, files, tokenizer, args.vocab_size)
+    if problems:
+        return _fail("cannot prepare data:\n" + "\n".join(f"  - {p}" for p in problems))
+    vocab = args.vocab_size or DEFAULT_VOCAB
+    path = prepare(out, files=files or None, tokenizer_file=tokenizer, vocab_size=vocab)
     meta = json.loads(path.with_suffix(".json").read_text())
+    if tokenizer is None and meta["vocab_size"] < vocab:
+        print(f"plait: warning: the corpus supports only {meta['vocab_size']} tokens, not the "
+              f"{vocab} asked for; the vocabulary is {meta['vocab_size']} (train with "
+              f"--set model.vocab_size={meta['vocab_size']} or more)", file=sys.stderr)
     print(f"wrote {path}: {meta['num_tokens']:,} tokens, vocabulary {meta['vocab_size']}, "
           f"from {meta['files']} files ({meta['source']})")
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plait")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="plait", description=__doc__.splitlines()[0],
+        epilog="exit status: 0 done, 1 the run failed, 2 bad input (nothing started, nothing "
+        "written), 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP)")
+    parser.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train on N local ranks (torch.distributed.run)")
+    train = sub.add_parser("train", help="train on N local ranks (torch.distributed.run)",
+                           description="Validate every input, then train on --nproc local "
+                           "ranks. Settings: defaults, then --config, then flags, then --set.")
     add_train_args(train)
-    train.add_argument("--nproc", type=int, help="ranks to launch (default: the layout's)")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="ranks to launch (default: the layout's dp*pp*cp*tp)")
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")
-    demo.add_argument("--nproc", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=40)
-    demo.add_argument("--data-dir")
+    demo.add_argument("--nproc", type=int, default=4, metavar="N",
+                      help="data-parallel ranks (default 4)")
+    demo.add_argument("--steps", type=int, default=40, metavar="N", help="default 40")
+    demo.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
 
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="text files -> BPE tokenizer -> token file")
     prep.add_argument("files", nargs="*", help="text files (default: the Python stdlib)")
-    prep.add_argument("--out", help="token file to write (.bin); default: the default corpus")
-    prep.add_argument("--data-dir")
+    prep.add_argument("--out", help="token file to write (.bin, with .json and "
+                      ".tokenizer.json beside it); default: the default corpus")
+    prep.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
     prep.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
-    prep.add_argument("--vocab-size", type=int)
+    prep.add_argument("--vocab-size", type=int, metavar="N",
+                      help="BPE vocabulary to train (default 2048)")
 
     # subcommands that live beside their subsystem register themselves
     from plait.checkpoint import cli as checkpoint_cli
@@ -136,22 +156,46 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_parser(sub)
     report_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
+    for p in [*sub.choices.values(), prep]:
+        if p is not data and not any("--debug" in a.option_strings for a in p._actions):
+            p.add_argument("--debug", action="store_true",
+                           help="show Python tracebacks (by default an error is one line)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "train":
-        return cmd_train(args, argv[1:])
+        return cmd_train(args, argv[argv.index("train") + 1:])
     if args.command == "demo":
         return cmd_demo(args)
     if args.command == "data":
         return cmd_data(args)
-    if hasattr(args, "func"):
-        return args.func(args)
-    return _fail(f"unknown command {args.command}")
+    return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0, 1 failed, 2 bad input, 130 interrupted; no traceback without --debug."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    try:
+        return _dispatch(args, argv)
+    except KeyboardInterrupt:
+        print("plait: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except USER_ERRORS as e:
+        if debug:
+            traceback.print_exc()
+        return _fail(str(e))
+    except Exception as e:  # a bug, or the machine (disk full, ...): one line, or --debug
+        if debug:
+            raise
+        print(f"plait: {args.command} failed: {type(e).__name__}: {e} (rerun with --debug "
+              "for the traceback)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [TORCHRUN_COMMAND]:  # the launcher's own child (plait/launch.py)
+        sys.exit(run_torchrun(sys.argv[2:]))
     sys.exit(main())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.config_values import coerce_value
 from plait.model.presets import PRESETS, ModelConfig
 
 # pure Python, no torch: the schedule layer sits below config (tests/test_layering.py)
@@ -29,6 +30,18 @@ DEFAULT_ORDER = ("tp", "cp", "pp", "dp")  # innermost first: tp stays inside a n
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _model_range_problems(m: ModelConfig) -> list[str]:
+    """Sizes every other check divides by, and the positive scalars."""
+    problems = [f"model.{name}={getattr(m, name)} must be >= 1"
+                for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
+                             "ffn_dim", "max_seq_len") if getattr(m, name) < 1]
+    problems += [f"model.{name}={getattr(m, name)} must be > 0"
+                 for name in ("rope_theta", "norm_eps", "init_std") if getattr(m, name) <= 0]
+    return problems + [f"model.{name}={getattr(m, name)} must be >= 0"
+                       for name in ("n_experts", "top_k", "expert_ffn_dim", "n_shared_experts")
+                       if getattr(m, name) < 0]
 
 
 class ConfigError(ValueError):
@@ -127,6 +140,7 @@ class Config:
         p = self.parallel
         problems = [f"parallel.{name}={getattr(p, name)} must be >= 1"
                     for name in ("dp", "tp", "pp", "cp", "ep") if getattr(p, name) < 1]
+        problems += _model_range_problems(self.model)
         if problems:  # every later check divides by these sizes
             return problems
         return (self._parallel_problems(world_size) + self._model_problems()
@@ -152,6 +166,9 @@ class Config:
             (p.schedule not in SCHEDULES,
              f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}"),
             (p.gpus_per_node < 1, f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1"),
+            (p.virtual_stages is not None and p.virtual_stages < 1,
+             f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (leave it out for "
+             "the schedule's own)"),
         ]
         return [problem for broken, problem in checks if broken]
 
@@ -315,6 +332,13 @@ class Config:
             (not 0 <= t.min_lr_ratio <= 1,
              f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]"),
             (t.warmup_steps < 0, f"train.warmup_steps={t.warmup_steps} must be >= 0"),
+            (t.weight_decay < 0, f"train.weight_decay={t.weight_decay} must be >= 0"),
+            (not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1),
+             f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1)"),
+            (t.eps <= 0, f"train.eps={t.eps} must be > 0"),
+            (t.memory_step < -1 or t.memory_step >= t.steps,
+             f"train.memory_step={t.memory_step} is not a step of this run; use 0 to "
+             f"{t.steps - 1}, or -1 for none"),
         ]
         return [problem for broken, problem in checks if broken]
 
@@ -350,30 +374,6 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
-def _coerce(value: Any, current: Any, type_name: str) -> Any:
-    """Parse a `--set` string into the type the field holds."""
-    if not isinstance(value, str):
-        if isinstance(current, tuple) and isinstance(value, list):
-            return tuple(value)
-        return value
-    text = value.strip()
-    if "tuple" in type_name:
-        return tuple(s.strip() for s in text.split(",") if s.strip())
-    if "bool" in type_name:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true/false, got {value!r}")
-    if text.lower() in ("none", "null") and "None" in type_name:
-        return None
-    if "int" in type_name and "float" not in type_name:
-        return int(text)
-    if "float" in type_name:
-        return float(text)
-    return text
-
-
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
     """Set `section.field` (e.g. `train.lr`) on cfg, parsing strings to the field's type."""
     section, _, name = dotted.partition(".")
@@ -387,13 +387,26 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
         )
     type_name = str(fields[name].type)
     try:
-        parsed = _coerce(value, getattr(obj, name), type_name)
+        parsed = coerce_value(value, type_name)
     except ValueError as e:
         raise ConfigError([f"{dotted}={value!r}: {e}"]) from None
     if section == "model":
         cfg.model = dataclasses.replace(cfg.model, **{name: parsed})
     else:
         setattr(obj, name, parsed)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file's tables; every way it can be unreadable is a ConfigError."""
+    if not path.is_file():
+        kind = "is a directory" if path.is_dir() else "not found"
+        raise ConfigError([f"config file {str(path)!r} {kind}; give a TOML file"])
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError([f"config file {path} is not valid TOML ({e}); fix that line"]) from None
+    except OSError as e:
+        raise ConfigError([f"config file {path} cannot be read ({e.strerror})"]) from None
 
 
 def load_config(
@@ -410,10 +423,8 @@ def load_config(
     problems: list[str] = []
     items: list[tuple[str, Any]] = []
     if path is not None:
+        data = _read_toml(Path(path))
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError([f"config file {str(p)!r} not found"])
-        data = tomllib.loads(p.read_text())
         preset = data.pop("model_name", None)
         model = data.get("model")
         if isinstance(model, str):

@@ -1,30 +1,223 @@
-"""Launching ranks so that a local run listens only on loopback (CLI layer).
+"""Starting and stopping ranks: the process tree of `plait train`, and its signals.
 
-`plait train --nproc N` starts N ranks on this machine through torchrun
-(`torch.distributed.run`). Left to itself, torchrun's agent hosts two unauthenticated
-stores on every interface (the c10d rendezvous store and a store it shares with the
-workers), and gloo listens on whatever the hostname resolves to. For a single-node run:
+    plait train  (launch_ranks)
+      └─ python -m plait.cli _torchrun ... (run_torchrun: torch.distributed.run, quietly)
+           └─ python -m plait.train ...   one per rank, each in its own session
 
-- the launcher hosts the rendezvous store itself, bound to 127.0.0.1
-  (`plait.device.network.bound_store`), and tells the agent to join it as a client
-  (`--rdzv-conf is_host=false`), naming 127.0.0.1 as its address (`--local-addr`);
-- the agent shares no store with the workers (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`;
-  torchrun's documentation also recommends it for restarts); instead rank 0 hosts the
-  process group's store on `MASTER_ADDR:MASTER_PORT` only (`init_rank_process_group`);
-- gloo and NCCL use the loopback interface (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`).
+A stop is clean whichever process gets the signal. The launcher forwards SIGINT, SIGTERM
+or SIGHUP once to torchrun, which passes it to every rank (torch's elastic agent); each
+rank raises `StopRequested` at its next Python instruction, rank 0 says what happened
+and at which step, and the run exits 128 + the signal (130 for SIGINT, 143 for SIGTERM).
+Should ranks not be gone within `STOP_GRACE_S`, or on a second signal, the launcher kills
+the whole tree. A parent that dies, even by SIGKILL, takes its children with it
+(PR_SET_PDEATHSIG on Linux), so no rank keeps training as an orphan.
 
-tests/test_network.py reads every listening socket of a running job from /proc.
+A local run listens on loopback only (`LocalLaunch`, `init_rank_process_group`): left to
+itself, torchrun's agent hosts two unauthenticated stores on every interface (the c10d
+rendezvous store and one it shares with the workers) and gloo listens on whatever the
+hostname resolves to. So the launcher hosts the rendezvous store itself, bound to
+127.0.0.1 (`plait.device.network.bound_store`), and the agent joins it as a client
+(`--rdzv-conf is_host=false`, `--local-addr 127.0.0.1`); the agent shares no store with
+the workers (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): rank 0 hosts the process group's
+store on `MASTER_ADDR:MASTER_PORT` only; gloo and NCCL use the loopback interface
+(`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`). tests/test_network.py reads every listening
+socket of a running job from /proc.
+
+This is the CLI layer (tests/test_layering.py): it installs signal handlers and reads
+/proc, which nothing below it does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import logging
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from plait.device.network import bound_store, loopback_interface, transport_env
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 10.0  # ranks stop at their next Python instruction: well within this
+TORCHRUN_COMMAND = "_torchrun"  # hidden `python -m plait.cli _torchrun ARGS`
+_PR_SET_PDEATHSIG = 1
+
+
+class StopRequested(BaseException):
+    """A stop signal arrived; BaseException so that no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when its parent exits (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def exit_with_parent(children_too: bool = False, poll_s: float = 0.5) -> None:
+    """The backstop of die_with_parent: a daemon thread that ends this process once its
+    parent is gone and a clean stop has had STOP_GRACE_S / 2 (a signal that landed in a
+    finalizer is ignored by Python, so the signal alone is not enough)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        time.sleep(STOP_GRACE_S / 2)
+        if children_too:
+            for p in descendants(os.getpid()):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, signal.SIGKILL)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="plait-exit-with-parent", daemon=True).start()
+
+
+def raise_on_stop_signals() -> None:
+    """In a rank: the first stop signal raises StopRequested; a second one exits now."""
+    def handler(signum: int, frame: object) -> None:
+        if getattr(handler, "fired", False):
+            os._exit(128 + signum)
+        handler.fired = True  # type: ignore[attr-defined]
+        raise StopRequested(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (read from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    # the command may hold spaces or parentheses: fields follow the last ')'
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it, the leaves first found first."""
+    for p in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _forwarding(proc: subprocess.Popen, received: list[int]) -> Iterator[None]:
+    """While the ranks run, a stop signal is forwarded once; a second one kills all."""
+    def handler(signum: int, frame: object) -> None:
+        if received:
+            kill_tree(proc.pid)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the torchrun shim until it ends; 128 + signal when stopped by one."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,  # signals come from us
+                            preexec_fn=die_with_parent)
+    received: list[int] = []
+    with _forwarding(proc, received):
+        deadline = None
+        while proc.poll() is None:
+            if received and deadline is None:
+                deadline = time.monotonic() + STOP_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                kill_tree(proc.pid)
+                print(f"plait: ranks still running {STOP_GRACE_S:.0f} s after "
+                      f"{signal_name(received[0])}; killed them", file=sys.stderr, flush=True)
+                proc.wait()
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+    if received:
+        return 128 + received[0]
+    return proc.returncode if proc.returncode in (0, 1, 2) or proc.returncode > 128 else 1
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """torch.distributed.run without its tracebacks: a rank's own message is the report."""
+    die_with_parent()
+    exit_with_parent(children_too=True)
+    # torch's own "sending closing signal" chatter: plait says what happened, once
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read by torch elastic's get_logger
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        first = min(e.failures.values(), key=lambda f: f.timestamp)  # the root cause
+        print(f"plait: rank {first.local_rank} exited first, with {_exit_text(first.exitcode)}",
+              file=sys.stderr, flush=True)
+        codes = [f.exitcode for f in e.failures.values()]
+        # a rank stopped by a signal reports 128 + it; an error in a rank is a failed run
+        return max(codes) if codes and min(codes) > 128 else 1
+    return 0
+
+
+def _exit_text(code: int) -> str:
+    """'status 1', or 'status 143 (SIGTERM)' / 'signal SIGKILL' for a signal."""
+    with contextlib.suppress(ValueError):
+        if code < 0:
+            return f"signal {signal_name(-code)}"
+        if code > 128:
+            return f"status {code} ({signal_name(code - 128)})"
+    return f"status {code}"
+
+
+# what a rank sees when a peer has gone: gloo's text, for the one line a rank prints
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as one short line."""
+    text = str(e)
+    if any(marker in text for marker in PEER_GONE):
+        return "lost the connection to another rank (it stopped or failed first)"
+    return f"{type(e).__name__}: {text}"
+
 
 LOCALHOST = "127.0.0.1"
 
@@ -33,10 +226,14 @@ class LocalLaunch:
     """The torchrun command and environment for `nproc` ranks on this machine, and the
     loopback rendezvous store they join (keep this object alive while they run)."""
 
-    def __init__(self, nproc: int, rank_args: list[str], timeout_s: float = 300.0):
+    def __init__(self, nproc: int, rank_args: list[str], timeout_s: float = 300.0,
+                 torchrun: list[str] | None = None, extra: list[str] | None = None):
+        """`torchrun`: the command that runs torch.distributed.run (default: the module
+        itself); `extra`: more torchrun flags."""
         self.store = bound_store(LOCALHOST, 0, None, datetime.timedelta(seconds=timeout_s))
+        runner = torchrun or [sys.executable, "-m", "torch.distributed.run"]
         self.command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            *runner, "--nnodes=1", *(extra or []),
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={LOCALHOST}:{self.store.port}", f"--rdzv-id=plait-{os.getpid()}",
             "--rdzv-conf=is_host=false", f"--local-addr={LOCALHOST}",

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import BASE, reference, token_file
+from helpers import BASE, config, reference, token_file
 
 from plait.testing import assert_parity
 from plait.train.data import write_token_file
@@ -24,12 +24,15 @@ def test_train_through_torchrun_matches_reference(tmp_path):
     r = plait("train", "--nproc", "2", "--dp", "2", "--data", str(token_file()), *SETS,
               "--microbatches", "2", "--metrics-out", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
+    assert "plait: done: 4 steps on dp=2" in r.stdout and str(out) in r.stdout  # --quiet too
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     steps, summary = rows[:-1], rows[-1]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     for key in ("loss", "tokens", "step_time", "tokens_per_s", "grad_norm", "lr"):
         assert all(key in s for s in steps), key
     assert summary["summary"] and summary["ledger"]["sent_bytes_per_step"] > 0
+    assert not out.with_name(out.name + ".partial").exists()  # renamed when complete
+    assert summary["param_count"] == summary["param_count_local"] == config().model.num_params()
     assert "all_reduce@dp" in summary["ledger"]["per_step"]
     # end to end: losses and grad norms from the metrics file (no parameters leave the run)
     assert_parity({"losses": [s["loss"] for s in steps],
@@ -85,6 +88,9 @@ def test_tp_sp_zero_layout_through_torchrun(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert_parity({"losses": [s["loss"] for s in rows[:-1]],
                    "grad_norms": [s["grad_norm"] for s in rows[:-1]]}, reference(), "fp32-tp")
+    # the model's total on any layout; tp splits rank 0's share
+    assert rows[-1]["param_count"] == config().model.num_params()
+    assert rows[-1]["param_count_local"] < rows[-1]["param_count"]
     per_step = rows[-1]["ledger"]["per_step"]
     assert {"reduce_scatter@dp", "all_gather@dp", "reduce_scatter@tp",
             "all_gather@tp"} <= set(per_step)

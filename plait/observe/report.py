@@ -32,7 +32,7 @@ MEMORY_CATEGORIES = {"params": ("parameters",), "grads": ("gradients",),
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from plait.train.flags import add_train_args
+    from plait.train.flags import add_config_args
 
     p = subparsers.add_parser("report", help="predicted vs measured memory and communication "
                               "for a metrics file", description=__doc__,
@@ -40,7 +40,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--metrics", required=True, help="JSON lines written by plait train "
                    "--metrics-out (with --set train.memory_step=N for memory)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    add_train_args(p)  # --config and the train flags, to override the summary's config
+    p.add_argument("--override-config", action="store_true",
+                   help="report against the configuration of --config / the flags given "
+                   "here instead of the one the metrics file records")
+    add_config_args(p)  # --config and the setting flags, for files without a config
     p.set_defaults(func=run)
     return p
 
@@ -53,11 +56,26 @@ def config_from_dict(d: dict) -> Config:
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], dict]:
+    """The step rows and the summary of a metrics file; ValueError names what is wrong."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError("is a directory; give the file plait train --metrics-out wrote")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("is binary, not a metrics file (JSON lines from plait train "
+                         "--metrics-out)") from None
     rows, summary = [], {}
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {number} is not JSON ({e.msg}); give the file plait train "
+                             "--metrics-out wrote") from None
+        if not isinstance(row, dict) or not ("summary" in row or "step" in row):
+            raise ValueError(f"line {number} is not a metrics row (no 'step' or 'summary')")
         if row.get("summary"):
             summary = row
         else:
@@ -230,18 +248,26 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         rows, summary = read_metrics(args.metrics)
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"plait: --metrics {args.metrics}: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"plait: --metrics {args.metrics}: {getattr(e, 'strerror', None) or e}",
+              file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"plait: --metrics {args.metrics} holds no step rows; give the file plait "
+              "train --metrics-out wrote", file=sys.stderr)
+        return 2
+    recorded, given = "config" in summary, _flags_given(args)
+    if recorded and given and not args.override_config:
+        print(f"plait: {args.metrics} records the run's configuration ({summary.get('layout')})"
+              "; the configuration flags given beside it would replace it: drop them, or add "
+              "--override-config to report against theirs", file=sys.stderr)
+        return 2
+    if not recorded and not given:
+        print(f"plait: {args.metrics} has no config in its summary line; pass "
+              "--config run.toml or the run's train flags", file=sys.stderr)
         return 2
     try:
-        if _flags_given(args) or "config" not in summary:
-            if not _flags_given(args):
-                print(f"plait: {args.metrics} has no config in its summary line; pass "
-                      "--config run.toml or the run's train flags", file=sys.stderr)
-                return 2
-            cfg = config_from_args(args)
-        else:
-            cfg = config_from_dict(summary["config"])
+        cfg = config_from_args(args) if given else config_from_dict(summary["config"])
         cfg.check(cfg.parallel.world_size)
     except (ConfigError, TypeError, KeyError) as e:
         print(f"plait: {e}", file=sys.stderr)

@@ -28,6 +28,9 @@ Num = Any
 
 # actions we let the simulator lay out per call before extrapolating in m
 _SIM_ACTIONS = 24_000
+# a schedule never extrapolated (peaks growing with m) is simulated up to this many
+# actions (a few seconds); past it, the closed form stands in and says so
+_SIM_ACTIONS_MAX = 400_000
 # list-scheduled schedules (zb-v, dualpipe) have their order searched for the durations
 # when built, which costs ~(p*m)^2: above this p*m the planner uses the closed form
 _LIST_BUILD_LIMIT = 400
@@ -119,6 +122,8 @@ def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i:
                                      "list-schedule here")
         if spec.list_scheduled and pp * m > _LIST_BUILD_LIMIT:
             actions = _SIM_ACTIONS + 1  # extrapolate from small builds
+        if actions > _SIM_ACTIONS_MAX and _peaks_grow_with_m(schedule, pp, v):  # gpipe
+            raise TooLargeToSimulate(f"{actions:,} actions are too many to simulate here")
         if actions <= _SIM_ACTIONS or _peaks_grow_with_m(schedule, pp, v):
             step, bubble, peaks = _simulate(schedule, pp, m, v, *key)
             return {"step": step, "bubble": bubble, "peaks": list(peaks),

@@ -12,20 +12,32 @@ from typing import Any
 
 import numpy as np
 
+from plait.files import atomic_output
 from plait.model.presets import PRESETS
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.plan.calibration import EFFICIENCY
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
 from plait.plan.hardware import GB, GPUS, Cluster, get_gpu
+from plait.plan.inputs import plan_flag_problems
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
 from plait.plan.search import PlanError, layout_problems, search
 from plait.plan.shape import Shape, from_preset
 
+_USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
+
+# the explicit model shape flags: what each one is
+_SHAPE_HELP = {"layers": "transformer blocks", "hidden": "model width", "heads": "attention "
+               "heads", "kv-heads": "key/value heads (default: --heads)", "ffn": "MLP width "
+               "(default: 4 x --hidden)", "vocab": "vocabulary", "seq": "sequence length "
+               "(with --model: overrides the preset's)", "experts": "MoE experts (default 0: "
+               "dense)", "top-k": "experts per token", "expert-ffn": "expert MLP width",
+               "shared-experts": "always-active experts"}
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="search or evaluate parallel layouts",
-                              description=__doc__)
+                              description=_USAGE)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -34,36 +46,45 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a preset, or explicit shapes)")
     m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "experts",
-                 "top-k", "expert-ffn", "shared-experts"):
-        m.add_argument(f"--{flag}", type=int)
+    for flag, what in _SHAPE_HELP.items():
+        m.add_argument(f"--{flag}", type=int, metavar="N", help=what)
     h = p.add_argument_group("hardware")
-    h.add_argument("--gpu", default="h100-sxm", help=f"preset: {', '.join(GPUS)}")
-    h.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    h.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
-    h.add_argument("--hbm-gb", type=float)
-    h.add_argument("--hbm-bw-gbs", type=float, help="HBM GB/s")
-    h.add_argument("--nvlink-gbs", type=float, help="per GPU per direction")
-    h.add_argument("--internode-gbs", type=float, help="per GPU per direction")
-    h.add_argument("--gpus-per-node", type=int)
+    h.add_argument("--gpu", default="h100-sxm",
+                   help=f"preset: {', '.join(GPUS)} (default h100-sxm)")
+    h.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
+    h.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (default: "
+                   "the preset's)")
+    h.add_argument("--hbm-gb", type=float, help="HBM per GPU, GB (default: the preset's)")
+    h.add_argument("--hbm-bw-gbs", type=float, help="HBM GB/s (default: the preset's)")
+    h.add_argument("--nvlink-gbs", type=float, help="per GPU per direction (default: the "
+                   "preset's)")
+    h.add_argument("--internode-gbs", type=float, help="per GPU per direction (default: the "
+                   "preset's)")
+    h.add_argument("--gpus-per-node", type=int, metavar="N", help="default: the preset's")
     t = p.add_argument_group("training")
-    t.add_argument("--global-batch", type=int, help="sequences per step")
-    t.add_argument("--global-batch-tokens", type=int, help="tokens per step (/ seq)")
-    t.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
-    t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    t.add_argument("--global-batch", type=int, metavar="N", help="sequences per step")
+    t.add_argument("--global-batch-tokens", type=int, metavar="N",
+                   help="tokens per step (/ seq), instead of --global-batch")
+    t.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
+                   help="default bf16")
+    t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="default adam")
     t.add_argument("--mem-limit", type=float, default=0.9,
                    help="usable fraction of HBM (default 0.9)")
     lay = p.add_argument_group("one layout (instead of searching)")
     lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
-    lay.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
-    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULE_NAMES))
-    lay.add_argument("--virtual-stages", type=int, default=1)
-    lay.add_argument("--recompute", default="selective", choices=list(RECOMPUTE))
-    lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
+    lay.add_argument("--microbatch", type=int, default=1, metavar="N",
+                     help="sequences per micro-batch (default 1)")
+    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULE_NAMES),
+                     help="default 1f1b")
+    lay.add_argument("--virtual-stages", type=int, default=1, metavar="N",
+                     help="stages per rank for interleaved (default 1; the V schedules fix 2)")
+    lay.add_argument("--recompute", default="selective", choices=list(RECOMPUTE),
+                     help="default selective")
+    lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="default 1")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=5)
-    o.add_argument("--json", action="store_true")
+    o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
+    o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--plot", help="draw the memory breakdown of the shown layouts to this PNG")
 
 
@@ -230,7 +251,8 @@ def plot_memory(path: str, ests: list[Estimate]) -> None:
     ax.set_ylabel("GB per rank")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_output(path) as tmp:  # never half a PNG
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -240,6 +262,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     console = Console(file=out or sys.stdout, width=160)
     err = Console(file=out or sys.stderr, width=160)
     try:
+        problems = plan_flag_problems(args)
+        if problems:
+            raise PlanError("invalid input:\n" + "\n".join(f"  - {p}" for p in problems))
         shape, cluster, train = build_inputs(args)
         header = (f"{shape.name}: {shape.num_params() / 1e9:.2f} B params, seq {shape.seq}; "
                   f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
@@ -270,6 +295,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         return 2
     if args.plot:
         plot_memory(args.plot, ests)
+        print(f"memory plot written to {args.plot}", file=sys.stderr)
     if args.json:
         doc.update({"model": shape.name, "params": shape.num_params(), "gpus": cluster.n_gpus,
                     "gpu": cluster.gpu.name, "global_batch": train.global_batch,
@@ -281,7 +307,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="plait plan", description=__doc__)
+    p = argparse.ArgumentParser(prog="plait plan", description=_USAGE)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -3,8 +3,11 @@
 Takes the same flags as `plait train` (without --nproc). Reads the launcher's RANK,
 WORLD_SIZE and LOCAL_RANK (this is the CLI layer), resolves the device (`--device`:
 cuda:LOCAL_RANK with NCCL, or the CPU with gloo), validates, builds the mesh, trains; rank 0 shows
-progress, writes the metrics file and prints the summary. Any exception exits non-zero
-with its traceback, so the launcher brings the whole job down.
+progress, streams the metrics to NAME.partial (renamed to NAME when the run completes),
+prints the summary and, even with --quiet, one final line. A stop signal (plait/launch.py)
+ends the rank at its next Python instruction with 128 + the signal, rank 0 saying after
+how many steps; an error is one line (its traceback with --debug) and a non-zero exit, so
+the launcher brings the whole job down.
 """
 
 from __future__ import annotations
@@ -14,19 +17,30 @@ import datetime
 import json
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
 
 from plait import comm
 from plait.checkpoint.cli import preflight
-from plait.device import resolve_device
-from plait.launch import init_rank_process_group
+from plait.config import ConfigError
+from plait.device import DeviceError, resolve_device
+from plait.files import PartialFile
+from plait.launch import (
+    StopRequested,
+    describe_error,
+    die_with_parent,
+    exit_with_parent,
+    init_rank_process_group,
+    raise_on_stop_signals,
+    signal_name,
+)
 from plait.mesh import ParallelMesh
-from plait.train.data import GlobalBatches, TokenFile
+from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, config_from_args, resolve_data
 from plait.train.loop import train
-from plait.train.report import print_summary, progress_reporter
+from plait.train.report import final_line, print_summary, progress_reporter
 
 
 def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None) -> None:
@@ -55,17 +69,58 @@ def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None
         print(f"  timeline PNG: {write_timeline(report, timeline)}")
 
 
+class _Run:
+    """What a stop or a failure reports: steps done, where the metrics went."""
+
+    def __init__(self, rank: int, total_steps: int):
+        self.rank, self.total_steps, self.steps_done = rank, total_steps, 0
+        self.metrics: PartialFile | None = None
+
+    def kept_metrics(self) -> str:
+        if self.metrics is None:
+            return ""
+        return f"; metrics so far kept in {self.metrics.abandon()}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # torchrun gone, even by SIGKILL: this rank goes too
+    exit_with_parent()
+    raise_on_stop_signals()
     parser = argparse.ArgumentParser(prog="python -m plait.train")
     add_train_args(parser)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    run = _Run(rank, 0)
+    try:
+        return _run_rank(args, rank, world, run)
+    except StopRequested as stop:
+        if rank == 0:
+            print(f"plait: stopped by {signal_name(stop.signum)} after {run.steps_done} of "
+                  f"{run.total_steps} steps{run.kept_metrics()}", file=sys.stderr)
+        return 128 + stop.signum
+    except (ConfigError, DataError, DeviceError) as e:
+        if args.debug:
+            traceback.print_exc()
+        if rank == 0:
+            print(f"plait: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"plait: rank {rank} failed after {run.steps_done} steps: {describe_error(e)}"
+              f"{run.kept_metrics()}" + ("" if args.debug else " (rerun with --debug "
+                                            "for the traceback)"), file=sys.stderr)
+        return 1
+
+
+def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
     device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     device.activate()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = config_from_args(args).check(world_size=world)
     checkpoint = preflight(args, cfg)  # bad checkpoint flags or input: before any collective
+    run.total_steps = cfg.train.steps
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:
         init_rank_process_group(device.backend, datetime.timedelta(seconds=args.timeout))
@@ -78,21 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
-    metrics_file = open(args.metrics_out, "w") if lead and args.metrics_out else None  # noqa: SIM115
+    # streamed to NAME.partial, renamed to NAME only when the run completes
+    run.metrics = PartialFile(args.metrics_out) if lead and args.metrics_out else None
     finished = False
     try:
         with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
             def on_step(row: dict) -> None:
+                run.steps_done = row["step"] + 1
                 show(row)
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
+                if run.metrics:
+                    run.metrics.write_line(json.dumps(row))
 
             result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint)
         if lead and checkpoint.resumed_from is not None and not args.quiet:
             print(f"resumed from {checkpoint.resumed_from}")
-        if metrics_file:
-            metrics_file.write(json.dumps(result.summary) + "\n")
+        if run.metrics:
+            run.metrics.write_line(json.dumps(result.summary))
         if lead and not args.quiet:
             print_summary(result.summary, result.metrics)
         if lead and result.pipeline:
@@ -101,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             print("plait: --trace/--timeline draw a pipeline; this run has pp=1", file=sys.stderr)
         finished = True
     finally:
-        if metrics_file:
-            metrics_file.close()
         if dist.is_initialized():
             if finished:  # no rank tears its connections down while a peer still talks
                 comm.all_reduce(torch.zeros(1, device=device.torch), mesh, "world",
                                 tag="shutdown")
             dist.destroy_process_group()
+    if lead:
+        written = run.metrics.finish() if run.metrics else None
+        print(final_line(result.summary, result.metrics, written), flush=True)
     return 0
 
 

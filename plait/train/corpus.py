@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.files import atomic_output, output_problems
 from plait.train.data import DataError, write_token_file
 
 DEFAULT_VOCAB = 2048
@@ -60,6 +61,64 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     return tok
 
 
+MIN_VOCAB = 257  # the 256 byte tokens of byte-level BPE and the end-of-text token
+MAX_VOCAB = 1 << 32  # token ids are stored as uint32 at most
+
+
+def _text_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as UTF-8 text, or None."""
+    if not path.is_file():
+        return f"text file {path} {'is a directory' if path.is_dir() else 'not found'}"
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        return f"text file {path} cannot be read ({e.strerror})"
+    if b"\0" in raw[:1 << 16]:
+        return f"{path} is a binary file, not text; pass text files"
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8 first"
+    return None
+
+
+def _tokenizer_problem(path: Path) -> str | None:
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        return f"--tokenizer {path} {'is a directory' if path.is_dir() else 'not found'}"
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own untyped errors
+        return (f"--tokenizer {path} is not a tokenizers JSON file ({str(e)[:120]}); give a "
+                "tokenizer.json saved by the `tokenizers` library")
+    return None
+
+
+def prepare_problems(out: Path, files: list[Path], tokenizer_file: Path | None,
+                     vocab_size: int | None) -> list[str]:
+    """Every problem with a `plait data prepare` request, each with its fix; nothing is
+    written or trained."""
+    problems = [p for p in map(_text_problem, files) if p]
+    if tokenizer_file is not None:
+        problems += [p for p in [_tokenizer_problem(tokenizer_file)] if p]
+        if vocab_size is not None:
+            problems.append("--vocab-size trains a tokenizer, --tokenizer brings one; give "
+                            "one of them")
+    if vocab_size is not None and not MIN_VOCAB <= vocab_size < MAX_VOCAB:
+        problems.append(f"--vocab-size {vocab_size} must be between {MIN_VOCAB} (the 256 "
+                        f"bytes and end-of-text) and {MAX_VOCAB - 1}")
+    if Path(out).is_dir():
+        return [*problems, f"--out {out} is a directory; give a token file path inside it, "
+                f"e.g. {Path(out) / 'tokens.bin'}"]
+    bin_path = Path(out).with_suffix(".bin")
+    inputs = [*files, *([tokenizer_file] if tokenizer_file else [])]
+    for path in (bin_path, bin_path.with_suffix(".json"),
+                 bin_path.with_suffix(".tokenizer.json")):
+        problems += output_problems("--out", path, inputs)
+    return problems
+
+
 def prepare(out: Path, files: list[Path] | None = None, tokenizer_file: Path | None = None,
             vocab_size: int = DEFAULT_VOCAB, max_bytes: int = DEFAULT_BYTES) -> Path:
     """Tokenize `files` (default: the stdlib corpus) into `out` (.bin + .json + tokenizer)."""
@@ -86,8 +145,7 @@ def prepare(out: Path, files: list[Path] | None = None, tokenizer_file: Path | N
     out = Path(out).with_suffix(".bin")
     out.parent.mkdir(parents=True, exist_ok=True)
     tok_path = out.with_suffix(".tokenizer.json")
-    tmp = tok_path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    tmp.replace(tok_path)
+    with atomic_output(tok_path) as tmp:
+        tok.save(str(tmp))
     return write_token_file(out, np.asarray(ids, dtype=np.int64), tok.get_vocab_size(),
                             {"tokenizer": tok_path.name, "files": len(files), "source": source})

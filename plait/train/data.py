@@ -43,7 +43,7 @@ class TokenFile:
             raise DataError(
                 f"token file {path} (with {meta_path.name} beside it) not found; run "
                 "`plait data prepare` or pass --data PATH.bin")
-        meta = json.loads(meta_path.read_text())
+        meta = _read_meta(meta_path)
         dtype = meta.get("dtype")
         if dtype not in DTYPES:
             raise DataError(f"{meta_path}: dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -52,6 +52,8 @@ class TokenFile:
         if size % itemsize or size // itemsize != meta.get("num_tokens", size // itemsize):
             raise DataError(f"{path}: {size} bytes do not hold the {meta.get('num_tokens')} "
                             f"{dtype} tokens its metadata promises; prepare it again")
+        if size == 0:
+            raise DataError(f"{path} holds no tokens; prepare it again from more text")
         tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
         if "max_token_id" not in meta:
             meta["max_token_id"] = int(tokens.max()) if len(tokens) else -1
@@ -59,6 +61,22 @@ class TokenFile:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+def _read_meta(meta_path: Path) -> dict:
+    """A token file's JSON metadata; a corrupt or foreign one is a DataError."""
+    fix = "prepare the token file again (plait data prepare)"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path} is not readable token-file metadata ({e}); {fix}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} holds {type(meta).__name__}, not token-file metadata; "
+                        f"{fix}")
+    for key in ("num_tokens", "vocab_size", "max_token_id"):
+        if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool)):
+            raise DataError(f"{meta_path}: {key}={meta[key]!r} is not an integer; {fix}")
+    return meta
 
 
 def write_token_file(path: str | Path, ids: np.ndarray | list[int], vocab_size: int,

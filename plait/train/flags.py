@@ -28,38 +28,77 @@ TRAIN_FLAGS = {
 }
 
 
-def add_train_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The flags that build the configuration and name its data (what `plait report`
+    takes beside a metrics file)."""
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set train.warmup_steps=5")
-    p.add_argument("--model", help="model preset (tiny, small, llama3-8b, ...)")
+    p.add_argument("--model", help="model preset (tiny, small, llama3-8b, ...; default tiny)")
     p.add_argument("--data", help="token file (.bin); default: the embedded corpus")
     p.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
     for name in ("steps", "seed", "global-batch", "seq-len", "micro-batch-size", "dp", "tp",
                  "pp", "cp", "ep", "zero", "microbatches", "virtual-stages", "gpus-per-node"):
-        p.add_argument(f"--{name}", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--schedule", choices=SCHEDULE_NAMES)
-    p.add_argument("--precision", choices=("fp32", "bf16"))
-    p.add_argument("--recompute", choices=("none", "full"))
-    p.add_argument("--data-parallel", choices=("naive", "bucketed"))
+        p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))
+    p.add_argument("--lr", type=float, help=_setting_help("lr"))
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, help=_setting_help("schedule"))
+    p.add_argument("--precision", choices=("fp32", "bf16"), help=_setting_help("precision"))
+    p.add_argument("--recompute", choices=("none", "full"), help=_setting_help("recompute"))
+    p.add_argument("--data-parallel", choices=("naive", "bucketed"),
+                   help=_setting_help("data-parallel"))
     p.add_argument("--cp-mode", choices=("ring", "allgather"),
-                   help="context parallel: K/V around a ring (default) or all-gathered")
+                   help="context parallel: K/V around a ring (parallel.cp_mode, default ring) "
+                   "or all-gathered")
     p.add_argument("--cp-layout", choices=("zigzag", "contiguous"),
-                   help="context parallel: load-balanced zigzag chunks (default) or slices")
+                   help="context parallel: load-balanced zigzag chunks (parallel.cp_layout, "
+                   "default zigzag) or contiguous slices")
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
-    p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """The configuration flags and a run's own: outputs, timeout, output level, device."""
+    add_config_args(p)
+    p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary (streamed "
+                   "to NAME.partial, renamed to NAME when the run completes)")
     p.add_argument("--trace", help="pp > 1: Chrome trace (Perfetto) of the last step's "
                    "measured pipeline timeline, a row per rank")
     p.add_argument("--timeline", help="pp > 1: PNG of the last step's measured timeline")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait before the job fails (default 300)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or summary table; the final line is still printed")
+    p.add_argument("--debug", action="store_true",
+                   help="show Python tracebacks (by default an error is one line)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where each rank computes: cuda:LOCAL_RANK with NCCL, or the CPU with "
                    "gloo; auto (default) takes CUDA when torch sees a GPU")
     add_checkpoint_args(p)
+
+
+# what each setting flag sets, for its help line
+_SETTING_HELP = {
+    "steps": "optimizer steps", "seed": "seed of the weights and the data order",
+    "global-batch": "sequences per optimizer step, over all replicas",
+    "seq-len": "tokens per sequence", "micro-batch-size": "sequences per micro-batch per "
+    "replica (or give --microbatches)", "dp": "data-parallel size", "tp": "tensor-parallel "
+    "size", "pp": "pipeline stages", "cp": "context-parallel size", "ep": "expert-parallel "
+    "size", "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
+    "virtual-stages": "pipeline stages per rank", "gpus-per-node": "ranks per node",
+    "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
+    "dtype (fp32 masters either way)", "recompute": "activation recompute per block",
+    "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
+}
+
+
+def _setting_help(flag: str) -> str:
+    """'<what> (config KEY, default VALUE)': the default is the configuration's."""
+    key = TRAIN_FLAGS[flag.replace("-", "_")]
+    section, _, name = key.partition(".")
+    default = getattr(getattr(Config(), section), name)
+    shown = "the schedule's own" if default is None and name == "virtual_stages" else (
+        "derived" if default is None else default)
+    return f"{_SETTING_HELP[flag]} ({key}, default {shown})"
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

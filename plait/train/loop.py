@@ -109,11 +109,14 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     (plait/checkpoint)."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
-    par = parallelize(build_model(cfg.model, seed=t.seed, device="meta"), mesh, cfg)
+    plain = build_model(cfg.model, seed=t.seed, device="meta")
+    # the model's total, whatever the layout; the local count is this rank's share
+    param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
+    par = parallelize(plain, mesh, cfg)
     model, opt = par.model, par.optimizer
     if checkpoint is not None:  # every rank reads what it now holds; no step has run
         start_step = checkpoint.restore(par, mesh, cfg, start_step)
-    param_count = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime; what crosses a
     # stage boundary is as the stages say (sequence parallel splits it)
@@ -220,7 +223,7 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
 
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
-             param_count: int) -> dict:
+             param_count: dict[str, int]) -> dict:
     """The run's summary line: layout, final loss, mean step time (the first step, which
     warms caches, left out when there are others), the ledger's per-step averages."""
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
@@ -233,7 +236,8 @@ def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: in
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "mean_step_time": sum(times) / len(times) if times else None,
         "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
-        "param_count": param_count,
+        "param_count": param_count["total"],  # the model's, on every layout
+        "param_count_local": param_count["local"],  # rank 0's share (tp, pp split it)
         "ledger": ledger_summary(mesh, steps_run),
         "config": cfg.to_dict(),  # what `plait report` predicts from (plait/observe/report.py)
     }

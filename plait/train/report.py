@@ -33,8 +33,9 @@ def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dic
 
         def show(row: dict) -> None:
             if row["step"] % every == 0 or row["step"] == total_steps - 1:
-                progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
-                                       f"grad norm {row['grad_norm']:.3f}")
+                # stdout, beside the summary (the live bar, on stderr, shows it above itself)
+                print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
+                      f"grad norm {row['grad_norm']:.3f}", flush=True)
             progress.update(task, advance=1, description=(
                 f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                 f"lr {row['lr']:.2e}"))
@@ -42,13 +43,32 @@ def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dic
         yield show
 
 
+def _params(summary: dict) -> str:
+    total, local = summary["param_count"], summary.get("param_count_local")
+    if local is None or local == total:
+        return f"{total:,}"
+    return f"{total:,} (rank 0 holds {local:,})"
+
+
+def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) -> str:
+    """The one line every run ends with, --quiet or not."""
+    first, last = metrics[0]["loss"], metrics[-1]["loss"]
+    where = f"; metrics in {metrics_path}" if metrics_path else ""
+    layout = summary["layout"].split(" (")[0]  # the sizes, without the order note
+    return (f"plait: done: {summary['steps']} steps on {layout}, loss {first:.4f} "
+            f"-> {last:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{where}")
+
+
 def print_summary(summary: dict, metrics: list[dict], console: Console | None = None) -> None:
     console = console or Console()
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
-    console.print(f"[bold]layout[/] {summary['layout']}   [bold]params[/] "
-                  f"{summary['param_count']:,}   [bold]loss[/] {first:.4f} -> {last:.4f}   "
-                  f"[bold]tokens/s[/] {summary['tokens_per_s']:,.0f}   [bold]step[/] "
-                  f"{summary['mean_step_time'] * 1e3:.1f} ms")
+    fields = [("layout", summary["layout"]), ("params", _params(summary)),
+              ("loss", f"{first:.4f} -> {last:.4f}"),
+              # global tokens per second: the global batch's tokens / the mean step time
+              ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+              ("step", f"{summary['mean_step_time'] * 1e3:.1f} ms")]
+    for name, value in fields:  # one field a line: a narrow terminal never splits one
+        console.print(f"[bold]{name:<9}[/] {value}", soft_wrap=True, highlight=False)
     table = Table(title="communication per step, rank 0 (ring-algorithm bytes)")
     for col in ("collective", "dim", "calls", "payload", "sent", "received", "time"):
         table.add_column(col, justify="left" if col in ("collective", "dim") else "right")

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from plait.files import output_problems, write_text_atomic
 from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.draw import format_table
 from plait.parallel.pipeline.ir import Schedule
@@ -44,19 +46,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
-    sp.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    sp.add_argument("--microbatches", "-m", type=int, default=8)
+    sp.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b", help="default 1f1b")
+    sp.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    sp.add_argument("--microbatches", "-m", type=int, default=8,
+                    help="micro-batches per step (default 8)")
     sp.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
         help=f"stages per rank (default: {_default_v_help()})",
     )
-    sp.add_argument("--forward", type=float, default=1.0, help="T_F per stage per micro-batch")
-    sp.add_argument("--backward-input", type=float, default=1.0, help="T_I (B = I + W)")
-    sp.add_argument("--backward-weight", type=float, default=1.0, help="T_W")
-    sp.add_argument("--p2p", type=float, default=0.0, help="one transfer between ranks")
+    sp.add_argument("--forward", type=float, default=1.0,
+                    help="T_F per stage per micro-batch (default 1)")
+    sp.add_argument("--backward-input", type=float, default=1.0, help="T_I (B = I + W; default 1)")
+    sp.add_argument("--backward-weight", type=float, default=1.0, help="T_W (default 1)")
+    sp.add_argument("--p2p", type=float, default=0.0, help="one transfer between ranks (default 0)")
     sp.add_argument("--png", help="draw the timeline to this PNG (needs matplotlib)")
     sp.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     sp.add_argument("--save", help="write the lowered schedule as text")
@@ -74,15 +78,93 @@ def _default_v_help() -> str:
     return "; ".join([f"{v} for {', '.join(names)}" for v, names in by_v.items()] + ["else 1"])
 
 
+# what the simulator lays out in seconds; past these a request is refused at once
+MAX_PP, MAX_MICROBATCHES, MAX_VIRTUAL_STAGES = 512, 20_000, 32
+MAX_ACTIONS = 2_000_000
+
+
+def input_problems(args: argparse.Namespace) -> list[str]:
+    """Every bad flag value, each with its fix, before anything is built or written."""
+    problems = []
+    for flag, value, hi in (("--pp", args.pp, MAX_PP),
+                            ("--microbatches", args.microbatches, MAX_MICROBATCHES),
+                            ("--virtual-stages", args.virtual_stages, MAX_VIRTUAL_STAGES)):
+        if value is not None and not 1 <= value <= hi:
+            problems.append(f"{flag} {value} must be between 1 and {hi:,}"
+                            + (" (leave it out for the schedule's own)"
+                               if flag == "--virtual-stages" else ""))
+    if not problems and args.load is None:
+        v = args.virtual_stages or 1
+        if args.pp * args.microbatches * v * 3 > MAX_ACTIONS:
+            problems.append(f"--pp {args.pp} x --microbatches {args.microbatches} x "
+                            f"--virtual-stages {v} is past what the simulator lays out (at "
+                            f"most {MAX_ACTIONS:,} actions); use fewer micro-batches")
+    for flag, value in (("--forward", args.forward), ("--backward-input", args.backward_input),
+                        ("--backward-weight", args.backward_weight), ("--p2p", args.p2p)):
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"{flag} {value} is a duration: use a finite number >= 0")
+    if args.forward == 0 and args.backward_input == 0 and args.backward_weight == 0:
+        problems.append("--forward, --backward-input and --backward-weight are all 0: "
+                        "nothing to simulate; give at least one a positive duration")
+    if args.load is not None and not Path(args.load).is_file():
+        problems.append(f"--load {args.load}: no such file; give a schedule saved by --save")
+    inputs = [args.load] if args.load else []
+    for flag in ("png", "trace", "save"):
+        out = getattr(args, flag)
+        if out is not None:
+            problems += output_problems(f"--{flag}", out, inputs)
+    return problems
+
+
+def _load(path: Path) -> Schedule:
+    """A schedule saved by --save; anything else is a ValueError saying so."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--load {path} is binary, not a schedule saved by --save") from None
+    head = text.lstrip().split("\n", 1)[0].split(",")
+    sizes = dict(kv.split("=", 1) for kv in head[2:] if "=" in kv)
+    for key, hi in (("pp", MAX_PP), ("microbatches", MAX_MICROBATCHES)):
+        value = sizes.get(key, "")
+        if value.strip().isdigit() and not 1 <= int(value) <= hi:
+            raise ValueError(f"--load {path}: {key}={value} must be between 1 and {hi:,}")
+    try:
+        return Schedule.from_text(text)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"--load {path} is not a schedule saved by --save ({e!s})") from None
+
+
+def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
+                   lowered: Schedule) -> None:
+    """--save, --trace, --png, each written whole (plait/files.py) and announced."""
+    written = []
+    if args.save:
+        written.append(("schedule", write_text_atomic(args.save, lowered.to_text())))
+    if args.trace:
+        from plait.parallel.pipeline.draw import to_chrome_trace
+
+        written.append(("Chrome trace", to_chrome_trace(res.events, args.trace)))
+    if args.png:
+        from plait.parallel.pipeline.draw import draw_timeline
+
+        written.append(("timeline PNG", draw_timeline(res, compute_only, args.png)))
+    for what, path in written:  # stderr: --json's stdout stays one document
+        print(f"{what} written to {path}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
+    problems = input_problems(args)
+    if problems:
+        print("error: invalid input:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
     try:
         if args.load:
-            schedule = Schedule.from_text(Path(args.load).read_text())
+            schedule = _load(Path(args.load))
         else:
-            # 0 like omitted: the schedule's own
-            v = natural_virtual_stages(args.schedule, args.virtual_stages or None)
+            v = natural_virtual_stages(args.schedule, args.virtual_stages)
             schedule = build_schedule(args.schedule, args.pp, args.microbatches, v)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # a text that is not a schedule, too
         print(f"error: {e}", file=sys.stderr)
         return 2
     compute_only = Schedule(
@@ -111,16 +193,7 @@ def run(args: argparse.Namespace) -> int:
     closed = closed_form_bubble(
         schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
     )
-    if args.save:
-        Path(args.save).write_text(lowered.to_text())
-    if args.trace:
-        from plait.parallel.pipeline.draw import to_chrome_trace
-
-        to_chrome_trace(res.events, args.trace)
-    if args.png:
-        from plait.parallel.pipeline.draw import draw_timeline
-
-        draw_timeline(res, compute_only, args.png)
+    _write_outputs(args, res, compute_only, lowered)
 
     summary = {
         "schedule": schedule.name,

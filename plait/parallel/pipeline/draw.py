@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from plait.files import atomic_output, write_text_atomic
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.simulate import Durations, Event, SimResult, simulate
 
@@ -72,7 +73,8 @@ def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -
     )
     fig.tight_layout()
     path = Path(path_png)
-    fig.savefig(path, dpi=120)
+    with atomic_output(path) as tmp:  # a failed draw never leaves half a PNG
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 
@@ -100,9 +102,8 @@ def to_chrome_trace(
                     "args": {"stage": stage, "microbatch": mb},
                 }
             )
-    path = Path(path_json)
-    path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
-    return path
+    return write_text_atomic(path_json, json.dumps({"traceEvents": trace,
+                                                     "displayTimeUnit": "ms"}))
 
 
 def format_table(schedule: Schedule, aligned: bool = True, width: int = 4) -> str:

@@ -1,0 +1,128 @@
+"""Output files that are never damaged: checked before any work, written whole or not at all.
+
+Every output a command writes goes through here. `output_problems` checks a path before
+a command starts (not a directory, its directory creatable and writable, not the same
+file as any input), so a bad path is refused with the other bad inputs. `atomic_output`
+hands out a temporary name in the same directory and renames it over the target only
+when the block finishes: a reader sees the old file or the new one, never half of one.
+`PartialFile` streams lines to `NAME.partial` and renames it to NAME when complete; on
+failure the partial file stays, under that clearly named path.
+
+Standard library only: every layer (the pipeline simulator included) may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """The path itself or its closest ancestor that exists."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path("/")
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (hard links and symlinks included)."""
+    a, b = Path(a), Path(b)
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def output_problems(flag: str, path: str | Path, inputs: Iterable[str | Path] = ()) -> list[str]:
+    """What stops `path` from being written as the output of `flag`, each with its fix.
+
+    Nothing is created: missing parent directories are made when the file is written."""
+    text = str(path)
+    if not text.strip():
+        return [f"{flag} is empty; give a file path"]
+    p = Path(text).expanduser()
+    resolved = p.resolve()
+    if p.is_dir():
+        return [f"{flag} {text} is a directory; give a file path inside it, e.g. "
+                f"{p / 'out'}"]
+    base = _nearest_existing(resolved.parent)
+    if not base.is_dir():
+        return [f"{flag} {text}: {base} is a file, not a directory; choose another path"]
+    if not os.access(base, os.W_OK | os.X_OK):
+        return [f"{flag} {text}: {base} is not writable; choose a directory you can write"]
+    if p.exists() and not os.access(p, os.W_OK):
+        return [f"{flag} {text} exists and is not writable; choose another path"]
+    for source in inputs:
+        if source and (resolved == Path(source).expanduser().resolve()
+                       or same_file(p, source)):
+            return [f"{flag} {text} is also an input of this command ({source}); writing it "
+                    "would destroy that input: choose another path"]
+    return []
+
+
+def temp_name(path: Path) -> Path:
+    """A unique temporary name beside `path` (same directory, so the rename is atomic),
+    ending in the same suffix (writers such as matplotlib choose the format by it)."""
+    return path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+                          f"{path.suffix}")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary path; renamed to `path` when the block succeeds, removed if not.
+
+    Parent directories are created."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(target)
+    try:
+        yield tmp
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` whole or not at all; returns the path written."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
+    return Path(path).expanduser()
+
+
+class PartialFile:
+    """Lines streamed to `NAME.partial`; `finish()` renames it to NAME, `abandon()` keeps
+    the partial file (and says where) so a failed run never replaces a complete one."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(self.partial, "w")  # noqa: SIM115 (kept open)
+
+    def write_line(self, line: str) -> None:
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def finish(self) -> Path:
+        """Complete: the partial file becomes NAME."""
+        self._close()
+        self.partial.replace(self.path)
+        return self.path
+
+    def abandon(self) -> Path:
+        """Incomplete: the partial file stays as NAME.partial; NAME is untouched."""
+        self._close()
+        return self.partial
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

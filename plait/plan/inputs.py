@@ -1,0 +1,89 @@
+"""Every `plait plan` flag checked for range and finiteness before any search starts.
+
+The limits are what the planner enumerates in seconds (divisors by trial division to
+sqrt(n), micro-batch sizes up to 16, pipelines simulated or extrapolated); past them a
+request is refused at once with the limit named, never left to run for minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+MAX_GPUS = 1 << 24  # 16,777,216
+MAX_GLOBAL_BATCH = 1 << 24  # sequences per step
+MAX_GLOBAL_BATCH_TOKENS = 1 << 40
+MAX_TOP = 100
+# (flag, smallest, largest) for the integer model shapes
+SHAPE_BOUNDS = (("layers", 1, 10_000), ("hidden", 1, 1 << 20), ("heads", 1, 1 << 14),
+                ("kv-heads", 1, 1 << 14), ("ffn", 1, 1 << 22), ("vocab", 1, 1 << 26),
+                ("seq", 1, 1 << 24), ("experts", 0, 1 << 16), ("top-k", 0, 1 << 16),
+                ("expert-ffn", 0, 1 << 22), ("shared-experts", 0, 1 << 16))
+POSITIVE_FLOATS = ("peak-tflops", "hbm-gb", "hbm-bw-gbs", "nvlink-gbs", "internode-gbs")
+
+
+def _attr(flag: str) -> str:
+    return flag.replace("-", "_")
+
+
+def _int_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    bounds = [*SHAPE_BOUNDS, ("gpus", 1, MAX_GPUS), ("global-batch", 1, MAX_GLOBAL_BATCH),
+              ("global-batch-tokens", 1, MAX_GLOBAL_BATCH_TOKENS), ("gpus-per-node", 1, 1024),
+              ("microbatch", 1, MAX_GLOBAL_BATCH), ("virtual-stages", 1, 64),
+              ("top", 1, MAX_TOP)]
+    for flag, lo, hi in bounds:
+        value = getattr(args, _attr(flag), None)
+        if value is None:
+            continue
+        if value < lo:
+            problems.append(f"--{flag} {value} must be >= {lo}")
+        elif value > hi:
+            problems.append(f"--{flag} {value} is past what the planner enumerates "
+                            f"(at most {hi:,}); use a smaller value")
+    return problems
+
+
+def _float_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    for flag in POSITIVE_FLOATS:
+        value = getattr(args, _attr(flag), None)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            problems.append(f"--{flag} {value} must be a finite number > 0")
+    limit = args.mem_limit
+    if not math.isfinite(limit) or not 0 < limit <= 1:
+        problems.append(f"--mem-limit {limit} is the usable fraction of HBM: use a number in "
+                        "(0, 1], e.g. 0.9")
+    return problems
+
+
+def layout_text_problems(text: str | None) -> list[str]:
+    """`--layout`: non-empty, each of tp, pp, dp, cp, ep at most once as NAME=N, N >= 1."""
+    if text is None:
+        return []
+    if not text.strip():
+        return ["--layout is empty; give e.g. --layout tp=8,pp=4,dp=2, or leave it out to "
+                "search every layout"]
+    problems, seen = [], set()
+    for part in text.split(","):
+        name, eq, value = (s.strip() for s in part.partition("="))
+        if name not in ("tp", "pp", "dp", "cp", "ep") or not eq or not value.isdigit() \
+                or int(value) < 1:
+            problems.append(f"--layout item {part.strip()!r}: use NAME=N with NAME one of tp, "
+                            "pp, dp, cp, ep and N >= 1, e.g. tp=8,pp=4,dp=2")
+        elif name in seen:
+            problems.append(f"--layout gives {name} twice ({text}); give each size once")
+        seen.add(name)
+    return problems
+
+
+def plan_flag_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem with the flags' values, each with its fix; nothing is computed."""
+    return (_int_problems(args) + _float_problems(args) + layout_text_problems(args.layout)
+            + output_problems_of(args))
+
+
+def output_problems_of(args: argparse.Namespace) -> list[str]:
+    from plait.files import output_problems
+
+    return output_problems("--plot", args.plot) if args.plot is not None else []

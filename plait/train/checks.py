@@ -1,0 +1,119 @@
+"""Every input of `plait train` checked at once, before any rank starts or any byte is
+written: the flags that are not settings, the configuration, the device, the token file
+and the output paths. `train_inputs` returns what it could build and every problem, each
+naming the fix; the caller refuses the run when there is any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plait.config import Config, ConfigError
+from plait.device import DeviceError, resolve_device
+from plait.files import output_problems
+from plait.train.data import DataError, TokenFile
+from plait.train.flags import check_data, config_from_args, resolve_data
+
+OUTPUT_FLAGS = ("metrics_out", "trace", "timeline")
+MAX_LOCAL_RANKS = 256  # processes on one machine; past it a typo, not a plan
+
+
+@dataclass
+class TrainInputs:
+    cfg: Config | None = None
+    nproc: int | None = None
+    data: Path | None = None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """The flags that are not configuration settings: counts and seconds."""
+    problems = []
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None and nproc < 1:
+        problems.append(f"--nproc {nproc}: launch at least one rank (--nproc 1 or more), or "
+                        "leave it out to launch the layout's dp*pp*cp*tp")
+    elif nproc is not None and nproc > MAX_LOCAL_RANKS:
+        problems.append(f"--nproc {nproc}: plait train launches at most {MAX_LOCAL_RANKS} "
+                        "ranks on one machine; use torchrun -m plait.train across nodes")
+    timeout = args.timeout
+    if not math.isfinite(timeout) or timeout <= 0:
+        problems.append(f"--timeout {timeout}: seconds a collective may wait must be a "
+                        "finite number > 0 (default 300)")
+    return problems
+
+
+def _input_paths(args: argparse.Namespace, data: Path | None) -> list[Path]:
+    """The files this run reads; no output may name one of them."""
+    inputs = [Path(args.config)] if args.config else []
+    if data is not None:
+        bin_path = data.with_suffix(".bin")
+        inputs += [bin_path, bin_path.with_suffix(".json")]
+    return inputs
+
+
+def output_path_problems(args: argparse.Namespace, data: Path | None) -> list[str]:
+    """Each output writable, none an input, no two the same file."""
+    problems: list[str] = []
+    inputs = _input_paths(args, data)
+    seen: dict[Path, str] = {}
+    for name in OUTPUT_FLAGS:
+        out = getattr(args, name, None)
+        if out is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        problems += output_problems(flag, out, inputs)
+        resolved = Path(out).expanduser().resolve()
+        if resolved in seen:
+            problems.append(f"{flag} and {seen[resolved]} both name {out}; give each its "
+                            "own file")
+        seen[resolved] = flag
+    return problems
+
+
+def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> TrainInputs:
+    """Build and check everything a training run reads; `world_size`: the launcher's
+    (torchrun's WORLD_SIZE), else --nproc or the layout's."""
+    found = TrainInputs(problems=flag_problems(args))
+    try:
+        found.cfg = config_from_args(args)
+    except ConfigError as e:
+        found.problems += e.problems
+        data = Path(args.data) if getattr(args, "data", None) else None
+        found.problems += output_path_problems(args, data)
+        return found
+    cfg = found.cfg
+    nproc = getattr(args, "nproc", None)
+    found.nproc = world_size or (nproc if nproc and nproc > 0 else cfg.parallel.world_size)
+    config_problems = cfg.validate(world_size=found.nproc)
+    found.problems += config_problems
+    found.warnings = cfg.warnings()
+    try:  # every local rank has its device
+        resolve_device(args.device, local_rank=found.nproc - 1)
+    except DeviceError as e:
+        found.problems.append(str(e))
+    if cfg.train.data:
+        found.data = Path(cfg.train.data)
+    found.problems += output_path_problems(args, found.data)
+    if found.data is None:  # the default corpus: prepared on first use, where it is allowed
+        from plait.train.corpus import default_token_file
+
+        target = default_token_file(Path(args.data_dir) if args.data_dir else None)
+        if not target.is_file():
+            found.problems += output_problems("--data-dir", target)
+    if found.data is None and found.problems:
+        return found  # the default corpus is prepared only for a run that will start
+    try:
+        if found.data is None:
+            found.data = resolve_data(cfg, args.data_dir)
+        if config_problems:  # the batch arithmetic needs a valid configuration
+            TokenFile.open(found.data)
+        else:
+            check_data(cfg, found.data)
+    except DataError as e:
+        found.problems.append(str(e))
+    return found

@@ -1,0 +1,398 @@
+"""Every bad input refused clearly (issue 10): a table of cases across every subcommand.
+
+Each case is a command line, the exit status it must end with (2: bad input), a phrase
+(or several) its message must hold, the files that must be unchanged afterwards and a
+time limit. The cases run in this process through `plait.cli.main` (torch imported
+once: the table takes seconds), so an exception escaping `main` is a traceback a user
+would have seen, and fails the case. Files: every case runs against one directory of
+inputs (`world`), and the whole directory must be byte for byte the same afterwards, the
+named files included: no bad input writes a byte. A few cases run through the real
+entry point (`python -m plait.cli`) too, for the exit status and stderr a shell sees.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import token_file
+
+from plait.cli import main
+from plait.config import Config
+from plait.train.data import write_token_file
+
+# small settings as flags (a later flag wins, so each case's own flag overrides them)
+BASE_FLAGS = ("--set", "model.vocab_size=256", "--seq-len", "32", "--global-batch", "8",
+              "--steps", "2")
+PRECIOUS = "precious.jsonl"  # an earlier run's metrics: a failed run must not touch it
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]  # "{w}" is the world directory, "{data}" the good token file
+    phrases: tuple[str, ...]
+    code: int = 2
+    unchanged: tuple[str, ...] = ()  # world files named for the reader; all are checked
+    limit_s: float = 15.0
+
+
+def train(*args: str, phrases: str | tuple[str, ...], id: str, **kw) -> Case:
+    """A `plait train` case on the good token file and the suite's small settings."""
+    argv = ("train", "--data", "{data}", *BASE_FLAGS, *args)
+    return Case(id, argv, (phrases,) if isinstance(phrases, str) else phrases, **kw)
+
+
+def cmd(*argv: str, phrases: str | tuple[str, ...], id: str, **kw) -> Case:
+    return Case(id, argv, (phrases,) if isinstance(phrases, str) else phrases, **kw)
+
+
+CASES = [
+    # ---- plait train: flags ---------------------------------------------------------
+    train("--lr", "nan", phrases="expected a finite number", id="lr-nan"),
+    train("--lr", "inf", phrases="expected a finite number", id="lr-inf"),
+    train("--set", "train.lr=nan", phrases="expected a finite number", id="set-lr-nan"),
+    train("--lr", "-1", phrases="train.lr=-1.0 must be > 0", id="lr-negative"),
+    train("--nproc", "0", phrases="--nproc 0", id="nproc-0"),
+    train("--nproc", "-2", phrases="--nproc -2", id="nproc-negative"),
+    train("--nproc", "100000", "--dp", "100000", phrases="at most 256 ranks", id="nproc-huge"),
+    train("--timeout", "0", phrases="--timeout 0.0", id="timeout-0"),
+    train("--timeout", "nan", phrases="--timeout nan", id="timeout-nan"),
+    train("--timeout", "-5", phrases="--timeout -5.0", id="timeout-negative"),
+    train("--steps", "0", phrases="train.steps=0 must be >= 1", id="steps-0"),
+    train("--set", "train.steps=3.5", phrases="expected an integer, got '3.5'",
+          id="set-steps-float"),
+    train("--seq-len", "0", phrases="train.seq_len=0 must be >= 1", id="seq-len-0"),
+    train("--global-batch", "0", phrases="train.global_batch=0 must be >= 1",
+          id="global-batch-0"),
+    train("--microbatches", "0", phrases="parallel.microbatches=0 must be >= 1",
+          id="microbatches-0"),
+    train("--zero", "5", phrases="not a ZeRO stage", id="zero-5"),
+    train("--virtual-stages", "0", phrases="parallel.virtual_stages=0 must be >= 1",
+          id="virtual-stages-0"),
+    train("--set", "model.n_heads=0", phrases="model.n_heads=0 must be >= 1", id="heads-0"),
+    train("--set", "model.n_kv_heads=0", phrases="model.n_kv_heads=0 must be >= 1",
+          id="kv-heads-0"),
+    train("--set", "train.beta2=1.5", phrases="must be in [0, 1)", id="beta2-range"),
+    train("--set", "train.eps=0", phrases="train.eps=0.0 must be > 0", id="eps-0"),
+    train("--set", "train.memory_step=99", phrases="not a step of this run",
+          id="memory-step-past-end"),
+    train("--set", "parallel.sp=maybe", phrases="expected true or false", id="set-bool"),
+    train("--set", "bogus.x=1", phrases="unknown setting 'bogus.x'", id="set-unknown"),
+    train("--set", "noequals", phrases="must look like section.name=value", id="set-no-eq"),
+    train("--model", "nope", phrases="known: tiny", id="model-unknown"),
+    train("--steps", "abc", phrases="invalid int value", id="steps-not-int"),
+    train("--schedule", "nope", phrases="invalid choice", id="schedule-unknown"),
+    train("--lr", "nan", "--nproc", "0", "--timeout", "0", "--metrics-out", "{w}/adir",
+          phrases=("expected a finite number", "--nproc 0", "--timeout 0.0",
+                   "is a directory"), id="every-problem-at-once"),
+    # ---- plait train: TOML ----------------------------------------------------------
+    train("--config", "{w}/malformed.toml", phrases="is not valid TOML", id="toml-malformed"),
+    train("--config", "{w}/steps-float.toml", phrases="expected an integer, got 3.5",
+          id="toml-steps-float"),
+    train("--config", "{w}/lr-string.toml", phrases="expected a number, got 'fast'",
+          id="toml-lr-string"),
+    train("--config", "{w}/lr-nan.toml", phrases="expected a finite number", id="toml-lr-nan"),
+    train("--config", "{w}/sp-int.toml", phrases="expected true or false, got 3",
+          id="toml-bool-int"),
+    train("--config", "{w}/unknown-table.toml", phrases="unknown table [foo]",
+          id="toml-unknown-table"),
+    train("--config", "{w}/missing.toml", phrases="not found", id="toml-missing"),
+    train("--config", "{w}/adir", phrases="is a directory", id="toml-directory"),
+    train("--config", "{w}/binary.bin", phrases="is not valid TOML", id="toml-binary"),
+    # ---- plait train: output files --------------------------------------------------
+    train("--metrics-out", "{w}/adir", phrases="is a directory", id="metrics-out-directory"),
+    train("--metrics-out", "{w}/afile/m.jsonl", phrases="is a file, not a directory",
+          id="metrics-out-under-a-file"),
+    train("--metrics-out", "{data}", phrases="is also an input", id="metrics-out-is-data",
+          unchanged=("good.bin",)),
+    train("--metrics-out", "{w}/good.json", phrases="is also an input",
+          id="metrics-out-is-sidecar", unchanged=("good.json",)),
+    train("--config", "{w}/good.toml", "--metrics-out", "{w}/good.toml",
+          phrases="is also an input", id="metrics-out-is-config", unchanged=("good.toml",)),
+    train("--tp", "3", "--metrics-out", f"{{w}}/{PRECIOUS}", phrases="tp=3 does not divide",
+          id="failed-check-keeps-old-metrics", unchanged=(PRECIOUS,)),
+    train("--trace", "{w}/t.json", "--timeline", "{w}/t.json", phrases="both name",
+          id="two-outputs-one-file"),
+    # ---- plait train: token files ---------------------------------------------------
+    train("--data", "{w}/corrupt.bin", phrases="is not readable token-file metadata",
+          id="sidecar-corrupt"),
+    train("--data", "{w}/listmeta.bin", phrases="not token-file metadata", id="sidecar-list"),
+    train("--data", "{w}/strcount.bin", phrases="num_tokens='many' is not an integer",
+          id="sidecar-bad-count"),
+    train("--data", "{w}/empty.bin", phrases="holds no tokens", id="token-file-empty"),
+    train("--data", "{w}/truncated.bin", phrases="do not hold", id="token-file-truncated"),
+    train("--data", "{w}/missing.bin", phrases="not found", id="token-file-missing"),
+    train("--data", "{w}/wide.bin", phrases="holds token id 999", id="token-ids-past-vocab"),
+    cmd("train", "--data-dir", "{w}/afile/corpus", *BASE_FLAGS,
+        phrases="is a file, not a directory", id="default-corpus-dir-unwritable"),
+    # ---- plait demo -----------------------------------------------------------------
+    cmd("demo", "--nproc", "0", "--data-dir", "{w}/nocorpus", phrases="--nproc 0",
+        id="demo-nproc-0"),
+    cmd("demo", "--steps", "0", "--data-dir", "{w}/nocorpus", phrases="train.steps=0",
+        id="demo-steps-0"),
+    # ---- plait data prepare ---------------------------------------------------------
+    cmd("data", "prepare", "{w}/binary.bin", "--out", "{w}/out/t.bin",
+        phrases="is a binary file", id="prepare-binary-input"),
+    cmd("data", "prepare", "{w}/latin1.txt", "--out", "{w}/out/t.bin", phrases="not UTF-8",
+        id="prepare-not-utf8"),
+    cmd("data", "prepare", "{w}/nope.txt", "--out", "{w}/out/t.bin", phrases="not found",
+        id="prepare-missing-input"),
+    cmd("data", "prepare", "{w}/adir", "--out", "{w}/out/t.bin", phrases="is a directory",
+        id="prepare-directory-input"),
+    cmd("data", "prepare", "{w}/doc.txt", "--tokenizer", "{w}/doc.txt", "--out",
+        "{w}/out/t.bin", phrases="is not a tokenizers JSON file", id="prepare-bad-tokenizer"),
+    cmd("data", "prepare", "{w}/doc.txt", "--tokenizer", "{w}/nope.json", "--out",
+        "{w}/out/t.bin", phrases="--tokenizer", id="prepare-missing-tokenizer"),
+    cmd("data", "prepare", "{w}/doc.txt", "--vocab-size", "-5", "--out", "{w}/out/t.bin",
+        phrases="--vocab-size -5 must be between 257", id="prepare-vocab-negative"),
+    cmd("data", "prepare", "{w}/doc.txt", "--vocab-size", "0", "--out", "{w}/out/t.bin",
+        phrases="--vocab-size 0 must be between", id="prepare-vocab-0"),
+    cmd("data", "prepare", "{w}/doc.txt", "--out", "{w}/adir", phrases="is a directory",
+        id="prepare-out-directory"),
+    cmd("data", "prepare", "{w}/doc.txt", "--out", "{w}/afile/t.bin",
+        phrases="is a file, not a directory", id="prepare-out-under-a-file"),
+    cmd("data", "prepare", "{w}/corpus.json", "--out", "{w}/corpus.bin",
+        phrases="is also an input", id="prepare-out-is-input", unchanged=("corpus.json",)),
+    cmd("data", "prepare", "{w}/doc.txt", "--out", "{w}/good.bin", "--vocab-size", "-1",
+        phrases="--vocab-size -1", id="prepare-keeps-existing-out", unchanged=("good.bin",)),
+    # ---- plait simulate -------------------------------------------------------------
+    cmd("simulate", "--forward", "-1", phrases="--forward -1.0 is a duration",
+        id="sim-forward-negative"),
+    cmd("simulate", "--forward", "nan", phrases="--forward nan", id="sim-forward-nan"),
+    cmd("simulate", "--p2p", "inf", phrases="--p2p inf", id="sim-p2p-inf"),
+    cmd("simulate", "--forward", "0", "--backward-input", "0", "--backward-weight", "0",
+        phrases="nothing to simulate", id="sim-all-zero"),
+    cmd("simulate", "--virtual-stages", "0", phrases="--virtual-stages 0 must be between",
+        id="sim-virtual-stages-0"),
+    cmd("simulate", "--pp", "0", phrases="--pp 0 must be between 1", id="sim-pp-0"),
+    cmd("simulate", "--microbatches", "0", phrases="--microbatches 0", id="sim-m-0"),
+    cmd("simulate", "--pp", "100000", phrases="between 1 and 512", id="sim-pp-huge"),
+    cmd("simulate", "--pp", "512", "--microbatches", "20000",
+        phrases="past what the simulator lays out", id="sim-actions-huge"),
+    cmd("simulate", "--png", "{w}/afile/t.png", phrases="is a file, not a directory",
+        id="sim-png-unwritable"),
+    cmd("simulate", "--png", "{w}/adir", phrases="is a directory", id="sim-png-directory"),
+    cmd("simulate", "--load", "{w}/nope.txt", phrases="no such file", id="sim-load-missing"),
+    cmd("simulate", "--load", "{w}/binary.bin", phrases="is binary", id="sim-load-binary"),
+    cmd("simulate", "--load", "{w}/doc.txt", phrases="must start with", id="sim-load-junk"),
+    cmd("simulate", "--load", "{w}/huge.sched", phrases="pp=100000000 must be between",
+        id="sim-load-huge"),
+    cmd("simulate", "--load", "{w}/nopp.sched", phrases="not a schedule saved by --save",
+        id="sim-load-no-pp"),
+    cmd("simulate", "--load", "{w}/doc.txt", "--save", "{w}/doc.txt",
+        phrases="is also an input", id="sim-save-is-load", unchanged=("doc.txt",)),
+    # ---- plait plan -----------------------------------------------------------------
+    cmd("plan", "--model", "tiny", "--gpus", "99999999999", "--global-batch", "8",
+        phrases="at most 16,777,216", id="plan-gpus-huge"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", str(10**12),
+        phrases="--global-batch 1000000000000 is past what the planner enumerates",
+        id="plan-batch-huge"),
+    cmd("plan", "--model", "llama3-8b", "--gpus", "1048576", "--global-batch", "1048576",
+        "--top", "1", phrases="layouts considered", code=0, id="plan-huge-but-allowed",
+        limit_s=60.0),
+    cmd("plan", "--model", "tiny", "--gpus", "0", "--global-batch", "8",
+        phrases="--gpus 0 must be >= 1", id="plan-gpus-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--hbm-gb", "-3",
+        phrases="--hbm-gb -3.0 must be a finite number > 0", id="plan-hbm-negative"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--hbm-gb", "nan",
+        phrases="--hbm-gb nan", id="plan-hbm-nan"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--peak-tflops",
+        "inf", phrases="--peak-tflops inf", id="plan-tflops-inf"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--layout", "",
+        phrases="--layout is empty", id="plan-layout-empty"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--layout",
+        "tp=8,tp=8", phrases="gives tp twice", id="plan-layout-duplicate"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--layout", "tp=0",
+        phrases="N >= 1", id="plan-layout-zero"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--layout", "xx=2",
+        phrases="--layout item 'xx=2'", id="plan-layout-unknown-dim"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--mem-limit", "1.5",
+        phrases="(0, 1]", id="plan-mem-limit-high"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--mem-limit", "0",
+        phrases="(0, 1]", id="plan-mem-limit-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--top", "0",
+        phrases="--top 0 must be >= 1", id="plan-top-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--microbatch", "0",
+        phrases="--microbatch 0 must be >= 1", id="plan-microbatch-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--virtual-stages",
+        "0", phrases="--virtual-stages 0 must be >= 1", id="plan-virtual-stages-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--plot", "{w}/adir",
+        phrases="is a directory", id="plan-plot-directory"),
+    cmd("plan", "--model", "nope", "--gpus", "8", "--global-batch", "8",
+        phrases="unknown model preset 'nope'", id="plan-model-unknown"),
+    cmd("plan", "--model", "tiny", "--gpu", "nope", "--gpus", "8", "--global-batch", "8",
+        phrases="unknown GPU preset", id="plan-gpu-unknown"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", phrases="give --global-batch",
+        id="plan-no-batch"),
+    cmd("plan", "--model", "tiny", "--global-batch", "8", phrases="required: --gpus",
+        id="plan-no-gpus"),
+    # ---- plait report ---------------------------------------------------------------
+    cmd("report", "--metrics", "{w}/binary.bin", phrases="is binary", id="report-binary"),
+    cmd("report", "--metrics", "{w}/nope.jsonl", phrases="No such file", id="report-missing"),
+    cmd("report", "--metrics", "{w}/adir", phrases="is a directory", id="report-directory"),
+    cmd("report", "--metrics", "{w}/doc.txt", phrases="line 1 is not JSON",
+        id="report-not-json"),
+    cmd("report", "--metrics", "{w}/corrupt.json", phrases="line 1 is not JSON",
+        id="report-truncated-json"),
+    cmd("report", "--metrics", "{w}/listmeta.json", phrases="not a metrics row",
+        id="report-not-rows"),
+    cmd("report", "--metrics", "{w}/empty.txt", phrases="holds no step rows",
+        id="report-empty"),
+    cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--dp", "8",
+        phrases=("records the run's configuration", "--override-config"),
+        id="report-flags-would-replace-config"),
+    cmd("report", "--metrics", "{w}/noconfig.jsonl", phrases="has no config",
+        id="report-no-config"),
+    cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--override-config", "--tp", "3",
+        phrases="tp=3 does not divide", id="report-override-bad-config"),
+    # ---- the command itself ---------------------------------------------------------
+    cmd(phrases="required: command", id="no-command"),
+    cmd("nope", phrases="invalid choice", id="unknown-command"),
+]
+
+
+def _write_world(w: Path) -> None:
+    """The inputs every case reads: good and broken token files, configs, texts."""
+    good = token_file()
+    for suffix in (".bin", ".json"):
+        (w / f"good{suffix}").write_bytes(good.with_suffix(suffix).read_bytes())
+    (w / "adir").mkdir()
+    (w / "afile").write_text("a file, not a directory\n")
+    (w / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    (w / "doc.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    (w / "corpus.json").write_text("text that happens to end in .json\n" * 50)
+    (w / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 20)
+    (w / "empty.txt").write_text("")
+    (w / "malformed.toml").write_text("[train\nsteps = 3\n")
+    (w / "steps-float.toml").write_text("[train]\nsteps = 3.5\n")
+    (w / "lr-string.toml").write_text('[train]\nlr = "fast"\n')
+    (w / "lr-nan.toml").write_text("[train]\nlr = nan\n")
+    (w / "sp-int.toml").write_text("[parallel]\nsp = 3\n")
+    (w / "unknown-table.toml").write_text("[foo]\nx = 1\n")
+    (w / "good.toml").write_text('model = "tiny"\n[train]\nsteps = 2\n')
+    for name, meta in (("corrupt", '{"dtype": "uint16", "num_'), ("listmeta", "[1, 2]"),
+                       ("strcount", '{"dtype": "uint16", "num_tokens": "many"}')):
+        (w / f"{name}.bin").write_bytes(np.arange(4000, dtype=np.uint16).tobytes())
+        (w / f"{name}.json").write_text(meta)
+    write_token_file(w / "empty.bin", np.zeros(0, dtype=np.int64), 256)
+    truncated = write_token_file(w / "truncated.bin", np.arange(4000) % 256, 256)
+    truncated.write_bytes(truncated.read_bytes()[:1001])
+    write_token_file(w / "wide.bin", np.arange(5000) % 1000, 1000)
+    (w / "huge.sched").write_text("schedule,x,pp=100000000,microbatches=4\nstage_to_rank,0\n")
+    (w / "nopp.sched").write_text("schedule,x,microbatches=4\nstage_to_rank,0,1\n")
+    summary = {"summary": True, "layout": "dp=2 x pp=1 x cp=1 x tp=1",
+               "config": Config().to_dict()}
+    step = {"step": 0, "loss": 5.0}
+    (w / PRECIOUS).write_text(json.dumps(step) + "\n" + json.dumps(summary) + "\n")
+    (w / "noconfig.jsonl").write_text(json.dumps(step) + "\n" + json.dumps({"summary": True})
+                                      + "\n")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    w = tmp_path_factory.mktemp("world")
+    _write_world(w)
+    return w
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under root, with its bytes (None for a directory)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """plait's exit status and its stderr + stdout, run in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.err + out.out
+
+
+def test_refused_demo_creates_nothing_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, text = run_main(["demo", "--nproc", "0", "--data-dir", str(tmp_path / "c")], capsys)
+    assert code == 2 and "--nproc 0" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_table_is_large_and_covers_every_subcommand():
+    assert len(CASES) >= 60
+    assert len({c.id for c in CASES}) == len(CASES)
+    commands = {c.argv[0] for c in CASES if c.argv}
+    assert {"train", "demo", "data", "simulate", "plan", "report"} <= commands
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, world: Path, capsys):
+    argv = [a.format(w=world, data=world / "good.bin") for a in case.argv]
+    before = snapshot(world)
+    start = time.monotonic()
+    code, text = run_main(argv, capsys)  # an exception escaping here is a traceback
+    took = time.monotonic() - start
+    assert code == case.code, text
+    for phrase in case.phrases:
+        assert phrase in text, f"{phrase!r} not in:\n{text}"
+    assert "Traceback" not in text
+    after = snapshot(world)
+    for name in case.unchanged:
+        assert after.get(name) == before[name], f"{name} changed"
+    assert after == before, "a refused command wrote files: " + ", ".join(
+        sorted(set(after) ^ set(before)) or [k for k in after if after[k] != before.get(k)])
+    assert took < case.limit_s, f"took {took:.1f} s (limit {case.limit_s} s)"
+
+
+def plait(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["train", "--data", "{data}", "--lr", "nan"], "expected a finite number"),
+    (["train", "--data", "{data}", "--config", "{w}/malformed.toml"], "is not valid TOML"),
+    (["simulate", "--load", "{w}/binary.bin"], "is binary"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--layout", ""],
+     "--layout is empty"),
+])
+def test_bad_input_through_the_real_entry_point(world, args, phrase):
+    """What a shell sees: status 2, the phrase on stderr, no traceback."""
+    r = plait(*[a.format(w=world, data=world / "good.bin") for a in args])
+    assert r.returncode == 2, r.stderr
+    assert phrase in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_debug_shows_the_traceback(world, capsys):
+    code, text = run_main(["train", "--data", str(world / "corrupt.bin"), "--debug"], capsys)
+    assert code == 2 and "not readable token-file metadata" in text
+    code, text = run_main(["report", "--metrics", str(world / "binary.bin"), "--debug"],
+                          capsys)
+    assert code == 2
+
+
+def test_version(capsys):
+    code, text = run_main(["--version"], capsys)
+    assert code == 0 and text.startswith("plait ")
+
+
+def test_every_flag_has_help():
+    """Each subcommand's every option says what it does (defaults are in the text)."""
+    from plait.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    parsers = dict(sub.choices)
+    data = parsers.pop("data")
+    parsers["data prepare"] = next(a for a in data._actions if a.dest == "data_command"
+                                   ).choices["prepare"]
+    missing = [f"{name} {a.option_strings[0]}" for name, p in parsers.items()
+               for a in p._actions if a.option_strings and not a.help]
+    assert not missing, missing

@@ -1,0 +1,103 @@
+"""A stopped run stops everywhere (issue 10): SIGINT, SIGTERM or SIGHUP to `plait train`,
+a signal to one rank, or the launcher killed outright, and within seconds no process of
+the run is left: found by a marker unique to the test in every command line (the metrics
+path travels to torchrun and to each rank). The metrics so far stay in NAME.partial;
+NAME itself is only ever a complete run's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import token_file
+
+from plait.launch import STOP_GRACE_S
+
+LONG_RUN = ("--nproc", "2", "--dp", "2", "--set", "model.vocab_size=256", "--seq-len", "32",
+            "--global-batch", "8", "--steps", "100000", "--quiet")
+
+
+def processes_with(marker: str) -> set[int]:
+    """Live processes whose command line holds `marker` (zombies have none)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def start_run(tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """A long two-rank run, returned once its first step is on disk."""
+    marker = f"plait-stop-{uuid.uuid4().hex[:12]}"
+    metrics = tmp_path / f"{marker}.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--data",
+                             str(token_file()), *LONG_RUN, "--metrics-out", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = metrics.with_name(metrics.name + ".partial")
+    deadline = time.monotonic() + 180
+    while not (partial.exists() and partial.read_text().count("\n") >= 1):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before its first step: {proc.communicate()}")
+        assert time.monotonic() < deadline, "no step within 180 s"
+        time.sleep(0.2)
+    assert len(processes_with(marker)) >= 4  # launcher, torchrun, two ranks
+    return proc, marker, metrics
+
+
+def assert_all_gone(marker: str, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_with(marker), f"orphans: {processes_with(marker)}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=lambda s: s.name)
+def test_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
+    proc, marker, metrics = start_run(tmp_path)
+    proc.send_signal(sig)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=STOP_GRACE_S + 30)
+    took = time.monotonic() - start
+    assert proc.returncode == 128 + sig, err
+    assert took < STOP_GRACE_S, f"took {took:.1f} s to stop"
+    assert_all_gone(marker)
+    assert f"plait: stopped by {sig.name} after " in err and " of 100000 steps" in err, err
+    assert "Traceback" not in err, err
+    partial = metrics.with_name(metrics.name + ".partial")
+    assert not metrics.exists() and partial.exists()  # NAME: complete runs only
+    assert f"kept in {partial}" in err
+
+
+def test_signal_to_one_rank_stops_the_run(tmp_path):
+    proc, marker, _ = start_run(tmp_path)
+    ranks = [p for p in processes_with(marker)
+             if b"plait.train" in Path(f"/proc/{p}/cmdline").read_bytes()
+             and b"_torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 2
+    os.kill(max(ranks), signal.SIGTERM)
+    _, err = proc.communicate(timeout=STOP_GRACE_S + 30)
+    assert proc.returncode != 0, err
+    assert_all_gone(marker)
+    assert "Traceback" not in err, err
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    """SIGKILL cannot be caught: the kernel's parent-death signal takes the tree down."""
+    proc, marker, _ = start_run(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert_all_gone(marker, within_s=STOP_GRACE_S + 5)
