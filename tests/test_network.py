@@ -51,7 +51,8 @@ def test_plait_train_listens_on_loopback_only(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (out.exists() and out.read_text().count("\n") >= 2):  # training: all up
+        partial = out.with_name(out.name + ".partial")  # streamed there until the end
+        while not (partial.exists() and partial.read_text().count("\n") >= 2):  # all up
             assert job.poll() is None, job.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the job did not start training in 120 s"
             time.sleep(0.2)
