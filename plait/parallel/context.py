@@ -299,15 +299,16 @@ class _RingAttention(Function):
         scale = q.shape[-1] ** -0.5
         kv = torch.stack([k, v]).contiguous()
         out, lse = _ring_forward(ring, q.float(), kv, scale)
+        out = out.to(q.dtype)  # kept in the compute dtype, as a flash kernel keeps it
         ctx.save_for_backward(q, kv, out, lse)
         ctx.ring, ctx.scale = ring, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out, lse, dout.float().contiguous(),
-                                 ctx.scale)
+        dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out.float(), lse,
+                                 dout.float().contiguous(), ctx.scale)
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None
 
 
