@@ -30,7 +30,7 @@ LAYERS = [
     ("package", ["plait"]),  # plait/__init__.py (empty); a module matching no longer prefix
     ("model", ["plait.model"]),
     ("schedule", [f"plait.parallel.pipeline.{m}" for m in SCHEDULE_MODULES]),
-    ("config", ["plait.config"]),
+    ("config", ["plait.config", "plait.config_checks"]),
     ("device", ["plait.device"]),  # where a rank computes: torch only
     ("ledger", ["plait.comm.ledger"]),  # the mesh carries the rank's ledger
     ("mesh", ["plait.mesh"]),

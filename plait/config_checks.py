@@ -1,0 +1,215 @@
+"""The steps of `Config.validate()`: each returns its problems, each naming the fix.
+
+A module of their own so that plait/config.py stays one readable file; the order in which
+`validate` calls them is the order the problems are shown.
+"""
+
+from __future__ import annotations
+
+from plait.config import DIMS, Config
+from plait.parallel.pipeline.registry import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    natural_virtual_stages,
+    validate_schedule_request,
+)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
+    """The layout against the world, and the parallel settings' own ranges."""
+    p = cfg.parallel
+    checks = [
+        (world_size is not None and p.world_size != world_size,
+         f"layout dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} does not "
+         f"match the world size {world_size}; change the layout or launch "
+         f"{p.world_size} ranks (--nproc {p.world_size})"),
+        (sorted(p.order) != sorted(DIMS),
+         f"parallel.order={','.join(p.order)} must name each of {', '.join(DIMS)} once"),
+        (p.zero not in (0, 1, 2, 3),
+         f"parallel.zero={p.zero} is not a ZeRO stage; use 0, 1, 2 or 3"),
+        (p.data_parallel not in ("naive", "bucketed"),
+         f"parallel.data_parallel={p.data_parallel!r}; use 'naive' or 'bucketed'"),
+        (p.bucket_mb <= 0, f"parallel.bucket_mb={p.bucket_mb} must be > 0"),
+        (p.schedule not in SCHEDULES,
+         f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}"),
+        (p.gpus_per_node < 1, f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1"),
+        (p.virtual_stages is not None and p.virtual_stages < 1,
+         f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (leave it out for "
+         "the schedule's own)"),
+    ]
+    return [problem for broken, problem in checks if broken]
+
+def model_problems(cfg: Config) -> list[str]:
+    """The model's own shape: heads, head dim."""
+    problems: list[str] = []
+    m = cfg.model
+    if m.n_heads % m.n_kv_heads:
+        problems.append(
+            f"model.n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}; use one "
+            f"of {_divisors(m.n_heads)}"
+        )
+    if m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not a multiple of n_heads={m.n_heads}")
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(f"head dim {m.dim // m.n_heads} must be even for RoPE")
+    return problems
+
+def tensor_parallel_problems(cfg: Config) -> list[str]:
+    """Shapes tp must divide (plait/parallel/tensor.py), and sequence parallel."""
+    problems: list[str] = []
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp > 1:
+        for what, n in (("n_heads", m.n_heads), ("dim", m.dim), ("ffn_dim", m.ffn_dim)):
+            if n % p.tp:
+                problems.append(
+                    f"tp={p.tp} does not divide model.{what}={n}; use tp in {_divisors(n)}")
+        if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
+            problems.append(
+                f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
+                f"tp divides them and replicated when they divide tp; use tp in "
+                f"{_divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
+    if p.sp and p.tp == 1:
+        problems.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
+                        "--tp > 1 or drop --sp")
+    elif p.sp and t.seq_len % p.tp:
+        problems.append(
+            f"sequence parallel splits train.seq_len={t.seq_len} over tp={p.tp}; use a "
+            f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
+    return problems
+
+def context_parallel_problems(cfg: Config) -> list[str]:
+    """The cp mode and layout, and the sequence cp (and SP within it) must split."""
+    p, t = cfg.parallel, cfg.train
+    chunks = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
+    checks = [
+        (p.cp_mode not in ("ring", "allgather"),
+         f"parallel.cp_mode={p.cp_mode!r}; use 'ring' or 'allgather'"),
+        (p.cp_layout not in ("zigzag", "contiguous"),
+         f"parallel.cp_layout={p.cp_layout!r}; use 'zigzag' or 'contiguous'"),
+        (p.cp > 1 and t.seq_len % chunks,
+         f"cp={p.cp} ({p.cp_layout}) cuts train.seq_len={t.seq_len} into {chunks} equal "
+         f"chunks; use a seq_len that is a multiple of {chunks} (e.g. "
+         f"{max(t.seq_len - t.seq_len % chunks, chunks)})"),
+        (p.cp > 1 and p.sp and t.seq_len % chunks == 0 and (t.seq_len // p.cp) % p.tp,
+         f"sequence parallel splits each cp rank's {t.seq_len // max(p.cp, 1)} tokens over "
+         f"tp={p.tp}; use a seq_len that is a multiple of {chunks * p.tp}"),
+    ]
+    return [problem for broken, problem in checks if broken]
+
+def pipeline_problems(cfg: Config) -> list[str]:
+    """For pp > 1: the schedule's requests (the registry's rules), the layer split, and
+    the combinations not built with a pipeline."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.pp > m.n_layers:
+        return [f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
+                f"pp <= {m.n_layers}"]
+    if p.pp == 1 or p.schedule not in SCHEDULES:
+        return []
+    spec = SCHEDULES[p.schedule]
+    v = natural_virtual_stages(p.schedule, p.virtual_stages)
+    problems = validate_schedule_request(p.schedule, p.pp, cfg.microbatches(), v,
+                                         n_layers=m.n_layers)
+    if spec.chains > 1 and p.zero:
+        problems.append(f"zero={p.zero} with schedule {p.schedule} (two model copies "
+                        "whose gradients are summed) is not supported yet; use zero=0 or "
+                        "schedule dualpipev")
+    if m.tie_embeddings:
+        problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
+                        "sit on different stages; set model.tie_embeddings=false")
+    if t.recompute != "none" and spec.split_backward:
+        whole_b = " / ".join(n for n, s in SCHEDULES.items() if not s.split_backward)
+        problems.append(f"train.recompute={t.recompute} with schedule {p.schedule} (I/W "
+                        "split) is not supported; use train.recompute=none or schedule "
+                        f"{whole_b}")
+    return problems
+
+def unbuilt_problems(cfg: Config) -> list[str]:
+    """Strategies and combinations not built yet: refused, never silently ignored."""
+    problems: list[str] = []
+    m, p = cfg.model, cfg.parallel
+    if m.n_experts:
+        problems.append(f"model has {m.n_experts} experts: MoE blocks are not built yet; "
+                        "use a dense model (n_experts=0)")
+    if p.ep > 1:
+        problems.append(f"parallel.ep={p.ep}: ep is not implemented in this build yet; "
+                        "use ep=1 (data parallel is available)")
+    if p.zero > 0 and m.tie_embeddings:
+        problems.append("ZeRO shards each parameter within one module: set "
+                        "model.tie_embeddings=false, or zero=0")
+    if p.zero >= 2 and p.pp > 1:
+        problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
+                        "gradients across micro-batches; use zero=0 or 1 with pp")
+    return problems
+
+def batch_problems(cfg: Config) -> list[str]:
+    """Batch arithmetic: the global batch is set once, everything else derives from it."""
+    p, t = cfg.parallel, cfg.train
+    if t.global_batch < 1:
+        return [f"train.global_batch={t.global_batch} must be >= 1"]
+    if t.global_batch % p.dp:
+        return [f"train.global_batch={t.global_batch} is not divisible by dp={p.dp}; use "
+                f"a multiple of {p.dp}"]
+    problems: list[str] = []
+    per_replica = t.global_batch // p.dp
+    if p.microbatches is not None and p.microbatches < 1:
+        problems.append(f"parallel.microbatches={p.microbatches} must be >= 1")
+    elif p.microbatches is not None and per_replica % p.microbatches:
+        problems.append(
+            f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
+            f"{p.dp}) do not split into {p.microbatches} micro-batches; use one of "
+            f"{_divisors(per_replica)}"
+        )
+    if t.micro_batch_size is None:
+        return problems
+    if t.micro_batch_size < 1 or per_replica % t.micro_batch_size:
+        problems.append(
+            f"train.micro_batch_size={t.micro_batch_size} does not divide the "
+            f"{per_replica} sequences per replica; use one of {_divisors(per_replica)}"
+        )
+    elif p.microbatches is not None and p.microbatches * t.micro_batch_size != per_replica:
+        problems.append(
+            f"parallel.microbatches={p.microbatches} and train.micro_batch_size="
+            f"{t.micro_batch_size} disagree ({per_replica} sequences per replica); "
+            "set only one of them"
+        )
+    return problems
+
+def train_problems(cfg: Config) -> list[str]:
+    """The training settings' own ranges (sequence, steps, precision, optimizer, LR)."""
+    m, t = cfg.model, cfg.train
+    checks = [
+        (t.seq_len < 1, f"train.seq_len={t.seq_len} must be >= 1"),
+        (t.seq_len >= 1 and t.seq_len > m.max_seq_len,
+         f"train.seq_len={t.seq_len} is longer than the model's max_seq_len="
+         f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
+         "model.max_seq_len"),
+        (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
+        (t.precision not in ("fp32", "bf16"),
+         f"train.precision={t.precision!r}; use 'fp32' or 'bf16'"),
+        (t.recompute not in ("none", "full"),
+         f"train.recompute={t.recompute!r}; use 'none' or 'full'"),
+        (t.lr <= 0, f"train.lr={t.lr} must be > 0"),
+        (t.grad_clip < 0,
+         f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)"),
+        (t.optimizer not in ("adamw", "sgd"),
+         f"train.optimizer={t.optimizer!r}; use 'adamw' or 'sgd'"),
+        (t.optimizer == "sgd" and bool(t.weight_decay),
+         f"train.optimizer='sgd' has no weight decay; set train.weight_decay=0 (it is "
+         f"{t.weight_decay})"),
+        (not 0 <= t.min_lr_ratio <= 1,
+         f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]"),
+        (t.warmup_steps < 0, f"train.warmup_steps={t.warmup_steps} must be >= 0"),
+        (t.weight_decay < 0, f"train.weight_decay={t.weight_decay} must be >= 0"),
+        (not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1),
+         f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1)"),
+        (t.eps <= 0, f"train.eps={t.eps} must be > 0"),
+        (t.memory_step < -1 or t.memory_step >= t.steps,
+         f"train.memory_step={t.memory_step} is not a step of this run; use 0 to "
+         f"{t.steps - 1}, or -1 for none"),
+    ]
+    return [problem for broken, problem in checks if broken]
+

@@ -1,0 +1,127 @@
+"""The communication inside a layout's step, as the planner models it: tensor-parallel
+collectives per layer, context parallel's ring K/V and expert parallel's all-to-all with
+the part of each not hidden behind compute, and the pipeline's sends. `evaluate`
+(plait/plan/estimate.py) builds the step from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan import comm
+from plait.plan.compute import Efficiency, Num
+from plait.plan.hardware import Cluster
+from plait.plan.shape import Shape
+
+if TYPE_CHECKING:
+    from plait.plan.estimate import Layout, _Basis
+
+TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
+
+
+@dataclass
+class LayerComm:
+    """The collectives inside a layer (tp, cp, ep) and their exposed time per layer."""
+
+    colls: list[comm.Collective]
+    t_ar: Num  # one tp all-reduce (or all-gather + reduce-scatter pair)
+    tp_count: Num  # tp collectives per step on one rank
+    cp_exp_f: Num
+    cp_exp_b: Num
+    ep_exp_f: Num
+    ep_exp_b: Num
+
+
+def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
+                b: _Basis) -> LayerComm:
+    colls: list[comm.Collective] = []
+    gpu, gpn = cluster.gpu, cluster.gpus_per_node
+    tp_intra = comm.intra_node(1, b.tp, gpn)
+    bw, al = comm.link(gpu, tp_intra, eff.link_efficiency)
+    s_tp = b.tokens * shape.hidden * b.e
+    t_ar, tree = comm.all_reduce(s_tp, b.tp, bw, al)
+    n_tp_bwd = 2 + (2 if lay.recompute == "full" else 0)
+    tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
+    if np.any(b.tp > 1):
+        op = "all-gather + reduce-scatter" if lay.sp else "all-reduce"
+        colls.append(comm.Collective("tp", op, s_tp, tp_count, b.tp, tp_intra, t_ar,
+                                     tp_count * t_ar, "none: on the critical path",
+                                     "ring" if not np.any(tree) else "tree/ring"))
+    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode)
+    ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls)
+    return LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
+
+
+def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+                 colls: list[comm.Collective], mode: str = "ring") -> tuple[Num, Num]:
+    """Exposed (forward, backward) K/V time per layer; appends cp's collective. Ring: the
+    local K/V chunk hops cp-1 times forward, K/V and dK/dV 2(cp-1) times backward, each
+    hop hidden behind a block's compute; all-gather: K/V gathered forward, dK/dV
+    reduce-scattered backward, not overlapped (plait/parallel/context.py)."""
+    cp_intra = comm.intra_node(b.tp, b.cp, cluster.gpus_per_node)
+    bw, al = comm.link(cluster.gpu, cp_intra, eff.link_efficiency)
+    s_kv = 2 * b.tokens * shape.kv_dim * b.e / b.tp
+    if mode == "allgather":
+        t_ag = comm.gather_like(b.cp * s_kv, b.cp, bw, al)
+        if np.any(b.cp > 1):
+            n = 2 * b.rank_layers * b.m
+            colls.append(comm.Collective("cp", "all-gather K/V + reduce-scatter dK/dV",
+                                         b.cp * s_kv, n, b.cp, cp_intra, t_ag,
+                                         n * t_ag, "none: before and after attention"))
+        return t_ag, t_ag
+    t_kv = np.where(b.cp > 1, (b.cp - 1) * comm.p2p(s_kv, bw, al), 0.0)
+    cp_exp_f = np.maximum(t_kv - b.lt.attn_fwd, 0)
+    cp_exp_b = np.maximum(2 * t_kv - 2 * b.lt.attn_fwd, 0)
+    if np.any(b.cp > 1):
+        n = 3 * (b.cp - 1) * b.rank_layers * b.m
+        colls.append(comm.Collective("cp", "p2p (ring K/V)", s_kv, n, b.cp, cp_intra,
+                                     comm.p2p(s_kv, bw, al), (cp_exp_f + cp_exp_b)
+                                     * b.rank_layers * b.m, "attention core compute"))
+    return cp_exp_f, cp_exp_b
+
+
+def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+                 colls: list[comm.Collective]) -> tuple[Num, Num]:
+    """Exposed (forward, backward) expert all-to-all time per layer (0 for a dense
+    model); appends ep's collective."""
+    if not shape.moe:
+        return 0.0, 0.0
+    tp, cp, pp, ep = b.tp, b.cp, b.pp, b.ep
+    span = np.where(ep <= cp, tp * ep, tp * cp * pp * ep / cp)
+    ep_intra = span <= cluster.gpus_per_node
+    bw, al = comm.link(cluster.gpu, ep_intra, eff.link_efficiency)
+    s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / tp
+    t_a2a = comm.gather_like(s_a2a, ep, bw, al)
+    if schedule_spec(b.sched).pairs_forward_with_backward and np.all(pp > 1):
+        ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
+        ep_exp_b = np.maximum(2 * t_a2a - 2 * b.lt.forward, 0)
+        how = "the other micro-batch's compute (DualPipe)"
+    else:
+        ep_exp_f, ep_exp_b = 2 * t_a2a, 2 * t_a2a
+        how = "none: on the critical path"
+    if np.any(ep > 1):
+        n = 4 * b.rank_layers * b.m
+        colls.append(comm.Collective("ep", "all-to-all", s_a2a, n, ep, ep_intra, t_a2a,
+                                     (ep_exp_f + ep_exp_b) * b.rank_layers * b.m, how))
+    return ep_exp_f, ep_exp_b
+
+
+
+def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+            colls: list[comm.Collective]) -> Num:
+    """One pipeline send's time (0 without a pipeline); appends pp's collective."""
+    pp_intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
+    bw, al = comm.link(cluster.gpu, pp_intra, eff.link_efficiency)
+    # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank
+    # (Narayanan et al. 2021, sec. 4.1), with or without SP
+    s_pp = b.tokens * shape.hidden * b.e / b.tp
+    t_pp = np.where(b.pp > 1, comm.p2p(s_pp, bw, al), 0.0)
+    if np.any(b.pp > 1):
+        n = 2 * b.m * b.cpr
+        colls.append(comm.Collective("pp", "p2p", s_pp, n, 2, pp_intra, t_pp, 0.0,
+                                     "inside the pipeline timeline (simulated)"))
+    return t_pp
