@@ -43,7 +43,12 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from plait.device.network import bound_store, loopback_interface, transport_env
+from plait.device.network import (
+    bound_store,
+    loopback_interface,
+    process_tree,
+    transport_env,
+)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 10.0  # ranks stop at their next Python instruction: well within this
@@ -105,22 +110,7 @@ def raise_on_stop_signals() -> None:
 
 def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (read from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as f:
-                    # the command may hold spaces or parentheses: fields follow the last ')'
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
+    return process_tree(pid)[1:]
 
 
 def kill_tree(pid: int) -> None:
