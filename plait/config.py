@@ -137,7 +137,7 @@ class Config:
 
         return (c.parallel_problems(self, world_size) + c.model_problems(self)
                 + c.tensor_parallel_problems(self) + c.context_parallel_problems(self)
-                + c.pipeline_problems(self) + c.unbuilt_problems(self)
+                + c.pipeline_problems(self) + c.expert_problems(self) + c.unbuilt_problems(self)
                 + c.batch_problems(self) + c.train_problems(self))
 
     def warnings(self) -> list[str]:

@@ -131,12 +131,6 @@ def unbuilt_problems(cfg: Config) -> list[str]:
     """Strategies and combinations not built yet: refused, never silently ignored."""
     problems: list[str] = []
     m, p = cfg.model, cfg.parallel
-    if m.n_experts:
-        problems.append(f"model has {m.n_experts} experts: MoE blocks are not built yet; "
-                        "use a dense model (n_experts=0)")
-    if p.ep > 1:
-        problems.append(f"parallel.ep={p.ep}: ep is not implemented in this build yet; "
-                        "use ep=1 (data parallel is available)")
     if p.zero > 0 and m.tie_embeddings:
         problems.append("ZeRO shards each parameter within one module: set "
                         "model.tie_embeddings=false, or zero=0")
@@ -144,6 +138,54 @@ def unbuilt_problems(cfg: Config) -> list[str]:
         problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
                         "gradients across micro-batches; use zero=0 or 1 with pp")
     return problems
+
+def expert_problems(cfg: Config) -> list[str]:
+    """The MoE block's settings (plait/model/moe.py) and expert parallel's layout
+    (plait/parallel/expert.py): ep is laid over dp x cp."""
+    m, p = cfg.model, cfg.parallel
+    if not m.n_experts:
+        return [f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0, e.g. --model "
+                "tiny-moe); use ep=1"] if p.ep > 1 else []
+    n, k = m.n_experts, m.top_k
+    checks = [
+        (not 1 <= k <= n, f"model.top_k={k} must be between 1 and model.n_experts={n}"),
+        (m.expert_ffn_dim < 1, f"model.expert_ffn_dim={m.expert_ffn_dim} must be >= 1"),
+        (m.router_score not in ("softmax", "sigmoid"),
+         f"model.router_score={m.router_score!r}; use 'softmax' or 'sigmoid'"),
+        (m.aux_loss_coef < 0, f"model.aux_loss_coef={m.aux_loss_coef} must be >= 0"),
+        (m.bias_update_rate < 0,
+         f"model.bias_update_rate={m.bias_update_rate} must be >= 0 (0: no bias balancing)"),
+        (m.capacity_factor is not None and m.capacity_factor <= 0,
+         f"model.capacity_factor={m.capacity_factor} must be > 0, or none for dropless "
+         "routing"),
+        (not 0 <= m.n_dense_layers <= m.n_layers,
+         f"model.n_dense_layers={m.n_dense_layers} must be between 0 and model.n_layers="
+         f"{m.n_layers}"),
+        (n % p.ep != 0, f"parallel.ep={p.ep} does not divide the {n} experts; use one of "
+         f"{_divisors(n)}"),
+        ((p.dp * p.cp) % p.ep != 0, f"parallel.ep={p.ep} does not divide dp*cp={p.dp * p.cp}"
+         " (expert parallel is laid over the data-parallel ranks); use one of "
+         f"{_divisors(p.dp * p.cp)}"),
+        (m.capacity_factor is not None and (p.cp > 1 or (p.sp and p.tp > 1)),
+         "model.capacity_factor drops tokens per whole sequence, which cp > 1 or sequence "
+         "parallel split over ranks; use dropless routing (capacity_factor=none), or cp=1 "
+         "and sp=false"),
+        (m.bias_update_rate > 0 and p.pp > 1 and p.schedule in SCHEDULES
+         and SCHEDULES[p.schedule].chains > 1,
+         f"model.bias_update_rate with schedule {p.schedule} (two copies of each block see "
+         "different micro-batches, their loads are not summed yet); use another schedule"),
+    ]
+    problems = [msg for bad, msg in checks if bad]
+    g, mg = m.route_groups, m.route_max_groups
+    if g or mg:
+        if g < 1 or n % g or not 1 <= mg <= g:
+            problems.append(f"model.route_groups={g} must divide the {n} experts and "
+                            f"model.route_max_groups={mg} be between 1 and it")
+        elif mg * (n // g) < k:
+            problems.append(f"model.route_max_groups={mg} groups of {n // g} experts hold "
+                            f"fewer than top_k={k}; raise route_max_groups")
+    return problems
+
 
 def batch_problems(cfg: Config) -> list[str]:
     """Batch arithmetic: the global batch is set once, everything else derives from it."""

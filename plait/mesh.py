@@ -21,6 +21,10 @@ from plait.device import CPU, Device
 # Product dims with a group of their own: dp x cp is where expert parallel and the
 # data-parallel gradient reduction of context-parallel runs live. Named "a_b".
 PRODUCTS = (("dp", "cp"),)
+# Expert parallel's groups, cut from dp x cp: "ep", consecutive runs of `ep` of its ranks
+# (they hold different experts and exchange tokens), and "edp", the ranks holding the same
+# experts (their expert gradients are summed).
+EXPERT_DIMS = ("ep", "edp")
 
 
 @dataclass
@@ -35,6 +39,7 @@ class ParallelMesh:
     device_mesh: object | None = None
     ledger: Ledger = field(default_factory=Ledger)
     device: Device = CPU  # where this rank allocates and computes (plait/device)
+    ep: int = 1  # expert parallel, laid over dp x cp (see `expert_ranks`)
 
     # ---- construction -----------------------------------------------------------
     @classmethod
@@ -62,6 +67,10 @@ class ParallelMesh:
         for dims in PRODUCTS:
             mesh.group_ranks["_".join(dims)] = mesh.ranks_across(dims)
             mesh.groups["_".join(dims)] = None
+        mesh.ep = parallel.ep
+        for name in EXPERT_DIMS:
+            mesh.group_ranks[name] = mesh.expert_ranks(name)
+            mesh.groups[name] = None
         if world > 1:
             mesh._make_groups()
         return mesh
@@ -92,6 +101,23 @@ class ParallelMesh:
                     group = dist.new_group(list(ranks))
                     if self.rank in ranks:
                         self.groups[name] = group
+        for name in EXPERT_DIMS:
+            self.groups[name] = self._subgroup(name)
+
+    def _subgroup(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of expert dim `name` (None when it is one rank, or the whole
+        dp x cp group when it is all of it)."""
+        mine = self.group_ranks[name]
+        if len(mine) == 1:
+            return None
+        if mine == self.group_ranks["dp_cp"]:
+            return self.groups["dp_cp"]
+        group = None  # collective over the world: every rank makes every group, in order
+        for ranks in sorted({tuple(self.expert_ranks(name, r)) for r in range(self.world_size)}):
+            made = dist.new_group(list(ranks))
+            if self.rank in ranks:
+                group = made
+        return group
 
     # ---- rank arithmetic (pure, so tests and the planner can use it without groups) ----
     def strides(self) -> dict[str, int]:
@@ -119,6 +145,15 @@ class ParallelMesh:
         c = self.coords_of(self.rank if rank is None else rank)
         return sorted(r for r in range(self.world_size)
                       if all(self.coords_of(r)[d] == c[d] for d in self.order if d not in dims))
+
+    def expert_ranks(self, name: str, rank: int | None = None) -> list[int]:
+        """Ranks of expert dim `name` ("ep" or "edp") containing `rank`: with dp x cp's
+        ranks in order and i this rank's position, ep = positions with the same i // ep,
+        edp = those with the same i % ep."""
+        rank = self.rank if rank is None else rank
+        ranks = self.ranks_across(("dp", "cp"), rank)
+        i, e = ranks.index(rank), self.ep
+        return ranks[(i // e) * e:(i // e + 1) * e] if name == "ep" else ranks[i % e::e]
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -156,4 +191,5 @@ class ParallelMesh:
 
     def describe(self) -> str:
         parts = [f"{d}={self.sizes[d]}" for d in reversed(self.order)]
-        return " x ".join(parts) + f" (order innermost first: {','.join(self.order)})"
+        ep = f", ep={self.ep} over dp x cp" if self.ep > 1 else ""
+        return " x ".join(parts) + f" (order innermost first: {','.join(self.order)}{ep})"

@@ -123,5 +123,9 @@ class PlacementTable:
         pl = self.of(p)
         # a product dim ("dp_cp": ZeRO's shards under context parallel) names its parts
         sharded = pl.sharded_dims + tuple(d for s in also_sharded for d in s.split("_"))
-        owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded)
+        owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded
+                    and not ("ep" in sharded and d in ("dp", "cp")))
+        if "ep" in sharded and "edp" not in sharded:
+            # an expert slice: the ep ranks hold different ones, its edp replicas the same
+            owner = owner and mesh.coord("edp") == 0
         return owner and pl.norm_owner

@@ -55,8 +55,10 @@ def test_microbatches_derived_once():
 
 
 def test_unbuilt_strategies_refused_not_ignored():
-    problems = load_config(sets=["parallel.ep=2"]).validate(2)
-    assert any("ep is not implemented" in p for p in problems)
+    problems = load_config(sets=["parallel.ep=2", "parallel.dp=2"]).validate(2)
+    assert any("needs an MoE model" in p for p in problems)  # ep on a dense model
+    assert load_config(overrides={"model_name": "tiny-moe"}, sets=["parallel.dp=2",
+                                                          "parallel.ep=2"]).validate(2) == []
     assert load_config(sets=["parallel.cp=2"]).validate(2) == []  # context parallel runs now
     assert load_config(sets=["parallel.pp=2"]).validate(2) == []  # pipelines run now
     cfg = load_config(sets=["parallel.zero=1"])

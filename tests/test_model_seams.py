@@ -16,6 +16,7 @@ from helpers import config
 from torch import nn
 
 from plait.model import loss as model_loss
+from plait.model.moe import MoE
 from plait.model.presets import PRESETS, ModelConfig
 from plait.model.rope import Positions, RotaryEmbedding, rope_tables
 from plait.model.transformer import (
@@ -157,16 +158,16 @@ def test_rope_cache_is_built_at_materialisation_and_reused():
 # --- MLP factory and auxiliary loss ---------------------------------------------------------
 
 
-def test_make_mlp_is_dense_swiglu_and_refuses_moe():
+def test_make_mlp_is_dense_swiglu_or_moe_by_layer():
     cfg = tiny()
     mlp = make_mlp(cfg)
     assert isinstance(mlp, SwiGLU) and mlp.w1.out_features == cfg.ffn_dim
     assert mlp.aux_loss is None
-    moe = dataclasses.replace(PRESETS["tiny"], n_experts=4, top_k=2, expert_ffn_dim=64)
-    with pytest.raises(ValueError, match="MoE blocks are not built yet"):
-        make_mlp(moe)
-    with pytest.raises(ValueError, match="n_experts=4"):
-        Transformer(moe)
+    moe = dataclasses.replace(PRESETS["tiny"], n_experts=4, top_k=2, expert_ffn_dim=64,
+                              n_layers=3, n_dense_layers=1)
+    assert isinstance(make_mlp(moe, 0), SwiGLU) and isinstance(make_mlp(moe, 1), MoE)
+    kinds = [type(b.mlp).__name__ for b in Transformer(moe).layers]
+    assert kinds == ["SwiGLU", "MoE", "MoE"]  # the first n_dense_layers stay dense
 
 
 class ToyMoE(nn.Module):

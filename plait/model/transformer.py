@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from plait.model.moe import MoE
 from plait.model.presets import ModelConfig
 from plait.model.rope import Positions, RotaryEmbedding, apply_rope
 
@@ -97,27 +98,27 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def make_mlp(cfg: ModelConfig) -> nn.Module:
-    """The block's MLP for `cfg`: SwiGLU of width cfg.ffn_dim while the model is dense.
+def make_mlp(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    """The MLP of block `layer`: SwiGLU of width cfg.ffn_dim when the model is dense or the
+    layer is one of its first `n_dense_layers`, else the MoE block (plait/model/moe.py).
 
     The contract an MLP keeps: forward(x) -> a tensor shaped like x (tensor parallel's
     region hooks wrap exactly that), and an `aux_loss` attribute, None or the scalar
     auxiliary loss of its last forward (a MoE router's load-balancing loss, Fedus et al.
     2022), which `run_blocks` collects.
     """
-    if cfg.n_experts:
-        raise ValueError(f"MoE blocks are not built yet (n_experts={cfg.n_experts}): use a "
-                         "dense preset (model.n_experts=0)")
+    if cfg.n_experts and layer >= cfg.n_dense_layers:
+        return MoE(cfg)
     return SwiGLU(cfg.dim, cfg.ffn_dim)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
 
     def forward(self, x: torch.Tensor, positions: Positions) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions)
@@ -152,7 +153,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -194,7 +195,7 @@ def init_full_param(name: str, shape: torch.Size, cfg: ModelConfig, base_seed: i
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(param_seed(base_seed, name))
     std = cfg.init_std
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std = std / (2 * cfg.n_layers) ** 0.5
     return torch.randn(shape, generator=gen) * std
 
@@ -228,7 +229,12 @@ def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
     for m in module.modules():
         if isinstance(m, RotaryEmbedding):
             m.warm(device)
-    return module.to(dtype)
+    module = module.to(dtype)
+    for m in module.modules():
+        if isinstance(m, MoE):  # its bias and statistics: zero, fp32, on the device
+            m.bias.data = m.bias.data.float()
+            m.reset_state()
+    return module
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",

@@ -33,11 +33,15 @@ class DataParallel:
     """Gradient synchronisation over the mesh's dp dim for the parameters of `model`."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, mode: str = "bucketed",
-                 bucket_mb: float = 25.0, dim: str = "dp"):
+                 bucket_mb: float = 25.0, dim: str = "dp",
+                 params: list[nn.Parameter] | None = None):
+        """`params`: the parameters this sync covers (default: all of `model`'s; expert
+        parallel gives its slices to a sync over "edp")."""
         if mode not in ("naive", "bucketed"):
             raise ValueError(f"data parallel mode {mode!r}; use 'naive' or 'bucketed'")
         self.mesh, self.mode, self.dim = mesh, mode, dim
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = ([p for p in model.parameters() if p.requires_grad] if params is None
+                       else list(params))
         self.sync = True
         self.buckets: list[_Bucket] = []
         self._hooks = []

@@ -15,19 +15,22 @@ The order, and why:
    from the name-seeded init, on `mesh.device`. The split *selects* modules and renames
    nothing, so applying the module swaps below to each stage is the same as applying them
    to the whole model first - and no rank ever holds layers it does not run.
-3. **Tensor + sequence parallel** (`parallel.tp`, `parallel.sp`): module swaps on each stage
+3. **Expert parallel** (`parallel.ep`, MoE models): each MoE block keeps this ep rank's
+   experts (a slice of the stacked weights, an "ep" split in the placement table) and
+   dispatches tokens by all-to-all (plait/parallel/expert.py). Before TP, so that the
+   sequence-parallel gradient hooks land on the slices; every MoE block also gets its
+   balance-loss scale and, where a sequence is split over ranks, its count reduction.
+4. **Tensor + sequence parallel** (`parallel.tp`, `parallel.sp`): module swaps on each stage
    (column/row-parallel linears, vocab-parallel embedding and head, the vocab-parallel
    loss), on the tp group of the stage's pp coordinate; each swapped parameter's split is
    recorded in the placement table.
-4. **Context parallel** (`parallel.cp`, `parallel.cp_mode`, `parallel.cp_layout`): each
+5. **Context parallel** (`parallel.cp`, `parallel.cp_mode`, `parallel.cp_layout`): each
    attention's parameter-free `core` is swapped for ring (or all-gather) attention over
    the cp group (plait/parallel/context.py); it composes with TP because it sees only
    this tp rank's heads, and after the split because a core holds no parameters. This
    rank's token positions come back with the parts (`ParallelModel.positions`): the
    runtime indexes each sequence's inputs and targets with them and RoPE rotates by them.
-   (Expert parallel will swap the MLPs made by `make_mlp` here; validation refuses ep > 1
-   and MoE presets until it exists.)
-5. **Data parallel / ZeRO** (`parallel.dp`, `parallel.zero`, `parallel.data_parallel`): the
+6. **Data parallel / ZeRO** (`parallel.dp`, `parallel.zero`, `parallel.data_parallel`): the
    gradient-sync + optimizer object over the local parameters (`make_optimizer`: replicated
    with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed); over
    dp x cp (the mesh's "dp_cp") when cp > 1, parameters being replicated over cp.
@@ -84,11 +87,28 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config) -> Parallel
     model.recompute = cfg.train.recompute == "full"  # 1. recompute
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
                           placements, model=model, device=mesh.device.torch)
-    _tensor_parallel(pipe, mesh, cfg, placements)  # 3. tp + sp
-    positions = _context_parallel(pipe, mesh, cfg)  # 4. cp
-    optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 5. dp / ZeRO
+    _experts(pipe, mesh, cfg, placements)  # 3. ep (before tp: its hooks see the slices)
+    _tensor_parallel(pipe, mesh, cfg, placements)  # 4. tp + sp
+    positions = _context_parallel(pipe, mesh, cfg)  # 5. cp
+    optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 6. dp / ZeRO
     return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,
                          placements, positions)
+
+
+def _experts(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
+             placements: PlacementTable) -> None:
+    """MoE blocks: the balance loss scaled like the token loss; sequences split over ranks
+    (cp, sp) count their routing together; ep > 1 keeps this rank's experts only."""
+    from plait.parallel.expert import apply_expert_parallel, moe_layers, sequence_counts_over
+
+    p, t = cfg.parallel, cfg.train
+    split = [d for d, on in (("cp", p.cp > 1), ("tp", p.sp and p.tp > 1)) if on]
+    for _, moe in moe_layers(pipe.stages.values()):
+        moe.aux_loss_scale = 1.0 / (t.global_batch * t.seq_len)
+        if split:
+            moe.sequence_counts = sequence_counts_over(mesh, split)
+    if mesh.size("ep") > 1:
+        apply_expert_parallel(pipe.stages.values(), mesh, placements)
 
 
 def _context_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config

@@ -18,6 +18,7 @@ from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
+from plait.parallel.expert import reduce_dim
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.runtime import sum_copy_gradients
 from plait.placement import PlacementTable
@@ -57,18 +58,24 @@ class ReplicatedOptimizer:
         t, p = cfg.train, cfg.parallel
         self.model, self.mesh, self.placements = model, mesh, placements
         self.params = [q for q in model.parameters() if q.requires_grad]
-        self.dp = DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb,
-                               dim=dim)
+        # one sync per reduction dim: expert-parallel slices are summed over "edp"
+        by_dim: dict[str, list[nn.Parameter]] = {}
+        for q in self.params:
+            by_dim.setdefault(reduce_dim(placements, q, dim), []).append(q)
+        self.syncs = [DataParallel(model, mesh, mode=p.data_parallel, bucket_mb=p.bucket_mb,
+                                   dim=d, params=qs) for d, qs in by_dim.items()]
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
                                          kind=t.optimizer)
 
     def before_backward(self, last_microbatch: bool) -> None:
-        self.dp.before_backward(last_microbatch)
+        for sync in self.syncs:
+            sync.before_backward(last_microbatch)
 
     def after_backward(self, last_microbatch: bool) -> None:
         if last_microbatch:
-            self.dp.finish()
+            for sync in self.syncs:
+                sync.finish()
 
     def finish_gradients(self) -> None:
         """Nothing: the last backward's `after_backward` already synced over dp."""
@@ -96,7 +103,8 @@ class ReplicatedOptimizer:
         return {"params": list(self.params),
                 "grads": [q.grad for q in self.params if q.grad is not None],
                 "optimizer": masters + o.exp_avg + o.exp_avg_sq,
-                "comm": [b.flat for b in self.dp.buckets if b.flat is not None]}
+                "comm": [b.flat for sync in self.syncs for b in sync.buckets
+                         if b.flat is not None]}
 
 
 class TwoCopyOptimizer(ReplicatedOptimizer):

@@ -223,6 +223,14 @@ def default_plan(cfg: ModelConfig, sp: bool) -> dict[str, str]:
     if sp:
         plan.update({"layers.*.attn_norm": "sequence", "layers.*.mlp_norm": "sequence",
                      "norm": "sequence"})
+    if cfg.n_experts:  # MoE blocks are replicated over tp (plait/parallel/expert.py)
+        for key in ("layers.*.mlp", "layers.*.mlp.w1", "layers.*.mlp.w3", "layers.*.mlp.w2"):
+            style = plan.pop(key)
+            for i in range(cfg.n_dense_layers):
+                plan[key.replace("*", str(i))] = style
+        if sp:  # each tp rank routes its own sequence chunk: gradients summed over tp
+            plan.update({f"layers.{i}.mlp": "sequence"
+                         for i in range(cfg.n_dense_layers, cfg.n_layers)})
     return plan
 
 

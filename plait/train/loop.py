@@ -21,6 +21,7 @@ from plait.checkpoint import Checkpointing
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
+from plait.parallel.expert import finish_moe_step
 from plait.parallel.optimizer import GradSyncOptimizer
 from plait.parallel.parallelize import DTYPES, ParallelModel, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
@@ -75,6 +76,11 @@ def full_grads(model: torch.nn.Module, optimizer: GradSyncOptimizer, mesh: Paral
 def _by_model_name(model: torch.nn.Module, mesh: ParallelMesh | None,
                    placements: PlacementTable | None, state: dict[str, torch.Tensor]
                    ) -> dict[str, torch.Tensor]:
+    if mesh is not None and mesh.size("ep") > 1:
+        from plait.parallel.expert import gather_expert_state
+        if placements is None:
+            raise ValueError("gathering expert slices needs the run's placements")
+        state = gather_expert_state(model, mesh, placements, state)
     if mesh is not None and mesh.size("tp") > 1:
         from plait.parallel.tensor import gather_full_state
         if placements is None:
@@ -188,6 +194,10 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if not skipped:
         opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
     opt.zero_grad()
+    moe = {}
+    if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
+        moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
+                              update_bias=not skipped)
     # the logged loss is the global-batch mean: sum the partial sums of the last
     # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
     comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
@@ -202,6 +212,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
            "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
            "grad_norm": norm, "lr": lr,
            "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
+    row.update(moe)
     if memory:
         row["memory"] = memory
     if skipped:

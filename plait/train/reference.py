@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import Config
+from plait.model.moe import MoE
 from plait.model.transformer import build_model
 from plait.train.data import GlobalBatches
 
@@ -32,6 +33,8 @@ class Reference:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)  # before clipping
     first_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # step 0, unclipped
+    # MoE models, per step: balance loss, the worst layer's max / mean load, the biases
+    moe: list[dict] = field(default_factory=list)
 
 
 def reference_lr(step: int, cfg: Config) -> float:
@@ -58,12 +61,30 @@ def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
                              lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
 
 
+def _moe_step(moes: list[MoE], update: bool) -> dict:
+    """The step's routing statistics and the auxiliary-loss-free bias update, written from
+    DeepSeek-V3 section 2.1.2 (b_i += gamma * sign(mean load - load_i)), not plait's."""
+    out = {"aux_loss": sum(m.aux_sum for m in moes),
+           "load_max_over_mean": max(float(m.load.max() / m.load.mean()) for m in moes),
+           "dropped_tokens": sum(m.dropped for m in moes)}
+    for m in moes:
+        if update and m.bias_rate > 0:
+            with torch.no_grad():
+                m.bias += m.bias_rate * torch.sign(m.load.mean() - m.load).float()
+        m.reset_stats()
+    out["bias"] = [m.bias.clone() for m in moes]
+    return out
+
+
 def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
     """Loss, grad norm per step, first-step gradients and final parameters, single process."""
     t = cfg.train
     model = build_model(cfg.model, seed=t.seed)
     optim = _optimizer(cfg, model)
     ref = Reference()
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in moes:  # the balance loss, a mean over the batch's tokens like the CE
+        m.aux_loss_scale = 1.0 / (t.global_batch * t.seq_len)
     for step in range(t.steps):
         tokens = batches.rows(step)
         logits = model(tokens[:, :-1])
@@ -81,5 +102,7 @@ def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
         optim.step()
         optim.zero_grad(set_to_none=True)
         ref.losses.append(float(loss.detach()))
+        if moes:
+            ref.moe.append(_moe_step(moes, update=math.isfinite(float(norm))))
     ref.params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return ref

@@ -1,0 +1,181 @@
+"""Expert parallel: each rank of an `ep` group holds n_experts / ep of every MoE layer's
+experts, and tokens travel to their experts and back by all-to-all (Lepikhin et al. 2020,
+GShard; Stanford CS336, lecture 8 (parallelism)).
+
+Where it lives: ep is laid over dp x cp (plait/mesh.py, `expert_ranks`). The ranks of an ep
+group see different tokens and own different experts; the ranks of an "edp" group own the
+same experts, so expert gradients are summed over edp, dense ones over dp (x cp) as
+always (`reduce_dim`, read by the optimizers).
+
+One MoE layer's forward on a rank of an ep group of size E, L = n / E local experts:
+
+    tokens sorted by expert (the MoE block does that)
+    1. counts:  all_to_all of the (E, L) assignment counts -> what each peer will send
+    2. tokens:  all_to_all_single with uneven splits -> every token at its expert's rank,
+                ordered by (source rank, local expert); regrouped expert-major
+    3. experts: one grouped matmul per weight over the local experts
+    4. back:    the reverse all-to-all, in the original order
+Backward is the same all-to-alls reversed (`_AllToAll`). Experts are replicated over tp:
+without sequence parallel every tp rank routes the same tokens (identical gradients, no tp
+reduction); with it each routes its own sequence chunk and MoE gradients are summed over tp
+(the tensor-parallel plan's "sequence" style), counts too for the balance loss.
+
+After each step `finish_moe_step` sums every MoE layer's routing statistics over the
+ranks that saw different tokens, updates the auxiliary-loss-free bias (DeepSeek-V3,
+section 2.1.2: b_i += gamma * sign(mean load - load_i)) and returns the step's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from plait.comm import ops
+from plait.mesh import ParallelMesh
+from plait.model.moe import Experts, MoE
+from plait.placement import PlacementTable, Split
+
+DIM = "ep"
+
+
+def reduce_dim(placements: PlacementTable, p: torch.Tensor, dense_dim: str) -> str:
+    """Where `p`'s gradient is summed over data-parallel ranks: "edp" for an expert-parallel
+    slice, `dense_dim` (dp, or dp_cp under context parallel) for everything else."""
+    return "edp" if placements.of(p).split_on(DIM) is not None else dense_dim
+
+
+class _AllToAll(Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, out_splits, in_splits, tag):
+        ctx.mesh, ctx.splits, ctx.tag = mesh, (out_splits, in_splits), tag
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        ops.all_to_all(out, x.contiguous(), mesh, DIM, out_splits, in_splits, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ops.all_to_all(back, grad.contiguous(), ctx.mesh, DIM, in_splits, out_splits,
+                       tag=ctx.tag + ".grad")
+        return back, None, None, None, None
+
+
+def expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """Row order that regroups rows laid out (source, expert)-major, `counts[source,
+    expert]` rows each, into expert-major order (sources in order within an expert)."""
+    flat = counts.reshape(-1)
+    starts = (flat.cumsum(0) - flat).view_as(counts)
+    lengths, first = counts.t().reshape(-1), starts.t().reshape(-1)
+    seg_start = lengths.cumsum(0) - lengths
+    total = int(lengths.sum())
+    within = torch.arange(total, device=counts.device) - seg_start.repeat_interleave(lengths)
+    return first.repeat_interleave(lengths) + within
+
+
+class AllToAllDispatch:
+    """The MoE block's `dispatch` under expert parallel: token rows (sorted by global
+    expert) to the ranks owning their experts and back."""
+
+    def __init__(self, mesh: ParallelMesh, layer: str):
+        self.mesh, self.tag = mesh, f"ep.{layer}"
+        self.size = mesh.size(DIM)
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        send = counts.view(self.size, -1).contiguous()  # (peer, its local experts)
+        recv = torch.empty_like(send)
+        ops.all_to_all(recv, send, self.mesh, DIM, tag=self.tag + ".counts")
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        arrived = _AllToAll.apply(x, self.mesh, out_splits, in_splits, self.tag)
+        order = expert_major(recv)
+        y = experts(arrived[order], recv.sum(0))
+        back = torch.empty_like(y).index_copy(0, order, y)  # (source, expert)-major again
+        return _AllToAll.apply(back, self.mesh, in_splits, out_splits, self.tag)
+
+
+def moe_layers(stages: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
+    """(name, module) of every MoE block in `stages`, in order."""
+    return [(name, m) for stage in stages for name, m in stage.named_modules()
+            if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(stages: Iterable[nn.Module], mesh: ParallelMesh,
+                          placements: PlacementTable) -> None:
+    """Keep this ep rank's experts of every MoE block (rows [r L, (r+1) L) of each stacked
+    weight, recorded as an "ep" split along axis 0) and give the block the all-to-all."""
+    size, r = mesh.size(DIM), mesh.coord(DIM)
+    for name, moe in moe_layers(stages):
+        ex = moe.experts
+        local = ex.w1.shape[0] // size
+        for pname in ("w1", "w2", "w3"):
+            full = getattr(ex, pname)
+            part = nn.Parameter(full.detach()[r * local:(r + 1) * local].clone())
+            placements.mark_split(part, full, Split(DIM, 0, full.shape[0]), mesh)
+            setattr(ex, pname, part)
+        moe.dispatch = AllToAllDispatch(mesh, name)
+
+
+def gather_expert_state(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable,
+                        state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (this rank's tensors by `model`'s names) with every expert slice all-gathered
+    over ep into the full stacked weight. Collective over ep."""
+    out = dict(state)
+    size = mesh.size(DIM)
+    for name, p in model.named_parameters():
+        if size == 1 or placements.of(p).split_on(DIM) is None or name not in state:
+            continue
+        local = state[name].contiguous()
+        full = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        ops.all_gather(full, local, mesh, DIM, tag="state")
+        out[name] = full
+    return out
+
+
+def token_groups(mesh: ParallelMesh, sp: bool) -> list[str]:
+    """Dims over which ranks see different tokens (their routing statistics add up)."""
+    return ["dp_cp", *(["tp"] if sp else [])]
+
+
+def sequence_counts_over(mesh: ParallelMesh, dims: list[str]):
+    """The MoE block's `sequence_counts` when a sequence is split over `dims` (cp, or tp
+    under sequence parallel): each sequence's expert counts summed over them."""
+    def total(counts: torch.Tensor) -> torch.Tensor:
+        out = counts.clone()
+        for d in dims:
+            ops.all_reduce(out, mesh, d, tag="moe.counts")
+        return out
+    return total
+
+
+def finish_moe_step(stages: Iterable[nn.Module], mesh: ParallelMesh, sp: bool,
+                    update_bias: bool) -> dict:
+    """After a step's backward: each MoE layer's load summed over the token groups, the
+    bias updated (`update_bias`: the step was applied), the statistics reset. Returns the
+    step's metrics: balance loss, max / mean expert load (worst layer), dropped tokens."""
+    layers = moe_layers(stages)  # may be none here (a dense stage) but some elsewhere
+    dev = mesh.device.torch
+    loads = torch.stack([m.load.to(dev) for _, m in layers]) if layers else torch.ones(
+        (1, 1), dtype=torch.float64, device=dev)
+    extra = torch.tensor([sum(m.aux_sum for _, m in layers),
+                          sum(m.dropped for _, m in layers)], dtype=torch.float64, device=dev)
+    for d in token_groups(mesh, sp):
+        ops.all_reduce(loads, mesh, d, tag="moe.load")
+        ops.all_reduce(extra, mesh, d, tag="moe.load")
+    for (_, m), load in zip(layers, loads, strict=True):
+        rate = m.bias_rate
+        if update_bias and rate > 0:
+            with torch.no_grad():
+                step = torch.sign(load.mean() - load).to(m.bias.dtype)
+                m.bias.add_(rate * step)
+        m.reset_stats()
+    # the metrics row is every rank's: other stages hold other layers
+    imbalance = (loads.max(1).values / loads.mean(1).clamp_min(1e-12)).max().reshape(1)
+    ops.all_reduce(extra, mesh, "pp", tag="metrics")
+    ops.all_reduce(imbalance, mesh, "pp", op="max", tag="metrics")
+    return {"moe": {"aux_loss": float(extra[0]), "load_max_over_mean": float(imbalance),
+                    "dropped_tokens": int(extra[1])}}
