@@ -32,6 +32,7 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel.expert import reduce_dim
 from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
 from plait.placement import FlatShard, PlacementTable
 
@@ -39,10 +40,12 @@ from plait.placement import FlatShard, PlacementTable
 class _Unit:
     """One module's parameters as a flat, padded buffer and this rank's shard of it."""
 
-    def __init__(self, index: int, module: nn.Module, prefix: str, n: int, rank: int,
-                 moments: bool = True):
+    def __init__(self, index: int, module: nn.Module, named: list[tuple[str, nn.Parameter]],
+                 dim: str, n: int, rank: int, moments: bool = True):
+        """`named`: the unit's parameters (of `module`) by name; sharded over mesh dim
+        `dim` (n ranks, this one at `rank`)."""
         self.index, self.module = index, module
-        named = [(f"{prefix}{name}", p) for name, p in module.named_parameters()]
+        self.dim, self.n, self.rank = dim, n, rank
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.numel = sum(p.numel() for p in self.params)
@@ -130,8 +133,7 @@ class ZeroOptimizer:
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.kind = kind
-        self.units = [_Unit(i, m, prefix, self.n, self.rank, moments=kind == "adamw")
-                      for i, (prefix, m) in enumerate(zero_units(model))]
+        self.units = self._make_units(model, kind == "adamw")
         covered = sum(len(u.params) for u in self.units)
         if covered != len(list(model.parameters())):
             raise ValueError("ZeRO units must cover every parameter of the model")
@@ -156,24 +158,40 @@ class ZeroOptimizer:
                 u.module.register_forward_pre_hook(partial(self._pre_forward, u))
                 u.module.register_forward_hook(partial(self._post_forward, u))
 
+    def _make_units(self, model: nn.Module, moments: bool) -> list[_Unit]:
+        """One unit per module of `zero_units` and reduction dim: expert-parallel slices
+        are sharded over "edp" (the ranks holding the same experts), the rest over `dim`."""
+        units: list[_Unit] = []
+        for prefix, module in zero_units(model):
+            by_dim: dict[str, list[tuple[str, nn.Parameter]]] = {}
+            for name, p in module.named_parameters():
+                d = reduce_dim(self.placements, p, self.dim)
+                by_dim.setdefault(d, []).append((f"{prefix}{name}", p))
+            for d, named in by_dim.items():
+                units.append(_Unit(len(units), module, named, d, self.mesh.size(d),
+                                   self.mesh.coord(d), moments))
+        return units
+
     # ---- the shard index (zero_index.py): built once, read by checkpoints ---------------
     def _index_shards(self, model: nn.Module) -> None:
         """Each parameter's FlatShard into the placement table, and the index from them."""
         model_names = getattr(model, "model_names", {})  # pipeline stages: the model's names
-        named = []
+        named: dict[str, list] = {}
         for u in self.units:
             for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
                 self.placements.mark_flat_shard(
-                    p, FlatShard(self.dim, u.index, off, p.numel(), u.k))
-                named.append((model_names.get(name, name), p))
+                    p, FlatShard(u.dim, u.index, off, p.numel(), u.k))
+                named.setdefault(u.dim, []).append((model_names.get(name, name), p))
         self.states = STATES if self.kind == "adamw" else ("param", "master")
-        self._index = build_shard_index(named, self.placements, self.n, self.states)
+        self._index = tuple(e for d, group in named.items() for e in build_shard_index(
+            group, self.placements, self.mesh.size(d), self.states))
 
     def shard_index(self, dp_rank: int | None = None) -> list[ShardSlice]:
         """The slices of every parameter and state that dp rank `dp_rank` (None: this one)
         holds, padding excluded; any rank's layout can be asked on every rank."""
-        r = self.rank if dp_rank is None else dp_rank
-        return [e for e in self._index if e.dp_rank == r]
+        if dp_rank is None:  # each entry's own unit says which rank of its dim this is
+            return [e for e in self._index if e.dp_rank == self.units[e.unit].rank]
+        return [e for e in self._index if e.dp_rank == dp_rank]
 
     def shard_tensor(self, unit: int, state: str) -> torch.Tensor:
         """This rank's shard of unit `unit` for `state` (flat; `param`: stage 3's
@@ -188,9 +206,10 @@ class ZeroOptimizer:
     def shard_view(self, entry: ShardSlice) -> torch.Tensor:
         """The live elements of `entry` on this rank (a flat view, no copy; shaped
         `entry.view_shape()` when whole rows)."""
-        if entry.dp_rank != self.rank:
+        mine = self.units[entry.unit].rank
+        if entry.dp_rank != mine:
             raise ValueError(f"{entry.name}: a slice of dp rank {entry.dp_rank}, this is "
-                             f"dp rank {self.rank}")
+                             f"dp rank {mine}")
         flat = self.shard_tensor(entry.unit, entry.state)
         return flat[entry.offset:entry.offset + entry.numel]
 
@@ -201,7 +220,7 @@ class ZeroOptimizer:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         # autograd saved views of `full` from forward; refilling it is not a real mutation
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u.full):
-            u.gather_handle = comm.all_gather(u.full, u.shard, self.mesh, self.dim,
+            u.gather_handle = comm.all_gather(u.full, u.shard, self.mesh, u.dim,
                                               async_op=True, tag=f"params:{u.index}")
 
     def _ensure_gathered(self, u: _Unit) -> None:
@@ -258,7 +277,7 @@ class ZeroOptimizer:
         if self.stage == 3 and u.gathered:
             self._free(u)  # its backward is done
         u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype, device=u.rs_in.device)
-        u.rs_handle = comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, self.dim,
+        u.rs_handle = comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, u.dim,
                                           async_op=True, tag="grads")
         u.ready.clear()
         self._inflight.append(u)
@@ -305,7 +324,7 @@ class ZeroOptimizer:
             if u.grad_shard is None:
                 continue
             for a, b, p in u.segments():
-                if self.placements.counts_in_norm(p, self.mesh, also_sharded=(self.dim,)):
+                if self.placements.counts_in_norm(p, self.mesh, also_sharded=(u.dim,)):
                     total += u.grad_shard[a:b].double().pow(2).sum()
         comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
         return math.sqrt(float(total))
@@ -337,7 +356,7 @@ class ZeroOptimizer:
                 u.shard.copy_(u.master)
             return
         # all units' gathers in flight at once: one wait instead of one per unit
-        handles = [comm.all_gather(u.full, u.master.to(u.full.dtype), self.mesh, self.dim,
+        handles = [comm.all_gather(u.full, u.master.to(u.full.dtype), self.mesh, u.dim,
                                    async_op=True, tag="params") for u in self.units]
         for h in handles:
             h.wait()
@@ -364,8 +383,8 @@ class ZeroOptimizer:
     def _gather_by_name(self, shard_of) -> dict[str, torch.Tensor]:
         out = {}
         for u in self.units:
-            full = torch.empty(u.k * self.n, dtype=torch.float32, device=u.master.device)
-            comm.all_gather(full, shard_of(u), self.mesh, self.dim, tag="state")
+            full = torch.empty(u.k * u.n, dtype=torch.float32, device=u.master.device)
+            comm.all_gather(full, shard_of(u), self.mesh, u.dim, tag="state")
             for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
                 out[name] = full[off:off + p.numel()].view(p.shape).clone()
         return out

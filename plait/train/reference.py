@@ -33,7 +33,8 @@ class Reference:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)  # before clipping
     first_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # step 0, unclipped
-    # MoE models, per step: balance loss, the worst layer's max / mean load, the biases
+    # MoE models, per step: balance loss, the worst layer's max / mean load, dropped
+    # assignments, the biases by name after the step
     moe: list[dict] = field(default_factory=list)
 
 
@@ -61,9 +62,10 @@ def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
                              lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
 
 
-def _moe_step(moes: list[MoE], update: bool) -> dict:
+def _moe_step(by_name: dict[str, MoE], update: bool) -> dict:
     """The step's routing statistics and the auxiliary-loss-free bias update, written from
     DeepSeek-V3 section 2.1.2 (b_i += gamma * sign(mean load - load_i)), not plait's."""
+    moes = list(by_name.values())
     out = {"aux_loss": sum(m.aux_sum for m in moes),
            "load_max_over_mean": max(float(m.load.max() / m.load.mean()) for m in moes),
            "dropped_tokens": sum(m.dropped for m in moes)}
@@ -72,7 +74,7 @@ def _moe_step(moes: list[MoE], update: bool) -> dict:
             with torch.no_grad():
                 m.bias += m.bias_rate * torch.sign(m.load.mean() - m.load).float()
         m.reset_stats()
-    out["bias"] = [m.bias.clone() for m in moes]
+    out["bias"] = {f"{n}.bias": m.bias.clone() for n, m in by_name.items()}
     return out
 
 
@@ -82,8 +84,8 @@ def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
     model = build_model(cfg.model, seed=t.seed)
     optim = _optimizer(cfg, model)
     ref = Reference()
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    for m in moes:  # the balance loss, a mean over the batch's tokens like the CE
+    moes = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    for m in moes.values():  # the balance loss, a mean over the batch's tokens like the CE
         m.aux_loss_scale = 1.0 / (t.global_batch * t.seq_len)
     for step in range(t.steps):
         tokens = batches.rows(step)

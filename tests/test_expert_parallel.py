@@ -1,0 +1,298 @@
+"""MoE and expert parallel: the block against naive per-token maths, parity of every
+composed layout with the single-process reference (losses, norms, gradients, parameters,
+balance loss and the balancing bias at every step), the ledger's all-to-all bytes against
+the formula, and bad input refused before any rank starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import batches_for, config, reference
+
+from plait.config import load_config
+from plait.mesh import ParallelMesh
+from plait.model.moe import MoE
+from plait.model.presets import PRESETS
+from plait.parallel.expert import expert_major, moe_layers
+from plait.testing import assert_parity, run_ranks
+from plait.train.loop import full_state, train
+
+MOE = dataclasses.replace(PRESETS["tiny"], n_experts=8, top_k=2, expert_ffn_dim=32,
+                          n_shared_experts=1, aux_loss_coef=0.01)
+
+
+def _block(**overrides) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(dataclasses.replace(MOE, **overrides))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    moe.reset_state()
+    return moe
+
+
+@torch.no_grad()
+def _naive(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert: the definition, no sorting or grouping."""
+    out = torch.zeros_like(x)
+    ex = moe.experts
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            xt = x[b, t]
+            logits = moe.router.weight.float() @ xt.float()
+            scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
+            ranked = sorted(range(moe.n), key=lambda e: (-float(scores[e] + moe.bias[e]), e))
+            chosen = ranked[:moe.k]
+            gates = scores[chosen]
+            if moe.norm_topk:
+                gates = gates / gates.sum()
+            for g, e in zip(gates, chosen, strict=True):
+                h = F.silu(ex.w1[e] @ xt) * (ex.w3[e] @ xt)
+                out[b, t] += g * (ex.w2[e] @ h)
+            if moe.shared is not None:
+                out[b, t] += moe.shared(xt)
+    return out
+
+
+# ---- the block ---------------------------------------------------------------------------
+
+# fp32: the grouped kernels and the sorted order change only summation order; measured
+# max |diff| 8e-7 of the largest output; a wrong gate, expert or order is O(0.1) of it
+BLOCK_RTOL = 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).detach().abs().max()) <= BLOCK_RTOL * float(b.detach().abs().max())
+
+
+@pytest.mark.parametrize("overrides", [{}, {"router_score": "sigmoid"}, {"norm_topk": False},
+                                       {"n_shared_experts": 0, "top_k": 1}])
+def test_block_equals_the_per_token_definition(overrides):
+    moe = _block(**overrides)
+    x = torch.randn(2, 5, MOE.dim)
+    assert _close(moe(x), _naive(moe, x))
+
+
+def test_grouped_experts_equal_the_loop_over_experts():
+    moe = _block()
+    x = torch.randn(3, 7, MOE.dim, requires_grad=True)
+    grouped = moe(x)
+    g_grouped = torch.autograd.grad(grouped.sum(), [x, moe.experts.w1])
+    moe.experts.grouped = False
+    loop = moe(x)
+    g_loop = torch.autograd.grad(loop.sum(), [x, moe.experts.w1])
+    assert _close(grouped, loop)
+    for a, b in zip(g_grouped, g_loop, strict=True):
+        assert _close(a, b)
+
+
+def test_ties_go_to_the_lowest_expert_and_the_bias_only_selects():
+    moe = _block()
+    scores = torch.full((4, moe.n), 0.125)  # all tied
+    assert moe.select(scores, 1).tolist() == [[0, 1]] * 4
+    moe.bias[5] = 1.0  # the bias picks expert 5 ...
+    assert moe.select(scores, 1)[:, 0].tolist() == [5] * 4
+    x = torch.randn(1, 3, MOE.dim)
+    out = moe(x)  # ... but the gates are the scores, without the bias
+    assert _close(out, _naive(moe, x))
+
+
+def test_node_limited_routing_stays_within_the_allowed_groups():
+    moe = _block(route_groups=4, route_max_groups=1)  # 4 groups of 2 experts, top-2 in 1
+    x = torch.randn(2, 16, MOE.dim)
+    scores = moe.router(x.reshape(-1, MOE.dim)).softmax(-1)
+    chosen = moe.select(scores, 2)
+    assert all(len({e // 2 for e in row}) == 1 for row in chosen.tolist())
+    # the allowed group is the one whose best score (top-k / max_groups = 2) sums highest
+    best = scores.view(-1, 4, 2).sum(-1).argmax(-1)
+    assert (chosen // 2 == best.unsqueeze(1)).all()
+
+
+def test_capacity_keeps_the_first_tokens_of_each_expert_per_sequence():
+    moe = _block(capacity_factor=0.5, n_shared_experts=0)
+    b, s = 2, 12
+    x = torch.randn(b, s, MOE.dim, requires_grad=True)
+    out = moe(x)
+    cap = math.ceil(0.5 * s * moe.k / moe.n)
+    flat = x.detach().reshape(-1, MOE.dim)
+    chosen = moe.select(moe.router(flat).softmax(-1), b).view(b, s, moe.k)
+    kept = torch.zeros(b, s, moe.k, dtype=torch.bool)
+    for i in range(b):
+        seen = [0] * moe.n
+        for t in range(s):
+            for j in range(moe.k):
+                e = int(chosen[i, t, j])
+                kept[i, t, j] = seen[e] < cap
+                seen[e] += 1
+    dropped = int((~kept).sum())
+    assert dropped > 0
+    # a token whose every assignment was dropped passes through as zero (the residual)
+    none_kept = ~kept.any(-1)
+    if none_kept.any():
+        assert float(out.detach()[none_kept].abs().max()) == 0.0
+    out.sum().backward()
+    assert moe.dropped == dropped
+
+
+def test_balance_loss_is_the_sequence_wise_switch_formula():
+    moe = _block()
+    b, s = 3, 10
+    moe.aux_loss_scale = 1.0 / (b * s)
+    x = torch.randn(b, s, MOE.dim)
+    moe(x)
+    flat = x.reshape(-1, MOE.dim)
+    scores = moe.router(flat).softmax(-1).view(b, s, moe.n)
+    chosen = moe.select(scores.reshape(-1, moe.n), b).view(b, s, moe.k)
+    per_seq = []
+    for i in range(b):  # Fedus et al. 2022 eq. 4 per sequence (DeepSeek-V3 eqs. 17-20)
+        f = torch.bincount(chosen[i].reshape(-1), minlength=moe.n) / (moe.k * s)
+        p = scores[i].mean(0)
+        per_seq.append(moe.aux_coef * moe.n * float((f * p).sum()))
+    assert float(moe.aux_loss) == pytest.approx(sum(per_seq) / b, rel=1e-6)
+
+
+def test_expert_major_regroups_source_major_rows():
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # (source, expert)
+    rows = [(src, e) for src in range(2) for e in range(3) for _ in range(int(counts[src, e]))]
+    order = expert_major(counts).tolist()
+    regrouped = [rows[i] for i in order]
+    assert regrouped == sorted(rows, key=lambda r: (r[1], r[0]))
+
+
+# ---- parity with the single-process reference ----------------------------------------------
+
+M = ["model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=64",
+     "model.n_shared_experts=1", "model.aux_loss_coef=0.01", "model.bias_update_rate=0.001",
+     "model.n_layers=4"]
+
+
+def _bias_name(module_name: str) -> str:
+    return re.sub(r"^.*?(layers\.\d+\.mlp)$", r"\1", module_name) + ".bias"
+
+
+def _moe_rank(rank: int, world: int, sets: list[str]) -> dict:
+    cfg = config(*sets).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
+    params = full_state(result.model, result.optimizer, mesh, result.placements)
+    stages = getattr(result.model, "stages", None)
+    stages = stages.values() if stages is not None else [result.model]
+    biases = {_bias_name(n): m.bias.clone() for st in stages for n, m in moe_layers([st])}
+    return {"losses": result.losses, "params": params, "first_grads": result.first_grads,
+            "grad_norms": [m["grad_norm"] for m in result.metrics], "biases": biases,
+            "metrics": result.metrics, "ledger": mesh.ledger.to_dicts()}
+
+
+def _run(*sets: str) -> list[dict]:
+    world = config(*sets).parallel.world_size
+    return run_ranks(_moe_rank, world, list(sets))
+
+
+def _check(outs: list[dict], *model_sets: str, precision: str = "fp32") -> None:
+    ref = reference(*model_sets)
+    run = dict(outs[0])
+    run["params"] = {n: p for o in outs for n, p in o["params"].items()}
+    run["first_grads"] = {n: g for o in outs for n, g in o["first_grads"].items()}
+    assert_parity(run, ref, precision)
+    # the balance loss of every step, summed over layers and ranks, is the reference's;
+    # its relative error is that of the router's inputs (the loss's own, ~1e-7)
+    aux = [m["moe"]["aux_loss"] for m in outs[0]["metrics"]]
+    assert aux == pytest.approx([r["aux_loss"] for r in ref.moe], rel=1e-5)
+    assert all(a > 0 for a in aux)
+    dropped = [m["moe"]["dropped_tokens"] for m in outs[0]["metrics"]]
+    assert dropped == [r["dropped_tokens"] for r in ref.moe]
+    # the bias is a sign step of the load: routing identical => biases identical (==)
+    biases = {n: b for o in outs for n, b in o["biases"].items()}
+    ref_bias = ref.moe[-1]["bias"]
+    assert biases.keys() == ref_bias.keys()
+    for name, b in ref_bias.items():
+        assert torch.equal(biases[name], b), name
+    assert any(b.abs().sum() > 0 for b in ref_bias.values())  # balancing really moved it
+    for other in outs[1:]:  # every rank logs the same metrics
+        assert other["losses"] == outs[0]["losses"]
+
+
+LAYOUTS = [
+    ["parallel.dp=2", "parallel.ep=2"],
+    ["parallel.dp=4", "parallel.ep=4"],
+    ["parallel.dp=4", "parallel.ep=2"],
+    ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"],
+    ["parallel.dp=4", "parallel.ep=4", "parallel.zero=3"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "parallel.microbatches=2"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=1f1b"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=zb-v"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.cp=2"],
+    ["parallel.dp=2", "parallel.ep=2", "train.recompute=full"],
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: ",".join(x.split(".", 1)[1]
+                                                                    for x in s))
+def test_parity(layout):
+    _check(_run(*M, *layout), *M)
+
+
+def test_parity_capacity_dropping_and_sigmoid_node_limited_routing():
+    """Capacity is per sequence, so dropping is layout-independent across dp, ep, pp, tp
+    (without SP); so is node-limited routing (a model property)."""
+    model = [*M, "model.capacity_factor=1.0", "model.router_score=sigmoid",
+             "model.route_groups=4", "model.route_max_groups=2", "model.n_dense_layers=1"]
+    outs = _run(*model, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2")
+    _check(outs, *model)
+    assert sum(m["moe"]["dropped_tokens"] for m in outs[0]["metrics"]) > 0
+
+
+def test_single_process_and_plain_data_parallel():
+    """plait's own step on one rank (and experts replicated over dp) against the reference."""
+    _check(_run(*M), *M)
+    _check(_run(*M, "parallel.dp=2"), *M)
+
+
+# ---- the ledger: every all-to-all with its bytes -------------------------------------------
+
+def test_dispatch_bytes_equal_the_formula():
+    """Dropless routing sends every token k times: each MoE layer's dispatch all-to-all
+    carries exactly b*s*k rows of h fp32 values from each rank (payload), and over an ep
+    group the bytes that leave ranks equal the bytes that arrive."""
+    sets = [*M, "parallel.dp=2", "parallel.ep=2", "train.steps=1"]
+    cfg = config(*sets)
+    outs = _run(*sets)
+    mbs = cfg.micro_batch_size()
+    rows = mbs * cfg.train.seq_len * cfg.model.top_k
+    for o in outs:
+        dispatch = [r for r in o["ledger"] if r["op"] == "all_to_all" and r["dim"] == "ep"
+                    and not r["tag"].endswith((".counts", ".grad"))]
+        # forward: dispatch + combine per layer and micro-batch
+        assert len(dispatch) == 2 * cfg.model.n_layers * cfg.microbatches()
+        assert [r["payload"] for r in dispatch[::2]] == \
+            [rows * cfg.model.dim * 4] * (len(dispatch) // 2)
+    sent = sum(r["sent"] for o in outs for r in o["ledger"] if r["op"] == "all_to_all")
+    got = sum(r["received"] for o in outs for r in o["ledger"] if r["op"] == "all_to_all")
+    assert sent == got > 0
+
+
+# ---- bad input --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sets, phrase", [
+    (["parallel.dp=2", "parallel.ep=2"], "needs an MoE model"),
+    ([*M, "parallel.dp=2", "parallel.ep=3"], "does not divide the 8 experts"),
+    ([*M, "parallel.dp=2", "parallel.ep=4"], "does not divide dp*cp=2"),
+    ([*M, "model.top_k=9"], "top_k=9 must be between 1"),
+    ([*M, "model.capacity_factor=0"], "capacity_factor=0.0 must be > 0"),
+    ([*M, "model.capacity_factor=1", "parallel.cp=2"], "drops tokens per whole sequence"),
+    ([*M, "model.route_groups=3", "model.route_max_groups=1"], "must divide the 8 experts"),
+    ([*M, "model.router_score=relu"], "use 'softmax' or 'sigmoid'"),
+    ([*M, "model.n_dense_layers=9"], "n_dense_layers=9"),
+])
+def test_bad_moe_input_named_at_validation(sets, phrase):
+    cfg = load_config(sets=sets)
+    problems = cfg.validate(cfg.parallel.world_size)
+    assert any(phrase in p for p in problems), problems
+
