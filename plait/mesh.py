@@ -192,4 +192,4 @@ class ParallelMesh:
     def describe(self) -> str:
         parts = [f"{d}={self.sizes[d]}" for d in reversed(self.order)]
         ep = f", ep={self.ep} over dp x cp" if self.ep > 1 else ""
-        return " x ".join(parts) + f" (order innermost first: {','.join(self.order)}{ep})"
+        return " x ".join(parts) + ep + f" (order innermost first: {','.join(self.order)})"

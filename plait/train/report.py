@@ -35,12 +35,22 @@ def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dic
             if row["step"] % every == 0 or row["step"] == total_steps - 1:
                 # stdout, beside the summary (the live bar, on stderr, shows it above itself)
                 print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
-                      f"grad norm {row['grad_norm']:.3f}", flush=True)
+                      f"grad norm {row['grad_norm']:.3f}{_moe_note(row)}", flush=True)
             progress.update(task, advance=1, description=(
                 f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                 f"lr {row['lr']:.2e}"))
 
         yield show
+
+
+def _moe_note(row: dict) -> str:
+    """An MoE step's routing: balance loss, the worst layer's max / mean expert load and
+    dropped assignments (plait/parallel/expert.py, finish_moe_step)."""
+    moe = row.get("moe")
+    if not moe:
+        return ""
+    return (f"  aux {moe['aux_loss']:.4f}  expert load max/mean "
+            f"{moe['load_max_over_mean']:.2f}  dropped {moe['dropped_tokens']}")
 
 
 def _params(summary: dict) -> str:
@@ -67,6 +77,8 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
               # global tokens per second: the global batch's tokens / the mean step time
               ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
               ("step", f"{summary['mean_step_time'] * 1e3:.1f} ms")]
+    if metrics and metrics[-1].get("moe"):  # routing of the last step
+        fields.append(("experts", _moe_note(metrics[-1]).strip()))
     for name, value in fields:  # one field a line: a narrow terminal never splits one
         console.print(f"[bold]{name:<9}[/] {value}", soft_wrap=True, highlight=False)
     table = Table(title="communication per step, rank 0 (ring-algorithm bytes)")
