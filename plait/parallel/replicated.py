@@ -99,7 +99,8 @@ class ReplicatedOptimizer:
 
     def memory_sources(self) -> dict[str, list[torch.Tensor]]:
         o = self.optim
-        masters = [m for m, q in zip(o.master, o.params) if m is not q.data]
+        # fp32: the master is the parameter's own storage, counted once (as a parameter)
+        masters = [m for m, q in zip(o.master, o.params) if m.data_ptr() != q.data_ptr()]
         return {"params": list(self.params),
                 "grads": [q.grad for q in self.params if q.grad is not None],
                 "optimizer": masters + o.exp_avg + o.exp_avg_sq,

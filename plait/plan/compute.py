@@ -45,9 +45,13 @@ def gemm_time(flops: Num, gpu: GPU, eff: Efficiency, peak_scale: float = 1.0) ->
     return flops / (gpu.peak_flops * peak_scale * gemm_eff(flops, eff))
 
 
-def layer_gemms(shape: Shape, tokens: Num, tp: Num) -> list[tuple[str, Num]]:
-    """(name, forward FLOPs) of each weight GEMM of one layer on one rank."""
+def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
+                ) -> list[tuple[str, Num]]:
+    """(name, forward FLOPs) of each weight GEMM of one layer on one rank. An MoE block is
+    replicated over tp (plait/parallel/expert.py): its tokens split `moe_split` ways (tp
+    under sequence parallel, else 1: every tp rank routes them all)."""
     h, t = shape.hidden, np.asarray(tp, dtype=float)
+    ms = np.asarray(moe_split, dtype=float)
     n = np.asarray(tokens, dtype=float)
     if shape.arch == "gpt":
         return [("qkv", 2 * n * h * 3 * h / t), ("out", 2 * n * h * h / t),
@@ -56,10 +60,10 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num) -> list[tuple[str, Num]]:
     if not shape.moe:
         return out + [("mlp", 2 * n * h * 3 * shape.ffn / t)]
     fe = shape.expert_ffn
-    out.append(("router", 2 * n * h * shape.experts))
-    out.append(("routed experts", 2 * n * shape.top_k * 3 * h * fe / t))
+    out.append(("router", 2 * n * h * shape.experts / ms))
+    out.append(("routed experts", 2 * n * shape.top_k * 3 * h * fe / ms))
     if shape.shared_experts:
-        out.append(("shared experts", 2 * n * shape.shared_experts * 3 * h * fe / t))
+        out.append(("shared experts", 2 * n * shape.shared_experts * 3 * h * fe / ms))
     return out
 
 
@@ -105,10 +109,10 @@ class LayerTimes:
 
 
 def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
-                saved_bytes: Num, peak_scale: float = 1.0) -> LayerTimes:
+                saved_bytes: Num, peak_scale: float = 1.0, moe_split: Num = 1) -> LayerTimes:
     """Forward times of one layer; `saved_bytes` is what the layer saves without recompute
     (memory.layer_activations with recompute='none'), the proxy for elementwise traffic."""
-    gemms = layer_gemms(shape, tokens, tp)
+    gemms = layer_gemms(shape, tokens, tp, moe_split)
     g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp)
     # batched per-head GEMMs: efficiency of the whole batch's work

@@ -111,6 +111,7 @@ class _Basis:
     rank_layers: Num
     saved: Num  # bytes one layer saves per micro-batch under the layout's recompute
     lt: LayerTimes  # forward times of one layer per micro-batch
+    moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
 
 
 def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
@@ -129,7 +130,8 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
         saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e),
-        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale))
+        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale,
+                       tp if lay.sp else 1.0), moe_split=tp if lay.sp else 1.0)
 
 
 @dataclass
@@ -197,8 +199,11 @@ class _RankMemory:
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
                  info: dict[str, Any], simulate: bool) -> _RankMemory:
     tp, pp, m, cpr = b.tp, b.pp, b.m, b.cpr
-    dense_l = (shape.attn_params() + shape.dense_mlp_params()) / tp
-    expert_l = shape.expert_params() / (b.ep * tp)
+    # plait replicates an MoE block over tp (plait/parallel/expert.py): its router and
+    # shared experts are whole on every tp rank, its routed experts split over ep only
+    mlp_tp = 1.0 if shape.moe else tp
+    dense_l = shape.attn_params() / tp + shape.dense_mlp_params() / mlp_tp
+    expert_l = shape.expert_params() / b.ep
     dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
     both_ends = schedule_spec(b.sched).head_on_first_rank
     emb, head = shape.embedding_params() / tp, shape.head_params() / tp

@@ -119,7 +119,9 @@ def comm_buffers(shape: Shape, mbs: Num, tp: Num, cp: Num, ep: Num, pp: Num, zer
     total = total + np.where(pp > 1, 2 * act / (tp if sp else 1.0), 0.0)
     total = total + np.where(cp > 1, 2 * 2 * tokens * shape.kv_dim * e / tp, 0.0)
     if shape.moe:
-        total = total + 2 * tokens * shape.top_k * shape.hidden * e / tp
+        # dispatch and combine buffers; the block is replicated over tp, its tokens split
+        # over tp only under SP
+        total = total + 2 * tokens * shape.top_k * shape.hidden * e / (tp if sp else 1.0)
     if zero >= 3:
         total = total + layer_params_rank * (2 * pb + gb)
     return total

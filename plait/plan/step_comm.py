@@ -94,7 +94,7 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
     span = np.where(ep <= cp, tp * ep, tp * cp * pp * ep / cp)
     ep_intra = span <= cluster.gpus_per_node
     bw, al = comm.link(cluster.gpu, ep_intra, eff.link_efficiency)
-    s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / tp
+    s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / b.moe_split
     t_a2a = comm.gather_like(s_a2a, ep, bw, al)
     if schedule_spec(b.sched).pairs_forward_with_backward and np.all(pp > 1):
         ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
