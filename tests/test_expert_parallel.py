@@ -323,8 +323,9 @@ def _states_rank(rank: int, world: int, sets: list[str]) -> dict:
 def test_planner_expert_memory_and_all_to_all_bytes_equal_the_run(layout):
     """The planner's parameters and optimizer states (experts split over ep, the MoE block
     whole on every tp rank) are the run's bytes exactly (but for the norm gains, which the
-    planner takes as tp-split and the run replicates: accounted for below); its all-to-all bytes per step
-    (4 per layer and micro-batch of tokens*k rows) equal the ep group's mean payload:
+    planner takes as tp-split and the run replicates: accounted for below); its all-to-all
+    bytes per step (4 per layer and micro-batch of tokens*k rows) equal the ep group's mean
+    payload:
     what leaves a rank arrives at another, so the mean over ranks is exact."""
     from plait.plan import estimate_config
 
