@@ -81,7 +81,8 @@ def inspect_text(source: Path, check: bool = True) -> str:
               f"  bytes       {total:,} in {len(meta['files'])} file(s)"]
     lines += [f"    rank {f['rank']:>4}  {f['bytes']:>14,}  {name}"
               for name, f in sorted(meta["files"].items())]
-    n_params = sum(math.prod(t["shape"]) for t in meta["tensors"].values())
+    n_params = sum(math.prod(t["shape"]) for t in meta["tensors"].values()
+                   if t.get("kind") != "buffer")
     lines.append(f"  tensors     {len(meta['tensors'])} ({n_params:,} parameters), global "
                  "shapes:")
     lines += [f"    {name:<34} {'x'.join(map(str, t['shape']))}"

@@ -250,7 +250,7 @@ def check_coverage(meta: dict) -> None:
     by = chunks_by_tensor(meta)
     for name, t in meta["tensors"].items():
         shape, n = tuple(t["shape"]), math.prod(t["shape"])
-        for state in meta["optimizer"]["states"]:
+        for state in t.get("states", meta["optimizer"]["states"]):
             runs = [global_runs(shape, tuple(c["box_offset"]), tuple(c["box_shape"]),
                                 c["start"], c["stop"]) for c in by.get((name, state), [])]
             g = np.concatenate([r[0] for r in runs]) if runs else np.zeros(0, np.int64)

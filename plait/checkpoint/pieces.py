@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.mesh import ParallelMesh
+from plait.model.moe import MoE
 from plait.parallel.parallelize import ParallelModel
 from plait.parallel.replicated import ReplicatedOptimizer, TwoCopyOptimizer
 from plait.parallel.zero import ZeroOptimizer
@@ -77,10 +78,28 @@ def pieces(par: ParallelModel, mesh: ParallelMesh, kind: str) -> list[Piece]:
     """Every piece this rank holds of the optimizer's fp32 states."""
     opt = par.optimizer
     if isinstance(opt, ZeroOptimizer):
-        return _zero_pieces(par, mesh)
+        return _zero_pieces(par, mesh) + state_pieces(par, mesh)
     if isinstance(opt, ReplicatedOptimizer):  # TwoCopyOptimizer included
-        return _replicated_pieces(par, mesh, kind)
+        return _replicated_pieces(par, mesh, kind) + state_pieces(par, mesh)
     raise CheckpointError(f"checkpointing {type(opt).__name__} is not supported")
+
+
+def state_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
+    """Training state that is not a parameter: each MoE block's balancing bias (fp32,
+    saved as its `master`), whole on every rank of its stage; written by the rank at
+    coordinate 0 of dp, cp and tp, DualPipe's owned copy only."""
+    model = par.model
+    stages = model.stages.items() if hasattr(model, "stages") else [("0", model)]
+    owned = getattr(model, "owned", None)
+    first = all(mesh.coord(d) == 0 for d in ("dp", "cp", "tp"))
+    out = []
+    for s, stage in stages:
+        for name, m in stage.named_modules():
+            if isinstance(m, MoE):
+                n = m.bias.numel()
+                write = first and (owned is None or int(s) in owned)
+                out.append(Piece(f"{name}.bias", "master", (0,), (n,), 0, n, m.bias, write))
+    return out
 
 
 def named_local(par: ParallelModel) -> list[tuple[str, torch.nn.Parameter, bool]]:

@@ -138,10 +138,9 @@ def read_pieces(path: Path, meta: dict, wanted: list[Piece],
 
 
 def _check_tensors(meta: dict, wanted: list[Piece], path: Path) -> None:
-    states = set(meta["optimizer"]["states"])
     for p in wanted:
         t = meta["tensors"].get(p.name)
-        if t is None or p.state not in states:
+        if t is None or p.state not in t.get("states", meta["optimizer"]["states"]):
             raise CheckpointError(f"{path}: has no {p.name} {p.state}")
         if any(o + s > f for o, s, f in zip(p.box_offset, p.box_shape, t["shape"],
                                             strict=True)) or len(t["shape"]) != len(p.box_shape):

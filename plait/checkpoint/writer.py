@@ -38,6 +38,7 @@ from plait import comm
 from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.model.moe import MoE
 from plait.model.transformer import build_model
 from plait.parallel.parallelize import ParallelModel
 
@@ -237,8 +238,12 @@ def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
         "config": cfg.to_dict(), "progress": {"next_step": step, **progress},
         "optimizer": {"kind": cfg.train.optimizer, "steps": progress["optimizer_steps"],
                       "states": list(states_of(cfg.train.optimizer))},
-        "tensors": {n: {"shape": list(p.shape), "dtype": "float32"}
-                    for n, p in model.named_parameters()},
+        "tensors": {**{n: {"shape": list(p.shape), "dtype": "float32"}
+                       for n, p in model.named_parameters()},
+                    # training state beside the parameters (MoE balancing biases)
+                    **{f"{n}.bias": {"shape": [m.bias.numel()], "dtype": "float32",
+                                     "kind": "buffer", "states": ["master"]}
+                       for n, m in model.named_modules() if isinstance(m, MoE)}},
         "rng": rng, "block_bytes": BLOCK, "files": files, "chunks": chunks,
     }
     check_coverage(meta)
