@@ -40,6 +40,10 @@ DUALPIPE = ("parallel.pp=2", "parallel.schedule=dualpipe", "parallel.microbatche
 TP2 = ("parallel.tp=2",)
 BF16_DP2_Z1 = ("train.precision=bf16", "parallel.dp=2", "parallel.zero=1")
 SGD = ("train.optimizer=sgd", "train.weight_decay=0")  # plain SGD: masters only, no moments
+# MoE with a fast-moving balancing bias: a bias lost on resume changes routing at once
+MOE = ("model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=32",
+       "model.n_shared_experts=1", "model.aux_loss_coef=0.01", "model.bias_update_rate=0.01")
+EP2_Z1 = (*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.zero=1")
 
 
 # the first model built on meta imports torch's reference ops (~10 s a process on a busy
@@ -152,7 +156,7 @@ def test_runs_of_boxes_and_ranges_cover_the_right_elements():
 
 # ---- item 2: exact resume on the same layout ---------------------------------------------
 @pytest.mark.parametrize("sets", [(), DP2_Z2, ("parallel.dp=2", "parallel.zero=3"),
-                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1],
+                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1, EP2_Z1],
                          ids=lambda s: "+".join(s) or "single")
 def test_resume_same_layout_is_bit_identical(sets):
     # bf16 too: the compute parameter is its master cast, after an update and after a load
@@ -191,6 +195,8 @@ PAIRS = [
     (TP2, PP2_TP2_SP),  # 2 -> 4, tp without sp -> with, into a pipeline
     (TP2, ()),  # 2 -> 1
     ((*SGD, *DP2_Z2), (*SGD, *TP2)),  # SGD: no moments saved or needed
+    (EP2_Z1, (*MOE, "parallel.dp=2", "parallel.tp=2")),  # experts over ep -> replicated
+    ((*MOE, "parallel.tp=2"), (*MOE, "parallel.dp=4", "parallel.ep=4", "parallel.zero=3")),
 ]
 
 
