@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from plait.model.presets import ModelConfig
-from plait.model.rope import Positions, RotaryEmbedding, apply_rope
+from plait.model.rope import Positions, RotaryEmbedding, apply_rope, rope_scaling
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +157,8 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len,
+                                    rope_scaling(cfg))
         # recomputation is a runtime choice made by the trainer, not a model property
         self.recompute = False
 
