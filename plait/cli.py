@@ -1,4 +1,5 @@
-"""The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint.
+"""The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint
+| eval | export.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -152,11 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
     from plait.plan import cli as plan_cli
+    from plait.train import eval_cli
 
     simulate_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     report_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
+    eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
     for p in [*sub.choices.values(), prep]:
         if p is not data and not any("--debug" in a.option_strings for a in p._actions):
             p.add_argument("--debug", action="store_true",
@@ -171,6 +174,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return cmd_demo(args)
     if args.command == "data":
         return cmd_data(args)
+    if args.command == "eval":
+        from plait.train.eval_cli import cmd_eval
+
+        return cmd_eval(args, argv[argv.index("eval") + 1:])
     return args.func(args)
 
 

@@ -25,7 +25,7 @@ from .pieces import param_pieces, pieces, publish
 from .reader import candidates, read_pieces
 
 
-def _checkpoint(source: str) -> tuple[Path, dict]:
+def checkpoint_source(source: str) -> tuple[Path, dict]:
     paths, _ = candidates(Path(source).expanduser())
     return paths[0], read_metadata(paths[0])
 
@@ -46,7 +46,7 @@ def initial_model(source: str) -> ModelConfig:
     directory = hf.hf_dir(source)
     if directory is not None:
         return hf.model_config(directory)
-    return checkpoint_model(_checkpoint(source)[1])
+    return checkpoint_model(checkpoint_source(source)[1])
 
 
 def check(source: str, cfg: Config) -> None:
@@ -56,7 +56,7 @@ def check(source: str, cfg: Config) -> None:
     if directory is not None:
         hf.HFWeights(directory, cfg.model).check()
         return
-    path, meta = _checkpoint(source)
+    path, meta = checkpoint_source(source)
     if checkpoint_model(meta) != cfg.model:
         raise CheckpointError(f"--init-from {path}: the checkpoint is of another model than "
                               "this run's; leave model settings to the checkpoint")
@@ -68,7 +68,7 @@ def load_initial(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: st
     if directory is not None:
         hf.load_into(par, mesh, cfg, directory)
         return
-    path, meta = _checkpoint(source)
+    path, meta = checkpoint_source(source)
     wanted = [p for p in pieces(par, mesh, cfg.train.optimizer) if p.state == "master"]
     read_pieces(path, meta, wanted + param_pieces(par, mesh))
     publish(par, 0)
