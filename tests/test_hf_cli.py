@@ -147,3 +147,32 @@ def test_train_command_starts_from_the_hf_model(hf_dir, tmp_path, capsys):
     batches = GlobalBatches(TokenFile.open(token_file()), SEQ, 8, cfg.train.seed, 256)
     theirs = hf_loss(hf_dir, batches.rows(0))
     assert math.isclose(first, theirs, rel_tol=RTOL), (first, theirs)
+
+
+def test_data_prepare_jsonl_with_the_models_tokenizer(tmp_path, capsys):
+    """`--tokenizer hf:DIR` reads DIR/tokenizer.json; each .jsonl line (field `--text-field`)
+    is one document, the model's end-of-sequence id (config.json eos_token_id) after each."""
+    from tokenizers import Tokenizer
+
+    from plait.train.corpus import train_tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    text = tmp_path / "seed.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    train_tokenizer([text], 300).save(str(model / "tokenizer.json"))
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 320,
+                                                   "eos_token_id": 0}))
+    docs = ["the quick fox", "a lazy dog jumps", "over the brown"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"body": d, "id": i}) + "\n"
+                            for i, d in enumerate(docs)))
+    out = tmp_path / "t.bin"
+    code = main(["data", "prepare", str(rows), "--tokenizer", f"hf:{model}", "--text-field",
+                 "body", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    want = [i for d in docs for i in [*tok.encode(d).ids, 0]]
+    data = TokenFile.open(out)
+    assert list(data.tokens) == want
+    assert data.meta["documents"] == 3 and data.meta["end_of_document"] == 0
