@@ -151,11 +151,15 @@ def hf_sets(path: Path, *more: str) -> list[str]:
             f"train.init_from=hf:{path}", "train.steps=1", *more]
 
 
-def _first_loss(rank: int, world: int, sets: list[str]) -> float:
+def _losses(rank: int, world: int, sets: list[str]) -> list[float]:
     cfg = config(*sets).check(world)
     batches = GlobalBatches(TokenFile.open(token_file()), cfg.train.seq_len,
                             cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
-    return train(cfg, ParallelMesh.build(cfg.parallel), batches).losses[0]
+    return train(cfg, ParallelMesh.build(cfg.parallel), batches).losses
+
+
+def _first_loss(rank: int, world: int, sets: list[str]) -> float:
+    return _losses(rank, world, sets)[0]
 
 
 def hf_loss(path: Path, tokens: torch.Tensor) -> float:
@@ -179,16 +183,20 @@ def test_single_process_first_loss_is_transformers(hf_dir):
 
 @pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2",),
                                     ("parallel.dp=2", "parallel.zero=3"),
+                                    ("parallel.dp=2", "parallel.zero=1"),
+                                    ("parallel.tp=4",),  # 2 KV heads held by 2 ranks each
                                     ("parallel.tp=2", "parallel.pp=2")])
 def test_imported_into_a_layout_starts_at_the_same_loss(hf_dir, layout):
-    """Each rank reads only its slices (tp rows or columns, pp layers, ZeRO-3 flat runs);
-    the first loss is the single process's (fp32 parity tolerance, docs/parity.md)."""
-    sets = hf_sets(hf_dir, *layout)
+    """Each rank reads only its slices (tp rows or columns, pp layers, ZeRO flat runs);
+    the first loss is the single process's (fp32 parity tolerance, docs/parity.md), and
+    so is the second: the fp32 masters were loaded too, not only the compute copies."""
+    sets = hf_sets(hf_dir, "train.steps=2", *layout)
     token_file()
-    ref = _first_loss(0, 1, hf_sets(hf_dir))
+    ref = _losses(0, 1, hf_sets(hf_dir, "train.steps=2"))
     world = config(*sets).parallel.world_size
-    losses = run_ranks(_first_loss, world, sets)
-    assert all(math.isclose(x, ref, rel_tol=1e-5) for x in losses), (losses, ref)
+    runs = run_ranks(_losses, world, sets)
+    assert all(math.isclose(x, r, rel_tol=1e-5) for losses in runs
+               for x, r in zip(losses, ref, strict=True)), (runs, ref)
 
 
 def test_shapes_that_disagree_with_the_config_are_refused(hf_dir, tmp_path):

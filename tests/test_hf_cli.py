@@ -96,6 +96,38 @@ def test_eval_command_is_transformers_loss(hf_dir, tmp_path, capsys):
     assert result["sequences"] == EVAL_N and result["tokens"] == EVAL_N * SEQ
     theirs = hf_loss(hf_dir, file_windows(EVAL_N))
     assert math.isclose(result["loss"], theirs, rel_tol=RTOL), (result["loss"], theirs)
+    # two ranks through torchrun (python -m plait.train eval): the same windows, the same loss
+    out2 = tmp_path / "eval-dp2.json"
+    code = main(["eval", "--init-from", f"hf:{hf_dir}", "--data", str(token_file()),
+                 "--seq-len", str(SEQ), "--eval-sequences", str(EVAL_N), "--dp", "2",
+                 "--metrics-out", str(out2)])
+    assert code == 0, capsys.readouterr().err
+    two = json.loads(out2.read_text())
+    assert math.isclose(two["loss"], result["loss"], rel_tol=RTOL), (two, result)
+    assert two["layout"].startswith("dp=2")
+
+
+def test_export_of_a_plait_model_loads_in_transformers(tmp_path):
+    """A model plait initialised itself (no Hugging Face origin: config.json is written by
+    plait, Llama 3 scaling included) loads in transformers with plait's loss. init_std
+    0.3 makes attention sharp enough that the scaling matters (the control at the end:
+    without it the loss moves by ~2e-3, far past the tolerance)."""
+    sets = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=88",
+            "model.max_seq_len=64", "model.rope_scaling_factor=8.0", "model.init_std=0.3",
+            "model.rope_original_max_len=16", "model.rope_theta=500000.0", "train.steps=1",
+            f"train.seq_len={SEQ}"]
+    token_file()
+    run = run_ranks(_train_then_eval, 1, sets, str(tmp_path / "ck"))[0]
+    out, _ = export(run["checkpoint"], f"hf:{tmp_path / 'plait-model'}")
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    theirs = hf_loss(out, file_windows(EVAL_N))
+    assert math.isclose(run["eval"], theirs, rel_tol=RTOL), (run["eval"], theirs)
+    c = json.loads((out / "config.json").read_text())
+    c.update(rope_scaling=None, rope_parameters={"rope_type": "default",
+                                                 "rope_theta": c["rope_theta"]})
+    (out / "config.json").write_text(json.dumps(c))
+    unscaled = hf_loss(out, file_windows(EVAL_N))
+    assert not math.isclose(unscaled, theirs, rel_tol=100 * RTOL), (unscaled, theirs)
 
 
 def _train_then_eval(rank: int, world: int, sets: list[str], root: str) -> dict:
