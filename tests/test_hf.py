@@ -210,3 +210,48 @@ def test_shapes_that_disagree_with_the_config_are_refused(hf_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(c))
     with pytest.raises(HFError, match=r"mlp.gate_proj.weight is \[88, 64\] in the files"):
         HFWeights(bad, model_config(bad)).check()
+
+
+def _elements_read(rank: int, world: int, sets: list[str]) -> dict:
+    """This rank's load, counting every element fetched from the safetensors files."""
+    from plait.checkpoint import hf
+    from plait.checkpoint.pieces import pieces
+    from plait.parallel.parallelize import parallelize
+
+    fetched = [0]
+
+    class Counting:
+        def __init__(self, sl):
+            self.sl = sl
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, index):
+            t = self.sl[index]
+            fetched[0] += t.numel()
+            return t
+
+    original = hf.HFWeights._slice
+    hf.HFWeights._slice = lambda self, name: Counting(original(self, name))
+    cfg = config(*sets).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    par = parallelize(build_model(cfg.model, seed=0, device="meta"), mesh, cfg)
+    hf.load_into(par, mesh, cfg, hf.hf_dir(cfg.train.init_from))
+    held = sum(p.stop - p.start for p in pieces(par, mesh, "adamw") if p.state == "master")
+    return {"fetched": fetched[0], "held": held}
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.pp=2"),
+                                    ("parallel.dp=2", "parallel.zero=3")])
+def test_each_rank_reads_only_its_slices(hf_dir, layout):
+    """What a rank fetches from the files is what it holds (tp x pp: exactly; ZeRO-3: the
+    rows covering its flat run), a fraction of the model: never the whole of it."""
+    sets = hf_sets(hf_dir, *layout)
+    total = model_config(hf_dir).num_params()
+    world = config(*sets).parallel.world_size
+    for r in run_ranks(_elements_read, world, sets):
+        assert r["held"] <= r["fetched"] <= r["held"] + 2 * 256 * 64, r
+        assert r["fetched"] < 0.75 * total, (r, total)
+        if "parallel.tp=2" in layout:
+            assert r["fetched"] == r["held"], r

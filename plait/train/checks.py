@@ -93,6 +93,10 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
     found.problems += config_problems
     found.problems += init_problems(cfg)
     found.warnings = cfg.warnings()
+    if cfg.train.init_from is not None and not cfg.train.data:
+        found.warnings.append(f"--init-from {cfg.train.init_from} without --data: the default "
+                              "corpus is tokenized by plait's own BPE, not the model's "
+                              "tokenizer (plait data prepare --tokenizer hf:DIR)")
     try:  # every local rank has its device
         resolve_device(args.device, local_rank=found.nproc - 1)
     except DeviceError as e:
