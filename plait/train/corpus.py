@@ -24,6 +24,7 @@ DEFAULT_VOCAB = 2048
 DEFAULT_BYTES = 3 * 2**20
 END_OF_TEXT = "<|endoftext|>"
 PROGRESS_EVERY_S = 2.0
+BATCH_DOCS, BATCH_CHARS = 256, 1 << 23  # documents held at once: at most this many, ~8 MB
 
 
 def default_data_dir() -> Path:
@@ -205,14 +206,24 @@ def prepare(out: Path, files: list[Path] | None = None, tokenizer_file: Path | N
     writer = TokenWriter(out, tok.get_vocab_size())
     last, docs = time.monotonic(), 0
     try:
+        pending: list[str] = []  # a bounded batch of documents: encoded in parallel
+
+        def flush() -> None:
+            for enc in tok.encode_batch(pending):
+                writer.append(enc.ids + ([eot] if eot is not None else []))
+            pending.clear()
+
         for i, f in enumerate(files):
             for doc in documents(f, text_field):
-                writer.append(tok.encode(doc).ids + ([eot] if eot is not None else []))
+                pending.append(doc)
                 docs += 1
+                if len(pending) >= BATCH_DOCS or sum(map(len, pending)) > BATCH_CHARS:
+                    flush()
                 if progress is not None and time.monotonic() - last > PROGRESS_EVERY_S:
                     last = time.monotonic()
                     progress(f"{i + 1}/{len(files)} files, {docs:,} documents, "
                              f"{writer.count:,} tokens")
+        flush()
         tok_path = out.with_suffix(".tokenizer.json")
         with atomic_output(tok_path) as tmp:
             tok.save(str(tmp))

@@ -1,5 +1,5 @@
-"""Documents in, tokens out, streamed (`plait data prepare`): memory holds one document and
-one batch of token ids, whatever the corpus's size.
+"""Documents in, tokens out, streamed (`plait data prepare`): memory holds one batch of
+documents and their token ids (plait/train/corpus.py bounds it), whatever the corpus's size.
 
 Inputs: a text file is one document; a `.jsonl` file is one document per line (the string
 in its `text` field, or `--text-field NAME`); a `.parquet` file one per row of that column
