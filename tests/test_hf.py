@@ -96,6 +96,24 @@ def test_logits_equal_transformers(case, tmp_path):
     assert rel_diff(unpermuted, want) > 100 * LOGIT_RTOL  # the permutation matters
 
 
+def test_mistral_without_a_window_is_read(tmp_path):
+    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=88,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=None, rms_norm_eps=1e-5)
+    torch.manual_seed(3)
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        err = rel_diff(plait_model(tmp_path)(tokens), hf(tokens).logits)
+    assert err <= LOGIT_RTOL, err
+
+
 def test_llama3_scaling_matters(tmp_path):
     """The same weights read as unscaled RoPE give other logits: the scaling is applied."""
     hf = make_hf(tmp_path / "m", kv_heads=2, rope=LLAMA3_ROPE)
