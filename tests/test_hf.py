@@ -278,3 +278,11 @@ def test_each_rank_reads_only_its_slices(hf_dir, layout):
         assert r["fetched"] < 0.75 * total, (r, total)
         if "parallel.tp=2" in layout:
             assert r["fetched"] == r["held"], r
+
+
+def test_without_safetensors_the_error_names_the_package(hf_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as if absent
+    with pytest.raises(HFError, match="needs the safetensors package"):
+        HFWeights(hf_dir, model_config(hf_dir))
