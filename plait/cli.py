@@ -1,4 +1,5 @@
-"""The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint.
+"""The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint
+| eval | export.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -85,17 +86,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from plait.train.corpus import DEFAULT_VOCAB, default_token_file, prepare, prepare_problems
+    from plait.train.corpus import (
+        DEFAULT_VOCAB,
+        default_token_file,
+        hf_tokenizer,
+        prepare,
+        prepare_problems,
+    )
 
     out = Path(args.out) if args.out else default_token_file(
         Path(args.data_dir) if args.data_dir else None)
     files = [Path(f) for f in args.files]
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
-    problems = prepare_problems(out, files, tokenizer, args.vocab_size)
+    hf_dir = None
+    if args.tokenizer and args.tokenizer.startswith("hf:"):  # a Hugging Face model's
+        hf_dir = Path(args.tokenizer[3:]).expanduser()
+        tokenizer = hf_dir / "tokenizer.json"
+    problems = prepare_problems(out, files, tokenizer, args.vocab_size, args.text_field, hf_dir)
     if problems:
         return _fail("cannot prepare data:\n" + "\n".join(f"  - {p}" for p in problems))
     vocab = args.vocab_size or DEFAULT_VOCAB
-    path = prepare(out, files=files or None, tokenizer_file=tokenizer, vocab_size=vocab)
+    eot = hf_tokenizer(hf_dir)[1] if hf_dir else None
+    path = prepare(out, files=files or None, tokenizer_file=tokenizer, vocab_size=vocab,
+                   text_field=args.text_field, eot_id=eot,
+                   progress=lambda line: print(f"plait: prepare: {line}", file=sys.stderr))
     meta = json.loads(path.with_suffix(".json").read_text())
     if tokenizer is None and meta["vocab_size"] < vocab:
         print(f"plait: warning: the corpus supports only {meta['vocab_size']} tokens, not the "
@@ -139,11 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="text files -> BPE tokenizer -> token file")
-    prep.add_argument("files", nargs="*", help="text files (default: the Python stdlib)")
+    prep.add_argument("files", nargs="*", help="text, .jsonl or .parquet files (default: the "
+                      "Python stdlib)")
     prep.add_argument("--out", help="token file to write (.bin, with .json and "
                       ".tokenizer.json beside it); default: the default corpus")
     prep.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
-    prep.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
+    prep.add_argument("--tokenizer", help="use this tokenizer.json instead of training one, "
+                      "or hf:DIR: a Hugging Face model's (DIR/tokenizer.json)")
+    prep.add_argument("--text-field", default="text", metavar="NAME",
+                      help=".jsonl / .parquet inputs: the field holding each document's text "
+                      "(default text)")
     prep.add_argument("--vocab-size", type=int, metavar="N",
                       help="BPE vocabulary to train (default 2048)")
 
@@ -152,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
     from plait.plan import cli as plan_cli
+    from plait.train import eval_cli
 
     simulate_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     report_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
+    eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
     for p in [*sub.choices.values(), prep]:
         if p is not data and not any("--debug" in a.option_strings for a in p._actions):
             p.add_argument("--debug", action="store_true",
@@ -171,6 +192,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return cmd_demo(args)
     if args.command == "data":
         return cmd_data(args)
+    if args.command == "eval":
+        from plait.train.eval_cli import cmd_eval
+
+        return cmd_eval(args, argv[argv.index("eval") + 1:])
     return args.func(args)
 
 

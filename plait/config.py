@@ -28,7 +28,12 @@ def _model_range_problems(m: ModelConfig) -> list[str]:
                 for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                              "ffn_dim", "max_seq_len") if getattr(m, name) < 1]
     problems += [f"model.{name}={getattr(m, name)} must be > 0"
-                 for name in ("rope_theta", "norm_eps", "init_std") if getattr(m, name) <= 0]
+                 for name in ("rope_theta", "norm_eps", "init_std", "rope_scaling_factor",
+                              "rope_low_freq_factor", "rope_original_max_len")
+                 if getattr(m, name) <= 0]
+    if m.rope_scaling_factor != 1.0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > "
+                        f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
     return problems + [f"model.{name}={getattr(m, name)} must be >= 0"
                        for name in ("n_experts", "top_k", "expert_ffn_dim", "n_shared_experts")
                        if getattr(m, name) < 0]
@@ -93,6 +98,9 @@ class TrainConfig:
     recompute: str = "none"  # "none" | "full" (per block)
     seed: int = 1234
     data: str | None = None  # token file (.bin with .json beside it); None: default corpus
+    # starting weights: "hf:DIR" (a Hugging Face Llama directory) or a plait checkpoint;
+    # None: the name-seeded init (plait/checkpoint/init_from.py, docs/huggingface.md)
+    init_from: str | None = None
     memory_step: int = -1  # measure memory by category during this step (-1: never)
     # a step whose global grad norm is not finite skips its update; this many in a row
     # stop the run (plait/train/loop.py, docs/checkpoint.md)

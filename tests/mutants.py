@@ -112,8 +112,8 @@ def rope_positions_reversed():
 
     tables = rope.rope_tables
 
-    def reversed_tables(head_dim, seq_len, theta):
-        cos, sin = tables(head_dim, seq_len, theta)
+    def reversed_tables(head_dim, seq_len, theta, scaling=None):
+        cos, sin = tables(head_dim, seq_len, theta, scaling)
         return cos.flip(0), sin.flip(0)  # position i rotated as seq_len - 1 - i
 
     _patch_rope_tables(reversed_tables)

@@ -31,6 +31,12 @@ from plait.train.data import write_token_file
 BASE_FLAGS = ("--set", "model.vocab_size=256", "--seq-len", "32", "--global-batch", "8",
               "--steps", "2")
 PRECIOUS = "precious.jsonl"  # an earlier run's metrics: a failed run must not touch it
+try:  # pyarrow is optional: without it a .parquet input is refused, naming the package
+    import pyarrow  # noqa: F401
+
+    PARQUET_PHRASE = "not a readable parquet file"
+except ImportError:
+    PARQUET_PHRASE = "needs the pyarrow package"
 
 
 @dataclass(frozen=True)
@@ -252,10 +258,84 @@ CASES = [
         id="report-no-config"),
     cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--override-config", "--tp", "3",
         phrases="tp=3 does not divide", id="report-override-bad-config"),
+    # ---- Hugging Face models: train --init-from, eval, export, data prepare -----------
+    train("--init-from", "hf:{w}/gpt2", phrases="'gpt2' is not a Llama-family model",
+          id="hf-not-llama"),
+    train("--init-from", "hf:{w}/qwen2", phrases="q/k/v projection biases", id="hf-qwen2"),
+    train("--init-from", "hf:{w}/biased", phrases="attention_bias=true", id="hf-bias"),
+    train("--init-from", "hf:{w}/window", phrases="sliding_window=16", id="hf-sliding-window"),
+    train("--init-from", "hf:{w}/badshape", phrases="is [40, 32] in the files, config.json "
+          "implies [48, 32]", id="hf-shapes-disagree"),
+    train("--init-from", "hf:{w}/adir", phrases="no config.json", id="hf-no-config"),
+    train("--init-from", "hf:{w}/nope", phrases="no such directory", id="hf-missing-dir"),
+    train("--init-from", "hf:{w}/llama", "--model", "tiny", phrases="give one of them",
+          id="hf-and-model"),
+    train("--init-from", "hf:{w}/llama", "--data", "{w}/bigvocab.bin",
+          phrases="tokenized with a vocabulary of 1000, larger than the model's 256",
+          id="hf-data-vocab-too-large"),
+    cmd("eval", "--data", "{data}", "--seq-len", "32", phrases="name the model to evaluate",
+        id="eval-no-model"),
+    cmd("eval", "--init-from", "hf:{w}/llama", "--data", "{data}", "--seq-len", "32",
+        "--eval-sequences", "7", phrases="is not a multiple of the eval batch",
+        id="eval-sequences-not-multiple"),
+    cmd("eval", "--init-from", "hf:{w}/llama", "--data", "{data}", "--seq-len", "32",
+        "--metrics-out", "{w}/adir", phrases="is a directory", id="eval-metrics-out-dir"),
+    cmd("export", "--from", "hf:{w}/llama", "--to", "{w}/out", phrases="name the output as "
+        "hf:DIR", id="export-to-not-hf"),
+    cmd("export", "--from", "hf:{w}/llama", "--to", "hf:{w}/afile", phrases="not an empty "
+        "directory", id="export-to-existing"),
+    cmd("export", "--from", "hf:{w}/qwen2", "--to", "hf:{w}/out", phrases="q/k/v projection "
+        "biases", id="export-from-qwen2"),
+    cmd("data", "prepare", "{w}/doc.txt", "--tokenizer", "hf:{w}/bigtok", "--out",
+        "{w}/out/t.bin", phrases="more than the model's vocab_size 260",
+        id="prepare-hf-tokenizer-vocab-too-large"),
+    cmd("data", "prepare", "{w}/rows.jsonl", "--text-field", "body", "--out", "{w}/out/t.bin",
+        phrases="has no string field 'body'", id="prepare-jsonl-field"),
+    cmd("data", "prepare", "{w}/table.parquet", "--out", "{w}/out/t.bin",
+        phrases=PARQUET_PHRASE, id="prepare-parquet"),
     # ---- the command itself ---------------------------------------------------------
     cmd(phrases="required: command", id="no-command"),
     cmd("nope", phrases="invalid choice", id="unknown-command"),
 ]
+
+
+HF_CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+             "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _write_hf(d: Path, weights: bool = True, **config) -> None:
+    """A Hugging Face-style directory: config.json and, for HF_CONFIG's shapes, zero
+    weights (written by plait's own safetensors writer: no transformers needed)."""
+    import torch
+
+    from plait.checkpoint.export import write_safetensors
+    from plait.checkpoint.hf import model_config, weight_names
+
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**HF_CONFIG, **config}))
+    if weights:
+        (d / "config.json").write_text(json.dumps(HF_CONFIG))
+        shapes = dict(weight_names(model_config(d)).values())
+        write_safetensors(d / "model.safetensors", shapes, lambda n: torch.zeros(
+            shapes[n], device="cpu"), "fp32", {"format": "pt"})
+        (d / "config.json").write_text(json.dumps({**HF_CONFIG, **config}))
+
+
+def _write_hf_world(w: Path) -> None:
+    from plait.train.corpus import train_tokenizer
+
+    _write_hf(w / "llama")
+    _write_hf(w / "gpt2", weights=False, model_type="gpt2")
+    _write_hf(w / "qwen2", weights=False, model_type="qwen2")
+    _write_hf(w / "biased", weights=False, attention_bias=True)
+    _write_hf(w / "window", model_type="mistral", sliding_window=16)
+    _write_hf(w / "badshape", intermediate_size=48)
+    _write_hf(w / "bigtok", weights=False, vocab_size=260)
+    train_tokenizer([w / "doc.txt"], 400).save(str(w / "bigtok" / "tokenizer.json"))
+    write_token_file(w / "bigvocab.bin", np.arange(5000) % 200, 1000)
+    (w / "rows.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (w / "table.parquet").write_bytes(b"PAR1 not really a parquet file PAR1")
 
 
 def _write_world(w: Path) -> None:
@@ -293,6 +373,7 @@ def _write_world(w: Path) -> None:
     (w / PRECIOUS).write_text(json.dumps(step) + "\n" + json.dumps(summary) + "\n")
     (w / "noconfig.jsonl").write_text(json.dumps(step) + "\n" + json.dumps({"summary": True})
                                       + "\n")
+    _write_hf_world(w)
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +410,7 @@ def test_the_table_is_large_and_covers_every_subcommand():
     assert len(CASES) >= 60
     assert len({c.id for c in CASES}) == len(CASES)
     commands = {c.argv[0] for c in CASES if c.argv}
-    assert {"train", "demo", "data", "simulate", "plan", "report"} <= commands
+    assert {"train", "demo", "data", "simulate", "plan", "report", "eval", "export"} <= commands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -100,29 +101,40 @@ def consolidate(source: Path, out: Path, dtype: str = "fp32") -> tuple[Path, int
     files = {name: VerifiedFile(path / name, e) for name, e in meta["files"].items()}
     for f in files.values():
         f.check_size()
-    tdtype, code = DTYPES[dtype]
     names = sorted(meta["tensors"])
+    shapes = {n: tuple(meta["tensors"][n]["shape"]) for n in names}
+    out = write_safetensors(Path(out), shapes, lambda n: torch.from_numpy(
+        full_tensor(path, meta, n, files=files)), dtype,
+        {"format": "pt", "plait_step": str(meta["step"]), "plait_checkpoint": str(path)})
+    return out, len(names)
+
+
+def write_safetensors(out: Path, shapes: dict[str, tuple[int, ...]],
+                      load: Callable[[str], torch.Tensor], dtype: str,
+                      metadata: dict[str, str]) -> Path:
+    """Tensors `shapes` (name -> shape, in file order) as one safetensors file, each got
+    from `load(name)` and cast to `dtype`, one in memory at a time; via a temporary name."""
+    tdtype, code = DTYPES[dtype]
     width = torch.empty(0, dtype=tdtype, device="cpu").element_size()
     header, offset = {}, 0
-    for n in names:
-        shape = meta["tensors"][n]["shape"]
+    for n, shape in shapes.items():
         size = math.prod(shape) * width
-        header[n] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+        header[n] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    header["__metadata__"] = {"format": "pt", "plait_step": str(meta["step"]),
-                              "plait_checkpoint": str(path)}
+    header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for n in names:  # one tensor in memory at a time
-            t = torch.from_numpy(full_tensor(path, meta, n, files=files)).to(tdtype)
-            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+        for n, shape in shapes.items():
+            t = load(n).to(tdtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{n}: got shape {tuple(t.shape)}, expected {shape}")
+            f.write(memoryview(t.view(torch.uint8).numpy()))
     tmp.replace(out)
-    return out, len(names)
+    return out
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

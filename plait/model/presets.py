@@ -19,6 +19,11 @@ class ModelConfig:
     ffn_dim: int = 176  # SwiGLU hidden width
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # Llama 3.1 RoPE frequency scaling (plait/model/rope.py, Llama3Scaling); factor 1: none
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02

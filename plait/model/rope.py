@@ -8,15 +8,56 @@ reads it for the causal mask, the attention for RoPE.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from plait.model.presets import ModelConfig
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape (seq_len, head_dim/2) (Su et al. 2021)."""
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's RoPE frequency scaling, as in Meta's reference code (llama-models,
+    `apply_scaling`; the Llama 3.1 release, Dubey et al. 2024): with wavelength
+    w_i = 2 pi / f_i, L the original context, lo/hi the low/high frequency factors,
+      w_i < L/hi            f_i kept (high frequencies),
+      w_i > L/lo            f_i / factor (low frequencies),
+      otherwise             (1 - g) f_i / factor + g f_i,  g = (L/w_i - lo) / (hi - lo).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_len: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = self.original_max_len / self.low_freq_factor
+        high_wavelen = self.original_max_len / self.high_freq_factor
+        smooth = ((self.original_max_len / wavelen - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
+        mid = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / self.factor, mid)
+        return torch.where(wavelen < high_wavelen, inv_freq, out)
+
+
+def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | None:
+    """The model's RoPE frequency scaling; None when model.rope_scaling_factor is 1."""
+    if cfg.rope_scaling_factor == 1.0:
+        return None
+    return Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
+                         cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                scaling: Llama3Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of shape (seq_len, head_dim/2) (Su et al. 2021); `scaling`: Llama
+    3.1's frequency scaling (None: the plain frequencies, unchanged)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -71,9 +112,11 @@ class RotaryEmbedding(nn.Module):
     (its rows are bit-identical to a table built for the shorter length).
     """
 
-    def __init__(self, head_dim: int, theta: float, max_len: int):
+    def __init__(self, head_dim: int, theta: float, max_len: int,
+                 scaling: Llama3Scaling | None = None):
         super().__init__()
         self.head_dim, self.theta, self.max_len = head_dim, theta, max_len
+        self.scaling = scaling
         self._tables: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, device: torch.device | str, seq_len: int
@@ -81,7 +124,7 @@ class RotaryEmbedding(nn.Module):
         """The cached (cos, sin) of at least seq_len rows on `device`."""
         key = (_canonical(device), max(seq_len, self.max_len))
         if key not in self._tables:
-            cos, sin = rope_tables(self.head_dim, key[1], self.theta)
+            cos, sin = rope_tables(self.head_dim, key[1], self.theta, self.scaling)
             self._tables[key] = (cos.to(key[0]), sin.to(key[0]))
         return self._tables[key]
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from plait.model.moe import MoE
 from plait.model.presets import ModelConfig
-from plait.model.rope import Positions, RotaryEmbedding, apply_rope
+from plait.model.rope import Positions, RotaryEmbedding, apply_rope, rope_scaling
 
 
 class RMSNorm(nn.Module):
@@ -158,7 +158,8 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len,
+                                    rope_scaling(cfg))
         # recomputation is a runtime choice made by the trainer, not a model property
         self.recompute = False
 

@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # torchrun gone, even by SIGKILL: this rank goes too
     exit_with_parent()
     raise_on_stop_signals()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # a rank of `plait eval` (plait/train/eval_cli.py)
+        from plait.train.eval_cli import rank_main
+
+        return rank_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m plait.train")
     add_train_args(parser)
     args = parser.parse_args(argv)

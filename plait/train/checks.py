@@ -91,7 +91,12 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
     found.nproc = world_size or (nproc if nproc and nproc > 0 else cfg.parallel.world_size)
     config_problems = cfg.validate(world_size=found.nproc)
     found.problems += config_problems
+    found.problems += init_problems(cfg)
     found.warnings = cfg.warnings()
+    if cfg.train.init_from is not None and not cfg.train.data:
+        found.warnings.append(f"--init-from {cfg.train.init_from} without --data: the default "
+                              "corpus is tokenized by plait's own BPE, not the model's "
+                              "tokenizer (plait data prepare --tokenizer hf:DIR)")
     try:  # every local rank has its device
         resolve_device(args.device, local_rank=found.nproc - 1)
     except DeviceError as e:
@@ -114,6 +119,32 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
             TokenFile.open(found.data)
         else:
             check_data(cfg, found.data)
+        found.problems += vocabulary_problems(cfg, found.data)
     except DataError as e:
         found.problems.append(str(e))
     return found
+
+
+def init_problems(cfg: Config) -> list[str]:
+    """--init-from: the weights are there and fit the model (headers, metadata only)."""
+    if cfg.train.init_from is None:
+        return []
+    from plait.checkpoint.format import CheckpointError
+    from plait.checkpoint.init_from import check
+
+    try:
+        check(cfg.train.init_from, cfg)
+    except CheckpointError as e:
+        return [f"--init-from: {e}"]
+    return []
+
+
+def vocabulary_problems(cfg: Config, data: Path) -> list[str]:
+    """A model started from elsewhere has a fixed vocabulary: data tokenized with a
+    larger one is refused even where the first windows happen to fit."""
+    vocab = TokenFile.open(data).meta.get("vocab_size")
+    if cfg.train.init_from is None or not isinstance(vocab, int) or vocab <= cfg.model.vocab_size:
+        return []
+    return [f"{data}: tokenized with a vocabulary of {vocab}, larger than the model's "
+            f"{cfg.model.vocab_size} (--init-from {cfg.train.init_from}); prepare the data "
+            "with the model's tokenizer (plait data prepare --tokenizer hf:DIR)"]

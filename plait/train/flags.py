@@ -7,10 +7,11 @@ train flags reads them from here, not from the `plait` command's module.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from plait.checkpoint.cli import add_checkpoint_args
-from plait.config import Config, load_config
+from plait.config import Config, ConfigError, load_config
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES
 
@@ -25,6 +26,7 @@ TRAIN_FLAGS = {
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "cp_mode": "parallel.cp_mode", "cp_layout": "parallel.cp_layout",
+    "init_from": "train.init_from",
 }
 
 
@@ -54,6 +56,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    "default zigzag) or contiguous slices")
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
+    p.add_argument("--init-from", metavar="hf:DIR|CHECKPOINT", help=_setting_help("init-from")
+                   + "; the model is the source's (docs/huggingface.md)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +92,7 @@ _SETTING_HELP = {
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
     "dtype (fp32 masters either way)", "recompute": "activation recompute per block",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
+    "init-from": "starting weights: a Hugging Face directory hf:DIR or a plait checkpoint",
 }
 
 
@@ -97,13 +102,30 @@ def _setting_help(flag: str) -> str:
     section, _, name = key.partition(".")
     default = getattr(getattr(Config(), section), name)
     shown = "the schedule's own" if default is None and name == "virtual_stages" else (
+        "the name-seeded init" if name == "init_from" else
         "derived" if default is None else default)
     return f"{_SETTING_HELP[flag]} ({key}, default {shown})"
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
-    return load_config(args.config, overrides=overrides, sets=args.set)
+    """Defaults, the TOML file, then (with train.init_from) the source's model, then the
+    flags, then `--set`."""
+    overrides = {key: getattr(args, flag, None) for flag, key in TRAIN_FLAGS.items()}
+    cfg = load_config(args.config, overrides=overrides, sets=args.set)
+    if cfg.train.init_from is None:
+        return cfg
+    from plait.checkpoint.format import CheckpointError
+    from plait.checkpoint.init_from import initial_model
+
+    try:
+        model = initial_model(cfg.train.init_from)
+    except CheckpointError as e:
+        raise ConfigError([f"--init-from: {e}"]) from None
+    if overrides["model_name"] is not None:
+        raise ConfigError([f"--model {overrides['model_name']} and --init-from both name the "
+                           "model; give one of them"])
+    base = {f"model.{k}": v for k, v in dataclasses.asdict(model).items()}
+    return load_config(args.config, overrides={**base, **overrides}, sets=args.set)
 
 
 def resolve_data(cfg: Config, data_dir: str | None) -> Path:

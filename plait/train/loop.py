@@ -18,6 +18,7 @@ import torch
 
 from plait import comm
 from plait.checkpoint import Checkpointing
+from plait.checkpoint.init_from import load_initial
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
@@ -120,6 +121,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
     par = parallelize(plain, mesh, cfg)
     model, opt = par.model, par.optimizer
+    if t.init_from is not None and (checkpoint is None or checkpoint.source() is None):
+        load_initial(par, mesh, cfg, t.init_from)  # this rank's slices; a resume overrides
     if checkpoint is not None:  # every rank reads what it now holds; no step has run
         start_step = checkpoint.restore(par, mesh, cfg, start_step)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)

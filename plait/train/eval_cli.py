@@ -1,0 +1,190 @@
+"""`plait eval --init-from hf:DIR|CHECKPOINT --data FILE --seq-len S [--eval-sequences N]
+[layout flags] [--metrics-out F]` and `plait export --from SRC --to hf:OUT` (the CLI layer:
+tests/test_layering.py).
+
+Every input is checked in this process before any rank starts (exit 2, nothing written).
+One rank evaluates in this process; a layout of more ranks is launched like `plait
+train` (torch.distributed.run, `-m plait.train eval ...`, every listener on loopback),
+and `rank_main` is what each of those ranks runs. Rank 0 prints `loss X perplexity Y`
+and, with --metrics-out, writes the result as JSON (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.checkpoint.format import CheckpointError
+from plait.config import ConfigError
+from plait.device import CHOICES as DEVICE_CHOICES
+from plait.device import DeviceError, resolve_device
+from plait.files import output_problems, write_text_atomic
+from plait.launch import (
+    STOP_GRACE_S,
+    TORCHRUN_COMMAND,
+    LocalLaunch,
+    StopRequested,
+    describe_error,
+    init_rank_process_group,
+    launch_ranks,
+)
+from plait.mesh import ParallelMesh
+from plait.train.data import DataError, TokenFile
+from plait.train.flags import add_config_args, config_from_args
+
+USER_ERRORS = (ConfigError, DataError, DeviceError, CheckpointError)
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--eval-sequences", type=int, metavar="N",
+                   help="windows of seq_len + 1 tokens to evaluate, from the file's start "
+                   "(default: every whole batch of --global-batch windows)")
+    p.add_argument("--metrics-out", help="write the result as JSON here (atomically)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="ranks to launch (default: the layout's dp*pp*cp*tp)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait before the job fails (default 300)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where each rank computes (as plait train)")
+
+
+def add_parsers(sub: Any) -> None:
+    ev = sub.add_parser("eval", help="mean token cross-entropy and perplexity of a model",
+                        description=__doc__.splitlines()[0])
+    add_eval_args(ev)
+    ev.set_defaults(func=None)
+    ex = sub.add_parser("export", help="a checkpoint or hf:DIR as a Hugging Face directory")
+    ex.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT|hf:DIR",
+                    help="a plait checkpoint (or a directory of them: the newest) or hf:DIR")
+    ex.add_argument("--to", dest="target", required=True, metavar="hf:OUT",
+                    help="the directory to create (must not exist, or be empty)")
+    ex.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="dtype of the exported weights (default fp32)")
+    ex.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from plait.checkpoint.hf_export import export
+
+    try:
+        out, n = export(args.source, args.target, args.dtype)
+    except CheckpointError as e:
+        print(f"plait: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote hf:{out}: {n} tensors, {args.dtype}")
+    return 0
+
+
+def eval_inputs(args: argparse.Namespace) -> tuple[Any, int, list[str]]:
+    """(config, world size, problems): every input of `plait eval`, checked at once."""
+    from plait.train.checks import init_problems
+    from plait.train.evaluate import eval_problems
+
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        return None, 0, e.problems
+    world = args.nproc or cfg.parallel.world_size
+    problems = cfg.validate(world_size=world)
+    if args.nproc is not None and args.nproc < 1:
+        problems.append(f"--nproc {args.nproc}: launch at least one rank")
+    if cfg.train.init_from is None:
+        problems.append("--init-from hf:DIR|CHECKPOINT: name the model to evaluate")
+    problems += init_problems(cfg)
+    inputs = []
+    if not cfg.train.data:
+        problems.append("--data FILE.bin: name the token file to evaluate on")
+    else:
+        try:
+            data = TokenFile.open(cfg.train.data)
+            inputs = [data.path, data.path.with_suffix(".json")]
+            if not problems:
+                problems += eval_problems(cfg, data, args.eval_sequences)
+        except DataError as e:
+            problems.append(str(e))
+    if args.metrics_out:
+        problems += output_problems("--metrics-out", args.metrics_out, inputs)
+    try:
+        resolve_device(args.device, local_rank=max(world, 1) - 1)
+    except DeviceError as e:
+        problems.append(str(e))
+    return cfg, world, problems
+
+
+def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg, world, problems = eval_inputs(args)
+    if problems:
+        print("plait: cannot evaluate:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
+    if world == 1:  # one rank: no launcher, no process group
+        return _evaluate_and_report(args, cfg, resolve_device(args.device, 0))
+    rank_args = ["eval", *_without(argv, "--nproc")]
+    launch = LocalLaunch(world, rank_args, timeout_s=args.timeout,
+                         torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
+                         extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
+    return launch_ranks(launch.command, launch.env)
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip or a == flag or a.startswith(flag + "="):
+            skip = a == flag
+            continue
+        out.append(a)
+    return out
+
+
+def _evaluate_and_report(args: argparse.Namespace, cfg: Any, device: Any) -> int:
+    from plait.train.evaluate import evaluate
+
+    mesh = ParallelMesh.build(cfg.parallel, device=device)
+    result = evaluate(cfg, mesh, TokenFile.open(cfg.train.data), args.eval_sequences)
+    if mesh.rank == 0:
+        if args.metrics_out:
+            write_text_atomic(args.metrics_out, json.dumps(result) + "\n")
+        print(f"loss {result['loss']:.6f} perplexity {result['perplexity']:.4f}", flush=True)
+    return 0
+
+
+def rank_main(argv: list[str]) -> int:
+    """One rank of `plait eval` (python -m plait.train eval ...)."""
+    parser = argparse.ArgumentParser(prog="python -m plait.train eval")
+    add_eval_args(parser)
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        device.activate()
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = config_from_args(args).check(world_size=world)
+        if world > 1:
+            init_rank_process_group(device.backend, datetime.timedelta(seconds=args.timeout))
+        try:
+            return _evaluate_and_report(args, cfg, device)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except StopRequested as stop:
+        return 128 + stop.signum
+    except USER_ERRORS as e:
+        if rank == 0:
+            print(f"plait: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"plait: eval rank {rank} failed: {describe_error(e)}", file=sys.stderr)
+        return 1
