@@ -152,7 +152,7 @@ def test_balance_loss_is_the_sequence_wise_switch_formula():
     for i in range(b):  # Fedus et al. 2022 eq. 4 per sequence (DeepSeek-V3 eqs. 17-20)
         f = torch.bincount(chosen[i].reshape(-1), minlength=moe.n) / (moe.k * s)
         p = scores[i].mean(0)
-        per_seq.append(moe.aux_coef * moe.n * float((f * p).sum()))
+        per_seq.append(moe.aux_coef * moe.n * float((f * p).sum().detach()))
     assert float(moe.aux_loss) == pytest.approx(sum(per_seq) / b, rel=1e-6)
 
 
@@ -343,3 +343,25 @@ def test_planner_expert_memory_and_all_to_all_bytes_equal_the_run(layout):
     assert outs[0]["a2a_calls"] == float(ep.count)
     mean = sum(o["a2a_payload"] for o in outs) / len(outs)
     assert mean == pytest.approx(float(ep.size * ep.count), rel=1e-12)
+
+
+@pytest.mark.parametrize("gpus_per_node, inter", [(1, True), (2, None), (4, False)])
+def test_ledger_splits_all_to_all_bytes_by_link(gpus_per_node, inter):
+    """Each all-to-all record says which of its sent bytes left the node: all of them when
+    every rank is a node, none on one node; two nodes of two: exactly the splits sent to
+    the other pair."""
+    sets = [*M, "parallel.dp=4", "parallel.ep=4", "train.steps=1",
+            f"parallel.gpus_per_node={gpus_per_node}"]
+    outs = _run(*sets)
+    for o in outs:
+        a2a = [r for r in o["ledger"] if r["op"] == "all_to_all"]
+        assert a2a and sum(r["sent"] for r in a2a) > 0
+        for r in a2a:
+            if inter is True:
+                assert r["sent_inter"] == r["sent"]
+            elif inter is False:
+                assert r["sent_inter"] == 0
+            else:
+                assert 0 <= r["sent_inter"] <= r["sent"]
+        if inter is None:  # the other node's two ranks get some of every dispatch
+            assert 0 < sum(r["sent_inter"] for r in a2a) < sum(r["sent"] for r in a2a)

@@ -51,6 +51,8 @@ class CommRecord:
     tag: str = ""
     dtype: str = ""
     blocked: float = 0.0  # seconds the issuing rank waited for it (exposed)
+    # of `sent`, the bytes to ranks on other nodes (all_to_all, whose peers mix links)
+    sent_inter: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -75,12 +77,16 @@ class Ledger:
 
     def add(self, op: str, dim: str, group_size: int, payload: int, sent: float,
             received: float, link: str, start: float, tag: str = "", dtype: str = "",
-            end: float | None = None, blocked: float | None = None) -> CommRecord:
-        """`blocked` (default: all of it) is the part of issue..end the rank waited."""
+            end: float | None = None, blocked: float | None = None,
+            sent_inter: float | None = None) -> CommRecord:
+        """`blocked` (default: all of it) is the part of issue..end the rank waited;
+        `sent_inter` (default: all of `sent` on an inter-node link, else none)."""
         end = time.perf_counter() if end is None else end
+        if sent_inter is None:
+            sent_inter = sent if link == "inter" else 0.0
         rec = CommRecord(op, dim, group_size, int(payload), float(sent), float(received), link,
                          start, end, self.step, tag, dtype,
-                         float(end - start if blocked is None else blocked))
+                         float(end - start if blocked is None else blocked), float(sent_inter))
         self.records.append(rec)
         return rec
 
@@ -108,12 +114,13 @@ class Ledger:
         completion), exposed (blocked) and hidden seconds."""
         out: dict[str, dict[str, float]] = defaultdict(
             lambda: {"count": 0, "payload": 0, "sent": 0.0, "received": 0.0, "seconds": 0.0,
-                     "exposed": 0.0, "hidden": 0.0})
+                     "exposed": 0.0, "hidden": 0.0, "sent_inter": 0.0})
         for r in self.for_step(step):
             row = out[f"{r.op}@{r.dim}"]
             row["count"] += 1
             row["payload"] += r.payload
             row["sent"] += r.sent
+            row["sent_inter"] += r.sent_inter
             row["received"] += r.received
             row["seconds"] += r.seconds
             row["exposed"] += r.blocked

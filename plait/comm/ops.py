@@ -109,7 +109,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
-              received: float, tag: str, dtype: torch.dtype, link: str | None = None):
+              received: float, tag: str, dtype: torch.dtype, link: str | None = None,
+              sent_inter: float | None = None):
     start = time.perf_counter()
     n = mesh.size(dim)
 
@@ -118,7 +119,8 @@ def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
         blocked from issue to completion."""
         mesh.ledger.add(op, dim, n, payload, sent, received, link or mesh.link(dim), start,
                         tag=tag, dtype=str(dtype).removeprefix("torch."), end=end,
-                        blocked=end - start if blocked is None else blocked)
+                        blocked=end - start if blocked is None else blocked,
+                        sent_inter=sent_inter)
 
     return record
 
@@ -258,7 +260,13 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, di
     outs = list(output_split_sizes) if output_split_sizes else [output.shape[0] // n] * n
     sent = (sum(ins) - ins[me]) * row_in
     recv = (sum(outs) - outs[me]) * row_out
-    record = _recorder(mesh, "all_to_all", dim, _nbytes(input), sent, recv, tag, input.dtype)
+    # per peer: the splits to ranks on other nodes (what node-limited routing saves)
+    node = mesh.node_of(mesh.rank)
+    peers = mesh.group_ranks.get(dim, list(range(mesh.world_size)))
+    inter = sum(k for k, peer in zip(ins, peers, strict=True)
+                if mesh.node_of(peer) != node) * row_in
+    record = _recorder(mesh, "all_to_all", dim, _nbytes(input), sent, recv, tag, input.dtype,
+                       sent_inter=inter)
     o, i = _Alias(output), _Alias(input)
     return _run(lambda: dist.all_to_all_single(o.tensor, i.tensor, output_split_sizes,
                                                input_split_sizes, group=mesh.group(dim),

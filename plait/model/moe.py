@@ -69,9 +69,10 @@ class Experts(nn.Module):
             return x + 0 * (self.w1.sum() + self.w2.sum() + self.w3.sum()).to(x.dtype)
         if self.grouped and _grouped_mm_ok(x):
             offs = counts.cumsum(0).to(torch.int32)
-            h = F.silu(F.grouped_mm(x, self.w1.transpose(1, 2), offs=offs)) * F.grouped_mm(
-                x, self.w3.transpose(1, 2), offs=offs)
-            return F.grouped_mm(h, self.w2.transpose(1, 2), offs=offs)
+
+            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return _DenseGrad.apply(F.grouped_mm(a, w.transpose(1, 2), offs=offs))
+            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):
             xe = x[start:start + n]
@@ -79,6 +80,19 @@ class Experts(nn.Module):
                                 self.w2[e]))
             start += n
         return torch.cat(out)
+
+
+class _DenseGrad(Function):
+    """Identity whose backward makes the incoming gradient dense: grouped_mm's backward
+    refuses a broadcast one (stride 0, e.g. from `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:

@@ -29,89 +29,12 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel.expert import reduce_dim
 from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
+from plait.parallel.zero_units import _Unit, zero_units
 from plait.placement import FlatShard, PlacementTable
-
-
-class _Unit:
-    """One module's parameters as a flat, padded buffer and this rank's shard of it."""
-
-    def __init__(self, index: int, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 dim: str, n: int, rank: int, moments: bool = True):
-        """`named`: the unit's parameters (of `module`) by name; sharded over mesh dim
-        `dim` (n ranks, this one at `rank`)."""
-        self.index, self.module = index, module
-        self.dim, self.n, self.rank = dim, n, rank
-        self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
-        self.numel = sum(p.numel() for p in self.params)
-        self.k = -(-self.numel // n)  # shard elements
-        self.lo, self.hi = rank * self.k, (rank + 1) * self.k
-        self.offsets = list(_cumulative(p.numel() for p in self.params))
-        dtype, dev = self.params[0].dtype, self.params[0].device
-        self.full = torch.zeros(self.k * n, dtype=dtype, device=dev)
-        for p, off in zip(self.params, self.offsets, strict=True):
-            self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.full[off:off + p.numel()].view_as(p)
-        self.master = self.full[self.lo:self.hi].float().clone()
-        # Adam's moments (SGD keeps none: empty tensors, nothing to count)
-        none = torch.zeros(0, device=dev)
-        self.exp_avg = torch.zeros_like(self.master) if moments else none
-        self.exp_avg_sq = torch.zeros_like(self.master) if moments else none
-        self.shard: torch.Tensor | None = None  # stage 3: the persistent compute-dtype shard
-        self.grad_shard: torch.Tensor | None = None
-        self.gathered = True
-        self.gather_handle: Handle | None = None
-        self.ready: set[int] = set()
-        self.rs_handle: Handle | None = None
-        self.rs_out: torch.Tensor | None = None
-        self.rs_in: torch.Tensor | None = None
-
-    def segments(self) -> list[tuple[int, int, nn.Parameter]]:
-        """(start, end) in shard coordinates of each parameter overlapping this shard."""
-        out = []
-        for p, off in zip(self.params, self.offsets, strict=True):
-            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
-            if a < b:
-                out.append((a - self.lo, b - self.lo, p))
-        return out
-
-    def flat_grad(self, free: bool) -> torch.Tensor:
-        """The unit's gradient as one padded flat tensor (zeros where no gradient came).
-
-        `free` drops the per-parameter gradients (stages 2 and 3); stage 1 keeps them, they
-        are its 2 bytes/parameter of gradient state.
-        """
-        # `full` may be freed (stage 3): a new buffer of its shape
-        flat = torch.zeros(self.full.shape, dtype=self.full.dtype, device=self.full.device)
-        for p, off in zip(self.params, self.offsets, strict=True):
-            if p.grad is not None:
-                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                if free:
-                    p.grad = None
-        return flat
-
-
-def _cumulative(sizes):
-    total = 0
-    for s in sizes:
-        yield total
-        total += s
-
-
-def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules that become units: top-level children, each block of a ModuleList."""
-    out = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            out.extend((f"{name}.{i}.", block) for i, block in enumerate(child))
-        elif any(True for _ in child.parameters()):
-            out.append((f"{name}.", child))
-    return out
 
 
 class ZeroOptimizer:
