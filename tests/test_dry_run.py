@@ -77,3 +77,22 @@ def test_dry_run_of_a_1024_rank_layout_builds_one_rank():
 def test_dry_run_refuses_a_wrong_world_size():
     with pytest.raises(ValueError, match="needs 8 ranks"):
         dry_run(config(*LAYOUT), 4, 0, None)
+
+
+def test_dry_run_of_an_expert_parallel_rank():
+    """An MoE rank of a 64-rank dp x ep layout: its experts only, and all-to-all bytes as
+    the planner's (the fake group leaves the exchanged counts at this rank's own, a
+    symmetric load; the counts' own small all-to-all is the difference)."""
+    moe = ["model.n_experts=16", "model.top_k=2", "model.expert_ffn_dim=64",
+           "model.n_layers=2", "parallel.dp=64", "parallel.ep=16", "train.global_batch=64",
+           "train.steps=2"]
+    dry = _dry(moe, 64, 17)
+    ep, pred = dry["bytes_per_step"]["ep"], dry["predicted_bytes_per_step"]["ep"]
+    counts = 2 * 16 * 8  # one exchange per layer and micro-batch (forward): 16 int64
+    assert ep - pred == counts
+    assert dry["bytes_per_step"]["dp"] == pytest.approx(
+        dry["predicted_bytes_per_step"]["dp"], rel=1e-3)
+    model = config(*moe).model
+    experts_local = model.n_layers * 3 * model.dim * model.expert_ffn_dim * 16 // 16
+    dense = model.num_params() - model.n_layers * 3 * model.dim * model.expert_ffn_dim * 16
+    assert dry["param_count_local"] == dense + experts_local

@@ -88,7 +88,9 @@ class AllToAllDispatch:
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         send = counts.view(self.size, -1).contiguous()  # (peer, its local experts)
-        recv = torch.empty_like(send)
+        # pre-filled with what this rank sends: a real all-to-all overwrites it; under a dry
+        # run's fake process group (plait/observe/dry_run.py) it stays, a symmetric load
+        recv = send.clone()
         ops.all_to_all(recv, send, self.mesh, DIM, tag=self.tag + ".counts")
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         arrived = _AllToAll.apply(x, self.mesh, out_splits, in_splits, self.tag)

@@ -194,6 +194,7 @@ class _RankMemory:
     total: Num
     use_first: Num  # the first pipeline rank is the most loaded
     params: Num  # parameters on the rank (dense of the larger end, plus experts)
+    expert_params: Num  # of which routed experts (their gradients sync over edp)
 
 
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
@@ -235,13 +236,15 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
     use_first = t_first >= t_last
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
     return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
-                       np.maximum(first_p, last_p) + ex_p)
+                       np.maximum(first_p, last_p) + ex_p, ex_p)
 
 
 def _dp_exposed(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency, b: _Basis,
-                ct: _ChunkTimes, pr: Num, colls: list[comm.Collective]) -> Num:
-    """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank); appends
-    dp's collectives."""
+                ct: _ChunkTimes, pr: Num, colls: list[comm.Collective],
+                over_ep: bool = False) -> Num:
+    """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
+    over dp x cp, or over its edp part when `over_ep`: routed experts); appends the
+    collectives (dim "dp" or "edp")."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     m = b.m
     span = np.where(b.dp > 1, b.tp * b.cp * b.pp * b.dp, b.tp * b.cp)
@@ -249,7 +252,7 @@ def _dp_exposed(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
     bw, al = comm.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
     f_mb, b_mb = b.cpr * ct.f_c, b.cpr * (ct.i_c + ct.w_c)  # one micro-batch on this rank
-    n = b.dp * b.cp
+    n = b.dp * b.cp / (b.ep if over_ep else 1.0)
     t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
     t_rs = comm.gather_like(g_bytes, n, bw, al)
     t_ag = comm.gather_like(p_bytes, n, bw, al)
@@ -275,8 +278,8 @@ def _dp_exposed(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
         exp = np.where(n > 1, exp, 0.0)
         dp_exposed = dp_exposed + exp
         if np.any(n > 1):
-            colls.append(comm.Collective("dp", op, size, _f(count), n, dp_intra, t_each, exp,
-                                         how))
+            colls.append(comm.Collective("edp" if over_ep else "dp", op, size, _f(count), n,
+                                         dp_intra, t_each, exp, how))
     return dp_exposed
 
 
@@ -330,7 +333,13 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     t_pp = pp_p2p(shape, cluster, eff, b, colls)
     pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
-    dp_exposed = _dp_exposed(cluster, train, lay, eff, b, ct, rm.params, colls)
+    # dense parameters sync over dp x cp, routed experts over the expert-data-parallel
+    # ranks (dp x cp / ep) that hold the same experts (plait/parallel/expert.py)
+    dp_exposed = _dp_exposed(cluster, train, lay, eff, b, ct, rm.params - rm.expert_params,
+                             colls)
+    if shape.moe:
+        dp_exposed = dp_exposed + _dp_exposed(cluster, train, lay, eff, b, ct,
+                                              rm.expert_params, colls, over_ep=True)
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params)
     step = pipe + dp_exposed + t_opt
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
