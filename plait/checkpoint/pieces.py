@@ -199,6 +199,6 @@ def publish(par: ParallelModel, steps: int) -> None:
         return
     o = opt.optim
     for m, p in zip(o.master, o.params, strict=True):
-        if m is not p.data:
+        if m.data_ptr() != p.data_ptr():  # fp32: the master is the parameter's storage
             p.data.copy_(m)
     o.steps = steps

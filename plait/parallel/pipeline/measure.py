@@ -57,8 +57,7 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
     dev = mesh.device.torch  # NCCL gathers device tensors
     mine = torch.tensor(rows, dtype=torch.float64, device=dev)
     n = mesh.size("pp")
-    saved, mesh.ledger.step = mesh.ledger.step, -1  # not part of any training step
-    try:
+    with mesh.ledger.outside_step():  # not part of any training step
         counts = torch.zeros(n, dtype=torch.float64, device=dev)
         comm.all_gather(counts, torch.tensor([float(len(rows))], dtype=torch.float64,
                                              device=dev), mesh, "pp", tag="timeline")
@@ -67,8 +66,6 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
         padded[:len(rows)] = mine
         every = torch.empty(n * width, 8, dtype=torch.float64, device=dev)
         comm.all_gather(every, padded, mesh, "pp", tag="timeline")
-    finally:
-        mesh.ledger.step = saved
     steps = len(runtime.steps_events)
     out: list[list[Rank]] = [[(0.0, 0.0, [], [], []) for _ in range(n)]
                              for _ in range(steps)]
