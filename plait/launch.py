@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -96,12 +96,17 @@ def exit_with_parent(children_too: bool = False, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="plait-exit-with-parent", daemon=True).start()
 
 
-def raise_on_stop_signals() -> None:
-    """In a rank: the first stop signal raises StopRequested; a second one exits now."""
+def raise_on_stop_signals(record: Callable[[int], None] | None = None) -> None:
+    """In a rank: the first stop signal raises StopRequested (or, given `record`, is only
+    passed to it: --checkpoint-on-stop acts at the next step boundary); a second one
+    exits now."""
     def handler(signum: int, frame: object) -> None:
         if getattr(handler, "fired", False):
             os._exit(128 + signum)
         handler.fired = True  # type: ignore[attr-defined]
+        if record is not None:
+            record(signum)
+            return
         raise StopRequested(signum)
 
     for sig in STOP_SIGNALS:

@@ -29,6 +29,7 @@ from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - import
 from plait.placement import PlacementTable
 from plait.train.data import GlobalBatches
 from plait.train.optim import clip_coefficient, lr_at
+from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
 
 
 @dataclass
@@ -100,13 +101,15 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
-          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None
-          ) -> TrainResult:
+          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
+          stop: StopRequest | None = None) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
     `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
-    (plait/checkpoint)."""
+    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once
+    any rank has recorded a signal, every rank saves the steps done into `checkpoint` and
+    raises StoppedAtBoundary."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
@@ -131,13 +134,13 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     streak = 0  # non-finite steps in a row
     for step in range(start_step, t.steps):
+        if stop is not None:
+            _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result)
         result.metrics.append(row)
         if checkpoint is not None:  # outside the step: its collectives are tagged so
-            checkpoint.after_step(step, par, mesh, cfg, {"lr": row["lr"], "data": {
-                "next_step": step + 1, "seed": t.seed, "global_batch": t.global_batch,
-                "seq_len": t.seq_len}})
+            checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
         if on_step is not None:
             on_step(row)
         streak = streak + 1 if row.get("skipped") else 0
@@ -153,6 +156,28 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         result.pipeline = pipeline_report(runtime, par.partition, mesh)
         result.summary["pipeline"] = result.pipeline["summary"]
     return result
+
+
+def _progress(cfg: Config, next_step: int, lr: float) -> dict:
+    """What a checkpoint records of the run's position besides the state."""
+    t = cfg.train
+    return {"lr": lr, "data": {"next_step": next_step, "seed": t.seed,
+                               "global_batch": t.global_batch, "seq_len": t.seq_len}}
+
+
+def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
+                      par: ParallelModel, mesh: ParallelMesh, cfg: Config, step: int,
+                      start_step: int, result: TrainResult) -> None:
+    """Before step `step`: when any rank has recorded a stop signal, every rank saves the
+    `step` steps done (when this run did any) and raises StoppedAtBoundary."""
+    signum = agreed_stop(stop, mesh)
+    if not signum:
+        return
+    saved = None
+    if checkpoint is not None and step > start_step:
+        saved = save_on_stop(checkpoint, par, mesh, cfg, step,
+                             _progress(cfg, step, result.metrics[-1]["lr"]))
+    raise StoppedAtBoundary(signum, step, saved)
 
 
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
