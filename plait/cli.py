@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         found.problems.append(f"--rank {args.rank}: the layout has {found.nproc} ranks; "
                               f"choose 0..{found.nproc - 1}")
     if not found.problems:  # model states in this machine's memory, before any rank
-        ranks = [args.rank] if dry else range(found.nproc)
+        ranks = [args.rank or 0] if dry else range(found.nproc)
         problem = host_memory_problem(found.cfg, ranks, found.device_type)
         found.problems += [problem] if problem else []
     if found.problems:

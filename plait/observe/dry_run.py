@@ -101,14 +101,16 @@ TABLE_ROWS = {"params": ("parameters",), "grads": ("gradients",),
 def dry_run_table(out: dict[str, Any]) -> str:
     """A dry run's result as text: memory per category, measured beside predicted, and
     the payload bytes per step per mesh dim, the ledger's beside the planner's."""
+    from plait.train.report import human_bytes
+
     def gib(x: float) -> str:
-        return f"{x / 2**30:12.4f}"
+        return f"{human_bytes(x):>12}"
 
     pred = out["predicted_memory"]
     covered = "not_covered" not in pred
     lines = [f"dry run: rank {out['rank']} of {out['world_size']} ({out['layout']}), "
              f"coords {out['coords']}, {out['param_count_local']:,} parameters on this rank",
-             f"  {'memory, GiB':<14} {'measured':>12} {'predicted':>12}"]
+             f"  {'memory':<14} {'measured':>12} {'predicted':>12}"]
     for cat, names in TABLE_ROWS.items():
         p = gib(sum(float(pred[n]) for n in names)) if covered else f"{'-':>12}"
         lines.append(f"  {cat:<14} {gib(out['memory']['peak'][cat])} {p}")

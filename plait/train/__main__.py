@@ -13,10 +13,12 @@ the launcher brings the whole job down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -73,6 +75,11 @@ def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None
         print(f"  timeline PNG: {write_timeline(report, timeline)}")
 
 
+# A refused input: the other ranks wait this long for rank 0 to print why and exit, since
+# torchrun stops the job at the first rank to exit, before a slower rank 0 has spoken
+PEER_REPORT_WAIT_S = 30.0
+
+
 class BadInput(Exception):
     """The rank's own check of every input found problems (the same `plait train` runs)."""
 
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if rank == 0:
             print(f"plait: {e}", file=sys.stderr)
+        else:  # every rank refuses alike; rank 0 says why, so it must end first
+            with contextlib.suppress(StopRequested):
+                time.sleep(PEER_REPORT_WAIT_S)
         return 2
     except Exception as e:
         if args.debug:

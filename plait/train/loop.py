@@ -4,7 +4,8 @@ config -> the plain model built on meta -> `parallelize` (plait/parallel/paralle
 every strategy, in one order; this rank's stages materialised from name-seeded init on
 the mesh's device; the gradient-sync + optimizer object) -> for each step: micro-batches
 forward/backward through the pipeline runtime, data parallel gradient sync, global grad
-norm, clip, AdamW, metrics (loss, tokens/s on the device's timer, ledger).
+norm, clip, AdamW, metrics (loss, tokens/s on the device's timer as plait/throughput.py
+defines it, ledger).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
+from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.optim import clip_coefficient, lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
@@ -186,7 +188,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
     update, the logged loss; its metrics row. `capture`: keep the full gradients."""
     t, opt = cfg.train, par.optimizer
-    tokens_per_step = t.global_batch * t.seq_len
+    step_tokens = tokens_per_step(t.global_batch, t.seq_len)
     mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
     mesh.ledger.step = step
     meter = mesh.device.memory_meter(opt.memory_sources) if step == t.memory_step else None
@@ -196,7 +198,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     start = timer.mark()
     local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
     loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
-                            tokens_per_step)
+                            step_tokens)
     opt.finish_gradients()
     norm = opt.grad_norm()
     if capture:
@@ -223,8 +225,8 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
                       **meter.allocator_stats())
     elapsed = timer.elapsed(start, timer.mark())
-    row = {"step": step, "loss": float(loss_sum), "tokens": tokens_per_step,
-           "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+    row = {"step": step, "loss": float(loss_sum), "tokens": step_tokens,
+           "step_time": elapsed, "tokens_per_s": tokens_per_second(step_tokens, [elapsed]),
            "grad_norm": norm, "lr": lr,
            "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
     if memory:
@@ -249,18 +251,19 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
              param_count: dict[str, int]) -> dict:
-    """The run's summary line: layout, final loss, mean step time (the first step, which
-    warms caches, left out when there are others), the ledger's per-step averages."""
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    times = [m["step_time"] for m in metrics[1:]] or [m["step_time"] for m in metrics]
+    """The run's summary line: layout, final loss, mean step time and tokens/s (plait/
+    throughput.py: the first step, which warms caches, left out when there are others),
+    the ledger's per-step averages."""
+    times = [m["step_time"] for m in metrics]
     return {
         "summary": True,
         "layout": mesh.describe(),
         "world_size": mesh.world_size,
         "steps": steps_run,
         "final_loss": metrics[-1]["loss"] if metrics else None,
-        "mean_step_time": sum(times) / len(times) if times else None,
-        "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
+        "mean_step_time": mean_step_time(times),
+        "tokens_per_s": tokens_per_second(
+            tokens_per_step(cfg.train.global_batch, cfg.train.seq_len), times),
         "param_count": param_count["total"],  # the model's, on every layout
         "param_count_local": param_count["local"],  # rank 0's share (tp, pp split it)
         "ledger": ledger_summary(mesh, steps_run),
