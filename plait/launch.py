@@ -6,8 +6,10 @@
 
 A stop is clean whichever process gets the signal. The launcher forwards SIGINT, SIGTERM
 or SIGHUP once to torchrun, which passes it to every rank (torch's elastic agent); each
-rank raises `StopRequested` at its next Python instruction, rank 0 says what happened
-and at which step, and the run exits 128 + the signal (130 for SIGINT, 143 for SIGTERM).
+rank raises `StopRequested` at its next Python instruction (with --checkpoint-on-stop: it
+only records the signal, and the ranks save and stop together at the next step boundary,
+plait/train/stop.py), rank 0 says what happened and at which step, and the run exits
+128 + the signal (130 for SIGINT, 143 for SIGTERM).
 Should ranks not be gone within `STOP_GRACE_S`, or on a second signal, the launcher kills
 the whole tree. A parent that dies, even by SIGKILL, takes its children with it
 (PR_SET_PDEATHSIG on Linux), so no rank keeps training as an orphan.

@@ -142,6 +142,8 @@ CASES = [
                                              "a smaller --model"), id="host-memory-405b"),
     train("--model", "llama3-70b", "--dp", "2", "--nproc", "2", "--global-batch", "8",
           phrases=("the 2 rank(s) on this machine", "--zero 3"), id="host-memory-dp2"),
+    train("--metrics-out", "/proc/plait-m.jsonl", phrases="/proc is not writable",
+          id="metrics-out-special-fs"),
     train("--checkpoint-on-stop", phrases="give --checkpoint-dir D", id="on-stop-no-dir"),
     train("--checkpoint-on-stop", "--checkpoint-dir", "{w}/afile/ck",
           phrases="is a file, not a directory", id="on-stop-dir-under-a-file"),

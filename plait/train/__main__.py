@@ -4,9 +4,11 @@ Takes the same flags as `plait train` (without --nproc). Reads the launcher's RA
 WORLD_SIZE and LOCAL_RANK (this is the CLI layer), resolves the device (`--device`:
 cuda:LOCAL_RANK with NCCL, or the CPU with gloo), validates, builds the mesh, trains; rank 0 shows
 progress, streams the metrics to NAME.partial (renamed to NAME when the run completes),
-prints the summary and, even with --quiet, one final line. A stop signal (plait/launch.py)
-ends the rank at its next Python instruction with 128 + the signal, rank 0 saying after
-how many steps; an error is one line (its traceback with --debug) and a non-zero exit, so
+prints the summary and, even with --quiet, one final line. Every input is checked on
+every rank before any collective (`check_rank_inputs`), as `plait train` checks them. A
+stop signal (plait/launch.py) ends the rank at its next Python instruction with 128 + the
+signal, rank 0 saying after how many steps (with --checkpoint-on-stop: at the next step
+boundary, after every rank saved that step, plait/train/stop.py); an error is one line (its traceback with --debug) and a non-zero exit, so
 the launcher brings the whole job down.
 """
 
