@@ -21,6 +21,7 @@ from plait.checkpoint.format import CheckpointError
 from plait.config import ConfigError
 from plait.device import DeviceError
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
+from plait.train.checks import TrainInputs
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
 
@@ -83,14 +84,15 @@ def dry_run_flag_problems(args: argparse.Namespace) -> list[str]:
                         "--world-size ranks")
     for flag, value in (("--nproc", args.nproc), ("--checkpoint-dir", args.checkpoint_dir),
                         ("--resume", args.resume), ("--trace", args.trace),
-                        ("--timeline", args.timeline)):
+                        ("--timeline", args.timeline),
+                        ("--checkpoint-on-stop", args.checkpoint_on_stop or None)):
         if value is not None:
             problems.append(f"--dry-run runs one rank in this process and saves nothing; "
                             f"leave out {flag}")
     return problems
 
 
-def run_dry(args: argparse.Namespace, found: object) -> int:
+def run_dry(args: argparse.Namespace, found: TrainInputs) -> int:
     """One rank of the layout on torch's fake process group (plait/observe/dry_run.py):
     its measured memory and collectives beside the planner's prediction."""
     from plait.device import resolve_device

@@ -1,15 +1,16 @@
 """One rank of a training job: `torchrun --nproc-per-node N -m plait.train [train flags]`.
 
 Takes the same flags as `plait train` (without --nproc). Reads the launcher's RANK,
-WORLD_SIZE and LOCAL_RANK (this is the CLI layer), resolves the device (`--device`:
-cuda:LOCAL_RANK with NCCL, or the CPU with gloo), validates, builds the mesh, trains; rank 0 shows
-progress, streams the metrics to NAME.partial (renamed to NAME when the run completes),
-prints the summary and, even with --quiet, one final line. Every input is checked on
-every rank before any collective (`check_rank_inputs`), as `plait train` checks them. A
-stop signal (plait/launch.py) ends the rank at its next Python instruction with 128 + the
-signal, rank 0 saying after how many steps (with --checkpoint-on-stop: at the next step
-boundary, after every rank saved that step, plait/train/stop.py); an error is one line (its traceback with --debug) and a non-zero exit, so
-the launcher brings the whole job down.
+WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (this is the CLI layer), checks every input
+on every rank before any collective (`check_rank_inputs`, as `plait train` does before
+launching), resolves the device (`--device`: cuda:LOCAL_RANK with NCCL, or the CPU with
+gloo), builds the mesh, trains; rank 0 shows progress, streams the metrics to
+NAME.partial (renamed to NAME when the run completes), prints the summary and, even with
+--quiet, one final line. A stop signal (plait/launch.py) ends the rank at its next Python
+instruction with 128 + the signal, rank 0 saying after how many steps (with
+--checkpoint-on-stop: at the next step boundary, once every rank saved that step,
+plait/train/stop.py); an error is one line (its traceback with --debug) and a non-zero
+exit, so the launcher brings the whole job down.
 """
 
 from __future__ import annotations
