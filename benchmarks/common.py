@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import Config, load_config  # noqa: E402
 from plait.device.memory import MemoryTracker  # noqa: E402
+from plait.throughput import mean_step_time  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
 from plait.train.optim import decays, lr_at  # noqa: E402
 from plait.train.step import microbatch_loss  # noqa: E402
@@ -79,7 +80,9 @@ def torch_loop(wrapped: torch.nn.Module, params: list, optim, cfg: Config, data:
 
 
 def mean_ms(runs: list[dict]) -> float:
-    return statistics.mean(x for r in runs for x in r["times"][WARMUP:]) * 1e3
+    """Mean step time over runs of equal length, the first WARMUP steps of each left out
+    (plait/throughput.py)."""
+    return statistics.mean(mean_step_time(r["times"], warmup=WARMUP) for r in runs) * 1e3
 
 
 def max_loss_gap(a: dict, b: dict) -> float:

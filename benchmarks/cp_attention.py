@@ -35,6 +35,7 @@ from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.rope import Positions  # noqa: E402
 from plait.parallel.context import ContextLayout, ContextParallelAttention  # noqa: E402
 from plait.testing import run_ranks  # noqa: E402
+from plait.throughput import mean_step_time  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
 from plait.train.loop import train  # noqa: E402
 
@@ -54,7 +55,7 @@ def _train(rank, world, args, path, mode):
     res = train(cfg, mesh, GlobalBatches(TokenFile.open(path), t.seq_len, t.global_batch,
                                          t.seed, cfg.model.vocab_size))
     mem = res.metrics[1]["memory"]
-    return {"time": statistics.mean(m["step_time"] for m in res.metrics[1:]),
+    return {"time": mean_step_time([m["step_time"] for m in res.metrics]),
             "peak": mem["peak_total"], "activations": mem["peak"].get("activations", 0),
             "loss": res.losses[-1]}
 

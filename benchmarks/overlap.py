@@ -22,6 +22,7 @@ from common import batches
 from plait.config import load_config
 from plait.mesh import ParallelMesh
 from plait.testing import run_ranks
+from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
 from plait.train.loop import train
 
@@ -54,7 +55,7 @@ def _rank(rank, world, args, sets, path):
             acc = per_dim.setdefault(dim, {"seconds": 0.0, "exposed": 0.0, "hidden": 0.0})
             for k, v in row.items():
                 acc[k] += v / len(steps)
-    step_time = sum(res.metrics[s]["step_time"] for s in steps) / len(steps)
+    step_time = mean_step_time([m["step_time"] for m in res.metrics])  # steps 1..
     return {"per_dim": per_dim, "step_time": step_time}
 
 

@@ -22,6 +22,7 @@ from plait.checkpoint.format import CheckpointError
 from plait.config import ConfigError
 from plait.device import DeviceError
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
+from plait.train.checks import TrainInputs
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
 
@@ -36,13 +37,27 @@ def _fail(msg: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from plait.plan.host_memory import host_memory_problem
     from plait.train.checks import train_inputs
 
-    found = train_inputs(args)
+    dry = args.dry_run
+    problems = dry_run_flag_problems(args)
+    found = train_inputs(args, world_size=args.world_size if dry else None,
+                         local_rank=0 if dry else None)
+    found.problems = problems + found.problems
+    if dry and args.world_size is None and (args.rank or 0) >= (found.nproc or 1) > 0:
+        found.problems.append(f"--rank {args.rank}: the layout has {found.nproc} ranks; "
+                              f"choose 0..{found.nproc - 1}")
+    if not found.problems:  # model states in this machine's memory, before any rank
+        ranks = [args.rank or 0] if dry else range(found.nproc)
+        problem = host_memory_problem(found.cfg, ranks, found.device_type)
+        found.problems += [problem] if problem else []
     if found.problems:
         return _fail("cannot start training:\n" + "\n".join(f"  - {p}" for p in found.problems))
     for w in found.warnings:
         print(f"plait: warning: {w}", file=sys.stderr)
+    if dry:
+        return run_dry(args, found)
     try:
         checkpoint_preflight(args, found.cfg)  # a resume's checkpoint: before any rank
     except CheckpointError as e:
@@ -53,6 +68,49 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                          torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
                          extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
     return launch_ranks(launch.command, launch.env)
+
+
+def dry_run_flag_problems(args: argparse.Namespace) -> list[str]:
+    """--dry-run's flags: one process, no launch, nothing but the metrics file written."""
+    if not args.dry_run:
+        return [f"{flag} is for a dry run; add --dry-run (or leave {flag} out)"
+                for flag, value in (("--world-size", args.world_size), ("--rank", args.rank))
+                if value is not None]
+    problems = []
+    world = args.world_size
+    if world is not None and world < 1:
+        problems.append(f"--world-size {world}: a layout has at least one rank")
+    if args.rank is not None and (args.rank < 0 or (world is not None and args.rank >= world)):
+        problems.append(f"--rank {args.rank}: choose a rank in 0..{(world or 1) - 1} of the "
+                        "--world-size ranks")
+    for flag, value in (("--nproc", args.nproc), ("--checkpoint-dir", args.checkpoint_dir),
+                        ("--resume", args.resume), ("--trace", args.trace),
+                        ("--timeline", args.timeline),
+                        ("--checkpoint-on-stop", args.checkpoint_on_stop or None)):
+        if value is not None:
+            problems.append(f"--dry-run runs one rank in this process and saves nothing; "
+                            f"leave out {flag}")
+    return problems
+
+
+def run_dry(args: argparse.Namespace, found: TrainInputs) -> int:
+    """One rank of the layout on torch's fake process group (plait/observe/dry_run.py):
+    its measured memory and collectives beside the planner's prediction."""
+    from plait.device import resolve_device
+    from plait.files import write_text_atomic
+    from plait.observe.dry_run import dry_run, dry_run_table
+    from plait.train.data import GlobalBatches, TokenFile
+
+    cfg = found.cfg
+    world = args.world_size or found.nproc
+    batches = GlobalBatches(TokenFile.open(found.data), cfg.train.seq_len,
+                            cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
+    out = dry_run(cfg, world, args.rank or 0, batches, resolve_device(args.device, 0))
+    print(dry_run_table(out), flush=True)
+    if args.metrics_out:
+        path = write_text_atomic(args.metrics_out, json.dumps(out) + "\n")
+        print(f"dry run result in {path}")
+    return 0
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:
@@ -79,6 +137,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser()
     add_train_args(parser)
     parser.add_argument("--nproc", type=int)
+    parser.set_defaults(dry_run=False, world_size=None, rank=None)
     train_args = parser.parse_args(argv + ["--nproc", str(args.nproc)])
     print(f"plait demo: tiny Llama-style model, data parallel on {args.nproc} CPU ranks, "
           f"{args.steps} steps; metrics in runs/demo.jsonl", flush=True)
@@ -143,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(train)
     train.add_argument("--nproc", type=int, metavar="N",
                        help="ranks to launch (default: the layout's dp*pp*cp*tp)")
+    dry = train.add_argument_group("dry run (docs/architecture.md, Dry run)")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="build and train one rank of the layout in this process on torch's "
+                     "fake process group (no communication): its memory by category and its "
+                     "collectives beside the planner's prediction")
+    dry.add_argument("--world-size", type=int, metavar="N",
+                     help="--dry-run: ranks of the layout (default: its dp*pp*cp*tp)")
+    dry.add_argument("--rank", type=int, metavar="R", help="--dry-run: the rank to build "
+                     "(default 0; the last pipeline stage is the last ranks)")
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")
     demo.add_argument("--nproc", type=int, default=4, metavar="N",

@@ -55,7 +55,7 @@ def output_problems(flag: str, path: str | Path, inputs: Iterable[str | Path] = 
     base = _nearest_existing(resolved.parent)
     if not base.is_dir():
         return [f"{flag} {text}: {base} is a file, not a directory; choose another path"]
-    if not os.access(base, os.W_OK | os.X_OK):
+    if not os.access(base, os.W_OK | os.X_OK) or not _can_create_in(base):
         return [f"{flag} {text}: {base} is not writable; choose a directory you can write"]
     if p.exists() and not os.access(p, os.W_OK):
         return [f"{flag} {text} exists and is not writable; choose another path"]
@@ -65,6 +65,18 @@ def output_problems(flag: str, path: str | Path, inputs: Iterable[str | Path] = 
             return [f"{flag} {text} is also an input of this command ({source}); writing it "
                     "would destroy that input: choose another path"]
     return []
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be created there (and at once removed): permission bits do not
+    tell for root, a read-only or special filesystem (/proc, /sys)."""
+    probe = directory / f".plait-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        probe.open("x").close()
+    except OSError:
+        return False
+    probe.unlink(missing_ok=True)
+    return True
 
 
 def temp_name(path: Path) -> Path:

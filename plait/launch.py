@@ -6,8 +6,10 @@
 
 A stop is clean whichever process gets the signal. The launcher forwards SIGINT, SIGTERM
 or SIGHUP once to torchrun, which passes it to every rank (torch's elastic agent); each
-rank raises `StopRequested` at its next Python instruction, rank 0 says what happened
-and at which step, and the run exits 128 + the signal (130 for SIGINT, 143 for SIGTERM).
+rank raises `StopRequested` at its next Python instruction (with --checkpoint-on-stop: it
+only records the signal, and the ranks save and stop together at the next step boundary,
+plait/train/stop.py), rank 0 says what happened and at which step, and the run exits
+128 + the signal (130 for SIGINT, 143 for SIGTERM).
 Should ranks not be gone within `STOP_GRACE_S`, or on a second signal, the launcher kills
 the whole tree. A parent that dies, even by SIGKILL, takes its children with it
 (PR_SET_PDEATHSIG on Linux), so no rank keeps training as an orphan.
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -96,12 +98,17 @@ def exit_with_parent(children_too: bool = False, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="plait-exit-with-parent", daemon=True).start()
 
 
-def raise_on_stop_signals() -> None:
-    """In a rank: the first stop signal raises StopRequested; a second one exits now."""
+def raise_on_stop_signals(record: Callable[[int], None] | None = None) -> None:
+    """In a rank: the first stop signal raises StopRequested (or, given `record`, is only
+    passed to it: --checkpoint-on-stop acts at the next step boundary); a second one
+    exits now."""
     def handler(signum: int, frame: object) -> None:
         if getattr(handler, "fired", False):
             os._exit(128 + signum)
         handler.fired = True  # type: ignore[attr-defined]
+        if record is not None:
+            record(signum)
+            return
         raise StopRequested(signum)
 
     for sig in STOP_SIGNALS:

@@ -147,8 +147,33 @@ CASES = [
     train("--data", "{w}/truncated.bin", phrases="do not hold", id="token-file-truncated"),
     train("--data", "{w}/missing.bin", phrases="not found", id="token-file-missing"),
     train("--data", "{w}/wide.bin", phrases="holds token id 999", id="token-ids-past-vocab"),
+    train("--data", "{w}/doc.txt", phrases=("is text, not a token file",
+                                            "plait data prepare"), id="data-is-text"),
+    train("--data", "{w}/good.json", phrases="is the metadata of the token file",
+          id="data-is-sidecar"),
+    train("--data", "{w}/tokens", phrases="a token file is NAME.bin", id="data-no-suffix"),
     cmd("train", "--data-dir", "{w}/afile/corpus", *BASE_FLAGS,
         phrases="is a file, not a directory", id="default-corpus-dir-unwritable"),
+    # ---- plait train: host memory, final checkpoint, dry run ------------------------
+    train("--model", "llama3-405b", phrases=("GiB of memory", "MemAvailable",
+                                             "a smaller --model"), id="host-memory-405b"),
+    train("--model", "llama3-70b", "--dp", "2", "--nproc", "2", "--global-batch", "8",
+          phrases=("the 2 rank(s) on this machine", "--zero 3"), id="host-memory-dp2"),
+    train("--metrics-out", "/proc/plait-m.jsonl", phrases="/proc is not writable",
+          id="metrics-out-special-fs"),
+    train("--checkpoint-on-stop", phrases="give --checkpoint-dir D", id="on-stop-no-dir"),
+    train("--checkpoint-on-stop", "--checkpoint-dir", "{w}/afile/ck",
+          phrases="is a file, not a directory", id="on-stop-dir-under-a-file"),
+    train("--world-size", "8", phrases="--world-size is for a dry run", id="world-size-alone"),
+    train("--dry-run", "--world-size", "8", "--dp", "8", "--rank", "8",
+          phrases="--rank 8: choose a rank in 0..7", id="dry-run-rank-past-end"),
+    train("--dry-run", "--world-size", "4", phrases="4", id="dry-run-world-mismatch"),
+    train("--dry-run", "--nproc", "2", phrases="leave out --nproc", id="dry-run-nproc"),
+    train("--dry-run", "--checkpoint-dir", "{w}/ck", phrases="leave out --checkpoint-dir",
+          id="dry-run-checkpoint"),
+    train("--dry-run", "--model", "llama3-405b", "--dp", "8", "--world-size", "8",
+          "--global-batch", "8", phrases="the 1 rank(s) on this machine",
+          id="dry-run-host-memory"),
     # ---- plait demo -----------------------------------------------------------------
     cmd("demo", "--nproc", "0", "--data-dir", "{w}/nocorpus", phrases="--nproc 0",
         id="demo-nproc-0"),
@@ -488,3 +513,22 @@ def test_every_flag_has_help():
     missing = [f"{name} {a.option_strings[0]}" for name, p in parsers.items()
                for a in p._actions if a.option_strings and not a.help]
     assert not missing, missing
+
+
+def test_host_memory_check_states_the_numbers():
+    """The check on given numbers (this machine's MemAvailable varies): the tiny model's
+    states fit in 1 GiB; 1 MiB is refused, naming need, parts, available and the fixes;
+    on CUDA the host's memory is not asked."""
+    from plait.config import load_config
+    from plait.plan.host_memory import host_memory_problem, model_state_bytes
+
+    cfg = load_config(sets=["parallel.dp=2", "train.global_batch=8"])
+    states = model_state_bytes(cfg, 0)
+    # fp32 AdamW, ZeRO 0: 4 bytes of parameter, 4 of gradient, 8 of moments per parameter
+    assert states["parameters"] == states["gradients"] == states["optimizer states"] / 2
+    assert states["parameters"] == 4 * cfg.model.num_params()
+    assert host_memory_problem(cfg, range(2), available=2**30) is None
+    text = host_memory_problem(cfg, range(2), available=2**20)
+    assert "the 2 rank(s) on this machine need 0.01 GiB" in text and "only 0.00 GiB" in text
+    assert "--zero 3" in text and "a smaller --model" in text
+    assert host_memory_problem(cfg, range(2), "cuda", available=1) is None

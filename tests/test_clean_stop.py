@@ -7,7 +7,9 @@ NAME itself is only ever a complete run's.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,12 +41,13 @@ def processes_with(marker: str) -> set[int]:
     return found
 
 
-def start_run(tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+def start_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, Path]:
     """A long two-rank run, returned once its first step is on disk."""
     marker = f"plait-stop-{uuid.uuid4().hex[:12]}"
     metrics = tmp_path / f"{marker}.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--data",
-                             str(token_file()), *LONG_RUN, "--metrics-out", str(metrics)],
+                             str(token_file()), *LONG_RUN, *extra, "--metrics-out",
+                             str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = metrics.with_name(metrics.name + ".partial")
     deadline = time.monotonic() + 180
@@ -101,3 +104,75 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
     assert_all_gone(marker, within_s=STOP_GRACE_S + 5)
+
+
+# --checkpoint-on-stop: ZeRO-2 so that each rank saves state no other rank holds (its
+# optimizer shard), and a constant learning rate after warm-up so that runs of different
+# lengths take the same steps: a resumed run must then repeat an uninterrupted one exactly
+ON_STOP = ("--zero", "2", "--set", "train.min_lr_ratio=1", "--checkpoint-on-stop")
+
+
+def _losses(path: Path) -> list[float]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["loss"] for r in rows if not r.get("summary")]
+
+
+def _train(tmp_path: Path, name: str, *args: str) -> Path:
+    """A short run of the same job to completion; its metrics file."""
+    metrics = tmp_path / f"{name}.jsonl"
+    r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data",
+                        str(token_file()), *LONG_RUN, *ON_STOP[:4], *args, "--metrics-out",
+                        str(metrics)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return metrics
+
+
+def _stopped_at(err: str, sig: signal.Signals, ckpt: Path) -> int:
+    found = re.search(rf"plait: stopped by {sig.name} after (\d+) of 100000 steps; final "
+                      rf"checkpoint {re.escape(str(ckpt))}/step-(\d+) \(continue with "
+                      r"--resume\)", err)
+    assert found, err
+    assert found.group(1) == str(int(found.group(2)))
+    return int(found.group(1))
+
+
+def test_stop_with_a_final_checkpoint_saves_one_step_everywhere(tmp_path):
+    """SIGTERM to the launcher: every rank finishes its step, all save step k, exit 143;
+    resuming from it repeats an uninterrupted run's steps k and k+1 exactly."""
+    ckpt = tmp_path / "ckpt"
+    proc, marker, metrics = start_run(tmp_path, *ON_STOP, "--checkpoint-dir", str(ckpt))
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=STOP_GRACE_S + 30)
+    took = time.monotonic() - start
+    assert proc.returncode == 143, err
+    assert took < STOP_GRACE_S, f"took {took:.1f} s to stop"
+    assert_all_gone(marker)
+    assert "Traceback" not in err, err
+    k = _stopped_at(err, signal.SIGTERM, ckpt)
+    assert [p.name for p in ckpt.iterdir()] == [f"step-{k:08d}"]  # committed, nothing else
+    assert (ckpt / f"step-{k:08d}" / "COMMITTED").is_file()
+    stopped = _losses(metrics.with_name(metrics.name + ".partial"))
+    assert len(stopped) == k  # the steps done are the steps saved
+    resumed = _losses(_train(tmp_path, "resumed", "--steps", str(k + 2), "--resume",
+                             str(ckpt / f"step-{k:08d}")))
+    straight = _losses(_train(tmp_path, "straight", "--steps", str(k + 2)))
+    assert straight[:k] == stopped
+    assert resumed == straight[k:]  # bit for bit: each rank's shard was of step k
+
+
+def test_signal_to_one_rank_with_a_final_checkpoint_stops_every_rank_at_one_step(tmp_path):
+    """Only one rank is signalled: the all-reduce at the step boundary tells the other."""
+    ckpt = tmp_path / "ckpt"
+    proc, marker, _ = start_run(tmp_path, *ON_STOP, "--checkpoint-dir", str(ckpt))
+    ranks = [p for p in processes_with(marker)
+             if b"plait.train" in Path(f"/proc/{p}/cmdline").read_bytes()
+             and b"_torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 2
+    os.kill(max(ranks), signal.SIGTERM)
+    _, err = proc.communicate(timeout=STOP_GRACE_S + 30)
+    assert proc.returncode == 143, err
+    assert_all_gone(marker)
+    k = _stopped_at(err, signal.SIGTERM, ckpt)
+    assert (ckpt / f"step-{k:08d}" / "COMMITTED").is_file()
+    assert "Traceback" not in err, err

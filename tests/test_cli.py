@@ -106,3 +106,29 @@ def test_pipeline_trace_and_timeline_through_torchrun(tmp_path):
     events = events["traceEvents"] if isinstance(events, dict) else events
     assert {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--metrics-out", "{tmp}/adir"], "--metrics-out {tmp}/adir is a directory"),
+    (["--data", "{tmp}/notes.txt"], "is text, not a token file"),
+    (["--lr", "nan", "--checkpoint-on-stop"], "expected a finite number"),
+])
+def test_bad_input_under_a_users_own_torchrun(tmp_path, args, message):
+    """`torchrun -m plait.train` without `plait train`: every rank runs the same checks
+    before any collective, rank 0 says what is wrong, the ranks exit 2 and none waits
+    for a peer (the ranks' collective timeout is longer than this test's limit)."""
+    from plait.launch import LocalLaunch
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.txt").write_text("some notes, not tokens\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rank_args = ["--data", str(token_file()), *SETS, "--dp", "2", "--timeout", "3600",
+                 *[a.format(tmp=tmp_path) for a in args]]
+    launch = LocalLaunch(2, rank_args, timeout_s=120)  # torch's own torchrun
+    r = subprocess.run(launch.command, env=launch.env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode != 0
+    assert r.stderr.count("plait: cannot start training:") == 1, r.stderr  # rank 0 only
+    assert message.format(tmp=tmp_path) in r.stderr, r.stderr
+    assert "exitcode  : 2" in r.stderr, r.stderr  # torchrun's report of the first rank out
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written

@@ -96,3 +96,27 @@ def test_dry_run_of_an_expert_parallel_rank():
     experts_local = model.n_layers * 3 * model.dim * model.expert_ffn_dim * 16 // 16
     dense = model.num_params() - model.n_layers * 3 * model.dim * model.expert_ffn_dim * 16
     assert dry["param_count_local"] == dense + experts_local
+
+
+def test_dry_run_from_the_command_line(tmp_path):
+    """`plait train --dry-run --world-size 8 --rank 7`: the last rank of dp2 x tp2 x pp2,
+    in the plait process itself; its table and its result as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import token_file
+
+    out = tmp_path / "dry.json"
+    r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data", str(token_file()),
+                        "--set", "model.vocab_size=256", "--seq-len", "32", "--global-batch",
+                        "8", "--steps", "2", "--dp", "2", "--tp", "2", "--pp", "2",
+                        "--microbatches", "2", "--dry-run", "--world-size", "8", "--rank", "7",
+                        "--metrics-out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "dry run: rank 7 of 8" in r.stdout and "peak total" in r.stdout, r.stdout
+    dry = json.loads(out.read_text())
+    assert dry["coords"] == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
+    assert dry["predicted_memory"]["total"] == pytest.approx(dry["memory"]["peak_total"],
+                                                             rel=0.05)
+    assert set(dry["bytes_per_step"]) >= {"dp", "pp", "tp"}

@@ -90,3 +90,37 @@ def _predicted_bytes(cfg: Config) -> dict[str, float]:
     for c in estimate_config(cfg).collectives:
         out[c.dim] = out.get(c.dim, 0.0) + float(c.size * c.count)
     return out
+
+
+# measured category -> the planner's categories it stands beside
+TABLE_ROWS = {"params": ("parameters",), "grads": ("gradients",),
+              "optimizer": ("optimizer states",), "comm": ("communication buffers",),
+              "activations": ("activations", "logits")}
+
+
+def dry_run_table(out: dict[str, Any]) -> str:
+    """A dry run's result as text: memory per category, measured beside predicted, and
+    the payload bytes per step per mesh dim, the ledger's beside the planner's."""
+    from plait.train.report import human_bytes
+
+    def gib(x: float) -> str:
+        return f"{human_bytes(x):>12}"
+
+    pred = out["predicted_memory"]
+    covered = "not_covered" not in pred
+    lines = [f"dry run: rank {out['rank']} of {out['world_size']} ({out['layout']}), "
+             f"coords {out['coords']}, {out['param_count_local']:,} parameters on this rank",
+             f"  {'memory':<14} {'measured':>12} {'predicted':>12}"]
+    for cat, names in TABLE_ROWS.items():
+        p = gib(sum(float(pred[n]) for n in names)) if covered else f"{'-':>12}"
+        lines.append(f"  {cat:<14} {gib(out['memory']['peak'][cat])} {p}")
+    total = gib(float(pred["total"])) if covered else f"{'-':>12}"
+    lines.append(f"  {'peak total':<14} {gib(out['memory']['peak_total'])} {total}")
+    if not covered:
+        lines.append(f"  (no memory prediction: {pred['not_covered']})")
+    lines.append(f"  {'bytes/step':<14} {'ledger':>16} {'planner':>16}")
+    for dim in sorted(set(out["bytes_per_step"]) | set(out["predicted_bytes_per_step"])):
+        m, p = out["bytes_per_step"].get(dim), out["predicted_bytes_per_step"].get(dim)
+        lines.append(f"  {dim:<14} {'-' if m is None else f'{m:,.0f}':>16} "
+                     f"{'-' if p is None else f'{p:,.0f}':>16}")
+    return "\n".join(lines)

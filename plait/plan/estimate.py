@@ -27,6 +27,7 @@ from plait.plan.compute import (
 from plait.plan.hardware import Cluster
 from plait.plan.shape import Shape
 from plait.plan.step_comm import TP_COLLECTIVES_FWD, LayerComm, layer_comm, pp_p2p
+from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
 
@@ -312,7 +313,7 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
 
 def _step_flops(shape: Shape, train: Training, lay: Layout, b: _Basis) -> tuple[Num, Num]:
     """(model FLOPs, hardware FLOPs: with recompute) of one step."""
-    tokens_step = train.global_batch * shape.seq
+    tokens_step = tokens_per_step(train.global_batch, shape.seq)
     model_flops = model_flops_per_token(shape) * tokens_step
     rec_per_token = 0.0
     if lay.recompute == "full":
@@ -344,14 +345,15 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     step = pipe + dp_exposed + t_opt
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
     n_gpu = b.tp * b.pp * b.dp * b.cp
-    tokens_step = train.global_batch * shape.seq
+    tokens_step = tokens_per_step(train.global_batch, shape.seq)
     model_flops, hw_flops = _step_flops(shape, train, lay, b)
     gpu = cluster.gpu
     limit = gpu.hbm_bytes * train.mem_limit_frac
     return Estimate(
         layout=lay, microbatches=b.m, memory=rm.mem, memory_total=rm.total,
         peak_rank=np.where(rm.use_first, "first", "last"), fits=rm.total <= limit,
-        collectives=colls, time=time, step_time=step, tokens_per_s=tokens_step / step,
+        collectives=colls, time=time, step_time=step,
+        tokens_per_s=tokens_per_second(tokens_step, [step]),  # plait/throughput.py
         model_tflops=model_flops / step / n_gpu / 1e12,
         hardware_tflops=hw_flops / step / n_gpu / 1e12,
         mfu=model_flops / step / n_gpu / (gpu.peak_flops * b.peak_scale),

@@ -1,22 +1,27 @@
 """One rank of a training job: `torchrun --nproc-per-node N -m plait.train [train flags]`.
 
 Takes the same flags as `plait train` (without --nproc). Reads the launcher's RANK,
-WORLD_SIZE and LOCAL_RANK (this is the CLI layer), resolves the device (`--device`:
-cuda:LOCAL_RANK with NCCL, or the CPU with gloo), validates, builds the mesh, trains; rank 0 shows
-progress, streams the metrics to NAME.partial (renamed to NAME when the run completes),
-prints the summary and, even with --quiet, one final line. A stop signal (plait/launch.py)
-ends the rank at its next Python instruction with 128 + the signal, rank 0 saying after
-how many steps; an error is one line (its traceback with --debug) and a non-zero exit, so
-the launcher brings the whole job down.
+WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (this is the CLI layer), checks every input
+on every rank before any collective (`check_rank_inputs`, as `plait train` does before
+launching), resolves the device (`--device`: cuda:LOCAL_RANK with NCCL, or the CPU with
+gloo), builds the mesh, trains; rank 0 shows progress, streams the metrics to
+NAME.partial (renamed to NAME when the run completes), prints the summary and, even with
+--quiet, one final line. A stop signal (plait/launch.py) ends the rank at its next Python
+instruction with 128 + the signal, rank 0 saying after how many steps (with
+--checkpoint-on-stop: at the next step boundary, once every rank saved that step,
+plait/train/stop.py); an error is one line (its traceback with --debug) and a non-zero
+exit, so the launcher brings the whole job down.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -24,7 +29,8 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.checkpoint.cli import preflight
-from plait.config import ConfigError
+from plait.checkpoint.format import CheckpointError
+from plait.config import Config, ConfigError
 from plait.device import DeviceError, resolve_device
 from plait.files import PartialFile
 from plait.launch import (
@@ -37,10 +43,13 @@ from plait.launch import (
     signal_name,
 )
 from plait.mesh import ParallelMesh
+from plait.plan.host_memory import host_memory_problem
+from plait.train.checks import train_inputs
 from plait.train.data import DataError, GlobalBatches, TokenFile
-from plait.train.flags import add_train_args, config_from_args, resolve_data
+from plait.train.flags import add_train_args, resolve_data
 from plait.train.loop import train
 from plait.train.report import final_line, print_summary, progress_reporter
+from plait.train.stop import StoppedAtBoundary, StopRequest
 
 
 def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None) -> None:
@@ -69,12 +78,26 @@ def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None
         print(f"  timeline PNG: {write_timeline(report, timeline)}")
 
 
+# A refused input: the other ranks wait this long for rank 0 to print why and exit, since
+# torchrun stops the job at the first rank to exit, before a slower rank 0 has spoken
+PEER_REPORT_WAIT_S = 30.0
+
+
+class BadInput(Exception):
+    """The rank's own check of every input found problems (the same `plait train` runs)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("cannot start training:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
 class _Run:
     """What a stop or a failure reports: steps done, where the metrics went."""
 
     def __init__(self, rank: int, total_steps: int):
         self.rank, self.total_steps, self.steps_done = rank, total_steps, 0
         self.metrics: PartialFile | None = None
+        self.stop = StopRequest()  # --checkpoint-on-stop: the signal, for the boundary
 
     def kept_metrics(self) -> str:
         if self.metrics is None:
@@ -104,11 +127,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plait: stopped by {signal_name(stop.signum)} after {run.steps_done} of "
                   f"{run.total_steps} steps{run.kept_metrics()}", file=sys.stderr)
         return 128 + stop.signum
-    except (ConfigError, DataError, DeviceError) as e:
+    except StoppedAtBoundary as stop:
+        if rank == 0:
+            saved = (f"; final checkpoint {stop.checkpoint} (continue with --resume)"
+                     if stop.checkpoint else "; no step done since the start: nothing saved")
+            print(f"plait: stopped by {signal_name(stop.signum)} after {stop.steps_done} of "
+                  f"{run.total_steps} steps{saved}{run.kept_metrics()}", file=sys.stderr)
+        return 128 + stop.signum
+    except (BadInput, ConfigError, DataError, DeviceError) as e:
         if args.debug:
             traceback.print_exc()
         if rank == 0:
             print(f"plait: {e}", file=sys.stderr)
+        else:  # every rank refuses alike; rank 0 says why, so it must end first
+            with contextlib.suppress(StopRequested):
+                time.sleep(PEER_REPORT_WAIT_S)
         return 2
     except Exception as e:
         if args.debug:
@@ -119,12 +152,37 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def check_rank_inputs(args: argparse.Namespace, rank: int, world: int, local_rank: int,
+                      local_world: int) -> Config:
+    """Every input checked on every rank before any collective, as `plait train` checks
+    them before launching: under a user's own `torchrun -m plait.train` too. The checks
+    are deterministic, so every rank refuses alike (exit 2) and none waits for a peer;
+    only rank 0 prepares the default corpus. The host-memory check counts this machine's
+    ranks (LOCAL_WORLD_SIZE of them, this one's node)."""
+    found = train_inputs(args, world_size=world, local_rank=local_rank,
+                         prepare_default=rank == 0)
+    if not found.problems:
+        first_local = rank - local_rank
+        problem = host_memory_problem(found.cfg, range(first_local, first_local + local_world),
+                                      found.device_type)
+        found.problems += [problem] if problem else []
+    if found.problems:
+        raise BadInput(found.problems)
+    assert found.cfg is not None
+    return found.cfg
+
+
 def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
-    device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cfg = check_rank_inputs(args, rank, world, local_rank,
+                            int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    device = resolve_device(args.device, local_rank)
     device.activate()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = config_from_args(args).check(world_size=world)
-    checkpoint = preflight(args, cfg)  # bad checkpoint flags or input: before any collective
+    try:  # bad checkpoint flags or input: before any collective
+        checkpoint = preflight(args, cfg)
+    except CheckpointError as e:
+        raise BadInput([str(e)]) from e
     run.total_steps = cfg.train.steps
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:
@@ -149,7 +207,14 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                 if run.metrics:
                     run.metrics.write_line(json.dumps(row))
 
-            result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint)
+            if args.checkpoint_on_stop:  # from here a signal waits for the step boundary
+                raise_on_stop_signals(record=run.stop.request)
+            try:
+                result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint,
+                               stop=run.stop if args.checkpoint_on_stop else None)
+            except StoppedAtBoundary:
+                finished = True  # every rank is at the same boundary: end together
+                raise
         if lead and checkpoint.resumed_from is not None and not args.quiet:
             print(f"resumed from {checkpoint.resumed_from}")
         if run.metrics:

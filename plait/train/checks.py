@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class TrainInputs:
     cfg: Config | None = None
     nproc: int | None = None
     data: Path | None = None
+    device_type: str = "cpu"  # where the ranks compute: "cpu" or "cuda"
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -40,11 +42,28 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     elif nproc is not None and nproc > MAX_LOCAL_RANKS:
         problems.append(f"--nproc {nproc}: plait train launches at most {MAX_LOCAL_RANKS} "
                         "ranks on one machine; use torchrun -m plait.train across nodes")
+    problems += _stop_checkpoint_problems(args)
     timeout = args.timeout
     if not math.isfinite(timeout) or timeout <= 0:
         problems.append(f"--timeout {timeout}: seconds a collective may wait must be a "
                         "finite number > 0 (default 300)")
     return problems
+
+
+def _stop_checkpoint_problems(args: argparse.Namespace) -> list[str]:
+    """--checkpoint-on-stop needs a directory it will be able to write (nothing created)."""
+    if not getattr(args, "checkpoint_on_stop", False):
+        return []
+    if not args.checkpoint_dir:
+        return ["--checkpoint-on-stop saves into --checkpoint-dir; give --checkpoint-dir D"]
+    d = Path(args.checkpoint_dir).expanduser()
+    base = next((a for a in (d, *d.resolve().parents) if a.exists()), Path("/"))
+    if not base.is_dir():
+        return [f"--checkpoint-dir {d}: {base} is a file, not a directory; choose another"]
+    if not os.access(base, os.W_OK | os.X_OK):
+        return [f"--checkpoint-dir {d}: {base} is not writable; choose a directory you "
+                "can write"]
+    return []
 
 
 def _input_paths(args: argparse.Namespace, data: Path | None) -> list[Path]:
@@ -75,9 +94,13 @@ def output_path_problems(args: argparse.Namespace, data: Path | None) -> list[st
     return problems
 
 
-def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> TrainInputs:
+def train_inputs(args: argparse.Namespace, world_size: int | None = None,
+                 local_rank: int | None = None, prepare_default: bool = True) -> TrainInputs:
     """Build and check everything a training run reads; `world_size`: the launcher's
-    (torchrun's WORLD_SIZE), else --nproc or the layout's."""
+    (torchrun's WORLD_SIZE), else --nproc or the layout's. `local_rank`: the one rank whose
+    device to check (a rank of `torchrun -m plait.train`); by default every local rank of
+    `plait train`. `prepare_default=False`: a missing default corpus is not prepared here
+    (rank 0 prepares it; the others check it once it exists)."""
     found = TrainInputs(problems=flag_problems(args))
     try:
         found.cfg = config_from_args(args)
@@ -98,7 +121,8 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
                               "corpus is tokenized by plait's own BPE, not the model's "
                               "tokenizer (plait data prepare --tokenizer hf:DIR)")
     try:  # every local rank has its device
-        resolve_device(args.device, local_rank=found.nproc - 1)
+        found.device_type = resolve_device(
+            args.device, local_rank=found.nproc - 1 if local_rank is None else local_rank).type
     except DeviceError as e:
         found.problems.append(str(e))
     if cfg.train.data:
@@ -110,6 +134,8 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None) -> Tra
         target = default_token_file(Path(args.data_dir) if args.data_dir else None)
         if not target.is_file():
             found.problems += output_problems("--data-dir", target)
+            if not prepare_default:
+                return found
     if found.data is None and found.problems:
         return found  # the default corpus is prepared only for a run that will start
     try:

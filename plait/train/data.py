@@ -36,8 +36,8 @@ class TokenFile:
     @classmethod
     def open(cls, path: str | Path) -> TokenFile:
         path = Path(path)
-        if path.suffix != ".bin":
-            path = path.with_suffix(".bin")
+        if path.suffix != ".bin":  # never read a different file than the one named
+            raise DataError(not_a_token_file(path))
         meta_path = path.with_suffix(".json")
         if not path.is_file() or not meta_path.is_file():
             raise DataError(
@@ -61,6 +61,34 @@ class TokenFile:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+def not_a_token_file(path: Path) -> str:
+    """What to do with a --data path that does not end in .bin."""
+    token_file = path.with_suffix(".bin")
+    if path.suffix == ".json" and token_file.is_file():
+        return (f"{path} is the metadata of the token file {token_file}; pass "
+                f"--data {token_file}")
+    if path.is_file() and _looks_like_text(path):
+        return (f"{path} is text, not a token file; tokenize it first: plait data prepare "
+                f"{path} --out {token_file}, then --data {token_file}")
+    return (f"{path}: a token file is NAME.bin with NAME.json beside it (plait data "
+            "prepare writes them); pass the .bin file")
+
+
+def _looks_like_text(path: Path, probe: int = 4096) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(probe)
+    except OSError:
+        return False
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut at the probe's end is still text
+        return e.start >= len(head) - 3
+    return True
 
 
 def _read_meta(meta_path: Path) -> dict:

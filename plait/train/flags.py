@@ -78,6 +78,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="where each rank computes: cuda:LOCAL_RANK with NCCL, or the CPU with "
                    "gloo; auto (default) takes CUDA when torch sees a GPU")
     add_checkpoint_args(p)
+    p.add_argument("--checkpoint-on-stop", action="store_true",
+                   help="on SIGINT/SIGTERM/SIGHUP, finish the current step and save a final "
+                   "checkpoint in --checkpoint-dir (every rank at the same step) before "
+                   "exiting 128 + the signal; default off: stop at once, saving nothing")
 
 
 # what each setting flag sets, for its help line

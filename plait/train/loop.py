@@ -4,7 +4,8 @@ config -> the plain model built on meta -> `parallelize` (plait/parallel/paralle
 every strategy, in one order; this rank's stages materialised from name-seeded init on
 the mesh's device; the gradient-sync + optimizer object) -> for each step: micro-batches
 forward/backward through the pipeline runtime, data parallel gradient sync, global grad
-norm, clip, AdamW, metrics (loss, tokens/s on the device's timer, ledger).
+norm, clip, AdamW, metrics (loss, tokens/s on the device's timer as plait/throughput.py
+defines it, ledger).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
+from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.optim import clip_coefficient, lr_at
+from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
 
 
 @dataclass
@@ -107,13 +110,15 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
 
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
-          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None
-          ) -> TrainResult:
+          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
+          stop: StopRequest | None = None) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
     `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
-    (plait/checkpoint)."""
+    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once
+    any rank has recorded a signal, every rank saves the steps done into `checkpoint` and
+    raises StoppedAtBoundary."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
@@ -140,13 +145,13 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     streak = 0  # non-finite steps in a row
     for step in range(start_step, t.steps):
+        if stop is not None:
+            _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result)
         result.metrics.append(row)
         if checkpoint is not None:  # outside the step: its collectives are tagged so
-            checkpoint.after_step(step, par, mesh, cfg, {"lr": row["lr"], "data": {
-                "next_step": step + 1, "seed": t.seed, "global_batch": t.global_batch,
-                "seq_len": t.seq_len}})
+            checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
         if on_step is not None:
             on_step(row)
         streak = streak + 1 if row.get("skipped") else 0
@@ -164,13 +169,35 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     return result
 
 
+def _progress(cfg: Config, next_step: int, lr: float) -> dict:
+    """What a checkpoint records of the run's position besides the state."""
+    t = cfg.train
+    return {"lr": lr, "data": {"next_step": next_step, "seed": t.seed,
+                               "global_batch": t.global_batch, "seq_len": t.seq_len}}
+
+
+def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
+                      par: ParallelModel, mesh: ParallelMesh, cfg: Config, step: int,
+                      start_step: int, result: TrainResult) -> None:
+    """Before step `step`: when any rank has recorded a stop signal, every rank saves the
+    `step` steps done (when this run did any) and raises StoppedAtBoundary."""
+    signum = agreed_stop(stop, mesh)
+    if not signum:
+        return
+    saved = None
+    if checkpoint is not None and step > start_step:
+        saved = save_on_stop(checkpoint, par, mesh, cfg, step,
+                             _progress(cfg, step, result.metrics[-1]["lr"]))
+    raise StoppedAtBoundary(signum, step, saved)
+
+
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
                 result: TrainResult) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
     update, the logged loss; its metrics row. `capture`: keep the full gradients."""
     t, opt = cfg.train, par.optimizer
-    tokens_per_step = t.global_batch * t.seq_len
+    step_tokens = tokens_per_step(t.global_batch, t.seq_len)
     mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
     mesh.ledger.step = step
     meter = mesh.device.memory_meter(opt.memory_sources) if step == t.memory_step else None
@@ -180,7 +207,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     start = timer.mark()
     local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
     loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
-                            tokens_per_step)
+                            step_tokens)
     opt.finish_gradients()
     norm = opt.grad_norm()
     if capture:
@@ -211,8 +238,8 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
                       **meter.allocator_stats())
     elapsed = timer.elapsed(start, timer.mark())
-    row = {"step": step, "loss": float(loss_sum), "tokens": tokens_per_step,
-           "step_time": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+    row = {"step": step, "loss": float(loss_sum), "tokens": step_tokens,
+           "step_time": elapsed, "tokens_per_s": tokens_per_second(step_tokens, [elapsed]),
            "grad_norm": norm, "lr": lr,
            "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
     row.update(moe)
@@ -238,18 +265,19 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
              param_count: dict[str, int]) -> dict:
-    """The run's summary line: layout, final loss, mean step time (the first step, which
-    warms caches, left out when there are others), the ledger's per-step averages."""
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    times = [m["step_time"] for m in metrics[1:]] or [m["step_time"] for m in metrics]
+    """The run's summary line: layout, final loss, mean step time and tokens/s (plait/
+    throughput.py: the first step, which warms caches, left out when there are others),
+    the ledger's per-step averages."""
+    times = [m["step_time"] for m in metrics]
     return {
         "summary": True,
         "layout": mesh.describe(),
         "world_size": mesh.world_size,
         "steps": steps_run,
         "final_loss": metrics[-1]["loss"] if metrics else None,
-        "mean_step_time": sum(times) / len(times) if times else None,
-        "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
+        "mean_step_time": mean_step_time(times),
+        "tokens_per_s": tokens_per_second(
+            tokens_per_step(cfg.train.global_batch, cfg.train.seq_len), times),
         "param_count": param_count["total"],  # the model's, on every layout
         "param_count_local": param_count["local"],  # rank 0's share (tp, pp split it)
         "ledger": ledger_summary(mesh, steps_run),

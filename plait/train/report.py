@@ -74,7 +74,7 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     fields = [("layout", summary["layout"]), ("params", _params(summary)),
               ("loss", f"{first:.4f} -> {last:.4f}"),
-              # global tokens per second: the global batch's tokens / the mean step time
+              # plait/throughput.py: global batch tokens / step time, first step left out
               ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
               ("step", f"{summary['mean_step_time'] * 1e3:.1f} ms")]
     if metrics and metrics[-1].get("moe"):  # routing of the last step

@@ -1,0 +1,60 @@
+"""Will the ranks' model states fit in this machine's memory? Asked before any rank starts.
+
+On the CPU every rank of a machine holds its parameters, gradients and optimizer states
+in that machine's RAM. Their bytes come from the planner's model of plait's runtime
+(`plait.plan.eager_sizes.rank_sizes`: the same numbers `plait plan` and the dry run's
+prediction use, exact for plait's CPU runtime): a lower bound on what the run needs, since
+activations, the data and the interpreter come on top. A run whose model states alone
+exceed the memory the kernel reports available is refused with the numbers and what to
+change, instead of swapping the machine to a halt or being killed by the OOM killer
+after minutes. On CUDA the states live in device memory: not this check's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from plait.config import Config
+from plait.device.host import mem_available_bytes
+from plait.plan.eager_sizes import rank_sizes
+
+GIB = 2**30
+
+
+def model_state_bytes(cfg: Config, rank: int) -> dict[str, float]:
+    """Parameters, gradients and optimizer states of global rank `rank` (its pipeline
+    stage's shards), in bytes. Gradients: ZeRO-2/3 keep only their shard between steps."""
+    p = cfg.parallel
+    pp_rank = (rank // (p.tp * p.cp)) % p.pp  # mesh order, innermost first: tp, cp, pp, dp
+    sz = rank_sizes(cfg, pp_rank, 0)
+    grads = sz.grad_shards if p.zero >= 2 else sz.grads_full
+    return {"parameters": sz.params, "gradients": grads, "optimizer states": sz.optim}
+
+
+def host_memory_problem(cfg: Config, ranks: Iterable[int], device_type: str = "cpu",
+                        available: int | None = None) -> str | None:
+    """Why the model states of `ranks` (the ranks on this machine) cannot fit in
+    `available` bytes (default: MemAvailable now), naming the numbers and the fix; None
+    when they can, on CUDA, and where the kernel does not say."""
+    if device_type != "cpu":
+        return None
+    available = mem_available_bytes() if available is None else available
+    if available is None:
+        return None
+    ranks = list(ranks)
+    per_rank = [model_state_bytes(cfg, r) for r in ranks]
+    need = sum(sum(s.values()) for s in per_rank)
+    if need <= available or not ranks:
+        return None
+    biggest = max(per_rank, key=lambda s: sum(s.values()))
+    parts = ", ".join(f"{k} {v / GIB:,.2f}" for k, v in biggest.items())
+    fixes = ["a smaller --model"]
+    p = cfg.parallel
+    if p.dp > 1 and p.zero < 3:
+        fixes.append(f"--zero 3 (shards all three over the {p.dp} data-parallel ranks)")
+    fixes.append("more machines (torchrun -m plait.train on each), so that each holds "
+                 "fewer ranks")
+    return (f"the model states of the {len(ranks)} rank(s) on this machine need "
+            f"{need / GIB:,.2f} GiB of memory (the largest rank: {parts} GiB; activations "
+            f"come on top), but only {available / GIB:,.2f} GiB is available (MemAvailable "
+            f"in /proc/meminfo); use " + ", or ".join(fixes))
