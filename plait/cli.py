@@ -20,6 +20,7 @@ from plait.checkpoint.cli import preflight as checkpoint_preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import ConfigError
 from plait.device import DeviceError
+from plait.elastic import run_elastic
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
@@ -46,12 +47,20 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         checkpoint_preflight(args, found.cfg)  # a resume's checkpoint: before any rank
     except CheckpointError as e:
         return _fail(str(e))
-    rank_args = _strip_flag(argv, "--nproc") + ["--data", str(found.data)]
-    # every listener on loopback (plait/launch.py); the store lives while the ranks run
-    launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout,
-                         torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
-                         extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
-    return launch_ranks(launch.command, launch.env)
+    rank_args = _strip_flag(_strip_flag(argv, "--nproc"), "--max-restarts") + [
+        "--data", str(found.data)]
+
+    def launch_local(rank_args: list[str], env: dict[str, str] | None = None,
+                     received: list[int] | None = None) -> int:
+        # every listener on loopback (plait/launch.py); the store lives while the ranks run
+        launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout,
+                             torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
+                             extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
+        return launch_ranks(launch.command, {**launch.env, **(env or {})}, received)
+
+    if args.max_restarts:  # relaunch after a rank dies, from the last checkpoint
+        return run_elastic(args.max_restarts, args.checkpoint_dir, rank_args, launch_local)
+    return launch_local(rank_args)
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:
@@ -129,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(train)
     train.add_argument("--nproc", type=int, metavar="N",
                        help="ranks to launch (default: the layout's dp*pp*cp*tp)")
+    train.add_argument("--max-restarts", type=int, metavar="R",
+                       help="when a rank dies, stop the others and start every rank again "
+                       "from the last committed checkpoint, up to R times (needs "
+                       "--checkpoint-dir and --checkpoint-every; plait/elastic.py)")
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")
     demo.add_argument("--nproc", type=int, default=4, metavar="N",

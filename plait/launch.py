@@ -49,6 +49,7 @@ from plait.device.network import (
     process_tree,
     transport_env,
 )
+from plait.elastic import FAILURE_FILE_ENV, write_failure
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 10.0  # ranks stop at their next Python instruction: well within this
@@ -139,11 +140,13 @@ def _forwarding(proc: subprocess.Popen, received: list[int]) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the torchrun shim until it ends; 128 + signal when stopped by one."""
+def launch_ranks(cmd: list[str], env: dict[str, str], received: list[int] | None = None
+                 ) -> int:
+    """Run the torchrun shim until it ends; 128 + signal when stopped by one
+    (`received`, if given, gets the stop signals this launcher was sent)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,  # signals come from us
                             preexec_fn=die_with_parent)
-    received: list[int] = []
+    received = [] if received is None else received
     with _forwarding(proc, received):
         deadline = None
         while proc.poll() is None:
@@ -179,8 +182,11 @@ def run_torchrun(argv: list[str]) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         first = min(e.failures.values(), key=lambda f: f.timestamp)  # the root cause
-        print(f"plait: rank {first.local_rank} exited first, with {_exit_text(first.exitcode)}",
-              file=sys.stderr, flush=True)
+        if os.environ.get(FAILURE_FILE_ENV):  # a restarting launcher reports it (elastic.py)
+            write_failure(e.failures, os.environ[FAILURE_FILE_ENV])
+        else:
+            print(f"plait: rank {first.local_rank} exited first, with "
+                  f"{_exit_text(first.exitcode)}", file=sys.stderr, flush=True)
         codes = [f.exitcode for f in e.failures.values()]
         # a rank stopped by a signal reports 128 + it; an error in a rank is a failed run
         return max(codes) if codes and min(codes) > 128 else 1

@@ -26,6 +26,7 @@ from plait import comm
 from plait.checkpoint.cli import preflight
 from plait.config import ConfigError
 from plait.device import DeviceError, resolve_device
+from plait.elastic import ElasticState, inject_fault
 from plait.files import PartialFile
 from plait.launch import (
     StopRequested,
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     raise_on_stop_signals()
     parser = argparse.ArgumentParser(prog="python -m plait.train")
     add_train_args(parser)
+    # given by `plait train --max-restarts` to each attempt's ranks (plait/elastic.py)
+    parser.add_argument("--elastic-state", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,6 +138,9 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
     lead = rank == 0
     # streamed to NAME.partial, renamed to NAME only when the run completes
     run.metrics = PartialFile(args.metrics_out) if lead and args.metrics_out else None
+    elastic = ElasticState(args.elastic_state) if args.elastic_state else None
+    for row in elastic.rows if elastic and run.metrics else ():  # the earlier attempts'
+        run.metrics.write_line(json.dumps(row))
     finished = False
     try:
         with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
@@ -143,8 +149,13 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                 show(row)
                 if run.metrics:
                     run.metrics.write_line(json.dumps(row))
+                if elastic and lead:
+                    elastic.log(row)
+                inject_fault(rank, row["step"], elastic.attempt if elastic else 0)
 
             result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint)
+        if elastic:
+            result.summary.update(elastic.summary())
         if lead and checkpoint.resumed_from is not None and not args.quiet:
             print(f"resumed from {checkpoint.resumed_from}")
         if run.metrics:
