@@ -22,6 +22,7 @@ from plait.config import ConfigError
 from plait.device import DeviceError
 from plait.elastic import run_elastic
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
+from plait.multinode import NODE_FLAGS, add_node_args, node_spec, run_node
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
 
@@ -38,7 +39,12 @@ def _fail(msg: str) -> int:
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from plait.train.checks import train_inputs
 
-    found = train_inputs(args)
+    nodes, node_problems = node_spec(args, _layout_world(args))  # None: one node
+    if nodes is not None and args.gpus_per_node is None:  # the mesh knows the nodes
+        args.gpus_per_node = nodes.nproc
+        argv = ["--gpus-per-node", str(nodes.nproc), *argv]
+    found = train_inputs(args, world_size=nodes.world_size if nodes else None)
+    found.problems = node_problems + found.problems
     if found.problems:
         return _fail("cannot start training:\n" + "\n".join(f"  - {p}" for p in found.problems))
     for w in found.warnings:
@@ -47,20 +53,34 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         checkpoint_preflight(args, found.cfg)  # a resume's checkpoint: before any rank
     except CheckpointError as e:
         return _fail(str(e))
-    rank_args = _strip_flag(_strip_flag(argv, "--nproc"), "--max-restarts") + [
-        "--data", str(found.data)]
+    for flag in ("--nproc", "--max-restarts", *NODE_FLAGS):  # the launcher's own flags
+        argv = _strip_flag(argv, flag)
+    rank_args = [*argv, "--data", str(found.data)]
+    shim = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND]
+    extra = [f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"]
+    if nodes is not None:  # one launcher per node (plait/multinode.py)
+        return run_node(nodes, rank_args, args.timeout, shim, extra)
 
     def launch_local(rank_args: list[str], env: dict[str, str] | None = None,
                      received: list[int] | None = None) -> int:
         # every listener on loopback (plait/launch.py); the store lives while the ranks run
-        launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout,
-                             torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
-                             extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
+        launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout, torchrun=shim,
+                             extra=extra)
         return launch_ranks(launch.command, {**launch.env, **(env or {})}, received)
 
     if args.max_restarts:  # relaunch after a rank dies, from the last checkpoint
         return run_elastic(args.max_restarts, args.checkpoint_dir, rank_args, launch_local)
     return launch_local(rank_args)
+
+
+def _layout_world(args: argparse.Namespace) -> int | None:
+    """The layout's world size, where the configuration loads (else validation says why)."""
+    from plait.train.flags import config_from_args
+
+    try:
+        return config_from_args(args).parallel.world_size
+    except ConfigError:
+        return None
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:
@@ -142,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="when a rank dies, stop the others and start every rank again "
                        "from the last committed checkpoint, up to R times (needs "
                        "--checkpoint-dir and --checkpoint-every; plait/elastic.py)")
+    add_node_args(train)
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")
     demo.add_argument("--nproc", type=int, default=4, metavar="N",

@@ -19,7 +19,9 @@ checkpoint are trained again: the *lost steps*. Rank 0 logs each step's row to a
 file in the launcher's state directory; the launcher keeps the rows before the resume
 step, and the next attempt's rank 0 writes them first to its metrics file, so the metrics
 hold the whole run once, and its summary the restarts (`restarts`, `lost_steps`,
-`restart_log`: per restart the rank, exit, last step logged, step resumed from, times).
+`restart_log`: per restart the rank, exit, last step logged, step resumed from, and the
+wall-clock times the agent saw the failure, every rank was gone, the ranks were launched
+again and the first step after the restart was done).
 
 This is the CLI layer: it reads the environment (the test-only fault below) and starts
 processes. Single node only: with --nnodes > 1 the launchers would have to agree on the
@@ -190,6 +192,8 @@ class ElasticState:
         self._log = Path(path + ".rows")
 
     def log(self, row: dict) -> None:
+        if self.restarts and "resumed_at" not in self.restarts[-1]:
+            self.restarts[-1]["resumed_at"] = time.time()  # the first step after it done
         with open(self._log, "a") as f:
             f.write(json.dumps(row) + "\n")
 

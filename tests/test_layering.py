@@ -43,7 +43,8 @@ LAYERS = [
     ("plan", ["plait.plan"]),
     ("observe", ["plait.observe"]),
     ("testing", ["plait.testing"]),
-    ("cli", ["plait.cli", "plait.launch", "plait.elastic", "plait.train.__main__"]),
+    ("cli", ["plait.cli", "plait.launch", "plait.elastic", "plait.multinode",
+             "plait.train.__main__"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 
