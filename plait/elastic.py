@@ -29,7 +29,8 @@ checkpoint to resume from; refused until that is built.
 
 Test-only fault injection: `PLAIT_TEST_FAULT=kill:RANK:STEP` makes that rank SIGKILL
 itself right after step STEP's row is logged, on the first attempt only;
-`kill:RANK:STEP:every` on every attempt. Read here, in the rank entry, and nowhere else.
+`kill:RANK:STEP:every` on every attempt; `stop:...` SIGSTOPs it instead (a stalled rank,
+for the hang watchdog, plait/watchdog.py). Read here, by the rank entry, nowhere else.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from plait.checkpoint.format import checkpoints
 
 FAILURE_FILE_ENV = "PLAIT_FAILURE_FILE"  # where the torchrun shim says which rank failed
 FAULT_ENV = "PLAIT_TEST_FAULT"
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}  # a dead or a stalled rank
 
 
 # ---- the launcher's side ---------------------------------------------------------------
@@ -204,13 +206,13 @@ class ElasticState:
 
 
 def inject_fault(rank: int, step: int, attempt: int) -> None:
-    """Test-only (`PLAIT_TEST_FAULT`, module doc): SIGKILL this rank at `step`."""
-    spec = os.environ.get(FAULT_ENV, "")
-    parts = spec.split(":")
-    if len(parts) < 3 or parts[0] != "kill":
+    """Test-only (`PLAIT_TEST_FAULT`, module doc): SIGKILL (kill) or SIGSTOP (stop) this
+    rank after `step`."""
+    parts = os.environ.get(FAULT_ENV, "").split(":")
+    if len(parts) < 3 or parts[0] not in FAULT_SIGNALS:
         return
     every = parts[3:] == ["every"]
     if int(parts[1]) == rank and int(parts[2]) == step and (attempt == 0 or every):
         sys.stdout.flush()
         sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), FAULT_SIGNALS[parts[0]])

@@ -176,6 +176,7 @@ def run_torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    _shorten_close_grace(STOP_GRACE_S / 2)
     try:
         torchrun_main(argv)
     except SignalException as e:
@@ -191,6 +192,24 @@ def run_torchrun(argv: list[str]) -> int:
         # a rank stopped by a signal reports 128 + it; an error in a rank is a failed run
         return max(codes) if codes and min(codes) > 128 else 1
     return 0
+
+
+def _shorten_close_grace(seconds: float) -> None:
+    """After one rank fails, torch's agent stops the others with SIGTERM and a fixed 30 s
+    before SIGKILL (PContext.close's default, not its --shutdown-timeout). A stalled rank
+    (SIGSTOP, or one that ignores SIGTERM) would hold the job that long after the failure
+    was known: give it `seconds`, as a clean stop gets."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    if getattr(close, "plait_grace", None) is not None:
+        return
+
+    def short_close(self, death_sig=None, timeout: float = seconds) -> None:  # noqa: ANN001
+        close(self, death_sig, int(min(timeout, seconds)) or 1)
+
+    short_close.plait_grace = seconds  # type: ignore[attr-defined]
+    api.PContext.close = short_close
 
 
 def _exit_text(code: int) -> str:

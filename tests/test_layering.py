@@ -43,7 +43,7 @@ LAYERS = [
     ("plan", ["plait.plan"]),
     ("observe", ["plait.observe"]),
     ("testing", ["plait.testing"]),
-    ("cli", ["plait.cli", "plait.launch", "plait.elastic", "plait.multinode",
+    ("cli", ["plait.cli", "plait.launch", "plait.elastic", "plait.multinode", "plait.watchdog",
              "plait.train.__main__"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

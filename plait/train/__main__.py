@@ -42,6 +42,7 @@ from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, config_from_args, resolve_data
 from plait.train.loop import train
 from plait.train.report import final_line, print_summary, progress_reporter
+from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
 
 
 def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None) -> None:
@@ -125,14 +126,17 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
     checkpoint = preflight(args, cfg)  # bad checkpoint flags or input: before any collective
     run.total_steps = cfg.train.steps
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
-    if world > 1:
-        init_rank_process_group(device.backend, datetime.timedelta(seconds=args.timeout))
+    if world > 1:  # the watchdog reports a hang before the group's own timeout
+        init_rank_process_group(device.backend, datetime.timedelta(
+            seconds=args.timeout + REPORT_MARGIN_S))
     if data is None:  # non-zero ranks wait for rank 0 to prepare the default corpus
         dist.barrier()
         data = resolve_data(cfg, args.data_dir)
     elif world > 1 and not cfg.train.data:
         dist.barrier()
     mesh = ParallelMesh.build(cfg.parallel, device=device)
+    store = store_client(args.timeout) if world > 1 else None
+    watchdog = Watchdog(mesh.ledger, rank, world, store, args.timeout).start() if store else None
     batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
@@ -151,6 +155,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                     run.metrics.write_line(json.dumps(row))
                 if elastic and lead:
                     elastic.log(row)
+                if watchdog is not None:
+                    watchdog.publish()
                 inject_fault(rank, row["step"], elastic.attempt if elastic else 0)
 
             result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint)
@@ -173,6 +179,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                 comm.all_reduce(torch.zeros(1, device=device.torch), mesh, "world",
                                 tag="shutdown")
             dist.destroy_process_group()
+        if watchdog is not None:
+            watchdog.stop()
     if lead:
         written = run.metrics.finish() if run.metrics else None
         print(final_line(result.summary, result.metrics, written), flush=True)
