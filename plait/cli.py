@@ -68,7 +68,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                              extra=extra)
         return launch_ranks(launch.command, {**launch.env, **(env or {})}, received)
 
-    if args.max_restarts:  # relaunch after a rank dies, from the last checkpoint
+    if getattr(args, "max_restarts", None):  # relaunch after a rank dies, from the last checkpoint
         return run_elastic(args.max_restarts, args.checkpoint_dir, rank_args, launch_local)
     return launch_local(rank_args)
 

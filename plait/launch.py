@@ -18,8 +18,8 @@ rendezvous store and one it shares with the workers) and gloo listens on whateve
 hostname resolves to. So the launcher hosts the rendezvous store itself, bound to
 127.0.0.1 (`plait.device.network.bound_store`), and the agent joins it as a client
 (`--rdzv-conf is_host=false`, `--local-addr 127.0.0.1`); the agent shares no store with
-the workers (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): rank 0 hosts the process group's
-store on `MASTER_ADDR:MASTER_PORT` only; gloo and NCCL use the loopback interface
+the workers (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): the ranks build their process group
+on the launcher's store (`STORE_ENV`); gloo and NCCL use the loopback interface
 (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`). tests/test_network.py reads every listening
 socket of a running job from /proc.
 
@@ -254,17 +254,43 @@ class LocalLaunch:
             "--rdzv-conf=is_host=false", f"--local-addr={LOCALHOST}",
             "-m", "plait.train", *rank_args]
         self.env = {**os.environ, **transport_env(loopback_interface()),
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                    STORE_ENV: f"{LOCALHOST}:{self.store.port}"}
         # one intra-op thread per rank (docs/architecture.md, Facts)
         self.env.setdefault("OMP_NUM_THREADS", "1")
 
 
+# host:port of the store `plait train` hosts (LocalLaunch, plait/multinode.py): its ranks
+# build their process group on it, so no rank has to bind a port picked by someone else
+STORE_ENV = "PLAIT_STORE"
+
+
+def job_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """A client of the launcher's store (STORE_ENV), its keys under this attempt's
+    restart count; None when not launched by `plait train`."""
+    where = os.environ.get(STORE_ENV)
+    if not where:
+        return None
+    host, _, port = where.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"plait-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
+
+
 def init_rank_process_group(backend: str, timeout: datetime.timedelta) -> None:
-    """Join this rank's process group, launched by torchrun. Where torchrun's agent shares
-    its store (TORCHELASTIC_USE_AGENT_STORE=True, its default) that store is used as is;
-    otherwise rank 0 hosts the store on MASTER_ADDR:MASTER_PORT only - loopback for a
-    local run, the master's address on a cluster - instead of on every interface."""
+    """Join this rank's process group, launched by torchrun. Under `plait train` the
+    group is built on the launcher's store (STORE_ENV: already bound, on loopback or the
+    named interface). Otherwise, where torchrun's agent shares its store
+    (TORCHELASTIC_USE_AGENT_STORE=True, its default) that store is used as is; else rank 0
+    hosts the store on MASTER_ADDR:MASTER_PORT only - the master's address on a cluster -
+    instead of on every interface. (The agent picks MASTER_PORT free and lets it go: a
+    port another process can take before rank 0 binds it.)"""
     env = os.environ
+    store = job_store(timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+        return
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in env:
         dist.init_process_group(backend, timeout=timeout)
         return

@@ -11,7 +11,7 @@ Every listener of a node is bound to one interface's address, never to every int
 Node 0's launcher hosts the c10d rendezvous store itself, on that address and PORT
 (`plait.device.network.bound_store`); each node's torchrun agent joins it as a client
 (`--rdzv-conf is_host=false`, `--local-addr` the node's address), and shares no store with
-its ranks; the job's rank 0 hosts the process group's store on its node's address only
+its ranks; the ranks build their process group on the same store
 (`init_rank_process_group`), and gloo / NCCL use the named interface. The stores are
 unauthenticated, as torchrun's are: a multi-node job belongs on a network only the
 cluster can reach. Each launcher says in one line where it listens.
@@ -44,6 +44,7 @@ from plait.device.network import (
     route_to,
     transport_env,
 )
+from plait.launch import STORE_ENV, launch_ranks
 
 NODE_FLAGS = ("--nnodes", "--node-rank", "--master", "--interface")  # the launcher's only
 
@@ -107,6 +108,8 @@ def _address(args: argparse.Namespace, host: str, port: int) -> tuple[str, str] 
 def node_spec(args: argparse.Namespace, layout_world: int | None
               ) -> tuple[NodeSpec | None, list[str]]:
     """The multi-node flags checked; (None, problems) for a single-node run."""
+    for flag in ("nnodes", "node_rank", "master", "interface"):  # plait demo has none
+        setattr(args, flag, getattr(args, flag, None))
     nnodes = args.nnodes if args.nnodes is not None else 1
     if nnodes == 1 and args.master is None and args.node_rank in (None, 0):
         if args.interface is not None:
@@ -162,7 +165,8 @@ class NodeLaunch:
             f"--rdzv-id=plait-{spec.host}-{spec.port}", f"--rdzv-conf={rdzv}",
             f"--local-addr={spec.address}", "-m", "plait.train", *rank_args]
         self.env = {**os.environ, **transport_env(spec.interface),
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                    STORE_ENV: f"{spec.host}:{spec.port}"}  # the ranks' group store too
         self.env.setdefault("OMP_NUM_THREADS", "1")  # docs/architecture.md, Facts
 
     @staticmethod
@@ -178,7 +182,6 @@ class NodeLaunch:
 def run_node(spec: NodeSpec, rank_args: list[str], timeout_s: float, torchrun: list[str],
              extra: list[str]) -> int:
     """Launch this node's ranks and wait for them (plait/launch.py: signals, no orphans)."""
-    from plait.launch import launch_ranks
 
     NodeLaunch.announce(spec)
     try:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from plait.comm.ledger import FlightEntry, Ledger
+from plait.launch import job_store
 
 REPORT_MARGIN_S = 30.0  # the process group times out this much after the watchdog
 KEY = "plait-flight"
@@ -145,12 +146,16 @@ class Watchdog:
 
 
 def store_client(timeout_s: float) -> dist.Store | None:
-    """A client of the job's store (MASTER_ADDR:MASTER_PORT), for the watchdog's thread;
-    its keys under the restart count (torchrun's own restarts may keep the store)."""
+    """A client of the job's store for the watchdog's thread: the launcher's
+    (plait.launch.job_store), else MASTER_ADDR:MASTER_PORT (torchrun run directly); its
+    keys under the restart count (torchrun's own restarts may keep the store)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = job_store(timeout)
+    if store is not None:
+        return store
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                             store)
