@@ -29,21 +29,33 @@ from plait.testing import assert_parity, free_port
 LAYOUT = ("parallel.dp=2", "parallel.tp=2")  # tp inside a node, dp across the two
 
 
+def _start(node: int, master: str, sets: list[str], metrics: Path, flags) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "train", "--data", str(token_file()), *sets,
+         "--nnodes", "2", "--node-rank", str(node), "--master", master, "--nproc", "2",
+         "--interface", "lo", "--quiet", "--metrics-out", str(metrics), "--timeout", "60",
+         *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _launchers(tmp_path: Path, *flags: str, steps: int = 4):
-    """The two launchers, node 0 (which hosts the store) first."""
+    """Node 0's launcher, once it listens on the master port, then node 1's."""
     marker = f"plait-nodes-{uuid.uuid4().hex[:12]}"
     metrics = tmp_path / f"{marker}.jsonl"
     sets = [a for s in (*BASE, *LAYOUT, f"train.steps={steps}") for a in ("--set", s)]
-    # free_port's race (another process takes the port first) ends in a clear exit 2
-    master = f"127.0.0.1:{free_port()}"
-    procs = []
-    for node in (0, 1):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "plait.cli", "train", "--data", str(token_file()), *sets,
-             "--nnodes", "2", "--node-rank", str(node), "--master", master, "--nproc", "2",
-             "--interface", "lo", "--quiet", "--metrics-out", str(metrics), "--timeout",
-             "60", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs, marker, metrics  # by node
+    for _ in range(5):  # free_port's race: another process took the port first
+        port = free_port()
+        node0 = _start(0, f"127.0.0.1:{port}", sets, metrics, flags)
+        deadline = time.monotonic() + 120
+        while node0.poll() is None and not any(
+                s.port == port for s in listening_sockets(process_tree(node0.pid))):
+            assert time.monotonic() < deadline, "node 0 did not listen within 120 s"
+            time.sleep(0.1)
+        if node0.poll() is None:
+            return [node0, _start(1, f"127.0.0.1:{port}", sets, metrics, flags)], marker, \
+                metrics
+        err = node0.communicate()[1]
+        assert node0.returncode == 2 and "cannot listen" in err, err
+    pytest.fail("no free port for the master in 5 tries")
 
 
 def test_two_nodes_match_the_single_process_run(tmp_path):
