@@ -4,8 +4,8 @@
       └─ the torchrun shim and its ranks  (plait/launch.py), one launch per attempt
 
 When a rank dies (an error, SIGKILL, the machine's OOM killer), torch's agent notices
-within its monitor interval (0.1 s), terminates the other ranks (SIGTERM, SIGKILL after
-`--shutdown-timeout`) and exits, writing which rank failed first and how to the file
+within its monitor interval (0.1 s), terminates the other ranks (SIGTERM, SIGKILL 5 s
+later: plait/launch.py shortens torch's 30 s) and exits, writing which rank failed first and how to the file
 this launcher named (`FAILURE_FILE_ENV`). The launcher then starts every rank again, on
 a fresh rendezvous store, resuming from the newest COMMITTED checkpoint in D
 (plait/checkpoint: a checkpoint without its marker is never loaded), and says so in one
