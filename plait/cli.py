@@ -21,7 +21,9 @@ from plait.checkpoint.cli import preflight as checkpoint_preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import ConfigError
 from plait.device import DeviceError
+from plait.elastic import run_elastic
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
+from plait.multinode import NODE_FLAGS, add_node_args, node_spec, run_node
 from plait.train.checks import TrainInputs
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
@@ -42,9 +44,13 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
     dry = args.dry_run
     problems = dry_run_flag_problems(args)
-    found = train_inputs(args, world_size=args.world_size if dry else None,
-                         local_rank=0 if dry else None)
-    found.problems = problems + found.problems
+    nodes, node_problems = (None, []) if dry else node_spec(args, _layout_world(args))
+    if nodes is not None and args.gpus_per_node is None:  # the mesh knows the nodes
+        args.gpus_per_node = nodes.nproc
+        argv = ["--gpus-per-node", str(nodes.nproc), *argv]
+    world = args.world_size if dry else (nodes.world_size if nodes else None)
+    found = train_inputs(args, world_size=world, local_rank=0 if dry else None)
+    found.problems = problems + node_problems + found.problems
     if dry and args.world_size is None and (args.rank or 0) >= (found.nproc or 1) > 0:
         found.problems.append(f"--rank {args.rank}: the layout has {found.nproc} ranks; "
                               f"choose 0..{found.nproc - 1}")
@@ -62,12 +68,34 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         checkpoint_preflight(args, found.cfg)  # a resume's checkpoint: before any rank
     except CheckpointError as e:
         return _fail(str(e))
-    rank_args = _strip_flag(argv, "--nproc") + ["--data", str(found.data)]
-    # every listener on loopback (plait/launch.py); the store lives while the ranks run
-    launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout,
-                         torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
-                         extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
-    return launch_ranks(launch.command, launch.env)
+    for flag in ("--nproc", "--max-restarts", *NODE_FLAGS):  # the launcher's own flags
+        argv = _strip_flag(argv, flag)
+    rank_args = [*argv, "--data", str(found.data)]
+    shim = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND]
+    extra = [f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"]
+    if nodes is not None:  # one launcher per node (plait/multinode.py)
+        return run_node(nodes, rank_args, args.timeout, shim, extra)
+
+    def launch_local(rank_args: list[str], env: dict[str, str] | None = None,
+                     received: list[int] | None = None) -> int:
+        # every listener on loopback (plait/launch.py); the store lives while the ranks run
+        launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout, torchrun=shim,
+                             extra=extra)
+        return launch_ranks(launch.command, {**launch.env, **(env or {})}, received)
+
+    if getattr(args, "max_restarts", None):  # relaunch after a rank dies, from the last checkpoint
+        return run_elastic(args.max_restarts, args.checkpoint_dir, rank_args, launch_local)
+    return launch_local(rank_args)
+
+
+def _layout_world(args: argparse.Namespace) -> int | None:
+    """The layout's world size, where the configuration loads (else validation says why)."""
+    from plait.train.flags import config_from_args
+
+    try:
+        return config_from_args(args).parallel.world_size
+    except ConfigError:
+        return None
 
 
 def dry_run_flag_problems(args: argparse.Namespace) -> list[str]:
@@ -211,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--dry-run: ranks of the layout (default: its dp*pp*cp*tp)")
     dry.add_argument("--rank", type=int, metavar="R", help="--dry-run: the rank to build "
                      "(default 0; the last pipeline stage is the last ranks)")
+    train.add_argument("--max-restarts", type=int, metavar="R",
+                       help="when a rank dies, stop the others and start every rank again "
+                       "from the last committed checkpoint, up to R times (needs "
+                       "--checkpoint-dir and --checkpoint-every; plait/elastic.py)")
+    add_node_args(train)
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")
     demo.add_argument("--nproc", type=int, default=4, metavar="N",

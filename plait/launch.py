@@ -20,8 +20,8 @@ rendezvous store and one it shares with the workers) and gloo listens on whateve
 hostname resolves to. So the launcher hosts the rendezvous store itself, bound to
 127.0.0.1 (`plait.device.network.bound_store`), and the agent joins it as a client
 (`--rdzv-conf is_host=false`, `--local-addr 127.0.0.1`); the agent shares no store with
-the workers (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): rank 0 hosts the process group's
-store on `MASTER_ADDR:MASTER_PORT` only; gloo and NCCL use the loopback interface
+the workers (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): the ranks build their process group
+on the launcher's store (`STORE_ENV`); gloo and NCCL use the loopback interface
 (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`). tests/test_network.py reads every listening
 socket of a running job from /proc.
 
@@ -51,6 +51,7 @@ from plait.device.network import (
     process_tree,
     transport_env,
 )
+from plait.elastic import FAILURE_FILE_ENV, write_failure
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 10.0  # ranks stop at their next Python instruction: well within this
@@ -146,11 +147,13 @@ def _forwarding(proc: subprocess.Popen, received: list[int]) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the torchrun shim until it ends; 128 + signal when stopped by one."""
+def launch_ranks(cmd: list[str], env: dict[str, str], received: list[int] | None = None
+                 ) -> int:
+    """Run the torchrun shim until it ends; 128 + signal when stopped by one
+    (`received`, if given, gets the stop signals this launcher was sent)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,  # signals come from us
                             preexec_fn=die_with_parent)
-    received: list[int] = []
+    received = [] if received is None else received
     with _forwarding(proc, received):
         deadline = None
         while proc.poll() is None:
@@ -180,18 +183,40 @@ def run_torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    _shorten_close_grace(STOP_GRACE_S / 2)
     try:
         torchrun_main(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         first = min(e.failures.values(), key=lambda f: f.timestamp)  # the root cause
-        print(f"plait: rank {first.local_rank} exited first, with {_exit_text(first.exitcode)}",
-              file=sys.stderr, flush=True)
+        if os.environ.get(FAILURE_FILE_ENV):  # a restarting launcher reports it (elastic.py)
+            write_failure(e.failures, os.environ[FAILURE_FILE_ENV])
+        else:
+            print(f"plait: rank {first.local_rank} exited first, with "
+                  f"{_exit_text(first.exitcode)}", file=sys.stderr, flush=True)
         codes = [f.exitcode for f in e.failures.values()]
         # a rank stopped by a signal reports 128 + it; an error in a rank is a failed run
         return max(codes) if codes and min(codes) > 128 else 1
     return 0
+
+
+def _shorten_close_grace(seconds: float) -> None:
+    """After one rank fails, torch's agent stops the others with SIGTERM and a fixed 30 s
+    before SIGKILL (PContext.close's default, not its --shutdown-timeout). A stalled rank
+    (SIGSTOP, or one that ignores SIGTERM) would hold the job that long after the failure
+    was known: give it `seconds`, as a clean stop gets."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    if getattr(close, "plait_grace", None) is not None:
+        return
+
+    def short_close(self, death_sig=None, timeout: float = seconds) -> None:  # noqa: ANN001
+        close(self, death_sig, int(min(timeout, seconds)) or 1)
+
+    short_close.plait_grace = seconds  # type: ignore[attr-defined]
+    api.PContext.close = short_close
 
 
 def _exit_text(code: int) -> str:
@@ -236,17 +261,43 @@ class LocalLaunch:
             "--rdzv-conf=is_host=false", f"--local-addr={LOCALHOST}",
             "-m", "plait.train", *rank_args]
         self.env = {**os.environ, **transport_env(loopback_interface()),
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                    STORE_ENV: f"{LOCALHOST}:{self.store.port}"}
         # one intra-op thread per rank (docs/architecture.md, Facts)
         self.env.setdefault("OMP_NUM_THREADS", "1")
 
 
+# host:port of the store `plait train` hosts (LocalLaunch, plait/multinode.py): its ranks
+# build their process group on it, so no rank has to bind a port picked by someone else
+STORE_ENV = "PLAIT_STORE"
+
+
+def job_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """A client of the launcher's store (STORE_ENV), its keys under this attempt's
+    restart count; None when not launched by `plait train`."""
+    where = os.environ.get(STORE_ENV)
+    if not where:
+        return None
+    host, _, port = where.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"plait-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
+
+
 def init_rank_process_group(backend: str, timeout: datetime.timedelta) -> None:
-    """Join this rank's process group, launched by torchrun. Where torchrun's agent shares
-    its store (TORCHELASTIC_USE_AGENT_STORE=True, its default) that store is used as is;
-    otherwise rank 0 hosts the store on MASTER_ADDR:MASTER_PORT only - loopback for a
-    local run, the master's address on a cluster - instead of on every interface."""
+    """Join this rank's process group, launched by torchrun. Under `plait train` the
+    group is built on the launcher's store (STORE_ENV: already bound, on loopback or the
+    named interface). Otherwise, where torchrun's agent shares its store
+    (TORCHELASTIC_USE_AGENT_STORE=True, its default) that store is used as is; else rank 0
+    hosts the store on MASTER_ADDR:MASTER_PORT only - the master's address on a cluster -
+    instead of on every interface. (The agent picks MASTER_PORT free and lets it go: a
+    port another process can take before rank 0 binds it.)"""
     env = os.environ
+    store = job_store(timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+        return
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in env:
         dist.init_process_group(backend, timeout=timeout)
         return

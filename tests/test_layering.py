@@ -43,7 +43,8 @@ LAYERS = [
     ("plan", ["plait.plan"]),
     ("observe", ["plait.observe"]),
     ("testing", ["plait.testing"]),
-    ("cli", ["plait.cli", "plait.launch", "plait.train.__main__", "plait.train.eval_cli"]),
+    ("cli", ["plait.cli", "plait.launch", "plait.elastic", "plait.multinode", "plait.watchdog",
+             "plait.train.__main__", "plait.train.eval_cli"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -65,6 +65,27 @@ class CommRecord:
         return max(self.seconds - self.blocked, 0.0)
 
 
+FLIGHT_RECORDS = 16  # the flight recorder's length: the last collectives entered
+
+
+@dataclass
+class FlightEntry:
+    """A collective as it is entered, for the flight recorder: `done` once it completed
+    (its ledger record is written then). `seq`: this rank's count of collectives entered;
+    `dim_seq`: its count on this mesh dim, which the ranks of one group share while they
+    are in step (the rank with the lowest `dim_seq` on a dim is the one behind)."""
+
+    seq: int
+    dim_seq: int
+    op: str
+    dim: str
+    payload: int
+    step: int
+    tag: str
+    entered: float  # perf_counter
+    done: bool = False
+
+
 # The step of collectives that belong to no training step: gathering a full state or the
 # first-step gradients for a check. Recorded like any other, left out of per-step totals.
 OUTSIDE_STEP = -1
@@ -74,6 +95,26 @@ OUTSIDE_STEP = -1
 class Ledger:
     records: list[CommRecord] = field(default_factory=list)
     step: int = 0
+    # the flight recorder: the last FLIGHT_RECORDS collectives entered, done or not
+    # (what a hang report shows; plait/watchdog.py reads it from another thread)
+    flight: deque[FlightEntry] = field(default_factory=lambda: deque(maxlen=FLIGHT_RECORDS))
+    entered: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # per dim
+
+    def enter(self, op: str, dim: str, payload: int, tag: str = "") -> FlightEntry:
+        """A collective is being issued: note it in the flight recorder."""
+        self.entered[dim] += 1
+        entry = FlightEntry(sum(self.entered.values()), self.entered[dim], op, dim,
+                            int(payload), self.step, tag, time.perf_counter())
+        self.flight.append(entry)
+        return entry
+
+    def in_flight(self) -> list[FlightEntry]:
+        """The flight recorder's entries, oldest first (safe from another thread: the
+        copy is one C call under the GIL)."""
+        for _ in range(3):
+            with contextlib.suppress(RuntimeError):  # mutated during the copy: again
+                return list(self.flight)
+        return []
 
     def add(self, op: str, dim: str, group_size: int, payload: int, sent: float,
             received: float, link: str, start: float, tag: str = "", dtype: str = "",

@@ -113,10 +113,12 @@ def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
               sent_inter: float | None = None):
     start = time.perf_counter()
     n = mesh.size(dim)
+    entry = mesh.ledger.enter(op, dim, payload, tag)  # the flight recorder
 
     def record(end: float, blocked: float | None = None) -> None:
         """`blocked`: seconds the caller waited in `wait()`; None: a synchronous call,
         blocked from issue to completion."""
+        entry.done = True
         mesh.ledger.add(op, dim, n, payload, sent, received, link or mesh.link(dim), start,
                         tag=tag, dtype=str(dtype).removeprefix("torch."), end=end,
                         blocked=end - start if blocked is None else blocked,

@@ -21,9 +21,11 @@ of its own): multi-node runs belong on a network only the cluster can reach.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,42 @@ def loopback_interface() -> str:
         except (OSError, ValueError):
             continue
     return "lo"
+
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def interfaces() -> list[str]:
+    """This machine's network interfaces, by name (sysfs)."""
+    return sorted(p.name for p in Path("/sys/class/net").iterdir())
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface `name`, or None (no such interface, or none set)."""
+    if not name or len(name.encode()) > 15 or "/" in name:  # IFNAMSIZ - 1
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])  # struct ifreq: the name, then a sockaddr_in
+
+
+def interface_of(address: str) -> str | None:
+    """The interface that holds IPv4 `address`, or None."""
+    for name in interfaces():
+        if interface_address(name) == address:
+            return name
+    return None
+
+
+def route_to(host: str, port: int) -> str:
+    """The local IPv4 address the kernel would send from to reach `host` (a UDP
+    "connect" sends nothing; it only picks the route). OSError if there is none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
 
 
 def transport_env(interface: str) -> dict[str, str]:

@@ -32,6 +32,7 @@ from plait.checkpoint.cli import preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
 from plait.device import DeviceError, resolve_device
+from plait.elastic import ElasticState, inject_fault
 from plait.files import PartialFile
 from plait.launch import (
     StopRequested,
@@ -50,6 +51,7 @@ from plait.train.flags import add_train_args, resolve_data
 from plait.train.loop import train
 from plait.train.report import final_line, print_summary, progress_reporter
 from plait.train.stop import StoppedAtBoundary, StopRequest
+from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
 
 
 def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None) -> None:
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return rank_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m plait.train")
     add_train_args(parser)
+    # given by `plait train --max-restarts` to each attempt's ranks (plait/elastic.py)
+    parser.add_argument("--elastic-state", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -185,19 +189,25 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
         raise BadInput([str(e)]) from e
     run.total_steps = cfg.train.steps
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
-    if world > 1:
-        init_rank_process_group(device.backend, datetime.timedelta(seconds=args.timeout))
+    if world > 1:  # the watchdog reports a hang before the group's own timeout
+        init_rank_process_group(device.backend, datetime.timedelta(
+            seconds=args.timeout + REPORT_MARGIN_S))
     if data is None:  # non-zero ranks wait for rank 0 to prepare the default corpus
         dist.barrier()
         data = resolve_data(cfg, args.data_dir)
     elif world > 1 and not cfg.train.data:
         dist.barrier()
     mesh = ParallelMesh.build(cfg.parallel, device=device)
+    store = store_client(args.timeout) if world > 1 else None
+    watchdog = Watchdog(mesh.ledger, rank, world, store, args.timeout).start() if store else None
     batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
     # streamed to NAME.partial, renamed to NAME only when the run completes
     run.metrics = PartialFile(args.metrics_out) if lead and args.metrics_out else None
+    elastic = ElasticState(args.elastic_state) if args.elastic_state else None
+    for row in elastic.rows if elastic and run.metrics else ():  # the earlier attempts'
+        run.metrics.write_line(json.dumps(row))
     finished = False
     try:
         with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
@@ -206,6 +216,11 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                 show(row)
                 if run.metrics:
                     run.metrics.write_line(json.dumps(row))
+                if elastic and lead:
+                    elastic.log(row)
+                if watchdog is not None:
+                    watchdog.publish()
+                inject_fault(rank, row["step"], elastic.attempt if elastic else 0)
 
             if args.checkpoint_on_stop:  # from here a signal waits for the step boundary
                 raise_on_stop_signals(record=run.stop.request)
@@ -215,6 +230,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise
+        if elastic:
+            result.summary.update(elastic.summary())
         if lead and checkpoint.resumed_from is not None and not args.quiet:
             print(f"resumed from {checkpoint.resumed_from}")
         if run.metrics:
@@ -232,6 +249,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                 comm.all_reduce(torch.zeros(1, device=device.torch), mesh, "world",
                                 tag="shutdown")
             dist.destroy_process_group()
+        if watchdog is not None:
+            watchdog.stop()
     if lead:
         written = run.metrics.finish() if run.metrics else None
         print(final_line(result.summary, result.metrics, written), flush=True)

@@ -43,6 +43,12 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--nproc {nproc}: plait train launches at most {MAX_LOCAL_RANKS} "
                         "ranks on one machine; use torchrun -m plait.train across nodes")
     problems += _stop_checkpoint_problems(args)
+    max_restarts = getattr(args, "max_restarts", None)
+    if max_restarts is not None and max_restarts < 0:
+        problems.append(f"--max-restarts {max_restarts}: must be >= 0 (0: no restarts)")
+    elif max_restarts and (not args.checkpoint_dir or not args.checkpoint_every):
+        problems.append("--max-restarts resumes from the last checkpoint: give "
+                        "--checkpoint-dir D and --checkpoint-every N too")
     timeout = args.timeout
     if not math.isfinite(timeout) or timeout <= 0:
         problems.append(f"--timeout {timeout}: seconds a collective may wait must be a "

@@ -65,7 +65,10 @@ def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) 
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     where = f"; metrics in {metrics_path}" if metrics_path else ""
     layout = summary["layout"].split(" (")[0]  # the sizes, without the order note
-    return (f"plait: done: {summary['steps']} steps on {layout}, loss {first:.4f} "
+    restarts = summary.get("restarts")  # plait train --max-restarts (plait/elastic.py)
+    after = (f" (the last attempt, after {restarts} restart{'s' * (restarts > 1)}, "
+             f"{summary['lost_steps']} steps lost)" if restarts else "")
+    return (f"plait: done: {summary['steps']} steps on {layout}{after}, loss {first:.4f} "
             f"-> {last:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{where}")
 
 

@@ -1,0 +1,104 @@
+"""One job over two "nodes" (issue 12 item 9, issue 25 item 2): two `plait train`
+launchers on this machine, `--nnodes 2 --node-rank K --master 127.0.0.1:PORT`, two ranks
+each, form one four-rank job that matches the single-process reference (fp32 parity
+tolerances, docs/parity.md), listens only on the interface it names, and when one node
+dies the other comes down with a clear message, never a hang (a marker in every command
+line finds what is left, as in test_clean_stop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import BASE, reference, token_file
+from test_clean_stop import assert_all_gone
+
+from plait.checkpoint.format import read_metadata
+from plait.checkpoint.reader import full_tensor
+from plait.device.network import listening_sockets, process_tree
+from plait.testing import assert_parity, free_port
+
+LAYOUT = ("parallel.dp=2", "parallel.tp=2")  # tp inside a node, dp across the two
+
+
+def _start(node: int, master: str, sets: list[str], metrics: Path, flags) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "train", "--data", str(token_file()), *sets,
+         "--nnodes", "2", "--node-rank", str(node), "--master", master, "--nproc", "2",
+         "--interface", "lo", "--quiet", "--metrics-out", str(metrics), "--timeout", "60",
+         *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _launchers(tmp_path: Path, *flags: str, steps: int = 4):
+    """Node 0's launcher, once it listens on the master port, then node 1's."""
+    marker = f"plait-nodes-{uuid.uuid4().hex[:12]}"
+    metrics = tmp_path / f"{marker}.jsonl"
+    sets = [a for s in (*BASE, *LAYOUT, f"train.steps={steps}") for a in ("--set", s)]
+    for _ in range(5):  # free_port's race: another process took the port first
+        port = free_port()
+        node0 = _start(0, f"127.0.0.1:{port}", sets, metrics, flags)
+        deadline = time.monotonic() + 120
+        while node0.poll() is None and not any(
+                s.port == port for s in listening_sockets(process_tree(node0.pid))):
+            assert time.monotonic() < deadline, "node 0 did not listen within 120 s"
+            time.sleep(0.1)
+        if node0.poll() is None:
+            return [node0, _start(1, f"127.0.0.1:{port}", sets, metrics, flags)], marker, \
+                metrics
+        err = node0.communicate()[1]
+        assert node0.returncode == 2 and "cannot listen" in err, err
+    pytest.fail("no free port for the master in 5 tries")
+
+
+def test_two_nodes_match_the_single_process_run(tmp_path):
+    ck = tmp_path / "ck"
+    procs, marker, metrics = _launchers(tmp_path, "--checkpoint-dir", str(ck),
+                                        "--checkpoint-every", "4")
+    outs = [p.communicate(timeout=300) for p in procs]
+    for node, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, (node, err)
+        assert f"plait: node {node} of 2, 2 ranks: listening on lo (127.0.0.1) only" in err
+    assert_all_gone(marker)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    steps, summary = rows[:-1], rows[-1]
+    assert summary["world_size"] == 4 and summary["config"]["parallel"]["gpus_per_node"] == 2
+    path = ck / "step-00000004"
+    meta = read_metadata(path)
+    params = {n: torch.from_numpy(full_tensor(path, meta, n)) for n in meta["tensors"]}
+    run = {"losses": [r["loss"] for r in steps], "grad_norms": [r["grad_norm"] for r in steps],
+           "params": params}
+    assert_parity(run, reference(*LAYOUT))
+
+
+def _listeners_of(procs) -> list:
+    return listening_sockets([pid for p in procs for pid in process_tree(p.pid)])
+
+
+@pytest.mark.parametrize("dead", [0, 1], ids=["store-host-dies", "other-node-dies"])
+def test_a_dead_node_brings_the_other_down(tmp_path, dead):
+    procs, marker, metrics = _launchers(tmp_path, steps=100000)
+    partial = metrics.with_name(metrics.name + ".partial")
+    deadline = time.monotonic() + 240
+    while not (partial.exists() and partial.read_text().count("\n") >= 2):  # all up
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        assert time.monotonic() < deadline, "the job did not start training in 240 s"
+        time.sleep(0.2)
+    found = _listeners_of(procs)
+    assert len({s.pid for s in found}) >= 5, found  # the store, every rank's gloo
+    assert all(s.address == "127.0.0.1" for s in found), found  # --interface lo only
+    procs[dead].send_signal(signal.SIGKILL)  # the whole node: its launcher and below
+    survivor = procs[1 - dead]
+    _, err = survivor.communicate(timeout=180)  # gloo sees the closed peers at once
+    procs[dead].communicate(timeout=30)
+    assert survivor.returncode == 1, err
+    assert f"plait: node {1 - dead} of 2: the job failed" in err, err
+    assert "Traceback" not in err, err
+    assert_all_gone(marker, within_s=15)

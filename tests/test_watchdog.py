@@ -1,0 +1,100 @@
+"""No silent hangs (issue 12, item 8): the flight recorder notes every collective as it
+is entered; the watchdog of a rank whose collective waits past `--timeout` reports every
+rank's last collective, names the rank that is behind, and ends the job (exit 1).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import redirect_stderr
+
+import torch
+import torch.distributed as dist
+from helpers import BASE, token_file
+from test_clean_stop import assert_all_gone
+
+from plait import comm
+from plait.comm.ledger import FLIGHT_RECORDS, Ledger
+from plait.config import ParallelConfig
+from plait.mesh import ParallelMesh
+from plait.testing import run_ranks
+from plait.watchdog import Watchdog, hang_report
+
+
+def _entry(dim_seq: int, done: bool, op: str = "all_reduce", dim: str = "dp", step: int = 3):
+    return {"seq": dim_seq, "dim_seq": dim_seq, "op": op, "dim": dim, "payload": 64,
+            "step": step, "tag": "grads", "entered": 0.0, "done": done}
+
+
+def test_report_names_the_rank_behind_and_the_collective():
+    now = time.time()
+    states = {0: {"entries": [_entry(6, True), _entry(7, False)], "at": now},
+              1: {"entries": [_entry(6, True)], "at": now - 10},
+              2: {"entries": [_entry(6, True), _entry(7, False)], "at": now},
+              3: None}
+    lines = hang_report(states, 4, reporter=0, timeout_s=10)
+    assert lines[0].startswith("plait: hang: rank 0 waited 10 s in all_reduce@dp #7 (step 3, "
+                               "64 B, grads) in flight; behind: ranks 1, 3; waiting: 0, 2")
+    assert lines[2].startswith("  rank 1: all_reduce@dp #6 (step 3, 64 B, grads) done")
+    assert lines[4] == "  rank 3: no state published (stopped before its first report)"
+
+
+def _recorder_rank(rank: int, world: int) -> list[dict]:
+    mesh = ParallelMesh.build(ParallelConfig(dp=world))
+    for i in range(FLIGHT_RECORDS + 3):
+        comm.all_reduce(torch.ones(4), mesh, "dp", tag=f"t{i}")
+    handle = comm.all_reduce(torch.ones(4), mesh, "dp", async_op=True, tag="async")
+    entries = [e.__dict__.copy() for e in mesh.ledger.in_flight()]
+    handle.wait()
+    return entries
+
+
+def test_flight_recorder_keeps_the_last_collectives_entered():
+    entries = run_ranks(_recorder_rank, 2)[0]
+    assert len(entries) == FLIGHT_RECORDS  # a ring: the oldest fell out
+    assert [e["dim_seq"] for e in entries] == list(range(5, FLIGHT_RECORDS + 5))
+    assert entries[-1]["tag"] == "async" and not entries[-1]["done"]  # entered, in flight
+    assert all(e["done"] for e in entries[:-1]) and entries[-1]["payload"] == 16
+
+
+def test_watchdog_reports_once_and_exits_1():
+    store = dist.HashStore()
+    ledgers, exits = [Ledger(), Ledger()], []
+    for ledger in ledgers:
+        ledger.enter("all_reduce", "dp", 8, "metrics").done = True
+    stuck = ledgers[0].enter("all_reduce", "dp", 64, "grads")  # rank 1 never enters it
+    stuck.entered -= 100  # in flight for 100 s
+    dogs = [Watchdog(ledger, r, 2, store, timeout_s=5, interval_s=0.05, exit=exits.append)
+            for r, ledger in enumerate(ledgers)]
+    dogs[1].publish()
+    err = io.StringIO()
+    with redirect_stderr(err):
+        dogs[0].start().thread.join(timeout=30)
+    assert exits == [1]
+    text = err.getvalue()
+    assert "plait: hang: rank 0 waited 5 s in all_reduce@dp #2 (step 0, 64 B, grads) " \
+        "in flight; behind: rank 1" in text, text
+    assert "  rank 1: all_reduce@dp #1 (step 0, 8 B, metrics) done" in text
+
+
+def test_a_stopped_rank_ends_the_job_with_a_report(tmp_path):
+    """Rank 1 SIGSTOPs itself after step 2 (the test-only fault, plait/elastic.py): rank 0
+    waits in step 3's first collective until the watchdog reports, and the job ends."""
+    marker = f"plait-hang-{uuid.uuid4().hex[:12]}"
+    sets = [a for s in (*BASE, "train.steps=100000") for a in ("--set", s)]
+    r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data",
+                        str(token_file()), *sets, "--nproc", "2", "--dp", "2", "--quiet",
+                        "--timeout", "15", "--metrics-out", str(tmp_path / f"{marker}.jsonl")],
+                       env={**os.environ, "PLAIT_TEST_FAULT": "stop:1:2"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "plait: hang: rank 0 waited 15 s in all_reduce@dp" in r.stderr, r.stderr
+    assert "(step 3, " in r.stderr and "behind: rank 1;" in r.stderr, r.stderr
+    assert "  rank 1: all_reduce@dp" in r.stderr and "(step 2, " in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert_all_gone(marker, within_s=15)  # the stopped rank too (SIGKILL after the grace)
