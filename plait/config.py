@@ -54,6 +54,9 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # expert parallel's all-to-all (plait/parallel/expert.py): a row per "assignment" (k a
+    # token), or per "token" and destination rank (a token whose experts share a rank once)
+    ep_dispatch: str = "assignment"
     zero: int = 0
     sp: bool = False
     # context parallel (plait/parallel/context.py): "ring" (Liu et al. 2023) or "allgather"

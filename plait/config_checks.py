@@ -176,6 +176,9 @@ def expert_problems(cfg: Config) -> list[str]:
          "different micro-batches, their loads are not summed yet); use another schedule"),
     ]
     problems = [msg for bad, msg in checks if bad]
+    if p.ep_dispatch not in ("assignment", "token"):
+        problems.append(f"parallel.ep_dispatch={p.ep_dispatch!r}; use 'assignment' or "
+                        "'token'")
     g, mg = m.route_groups, m.route_max_groups
     if g or mg:
         if g < 1 or n % g or not 1 <= mg <= g:

@@ -232,6 +232,13 @@ LAYOUTS = [
     ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=zb-v"],
     ["parallel.dp=2", "parallel.ep=2", "parallel.cp=2"],
     ["parallel.dp=2", "parallel.ep=2", "train.recompute=full"],
+    # one row per (token, destination rank); gates applied where the experts are
+    ["parallel.dp=4", "parallel.ep=4", "parallel.ep_dispatch=token"],
+    ["parallel.dp=4", "parallel.ep=2", "parallel.ep_dispatch=token", "parallel.zero=3"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.ep_dispatch=token", "parallel.tp=2",
+     "parallel.sp=true"],
+    ["parallel.dp=2", "parallel.ep=2", "parallel.ep_dispatch=token", "parallel.pp=2",
+     "parallel.schedule=zb-v"],
 ]
 
 
@@ -379,3 +386,29 @@ def test_ledger_splits_all_to_all_bytes_by_link(gpus_per_node, inter):
                 assert 0 <= r["sent_inter"] <= r["sent"]
         if inter is None:  # the other node's two ranks get some of every dispatch
             assert 0 < sum(r["sent_inter"] for r in a2a) < sum(r["sent"] for r in a2a)
+
+
+def _inter_node_row_bytes(*extra: str) -> float:
+    """Bytes of token rows (dispatch and combine, both directions) sent to other nodes in
+    one step of dp = ep = 4 with every rank its own node."""
+    outs = _run(*M, "parallel.dp=4", "parallel.ep=4", "train.steps=1",
+                "parallel.gpus_per_node=1", *extra)
+    meta = (".counts", ".rows", ".gates", ".gates.grad")
+    return sum(r["sent_inter"] for o in outs for r in o["ledger"]
+               if r["op"] == "all_to_all" and not r["tag"].endswith(meta))
+
+
+def test_node_limited_routing_saves_inter_node_bytes_with_token_dispatch():
+    """DeepSeek-V3's node limit (here: a token's experts all on one node of four) halves
+    the token rows that cross nodes at top-2 once a token travels once per destination;
+    sent once per assignment, the limit saves nothing."""
+    limit = ["model.route_groups=4", "model.route_max_groups=1"]
+    per_assignment = _inter_node_row_bytes(*limit)
+    per_token_free = _inter_node_row_bytes("parallel.ep_dispatch=token")
+    per_token_limited = _inter_node_row_bytes("parallel.ep_dispatch=token", *limit)
+    print(f"\ninter-node token-row bytes per step: per assignment {per_assignment:,.0f}, "
+          f"per token {per_token_free:,.0f}, per token node-limited {per_token_limited:,.0f}")
+    # measured: 1,531,904 / 1,453,056 / 765,952 (exactly half of the first: one row of
+    # two per token, the same routing)
+    assert per_token_limited == per_assignment / 2
+    assert per_token_limited < 0.6 * per_token_free

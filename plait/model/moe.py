@@ -104,9 +104,16 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     return True
 
 
-def local_experts(x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """The default dispatch: every expert is here."""
-    return experts(x, counts)
+def local_experts(flat: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor,
+                  counts: torch.Tensor, experts: Experts, k: int) -> torch.Tensor:
+    """The default dispatch: every expert is here. `flat` (T, h) tokens; `slots` the kept
+    assignments (token * k + choice) sorted by expert, `counts` per expert; `gates` (T*k,)
+    every assignment's gate. Returns (T, h): each token's gated sum over its experts."""
+    y = experts(flat[slots // k], counts)
+    weighted = y * gates[slots].unsqueeze(-1).to(y.dtype)
+    combined = weighted.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(0, slots,
+                                                                               weighted)
+    return combined.view(-1, k, flat.shape[1]).sum(1)
 
 
 class _BalanceGrad(Function):
@@ -144,8 +151,7 @@ class MoE(nn.Module):
                        if cfg.n_shared_experts else None)
         # selection bias of auxiliary-loss-free balancing; state, not a parameter
         self.register_buffer("bias", torch.zeros(cfg.n_experts), persistent=True)
-        self.dispatch: Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor] = \
-            local_experts
+        self.dispatch: Callable[..., torch.Tensor] = local_experts  # see local_experts
         self.sequence_counts: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.aux_loss_scale = 1.0  # 1 / tokens of the global batch, set by the trainer
         self.reset_state()
@@ -189,10 +195,7 @@ class MoE(nn.Module):
             order = torch.argsort(torch.where(keep, expert, self.n), stable=True)
             order = order[:int(keep.sum())]
         counts = torch.bincount(expert[order], minlength=self.n)
-        y = self.dispatch(flat[order // self.k], counts, self.experts)
-        weighted = y * gates.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        combined = weighted.new_zeros(flat.shape[0] * self.k, h).index_copy(0, order, weighted)
-        out = combined.view(-1, self.k, h).sum(1)
+        out = self.dispatch(flat, order, gates.reshape(-1), counts, self.experts, self.k)
         if self.shared is not None:
             out = out + self.shared(flat)
         out = out.view(b, s, h)

@@ -79,25 +79,75 @@ def expert_major(counts: torch.Tensor) -> torch.Tensor:
 
 
 class AllToAllDispatch:
-    """The MoE block's `dispatch` under expert parallel: token rows (sorted by global
-    expert) to the ranks owning their experts and back."""
+    """The MoE block's `dispatch` under expert parallel (its contract: `local_experts` in
+    plait/model/moe.py): token rows to the ranks owning their experts, the experts, the
+    gated outputs back.
 
-    def __init__(self, mesh: ParallelMesh, layer: str):
-        self.mesh, self.tag = mesh, f"ep.{layer}"
+    `dedup=False` ("assignment"): one row per assignment, k a token; gates are applied at
+    the source. `dedup=True` ("token"): one row per (token, destination rank): a token
+    whose experts share a rank travels once (with node-limited routing, fewer ranks and
+    nodes a token); the destination applies the gates (sent beside the rows) and sums a
+    token's outputs before sending one row back."""
+
+    def __init__(self, mesh: ParallelMesh, layer: str, dedup: bool = False):
+        self.mesh, self.tag, self.dedup = mesh, f"ep.{layer}", dedup
         self.size = mesh.size(DIM)
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        send = counts.view(self.size, -1).contiguous()  # (peer, its local experts)
+    def _exchange_counts(self, send: torch.Tensor) -> torch.Tensor:
         # pre-filled with what this rank sends: a real all-to-all overwrites it; under a dry
         # run's fake process group (plait/observe/dry_run.py) it stays, a symmetric load
         recv = send.clone()
-        ops.all_to_all(recv, send, self.mesh, DIM, tag=self.tag + ".counts")
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        arrived = _AllToAll.apply(x, self.mesh, out_splits, in_splits, self.tag)
+        ops.all_to_all(recv, send.contiguous(), self.mesh, DIM, tag=self.tag + ".counts")
+        return recv
+
+    def __call__(self, flat: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor,
+                 counts: torch.Tensor, experts: Experts, k: int) -> torch.Tensor:
+        if self.dedup:
+            return self._by_token(flat, slots, gates, counts, experts, k)
+        recv = self._exchange_counts(counts.view(self.size, -1))  # (peer, its experts)
+        in_splits, out_splits = counts.view(self.size, -1).sum(1).tolist(), \
+            recv.sum(1).tolist()
+        arrived = _AllToAll.apply(flat[slots // k], self.mesh, out_splits, in_splits,
+                                  self.tag)
         order = expert_major(recv)
         y = experts(arrived[order], recv.sum(0))
         back = torch.empty_like(y).index_copy(0, order, y)  # (source, expert)-major again
-        return _AllToAll.apply(back, self.mesh, in_splits, out_splits, self.tag)
+        y = _AllToAll.apply(back, self.mesh, in_splits, out_splits, self.tag)
+        weighted = y * gates[slots].unsqueeze(-1).to(y.dtype)
+        combined = weighted.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(
+            0, slots, weighted)
+        return combined.view(-1, k, flat.shape[1]).sum(1)
+
+    def _by_token(self, flat: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor,
+                  counts: torch.Tensor, experts: Experts, k: int) -> torch.Tensor:
+        t, local = flat.shape[0], counts.numel() // self.size
+        token = slots // k
+        dest = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device),
+                                       counts) // local
+        # unique (destination, token) rows, in that order; each assignment's row within
+        # its destination's block
+        uniq, which = torch.unique(dest * t + token, sorted=True, return_inverse=True)
+        send_rows = torch.bincount(uniq // t, minlength=self.size)
+        row_in_block = which - (send_rows.cumsum(0) - send_rows)[dest]
+        recv = self._exchange_counts(torch.cat([counts.view(self.size, -1),
+                                                send_rows.view(-1, 1)], 1))
+        per_expert, recv_rows = recv[:, :local], recv[:, local]
+        a_in, a_out = counts.view(self.size, -1).sum(1).tolist(), per_expert.sum(1).tolist()
+        u_in, u_out = send_rows.tolist(), recv_rows.tolist()
+        rows = _AllToAll.apply(flat[uniq % t], self.mesh, u_out, u_in, self.tag)
+        where = row_in_block.new_empty(sum(a_out))
+        ops.all_to_all(where, row_in_block, self.mesh, DIM, a_out, a_in,
+                       tag=self.tag + ".rows")
+        g = _AllToAll.apply(gates[slots], self.mesh, a_out, a_in, self.tag + ".gates")
+        source = torch.repeat_interleave(torch.arange(self.size, device=counts.device),
+                                         per_expert.sum(1))
+        row = (recv_rows.cumsum(0) - recv_rows)[source] + where  # into `rows`
+        order = expert_major(per_expert)
+        y = experts(rows[row[order]], per_expert.sum(0))
+        y = torch.empty_like(y).index_copy(0, order, y) * g.unsqueeze(-1).to(y.dtype)
+        summed = y.new_zeros(rows.shape).index_add(0, row, y)  # one row per token here
+        back = _AllToAll.apply(summed, self.mesh, u_in, u_out, self.tag)
+        return back.new_zeros(flat.shape).index_add(0, uniq % t, back)
 
 
 def moe_layers(stages: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
@@ -107,9 +157,10 @@ def moe_layers(stages: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
 
 
 def apply_expert_parallel(stages: Iterable[nn.Module], mesh: ParallelMesh,
-                          placements: PlacementTable) -> None:
+                          placements: PlacementTable, dispatch: str = "assignment") -> None:
     """Keep this ep rank's experts of every MoE block (rows [r L, (r+1) L) of each stacked
-    weight, recorded as an "ep" split along axis 0) and give the block the all-to-all."""
+    weight, recorded as an "ep" split along axis 0) and give the block the all-to-all
+    (`dispatch`: "assignment" or "token", see AllToAllDispatch)."""
     size, r = mesh.size(DIM), mesh.coord(DIM)
     for name, moe in moe_layers(stages):
         ex = moe.experts
@@ -119,7 +170,7 @@ def apply_expert_parallel(stages: Iterable[nn.Module], mesh: ParallelMesh,
             part = nn.Parameter(full.detach()[r * local:(r + 1) * local].clone())
             placements.mark_split(part, full, Split(DIM, 0, full.shape[0]), mesh)
             setattr(ex, pname, part)
-        moe.dispatch = AllToAllDispatch(mesh, name)
+        moe.dispatch = AllToAllDispatch(mesh, name, dedup=dispatch == "token")
 
 
 def gather_expert_state(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable,

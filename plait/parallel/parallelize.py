@@ -108,7 +108,7 @@ def _experts(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
         if split:
             moe.sequence_counts = sequence_counts_over(mesh, split)
     if mesh.size("ep") > 1:
-        apply_expert_parallel(pipe.stages.values(), mesh, placements)
+        apply_expert_parallel(pipe.stages.values(), mesh, placements, p.ep_dispatch)
 
 
 def _context_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config
