@@ -121,6 +121,8 @@ CASES = [
           id="top-k-over-experts"),
     train("--model", "tiny-moe", "--set", "model.capacity_factor=-1",
           phrases="capacity_factor=-1.0 must be > 0", id="capacity-factor-negative"),
+    train("--model", "tiny-moe", "--set", "parallel.ep_dispatch=node",
+          phrases="use 'assignment' or 'token'", id="ep-dispatch-unknown"),
     train("--steps", "abc", phrases="invalid int value", id="steps-not-int"),
     train("--schedule", "nope", phrases="invalid choice", id="schedule-unknown"),
     train("--lr", "nan", "--nproc", "0", "--timeout", "0", "--metrics-out", "{w}/adir",
