@@ -314,3 +314,21 @@ def test_train_saves_and_resumes_through_torchrun(tmp_path, capsys):
             (["--checkpoint-dir", str(m / "x"), "--checkpoint-every", "1"], "cannot create")]:
         assert main(["train", *sets, *layout, *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+def test_a_checkpoint_from_before_new_model_fields_still_resumes():
+    """Fields added to ModelConfig later (MoE routing, RoPE scaling) hold their defaults in
+    an older checkpoint: accepted; a real difference is still refused."""
+    import dataclasses
+
+    from plait.checkpoint.reader import check_compatible
+
+    cfg = config("train.steps=10")
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+             if k not in ("n_dense_layers", "router_score", "capacity_factor")}
+    meta = {"config": {"model": model, "train": dataclasses.asdict(cfg.train)},
+            "optimizer": {"kind": cfg.train.optimizer}, "step": 2}
+    check_compatible(meta, cfg, Path("old"))
+    meta["config"]["model"]["dim"] = cfg.model.dim // 2
+    with pytest.raises(CheckpointError, match="another model"):
+        check_compatible(meta, cfg, Path("old"))

@@ -67,15 +67,25 @@ def candidates(source: str | Path) -> tuple[list[Path], bool]:
     return done, False
 
 
+def _as_saved(value: object) -> object:
+    """A value as JSON gives it back (tuples are lists)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
     """Refuse a checkpoint this run cannot continue from; warn on training settings that
     differ (the continuation is then not the uninterrupted run)."""
     saved = meta["config"]
     mine = dataclasses.asdict(cfg.model)
-    diff = sorted(k for k in set(mine) | set(saved["model"])
-                  if mine.get(k) != saved["model"].get(k))
+    # a field added after the checkpoint was written holds its default there (a checkpoint
+    # from before MoE or RoPE scaling is of a model with those off)
+    defaults = dataclasses.asdict(type(cfg.model)())
+    saved_model = {**{k: v for k, v in defaults.items() if k not in saved["model"]},
+                   **saved["model"]}
+    diff = sorted(k for k in set(mine) | set(saved_model)
+                  if _as_saved(mine.get(k)) != _as_saved(saved_model.get(k)))
     if diff:
-        shown = ", ".join(f"{k}: saved {saved['model'].get(k)!r}, now {mine.get(k)!r}"
+        shown = ", ".join(f"{k}: saved {saved_model.get(k)!r}, now {mine.get(k)!r}"
                           for k in diff)
         raise CheckpointError(f"{path}: the checkpoint is of another model ({shown}); resume "
                               "with the same model settings")
