@@ -2,7 +2,8 @@
 
 For each checkpoint interval, `plait train --max-restarts` runs while this script kills a
 random rank (SIGKILL) at exponentially distributed times of mean `--mtbf` seconds (seeded;
-the clock runs while the job is up, restarts included, as real failures do). It prints
+the clock runs while the job is up, restarts included, as real failures do; one due
+between two attempts hits the next). It prints
 
     goodput = (steps x the step time of an uninterrupted run without checkpoints) / wall
 
@@ -61,10 +62,10 @@ def run(args, data: Path, work: Path, every: int | None, mtbf: float | None,
     while proc.poll() is None:
         if time.monotonic() >= next_kill:
             ranks = [p for p in _ranks(proc.pid) if _rank_of(p) is not None]
-            if ranks:  # none while the launcher is between attempts: the clock goes on
+            if ranks:  # none between two attempts: the failure waits for the next one
                 os.kill(pick.choice(ranks), signal.SIGKILL)
                 kills += 1
-            next_kill = time.monotonic() + pick.expovariate(1 / mtbf)
+                next_kill = time.monotonic() + pick.expovariate(1 / mtbf)
         time.sleep(0.05)
     err = proc.stderr.read()
     wall = time.monotonic() - start

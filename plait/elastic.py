@@ -5,9 +5,9 @@
 
 When a rank dies (an error, SIGKILL, the machine's OOM killer), torch's agent notices
 within its monitor interval (0.1 s), terminates the other ranks (SIGTERM, SIGKILL 5 s
-later: plait/launch.py shortens torch's 30 s) and exits, writing which rank failed first and how to the file
-this launcher named (`FAILURE_FILE_ENV`). The launcher then starts every rank again, on
-a fresh rendezvous store, resuming from the newest COMMITTED checkpoint in D
+later: plait/launch.py shortens torch's 30 s) and exits, writing which rank failed first
+and how to the file this launcher named (`FAILURE_FILE_ENV`). The launcher then starts
+every rank again, on a fresh rendezvous store, resuming from the newest COMMITTED checkpoint in D
 (plait/checkpoint: a checkpoint without its marker is never loaded), and says so in one
 line: which rank died, its exit status or signal, the step resumed from and the steps
 lost. After R restarts the next failure ends the run (exit 1). A stop signal to the

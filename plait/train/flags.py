@@ -69,7 +69,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "measured pipeline timeline, a row per rank")
     p.add_argument("--timeline", help="pp > 1: PNG of the last step's measured timeline")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a collective may wait before the job fails (default 300)")
+                   help="seconds a collective may wait before the job fails with a hang "
+                   "report naming the rank behind (default 300; plait/watchdog.py)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or summary table; the final line is still printed")
     p.add_argument("--debug", action="store_true",
