@@ -181,6 +181,7 @@ def run_torchrun(argv: list[str]) -> int:
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read by torch elastic's get_logger
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
     _shorten_close_grace(STOP_GRACE_S / 2)
@@ -188,6 +189,12 @@ def run_torchrun(argv: list[str]) -> int:
         torchrun_main(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
+    except RendezvousError as e:
+        # the agent lost the rendezvous store (its host, another node's launcher, went
+        # away) while watching its ranks: the job cannot go on; say so in one line
+        print(f"plait: lost the job's rendezvous store ({type(e).__name__}): the node "
+              "hosting it stopped or is unreachable", file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as e:
         first = min(e.failures.values(), key=lambda f: f.timestamp)  # the root cause
         if os.environ.get(FAILURE_FILE_ENV):  # a restarting launcher reports it (elastic.py)
