@@ -125,6 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run = _Run(rank, 0)
     try:
+        return _outcome(args, rank, world, run)
+    except StopRequested as stop:  # a stop signal (torchrun ending the job) while this rank
+        return 128 + stop.signum   # reported its own failure: that line is enough
+
+
+def _outcome(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+    """The rank's run and its one-line report of how it ended: the exit status."""
+    try:
         return _run_rank(args, rank, world, run)
     except StopRequested as stop:
         if rank == 0:
