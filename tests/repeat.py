@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rc != 0 and not found:
                     found = {f"<exit code {rc}>": ""}
                 red += bool(found)
-                failed.update(found)
+                failed.update(found.keys())  # one count per failing test and run
                 print(f"run {i}/{args.runs}: {'FAILED ' + ', '.join(found) if found else 'ok'}"
                       f" ({time.monotonic() - t0:.0f} s)", flush=True)
                 for text in found.values():  # enough to start the hunt
