@@ -51,7 +51,7 @@ from plait.device.network import (
     process_tree,
     transport_env,
 )
-from plait.elastic import FAILURE_FILE_ENV, write_failure
+from plait.elastic import FAILURE_FILE_ENV, exit_text, write_failure
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 10.0  # ranks stop at their next Python instruction: well within this
@@ -201,7 +201,7 @@ def run_torchrun(argv: list[str]) -> int:
             write_failure(e.failures, os.environ[FAILURE_FILE_ENV])
         else:
             print(f"plait: rank {first.local_rank} exited first, with "
-                  f"{_exit_text(first.exitcode)}", file=sys.stderr, flush=True)
+                  f"{exit_text(first.exitcode)}", file=sys.stderr, flush=True)
         codes = [f.exitcode for f in e.failures.values()]
         # a rank stopped by a signal reports 128 + it; an error in a rank is a failed run
         return max(codes) if codes and min(codes) > 128 else 1
@@ -225,15 +225,6 @@ def _shorten_close_grace(seconds: float) -> None:
     short_close.plait_grace = seconds  # type: ignore[attr-defined]
     api.PContext.close = short_close
 
-
-def _exit_text(code: int) -> str:
-    """'status 1', or 'status 143 (SIGTERM)' / 'signal SIGKILL' for a signal."""
-    with contextlib.suppress(ValueError):
-        if code < 0:
-            return f"signal {signal_name(-code)}"
-        if code > 128:
-            return f"status {code} ({signal_name(code - 128)})"
-    return f"status {code}"
 
 
 # what a rank sees when a peer has gone: gloo's text, for the one line a rank prints

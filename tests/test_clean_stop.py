@@ -85,11 +85,16 @@ def test_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
     assert f"kept in {partial}" in err
 
 
+def _rank_pids(marker: str) -> list[int]:
+    """The run's rank processes (not the launcher or the torchrun shim)."""
+    return [p for p in processes_with(marker)
+            if b"plait.train" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and b"_torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
 def test_signal_to_one_rank_stops_the_run(tmp_path):
     proc, marker, _ = start_run(tmp_path)
-    ranks = [p for p in processes_with(marker)
-             if b"plait.train" in Path(f"/proc/{p}/cmdline").read_bytes()
-             and b"_torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    ranks = _rank_pids(marker)
     assert len(ranks) == 2
     os.kill(max(ranks), signal.SIGTERM)
     _, err = proc.communicate(timeout=STOP_GRACE_S + 30)
@@ -165,9 +170,7 @@ def test_signal_to_one_rank_with_a_final_checkpoint_stops_every_rank_at_one_step
     """Only one rank is signalled: the all-reduce at the step boundary tells the other."""
     ckpt = tmp_path / "ckpt"
     proc, marker, _ = start_run(tmp_path, *ON_STOP, "--checkpoint-dir", str(ckpt))
-    ranks = [p for p in processes_with(marker)
-             if b"plait.train" in Path(f"/proc/{p}/cmdline").read_bytes()
-             and b"_torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    ranks = _rank_pids(marker)
     assert len(ranks) == 2
     os.kill(max(ranks), signal.SIGTERM)
     _, err = proc.communicate(timeout=STOP_GRACE_S + 30)
