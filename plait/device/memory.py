@@ -92,14 +92,24 @@ class MemoryTracker(TorchDispatchMode):
         self._live.pop(uid, None)
 
     def _learn(self) -> None:
-        """Track every tensor the strategy names, and remember its category."""
+        """Track every tensor the strategy names, and remember its category.
+
+        Runs after every op over every source tensor: the common case (a storage already
+        tracked and classified) is inlined, so the tracker costs a few times a step, not
+        tens (measured: 3.4 s of a 5 s dp=2 step went here through `_track`)."""
+        uid_of, category = self._uid_of, self._category
         for cat, tensors in self.sources().items():
             for t in tensors:
                 if t is None:
                     continue
-                uid = self._track(t)
-                if uid is not None:
-                    self._category.setdefault(uid, cat)
+                t = getattr(t, "_local_tensor", t)
+                uid = uid_of.get(t.untyped_storage()._cdata)
+                if uid is None:
+                    uid = self._track(t)
+                    if uid is None:
+                        continue
+                if uid not in category:
+                    category[uid] = cat
 
     def _sizes(self) -> dict[int, int]:
         out = {}
