@@ -2,47 +2,31 @@
 tensorboard's EventAccumulator and from the offline W&B run's log (tests/sink_readers.py),
 equals the `--metrics-out` JSON lines, number for number.
 
-One real run through the CLI (torchrun, 2 ranks, pp=2 so the summary has a bubble, the
-memory step measured): a sink is written by rank 0 of a launched job, so only a launched
-job shows that only rank 0 writes. Exact equality is the right tolerance: the sinks get
-the very floats the JSON is written from, TensorBoard as float64 tensors, W&B as JSON.
+One real run through the CLI (tests/conftest.py, pipeline_cli_run: torchrun, 2 ranks,
+pp=2 so the summary has a bubble, the memory step measured): a sink is written by rank 0
+of a launched job, so only a launched job shows that only rank 0 writes. Exact equality
+is the right tolerance: the sinks get the very floats the JSON is written from,
+TensorBoard as float64 tensors, W&B as JSON.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import token_file
+from helpers import CLI_STEPS
 from sink_readers import tensorboard_scalars, wandb_offline_run
 
 pytest.importorskip("tensorboard", reason="the tensorboard sink needs plait[tensorboard]")
 pytest.importorskip("wandb", reason="the W&B sink needs plait[wandb]")
 
-STEPS = 3
+STEPS = CLI_STEPS
 NAMED = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "tokens", "comm_sent_bytes")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("sinks")
-    # W&B's own cache and settings land in the test's directory, not the home directory
-    env = {**os.environ, **{f"WANDB_{k}_DIR": str(d / k.lower())
-                            for k in ("CACHE", "CONFIG", "DATA")}}
-    r = subprocess.run(
-        [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--pp", "2",
-         "--microbatches", "2", "--data", str(token_file()), "--set", "model.vocab_size=256",
-         "--seq-len", "32", "--global-batch", "8", "--steps", str(STEPS), "--set",
-         "train.memory_step=1", "--metrics-out", str(d / "m.jsonl"), "--tensorboard",
-         str(d / "tb"), "--wandb", "plait-test", "--wandb-dir", str(d / "wb"), "--quiet"],
-        capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stderr
-    lines = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()]
-    return {"dir": d, "rows": lines[:-1], "summary": lines[-1]}
+def run(pipeline_cli_run) -> dict:
+    return {**pipeline_cli_run, "rows": pipeline_cli_run["metrics"]}
 
 
 def _expected(rows: list[dict]) -> dict[str, dict[int, float]]:
