@@ -86,7 +86,7 @@ def test_wandb_offline_run_equals_the_json(run):
         assert wb["config"][section] == summary["config"][section], section
 
 
-def test_the_metrics_file_is_unchanged_by_the_sinks(run):
+def test_the_metrics_file_completes_beside_the_sinks(run):
     """The JSON lines still carry exactly the keys of a run without sinks (plus the
     per-dim bytes every run now writes)."""
     keys = set(run["rows"][0])

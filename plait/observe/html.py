@@ -43,6 +43,10 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
 def _table(header: list[str], rows: list[list[object]]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
@@ -65,8 +69,8 @@ def _run_section(rows: list[dict], summary: dict, config: dict | None) -> str:
              ["loss", f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}"],
              ["tokens/s (first step left out)", _num(summary.get("tokens_per_s"), ",.0f")],
              ["mean step time, ms", _num((summary.get("mean_step_time") or 0) * 1e3, ".1f")],
-             ["parameters (rank 0's)", f"{summary.get('param_count', '-')} "
-              f"({summary.get('param_count_local', '-')})"]]
+             ["parameters: the model's (rank 0's)", f"{_count(summary.get('param_count'))} "
+              f"({_count(summary.get('param_count_local'))})"]]
     out = _table(["run", ""], facts)
     if config is None:
         return out + _why("the metrics file records no configuration")
