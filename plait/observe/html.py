@@ -16,7 +16,7 @@ import base64
 import html
 from pathlib import Path
 
-from plait.files import atomic_output, write_text_atomic
+from plait.files import atomic_output
 from plait.observe.figures import FIGURES
 
 SECTIONS = ("run", "curves", "memory", "communication", "overlap", "pipeline", "notes")
@@ -173,4 +173,7 @@ def write_pngs(pngs: dict[str, bytes], directory: str | Path) -> list[Path]:
 
 
 def write_html(page: str, path: str | Path) -> Path:
-    return write_text_atomic(path, page)
+    """The page, UTF-8 as its meta tag says, whole or not at all."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(page, encoding="utf-8")
+    return Path(path).expanduser()

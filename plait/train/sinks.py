@@ -75,8 +75,8 @@ def sink_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--wandb {project!r}: a W&B project name has at most 128 "
                         f"characters and none of {''.join(sorted(_WANDB_BAD))}")
     problems += [m for m in [_missing("--wandb")] if m]
-    if getattr(args, "wandb_dir", None) is not None:
-        problems += directory_problems("--wandb-dir", args.wandb_dir)
+    # the run's directory, by default the current one (W&B's own default)
+    problems += directory_problems("--wandb-dir", getattr(args, "wandb_dir", None) or ".")
     return problems
 
 
