@@ -21,6 +21,7 @@ import pytest
 from helpers import run_layout, token_file
 
 from plait.cli import main
+from plait.observe.figures import MEASURED, PREDICTED
 from plait.observe.html import SECTIONS
 from plait.train.report import human_bytes
 
@@ -90,13 +91,23 @@ def _decoded_png(src: str) -> bytes:
     return base64.b64decode(src[len(head):], validate=True)
 
 
-def _assert_not_blank(png: bytes) -> None:
+def _pixels(png: bytes):
     import matplotlib.image
 
     assert png.startswith(PNG_MAGIC)
-    pixels = matplotlib.image.imread(io.BytesIO(png), format="png")
+    return matplotlib.image.imread(io.BytesIO(png), format="png")[..., :3]
+
+
+def _assert_not_blank(png: bytes) -> None:
+    pixels = _pixels(png)
     assert pixels.shape[0] > 50 and pixels.shape[1] > 50
-    assert pixels[..., :3].std() > 0.02, "a blank (one-colour) image"
+    # a drawn figure here measures 0.13-0.29 (white with curves, bars, text); blank is 0
+    assert pixels.std() > 0.02, "a blank (one-colour) image"
+
+
+def _has_colour(png: bytes, hex_colour: str) -> bool:
+    rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return bool((abs(_pixels(png) - rgb).max(axis=-1) < 0.02).sum() > 100)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -116,6 +127,9 @@ def test_page_is_self_contained_and_complete(reports, name):
     assert set(page.images) == expected
     for src in page.images.values():
         _assert_not_blank(_decoded_png(src))
+    for figure in ("memory", "communication"):  # both bars drawn: planner and measured
+        png = _decoded_png(page.images[figure])
+        assert _has_colour(png, PREDICTED) and _has_colour(png, MEASURED), figure
     if name != "pp2":
         assert "pp=1: the run has no pipeline" in page.sections["pipeline"]
 
