@@ -113,17 +113,23 @@ class MetricSinks:
 
             self.board = SummaryWriter(log_dir=str(Path(tensorboard).expanduser()))
         if wandb_project is not None:
-            import wandb
+            try:
+                self._open_wandb(wandb_project, wandb_dir, wandb_mode, config, name)
+            except BaseException:  # no event file left open behind a failed start
+                self.close(failed=True)
+                raise
 
-            where = Path(wandb_dir or ".").expanduser()
-            where.mkdir(parents=True, exist_ok=True)
-            # no console capture, no system-metrics sampler, no git or pip probing
-            settings = wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                      disable_git=True, save_code=False,
-                                      x_save_requirements=False)
-            self.run = wandb.init(project=wandb_project, dir=str(where), name=name,
-                                  mode=wandb_mode or "offline", config=config or {},
-                                  settings=settings)
+    def _open_wandb(self, project: str, wandb_dir: str | None, mode: str | None,
+                    config: dict | None, name: str | None) -> None:
+        import wandb
+
+        where = Path(wandb_dir or ".").expanduser()
+        where.mkdir(parents=True, exist_ok=True)
+        # no console capture, no system-metrics sampler, no git or pip probing
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True,
+                                  disable_git=True, save_code=False, x_save_requirements=False)
+        self.run = wandb.init(project=project, dir=str(where), name=name,
+                              mode=mode or "offline", config=config or {}, settings=settings)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, config: dict, name: str
