@@ -67,6 +67,23 @@ def output_problems(flag: str, path: str | Path, inputs: Iterable[str | Path] = 
     return []
 
 
+def directory_problems(flag: str, path: str | Path) -> list[str]:
+    """What stops `path` from being an output directory of `flag` (it may exist, as a
+    directory, or be creatable), each with its fix. Nothing is created."""
+    text = str(path)
+    if not text.strip():
+        return [f"{flag} is empty; give a directory path"]
+    p = Path(text).expanduser()
+    if p.exists() and not p.is_dir():
+        return [f"{flag} {text} is a file, not a directory; give a directory path"]
+    base = _nearest_existing(p.resolve())
+    if not base.is_dir():
+        return [f"{flag} {text}: {base} is a file, not a directory; choose another path"]
+    if not os.access(base, os.W_OK | os.X_OK) or not _can_create_in(base):
+        return [f"{flag} {text}: {base} is not writable; choose a directory you can write"]
+    return []
+
+
 def _can_create_in(directory: Path) -> bool:
     """Whether a file can be created there (and at once removed): permission bits do not
     tell for root, a read-only or special filesystem (/proc, /sys)."""

@@ -67,3 +67,35 @@ def initial_params(*sets: str) -> dict:
     cfg = config(*sets)
     return {n: p.detach().clone() for n, p in build_model(cfg.model, seed=cfg.train.seed)
             .named_parameters()}
+
+
+CLI_STEPS = 3
+
+
+def cli_pipeline_run(d: Path) -> dict:
+    """`plait train --nproc 2 --pp 2` with the memory step measured, metrics in d/m.jsonl
+    and, where installed, the TensorBoard (d/tb) and offline W&B (d/wb) sinks: its rows,
+    summary and directory."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    sinks = []
+    if importlib.util.find_spec("tensorboard"):
+        sinks += ["--tensorboard", str(d / "tb")]
+    if importlib.util.find_spec("wandb"):
+        sinks += ["--wandb", "plait-test", "--wandb-dir", str(d / "wb")]
+    # W&B's own cache and settings land in the test's directory, not the home directory
+    env = {**os.environ, **{f"WANDB_{k}_DIR": str(d / k.lower())
+                            for k in ("CACHE", "CONFIG", "DATA")}}
+    r = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--pp", "2",
+         "--microbatches", "2", "--data", str(token_file()), "--set", "model.vocab_size=256",
+         "--seq-len", "32", "--global-batch", "8", "--steps", str(CLI_STEPS), "--set",
+         "train.memory_step=1", "--metrics-out", str(d / "m.jsonl"), *sinks, "--quiet"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()]
+    return {"dir": d, "metrics": lines[:-1], "summary": lines[-1], "path": d / "m.jsonl"}

@@ -193,6 +193,27 @@ CASES = [
     train("--dry-run", "--model", "llama3-405b", "--dp", "8", "--world-size", "8",
           "--global-batch", "8", phrases="the 1 rank(s) on this machine",
           id="dry-run-host-memory"),
+    # ---- plait train: metric sinks (--tensorboard, --wandb) --------------------------
+    train("--tensorboard", "{w}/afile",
+          phrases="afile is a file, not a directory; give a directory",
+          id="tensorboard-is-a-file"),
+    train("--tensorboard", "{w}/afile/tb", phrases="is a file, not a directory",
+          id="tensorboard-under-a-file"),
+    train("--tensorboard", "/proc/plait-tb", phrases="/proc is not writable",
+          id="tensorboard-special-fs"),
+    train("--wandb", "", phrases="--wandb is empty", id="wandb-empty"),
+    train("--wandb", "team/run?", phrases="a W&B project name has at most 128",
+          id="wandb-bad-project"),
+    train("--wandb-dir", "{w}/wb", phrases="--wandb-dir is for --wandb", id="wandb-dir-alone"),
+    train("--wandb-mode", "online", phrases="--wandb-mode is for --wandb",
+          id="wandb-mode-alone"),
+    train("--wandb", "p", "--wandb-dir", "{w}/afile", phrases="is a file, not a directory",
+          id="wandb-dir-is-a-file"),
+    train("--wandb", "p", "--wandb-mode", "cloud", phrases="invalid choice",
+          id="wandb-mode-unknown"),
+    train("--dry-run", "--tensorboard", "{w}/tb", phrases="leave out --tensorboard",
+          id="dry-run-tensorboard"),
+    train("--dry-run", "--wandb", "p", phrases="leave out --wandb", id="dry-run-wandb"),
     # ---- plait demo -----------------------------------------------------------------
     cmd("demo", "--nproc", "0", "--data-dir", "{w}/nocorpus", phrases="--nproc 0",
         id="demo-nproc-0"),
@@ -313,6 +334,16 @@ CASES = [
         id="report-no-config"),
     cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--override-config", "--tp", "3",
         phrases="tp=3 does not divide", id="report-override-bad-config"),
+    cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--html", "{w}/adir",
+        phrases=("--html", "adir is a directory"), id="report-html-directory"),
+    cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--html", f"{{w}}/{PRECIOUS}",
+        phrases="is also an input", id="report-html-is-the-metrics", unchanged=(PRECIOUS,)),
+    cmd("report", "--metrics", f"{{w}}/{PRECIOUS}", "--png-dir", "{w}/afile",
+        phrases=("--png-dir", "afile is a file, not a directory"), id="report-png-dir-is-a-file"),
+    cmd("report", "--metrics", "{w}/nope.jsonl", "--html", "{w}/r.html", "--png-dir",
+        "{w}/figs", phrases="No such file", id="report-html-missing-metrics"),
+    cmd("report", "--metrics", "{w}/empty.txt", "--html", "{w}/r.html",
+        phrases="holds no step rows", id="report-html-empty"),
     # ---- Hugging Face models: train --init-from, eval, export, data prepare -----------
     train("--init-from", "hf:{w}/gpt2", phrases="'gpt2' is not a Llama-family model",
           id="hf-not-llama"),
@@ -512,6 +543,27 @@ def test_debug_shows_the_traceback(world, capsys):
     code, text = run_main(["report", "--metrics", str(world / "binary.bin"), "--debug"],
                           capsys)
     assert code == 2
+
+
+@pytest.mark.parametrize("package, argv, phrase", [
+    ("tensorboard", ["train", "--data", "{data}", *BASE_FLAGS, "--tensorboard", "{w}/tb"],
+     "--tensorboard needs the tensorboard package, which is not installed: pip install "
+     "'plait[tensorboard]'"),
+    ("wandb", ["train", "--data", "{data}", *BASE_FLAGS, "--wandb", "p", "--wandb-dir",
+               "{w}/wb"], "pip install 'plait[wandb]'"),
+    ("matplotlib", ["report", "--metrics", f"{{w}}/{PRECIOUS}", "--html", "{w}/r.html"],
+     "pip install 'plait[plot]'"),
+])
+def test_a_missing_optional_package_is_refused_before_anything(package, argv, phrase, world,
+                                                                 capsys, monkeypatch):
+    """Asked for and not installed (hidden here as Python hides a module set to None):
+    exit 2 naming the extra to install, before any rank starts or any byte is written."""
+    monkeypatch.setitem(sys.modules, package, None)
+    before = snapshot(world)
+    code, text = run_main([a.format(w=world, data=world / "good.bin") for a in argv], capsys)
+    assert code == 2 and phrase in text, text
+    assert "Traceback" not in text
+    assert snapshot(world) == before
 
 
 def test_version(capsys):

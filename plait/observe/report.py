@@ -40,6 +40,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--metrics", required=True, help="JSON lines written by plait train "
                    "--metrics-out (with --set train.memory_step=N for memory)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("--html", metavar="FILE", help="also write the run as one self-contained "
+                   "HTML page (configuration, curves, memory, communication, overlap, "
+                   "pipeline; no network needed to view it; needs matplotlib)")
+    p.add_argument("--png-dir", metavar="DIR", help="also write the same figures as PNG "
+                   "files in DIR (needs matplotlib)")
     p.add_argument("--override-config", action="store_true",
                    help="report against the configuration of --config / the flags given "
                    "here instead of the one the metrics file records")
@@ -99,9 +104,11 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
                            "communication": None, "notes": []}
     mem_row = next((r for r in rows if "memory" in r), None)
     if mem_row is None:
-        out["notes"].append("no measured memory: train with --set train.memory_step=N")
+        out["memory_missing"] = "no measured memory: train with --set train.memory_step=N"
+        out["notes"].append(out["memory_missing"])
     elif (why := not_covered(cfg)) is not None:
-        out["notes"].append(f"no memory prediction: {why}")
+        out["memory_missing"] = f"no memory prediction: {why}"
+        out["notes"].append(out["memory_missing"])
     else:
         measured, peak_total = mem_row["memory"]["peak"], mem_row["memory"]["peak_total"]
         # the metrics file is rank 0's (pp rank 0)
@@ -243,38 +250,47 @@ def print_report(rep: dict) -> None:
         console.print(f"note: {n}")
 
 
+def _refuse(msg: str) -> int:
+    print(f"plait: {msg}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
+    from plait.observe.visuals import visual_problems, write_visuals
     from plait.train.flags import config_from_args
 
+    problems = visual_problems(args)  # outputs and matplotlib, before reading anything
+    if problems:
+        return _refuse("cannot write the report:\n" + "\n".join(f"  - {p}" for p in problems))
     try:
         rows, summary = read_metrics(args.metrics)
     except (OSError, ValueError) as e:
-        print(f"plait: --metrics {args.metrics}: {getattr(e, 'strerror', None) or e}",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--metrics {args.metrics}: {getattr(e, 'strerror', None) or e}")
     if not rows:
-        print(f"plait: --metrics {args.metrics} holds no step rows; give the file plait "
-              "train --metrics-out wrote", file=sys.stderr)
-        return 2
+        return _refuse(f"--metrics {args.metrics} holds no step rows; give the file plait "
+                       "train --metrics-out wrote")
     recorded, given = "config" in summary, _flags_given(args)
     if recorded and given and not args.override_config:
-        print(f"plait: {args.metrics} records the run's configuration ({summary.get('layout')})"
-              "; the configuration flags given beside it would replace it: drop them, or add "
-              "--override-config to report against theirs", file=sys.stderr)
-        return 2
-    if not recorded and not given:
-        print(f"plait: {args.metrics} has no config in its summary line; pass "
-              "--config run.toml or the run's train flags", file=sys.stderr)
-        return 2
-    try:
-        cfg = config_from_args(args) if given else config_from_dict(summary["config"])
-        cfg.check(cfg.parallel.world_size)
-    except (ConfigError, TypeError, KeyError) as e:
-        print(f"plait: {e}", file=sys.stderr)
-        return 2
-    rep = compare(rows, summary, cfg)
-    if args.json:
-        print(json.dumps(rep, indent=1, default=lambda o: dataclasses.asdict(o)))
-    else:
-        print_report(rep)
+        return _refuse(f"{args.metrics} records the run's configuration "
+                       f"({summary.get('layout')}); the configuration flags given beside it "
+                       "would replace it: drop them, or add --override-config to report "
+                       "against theirs")
+    visual = bool(args.html or args.png_dir)
+    if not recorded and not given and not visual:
+        return _refuse(f"{args.metrics} has no config in its summary line; pass "
+                       "--config run.toml or the run's train flags")
+    cfg, rep = None, None
+    if recorded or given:
+        try:
+            cfg = config_from_args(args) if given else config_from_dict(summary["config"])
+            cfg.check(cfg.parallel.world_size)
+        except (ConfigError, TypeError, KeyError) as e:
+            return _refuse(str(e))
+        rep = compare(rows, summary, cfg)
+        if args.json:
+            print(json.dumps(rep, indent=1, default=lambda o: dataclasses.asdict(o)))
+        else:
+            print_report(rep)
+    if visual:
+        write_visuals(args, rows, summary, cfg, rep)
     return 0

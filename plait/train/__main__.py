@@ -50,6 +50,7 @@ from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, resolve_data
 from plait.train.loop import train
 from plait.train.report import final_line, print_summary, progress_reporter
+from plait.train.sinks import MetricSinks
 from plait.train.stop import StoppedAtBoundary, StopRequest
 from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
 
@@ -99,7 +100,28 @@ class _Run:
     def __init__(self, rank: int, total_steps: int):
         self.rank, self.total_steps, self.steps_done = rank, total_steps, 0
         self.metrics: PartialFile | None = None
+        self.sinks: MetricSinks | None = None  # --tensorboard, --wandb (plait/train/sinks.py)
         self.stop = StopRequest()  # --checkpoint-on-stop: the signal, for the boundary
+
+    def open_outputs(self, args: argparse.Namespace, cfg: Config, layout: str,
+                     elastic: ElasticState | None) -> None:
+        """Rank 0's: the metrics file (streamed to NAME.partial, renamed to NAME only when
+        the run completes; an earlier attempt's rows first) and the metric sinks."""
+        self.metrics = PartialFile(args.metrics_out) if args.metrics_out else None
+        for row in elastic.rows if elastic and self.metrics else ():
+            self.metrics.write_line(json.dumps(row))
+        self.sinks = MetricSinks.from_args(args, cfg.to_dict(), layout)
+
+    def record(self, row: dict) -> None:
+        """A step row or the summary: the JSON line and the sinks, from the same dict."""
+        if self.metrics:
+            self.metrics.write_line(json.dumps(row))
+        if self.sinks is not None:
+            (self.sinks.write_summary if row.get("summary") else self.sinks.write_row)(row)
+
+    def close_sinks(self, finished: bool) -> None:
+        if self.sinks is not None:
+            self.sinks.close(failed=not finished)
 
     def kept_metrics(self) -> str:
         if self.metrics is None:
@@ -211,19 +233,16 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
     batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
-    # streamed to NAME.partial, renamed to NAME only when the run completes
-    run.metrics = PartialFile(args.metrics_out) if lead and args.metrics_out else None
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
-    for row in elastic.rows if elastic and run.metrics else ():  # the earlier attempts'
-        run.metrics.write_line(json.dumps(row))
+    if lead:
+        run.open_outputs(args, cfg, mesh.describe().split(" (")[0], elastic)
     finished = False
     try:
         with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
             def on_step(row: dict) -> None:
                 run.steps_done = row["step"] + 1
                 show(row)
-                if run.metrics:
-                    run.metrics.write_line(json.dumps(row))
+                run.record(row)
                 if elastic and lead:
                     elastic.log(row)
                 if watchdog is not None:
@@ -242,8 +261,7 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
             result.summary.update(elastic.summary())
         if lead and checkpoint.resumed_from is not None and not args.quiet:
             print(f"resumed from {checkpoint.resumed_from}")
-        if run.metrics:
-            run.metrics.write_line(json.dumps(result.summary))
+        run.record(result.summary)
         if lead and not args.quiet:
             print_summary(result.summary, result.metrics)
         if lead and result.pipeline:
@@ -259,6 +277,7 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
             dist.destroy_process_group()
         if watchdog is not None:
             watchdog.stop()
+        run.close_sinks(finished)
     if lead:
         written = run.metrics.finish() if run.metrics else None
         print(final_line(result.summary, result.metrics, written), flush=True)

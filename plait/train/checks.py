@@ -17,6 +17,7 @@ from plait.device import DeviceError, resolve_device
 from plait.files import output_problems
 from plait.train.data import DataError, TokenFile
 from plait.train.flags import check_data, config_from_args, resolve_data
+from plait.train.sinks import sink_problems
 
 OUTPUT_FLAGS = ("metrics_out", "trace", "timeline")
 MAX_LOCAL_RANKS = 256  # processes on one machine; past it a typo, not a plan
@@ -43,6 +44,7 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--nproc {nproc}: plait train launches at most {MAX_LOCAL_RANKS} "
                         "ranks on one machine; use torchrun -m plait.train across nodes")
     problems += _stop_checkpoint_problems(args)
+    problems += sink_problems(args)  # --tensorboard / --wandb: the package, the directory
     max_restarts = getattr(args, "max_restarts", None)
     if max_restarts is not None and max_restarts < 0:
         problems.append(f"--max-restarts {max_restarts}: must be >= 0 (0: no restarts)")

@@ -14,6 +14,7 @@ from plait.checkpoint.cli import add_checkpoint_args
 from plait.config import Config, ConfigError, load_config
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES
+from plait.train.sinks import add_sink_args
 
 # flag -> config key (None value = flag not given)
 TRAIN_FLAGS = {
@@ -78,6 +79,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where each rank computes: cuda:LOCAL_RANK with NCCL, or the CPU with "
                    "gloo; auto (default) takes CUDA when torch sees a GPU")
+    add_sink_args(p)  # --tensorboard, --wandb (plait/train/sinks.py)
     add_checkpoint_args(p)
     p.add_argument("--checkpoint-on-stop", action="store_true",
                    help="on SIGINT/SIGTERM/SIGHUP, finish the current step and save a final "

@@ -166,6 +166,9 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
         result.pipeline = pipeline_report(runtime, par.partition, mesh)
         result.summary["pipeline"] = result.pipeline["summary"]
+        # the last step's measured computes, per rank (plait report draws them)
+        result.summary["pipeline_timeline"] = [[list(e) for e in evs]
+                                               for evs in result.pipeline["events"]]
     return result
 
 
@@ -238,10 +241,14 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
                       **meter.allocator_stats())
     elapsed = timer.elapsed(start, timer.mark())
+    records = mesh.ledger.for_step(step)
+    by_dim: dict[str, float] = {}
+    for r in records:  # the step's bytes sent by this rank, per mesh dim
+        by_dim[r.dim] = by_dim.get(r.dim, 0.0) + r.sent
     row = {"step": step, "loss": float(loss_sum), "tokens": step_tokens,
            "step_time": elapsed, "tokens_per_s": tokens_per_second(step_tokens, [elapsed]),
            "grad_norm": norm, "lr": lr,
-           "comm_sent_bytes": sum(r.sent for r in mesh.ledger.for_step(step))}
+           "comm_sent_bytes": sum(r.sent for r in records), "comm_sent_bytes_by_dim": by_dim}
     row.update(moe)
     if memory:
         row["memory"] = memory

@@ -252,10 +252,18 @@ def write_trace(report: dict, path: str | Path) -> Path:
 
 def write_timeline(report: dict, path: str | Path) -> Path:
     """PNG of the last step's measured timeline, a row per rank (matplotlib)."""
-    events = report["events"]
+    return draw_measured(report["events"], report["schedule"], path,
+                         report["simulated"].peak_activations)
+
+
+def draw_measured(events: list[list], schedule: Schedule, path: str | Path,
+                  peak_activations: list[int] | None = None) -> Path:
+    """PNG of measured per-rank events `(kind, stage, microbatch, start, end)`, drawn as
+    the simulator's timelines are (`plait report` draws a metrics file's from here)."""
+    events = [[tuple(e) for e in evs] for evs in events]
     step = max((e[4] for evs in events for e in evs), default=0.0)
     busy = [sum(e[4] - e[3] for e in evs) for evs in events]
     per_rank = [(step - b) / step if step else 0.0 for b in busy]
     measured = SimResult(step, sum(per_rank) / len(per_rank), per_rank, busy,
-                         report["simulated"].peak_activations, events)
-    return draw_timeline(measured, report["schedule"], path)
+                         peak_activations or [0] * len(events), events)
+    return draw_timeline(measured, schedule, path)
