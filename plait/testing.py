@@ -164,6 +164,16 @@ PARITY_TOLERANCES = {
     # fp32 ones: loss 3.5e-4 (7.3e-4 at 8 steps), movement ratio 1.07. The bounds sit at
     # about 2-3x plait's measured error, below the master-less run's.
     "bf16": {"loss_rtol": 5e-4, "param_move_rtol": 0.5, "norm_rtol": 1e-2, "grad_rtol": 3e-2},
+    # bf16 with MoE: bf16's bounds, but no element-wise first-gradient comparison. A token
+    # whose top-k margin is below bf16's resolution takes another expert set than in the
+    # fp32 reference, moving its whole contribution between experts and changing its
+    # gradient upstream: measured at tp=2 (tests/test_matrix.py), one token in each of
+    # layers 1 and 2 (margins 1.7e-4 and 1.4e-4, the smallest of their layers) put the
+    # stacked w3 gradient 28 % of its largest element (7 % of its norm) and the layer's
+    # mlp_norm gain 7.5 % off. The loss, the grad norm and every parameter's movement
+    # bound still hold such a run; fp32 runs compare every gradient at 1e-5.
+    "bf16-moe": {"loss_rtol": 5e-4, "param_move_rtol": 0.5, "norm_rtol": 1e-2,
+                 "grad_rtol": None},
     # fp32 tensor parallel: TP also reorders sums *inside* every layer (row-parallel partial
     # products, the vocab-parallel softmax), so a gradient element whose terms cancel can
     # carry a larger relative error; Adam's g/sqrt(v) turns that into up to ~lr per step.
@@ -214,7 +224,7 @@ def assert_parity(run: dict, ref: Any, precision: str = "fp32",
     for step, (a, b) in enumerate(zip(norms, ref.grad_norms, strict=True)):
         assert abs(a - b) <= tol["norm_rtol"] * abs(b), (
             f"step {step}: grad norm {a!r} vs reference {b!r} (rtol {tol['norm_rtol']})")
-    if run.get("first_grads") is not None:
+    if run.get("first_grads") is not None and tol["grad_rtol"] is not None:
         _assert_first_grads(run["first_grads"], ref.first_grads, tol["grad_rtol"])
     if run.get("params") is not None:
         _assert_params(run["params"], ref.params, tol, init, len(losses))

@@ -99,3 +99,26 @@ def cli_pipeline_run(d: Path) -> dict:
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()]
     return {"dir": d, "metrics": lines[:-1], "summary": lines[-1], "path": d / "m.jsonl"}
+
+
+# ---- measured memory against the planner's eager model (plait.plan.eager) ---------------
+# tracker category -> planner categories
+MEMORY_CATS = {"params": ("parameters",), "grads": ("gradients",),
+               "optimizer": ("optimizer states",), "comm": ("communication buffers",),
+               "activations": ("activations", "logits")}
+# Every category is held to 5 % of the measured bytes, or to 64 bytes where it is (near) 0
+# (e.g. no buffers at the peak): 5 % of nothing is no bound.
+MEMORY_SLACK = 64
+
+
+def assert_memory_matches(measured: dict, total: int, pred: dict, where: str,
+                          rel: float = 0.05) -> None:
+    """The peak total and every category at the predicted peak moment within 5 %.
+
+    Deterministic: every buffer is freed where the program drops it (Handle.wait() waits
+    for gloo to let go of it; before that, which moment topped the peak could vary with
+    thread scheduling, issue 22), so no tied-moment allowance is needed."""
+    assert abs(total - pred["total"]) <= rel * pred["total"], (where, "total", total, pred)
+    split = all(abs(measured[cat] - sum(pred[n] for n in names))
+                <= max(rel * measured[cat], MEMORY_SLACK) for cat, names in MEMORY_CATS.items())
+    assert split, f"{where}: measured {measured} (total {total}); predicted peak {pred}"

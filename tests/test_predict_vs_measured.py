@@ -7,21 +7,14 @@ measures during `train.memory_step`. One cost model: the prediction is
 """
 
 import pytest
-from helpers import config, run_layout, token_file
+from helpers import assert_memory_matches, config, run_layout, token_file
 
 from plait.plan import predict_memory
 from plait.plan.eager import eager_memory_by_rank
 from plait.train.data import TokenFile
 
 MEASURE = ["train.memory_step=1", "train.steps=2"]
-# tracker category -> planner categories
-CATS = {"params": ("parameters",), "grads": ("gradients",),
-        "optimizer": ("optimizer states",), "comm": ("communication buffers",),
-        "activations": ("activations", "logits")}
-# Every category is held to 5 % of the measured bytes, or to 64 bytes where it is (near) 0
-# (e.g. no buffers at the peak): 5 % of nothing is no bound. The loader's permutation is
-# passed in (data_windows); nothing else is left out.
-SLACK = 64
+# the loader's permutation is passed in (data_windows); nothing else is left out
 
 LAYOUTS = {
     "single fp32": [],
@@ -51,22 +44,6 @@ LAYOUTS = {
 }
 
 
-def _split_matches(measured: dict, pred: dict, rel: float = 0.05) -> bool:
-    return all(abs(measured[cat] - sum(pred[n] for n in names))
-               <= max(rel * measured[cat], SLACK) for cat, names in CATS.items())
-
-
-def _check(measured: dict, total: int, pred: dict, where: str) -> None:
-    """The peak total and every category at the predicted peak moment within 5 %.
-
-    Deterministic: every buffer is freed where the program drops it (Handle.wait() waits
-    for gloo to let go of it; before that, which moment topped the peak could vary with
-    thread scheduling, issue 22), so no tied-moment allowance is needed."""
-    assert total == pytest.approx(pred["total"], rel=0.05), (where, "total", total, pred)
-    assert _split_matches(measured, pred), (
-        f"{where}: measured {measured} (total {total}); predicted peak {pred}")
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_peak_equals_measured(name):
     sets = [*LAYOUTS[name], *MEASURE]
@@ -78,7 +55,8 @@ def test_predicted_peak_equals_measured(name):
     for rank, out in enumerate(outs):
         mem = out["metrics"][1]["memory"]
         pp_rank = (rank // stride) % cfg.parallel.pp
-        _check(mem["peak"], mem["peak_total"], by_pp[pp_rank], f"{name} rank {rank}")
+        assert_memory_matches(mem["peak"], mem["peak_total"], by_pp[pp_rank],
+                              f"{name} rank {rank}")
     # predict_memory(kernels="eager") is the most loaded rank's
     top = max(o["metrics"][1]["memory"]["peak_total"] for o in outs)
     assert predict_memory(cfg, "eager", windows)["total"] == pytest.approx(top, rel=0.05)

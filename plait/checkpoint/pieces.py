@@ -157,7 +157,8 @@ def _zero_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
         stop = min(e.stop, n)  # padded vocabulary rows are the flat tail of the tensor
         if stop <= e.start:
             continue
-        write = par.placements.counts_in_norm(p, mesh, also_sharded=(opt.dim,))
+        # the shard's own unit's dim: routed experts shard over edp, the rest over dp (x cp)
+        write = par.placements.counts_in_norm(p, mesh, also_sharded=(opt.units[e.unit].dim,))
         view = opt.shard_view(e).reshape(-1)[:stop - e.start]
         out.append(Piece(e.name, e.state, *box, e.start, stop, view, write))
     return out

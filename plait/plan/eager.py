@@ -294,8 +294,12 @@ def not_covered(cfg: Config) -> str | None:
     ZeRO 0-3, tp (+SP), pp with F/B schedules, and tp x pp with them. Not covered: the
     deferred weight work of I/W-split schedules, and ZeRO with pp (measured 12-22 % under
     and 7 % over the tracker at pp=2), and context parallel (its ring buffers, the
-    fp32 partial outputs and scores of each block are not modelled)."""
+    fp32 partial outputs and scores of each block are not modelled), and the MoE block."""
     p = cfg.parallel
+    if cfg.model.n_experts:
+        return (f"model.n_experts={cfg.model.n_experts}: the eager memory model has no MoE "
+                "block (router scores, dispatch order, per-expert activations); predict "
+                "with kernels='fused' (the planner's GPU model)")
     if p.cp > 1:
         return (f"cp={p.cp}: the eager memory model does not follow context parallel's "
                 "attention (ring K/V buffers, per-block scores); predict with "

@@ -1,0 +1,300 @@
+"""The parity matrix's layouts (issue 16): factors, the row notation, pairwise coverage.
+
+A row is one layout in a short notation, one token per setting, e.g.
+
+    dp2 z1 tp2 sp pp2:1f1b cp2:ring moe ep2 bf16 rc
+
+`dpN` data parallel, `zN` ZeRO stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
+`ppN:SCHEDULE` pipeline, `cpN:MODE` context parallel (ring | allgather), `moe` the MoE
+model (`epN` experts over ep ranks), `bf16` bf16 compute with fp32 masters, `rc` full
+recomputation. Omitted: dp1 z0 tp1 pp1 cp1, the dense model, fp32, no recompute.
+
+`FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
+that some valid layout at world <= 8 has, appears in some row (pairwise, or "all-pairs",
+covering: most bugs of combined strategies need two of them to show; Kuhn, Wallace &
+Gallo, "Software fault interactions and implications for software testing", IEEE TSE
+2004). A pair no valid layout has is refused by `Config.validate` with its reason, and
+the test lists it. Every pipeline schedule appears at least once.
+
+`python tests/matrix.py` prints a greedy cover of the factors (the rows below were made
+by it, then kept as text so that a change of factor shows as a failing coverage test, not
+as a silently different matrix).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterable
+
+# the model of every row: 4 layers (pp=2 with two chunks a rank needs 4 stages; pp=4 one
+# layer a stage), untied (pp and ZeRO need it); the MoE rows add 8 experts top-2 with a
+# shared expert, the balance loss and the aux-loss-free bias (a buffer every layout must
+# keep in step)
+DENSE = ("model.n_layers=4", "model.tie_embeddings=false")
+MOE = (*DENSE, "model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=32",
+       "model.n_shared_experts=1", "model.aux_loss_coef=0.01", "model.bias_update_rate=0.01")
+STEPS = 3  # every row trains 3 steps; round trips save after step 1 and resume 2 more
+ROUND_TRIP_STEP = 1
+
+FACTORS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp1", "dp2", "dp4"),
+    "zero": ("z0", "z1", "z2", "z3"),
+    "tp": ("tp1", "tp2", "tp2+sp"),
+    "pp": ("pp1", "pp2", "pp4"),
+    "cp": ("cp1", "cp2:ring", "cp2:allgather"),
+    "ep": ("dense", "moe ep1", "moe ep2", "moe ep4"),
+    "precision": ("fp32", "bf16"),
+    "recompute": ("rc:none", "rc:full"),
+}
+# the factors a schedule must meet each level of: what it moves between stages (tp, SP and
+# cp change the activation's shape and positions, MoE adds a routed block and balancing
+# state, bf16 the dtype); dp and ZeRO meet the schedules through the pairwise cover
+SCHEDULE_PAIRS = ("tp", "cp", "ep", "precision")
+COST_FIXED = 2  # a row's time ~ (this + world size) x a step: ranks share 2 cores
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev",
+             "dualpipe")
+
+ROWS: tuple[str, ...] = (
+    'rc',
+    'pp2:zb-v moe bf16',
+    'z3 cp2:ring moe ep2 bf16 rc',
+    'dp2 z2 moe ep2',
+    'z1 cp2:allgather moe rc',
+    'dp2 z1 pp2:zb-h2 bf16',
+    'dp4 z3 moe ep4',
+    'z2 tp2 sp cp2:allgather bf16 rc',
+    'tp2 pp2:interleaved rc',
+    'pp4:zb-h1 moe bf16',
+    'z1 pp2:gpipe cp2:ring moe ep2',
+    'tp2 sp pp2:dualpipev moe',
+    'pp2:1f1b cp2:allgather moe ep2 bf16',
+    'z2 tp2 cp2:ring moe bf16',
+    'dp2 cp2:ring moe ep4 bf16 rc',
+    'pp2:dualpipe bf16',
+    'pp4:1f1b rc',
+    'dp4 z1 pp2:interleaved moe ep4 bf16 rc',
+    'z1 pp2:dualpipev cp2:ring bf16',
+    'dp2 z3 tp2 sp moe rc',
+    'pp2:gpipe moe bf16 rc',
+    'z1 tp2 sp pp2:zb-v cp2:ring moe ep2',
+    'z1 tp2 pp2:zb-h2 cp2:allgather moe ep2',
+    'z1 pp4:zb-h1 cp2:ring moe ep2',
+    'dp2 z3 tp2 cp2:allgather moe ep4 rc',
+    'dp4 z2 tp2 sp moe ep4 rc',
+    'z1 pp2:zb-v cp2:allgather bf16',
+    'z1 pp2:zb-h2 cp2:ring moe bf16',
+    'z1 pp2:zb-h1 cp2:allgather bf16',
+    'z1 pp2:interleaved cp2:ring moe rc',
+    'z1 pp2:interleaved cp2:allgather moe ep2 rc',
+    'z1 pp2:gpipe cp2:allgather rc',
+    'z1 pp2:dualpipev cp2:allgather moe ep2 bf16',
+    'z1 pp2:1f1b cp2:ring moe rc',
+    'tp2 sp pp2:dualpipe',
+    'dp4 z3 rc',
+    'dp4 moe rc',
+    'tp2 sp pp4:zb-h2 moe bf16',
+    'tp2 pp4:zb-h1 moe bf16',
+    'tp2 pp2:dualpipe cp2:ring bf16',
+    'pp4:dualpipe cp2:allgather bf16',
+    'dp4 z3 tp2 moe ep2 rc',
+    'tp2 sp pp2:zb-h1 moe bf16',
+    'tp2 sp pp2:interleaved rc',
+    'tp2 sp pp2:gpipe rc',
+    'tp2 sp pp2:1f1b rc',
+    'tp2 pp2:zb-v moe bf16',
+    'tp2 pp2:gpipe rc',
+    'tp2 pp2:dualpipev moe bf16',
+    'tp2 pp2:1f1b rc',
+    'dp4 z3 cp2:ring rc',
+    'dp4 z3 cp2:allgather rc',
+    'dp4 z1 pp2:zb-v moe ep4 bf16',
+    'dp4 z1 pp2:zb-h2 moe ep4 bf16',
+    'dp4 z1 pp2:zb-h1 moe ep4 bf16',
+    'dp4 z1 pp2:gpipe moe ep4 rc',
+    'dp4 z1 pp2:1f1b moe ep4 rc',
+    'dp2 z1 pp4:zb-h2 moe ep2 bf16',
+    'dp2 z1 pp2:dualpipev cp2:ring moe ep4 bf16',
+)
+
+
+def parse(row: str) -> dict:
+    """A row's settings by factor, its schedule, and the config `sets` it stands for."""
+    tokens = row.split()
+    levels = {"dp": "dp1", "zero": "z0", "tp": "tp1", "pp": "pp1", "cp": "cp1",
+              "ep": "dense", "precision": "fp32", "recompute": "rc:none"}
+    sets: list[str] = []
+    schedule = None
+    moe = "moe" in tokens
+    for tok in tokens:
+        if tok in ("moe", "sp"):
+            continue
+        if tok.startswith("dp"):
+            levels["dp"] = tok
+            sets.append(f"parallel.dp={tok[2:]}")
+        elif tok[0] == "z":
+            levels["zero"] = tok
+            sets.append(f"parallel.zero={tok[1:]}")
+        elif tok.startswith("tp"):
+            levels["tp"] = tok + ("+sp" if "sp" in tokens else "")
+            sets += [f"parallel.tp={tok[2:]}", f"parallel.sp={'sp' in tokens}".lower()]
+        elif tok.startswith("pp"):
+            size, schedule = tok[2:].split(":")
+            levels["pp"] = f"pp{size}"
+            sets += [f"parallel.pp={size}", f"parallel.schedule={schedule}"]
+        elif tok.startswith("cp"):
+            size, mode = tok[2:].split(":")
+            levels["cp"] = tok
+            sets += [f"parallel.cp={size}", f"parallel.cp_mode={mode}"]
+        elif tok.startswith("ep"):
+            levels["ep"] = f"moe {tok}"
+            sets.append(f"parallel.ep={tok[2:]}")
+        elif tok == "bf16":
+            levels["precision"] = tok
+            sets.append("train.precision=bf16")
+        elif tok == "rc":
+            levels["recompute"] = "rc:full"
+            sets.append("train.recompute=full")
+        else:
+            raise ValueError(f"matrix row {row!r}: unknown token {tok!r}")
+    if moe and levels["ep"] == "dense":
+        levels["ep"] = "moe ep1"
+    dp, pp = int(levels["dp"][2:]), int(levels["pp"][2:])
+    # pipelines take 4 micro-batches where a replica's 8/dp sequences allow it (schedules
+    # need m >= pp, dualpipev 2pp - 1); without a pipeline 2, to exercise accumulation
+    micro = min(4, 8 // dp) if pp > 1 else 2
+    sets.append(f"parallel.microbatches={micro}")
+    return {"levels": levels, "schedule": schedule, "model": MOE if moe else DENSE,
+            "sets": (*(MOE if moe else DENSE), *sets)}
+
+
+def pairs(levels: dict[str, str], schedule: str | None = None) -> set[tuple[str, str]]:
+    """The pairs of levels one layout covers (factors in FACTORS order); a pipeline's
+    schedule pairs with the levels of SCHEDULE_PAIRS too (the schedule is a factor of the
+    pp > 1 layouts only)."""
+    names = list(FACTORS)
+    out = {(levels[a], levels[b]) for a, b in itertools.combinations(names, 2)}
+    if schedule is not None:
+        out |= {(schedule, levels[a]) for a in SCHEDULE_PAIRS}
+    return out
+
+
+def row_of(levels: dict[str, str], schedule: str | None) -> str:
+    """The notation of a layout given by its levels (the inverse of `parse`)."""
+    toks = []
+    for factor, default in (("dp", "dp1"), ("zero", "z0")):
+        if levels[factor] != default:
+            toks.append(levels[factor])
+    if levels["tp"] != "tp1":
+        toks += ["tp2", "sp"] if levels["tp"] == "tp2+sp" else ["tp2"]
+    if levels["pp"] != "pp1":
+        toks.append(f"{levels['pp']}:{schedule}")
+    if levels["cp"] != "cp1":
+        toks.append(levels["cp"])
+    if levels["ep"] != "dense":
+        toks += ["moe"] + ([levels["ep"].split()[1]] if levels["ep"] != "moe ep1" else [])
+    if levels["precision"] == "bf16":
+        toks.append("bf16")
+    if levels["recompute"] == "rc:full":
+        toks.append("rc")
+    return " ".join(toks)
+
+
+def validity(row: str) -> list[str]:
+    """What `Config.validate` says of a row at its world size (empty: it runs), plus the
+    matrix's own rule: ZeRO needs ranks to shard over (dp * cp > 1)."""
+    from helpers import config
+
+    p = parse(row)
+    cfg = config(*p["sets"], f"train.steps={STEPS}")
+    world = cfg.parallel.world_size
+    if world > 8:
+        return [f"world size {world} > 8 (this machine's limit for the suite)"]
+    problems = cfg.validate(world)
+    if cfg.parallel.zero and cfg.parallel.dp * cfg.parallel.cp == 1:
+        problems.append("ZeRO with dp * cp = 1 has no ranks to shard over")
+    return problems
+
+
+def all_layouts() -> Iterable[tuple[dict, str | None]]:
+    """Every combination of levels, with each schedule for pp > 1."""
+    names = list(FACTORS)
+    for combo in itertools.product(*FACTORS.values()):
+        levels = dict(zip(names, combo, strict=True))
+        for schedule in (SCHEDULES if levels["pp"] != "pp1" else (None,)):
+            yield levels, schedule
+
+
+def valid_rows() -> list[str]:
+    return [r for r in (row_of(lv, s) for lv, s in all_layouts()) if not validity(r)]
+
+
+def coverable_pairs(rows: Iterable[str]) -> set[tuple[str, str]]:
+    out: set[tuple[str, str]] = set()
+    for r in rows:
+        p = parse(r)
+        out |= pairs(p["levels"], p["schedule"])
+    return out
+
+
+def greedy_cover(candidates: list[str]) -> list[str]:
+    """Rows until every coverable pair and every schedule is in one: each pick covers the
+    most new pairs (a new schedule counts as one) per unit of the suite's time, a row's
+    taken as COST_FIXED + its world size (the weighted greedy set cover, Chvatal 1979);
+    ties to the smaller world, then to the text (deterministic)."""
+    need = coverable_pairs(candidates)
+    info = {}
+    for r in candidates:
+        p = parse(r)
+        info[r] = (pairs(p["levels"], p["schedule"]), p["schedule"], _world(r))
+    chosen: list[str] = []
+    schedules_left = set(SCHEDULES)
+    while need or schedules_left:
+        def gain(r: str, need: set = need, left: set = schedules_left) -> tuple:
+            ps, sched, world = info[r]
+            return ((len(ps & need) + (sched in left)) / (COST_FIXED + world), -world, r)
+        best = max(candidates, key=gain)
+        chosen.append(best)
+        need -= info[best][0]
+        schedules_left.discard(info[best][1])
+    return chosen
+
+
+def _world(row: str) -> int:
+    lv = parse(row)["levels"]
+    return (int(lv["dp"][2:]) * int(lv["tp"][2]) * int(lv["pp"][2:])
+            * int(lv["cp"][2]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, "tests")
+    cands = valid_rows()
+    print(f"# {len(cands)} valid layouts", file=sys.stderr)
+    for r in greedy_cover(cands):
+        print(f"    {r!r},")
+
+
+# ---- the ledger against the planner ----------------------------------------------------
+# Collectives that carry no model data: step metrics, the grad-norm sum, MoE's load counts
+# and the all-to-all split sizes. The planner models the data collectives; these are a few
+# bytes (bounded in the test) and are left out of the comparison.
+CONTROL_TAGS = ("metrics", "grad_norm", "moe.counts", "moe.load", ".counts")
+
+
+def data_bytes_by_dim(records: list[dict], cp: int) -> dict[str, float]:
+    """One rank's payload bytes per mesh dim in one step, as the planner names the dims:
+    a collective's payload, a send's bytes (a receive is the other end's send), control
+    collectives left out; ZeRO and gradient syncs over dp x cp are the planner's "dp"."""
+    out: dict[str, float] = {}
+    for r in records:
+        if r["op"] == "recv" or any(r["tag"] == t or r["tag"].endswith(t)
+                                    for t in CONTROL_TAGS):
+            continue
+        dim = "dp" if r["dim"] == "dp_cp" or (r["dim"] == "edp" and cp == 1) else r["dim"]
+        out[dim] = out.get(dim, 0.0) + r["payload"]
+    return out
+
+
+def control_bytes(records: list[dict]) -> float:
+    return sum(r["payload"] for r in records if r["op"] != "recv" and any(
+        r["tag"] == t or r["tag"].endswith(t) for t in CONTROL_TAGS))

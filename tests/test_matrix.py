@@ -1,0 +1,175 @@
+"""One parity matrix over all five dimensions (issue 16): every row of tests/matrix.py
+against the single-process run, the ledger against the planner, the measured memory
+against the planner's eager model, and checkpoint round trips between rows.
+
+Each row trains once (`row_run`, cached per process); the checks read that one run.
+docs/parity.md has the table; `python tests/parity_table.py` regenerates it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import cache
+from pathlib import Path
+
+import pytest
+from helpers import (
+    assert_memory_matches,
+    batches_for,
+    config,
+    initial_params,
+    reference,
+    token_file,
+)
+from matrix import ROUND_TRIP_STEP, ROWS, SCHEDULES, STEPS, coverable_pairs, parse, valid_rows
+
+from plait.checkpoint import Checkpointing
+from plait.mesh import ParallelMesh
+from plait.model.transformer import build_model
+from plait.plan.eager import eager_memory_by_rank, not_covered
+from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.train.data import TokenFile
+from plait.train.loop import full_state, train
+
+ROOT = Path("/tmp/plait-tests/matrix")
+# (source row, destination row): save after step 1 in one layout, train steps 2-3 in the
+# other; sources and destinations of different worlds, meshes, ZeRO stages and schedules
+ROUND_TRIPS = (
+    ("dp4 z3 rc", "tp2 sp pp2:1f1b rc"),
+    ("tp2 sp pp2:1f1b rc", "dp4 z3 cp2:ring rc"),
+    ("dp4 z3 cp2:allgather rc", "rc"),
+    ("tp2 pp2:interleaved rc", "dp4 z3 rc"),
+    ("tp2 sp pp2:dualpipe", "tp2 pp2:1f1b rc"),
+    ("dp4 moe rc", "dp4 z3 tp2 moe ep2 rc"),
+    ("dp4 z3 tp2 moe ep2 rc", "z1 pp2:interleaved cp2:ring moe rc"),
+    ("z1 cp2:allgather moe rc", "dp4 z2 tp2 sp moe ep4 rc"),
+    ("dp2 z2 moe ep2", "z1 tp2 sp pp2:zb-v cp2:ring moe ep2"),
+    ("z1 tp2 pp2:zb-h2 cp2:allgather moe ep2", "dp4 z3 moe ep4"),
+)
+SOURCES = {src for src, _ in ROUND_TRIPS}
+
+# the first model built on meta imports torch's reference ops (~10 s a process on a busy
+# machine): once here, so that the forked ranks inherit them instead of each paying
+build_model(config(*parse("rc")["model"]).model, seed=0, device="meta")
+
+
+def precision_of(row: str) -> str:
+    """The row's tolerance class (plait/testing.py PARITY_TOLERANCES, docs/parity.md):
+    bf16 compute is held to bf16's bounds whatever else it runs with (with MoE, routing
+    flips excepted); fp32 with cp or tp to theirs (sums reordered inside every layer),
+    plain fp32 otherwise."""
+    lv = parse(row)["levels"]
+    if lv["precision"] == "bf16":
+        return "bf16-moe" if lv["ep"] != "dense" else "bf16"
+    if lv["cp"] != "cp1":
+        return "fp32-cp"
+    return "fp32-tp" if lv["tp"] != "tp1" else "fp32"
+
+
+def row_sets(row: str) -> tuple[str, ...]:
+    """The row's config, measuring memory on step 1 where the eager model covers it."""
+    sets = (*parse(row)["sets"], f"train.steps={STEPS}")
+    covered = not_covered(config(*sets)) is None
+    return (*sets, "train.memory_step=1") if covered else sets
+
+
+def _rank(rank: int, world: int, sets: list[str], ck: dict | None) -> dict:
+    cfg = config(*sets).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    checkpoint = Checkpointing(**ck) if ck is not None else None
+    resumed = ck is not None and "resume" in ck
+    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=not resumed,
+                   checkpoint=checkpoint)
+    return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
+            "params": full_state(result.model, result.optimizer, mesh, result.placements),
+            "first_grads": result.first_grads, "metrics": result.metrics,
+            "ledger": [r for r in mesh.ledger.to_dicts() if r["step"] == 1]}
+
+
+def run_row(sets: tuple[str, ...], ck: dict | None = None) -> list[dict]:
+    token_file()
+    return run_ranks(_rank, config(*sets).parallel.world_size, list(sets), ck)
+
+
+def checkpoint_dir(row: str) -> Path:
+    return ROOT / row.replace(" ", "_").replace(":", "-")
+
+
+@cache
+def row_run(row: str) -> list[dict]:
+    """The row's run; a round trip's source saves a checkpoint after every step."""
+    ck = None
+    if row in SOURCES:
+        shutil.rmtree(checkpoint_dir(row), ignore_errors=True)
+        ck = {"dir": checkpoint_dir(row), "every": ROUND_TRIP_STEP}
+    return run_row(row_sets(row), ck)
+
+
+def row_reference(row: str):
+    return reference(*parse(row)["model"], f"train.steps={STEPS}")
+
+
+def test_rows_cover_every_pair_and_schedule():
+    """Every pair of levels some valid layout has is in a row, every schedule appears,
+    every row is valid; the pairs no valid layout has are refused (listed in
+    docs/parity.md with their reasons)."""
+    valid = valid_rows()
+    missing = coverable_pairs(valid) - coverable_pairs(ROWS)
+    assert not missing, f"pairs no row covers (python tests/matrix.py): {sorted(missing)}"
+    assert {parse(r)["schedule"] for r in ROWS} >= set(SCHEDULES)
+    assert len(ROWS) >= 48 and len(set(ROWS)) == len(ROWS)
+    assert set(ROWS) <= set(valid), set(ROWS) - set(valid)
+    assert {r for pair in ROUND_TRIPS for r in pair} <= set(ROWS)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_row_equals_the_single_process_run(row):
+    outs = row_run(row)
+    init = initial_params(*parse(row)["model"], f"train.steps={STEPS}")
+    # every rank's parameters are gathered: replicas and tp/cp ranks must agree exactly
+    assert_parity(merge_ranks(outs), row_reference(row), precision_of(row), init=init)
+    assert all(o["losses"] == outs[0]["losses"] for o in outs)
+
+
+# rows the eager model claims to cover and misses (strict: fixing the model fails them)
+MEMORY_GAPS = {
+    "dp4 z3 rc": "ZeRO-3 at dp=4, 4 layers, 2 micro-batches: measured peak 6.3 % over the "
+                 "eager model (one layer unit more of communication buffers and 156 KB more "
+                 "gradients at a late-backward moment it does not model); dp=2 is exact",
+}
+
+
+@pytest.mark.parametrize("row", [
+    pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=MEMORY_GAPS[r]))
+    if r in MEMORY_GAPS else r for r in ROWS if "train.memory_step=1" in row_sets(r)])
+def test_row_memory_equals_the_eager_model(row):
+    """Peak live bytes per rank and by category at the peak within 5 % of the planner's
+    eager model (tests/helpers.py, assert_memory_matches); the rows it does not cover
+    are in docs/parity.md with its reason (plait.plan.eager.not_covered)."""
+    outs = row_run(row)
+    cfg = config(*row_sets(row))
+    windows = (len(TokenFile.open(token_file())) - 1) // cfg.train.seq_len
+    by_pp = eager_memory_by_rank(cfg, windows)
+    stride = cfg.parallel.tp * cfg.parallel.cp  # mesh order tp, cp, pp, dp
+    for rank, out in enumerate(outs):
+        mem = out["metrics"][1]["memory"]
+        assert_memory_matches(mem["peak"], mem["peak_total"],
+                              by_pp[(rank // stride) % cfg.parallel.pp], f"{row} rank {rank}")
+
+
+@pytest.mark.parametrize("src, dst", ROUND_TRIPS, ids=[f"{a} -> {b}" for a, b in ROUND_TRIPS])
+def test_round_trip_continues_within_parity(src, dst):
+    """Save after step 1 in one row's layout, resume in another's for steps 2-3: the
+    stitched run equals the single-process run at the looser of the two rows' bounds."""
+    first = row_run(src)
+    sets = row_sets(dst)
+    resumed = run_row(tuple(s for s in sets if s != "train.memory_step=1"),
+                      {"resume": str(checkpoint_dir(src) / f"step-{ROUND_TRIP_STEP:08d}")})
+    head = first[0]
+    run = {"losses": head["losses"][:ROUND_TRIP_STEP] + resumed[0]["losses"],
+           "grad_norms": head["grad_norms"][:ROUND_TRIP_STEP] + resumed[0]["grad_norms"],
+           "params": merge_ranks(resumed)["params"]}
+    order = ["fp32", "fp32-tp", "fp32-cp", "bf16", "bf16-moe"]
+    precision = max(precision_of(src), precision_of(dst), key=order.index)
+    init = initial_params(*parse(src)["model"], f"train.steps={STEPS}")
+    assert_parity(run, row_reference(src), precision, init=init)
