@@ -21,11 +21,23 @@ from helpers import (
     reference,
     token_file,
 )
-from matrix import ROUND_TRIP_STEP, ROWS, SCHEDULES, STEPS, coverable_pairs, parse, valid_rows
+from matrix import (
+    ROUND_TRIP_STEP,
+    ROWS,
+    SCHEDULES,
+    STEPS,
+    control_bytes,
+    coverable_pairs,
+    data_bytes_by_dim,
+    parse,
+    planned_bytes_by_dim,
+    valid_rows,
+)
 
 from plait.checkpoint import Checkpointing
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
+from plait.plan import estimate_config
 from plait.plan.eager import eager_memory_by_rank, not_covered
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train.data import TokenFile
@@ -173,3 +185,23 @@ def test_round_trip_continues_within_parity(src, dst):
     precision = max(precision_of(src), precision_of(dst), key=order.index)
     init = initial_params(*parse(src)["model"], f"train.steps={STEPS}")
     assert_parity(run, row_reference(src), precision, init=init)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_row_ledger_equals_the_planner(row):
+    """Every mesh dim's bytes in one step equal the planner's collectives (size x count),
+    exactly: the busiest rank's (the planner describes it), and for ep the mean over ranks
+    (routing decides who sends what; all-to-all conserves the total). The control
+    collectives the planner leaves out (tests/matrix.py CONTROL_TAGS) stay under 2 % of a
+    rank's data bytes."""
+    outs = row_run(row)
+    cfg = config(*row_sets(row))
+    planned = planned_bytes_by_dim(estimate_config(cfg).collectives, cfg.parallel.ep)
+    per_rank = [data_bytes_by_dim(o["ledger"]) for o in outs]
+    for dim in sorted(set(planned) | {d for p in per_rank for d in p}):
+        got = [p.get(dim, 0.0) for p in per_rank]
+        measured = sum(got) / len(got) if dim == "ep" else max(got)
+        assert planned.get(dim, 0.0) == pytest.approx(measured, rel=1e-12, abs=0.5), (
+            f"{dim}: planner {planned.get(dim, 0.0):.0f} B, ledger {measured:.0f} B")
+    for o, p in zip(outs, per_rank, strict=True):
+        assert control_bytes(o["ledger"]) <= max(0.02 * sum(p.values()), 64)

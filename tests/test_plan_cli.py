@@ -35,14 +35,14 @@ def test_layout_json():
                         "communication buffers"}
     # recomputed from the preset's shape, not from the planner's own total: the first rank
     # holds the embedding and 80 / pp = 10 layers (two interleaved chunks of 5), each split
-    # over tp = 8, in bf16 (2 bytes); bf16 gradients the same; ZeRO-1 shards the fp32
-    # master + Adam moments (12 bytes) over dp = 16. (The planner divides the norm gains by
-    # tp too; they are 0.002 % of the rank's parameters, inside rel=1e-4.)
+    # over tp = 8 but for the two norm gains, whole on every tp rank; in bf16 (2 bytes);
+    # bf16 gradients the same; ZeRO-1 shards the fp32 master + Adam moments (12 bytes)
+    # over dp = 16.
     shape = PRESETS["llama3-70b"]
     h, kv = shape.dim, shape.n_kv_heads * shape.head_dim
-    layer = 2 * h * h + 2 * h * kv + 3 * h * shape.ffn_dim + 2 * h
-    first_rank = (shape.n_layers // 8 * layer + shape.vocab_size * h) / 8
-    assert mem["parameters"] == pytest.approx(2 * first_rank, rel=1e-4)
+    layer = (2 * h * h + 2 * h * kv + 3 * h * shape.ffn_dim) / 8 + 2 * h
+    first_rank = shape.n_layers // 8 * layer + shape.vocab_size * h / 8
+    assert mem["parameters"] == pytest.approx(2 * first_rank, rel=1e-12)
     assert mem["gradients"] == pytest.approx(2 * first_rank, rel=1e-4)
     assert mem["optimizer states"] == pytest.approx(12 * first_rank / 16, rel=1e-4)
     assert lay["memory_peak_rank"] == "first"

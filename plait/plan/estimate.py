@@ -25,6 +25,7 @@ from plait.plan.compute import (
     model_flops_per_token,
 )
 from plait.plan.hardware import Cluster
+from plait.plan.runtime_comm import dualpipe_copies
 from plait.plan.shape import Shape
 from plait.plan.step_comm import TP_COLLECTIVES_FWD, LayerComm, layer_comm, pp_p2p
 from plait.throughput import tokens_per_second, tokens_per_step
@@ -203,12 +204,17 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
     tp, pp, m, cpr = b.tp, b.pp, b.m, b.cpr
     # plait replicates an MoE block over tp (plait/parallel/expert.py): its router and
     # shared experts are whole on every tp rank, its routed experts split over ep only
+    # norm gains are whole on every tp rank too (plait/parallel/tensor.py replicates them)
     mlp_tp = 1.0 if shape.moe else tp
-    dense_l = shape.attn_params() / tp + shape.dense_mlp_params() / mlp_tp
+    norms = shape.norm_params()
+    dense_l = ((shape.attn_params() - norms) / tp + norms
+               + shape.dense_mlp_params() / mlp_tp)
     expert_l = shape.expert_params() / b.ep
     dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
     both_ends = schedule_spec(b.sched).head_on_first_rank
-    emb, head = shape.embedding_params() / tp, shape.head_params() / tp
+    final_norm = shape.hidden
+    emb, head = shape.embedding_params() / tp, (shape.head_params() - final_norm) / tp \
+        + final_norm
     first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0)
     last_p = b.rank_layers * dense_l + head
     ex_p = b.rank_layers * expert_l
@@ -331,7 +337,7 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     lc = layer_comm(shape, cluster, lay, eff, b)
     colls = lc.colls
     ct = _chunk_times(shape, cluster, lay, eff, b, lc)
-    t_pp = pp_p2p(shape, cluster, eff, b, colls)
+    t_pp = pp_p2p(shape, cluster, eff, b, colls, lay.sp)
     pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over dp x cp, routed experts over the expert-data-parallel
@@ -341,6 +347,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     if shape.moe:
         dp_exposed = dp_exposed + _dp_exposed(cluster, train, lay, eff, b, ct,
                                               rm.expert_params, colls, over_ep=True)
+    if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
+        colls.append(dualpipe_copies(cluster, train, eff, b, rm.params))
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params)
     step = pipe + dp_exposed + t_opt
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)

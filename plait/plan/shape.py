@@ -57,6 +57,10 @@ class Shape:
             return 4 * h * h + 4 * h + 4 * h
         return 2 * h * h + 2 * h * self.kv_dim + 2 * h  # wq, wo, wk, wv, two RMSNorm weights
 
+    def norm_params(self) -> int:
+        """One layer's normalisation weights (in attn_params): whole on every tp rank."""
+        return 4 * self.hidden if self.arch == "gpt" else 2 * self.hidden
+
     def dense_mlp_params(self) -> int:
         """MLP parameters that every rank of a TP group shares out (dense MLP or shared
         experts and the router of an MoE layer)."""

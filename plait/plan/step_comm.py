@@ -15,6 +15,7 @@ from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import comm
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
+from plait.plan.runtime_comm import layer_visits, tp_collectives
 from plait.plan.shape import Shape
 
 if TYPE_CHECKING:
@@ -43,21 +44,23 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     tp_intra = comm.intra_node(1, b.tp, gpn)
     bw, al = comm.link(gpu, tp_intra, eff.link_efficiency)
     s_tp = b.tokens * shape.hidden * b.e
-    t_ar, tree = comm.all_reduce(s_tp, b.tp, bw, al)
+    t_ar, _ = comm.all_reduce(s_tp, b.tp, bw, al)
     n_tp_bwd = 2 + (2 if lay.recompute == "full" else 0)
     tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
-    if np.any(b.tp > 1):
-        op = "all-gather + reduce-scatter" if lay.sp else "all-reduce"
-        colls.append(comm.Collective("tp", op, s_tp, tp_count, b.tp, tp_intra, t_ar,
-                                     tp_count * t_ar, "none: on the critical path",
-                                     "ring" if not np.any(tree) else "tree/ring"))
-    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode)
-    ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls)
+    # the collectives listed are the runtime's (plait/plan/runtime_comm.py); the time above
+    # keeps Megatron's count, on which the step-time model was calibrated
+    moe_layer = (shape.dense_mlp_params() + shape.expert_params() / b.ep
+                 + 2 * shape.hidden) if shape.moe else 0.0
+    colls.extend(tp_collectives(shape, cluster, lay, eff, b, moe_layer - 2 * shape.hidden))
+    replay = 1 if lay.recompute == "full" else 0  # the recomputed forward's exchanges
+    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode, replay)
+    ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls, replay)
     return LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
 
 
 def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
-                 colls: list[comm.Collective], mode: str = "ring") -> tuple[Num, Num]:
+                 colls: list[comm.Collective], mode: str = "ring", replay: int = 0
+                 ) -> tuple[Num, Num]:
     """Exposed (forward, backward) K/V time per layer; appends cp's collective. Ring: the
     local K/V chunk hops cp-1 times forward, K/V and dK/dV 2(cp-1) times backward, each
     hop hidden behind a block's compute; all-gather: K/V gathered forward, dK/dV
@@ -68,24 +71,27 @@ def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
     if mode == "allgather":
         t_ag = comm.gather_like(b.cp * s_kv, b.cp, bw, al)
         if np.any(b.cp > 1):
-            n = 2 * b.rank_layers * b.m
-            colls.append(comm.Collective("cp", "all-gather K/V + reduce-scatter dK/dV",
-                                         b.cp * s_kv, n, b.cp, cp_intra, t_ag,
-                                         n * t_ag, "none: before and after attention"))
+            n = layer_visits(b)
+            colls.append(comm.Collective("cp", "all-gather (K/V)", b.cp * s_kv,
+                                         (1 + replay) * n, b.cp, cp_intra, t_ag,
+                                         (1 + replay) * n * t_ag, "none: before attention"))
+            colls.append(comm.Collective("cp", "reduce-scatter (dK/dV)", b.cp * s_kv, n,
+                                         b.cp, cp_intra, t_ag, n * t_ag,
+                                         "none: after attention's backward"))
         return t_ag, t_ag
     t_kv = np.where(b.cp > 1, (b.cp - 1) * comm.p2p(s_kv, bw, al), 0.0)
     cp_exp_f = np.maximum(t_kv - b.lt.attn_fwd, 0)
     cp_exp_b = np.maximum(2 * t_kv - 2 * b.lt.attn_fwd, 0)
     if np.any(b.cp > 1):
-        n = 3 * (b.cp - 1) * b.rank_layers * b.m
+        n = (3 + replay) * (b.cp - 1) * layer_visits(b)
         colls.append(comm.Collective("cp", "p2p (ring K/V)", s_kv, n, b.cp, cp_intra,
                                      comm.p2p(s_kv, bw, al), (cp_exp_f + cp_exp_b)
-                                     * b.rank_layers * b.m, "attention core compute"))
+                                     * layer_visits(b), "attention core compute"))
     return cp_exp_f, cp_exp_b
 
 
 def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
-                 colls: list[comm.Collective]) -> tuple[Num, Num]:
+                 colls: list[comm.Collective], replay: int = 0) -> tuple[Num, Num]:
     """Exposed (forward, backward) expert all-to-all time per layer (0 for a dense
     model); appends ep's collective."""
     if not shape.moe:
@@ -104,24 +110,40 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
         ep_exp_f, ep_exp_b = 2 * t_a2a, 2 * t_a2a
         how = "none: on the critical path"
     if np.any(ep > 1):
-        n = 4 * b.rank_layers * b.m
+        n = (4 + 2 * replay) * layer_visits(b)  # dispatch + combine, both ways
         colls.append(comm.Collective("ep", "all-to-all", s_a2a, n, ep, ep_intra, t_a2a,
-                                     (ep_exp_f + ep_exp_b) * b.rank_layers * b.m, how))
+                                     (ep_exp_f + ep_exp_b) * layer_visits(b), how))
     return ep_exp_f, ep_exp_b
 
 
 
+def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
+    """Sends of one micro-batch on the busiest rank: a stage boundary its stages cross,
+    forward and backward. Looping placements (stage s on rank s mod pp): v each way on a
+    middle rank, one fewer at pp = 2 (both ranks are ends); V shapes (stages r and
+    2pp-1-r on rank r): the turn is local, 2 each way in the middle, 1 at pp = 2;
+    DualPipe: each micro-batch runs one chain, like v = 1."""
+    two = np.asarray(pp) == 2
+    if schedule_spec(sched).head_on_first_rank and schedule_spec(sched).chains == 1:
+        return np.where(two, 2.0, 4.0)
+    v = 1.0 if schedule_spec(sched).chains > 1 else v
+    return 2.0 * v - np.where(two, 1.0, 0.0)
+
+
 def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
-            colls: list[comm.Collective]) -> Num:
+           colls: list[comm.Collective], sp: bool = False) -> Num:
     """One pipeline send's time (0 without a pipeline); appends pp's collective."""
     pp_intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, pp_intra, eff.link_efficiency)
-    # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank
-    # (Narayanan et al. 2021, sec. 4.1), with or without SP
-    s_pp = b.tokens * shape.hidden * b.e / b.tp
-    t_pp = np.where(b.pp > 1, comm.p2p(s_pp, bw, al), 0.0)
+    # the time: Megatron's scatter/gather optimisation sends 1/tp of the activation per
+    # rank (Narayanan et al. 2021, sec. 4.1), on which the calibration was fitted. The
+    # list: plait's runtime sends the whole activation from every tp rank (not built
+    # yet), under SP already split over tp
+    t_pp = np.where(b.pp > 1, comm.p2p(b.tokens * shape.hidden * b.e / b.tp, bw, al), 0.0)
     if np.any(b.pp > 1):
-        n = 2 * b.m * b.cpr
-        colls.append(comm.Collective("pp", "p2p", s_pp, n, 2, pp_intra, t_pp, 0.0,
+        s_pp = b.tokens * shape.hidden * b.e / (b.tp if sp else 1.0)
+        n = pp_sends_per_microbatch(b.sched, b.pp, b.v) * b.m
+        colls.append(comm.Collective("pp", "send (activations, gradients)", s_pp, n, 2,
+                                     pp_intra, comm.p2p(s_pp, bw, al), 0.0,
                                      "inside the pipeline timeline (simulated)"))
     return t_pp

@@ -1,0 +1,128 @@
+"""The tensor-, context-, expert- and pipeline-parallel collectives plait's runtime issues
+in one step on the most loaded rank: the list `plait plan` prints and `plait report`
+sets beside the ledger. tests/test_matrix.py checks it equal, byte for byte, to the
+ledger of every matrix layout (docs/parity.md).
+
+Counts per micro-batch and layer (s = one micro-batch's activation on a rank, tokens x
+hidden x bytes; the ledger's payload is the full message, see plait/comm/ledger.py):
+
+  tp, dense layer     2 all-reduces forward, 2 backward (Megatron's f/g pairs); SP: each
+                      an all-gather + reduce-scatter; SP norm gains: 2 all-reduces of
+                      their gradients (replicated weights, sequence-split inputs)
+  tp, MoE layer       attention's pair only (the MoE block is whole on every tp rank);
+                      SP: every MoE weight's gradient all-reduced (its tokens are split)
+  full recompute      replays the block's forward up to the last tensor backward needs
+                      (torch.utils.checkpoint stops early): every forward collective but
+                      a dense block's last one (the MLP's all-reduce / reduce-scatter);
+                      cp's K/V exchange and ep's dispatch + combine are replayed whole
+  embedding / head    vocab-parallel: the embedding's all-reduce forward (SP: reduce-
+                      scatter forward, all-gather backward), the head input's all-reduce
+                      backward (SP: all-gather forward, reduce-scatter backward, the final
+                      norm's gradient all-reduce); the vocab-parallel loss's max and sums
+                      (fp32, 4 + 8 bytes a token)
+  pp                  a send per stage boundary the rank's stages cross, forward and
+                      backward; the full activation (plait does not split it over tp; SP
+                      already has); DualPipe also swaps the two copies' gradients
+
+The step-time model (plait/plan/step_comm.py) keeps Megatron's per-layer collective count,
+on which its calibration was fitted (Korthikanti et al. 2022: reentrant recompute replays
+every forward collective).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan import comm
+from plait.plan.compute import Efficiency, Num
+from plait.plan.hardware import Cluster
+from plait.plan.shape import Shape
+
+if TYPE_CHECKING:
+    from plait.plan.estimate import Layout, Training, _Basis
+
+def chains(sched: str) -> int:
+    """Pipeline chains: DualPipe runs each micro-batch through one of its two."""
+    return schedule_spec(sched).chains
+
+
+def layer_visits(b: _Basis) -> Num:
+    """Layer passes of one step on a rank: each micro-batch through each layer it holds
+    (DualPipe: through one chain's half of them)."""
+    return b.rank_layers * b.m / chains(b.sched)
+
+
+def _per_layer(moe: bool, sp: bool, full: bool) -> dict[str, int]:
+    """tp collectives of one layer and micro-batch by op (module docstring)."""
+    pairs_fwd = 1 if moe else 2  # attention's (and a dense MLP's)
+    if not sp:
+        return {"all-reduce": 2 * pairs_fwd + (1 if full else 0)}
+    replay_ag = pairs_fwd if full else 0
+    replay_rs = (1 if moe else pairs_fwd - 1) if full else 0
+    return {"all-gather": 2 * pairs_fwd + replay_ag, "reduce-scatter": 2 * pairs_fwd + replay_rs}
+
+
+def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
+                   moe_params: Num) -> list[comm.Collective]:
+    """`moe_params`: one MoE layer's parameters on a rank (router, shared, local experts)."""
+    if not np.any(b.tp > 1):
+        return []
+    intra = comm.intra_node(1, b.tp, cluster.gpus_per_node)
+    bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)
+    s = b.tokens * shape.hidden * b.e
+    t_ar, _ = comm.all_reduce(s, b.tp, bw, al)
+    t_g = comm.gather_like(s, b.tp, bw, al)
+    m, visits, sp = b.m / chains(b.sched), layer_visits(b), lay.sp
+    per = _per_layer(shape.moe, sp, lay.recompute == "full")
+    spec = schedule_spec(b.sched)
+    # the head (and the loss) sit on the last rank, or on rank 0 with the embedding (V
+    # shapes), or everything on the one rank without a pipeline: the most loaded rank
+    embed = np.where((b.pp == 1) | spec.head_on_first_rank, 1.0, 0.0)
+    out: list[comm.Collective] = []
+
+    def add(op: str, size: Num, count: Num, t_each: Num, what: str) -> None:
+        out.append(comm.Collective("tp", op, size, count, b.tp, intra, t_each,
+                                   count * t_each, what))
+
+    for op, k in per.items():
+        add(f"{op} (layers)", s, k * visits, t_ar if op == "all-reduce" else t_g,
+            "none: on the critical path")
+    if sp:
+        add("all-gather (head input, embedding grad)", s, (1 + embed) * m, t_g,
+            "none: on the critical path")
+        add("reduce-scatter (embedding out, head grad)", s, (1 + embed) * m, t_g,
+            "none: on the critical path")
+        g = shape.hidden * b.e  # two norms a layer, the final one on the head rank
+        add("all-reduce (SP norm gains' grads)", g, 2 * visits + m,
+            comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
+        if shape.moe:  # one call per MoE weight; size: all of a layer's
+            g = moe_params * b.e
+            add("all-reduce (SP MoE weights' grads)", g, visits,
+                comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
+    else:
+        add("all-reduce (embedding out, head grad)", s, (1 + embed) * m, t_ar,
+            "none: on the critical path")
+    for what, nbytes in (("max", 4), ("sums", 8)):
+        size = b.tokens * nbytes
+        add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, m,
+            comm.all_reduce(size, b.tp, bw, al)[0], "none: on the critical path")
+    return out
+
+
+def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: _Basis,
+                    rank_params: Num) -> comm.Collective:
+    """DualPipe's swap of the two copies' gradients with the mirror rank: every gradient
+    the rank holds, in the compute dtype, once a step (a send; the receive is the
+    mirror's send)."""
+    from plait.plan import memory
+
+    _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
+    bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)
+    size = rank_params * gb
+    return comm.Collective("pp", "send (DualPipe copies' gradients)", size, 1.0, 2, intra,
+                           comm.p2p(size, bw, al), comm.p2p(size, bw, al),
+                           "none: after the last backward")
