@@ -138,12 +138,8 @@ def test_parity_pp2_cp2(schedule):
                       "parallel.microbatches=2"), *model)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb-h2", "zb-v", "dualpipev"])
-def test_parity_pp2_cp2_other_schedules(schedule):
-    # the rest of the registry (dualpipe below): 4 layers for the two-stage-per-rank ones
-    model = ["model.tie_embeddings=false", "model.n_layers=4", "train.steps=2"]
-    _check(run_layout(*model, "parallel.pp=2", "parallel.cp=2", f"parallel.schedule={schedule}",
-                      "parallel.microbatches=4"), *model)
+# the other schedules with cp (both modes): tests/test_matrix.py, which pairs every
+# schedule with every cp level
 
 
 def test_parity_dualpipe_and_three_dims():

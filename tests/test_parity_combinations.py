@@ -1,11 +1,12 @@
-"""Parity where it was missing (issue 24): tied embeddings trained, bf16 with TP and PP,
-recompute with TP and PP, the remaining schedules under TP, and the ledger's link and
-times. Same oracle and tolerances as everywhere (plait/testing.py, docs/parity.md)."""
+"""Parity where it was missing (issue 24): tied embeddings trained, and the ledger's link
+and times (the combinations of bf16, recompute, tp and the schedules moved into the parity
+matrix, tests/test_matrix.py). Same oracle and tolerances as everywhere (plait/testing.py,
+docs/parity.md)."""
 
 import pytest
-from helpers import initial_params, reference, run_layout
+from helpers import reference, run_layout
 
-from plait.testing import assert_parity, merge_ranks
+from plait.testing import assert_parity
 
 PP_MODEL = ("model.n_layers=4", "model.tie_embeddings=false")
 
@@ -22,40 +23,9 @@ def test_tied_embeddings_trained_parity():
     assert_parity(outs[0], ref, "fp32-tp")
 
 
-@pytest.mark.parametrize("layout, model", [
-    (("parallel.tp=2", "parallel.sp=true"), ()),
-    (("parallel.dp=2", "parallel.tp=2", "parallel.zero=1"), ()),
-    (("parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"), PP_MODEL),
-])
-def test_bf16_with_tp_and_pp(layout, model):
-    outs = run_layout("train.precision=bf16", *model, *layout)
-    run = merge_ranks(outs[:2]) if "parallel.pp=2" in layout else outs[0]
-    assert_parity(run, reference(*model), "bf16", init=initial_params(*model))
-
-
-@pytest.mark.parametrize("layout, model, precision", [
-    (("parallel.tp=2", "parallel.sp=true"), (), "fp32-tp"),
-    (("parallel.dp=2", "parallel.zero=1", "parallel.microbatches=2"), (), "fp32"),
-    (("parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"), PP_MODEL, "fp32"),
-    (("parallel.pp=2", "parallel.tp=2", "parallel.schedule=gpipe",
-      "parallel.microbatches=2"), PP_MODEL, "fp32-tp"),
-])
-def test_recompute_parity(layout, model, precision):
-    outs = run_layout("train.recompute=full", *model, *layout)
-    pp = "parallel.pp=2" in layout
-    run = merge_ranks(outs[::2] if "parallel.tp=2" in layout else outs[:2]) if pp else outs[0]
-    assert_parity(run, reference(*model), precision)
-
-
-@pytest.mark.parametrize("schedule, extra", [
-    ("gpipe", ()), ("interleaved", ("parallel.virtual_stages=2",)), ("zb-h2", ()),
-    ("dualpipev", ()),
-])
-def test_pp2_tp2_remaining_schedules_parity(schedule, extra):
-    # tests/test_three_d.py covers 1f1b, zb-h1, zb-v and dualpipe; these are the other four
-    outs = run_layout(*PP_MODEL, "parallel.pp=2", "parallel.tp=2", "parallel.sp=true",
-                      f"parallel.schedule={schedule}", "parallel.microbatches=4", *extra)
-    assert_parity(merge_ranks(outs), reference(*PP_MODEL), "fp32-tp")
+# bf16 with tp (+SP, ZeRO-1) and pp, recompute with tp + SP, ZeRO-1, pp and pp x tp, and
+# every schedule under tp (+SP): the parity matrix (tests/test_matrix.py) pairs each of
+# these levels with every other
 
 
 @pytest.mark.parametrize("gpus_per_node, want", [(8, {"dp": "intra", "tp": "intra"}),
