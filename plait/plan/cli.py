@@ -13,27 +13,25 @@ from typing import Any
 import numpy as np
 
 from plait.files import atomic_output
-from plait.model.presets import PRESETS
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.plan.calibration import EFFICIENCY
+from plait.plan.compute import FLOP_DEFINITIONS
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
 from plait.plan.hardware import GB, GPUS, Cluster, get_gpu
 from plait.plan.inputs import plan_flag_problems
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
+from plait.plan.model_flags import (
+    RUNTIME_NOTE,
+    ShapeError,
+    add_model_arguments,
+    describe,
+    shape_from_args,
+)
 from plait.plan.search import PlanError, layout_problems, search
-from plait.plan.shape import Shape, from_preset
+from plait.plan.shape import Shape
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
-
-# the explicit model shape flags: what each one is
-_SHAPE_HELP = {"layers": "transformer blocks", "hidden": "model width", "heads": "attention "
-               "heads", "kv-heads": "key/value heads (default: --heads)", "ffn": "MLP width "
-               "(default: 4 x --hidden)", "vocab": "vocabulary", "seq": "sequence length "
-               "(with --model: overrides the preset's)", "experts": "MoE experts (default 0: "
-               "dense)", "top-k": "experts per token", "expert-ffn": "expert MLP width",
-               "shared-experts": "always-active experts"}
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="search or evaluate parallel layouts",
@@ -44,10 +42,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model (a preset, or explicit shapes)")
-    m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for flag, what in _SHAPE_HELP.items():
-        m.add_argument(f"--{flag}", type=int, metavar="N", help=what)
+    add_model_arguments(p)
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100-sxm",
                    help=f"preset: {', '.join(GPUS)} (default h100-sxm)")
@@ -89,23 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
-    if args.model:
-        shape = from_preset(args.model, args.seq)
-    else:
-        need = [f for f in ("layers", "hidden", "heads", "vocab", "seq")
-                if getattr(args, f) is None]
-        if need:
-            raise PlanError(f"give --model (one of: {', '.join(PRESETS)}) or all of "
-                            + ", ".join(f"--{f}" for f in need))
-        experts = args.experts or 0
-        if experts and not (args.top_k and args.expert_ffn):
-            raise PlanError("an MoE model (--experts) needs --top-k and --expert-ffn")
-        shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads or args.heads,
-                      args.ffn or 4 * args.hidden, args.vocab, args.seq, experts,
-                      args.top_k or 0, args.expert_ffn or 0, args.shared_experts or 0)
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
-        raise PlanError(f"hidden {shape.hidden} must be a multiple of heads {shape.heads}, "
-                        f"and heads a multiple of kv-heads {shape.kv_heads}")
+    try:
+        shape = shape_from_args(args)
+    except ShapeError as exc:
+        raise PlanError(str(exc)) from None
     scale = {"peak_flops": (args.peak_tflops, 1e12), "hbm_bytes": (args.hbm_gb, GB),
              "hbm_bw": (args.hbm_bw_gbs, GB), "nvlink_bw": (args.nvlink_gbs, GB),
              "internode_bw": (args.internode_gbs, GB)}
@@ -160,6 +142,8 @@ def to_dict(e: Estimate) -> dict[str, Any]:
         "model_tflops_per_gpu": _num(e.model_tflops),
         "hardware_tflops_per_gpu": _num(e.hardware_tflops), "mfu": _num(e.mfu),
         "bubble_fraction": _num(e.bubble_fraction),
+        "flops_per_step": {"model": _num(e.extra["model_flops"]),
+                           "hardware": _num(e.extra["hardware_flops"])},
         "time_breakdown_s": {k: _num(v) for k, v in e.time.items()},
         "memory_bytes": {k: _num(v) for k, v in e.memory.items()},
         "memory_total_bytes": _num(e.memory_total), "memory_peak_rank": _num(e.peak_rank),
@@ -226,11 +210,19 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
                    f"{1e3 * float(c.time_each):.3f}", f"{float(c.total):.4f}",
                    f"{float(c.exposed):.4f}", c.overlap)
     console.print(ct)
+    console.print(flops_line(best))
     src = best.extra.get("pipeline", {}).get("source")
     if src:
         console.print(f"pipeline time from: {src}")
     for line in notes:
         console.print(line)
+
+
+def flops_line(e: Estimate) -> str:
+    """The step's FLOPs, both counts, with what each one counts."""
+    return (f"FLOPs per step: model {float(e.extra['model_flops']):.4g} "
+            f"({FLOP_DEFINITIONS['model']}); hardware {float(e.extra['hardware_flops']):.4g} "
+            f"with recompute {e.layout.recompute} ({FLOP_DEFINITIONS['hardware']}).")
 
 
 def plot_memory(path: str, ests: list[Estimate]) -> None:
@@ -296,10 +288,13 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     if args.plot:
         plot_memory(args.plot, ests)
         print(f"memory plot written to {args.plot}", file=sys.stderr)
+    if shape.arch != "llama":
+        notes.append(RUNTIME_NOTE)
     if args.json:
         doc.update({"model": shape.name, "params": shape.num_params(), "gpus": cluster.n_gpus,
                     "gpu": cluster.gpu.name, "global_batch": train.global_batch,
-                    "layouts": [to_dict(e) for e in ests], "explanation": notes})
+                    "layouts": [to_dict(e) for e in ests], "explanation": notes,
+                    "shape": describe(shape), "flop_definitions": FLOP_DEFINITIONS})
         (out or sys.stdout).write(json.dumps(doc, indent=1) + "\n")
     else:
         _print(console, shape, cluster, ests, notes, header)

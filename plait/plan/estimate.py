@@ -22,6 +22,7 @@ from plait.plan.compute import (
     gemm_time,
     head_flops,
     layer_times,
+    layers_forward_flops_per_token,
     model_flops_per_token,
 )
 from plait.plan.hardware import Cluster
@@ -209,9 +210,15 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
     dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
     both_ends = schedule_spec(b.sched).head_on_first_rank
     emb, head = shape.embedding_params() / tp, shape.head_params() / tp
-    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0)
-    last_p = b.rank_layers * dense_l + head
-    ex_p = b.rank_layers * expert_l
+    # an MoE model's leading dense layers sit on the first stage (counted there only:
+    # exact while they fit in one chunk, dense_layers <= L/(p v))
+    nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0
+    dense_extra = nd * (shape.dense_layer_params() / tp - dense_l)
+    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
+        + dense_extra
+    last_p = b.rank_layers * dense_l + head + np.where(pp == 1, dense_extra, 0.0)
+    ex_first = (b.rank_layers - nd) * expert_l
+    ex_last = np.where(pp == 1, ex_first, b.rank_layers * expert_l)
     in0, in_last = memory.inflight_chunks(b.sched, pp, m, b.v)
     if simulate and info.get("peaks"):
         in0, in_last = float(info["peaks"][0]), float(info["peaks"][-1])
@@ -222,7 +229,7 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
                                   dense_l + expert_l, lay.sp,
                                   train.precision)
 
-    def rank_mem(dense_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
+    def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
         st = memory.model_states(dense_p, dshard, lay.zero, train.precision, train.optimizer)
         ex = memory.model_states(ex_p, eshard, lay.zero, train.precision, train.optimizer)
         out = {k: st[k] + ex[k] for k in st}
@@ -231,11 +238,12 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
         out["communication buffers"] = buffers
         return out
 
-    first = rank_mem(first_p, in0, (pp == 1) | both_ends)
-    last = rank_mem(last_p, in_last, True)
+    first = rank_mem(first_p, ex_first, in0, (pp == 1) | both_ends)
+    last = rank_mem(last_p, ex_last, in_last, True)
     t_first, t_last = sum(first.values()), sum(last.values())
     use_first = t_first >= t_last
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
+    ex_p = np.maximum(ex_first, ex_last)
     return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
                        np.maximum(first_p, last_p) + ex_p, ex_p)
 
@@ -317,7 +325,7 @@ def _step_flops(shape: Shape, train: Training, lay: Layout, b: _Basis) -> tuple[
     model_flops = model_flops_per_token(shape) * tokens_step
     rec_per_token = 0.0
     if lay.recompute == "full":
-        rec_per_token = shape.layers * b.lt.flops_fwd / b.tokens * b.tp
+        rec_per_token = layers_forward_flops_per_token(shape)
     elif lay.recompute == "selective":
         rec_per_token = shape.layers * attention_core_flops(shape, 1, 1)
     return model_flops, model_flops + rec_per_token * tokens_step
@@ -357,7 +365,9 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         model_tflops=model_flops / step / n_gpu / 1e12,
         hardware_tflops=hw_flops / step / n_gpu / 1e12,
         mfu=model_flops / step / n_gpu / (gpu.peak_flops * b.peak_scale),
-        bubble_fraction=bub, extra={"pipeline": info, "hf": ct.hf},
+        bubble_fraction=bub, extra={"pipeline": info, "hf": ct.hf, "model_flops": model_flops,
+                                    "hardware_flops": hw_flops, "rank_params": rm.params,
+                                    "rank_expert_params": rm.expert_params},
     )
 
 

@@ -18,7 +18,8 @@ MAX_TOP = 100
 SHAPE_BOUNDS = (("layers", 1, 10_000), ("hidden", 1, 1 << 20), ("heads", 1, 1 << 14),
                 ("kv-heads", 1, 1 << 14), ("ffn", 1, 1 << 22), ("vocab", 1, 1 << 26),
                 ("seq", 1, 1 << 24), ("experts", 0, 1 << 16), ("top-k", 0, 1 << 16),
-                ("expert-ffn", 0, 1 << 22), ("shared-experts", 0, 1 << 16))
+                ("expert-ffn", 0, 1 << 22), ("shared-experts", 0, 1 << 16),
+                ("dense-layers", 0, 10_000))
 POSITIVE_FLOATS = ("peak-tflops", "hbm-gb", "hbm-bw-gbs", "nvlink-gbs", "internode-gbs")
 
 
