@@ -18,6 +18,15 @@ from plait.plan.calibration import EFFICIENCY
 from plait.plan.compute import FLOP_DEFINITIONS
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
+from plait.plan.goodput import (
+    Failures,
+    add_goodput_arguments,
+    failures_from_args,
+    goodput_dict,
+    goodput_flag_problems,
+    goodput_lines,
+    layout_goodput,
+)
 from plait.plan.hardware import GB, GPUS, Cluster, get_gpu
 from plait.plan.inputs import plan_flag_problems
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
@@ -77,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="default selective")
     lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="default 1")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    add_goodput_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -219,10 +229,11 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
 
 
 def flops_line(e: Estimate) -> str:
-    """The step's FLOPs, both counts, with what each one counts."""
-    return (f"FLOPs per step: model {float(e.extra['model_flops']):.4g} "
-            f"({FLOP_DEFINITIONS['model']}); hardware {float(e.extra['hardware_flops']):.4g} "
-            f"with recompute {e.layout.recompute} ({FLOP_DEFINITIONS['hardware']}).")
+    """The step's FLOPs, both counts, saying what each counts (FLOP_DEFINITIONS in full)."""
+    return (f"FLOPs per step: model {float(e.extra['model_flops']):.4g} (6N + attention, "
+            "PaLM appendix B; causal kernels count half the scores), hardware "
+            f"{float(e.extra['hardware_flops']):.4g} (model + what recompute "
+            f"{e.layout.recompute} runs again).")
 
 
 def plot_memory(path: str, ests: list[Estimate]) -> None:
@@ -248,37 +259,61 @@ def plot_memory(path: str, ests: list[Estimate]) -> None:
     plt.close(fig)
 
 
+def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Training,
+            fail: Failures | None) -> tuple[list[Estimate], list[str], dict[str, Any]]:
+    """The layouts to show (best first), the notes on them, the search's counts."""
+    if args.layout:
+        lay = parse_layout(args.layout, args)
+        problems = layout_problems(shape, cluster, train, lay)
+        if problems:
+            raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
+        est = evaluate(shape, cluster, train, lay, EFFICIENCY, simulate=True)
+        notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
+        return [est], notes, {}
+    cost = None
+    if args.rank_by == "goodput" and fail is not None:
+        def cost(e: Estimate) -> Any:  # seconds per useful step under failures
+            return layout_goodput(e, shape, train, cluster.n_gpus, fail)[
+                "seconds_per_useful_step"]
+    res = search(shape, cluster, train, EFFICIENCY, top=args.top, cost=cost)
+    doc: dict[str, Any] = {"layouts_considered": res.considered,
+                           "layouts_fitting": res.feasible}
+    if cost:
+        doc["ranked_by"] = "goodput"
+    if not res.top:
+        raise PlanError(why_no_fit(res.closest, cluster, train))
+    notes = [f"{res.considered:,} layouts considered, {res.feasible:,} fit"
+             + (", ranked by goodput (useful tokens/s under failures)." if cost else ".")]
+    notes += explain(res.top[0], shape, cluster, train, res.extra.get("best_by"),
+                     res.top[1] if len(res.top) > 1 else None)
+    return res.top, notes, doc
+
+
+def _goodputs(ests: list[Estimate], shape: Shape, cluster: Cluster, train: Training,
+              fail: Failures) -> list[dict[str, Any]]:
+    out = []
+    for e in ests:
+        gp = layout_goodput(e, shape, train, cluster.n_gpus, fail)
+        out.append(goodput_dict(gp, float(gp["checkpoint_s"]), gp["job_mtbf_s"]))
+    return out
+
+
 def run(args: argparse.Namespace, out: Any = None) -> int:
     from rich.console import Console
 
     console = Console(file=out or sys.stdout, width=160)
     err = Console(file=out or sys.stderr, width=160)
     try:
-        problems = plan_flag_problems(args)
+        problems = plan_flag_problems(args) + goodput_flag_problems(args)
         if problems:
             raise PlanError("invalid input:\n" + "\n".join(f"  - {p}" for p in problems))
         shape, cluster, train = build_inputs(args)
         header = (f"{shape.name}: {shape.num_params() / 1e9:.2f} B params, seq {shape.seq}; "
                   f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
                   f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)")
-        if args.layout:
-            lay = parse_layout(args.layout, args)
-            problems = layout_problems(shape, cluster, train, lay)
-            if problems:
-                raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
-            est = evaluate(shape, cluster, train, lay, EFFICIENCY, simulate=True)
-            ests, notes, doc = [est], [], {}
-            if not bool(est.fits):
-                notes.append(f"does NOT fit: {why_no_fit(est, cluster, train)}")
-        else:
-            res = search(shape, cluster, train, EFFICIENCY, top=args.top)
-            doc = {"layouts_considered": res.considered, "layouts_fitting": res.feasible}
-            if not res.top:
-                raise PlanError(why_no_fit(res.closest, cluster, train))
-            ests = res.top
-            notes = [f"{res.considered:,} layouts considered, {res.feasible:,} fit."]
-            notes += explain(ests[0], shape, cluster, train, res.extra.get("best_by"),
-                             ests[1] if len(ests) > 1 else None)
+        fail = failures_from_args(args)
+        ests, notes, doc = _choose(args, shape, cluster, train, fail)
+        gps = _goodputs(ests, shape, cluster, train, fail) if fail else None
     except (PlanError, ValueError) as exc:
         if getattr(args, "json", False):
             console.print_json(json.dumps({"error": str(exc)}))
@@ -290,10 +325,18 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         print(f"memory plot written to {args.plot}", file=sys.stderr)
     if shape.arch != "llama":
         notes.append(RUNTIME_NOTE)
+    if gps:
+        notes += goodput_lines(gps[0])
+        if len(gps) > 1:
+            notes.append("Goodput of the layouts shown: " + ", ".join(
+                f"#{k} {g['goodput']:.1%}" for k, g in enumerate(gps, 1)) + ".")
     if args.json:
+        layouts = [to_dict(e) for e in ests]
+        for d, g in zip(layouts, gps or []):
+            d["goodput"] = g
         doc.update({"model": shape.name, "params": shape.num_params(), "gpus": cluster.n_gpus,
                     "gpu": cluster.gpu.name, "global_batch": train.global_batch,
-                    "layouts": [to_dict(e) for e in ests], "explanation": notes,
+                    "layouts": layouts, "explanation": notes,
                     "shape": describe(shape), "flop_definitions": FLOP_DEFINITIONS})
         (out or sys.stdout).write(json.dumps(doc, indent=1) + "\n")
     else:
