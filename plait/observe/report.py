@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--metrics", required=True, help="JSON lines written by plait train "
                    "--metrics-out (with --set train.memory_step=N for memory)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("--plan", metavar="RUN.plan.json",
+                   help="also compare against this plan (written by plait plan "
+                   "--emit-config): layout, step time, bytes per dim")
     p.add_argument("--override-config", action="store_true",
                    help="report against the configuration of --config / the flags given "
                    "here instead of the one the metrics file records")
@@ -239,6 +242,10 @@ def print_report(rep: dict) -> None:
                   "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
     console.print(t)
     print_overlap(console, rep["communication"])
+    if rep.get("plan"):
+        from plait.observe.plan_check import print_plan_check
+
+        print_plan_check(console, rep["plan"])
     for n in rep["notes"]:
         console.print(f"note: {n}")
 
@@ -272,7 +279,19 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TypeError, KeyError) as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2
+    plan = None
+    if getattr(args, "plan", None):
+        from plait.observe.plan_check import compare_plan, read_plan
+
+        try:
+            plan = read_plan(args.plan)
+        except (OSError, ValueError) as e:
+            print(f"plait: --plan {args.plan}: {getattr(e, 'strerror', None) or e}",
+                  file=sys.stderr)
+            return 2
     rep = compare(rows, summary, cfg)
+    if plan is not None:
+        rep["plan"] = compare_plan(plan, cfg, rows, rep["communication"])
     if args.json:
         print(json.dumps(rep, indent=1, default=lambda o: dataclasses.asdict(o)))
     else:

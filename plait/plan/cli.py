@@ -16,6 +16,7 @@ from plait.files import atomic_output
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.plan.calibration import EFFICIENCY
 from plait.plan.compute import FLOP_DEFINITIONS
+from plait.plan.emit import choose_runnable, plan_path, write_config
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
 from plait.plan.goodput import (
@@ -91,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--plot", help="draw the memory breakdown of the shown layouts to this PNG")
+    o.add_argument("--emit-config", metavar="RUN.toml",
+                   help="write the best layout plait train can run as a config for "
+                   "`plait train --config RUN.toml`, and its plan beside it (RUN.plan.json, "
+                   "for `plait report --plan`)")
 
 
 def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
@@ -298,6 +303,35 @@ def _goodputs(ests: list[Estimate], shape: Shape, cluster: Cluster, train: Train
     return out
 
 
+def _emit(args: argparse.Namespace, ests: list[Estimate], gps: list[dict] | None,
+          shape: Shape, cluster: Cluster, train: Training) -> list[str]:
+    """Write --emit-config and its plan; the lines that say what was written."""
+    est, cfg, skipped = choose_runnable(ests, shape, cluster, train, args.model)
+    k = ests.index(est)
+    n = cfg.parallel.world_size
+    g = cluster.gpu
+    plan_doc = {"model": shape.name, "shape": describe(shape), "gpus": cluster.n_gpus,
+                "hardware": {"gpu": g.name, "peak_flops": g.peak_flops,
+                             "hbm_bytes": g.hbm_bytes, "hbm_bw": g.hbm_bw,
+                             "nvlink_bw": g.nvlink_bw, "internode_bw": g.internode_bw,
+                             "gpus_per_node": g.gpus_per_node},
+                "global_batch": train.global_batch, "precision": train.precision,
+                "optimizer": train.optimizer, "layout": to_dict(est),
+                "goodput": gps[k] if gps else None, "config": args.emit_config}
+    header = [f"plait plan: {shape.name} on {n} x {g.name}, layout #{k + 1} "
+              f"{est.layout.label()} ZeRO-{est.layout.zero} {est.layout.schedule} recompute "
+              f"{est.layout.recompute}: predicted {float(est.step_time):.4g} s/step",
+              f"run: plait train --config {args.emit_config} --nproc {n}   (or torchrun "
+              f"with {n} ranks); compare: plait report --metrics M.jsonl --plan "
+              f"{plan_path(args.emit_config)}",
+              "mapping: recompute selective/none -> none (SDPA keeps no scores), full -> "
+              "full; bf16-fp32grad -> bf16; adam -> adamw (see plait/plan/emit.py)"]
+    side = write_config(args.emit_config, cfg, header, plan_doc)
+    lines = [f"config for layout #{k + 1} written to {args.emit_config} (plan: {side}); "
+             f"run it with plait train --config {args.emit_config} --nproc {n}"]
+    return lines + [f"not emitted: {s}" for s in skipped]
+
+
 def run(args: argparse.Namespace, out: Any = None) -> int:
     from rich.console import Console
 
@@ -314,6 +348,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         fail = failures_from_args(args)
         ests, notes, doc = _choose(args, shape, cluster, train, fail)
         gps = _goodputs(ests, shape, cluster, train, fail) if fail else None
+        if args.emit_config:
+            notes += _emit(args, ests, gps, shape, cluster, train)
     except (PlanError, ValueError) as exc:
         if getattr(args, "json", False):
             console.print_json(json.dumps({"error": str(exc)}))

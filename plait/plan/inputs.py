@@ -87,4 +87,12 @@ def plan_flag_problems(args: argparse.Namespace) -> list[str]:
 def output_problems_of(args: argparse.Namespace) -> list[str]:
     from plait.files import output_problems
 
-    return output_problems("--plot", args.plot) if args.plot is not None else []
+    out = output_problems("--plot", args.plot) if args.plot is not None else []
+    emit = getattr(args, "emit_config", None)
+    if emit is not None:
+        from plait.plan.emit import plan_path
+
+        out += output_problems("--emit-config", emit)
+        if not out:
+            out += output_problems("--emit-config (its plan beside it)", plan_path(emit))
+    return out
