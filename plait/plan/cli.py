@@ -14,21 +14,20 @@ import numpy as np
 
 from plait.files import atomic_output
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
-from plait.plan.calibration import EFFICIENCY
-from plait.plan.compute import FLOP_DEFINITIONS
-from plait.plan.emit import choose_runnable, plan_path, write_config
+from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
+from plait.plan.emit import emit_plan
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
 from plait.plan.goodput import (
     Failures,
     add_goodput_arguments,
     failures_from_args,
-    goodput_dict,
     goodput_flag_problems,
     goodput_lines,
     layout_goodput,
+    layouts_goodput,
 )
-from plait.plan.hardware import GB, GPUS, Cluster, get_gpu
+from plait.plan.hardware import GB, GPUS, Cluster
 from plait.plan.inputs import plan_flag_problems
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
 from plait.plan.model_flags import (
@@ -38,6 +37,7 @@ from plait.plan.model_flags import (
     describe,
     shape_from_args,
 )
+from plait.plan.profile import base_gpu, hardware_of
 from plait.plan.search import PlanError, layout_problems, search
 from plait.plan.shape import Shape
 
@@ -54,8 +54,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     h = p.add_argument_group("hardware")
-    h.add_argument("--gpu", default="h100-sxm",
+    h.add_argument("--gpu", default=None,
                    help=f"preset: {', '.join(GPUS)} (default h100-sxm)")
+    h.add_argument("--hardware", metavar="PROFILE.json",
+                   help="plan with a profile plait calibrate measured (its GEMM curve, "
+                   "attention, memory and collective speeds) instead of a --gpu preset")
     h.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
     h.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (default: "
                    "the preset's)")
@@ -109,7 +112,7 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
     over: dict[str, Any] = {k: v * f for k, (v, f) in scale.items() if v is not None}
     if args.gpus_per_node:
         over["gpus_per_node"] = args.gpus_per_node
-    gpu = get_gpu(args.gpu, **over)
+    gpu = base_gpu(args, over)
     if args.gpus is None or args.gpus < 1:
         raise PlanError("--gpus must be >= 1")
     if args.global_batch is None and args.global_batch_tokens is None:
@@ -265,14 +268,15 @@ def plot_memory(path: str, ests: list[Estimate]) -> None:
 
 
 def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Training,
-            fail: Failures | None) -> tuple[list[Estimate], list[str], dict[str, Any]]:
+            fail: Failures | None, eff: Efficiency
+            ) -> tuple[list[Estimate], list[str], dict[str, Any]]:
     """The layouts to show (best first), the notes on them, the search's counts."""
     if args.layout:
         lay = parse_layout(args.layout, args)
         problems = layout_problems(shape, cluster, train, lay)
         if problems:
             raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
-        est = evaluate(shape, cluster, train, lay, EFFICIENCY, simulate=True)
+        est = evaluate(shape, cluster, train, lay, eff, simulate=True)
         notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
         return [est], notes, {}
     cost = None
@@ -280,7 +284,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         def cost(e: Estimate) -> Any:  # seconds per useful step under failures
             return layout_goodput(e, shape, train, cluster.n_gpus, fail)[
                 "seconds_per_useful_step"]
-    res = search(shape, cluster, train, EFFICIENCY, top=args.top, cost=cost)
+    res = search(shape, cluster, train, eff, top=args.top, cost=cost)
     doc: dict[str, Any] = {"layouts_considered": res.considered,
                            "layouts_fitting": res.feasible}
     if cost:
@@ -292,44 +296,6 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
     notes += explain(res.top[0], shape, cluster, train, res.extra.get("best_by"),
                      res.top[1] if len(res.top) > 1 else None)
     return res.top, notes, doc
-
-
-def _goodputs(ests: list[Estimate], shape: Shape, cluster: Cluster, train: Training,
-              fail: Failures) -> list[dict[str, Any]]:
-    out = []
-    for e in ests:
-        gp = layout_goodput(e, shape, train, cluster.n_gpus, fail)
-        out.append(goodput_dict(gp, float(gp["checkpoint_s"]), gp["job_mtbf_s"]))
-    return out
-
-
-def _emit(args: argparse.Namespace, ests: list[Estimate], gps: list[dict] | None,
-          shape: Shape, cluster: Cluster, train: Training) -> list[str]:
-    """Write --emit-config and its plan; the lines that say what was written."""
-    est, cfg, skipped = choose_runnable(ests, shape, cluster, train, args.model)
-    k = ests.index(est)
-    n = cfg.parallel.world_size
-    g = cluster.gpu
-    plan_doc = {"model": shape.name, "shape": describe(shape), "gpus": cluster.n_gpus,
-                "hardware": {"gpu": g.name, "peak_flops": g.peak_flops,
-                             "hbm_bytes": g.hbm_bytes, "hbm_bw": g.hbm_bw,
-                             "nvlink_bw": g.nvlink_bw, "internode_bw": g.internode_bw,
-                             "gpus_per_node": g.gpus_per_node},
-                "global_batch": train.global_batch, "precision": train.precision,
-                "optimizer": train.optimizer, "layout": to_dict(est),
-                "goodput": gps[k] if gps else None, "config": args.emit_config}
-    header = [f"plait plan: {shape.name} on {n} x {g.name}, layout #{k + 1} "
-              f"{est.layout.label()} ZeRO-{est.layout.zero} {est.layout.schedule} recompute "
-              f"{est.layout.recompute}: predicted {float(est.step_time):.4g} s/step",
-              f"run: plait train --config {args.emit_config} --nproc {n}   (or torchrun "
-              f"with {n} ranks); compare: plait report --metrics M.jsonl --plan "
-              f"{plan_path(args.emit_config)}",
-              "mapping: recompute selective/none -> none (SDPA keeps no scores), full -> "
-              "full; bf16-fp32grad -> bf16; adam -> adamw (see plait/plan/emit.py)"]
-    side = write_config(args.emit_config, cfg, header, plan_doc)
-    lines = [f"config for layout #{k + 1} written to {args.emit_config} (plan: {side}); "
-             f"run it with plait train --config {args.emit_config} --nproc {n}"]
-    return lines + [f"not emitted: {s}" for s in skipped]
 
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
@@ -346,10 +312,10 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                   f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
                   f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)")
         fail = failures_from_args(args)
-        ests, notes, doc = _choose(args, shape, cluster, train, fail)
-        gps = _goodputs(ests, shape, cluster, train, fail) if fail else None
+        ests, notes, doc = _choose(args, shape, cluster, train, fail, hardware_of(args)[1])
+        gps = layouts_goodput(ests, shape, train, cluster.n_gpus, fail) if fail else None
         if args.emit_config:
-            notes += _emit(args, ests, gps, shape, cluster, train)
+            notes += emit_plan(args, ests, gps, shape, cluster, train, to_dict)
     except (PlanError, ValueError) as exc:
         if getattr(args, "json", False):
             console.print_json(json.dumps({"error": str(exc)}))

@@ -35,6 +35,9 @@ class Efficiency:
     gemm_half: float  # FLOPs of a GEMM that reaches half of gemm_max
     link_efficiency: float  # achieved / datasheet link bandwidth
     elementwise_passes: float  # HBM traffic of elementwise kernels / saved bytes
+    # attention core throughput / the GEMM curve's at the same FLOPs (a measured profile's;
+    # 1 for the calibration set, which does not separate them)
+    attention_scale: float = 1.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -140,6 +143,6 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp)
     # batched per-head GEMMs: efficiency of the whole batch's work
-    a_time = gemm_time(a_flops, gpu, eff, peak_scale)
+    a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
     elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

@@ -137,3 +137,36 @@ def write_config(path: str, cfg: Config, header: list[str], plan_doc: dict[str, 
     with atomic_output(path) as tmp:
         tmp.write_text(config_toml(cfg, header))
     return side
+
+
+def emit_plan(args: Any, ests: list[Estimate], gps: list[dict] | None, shape: Shape,
+              cluster: Cluster, train: Training, layout_dict: Any) -> list[str]:
+    """Write --emit-config and its plan (`layout_dict`: the plan's JSON entry of a layout);
+    the lines that say what was written."""
+    from plait.plan.model_flags import describe
+
+    est, cfg, skipped = choose_runnable(ests, shape, cluster, train, args.model)
+    k = ests.index(est)
+    n = cfg.parallel.world_size
+    g = cluster.gpu
+    plan_doc = {"model": shape.name, "shape": describe(shape), "gpus": cluster.n_gpus,
+                "hardware": {"gpu": g.name, "peak_flops": g.peak_flops,
+                             "hbm_bytes": g.hbm_bytes, "hbm_bw": g.hbm_bw,
+                             "nvlink_bw": g.nvlink_bw, "internode_bw": g.internode_bw,
+                             "gpus_per_node": g.gpus_per_node,
+                             "profile": getattr(args, "hardware", None)},
+                "global_batch": train.global_batch, "precision": train.precision,
+                "optimizer": train.optimizer, "layout": layout_dict(est),
+                "goodput": gps[k] if gps else None, "config": args.emit_config}
+    header = [f"plait plan: {shape.name} on {n} x {g.name}, layout #{k + 1} "
+              f"{est.layout.label()} ZeRO-{est.layout.zero} {est.layout.schedule} recompute "
+              f"{est.layout.recompute}: predicted {float(est.step_time):.4g} s/step",
+              f"run: plait train --config {args.emit_config} --nproc {n}   (or torchrun "
+              f"with {n} ranks); compare: plait report --metrics M.jsonl --plan "
+              f"{plan_path(args.emit_config)}",
+              "mapping: recompute selective/none -> none (SDPA keeps no scores), full -> "
+              "full; bf16-fp32grad -> bf16; adam -> adamw (see plait/plan/emit.py)"]
+    side = write_config(args.emit_config, cfg, header, plan_doc)
+    lines = [f"config for layout #{k + 1} written to {args.emit_config} (plan: {side}); "
+             f"run it with plait train --config {args.emit_config} --nproc {n}"]
+    return lines + [f"not emitted: {s}" for s in skipped]

@@ -105,7 +105,7 @@ class _Basis:
     v: Num
     sched: str  # the layout's schedule; "1f1b" unless every layout has pp > 1
     e: int  # bytes per activation element
-    peak_scale: float  # TF32 tensor cores (fp32): half rate
+    peak_scale: float  # fp32 GEMMs against the bf16 peak (GPU.fp32_peak_ratio)
     m: Num  # micro-batches per step
     tokens: Num  # tokens of one micro-batch on one rank (the sequence split over cp)
     cpr: Num  # pipeline chunks per rank
@@ -122,7 +122,7 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
                                                  lay.mbs, lay.v))
     sched = lay.schedule if np.all(pp > 1) else "1f1b"
     e = memory.PRECISIONS[train.precision][3]
-    peak_scale = 0.5 if train.precision == "fp32" else 1.0  # TF32 tensor cores: half rate
+    peak_scale = cluster.gpu.fp32_peak_ratio if train.precision == "fp32" else 1.0
     tokens = mbs * shape.seq / cp
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))

@@ -173,3 +173,13 @@ def failures_from_args(args: Any) -> Failures | None:
         return None
     return Failures(args.mtbf_hours, args.mtbf_per, args.ckpt_write_gbs, args.ckpt_fs_gbs,
                     args.restart_minutes)
+
+
+def layouts_goodput(ests: list[Estimate], shape: Shape, train: Training, n_gpus: int,
+                    f: Failures) -> list[dict[str, Any]]:
+    """`goodput_dict` of each shown layout."""
+    out = []
+    for e in ests:
+        gp = layout_goodput(e, shape, train, n_gpus, f)
+        out.append(goodput_dict(gp, float(gp["checkpoint_s"]), gp["job_mtbf_s"]))
+    return out
