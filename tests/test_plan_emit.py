@@ -91,23 +91,24 @@ def test_emitted_layout_trains_one_step_in_process(tmp_path):
     assert len(losses[0]) == 1 and losses[0] == losses[1]
 
 
-def test_plait_train_runs_it_and_report_compares_with_the_plan(tmp_path):
+def test_plait_train_runs_it_and_report_compares_with_the_plan(tmp_path, capsys):
+    """`plait train --config` (torchrun, 2 ranks) on the emitted file, then `plait report
+    --plan` in process (plait.cli.main, as a shell would call it)."""
+    from plait.cli import main
+
     cfg_path, metrics = tmp_path / "run.toml", tmp_path / "m.jsonl"
     rc, out = plan(*TINY, "--gpus", "2", "--layout", "dp=2", "--zero", "1",
                    "--emit-config", str(cfg_path))
     assert rc == 0, out
-
-    def plait(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
-                              text=True, timeout=300)
-
-    r = plait("train", "--config", str(cfg_path), "--nproc", "2", "--data", str(token_file()),
-              "--steps", "2", "--metrics-out", str(metrics), "--quiet")
+    r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--config", str(cfg_path),
+                        "--nproc", "2", "--data", str(token_file()), "--steps", "2",
+                        "--metrics-out", str(metrics), "--quiet"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    r = plait("report", "--metrics", str(metrics), "--plan", str(tmp_path / "run.plan.json"),
-              "--json")
-    assert r.returncode == 0, r.stderr
-    pc = json.loads(r.stdout)["plan"]
+    capsys.readouterr()
+    assert main(["report", "--metrics", str(metrics), "--plan",
+                 str(tmp_path / "run.plan.json"), "--json"]) == 0
+    pc = json.loads(capsys.readouterr().out)["plan"]
     assert pc["mismatches"] == [] and pc["hardware"] == "h100-sxm"
     assert pc["step_time"]["measured_s"] > 0 and pc["step_time"]["predicted_s"] > 0
     (dp,) = [d for d in pc["communication"] if d["dim"] == "dp"]
@@ -115,5 +116,6 @@ def test_plait_train_runs_it_and_report_compares_with_the_plan(tmp_path):
     # another layout's plan beside this run: named as not the planned layout
     other = tmp_path / "other.toml"
     assert plan(*TINY, "--gpus", "2", "--layout", "tp=2", "--emit-config", str(other))[0] == 0
-    r = plait("report", "--metrics", str(metrics), "--plan", str(tmp_path / "other.plan.json"))
-    assert r.returncode == 0 and "not the planned layout: tp: planned 2, run 1" in r.stdout
+    assert main(["report", "--metrics", str(metrics), "--plan",
+                 str(tmp_path / "other.plan.json")]) == 0
+    assert "not the planned layout: tp: planned 2, run 1" in capsys.readouterr().out
