@@ -3,12 +3,13 @@
 On one intra-op thread (the runtime's: each rank owns one; docs/architecture.md, Facts):
 GEMM throughput over shapes from skinny to square, fp32 and bf16 (the efficiency curve of
 plait/plan/compute.py); causal attention (SDPA) forward throughput; memory bandwidth (a
-large copy); and, with `--ranks N` >= 2 (gloo, forked ranks through plait.testing's
-harness), every collective through plait.comm.ops for each group size dividing N, its
-seconds and algorithmic bytes read back from the rank's ledger. Each measurement is the
-best of a few repeats (the machine is shared: the best is the least disturbed). The fit
-(plait/plan/profile.py) is written with the raw numbers; `plait plan --hardware
-profile.json` plans with it.
+large copy); the operations plait's block and optimizer issue and the seconds each costs
+when its tensors are tiny (the dispatch floor); and, with `--ranks N` >= 2 (gloo, forked
+ranks through plait.testing's harness), every collective through plait.comm.ops for
+each group size dividing N, its seconds and algorithmic bytes read back from the rank's
+ledger. Each measurement is the best of a few repeats (the machine is shared: the best
+is the least disturbed). The fit (plait/plan/profile.py) is written with the raw
+numbers; `plait plan --hardware profile.json` plans with it.
 
 Measures a few seconds by default; `--quick` (tests) fewer shapes and repeats. CPU only:
 measuring a GPU (CUDA kernels, NCCL) is not built yet.
@@ -87,6 +88,52 @@ def measure_compute(quick: bool) -> dict[str, Any]:
     return out
 
 
+def _count_ops(fn: Any) -> int:
+    """The aten operations `fn` dispatches (forward and autograd's backward alike)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as mode:
+        fn()
+    return mode.n
+
+
+def measure_dispatch(quick: bool) -> dict[str, Any]:
+    """Operations plait's own block and optimizer issue (counted on 1- and 2-layer models:
+    the difference is one layer's) and the seconds per operation of a training step of a
+    model so small that its GEMMs cost nothing (the dispatch floor)."""
+    import torch
+
+    from plait.model.loss import token_loss
+    from plait.model.presets import ModelConfig
+    from plait.model.transformer import build_model
+    from plait.optim import MixedPrecisionAdamW
+
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 17), generator=gen, device=DEVICE)
+    for layers in (1, 2):
+        cfg = ModelConfig(vocab_size=64, dim=16, n_layers=layers, n_heads=2, n_kv_heads=2,
+                          ffn_dim=32, max_seq_len=16)
+        model = build_model(cfg, seed=0)
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), (0.9, 0.95), 1e-8, 0.1)
+
+        def step(model=model) -> None:
+            token_loss(model(tokens[:, :-1]), tokens[:, 1:], 32).backward()
+
+        out[f"step_ops_{layers}"] = _count_ops(step)
+        out[f"optimizer_ops_{layers}"] = _count_ops(lambda opt=opt: opt.step(1e-3))
+        if layers == 2:
+            out["step_seconds"] = _best_seconds(step, 3 if quick else 7, 0.005)
+    return out
+
+
 def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, list]:
     import torch
 
@@ -129,6 +176,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     raw = measure_compute(quick)
+    raw["dispatch"] = measure_dispatch(quick)
     raw["collectives"] = measure_collectives(ranks, quick)
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",

@@ -72,8 +72,12 @@ def test_calibrate_measures_every_term():
         share = 1.0 if key.startswith("all_reduce") else 0.5
         assert [r["sent"] for r in rows] == [share * b for b in QUICK_BYTES], key
         assert all(r["seconds"] > 0 for r in rows)
+    d = raw["dispatch"]  # operation counts: a second layer adds operations, never removes
+    assert d["step_ops_2"] > d["step_ops_1"] > 0 and d["optimizer_ops_2"] > d["optimizer_ops_1"]
+    assert d["step_seconds"] > 0
     fit = prof["fit"]
     assert fit == fit_profile(raw)  # the fit is a function of the raw numbers
+    assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
     for v in (fit["gemm"]["peak_flops"], fit["gemm"]["gemm_half"], fit["bf16_peak_flops"],
               fit["memory_bw_Bps"], fit["attention_scale"], fit["link"]["bandwidth_Bps"]):
         assert math.isfinite(v) and v > 0
@@ -82,10 +86,21 @@ def test_calibrate_measures_every_term():
     assert gpu.hbm_bw == fit["memory_bw_Bps"] and eff.link_efficiency == 1.0
 
 
+def test_alpha_beta_fit_bounds_noise():
+    """A loaded machine's times can fall with size; then each term gets its bound."""
+    got = fit_alpha_beta("all_reduce", 2, [1e3, 1e5, 1e6], [3e-3, 1e-3, 2e-3])
+    assert got["bounds"] and got["alpha_s"] == pytest.approx(3e-3 / 2)
+    assert got["bandwidth_Bps"] == pytest.approx(1e6 / 2e-3)
+
+
+DISPATCH = {"op_seconds": 10e-6, "layer_ops": 200.0, "outside_ops": 60.0,
+            "optimizer_layer_ops": 30.0, "optimizer_fixed_ops": 20.0}
+
+
 def _profile() -> dict:
     """A profile with chosen numbers (no measurement): what plan must use."""
     fit = {"gemm": {"peak_flops": 40e9, "gemm_max": 0.8, "gemm_half": 2e6,
-                    "rms_log_error": 0.0},
+                    "rms_log_error": 0.0}, "dispatch": DISPATCH,
            "bf16_peak_flops": 4e9, "fp32_peak_ratio": 10.0, "attention_scale": 0.25,
            "memory_bw_Bps": 8e9, "link": {"alpha_s": 50e-6, "bandwidth_Bps": 1e9},
            "link_group": 2, "links": {}}
@@ -110,9 +125,21 @@ def test_plan_uses_the_profile(tmp_path):
     (ar,) = [c for c in lay["collectives"] if c["dim"] == "dp"]
     assert ar["link"] == "nvlink"  # both ranks on the profiled machine
     assert ar["time_each_s"] == pytest.approx(2 * 50e-6 + ar["bytes"] / 1e9, rel=1e-12)
-    # the optimizer step: fp32 Adam reads and writes (2 x 8 + 4 + 4) bytes per parameter
+    # the optimizer step: fp32 Adam reads and writes (2 x 8 + 4 + 4) bytes per parameter;
+    # the operations of its 2 layers and the fixed ones at 10 us each
     assert lay["time_breakdown_s"]["optimizer step"] == pytest.approx(
-        doc["params"] * 24 / 8e9, rel=1e-12)
+        doc["params"] * 24 / 8e9 + 10e-6 * (30 * 2 + 20), rel=1e-12)
+    # the operations: per micro-batch (4 of 1 sequence per replica) 2 layers' 200 and the 60
+    # outside them, 10 us each, on top of the same profile without a dispatch cost
+    none = _profile()
+    none["fit"]["dispatch"] = {k: 0.0 for k in DISPATCH}
+    path.write_text(json.dumps(none))
+    rc, out0 = plan("--hardware", str(path), "--model", "tiny", "--vocab", "256", "--seq",
+                    "32", "--gpus", "2", "--global-batch", "8", "--precision", "fp32",
+                    "--layout", "dp=2", "--zero", "0", "--json")
+    lay0 = json.loads(out0)["layouts"][0]
+    assert lay["time_breakdown_s"]["compute"] - lay0["time_breakdown_s"]["compute"] == \
+        pytest.approx(4 * (2 * 200 + 60) * 10e-6, rel=1e-9)
     path.write_text(json.dumps({**_profile(), "name": "cpu-x"}))
     assert json.loads(plan("--hardware", str(path), "--model", "tiny", "--gpus", "2",
                            "--global-batch", "8", "--json")[1])["gpu"] == "cpu-x"

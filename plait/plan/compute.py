@@ -38,6 +38,15 @@ class Efficiency:
     # attention core throughput / the GEMM curve's at the same FLOPs (a measured profile's;
     # 1 for the calibration set, which does not separate them)
     attention_scale: float = 1.0
+    # per-operation cost (a measured profile's dispatch floor; 0 for the GPU presets, whose
+    # calibration set cannot separate it) and the operations plait's runtime issues, counted
+    # by plait calibrate: per layer (forward + backward, / 3: the planner runs a layer's
+    # elementwise time three times), outside the layers per micro-batch, per optimizer step
+    op_seconds: float = 0.0
+    layer_ops: float = 0.0
+    outside_ops: float = 0.0
+    optimizer_layer_ops: float = 0.0
+    optimizer_fixed_ops: float = 0.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -144,5 +153,5 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     a_flops = attention_core_flops(shape, tokens, tp)
     # batched per-head GEMMs: efficiency of the whole batch's work
     a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
-    elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw
+    elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

@@ -90,8 +90,6 @@ def _f(x: Num) -> Num:
     return np.asarray(x, dtype=float)
 
 
-
-
 @dataclass(frozen=True)
 class _Basis:
     """The layout's sizes as float arrays and what every later step derives from them."""
@@ -165,7 +163,8 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
         i_layer = i_layer + lt.attn_fwd
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.peak_scale)
-    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw
+    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
+        + eff.op_seconds * eff.outside_ops  # embedding, final norm, head, loss: operations
     n = b.chunk_layers
     return _ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
                        n * i_layer, n * w_layer)
@@ -349,7 +348,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     if shape.moe:
         dp_exposed = dp_exposed + _dp_exposed(cluster, train, lay, eff, b, ct,
                                               rm.expert_params, colls, over_ep=True)
-    t_opt = _optimizer_time(cluster, train, lay, b, rm.params)
+    t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
+        eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     step = pipe + dp_exposed + t_opt
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
     n_gpu = b.tp * b.pp * b.dp * b.cp

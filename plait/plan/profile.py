@@ -10,6 +10,10 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
 - attention: causal SDPA forward FLOPs (4 b s^2 h / 2) and seconds -> attention_scale, the
   median of measured throughput over the GEMM curve's at the same FLOPs.
 - memory bandwidth: a large copy, read + write bytes over seconds -> hbm_bw.
+- dispatch: aten operations of plait's block (forward + backward) and optimizer, counted
+  on 1- and 2-layer models, and a tiny model's step seconds per operation -> op_seconds,
+  layer_ops / outside_ops / optimizer ops (Efficiency's per-operation terms; a GPU stack's
+  fused kernels make these 0 for the presets).
 - collectives, per op and group size n: the ledger's algorithmic bytes per rank and
   seconds -> t = steps x alpha + bytes / B by least squares (steps: 2(n-1) ring steps for
   all-reduce, n-1 for all-gather / reduce-scatter), the alpha-beta terms of
@@ -63,10 +67,13 @@ def curve(work: float, fit: dict[str, float]) -> float:
 def fit_alpha_beta(op: str, n: int, sent: list[float], seconds: list[float]) -> dict[str, float]:
     """alpha (seconds per ring step) and B (bytes/s) of t = steps alpha + sent / B."""
     x, t = np.asarray(sent, dtype=float), np.asarray(seconds, dtype=float)
-    slope, intercept = np.polyfit(x, t, 1)
-    slope = max(float(slope), 1e-15)
+    slope, intercept = (float(v) for v in np.polyfit(x, t, 1))
     steps = RING_STEPS[op](n)
-    return {"alpha_s": max(float(intercept), 0.0) / steps, "bandwidth_Bps": 1.0 / slope}
+    if slope <= 0 or intercept < 0:  # noise (a loaded machine): bound each term instead
+        i, j = int(np.argmin(x)), int(np.argmax(x))
+        return {"alpha_s": float(t[i]) / steps, "bandwidth_Bps": float(x[j] / t[j]),
+                "bounds": True}  # the smallest call all latency, the largest all bandwidth
+    return {"alpha_s": intercept / steps, "bandwidth_Bps": 1.0 / slope}
 
 
 def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
@@ -87,9 +94,24 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
                   default=None)
     ar = links.get(f"all_reduce@{largest}") if largest else None
     return {"gemm": fit, "bf16_peak_flops": best16, "fp32_peak_ratio": fit["peak_flops"] / best16,
+            "dispatch": fit_dispatch(raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
             "memory_bw_Bps": raw["memory"]["bytes"] / raw["memory"]["seconds"],
             "links": links, "link": ar, "link_group": largest}
+
+
+def fit_dispatch(d: dict[str, Any] | None) -> dict[str, float]:
+    """Operations per layer (forward + backward), outside the layers, per optimizer step
+    (per layer and fixed), from the 1- and 2-layer counts; seconds per operation."""
+    if not d:
+        return {"op_seconds": 0.0, "layer_ops": 0.0, "outside_ops": 0.0,
+                "optimizer_layer_ops": 0.0, "optimizer_fixed_ops": 0.0}
+    layer = d["step_ops_2"] - d["step_ops_1"]
+    opt_layer = d["optimizer_ops_2"] - d["optimizer_ops_1"]
+    return {"op_seconds": d["step_seconds"] / d["step_ops_2"], "layer_ops": float(layer),
+            "outside_ops": float(d["step_ops_1"] - layer),
+            "optimizer_layer_ops": float(opt_layer),
+            "optimizer_fixed_ops": float(d["optimizer_ops_1"] - opt_layer)}
 
 
 def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
@@ -102,7 +124,8 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
               internode_alpha=link["alpha_s"], fp32_peak_ratio=fit["fp32_peak_ratio"])
     g = fit["gemm"]
     eff = Efficiency(g["gemm_max"], g["gemm_half"], 1.0, 0.0,
-                     attention_scale=fit["attention_scale"])
+                     attention_scale=fit["attention_scale"],
+                     **fit.get("dispatch") or fit_dispatch(None))
     return gpu, eff
 
 
