@@ -269,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="BPE vocabulary to train (default 2048)")
 
     # subcommands that live beside their subsystem register themselves
+    from plait import calibrate as calibrate_cli
     from plait.checkpoint import cli as checkpoint_cli
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
     eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
+    calibrate_cli.add_parser(sub)  # plait calibrate (docs/planner.md, Hardware profiles)
     for p in [*sub.choices.values(), prep]:
         if p is not data and not any("--debug" in a.option_strings for a in p._actions):
             p.add_argument("--debug", action="store_true",

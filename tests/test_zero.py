@@ -135,3 +135,21 @@ def test_persistent_memory_matches_formula_planner_and_peaks_order():
             assert pre[cat] == pytest.approx(per_param * phi, rel=0.05), (stage, cat, pre)
         peaks[stage] = row["peak_total"]
     assert peaks[3] < peaks[2] < peaks[1] < peaks[0], peaks
+
+
+def test_fp32_model_states_match_the_planner(stage=1):
+    """fp32: with ZeRO >= 1 the runtime keeps an fp32 master shard beside the fp32
+    parameter (12 bytes/param of optimizer state over dp, not the 8 of m + v; without
+    ZeRO the parameter is its own master). The planner's model states say the same."""
+    from helpers import config
+
+    from plait.plan import predict_memory
+
+    sets = ["parallel.dp=2", f"parallel.zero={stage}", *MEM, "train.precision=fp32"]
+    outs = run_layout(*sets)
+    pre = outs[0]["metrics"][1]["memory"]["pre_optimizer"]
+    predicted = predict_memory(config(*sets))
+    n_params = sum(p.numel() for p in outs[0]["params"].values())
+    assert pre["optimizer"] == pytest.approx(predicted["optimizer states"], rel=0.05)
+    assert predicted["optimizer states"] == pytest.approx(
+        (8 if stage == 0 else 12 / 2) * n_params, rel=0.05)

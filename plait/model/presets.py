@@ -118,7 +118,7 @@ PRESETS: dict[str, ModelConfig] = {
     # experts top-8 (sigmoid, at most 4 of 8 node groups) + 1 shared, expert width 2048,
     # aux-loss-free balancing (gamma 0.001) with a 0.0001 sequence-wise loss. Attention
     # approximated as MHA (MLA is not modelled); the real model's first 3 layers are dense
-    # (model.n_dense_layers=3 builds that, but the planner models uniform layers).
+    # (model.n_dense_layers=3 builds that; `plait plan --dense-layers 3` plans it).
     "deepseek-v3": ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128,
                                n_kv_heads=128, ffn_dim=18432, max_seq_len=4096,
                                n_experts=256, top_k=8, expert_ffn_dim=2048,

@@ -45,6 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "pipeline; no network needed to view it; needs matplotlib)")
     p.add_argument("--png-dir", metavar="DIR", help="also write the same figures as PNG "
                    "files in DIR (needs matplotlib)")
+    p.add_argument("--plan", metavar="RUN.plan.json",
+                   help="also compare against this plan (written by plait plan "
+                   "--emit-config): layout, step time, bytes per dim")
     p.add_argument("--override-config", action="store_true",
                    help="report against the configuration of --config / the flags given "
                    "here instead of the one the metrics file records")
@@ -246,6 +249,10 @@ def print_report(rep: dict) -> None:
                   "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
     console.print(t)
     print_overlap(console, rep["communication"])
+    if rep.get("plan"):
+        from plait.observe.plan_check import print_plan_check
+
+        print_plan_check(console, rep["plan"])
     for n in rep["notes"]:
         console.print(f"note: {n}")
 
@@ -279,6 +286,14 @@ def run(args: argparse.Namespace) -> int:
     if not recorded and not given and not visual:
         return _refuse(f"{args.metrics} has no config in its summary line; pass "
                        "--config run.toml or the run's train flags")
+    plan = None
+    if getattr(args, "plan", None):
+        from plait.observe.plan_check import read_plan
+
+        try:
+            plan = read_plan(args.plan)
+        except (OSError, ValueError) as e:
+            return _refuse(f"--plan {args.plan}: {getattr(e, 'strerror', None) or e}")
     cfg, rep = None, None
     if recorded or given:
         try:
@@ -287,6 +302,10 @@ def run(args: argparse.Namespace) -> int:
         except (ConfigError, TypeError, KeyError) as e:
             return _refuse(str(e))
         rep = compare(rows, summary, cfg)
+        if plan is not None:
+            from plait.observe.plan_check import compare_plan
+
+            rep["plan"] = compare_plan(plan, cfg, rows, rep["communication"])
         if args.json:
             print(json.dumps(rep, indent=1, default=lambda o: dataclasses.asdict(o)))
         else:

@@ -13,27 +13,35 @@ from typing import Any
 import numpy as np
 
 from plait.files import atomic_output
-from plait.model.presets import PRESETS
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
-from plait.plan.calibration import EFFICIENCY
+from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
+from plait.plan.emit import emit_plan
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
-from plait.plan.hardware import GB, GPUS, Cluster, get_gpu
+from plait.plan.goodput import (
+    Failures,
+    add_goodput_arguments,
+    failures_from_args,
+    goodput_flag_problems,
+    goodput_lines,
+    layout_goodput,
+    layouts_goodput,
+)
+from plait.plan.hardware import GB, GPUS, Cluster
 from plait.plan.inputs import plan_flag_problems
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
+from plait.plan.model_flags import (
+    RUNTIME_NOTE,
+    ShapeError,
+    add_model_arguments,
+    describe,
+    shape_from_args,
+)
+from plait.plan.profile import base_gpu, hardware_of
 from plait.plan.search import PlanError, layout_problems, search
-from plait.plan.shape import Shape, from_preset
+from plait.plan.shape import Shape
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
-
-# the explicit model shape flags: what each one is
-_SHAPE_HELP = {"layers": "transformer blocks", "hidden": "model width", "heads": "attention "
-               "heads", "kv-heads": "key/value heads (default: --heads)", "ffn": "MLP width "
-               "(default: 4 x --hidden)", "vocab": "vocabulary", "seq": "sequence length "
-               "(with --model: overrides the preset's)", "experts": "MoE experts (default 0: "
-               "dense)", "top-k": "experts per token", "expert-ffn": "expert MLP width",
-               "shared-experts": "always-active experts"}
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="search or evaluate parallel layouts",
@@ -44,13 +52,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model (a preset, or explicit shapes)")
-    m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for flag, what in _SHAPE_HELP.items():
-        m.add_argument(f"--{flag}", type=int, metavar="N", help=what)
+    add_model_arguments(p)
     h = p.add_argument_group("hardware")
-    h.add_argument("--gpu", default="h100-sxm",
+    h.add_argument("--gpu", default=None,
                    help=f"preset: {', '.join(GPUS)} (default h100-sxm)")
+    h.add_argument("--hardware", metavar="PROFILE.json",
+                   help="plan with a profile plait calibrate measured (its GEMM curve, "
+                   "attention, memory and collective speeds) instead of a --gpu preset")
     h.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
     h.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (default: "
                    "the preset's)")
@@ -82,37 +90,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="default selective")
     lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="default 1")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    add_goodput_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--plot", help="draw the memory breakdown of the shown layouts to this PNG")
+    o.add_argument("--emit-config", metavar="RUN.toml",
+                   help="write the best layout plait train can run as a config for "
+                   "`plait train --config RUN.toml`, and its plan beside it (RUN.plan.json, "
+                   "for `plait report --plan`)")
 
 
 def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
-    if args.model:
-        shape = from_preset(args.model, args.seq)
-    else:
-        need = [f for f in ("layers", "hidden", "heads", "vocab", "seq")
-                if getattr(args, f) is None]
-        if need:
-            raise PlanError(f"give --model (one of: {', '.join(PRESETS)}) or all of "
-                            + ", ".join(f"--{f}" for f in need))
-        experts = args.experts or 0
-        if experts and not (args.top_k and args.expert_ffn):
-            raise PlanError("an MoE model (--experts) needs --top-k and --expert-ffn")
-        shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads or args.heads,
-                      args.ffn or 4 * args.hidden, args.vocab, args.seq, experts,
-                      args.top_k or 0, args.expert_ffn or 0, args.shared_experts or 0)
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
-        raise PlanError(f"hidden {shape.hidden} must be a multiple of heads {shape.heads}, "
-                        f"and heads a multiple of kv-heads {shape.kv_heads}")
+    try:
+        shape = shape_from_args(args)
+    except ShapeError as exc:
+        raise PlanError(str(exc)) from None
     scale = {"peak_flops": (args.peak_tflops, 1e12), "hbm_bytes": (args.hbm_gb, GB),
              "hbm_bw": (args.hbm_bw_gbs, GB), "nvlink_bw": (args.nvlink_gbs, GB),
              "internode_bw": (args.internode_gbs, GB)}
     over: dict[str, Any] = {k: v * f for k, (v, f) in scale.items() if v is not None}
     if args.gpus_per_node:
         over["gpus_per_node"] = args.gpus_per_node
-    gpu = get_gpu(args.gpu, **over)
+    gpu = base_gpu(args, over)
     if args.gpus is None or args.gpus < 1:
         raise PlanError("--gpus must be >= 1")
     if args.global_batch is None and args.global_batch_tokens is None:
@@ -160,6 +160,8 @@ def to_dict(e: Estimate) -> dict[str, Any]:
         "model_tflops_per_gpu": _num(e.model_tflops),
         "hardware_tflops_per_gpu": _num(e.hardware_tflops), "mfu": _num(e.mfu),
         "bubble_fraction": _num(e.bubble_fraction),
+        "flops_per_step": {"model": _num(e.extra["model_flops"]),
+                           "hardware": _num(e.extra["hardware_flops"])},
         "time_breakdown_s": {k: _num(v) for k, v in e.time.items()},
         "memory_bytes": {k: _num(v) for k, v in e.memory.items()},
         "memory_total_bytes": _num(e.memory_total), "memory_peak_rank": _num(e.peak_rank),
@@ -226,11 +228,20 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
                    f"{1e3 * float(c.time_each):.3f}", f"{float(c.total):.4f}",
                    f"{float(c.exposed):.4f}", c.overlap)
     console.print(ct)
+    console.print(flops_line(best))
     src = best.extra.get("pipeline", {}).get("source")
     if src:
         console.print(f"pipeline time from: {src}")
     for line in notes:
         console.print(line)
+
+
+def flops_line(e: Estimate) -> str:
+    """The step's FLOPs, both counts, saying what each counts (FLOP_DEFINITIONS in full)."""
+    return (f"FLOPs per step: model {float(e.extra['model_flops']):.4g} (6N + attention, "
+            "PaLM appendix B; causal kernels count half the scores), hardware "
+            f"{float(e.extra['hardware_flops']):.4g} (model + what recompute "
+            f"{e.layout.recompute} runs again).")
 
 
 def plot_memory(path: str, ests: list[Estimate]) -> None:
@@ -256,37 +267,55 @@ def plot_memory(path: str, ests: list[Estimate]) -> None:
     plt.close(fig)
 
 
+def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Training,
+            fail: Failures | None, eff: Efficiency
+            ) -> tuple[list[Estimate], list[str], dict[str, Any]]:
+    """The layouts to show (best first), the notes on them, the search's counts."""
+    if args.layout:
+        lay = parse_layout(args.layout, args)
+        problems = layout_problems(shape, cluster, train, lay)
+        if problems:
+            raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
+        est = evaluate(shape, cluster, train, lay, eff, simulate=True)
+        notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
+        return [est], notes, {}
+    cost = None
+    if args.rank_by == "goodput" and fail is not None:
+        def cost(e: Estimate) -> Any:  # seconds per useful step under failures
+            return layout_goodput(e, shape, train, cluster.n_gpus, fail)[
+                "seconds_per_useful_step"]
+    res = search(shape, cluster, train, eff, top=args.top, cost=cost)
+    doc: dict[str, Any] = {"layouts_considered": res.considered,
+                           "layouts_fitting": res.feasible}
+    if cost:
+        doc["ranked_by"] = "goodput"
+    if not res.top:
+        raise PlanError(why_no_fit(res.closest, cluster, train))
+    notes = [f"{res.considered:,} layouts considered, {res.feasible:,} fit"
+             + (", ranked by goodput (useful tokens/s under failures)." if cost else ".")]
+    notes += explain(res.top[0], shape, cluster, train, res.extra.get("best_by"),
+                     res.top[1] if len(res.top) > 1 else None)
+    return res.top, notes, doc
+
+
 def run(args: argparse.Namespace, out: Any = None) -> int:
     from rich.console import Console
 
     console = Console(file=out or sys.stdout, width=160)
     err = Console(file=out or sys.stderr, width=160)
     try:
-        problems = plan_flag_problems(args)
+        problems = plan_flag_problems(args) + goodput_flag_problems(args)
         if problems:
             raise PlanError("invalid input:\n" + "\n".join(f"  - {p}" for p in problems))
         shape, cluster, train = build_inputs(args)
         header = (f"{shape.name}: {shape.num_params() / 1e9:.2f} B params, seq {shape.seq}; "
                   f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
                   f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)")
-        if args.layout:
-            lay = parse_layout(args.layout, args)
-            problems = layout_problems(shape, cluster, train, lay)
-            if problems:
-                raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
-            est = evaluate(shape, cluster, train, lay, EFFICIENCY, simulate=True)
-            ests, notes, doc = [est], [], {}
-            if not bool(est.fits):
-                notes.append(f"does NOT fit: {why_no_fit(est, cluster, train)}")
-        else:
-            res = search(shape, cluster, train, EFFICIENCY, top=args.top)
-            doc = {"layouts_considered": res.considered, "layouts_fitting": res.feasible}
-            if not res.top:
-                raise PlanError(why_no_fit(res.closest, cluster, train))
-            ests = res.top
-            notes = [f"{res.considered:,} layouts considered, {res.feasible:,} fit."]
-            notes += explain(ests[0], shape, cluster, train, res.extra.get("best_by"),
-                             ests[1] if len(ests) > 1 else None)
+        fail = failures_from_args(args)
+        ests, notes, doc = _choose(args, shape, cluster, train, fail, hardware_of(args)[1])
+        gps = layouts_goodput(ests, shape, train, cluster.n_gpus, fail) if fail else None
+        if args.emit_config:
+            notes += emit_plan(args, ests, gps, shape, cluster, train, to_dict)
     except (PlanError, ValueError) as exc:
         if getattr(args, "json", False):
             console.print_json(json.dumps({"error": str(exc)}))
@@ -296,10 +325,21 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     if args.plot:
         plot_memory(args.plot, ests)
         print(f"memory plot written to {args.plot}", file=sys.stderr)
+    if shape.arch != "llama":
+        notes.append(RUNTIME_NOTE)
+    if gps:
+        notes += goodput_lines(gps[0])
+        if len(gps) > 1:
+            notes.append("Goodput of the layouts shown: " + ", ".join(
+                f"#{k} {g['goodput']:.1%}" for k, g in enumerate(gps, 1)) + ".")
     if args.json:
+        layouts = [to_dict(e) for e in ests]
+        for d, g in zip(layouts, gps or []):
+            d["goodput"] = g
         doc.update({"model": shape.name, "params": shape.num_params(), "gpus": cluster.n_gpus,
                     "gpu": cluster.gpu.name, "global_batch": train.global_batch,
-                    "layouts": [to_dict(e) for e in ests], "explanation": notes})
+                    "layouts": layouts, "explanation": notes,
+                    "shape": describe(shape), "flop_definitions": FLOP_DEFINITIONS})
         (out or sys.stdout).write(json.dumps(doc, indent=1) + "\n")
     else:
         _print(console, shape, cluster, ests, notes, header)

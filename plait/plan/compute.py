@@ -35,6 +35,18 @@ class Efficiency:
     gemm_half: float  # FLOPs of a GEMM that reaches half of gemm_max
     link_efficiency: float  # achieved / datasheet link bandwidth
     elementwise_passes: float  # HBM traffic of elementwise kernels / saved bytes
+    # attention core throughput / the GEMM curve's at the same FLOPs (a measured profile's;
+    # 1 for the calibration set, which does not separate them)
+    attention_scale: float = 1.0
+    # per-operation cost (a measured profile's dispatch floor; 0 for the GPU presets, whose
+    # calibration set cannot separate it) and the operations plait's runtime issues, counted
+    # by plait calibrate: per layer (forward + backward, / 3: the planner runs a layer's
+    # elementwise time three times), outside the layers per micro-batch, per optimizer step
+    op_seconds: float = 0.0
+    layer_ops: float = 0.0
+    outside_ops: float = 0.0
+    optimizer_layer_ops: float = 0.0
+    optimizer_fixed_ops: float = 0.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -53,10 +65,9 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
     h, t = shape.hidden, np.asarray(tp, dtype=float)
     ms = np.asarray(moe_split, dtype=float)
     n = np.asarray(tokens, dtype=float)
-    if shape.arch == "gpt":
-        return [("qkv", 2 * n * h * 3 * h / t), ("out", 2 * n * h * h / t),
-                ("fc1", 2 * n * h * 4 * h / t), ("fc2", 2 * n * 4 * h * h / t)]
     out = [("qkv", 2 * n * h * (h + 2 * shape.kv_dim) / t), ("out", 2 * n * h * h / t)]
+    if shape.arch == "gpt":  # GeLU MLP: two matrices of h x ffn
+        return out + [("fc1", 2 * n * h * shape.ffn / t), ("fc2", 2 * n * shape.ffn * h / t)]
     if not shape.moe:
         return out + [("mlp", 2 * n * h * 3 * shape.ffn / t)]
     fe = shape.expert_ffn
@@ -86,12 +97,37 @@ def head_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
         tp, dtype=float)
 
 
+def layers_forward_flops_per_token(shape: Shape) -> float:
+    """Forward FLOPs per token of all layers: weight GEMMs + attention core (an MoE
+    model's leading dense layers counted with their dense MLP)."""
+    def one(s: Shape) -> float:
+        return float(sum(f for _, f in layer_gemms(s, 1, 1)) + attention_core_flops(s, 1, 1))
+
+    if not shape.moe or not shape.dense_layers:
+        return shape.layers * one(shape)
+    return shape.moe_layers * one(shape) + shape.dense_layers * one(shape.dense_version())
+
+
 def model_flops_per_token(shape: Shape) -> float:
-    """Training FLOPs per token, without recompute (the MFU numerator): 6 x active weight
-    matmul parameters + 3 x attention core forward (Narayanan et al. 2021, with the causal
-    factor of the block's attention kernel)."""
-    g = sum(f for _, f in layer_gemms(shape, 1, 1))
-    return 3 * (shape.layers * (g + attention_core_flops(shape, 1, 1)) + head_flops(shape, 1, 1))
+    """Training FLOPs per token, without recompute (the MFU numerator): 3 x the forward
+    (forward + backward = 2 x forward) of every weight GEMM and the attention core and the
+    LM head, i.e. 6 x active matmul parameters + 3 x the attention core forward
+    (Narayanan et al. 2021, section 5.1; Chowdhery et al. 2022 (PaLM), appendix B:
+    6N + 12LHQT). The attention term is PaLM's for the GPT block (the full s x s scores
+    computed); causal kernels (the llama block) compute half of it: 6N + 6LHQT.
+    Biases, norms, softmax and activation functions are not counted (as in both)."""
+    return 3 * (layers_forward_flops_per_token(shape) + head_flops(shape, 1, 1))
+
+
+FLOP_DEFINITIONS = {
+    "model": "model FLOPs (the MFU numerator, no recompute): 6 x matmul parameters per "
+             "token + 3 x the attention core forward; PaLM's 6N + 12LHQT (Chowdhery et al. "
+             "2022, appendix B) for the GPT block (full score matrix), its attention term "
+             "halved for causal kernels (llama)",
+    "hardware": "hardware FLOPs: the model FLOPs plus what recompute runs again (full: the "
+                "layers' forward, Narayanan et al. 2021 eq. 3's 4 passes; selective: the "
+                "attention core forward)",
+}
 
 
 @dataclass
@@ -116,6 +152,6 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp)
     # batched per-head GEMMs: efficiency of the whole batch's work
-    a_time = gemm_time(a_flops, gpu, eff, peak_scale)
-    elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw
+    a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
+    elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

@@ -22,12 +22,19 @@ from plait.plan.compute import (
     gemm_time,
     head_flops,
     layer_times,
+    layers_forward_flops_per_token,
     model_flops_per_token,
 )
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import dualpipe_copies
 from plait.plan.shape import Shape
-from plait.plan.step_comm import TP_COLLECTIVES_FWD, LayerComm, layer_comm, pp_p2p
+from plait.plan.step_comm import (
+    TP_COLLECTIVES_FWD,
+    LayerComm,
+    dp_exposed_time,
+    layer_comm,
+    pp_p2p,
+)
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
@@ -90,8 +97,6 @@ def _f(x: Num) -> Num:
     return np.asarray(x, dtype=float)
 
 
-
-
 @dataclass(frozen=True)
 class _Basis:
     """The layout's sizes as float arrays and what every later step derives from them."""
@@ -105,7 +110,7 @@ class _Basis:
     v: Num
     sched: str  # the layout's schedule; "1f1b" unless every layout has pp > 1
     e: int  # bytes per activation element
-    peak_scale: float  # TF32 tensor cores (fp32): half rate
+    peak_scale: float  # fp32 GEMMs against the bf16 peak (GPU.fp32_peak_ratio)
     m: Num  # micro-batches per step
     tokens: Num  # tokens of one micro-batch on one rank (the sequence split over cp)
     cpr: Num  # pipeline chunks per rank
@@ -122,7 +127,7 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
                                                  lay.mbs, lay.v))
     sched = lay.schedule if np.all(pp > 1) else "1f1b"
     e = memory.PRECISIONS[train.precision][3]
-    peak_scale = 0.5 if train.precision == "fp32" else 1.0  # TF32 tensor cores: half rate
+    peak_scale = cluster.gpu.fp32_peak_ratio if train.precision == "fp32" else 1.0
     tokens = mbs * shape.seq / cp
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
@@ -165,7 +170,8 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
         i_layer = i_layer + lt.attn_fwd
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.peak_scale)
-    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw
+    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
+        + eff.op_seconds * eff.outside_ops  # embedding, final norm, head, loss: operations
     n = b.chunk_layers
     return _ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
                        n * i_layer, n * w_layer)
@@ -215,9 +221,16 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
     final_norm = shape.hidden
     emb, head = shape.embedding_params() / tp, (shape.head_params() - final_norm) / tp \
         + final_norm
-    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0)
-    last_p = b.rank_layers * dense_l + head
-    ex_p = b.rank_layers * expert_l
+    # an MoE model's leading dense layers sit on the first stage (counted there only:
+    # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
+    nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0
+    dense_layer = (shape.dense_layer_params() - norms) / tp + norms
+    dense_extra = nd * (dense_layer - dense_l)
+    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
+        + dense_extra
+    last_p = b.rank_layers * dense_l + head + np.where(pp == 1, dense_extra, 0.0)
+    ex_first = (b.rank_layers - nd) * expert_l
+    ex_last = np.where(pp == 1, ex_first, b.rank_layers * expert_l)
     in0, in_last = memory.inflight_chunks(b.sched, pp, m, b.v)
     if simulate and info.get("peaks"):
         in0, in_last = float(info["peaks"][0]), float(info["peaks"][-1])
@@ -228,7 +241,7 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
                                   dense_l + expert_l, lay.sp,
                                   train.precision)
 
-    def rank_mem(dense_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
+    def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
         st = memory.model_states(dense_p, dshard, lay.zero, train.precision, train.optimizer)
         ex = memory.model_states(ex_p, eshard, lay.zero, train.precision, train.optimizer)
         out = {k: st[k] + ex[k] for k in st}
@@ -237,57 +250,14 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
         out["communication buffers"] = buffers
         return out
 
-    first = rank_mem(first_p, in0, (pp == 1) | both_ends)
-    last = rank_mem(last_p, in_last, True)
+    first = rank_mem(first_p, ex_first, in0, (pp == 1) | both_ends)
+    last = rank_mem(last_p, ex_last, in_last, True)
     t_first, t_last = sum(first.values()), sum(last.values())
     use_first = t_first >= t_last
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
+    ex_p = np.maximum(ex_first, ex_last)
     return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
                        np.maximum(first_p, last_p) + ex_p, ex_p)
-
-
-def _dp_exposed(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency, b: _Basis,
-                ct: _ChunkTimes, pr: Num, colls: list[comm.Collective],
-                over_ep: bool = False) -> Num:
-    """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
-    over dp x cp, or over its edp part when `over_ep`: routed experts); appends the
-    collectives (dim "dp" or "edp")."""
-    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    m = b.m
-    span = np.where(b.dp > 1, b.tp * b.cp * b.pp * b.dp, b.tp * b.cp)
-    dp_intra = span <= cluster.gpus_per_node
-    bw, al = comm.link(cluster.gpu, dp_intra, eff.link_efficiency)
-    g_bytes, p_bytes = pr * gb, pr * pb
-    f_mb, b_mb = b.cpr * ct.f_c, b.cpr * (ct.i_c + ct.w_c)  # one micro-batch on this rank
-    n = b.dp * b.cp / (b.ep if over_ep else 1.0)
-    t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
-    t_rs = comm.gather_like(g_bytes, n, bw, al)
-    t_ag = comm.gather_like(p_bytes, n, bw, al)
-    dp_colls: list[tuple[str, Num, Num, Num, Num, str]] = []
-    if lay.zero == 0:
-        exp = np.maximum(t_ar_dp - b_mb, 0)
-        dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward"))
-    elif lay.zero in (1, 2):
-        k = m if lay.zero == 2 else 1
-        exp_rs = k * np.maximum(t_rs - b_mb, 0)
-        dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
-                         "each backward" if lay.zero == 2 else "last backward"))
-        dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
-                         np.maximum(t_ag - f_mb, 0), "first forward"))
-    else:
-        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, 2 * m, t_ag,
-                         m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
-                         "the layer before (prefetch)"))
-        dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
-                         m * np.maximum(t_rs - b_mb / 2, 0), "the next layer's backward"))
-    dp_exposed = 0.0
-    for op, size, count, t_each, exp, how in dp_colls:
-        exp = np.where(n > 1, exp, 0.0)
-        dp_exposed = dp_exposed + exp
-        if np.any(n > 1):
-            colls.append(comm.Collective("edp" if over_ep else "dp", op, size, _f(count), n,
-                                         dp_intra, t_each, exp, how))
-    return dp_exposed
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: _Basis,
@@ -323,7 +293,7 @@ def _step_flops(shape: Shape, train: Training, lay: Layout, b: _Basis) -> tuple[
     model_flops = model_flops_per_token(shape) * tokens_step
     rec_per_token = 0.0
     if lay.recompute == "full":
-        rec_per_token = shape.layers * b.lt.flops_fwd / b.tokens * b.tp
+        rec_per_token = layers_forward_flops_per_token(shape)
     elif lay.recompute == "selective":
         rec_per_token = shape.layers * attention_core_flops(shape, 1, 1)
     return model_flops, model_flops + rec_per_token * tokens_step
@@ -342,14 +312,15 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over dp x cp, routed experts over the expert-data-parallel
     # ranks (dp x cp / ep) that hold the same experts (plait/parallel/expert.py)
-    dp_exposed = _dp_exposed(cluster, train, lay, eff, b, ct, rm.params - rm.expert_params,
+    dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, rm.params - rm.expert_params,
                              colls)
     if shape.moe:
-        dp_exposed = dp_exposed + _dp_exposed(cluster, train, lay, eff, b, ct,
+        dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                               rm.expert_params, colls, over_ep=True)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params))
-    t_opt = _optimizer_time(cluster, train, lay, b, rm.params)
+    t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
+        eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     step = pipe + dp_exposed + t_opt
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
     n_gpu = b.tp * b.pp * b.dp * b.cp
@@ -365,7 +336,9 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         model_tflops=model_flops / step / n_gpu / 1e12,
         hardware_tflops=hw_flops / step / n_gpu / 1e12,
         mfu=model_flops / step / n_gpu / (gpu.peak_flops * b.peak_scale),
-        bubble_fraction=bub, extra={"pipeline": info, "hf": ct.hf},
+        bubble_fraction=bub, extra={"pipeline": info, "hf": ct.hf, "model_flops": model_flops,
+                                    "hardware_flops": hw_flops, "rank_params": rm.params,
+                                    "rank_expert_params": rm.expert_params},
     )
 
 

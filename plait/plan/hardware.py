@@ -23,6 +23,7 @@ class GPU:
     gpus_per_node: int = 8
     nvlink_alpha: float = 3e-6  # per ring step, seconds
     internode_alpha: float = 10e-6
+    fp32_peak_ratio: float = 0.5  # fp32 GEMMs / bf16 peak: TF32 tensor cores run at half
 
 
 GB = 1e9

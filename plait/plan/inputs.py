@@ -18,7 +18,8 @@ MAX_TOP = 100
 SHAPE_BOUNDS = (("layers", 1, 10_000), ("hidden", 1, 1 << 20), ("heads", 1, 1 << 14),
                 ("kv-heads", 1, 1 << 14), ("ffn", 1, 1 << 22), ("vocab", 1, 1 << 26),
                 ("seq", 1, 1 << 24), ("experts", 0, 1 << 16), ("top-k", 0, 1 << 16),
-                ("expert-ffn", 0, 1 << 22), ("shared-experts", 0, 1 << 16))
+                ("expert-ffn", 0, 1 << 22), ("shared-experts", 0, 1 << 16),
+                ("dense-layers", 0, 10_000))
 POSITIVE_FLOATS = ("peak-tflops", "hbm-gb", "hbm-bw-gbs", "nvlink-gbs", "internode-gbs")
 
 
@@ -86,4 +87,12 @@ def plan_flag_problems(args: argparse.Namespace) -> list[str]:
 def output_problems_of(args: argparse.Namespace) -> list[str]:
     from plait.files import output_problems
 
-    return output_problems("--plot", args.plot) if args.plot is not None else []
+    out = output_problems("--plot", args.plot) if args.plot is not None else []
+    emit = getattr(args, "emit_config", None)
+    if emit is not None:
+        from plait.plan.emit import plan_path
+
+        out += output_problems("--emit-config", emit)
+        if not out:
+            out += output_problems("--emit-config (its plan beside it)", plan_path(emit))
+    return out

@@ -54,6 +54,8 @@ def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",
     """Bytes per rank of parameters, gradients, optimizer states for `params` parameters
     replicated over `shard` data-parallel ranks, at ZeRO stage `zero` (ZeRO paper, sec. 5)."""
     pb, gb, kb = state_bytes(precision, optimizer)
+    if precision == "fp32" and zero >= 1:
+        kb += 4  # ZeRO's fp32 master shard is a copy even in fp32 (plait/parallel/zero.py)
     shard = np.asarray(shard, dtype=float)
     return {
         "parameters": params * pb / (shard if zero >= 3 else 1.0),

@@ -10,6 +10,7 @@ layouts are then re-evaluated through the shared simulator, re-ranked, and shown
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,7 +138,11 @@ class SearchResult:
 
 
 def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
-           top: int = 5, simulate_top: int | None = None) -> SearchResult:
+           top: int = 5, simulate_top: int | None = None,
+           cost: Callable[[Estimate], Any] | None = None) -> SearchResult:
+    """The best `top` layouts by step time, or by `cost(estimate)` (seconds per useful
+    step, e.g. step time / goodput: plait/plan/goodput.py) when given."""
+    seconds = cost or (lambda e: e.step_time)
     c = numeric_candidates(shape, cluster, train)
     if len(c["tp"]) == 0:
         raise PlanError(f"no layout divides {cluster.n_gpus} GPUs with a global batch of "
@@ -160,7 +165,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
                              recompute=rec, sp=True)
                 est = evaluate(shape, cluster, train, lay, eff)
                 considered += len(idx)
-                scored.append((idx, np.broadcast_to(est.step_time, idx.shape),
+                scored.append((idx, np.broadcast_to(seconds(est), idx.shape),
                                np.broadcast_to(est.memory_total, idx.shape),
                                {"schedule": lay.schedule, "v": v, "zero": zero,
                                 "recompute": rec}))
@@ -198,7 +203,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         raise PlanError("every best-ranked layout failed to build its pipeline schedule; "
                         "give one with --layout")
     sims = [s for s in sims if bool(s.fits)] or sims
-    sims.sort(key=lambda s: float(s.step_time))
+    sims.sort(key=lambda s: float(seconds(s)))
     return SearchResult(sims[:top], considered, int(fits.sum()), extra={"best_by": best_by})
 
 

@@ -5,8 +5,14 @@ Two block flavours are modelled:
 * ``llama`` — plait's own block (plait/model/transformer.py): RMSNorm, GQA attention with
   RoPE, SwiGLU MLP (three matrices), no biases, no dropout; optionally MoE MLPs.
 * ``gpt`` — the GPT block of Korthikanti et al. 2022 (LayerNorm, MHA, 4h GeLU MLP, biases,
-  dropout, attention scores materialised). Used only to reproduce the paper's formulas
-  and to calibrate on its runs, which were measured with that block.
+  dropout, attention scores materialised), generalised to any MLP width (`ffn`) and to
+  GQA (`kv_heads`). The calibration runs were measured with it. plait's runtime
+  (plait/model/transformer.py) does not build this block: the planner describes it, and
+  `plait plan` says so; `plait plan --emit-config` refuses it.
+
+MoE (llama only): `experts` routed experts of width `expert_ffn`, `top_k` per token,
+`shared_experts` always on; the first `dense_layers` layers keep a dense MLP of width
+`ffn` (DeepSeek-V3: 3), the rest are MoE.
 
 The activation memory of a layer is written as a list of saved tensors, each with its size
 per token and how it shards, so every term is visible and the closed forms of Korthikanti
@@ -36,6 +42,7 @@ class Shape:
     arch: str = "llama"  # "llama" (ours) | "gpt" (Korthikanti et al. 2022's block)
     tie_embeddings: bool = False
     name: str = "custom"
+    dense_layers: int = 0  # MoE models: the first layers with a dense MLP (width ffn)
 
     # ---- derived sizes ---------------------------------------------------------------
     @property
@@ -50,12 +57,17 @@ class Shape:
     def moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def moe_layers(self) -> int:
+        """Layers with an MoE MLP (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.moe else 0
+
     def attn_params(self) -> int:
         """Attention (and norm) parameters of one layer."""
-        h = self.hidden
-        if self.arch == "gpt":  # QKV + out with biases, two LayerNorms (weight + bias)
-            return 4 * h * h + 4 * h + 4 * h
-        return 2 * h * h + 2 * h * self.kv_dim + 2 * h  # wq, wo, wk, wv, two RMSNorm weights
+        h, kv = self.hidden, self.kv_dim
+        if self.arch == "gpt":  # q, k, v, out with biases; two LayerNorms (weight + bias)
+            return 2 * h * h + 2 * h * kv + (2 * h + 2 * kv) + 4 * h
+        return 2 * h * h + 2 * h * kv + 2 * h  # wq, wo, wk, wv, two RMSNorm weights
 
     def norm_params(self) -> int:
         """One layer's normalisation weights (in attn_params): whole on every tp rank."""
@@ -76,17 +88,25 @@ class Shape:
         return 3 * self.hidden * self.expert_ffn * self.experts if self.moe else 0
 
     def layer_params(self) -> int:
+        """Parameters of one layer (an MoE layer in an MoE model)."""
         return self.attn_params() + self.dense_mlp_params() + self.expert_params()
+
+    def dense_layer_params(self) -> int:
+        """Parameters of one of an MoE model's leading dense layers (MLP width ffn)."""
+        return self.attn_params() + 3 * self.hidden * self.ffn
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
     def head_params(self) -> int:
         """Output layer (and final norm); 0 extra weights when tied to the embedding."""
-        return self.hidden + (0 if self.tie_embeddings else self.vocab * self.hidden)
+        norm = 2 * self.hidden if self.arch == "gpt" else self.hidden  # LayerNorm: + bias
+        return norm + (0 if self.tie_embeddings else self.vocab * self.hidden)
 
     def num_params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+        dense = self.dense_layers if self.moe else 0
+        return ((self.layers - dense) * self.layer_params() + dense * self.dense_layer_params()
+                + self.embedding_params() + self.head_params())
 
     def active_params(self) -> int:
         """Parameters each token touches (MoE: top-k routed + shared experts)."""
@@ -94,7 +114,15 @@ class Shape:
             return self.num_params()
         routed = 3 * self.hidden * self.expert_ffn * self.top_k
         per_layer = self.attn_params() + self.dense_mlp_params() + routed
-        return self.layers * per_layer + self.embedding_params() + self.head_params()
+        return (self.moe_layers * per_layer + self.dense_layers * self.dense_layer_params()
+                + self.embedding_params() + self.head_params())
+
+    def dense_version(self) -> Shape:
+        """The shape of an MoE model's dense layers (MLP width ffn), for their FLOPs."""
+        from dataclasses import replace
+
+        return replace(self, experts=0, top_k=0, expert_ffn=0, shared_experts=0,
+                       dense_layers=0)
 
 
 def from_model_config(cfg: ModelConfig, seq: int | None = None, name: str = "custom") -> Shape:
@@ -103,6 +131,7 @@ def from_model_config(cfg: ModelConfig, seq: int | None = None, name: str = "cus
         ffn=cfg.ffn_dim, vocab=cfg.vocab_size, seq=seq or cfg.max_seq_len,
         experts=cfg.n_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn_dim,
         shared_experts=cfg.n_shared_experts, tie_embeddings=cfg.tie_embeddings, name=name,
+        dense_layers=cfg.n_dense_layers if cfg.n_experts else 0,
     )
 
 
@@ -147,26 +176,25 @@ def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None)
     LayerNorms 4sbh, with 2-byte activations and 1-byte dropout masks).
     llama: counted from plait's block with fused RMSNorm/SwiGLU kernels and no dropout.
     """
-    h, a, e = shape.hidden, shape.heads, act_bytes
+    h, a, e, kv = shape.hidden, shape.heads, act_bytes, shape.kv_dim
     s = shape.seq if seq is None else seq
-    if shape.arch == "gpt":
+    if shape.arch == "gpt":  # Korthikanti's MHA, 4h terms written for any kv and ffn
         return [
             Saved("ln1 input", e * h, keep_full=True),
             Saved("qkv input", e * h),
-            Saved("q, k", 2 * e * h, tp=True),
+            Saved("q, k", e * (h + kv), tp=True),
             Saved("softmax output", e * a * s, tp=True, scores=True),
             Saved("attn dropout mask", a * s, tp=True, scores=True),
             Saved("dropout output", e * a * s, tp=True, scores=True),
-            Saved("v", e * h, tp=True),
+            Saved("v", e * kv, tp=True),
             Saved("out-proj input", e * h, tp=True),
             Saved("attn out dropout mask", h),
             Saved("ln2 input", e * h),
             Saved("fc1 input", e * h),
-            Saved("gelu input", e * 4 * h, tp=True),
-            Saved("fc2 input", e * 4 * h, tp=True),
+            Saved("gelu input", e * shape.ffn, tp=True),
+            Saved("fc2 input", e * shape.ffn, tp=True),
             Saved("mlp dropout mask", h),
         ]
-    kv = shape.kv_dim
     terms = [
         Saved("attn norm input", e * h, keep_full=True),
         Saved("qkv input (norm out)", e * h),

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import comm
+from plait.plan import comm, memory
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import layer_visits, tp_collectives
 from plait.plan.shape import Shape
 
 if TYPE_CHECKING:
-    from plait.plan.estimate import Layout, _Basis
+    from plait.plan.estimate import Layout, Training, _Basis, _ChunkTimes
 
 TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
 
@@ -147,3 +147,48 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
                                      pp_intra, comm.p2p(s_pp, bw, al), 0.0,
                                      "inside the pipeline timeline (simulated)"))
     return t_pp
+
+
+def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
+                    b: _Basis, ct: _ChunkTimes, pr: Num, colls: list[comm.Collective],
+                    over_ep: bool = False) -> Num:
+    """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
+    over dp x cp, or over its edp part when `over_ep`: routed experts); appends the
+    collectives (dim "dp" or "edp")."""
+    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    m = b.m
+    span = np.where(b.dp > 1, b.tp * b.cp * b.pp * b.dp, b.tp * b.cp)
+    dp_intra = span <= cluster.gpus_per_node
+    bw, al = comm.link(cluster.gpu, dp_intra, eff.link_efficiency)
+    g_bytes, p_bytes = pr * gb, pr * pb
+    f_mb, b_mb = b.cpr * ct.f_c, b.cpr * (ct.i_c + ct.w_c)  # one micro-batch on this rank
+    n = b.dp * b.cp / (b.ep if over_ep else 1.0)
+    t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
+    t_rs = comm.gather_like(g_bytes, n, bw, al)
+    t_ag = comm.gather_like(p_bytes, n, bw, al)
+    dp_colls: list[tuple[str, Num, Num, Num, Num, str]] = []
+    if lay.zero == 0:
+        exp = np.maximum(t_ar_dp - b_mb, 0)
+        dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward"))
+    elif lay.zero in (1, 2):
+        k = m if lay.zero == 2 else 1
+        exp_rs = k * np.maximum(t_rs - b_mb, 0)
+        dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
+                         "each backward" if lay.zero == 2 else "last backward"))
+        dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
+                         np.maximum(t_ag - f_mb, 0), "first forward"))
+    else:
+        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, 2 * m, t_ag,
+                         m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
+                         "the layer before (prefetch)"))
+        dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
+                         m * np.maximum(t_rs - b_mb / 2, 0), "the next layer's backward"))
+    dp_exposed = 0.0
+    for op, size, count, t_each, exp, how in dp_colls:
+        exp = np.where(n > 1, exp, 0.0)
+        dp_exposed = dp_exposed + exp
+        if np.any(n > 1):
+            colls.append(comm.Collective("edp" if over_ep else "dp", op, size,
+                                         np.asarray(count, dtype=float), n, dp_intra,
+                                         t_each, exp, how))
+    return dp_exposed

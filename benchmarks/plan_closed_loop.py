@@ -1,0 +1,84 @@
+"""The planner's step time on this machine, predicted vs measured (issue 27, item 2).
+
+    python benchmarks/plan_closed_loop.py [--hardware profile.json] [--steps 12]
+
+Measures a profile first (`plait calibrate`) unless one is given; then, for each small
+layout (world <= 2, so ranks do not share cores: one rank, dp=2 ZeRO-0 and ZeRO-3, tp=2
+with SP, pp=2 1F1B and GPipe), `plait plan --hardware ... --layout ... --emit-config`,
+`plait train --config` on the emitted file, and `plait report --plan`; prints predicted
+and measured step time (mean of the timed steps, the first left out, and the fastest:
+on a shared machine the least disturbed, the estimator the profile's best-of-repeats
+uses) and the errors,
+beside the dp/tp/pp bytes ratio. fp32 (the runtime's default; bf16 is emulated on this
+CPU), the `tiny` model with a 256-token vocabulary, sequence 64, global batch 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+root = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(root), str(root / "tests")]
+
+from helpers import token_file  # noqa: E402
+
+MODEL = ["--model", "tiny", "--vocab", "256", "--seq", "64", "--global-batch", "8",
+         "--precision", "fp32", "--recompute", "selective"]  # the runtime's "none"
+LAYOUTS = {  # name: (gpus, plan flags)
+    "single": ("1", ["--layout", "dp=1", "--zero", "0", "--microbatch", "8"]),
+    "dp2 zero0": ("2", ["--layout", "dp=2", "--zero", "0", "--microbatch", "4"]),
+    "dp2 zero3": ("2", ["--layout", "dp=2", "--zero", "3", "--microbatch", "4"]),
+    "tp2 sp": ("2", ["--layout", "tp=2", "--zero", "0", "--microbatch", "8"]),
+    "pp2 1f1b m4": ("2", ["--layout", "pp=2", "--zero", "0", "--microbatch", "2",
+                          "--schedule", "1f1b"]),
+    "pp2 gpipe m4": ("2", ["--layout", "pp=2", "--zero", "0", "--microbatch", "2",
+                           "--schedule", "gpipe"]),
+}
+
+
+def plait(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
+                       text=True, timeout=900, cwd=root)
+    if r.returncode:
+        raise SystemExit(f"plait {' '.join(args)} failed:\n{r.stderr}")
+    return r.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hardware", help="a profile (default: measure one now)")
+    ap.add_argument("--steps", type=int, default=12)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="plait-closed-loop-"))
+    prof = a.hardware or str(tmp / "profile.json")
+    if not a.hardware:
+        print(plait("calibrate", "--out", prof).strip())
+    data = str(token_file())
+    print("| layout | predicted s | measured s: mean / fastest | error: mean / fastest | "
+          "bytes planned / ledger |")
+    print("|---|---|---|---|---|")
+    for name, (gpus, flags) in LAYOUTS.items():
+        cfg = tmp / f"{name.replace(' ', '-')}.toml"
+        plait("plan", "--hardware", prof, *MODEL, "--gpus", gpus, *flags,
+              "--emit-config", str(cfg))
+        metrics = cfg.with_suffix(".jsonl")
+        plait("train", "--config", str(cfg), "--nproc", gpus, "--data", data, "--steps",
+              str(a.steps), "--metrics-out", str(metrics), "--quiet")
+        rep = json.loads(plait("report", "--metrics", str(metrics), "--plan",
+                               str(cfg.with_suffix(".plan.json")), "--json"))["plan"]
+        st = rep["step_time"]
+        ratios = ", ".join(f"{d['dim']} {d['ratio']:.3f}" for d in rep["communication"]
+                           if d["ratio"] is not None) or "-"
+        err, err_min = (st["predicted_s"] / st[k] - 1 for k in ("measured_s", "measured_min_s"))
+        print(f"| {name} | {st['predicted_s']:.4f} | {st['measured_s']:.4f} / "
+              f"{st['measured_min_s']:.4f} | {100 * err:+.0f} % / {100 * err_min:+.0f} % | "
+              f"{ratios} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Hardware profiles: what `plait calibrate` measured, fitted into the planner's terms.
+
+A profile (JSON, written by plait/calibrate.py) holds the raw measurements and the fit:
+
+- GEMMs: (m, k, n, dtype, seconds) -> the efficiency curve eff(W) = gemm_max W /
+  (W + gemm_half) of plait/plan/compute.py against `peak` = the best fp32 throughput
+  measured, by least squared log error on a fixed grid (deterministic). bf16's best over
+  fp32's is `fp32_peak_ratio`'s inverse: the planner's peak is the bf16 one, as a GPU
+  datasheet's, and fp32 runs at peak x fp32_peak_ratio. One curve serves both dtypes.
+- attention: causal SDPA forward FLOPs (4 b s^2 h / 2) and seconds -> attention_scale, the
+  median of measured throughput over the GEMM curve's at the same FLOPs.
+- memory bandwidth: a large copy, read + write bytes over seconds -> hbm_bw.
+- dispatch: aten operations of plait's block (forward + backward) and optimizer, counted
+  on 1- and 2-layer models, and a tiny model's step seconds per operation -> op_seconds,
+  layer_ops / outside_ops / optimizer ops (Efficiency's per-operation terms; a GPU stack's
+  fused kernels make these 0 for the presets).
+- collectives, per op and group size n: the ledger's algorithmic bytes per rank and
+  seconds -> t = steps x alpha + bytes / B by least squares (steps: 2(n-1) ring steps for
+  all-reduce, n-1 for all-gather / reduce-scatter), the alpha-beta terms of
+  plait/plan/comm.py. The planner's links take all-reduce's B and alpha of the largest
+  group (one machine: intra- and inter-node alike, there being no second node measured),
+  and link_efficiency = 1 (B is achieved bandwidth, not a datasheet's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plait.plan.compute import Efficiency
+from plait.plan.hardware import GPU
+
+PROFILE_VERSION = 1
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+              "reduce_scatter": lambda n: n - 1}
+
+
+def gemm_flops(m: int, k: int, n: int) -> float:
+    return 2.0 * m * k * n
+
+
+def fit_gemm_curve(flops: list[float], seconds: list[float]) -> dict[str, float]:
+    """peak (the best throughput), gemm_max and gemm_half minimising the squared log error
+    of eff(W) x peak against the measured throughputs (a 2-D grid: no start to choose)."""
+    w = np.asarray(flops, dtype=float)
+    thr = w / np.asarray(seconds, dtype=float)
+    peak = float(thr.max())
+    maxes = np.linspace(0.5, 2.0, 151)[:, None]
+    halves = np.logspace(math.log10(w.min()) - 3, math.log10(w.max()) + 1, 400)[None, :]
+    pred = maxes[..., None] * w / (w + halves[..., None]) * peak  # (max, half, point)
+    err = ((np.log(pred) - np.log(thr)) ** 2).sum(-1)
+    i, j = np.unravel_index(int(np.argmin(err)), err.shape)
+    return {"peak_flops": peak, "gemm_max": float(maxes[i, 0]),
+            "gemm_half": float(halves[0, j]),
+            "rms_log_error": math.sqrt(float(err[i, j]) / len(w))}
+
+
+def curve(work: float, fit: dict[str, float]) -> float:
+    """Throughput of a GEMM of `work` FLOPs on the fitted curve."""
+    return fit["peak_flops"] * fit["gemm_max"] * work / (work + fit["gemm_half"])
+
+
+def fit_alpha_beta(op: str, n: int, sent: list[float], seconds: list[float]) -> dict[str, float]:
+    """alpha (seconds per ring step) and B (bytes/s) of t = steps alpha + sent / B."""
+    x, t = np.asarray(sent, dtype=float), np.asarray(seconds, dtype=float)
+    slope, intercept = (float(v) for v in np.polyfit(x, t, 1))
+    steps = RING_STEPS[op](n)
+    if slope <= 0 or intercept < 0:  # noise (a loaded machine): bound each term instead
+        i, j = int(np.argmin(x)), int(np.argmax(x))
+        return {"alpha_s": float(t[i]) / steps, "bandwidth_Bps": float(x[j] / t[j]),
+                "bounds": True}  # the smallest call all latency, the largest all bandwidth
+    return {"alpha_s": intercept / steps, "bandwidth_Bps": 1.0 / slope}
+
+
+def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
+    """The planner's numbers from a profile's measurements."""
+    g32 = [r for r in raw["gemm"] if r["dtype"] == "float32"]
+    g16 = [r for r in raw["gemm"] if r["dtype"] == "bfloat16"]
+    fit = fit_gemm_curve([gemm_flops(r["m"], r["k"], r["n"]) for r in g32],
+                         [r["seconds"] for r in g32])
+    best16 = max((gemm_flops(r["m"], r["k"], r["n"]) / r["seconds"] for r in g16),
+                 default=fit["peak_flops"])
+    att = [r["flops"] / r["seconds"] / curve(r["flops"], fit) for r in raw["attention"]]
+    links = {}
+    for key, rows in raw["collectives"].items():
+        op, n = key.rsplit("@", 1)
+        links[key] = fit_alpha_beta(op, int(n), [r["sent"] for r in rows],
+                                    [r["seconds"] for r in rows])
+    largest = max((int(k.rsplit("@", 1)[1]) for k in links if k.startswith("all_reduce@")),
+                  default=None)
+    ar = links.get(f"all_reduce@{largest}") if largest else None
+    return {"gemm": fit, "bf16_peak_flops": best16, "fp32_peak_ratio": fit["peak_flops"] / best16,
+            "dispatch": fit_dispatch(raw.get("dispatch")),
+            "attention_scale": float(np.median(att)) if att else 1.0,
+            "memory_bw_Bps": raw["memory"]["bytes"] / raw["memory"]["seconds"],
+            "links": links, "link": ar, "link_group": largest}
+
+
+def fit_dispatch(d: dict[str, Any] | None) -> dict[str, float]:
+    """Operations per layer (forward + backward), outside the layers, per optimizer step
+    (per layer and fixed), from the 1- and 2-layer counts; seconds per operation."""
+    if not d:
+        return {"op_seconds": 0.0, "layer_ops": 0.0, "outside_ops": 0.0,
+                "optimizer_layer_ops": 0.0, "optimizer_fixed_ops": 0.0}
+    layer = d["step_ops_2"] - d["step_ops_1"]
+    opt_layer = d["optimizer_ops_2"] - d["optimizer_ops_1"]
+    return {"op_seconds": d["step_seconds"] / d["step_ops_2"], "layer_ops": float(layer),
+            "outside_ops": float(d["step_ops_1"] - layer),
+            "optimizer_layer_ops": float(opt_layer),
+            "optimizer_fixed_ops": float(d["optimizer_ops_1"] - opt_layer)}
+
+
+def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
+    """The GPU record and efficiency constants `plait plan --hardware` plans with."""
+    fit = profile["fit"]
+    link = fit["link"] or {"alpha_s": 0.0, "bandwidth_Bps": 1e30}  # one rank: no link
+    gpu = GPU(profile["name"], fit["bf16_peak_flops"], profile["memory_bytes"],
+              fit["memory_bw_Bps"], link["bandwidth_Bps"], link["bandwidth_Bps"],
+              gpus_per_node=profile["ranks_per_node"], nvlink_alpha=link["alpha_s"],
+              internode_alpha=link["alpha_s"], fp32_peak_ratio=fit["fp32_peak_ratio"])
+    g = fit["gemm"]
+    eff = Efficiency(g["gemm_max"], g["gemm_half"], 1.0, 0.0,
+                     attention_scale=fit["attention_scale"],
+                     **fit.get("dispatch") or fit_dispatch(None))
+    return gpu, eff
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    """A profile file; ValueError names what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--hardware {path}: {'is a directory' if p.is_dir() else 'not found'}"
+                         "; give the JSON plait calibrate --out wrote")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--hardware {path} is not a profile plait calibrate wrote ({e})"
+                         ) from None
+    need = ("version", "name", "memory_bytes", "ranks_per_node", "fit", "raw")
+    missing = [k for k in need if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise ValueError(f"--hardware {path} lacks {', '.join(missing)}: give the JSON "
+                         "plait calibrate --out wrote")
+    if doc["version"] != PROFILE_VERSION:
+        raise ValueError(f"--hardware {path} is profile version {doc['version']}; this plait "
+                         f"reads version {PROFILE_VERSION}: rerun plait calibrate")
+    return doc
+
+
+def hardware_of(args: Any) -> tuple[GPU | None, Efficiency]:
+    """`plait plan --hardware`'s GPU record and efficiency constants, or (None, the
+    calibration set's constants) without it."""
+    from plait.plan.calibration import EFFICIENCY
+
+    if not getattr(args, "hardware", None):
+        return None, EFFICIENCY
+    if args.gpu is not None:
+        raise ValueError(f"give --gpu {args.gpu} or --hardware {args.hardware}, not both")
+    return profile_hardware(load_profile(args.hardware))
+
+
+def base_gpu(args: Any, over: dict[str, Any]) -> GPU:
+    """The --gpu preset (h100-sxm by default) or the profile, with the explicit hardware
+    flags (`over`) replacing its values."""
+    from dataclasses import replace
+
+    from plait.plan.hardware import get_gpu
+
+    profiled, _ = hardware_of(args)
+    if profiled is None:
+        return get_gpu(args.gpu or "h100-sxm", **over)
+    return replace(profiled, **over) if over else profiled

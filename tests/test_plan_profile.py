@@ -1,0 +1,159 @@
+"""Hardware profiles: `plait calibrate` measures, plait/plan/profile.py fits, `plait plan
+--hardware` plans with the fitted numbers (issue 27, item 1, the CPU part).
+
+No wall time is asserted: the measurement's structure and the deterministic parts (the
+ledger's algorithmic bytes, the fits on synthetic data) are; that the plan uses the
+profile is checked on a profile with chosen numbers, through quantities the planner
+computes from them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+
+import pytest
+
+from plait.calibrate import QUICK_BYTES, QUICK_GEMMS, calibrate
+from plait.plan.cli import add_parser, run
+from plait.plan.profile import (
+    PROFILE_VERSION,
+    curve,
+    fit_alpha_beta,
+    fit_gemm_curve,
+    fit_profile,
+    profile_hardware,
+)
+
+
+def plan(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="plait")
+    add_parser(parser.add_subparsers(dest="cmd"))
+    out = io.StringIO()
+    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
+
+
+def test_gemm_curve_fit_recovers_a_known_curve():
+    peak_true, e_max, half = 50e9, 0.9, 3e6
+    work = [2 * m * k * n for m, k, n in [(32, 32, 32), (64, 64, 64), (128, 64, 192),
+                                          (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]]
+    seconds = [w / (peak_true * e_max * w / (w + half)) for w in work]
+    fit = fit_gemm_curve(work, seconds)
+    for w, s in zip(work, seconds):  # the fitted curve reproduces every point
+        assert curve(w, fit) == pytest.approx(w / s, rel=0.02)
+    assert fit["rms_log_error"] < 0.01
+    assert curve(work[0], fit) < curve(work[-1], fit)  # monotone by construction
+
+
+def test_alpha_beta_fit_recovers_the_terms():
+    n, alpha, bw = 4, 20e-6, 3e9
+    sent = [2 * (n - 1) / n * s for s in (1e3, 1e5, 1e6, 1e7)]
+    t = [2 * (n - 1) * alpha + x / bw for x in sent]
+    got = fit_alpha_beta("all_reduce", n, sent, t)
+    assert got["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert got["bandwidth_Bps"] == pytest.approx(bw, rel=1e-6)
+
+
+def test_calibrate_measures_every_term():
+    prof = calibrate(ranks=2, quick=True)
+    assert prof["version"] == PROFILE_VERSION and prof["ranks"] == 2
+    raw = prof["raw"]
+    f32 = [(r["m"], r["k"], r["n"]) for r in raw["gemm"] if r["dtype"] == "float32"]
+    assert f32 == QUICK_GEMMS and any(r["dtype"] == "bfloat16" for r in raw["gemm"])
+    assert all(r["seconds"] > 0 for r in raw["gemm"] + raw["attention"])
+    assert raw["memory"]["bytes"] > 0 and raw["memory"]["seconds"] > 0
+    assert set(raw["collectives"]) == {"all_reduce@2", "all_gather@2", "reduce_scatter@2"}
+    for key, rows in raw["collectives"].items():
+        assert [r["payload"] for r in rows] == QUICK_BYTES, key
+        # the ledger's algorithmic bytes (deterministic): ring all-reduce 2(n-1)/n S, the
+        # gathers (n-1)/n S of the full tensor, n = 2
+        share = 1.0 if key.startswith("all_reduce") else 0.5
+        assert [r["sent"] for r in rows] == [share * b for b in QUICK_BYTES], key
+        assert all(r["seconds"] > 0 for r in rows)
+    d = raw["dispatch"]  # operation counts: a second layer adds operations, never removes
+    assert d["step_ops_2"] > d["step_ops_1"] > 0 and d["optimizer_ops_2"] > d["optimizer_ops_1"]
+    assert d["step_seconds"] > 0
+    fit = prof["fit"]
+    assert fit == fit_profile(raw)  # the fit is a function of the raw numbers
+    assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
+    for v in (fit["gemm"]["peak_flops"], fit["gemm"]["gemm_half"], fit["bf16_peak_flops"],
+              fit["memory_bw_Bps"], fit["attention_scale"], fit["link"]["bandwidth_Bps"]):
+        assert math.isfinite(v) and v > 0
+    assert fit["link"]["alpha_s"] >= 0 and fit["link_group"] == 2
+    gpu, eff = profile_hardware(prof)
+    assert gpu.hbm_bw == fit["memory_bw_Bps"] and eff.link_efficiency == 1.0
+
+
+def test_alpha_beta_fit_bounds_noise():
+    """A loaded machine's times can fall with size; then each term gets its bound."""
+    got = fit_alpha_beta("all_reduce", 2, [1e3, 1e5, 1e6], [3e-3, 1e-3, 2e-3])
+    assert got["bounds"] and got["alpha_s"] == pytest.approx(3e-3 / 2)
+    assert got["bandwidth_Bps"] == pytest.approx(1e6 / 2e-3)
+
+
+DISPATCH = {"op_seconds": 10e-6, "layer_ops": 200.0, "outside_ops": 60.0,
+            "optimizer_layer_ops": 30.0, "optimizer_fixed_ops": 20.0}
+
+
+def _profile() -> dict:
+    """A profile with chosen numbers (no measurement): what plan must use."""
+    fit = {"gemm": {"peak_flops": 40e9, "gemm_max": 0.8, "gemm_half": 2e6,
+                    "rms_log_error": 0.0}, "dispatch": DISPATCH,
+           "bf16_peak_flops": 4e9, "fp32_peak_ratio": 10.0, "attention_scale": 0.25,
+           "memory_bw_Bps": 8e9, "link": {"alpha_s": 50e-6, "bandwidth_Bps": 1e9},
+           "link_group": 2, "links": {}}
+    return {"version": PROFILE_VERSION, "name": "cpu-test", "memory_bytes": 64e9,
+            "ranks_per_node": 2, "fit": fit, "raw": {}}
+
+
+def test_plan_uses_the_profile(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    rc, out = plan("--hardware", str(path), "--model", "tiny", "--vocab", "256", "--seq", "32",
+                   "--gpus", "2", "--global-batch", "8", "--precision", "fp32", "--layout",
+                   "dp=2", "--zero", "0", "--json")
+    assert rc == 0, out
+    doc = json.loads(out)
+    lay = doc["layouts"][0]
+    assert doc["gpu"] == "cpu-test"
+    # MFU's denominator: bf16 peak x fp32 ratio = the fp32 peak measured
+    assert lay["mfu"] == pytest.approx(lay["flops_per_step"]["model"] / lay["step_time_s"] / 2
+                                       / 40e9, rel=1e-12)
+    # the gradient all-reduce over dp = 2: 2(n-1) alpha + 2(n-1)/n S / B, achieved bandwidth
+    (ar,) = [c for c in lay["collectives"] if c["dim"] == "dp"]
+    assert ar["link"] == "nvlink"  # both ranks on the profiled machine
+    assert ar["time_each_s"] == pytest.approx(2 * 50e-6 + ar["bytes"] / 1e9, rel=1e-12)
+    # the optimizer step: fp32 Adam reads and writes (2 x 8 + 4 + 4) bytes per parameter;
+    # the operations of its 2 layers and the fixed ones at 10 us each
+    assert lay["time_breakdown_s"]["optimizer step"] == pytest.approx(
+        doc["params"] * 24 / 8e9 + 10e-6 * (30 * 2 + 20), rel=1e-12)
+    # the operations: per micro-batch (4 of 1 sequence per replica) 2 layers' 200 and the 60
+    # outside them, 10 us each, on top of the same profile without a dispatch cost
+    none = _profile()
+    none["fit"]["dispatch"] = {k: 0.0 for k in DISPATCH}
+    path.write_text(json.dumps(none))
+    rc, out0 = plan("--hardware", str(path), "--model", "tiny", "--vocab", "256", "--seq",
+                    "32", "--gpus", "2", "--global-batch", "8", "--precision", "fp32",
+                    "--layout", "dp=2", "--zero", "0", "--json")
+    lay0 = json.loads(out0)["layouts"][0]
+    assert lay["time_breakdown_s"]["compute"] - lay0["time_breakdown_s"]["compute"] == \
+        pytest.approx(4 * (2 * 200 + 60) * 10e-6, rel=1e-9)
+    path.write_text(json.dumps({**_profile(), "name": "cpu-x"}))
+    assert json.loads(plan("--hardware", str(path), "--model", "tiny", "--gpus", "2",
+                           "--global-batch", "8", "--json")[1])["gpu"] == "cpu-x"
+
+
+@pytest.mark.parametrize("content,phrase", [
+    ("not json", "is not a profile plait calibrate wrote"),
+    ('{"version": 1}', "lacks name"),
+    ('{"version": 99, "name": "x", "memory_bytes": 1, "ranks_per_node": 1, "fit": {}, '
+     '"raw": {}}', "is profile version 99"),
+])
+def test_bad_profiles_refused(tmp_path, content, phrase):
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    rc, out = plan("--hardware", str(path), "--model", "tiny", "--gpus", "2",
+                   "--global-batch", "8")
+    assert rc == 2 and phrase in out, out
