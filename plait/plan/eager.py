@@ -153,14 +153,14 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
     swiglu.bytes["activations"] += bw.others + act_b + sz.mlp_bwd
     out = [w2, swiglu]
     if rs_now:
-        out.append(_reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered))
+        out += _reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered)
     return out
 
 
 def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm: float,
-                           gathered: float) -> Moment:
-    """Block j's gradients flattened, its reduce-scatter posted (`comm`: what is already
-    in flight)."""
+                           gathered: float) -> list[Moment]:
+    """Block j's gradients flattened, then its reduce-scatter posted (`comm`: what is
+    already in flight)."""
     u, pb, h, e = f"layers.{j}", sz.pb, sz.sh["h"], sz.e
     kept = j - sz.stages[bw.st][0]
     # the block's last weight gradient (attn_norm's) is done while that norm
@@ -175,7 +175,15 @@ def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm:
     mo = Moment(f"block {j} reduce-scatter launch (mb {bw.mb})",
                 sz.states(g_rs, comm + (2 * sz.padded[u] + sz.k[u]) * pb, gathered_rs))
     mo.bytes["activations"] += act_rs
-    return mo
+    if sz.zero < 2:
+        return [mo]
+    # ZeRO-2/3: the flat copy is made while the block's .grad tensors and (3) the block
+    # itself are still whole: the peak of small micro-batches (one sequence, dp = 4:
+    # measured one unit of comm and one of gradients above the launch)
+    flat = Moment(f"block {j} gradients flattened (mb {bw.mb})",
+                  sz.states(g + sz.layer_numel * pb, comm + sz.padded[u] * pb, gathered))
+    flat.bytes["activations"] += act_rs
+    return [flat, mo]
 
 
 def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Moment]:
