@@ -7,6 +7,8 @@ A module of their own so that plait/config.py stays one readable file; the order
 from __future__ import annotations
 
 from plait.config import DIMS, Config
+from plait.model.recompute_settings import MODES as RECOMPUTE_MODES
+from plait.model.recompute_settings import ops_problems
 from plait.parallel.pipeline.registry import (
     SCHEDULE_NAMES,
     SCHEDULES,
@@ -103,7 +105,7 @@ def context_parallel_problems(cfg: Config) -> list[str]:
 def pipeline_problems(cfg: Config) -> list[str]:
     """For pp > 1: the schedule's requests (the registry's rules), the layer split, and
     the combinations not built with a pipeline."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p = cfg.model, cfg.parallel
     if p.pp > m.n_layers:
         return [f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
                 f"pp <= {m.n_layers}"]
@@ -120,11 +122,6 @@ def pipeline_problems(cfg: Config) -> list[str]:
     if m.tie_embeddings:
         problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
                         "sit on different stages; set model.tie_embeddings=false")
-    if t.recompute != "none" and spec.split_backward:
-        whole_b = " / ".join(n for n, s in SCHEDULES.items() if not s.split_backward)
-        problems.append(f"train.recompute={t.recompute} with schedule {p.schedule} (I/W "
-                        "split) is not supported; use train.recompute=none or schedule "
-                        f"{whole_b}")
     return problems
 
 def unbuilt_problems(cfg: Config) -> list[str]:
@@ -235,8 +232,8 @@ def train_problems(cfg: Config) -> list[str]:
         (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
         (t.precision not in ("fp32", "bf16"),
          f"train.precision={t.precision!r}; use 'fp32' or 'bf16'"),
-        (t.recompute not in ("none", "full"),
-         f"train.recompute={t.recompute!r}; use 'none' or 'full'"),
+        (t.recompute not in RECOMPUTE_MODES,
+         f"train.recompute={t.recompute!r}; use 'none', 'selective' or 'full'"),
         (t.lr <= 0, f"train.lr={t.lr} must be > 0"),
         (t.grad_clip < 0,
          f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)"),
@@ -256,5 +253,5 @@ def train_problems(cfg: Config) -> list[str]:
          f"train.memory_step={t.memory_step} is not a step of this run; use 0 to "
          f"{t.steps - 1}, or -1 for none"),
     ]
-    return [problem for broken, problem in checks if broken]
+    return [problem for broken, problem in checks if broken] + ops_problems(t.recompute_ops)
 

@@ -17,12 +17,24 @@ parameter is asked for). W then asks, module by module, for the gradient of y w.
 module's own parameters, seeded with dy: autograd walks only the branch from y to those
 parameters (the input branch leads to no requested tensor), so each weight gradient is
 computed once, from saved activations, and accumulated into .grad like any backward.
+
+Recomputation with the split (plait/model/recompute.py, docs/recompute.md): torch's
+checkpoint recomputes once per backward call, and I and W are two calls that read the
+same saved tensors (a matmul's node keeps both operands), so per-block checkpointing would
+run each forward twice. A (stage, micro-batch) whose backward is split therefore runs its
+F without a graph, under the selective policy's forward context (which keeps the saved
+groups' outputs; nothing under full), and its I first runs the stage forward again under
+the policy's recompute context: the saved outputs are returned, the rest computed, one
+graph built, which I and W then share exactly as without recomputation. One extra forward
+(less the saved groups) per micro-batch, as with whole-B schedules; timed per step in
+`steps_recompute`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +108,8 @@ class _Live:
     out: torch.Tensor | None
     kept: list = field(default_factory=list)
     deferred: Deferred = field(default_factory=list)
+    # recomputation with the I/W split: the policy's recompute context; I runs F again
+    redo: AbstractContextManager | None = None
 
 
 class PipelineRuntime:
@@ -126,10 +140,9 @@ class PipelineRuntime:
         kinds = {(a.kind, a.stage) for a in self.actions}
         # capture hooks only where the schedule splits I from W
         self.capture = {s: OutputCapture(m) for s, m in stages.items() if ("I", s) in kinds}
-        for s in self.capture:
-            if getattr(stages[s], "recompute", False):
-                raise ValueError("recomputation with an I/W-split schedule is not supported; "
-                                 "use train.recompute=none or a schedule without I/W")
+        # the (stage, micro-batch) pairs whose backward is split: with recomputation, I
+        # runs their forward again (once, for I and W)
+        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind == "I"}
         # the last gradient-writing action of each stage: data parallel syncs after it
         last: dict[int, int] = {}
         for i, a in enumerate(self.actions):
@@ -142,6 +155,8 @@ class PipelineRuntime:
         self.steps_detail: list[list[Detail]] = []  # per step, per compute: see `Detail`
         # per step: each post of a batch of transfers, (start, end, thread CPU seconds)
         self.steps_posts: list[list[tuple[float, float, float]]] = []
+        # per step: each forward run again inside an I, (stage, mb, start, end) seconds
+        self.steps_recompute: list[list[tuple[int, int, float, float]]] = []
 
     # ---- one step ---------------------------------------------------------------------
     def step(self, micro: Sequence[torch.Tensor], tokens_in_global_batch: int) -> torch.Tensor:
@@ -163,6 +178,7 @@ class PipelineRuntime:
         events: list[Event] = []
         detail: list[Detail] = []
         self._posts: list[tuple[float, float, float]] = []
+        self._recomputes: list[tuple[int, int, object, object]] = []
         start = self.timer.mark()
         i = 0
         while i < len(self.actions):
@@ -200,6 +216,7 @@ class PipelineRuntime:
         self.steps_detail.append([(ev[3] if w is None else w, c)
                                   for ev, (w, c) in zip(timed, detail, strict=True)])
         self.steps_posts.append(self._posts)
+        self.steps_recompute.append([(s, mb, sec(a), sec(b)) for s, mb, a, b in self._recomputes])
         self.steps_window.append((sec(start), end))
 
     def _post(self, actions: Sequence[Action]) -> None:
@@ -265,13 +282,8 @@ class PipelineRuntime:
             else:
                 x = self._local_in.pop((s, mb))
             t0 = self.timer.mark()
-            cap = self.capture.get(s)
-            if cap:
-                cap.start()
-            targets = self._columns(self._micro[mb][:, 1:]) if last else None
-            out = self.stages[s](x, targets, self._ntok, positions=self.positions)
-            kept = cap.stop() if cap else []
-            self._live[s, mb] = _Live(None if first else x, out, kept)
+            self._live[s, mb] = live = self._forward(s, mb, x, first, last)
+            out = live.out
             nxt = sched.next_stage(s)
             if last:
                 self._loss += out.detach().double()
@@ -299,6 +311,8 @@ class PipelineRuntime:
             grad_out = self._local_grad.pop((s, mb))
         t0 = self.timer.mark()
         live = self._live[s, mb]
+        if live.redo is not None:
+            self._forward_again(s, mb, live, first, last)
         if a.kind == "B":
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
@@ -319,6 +333,40 @@ class PipelineRuntime:
             else:
                 self._to_send["B", s, mb] = grad_x
         return (a.kind, s, mb, t0, self.timer.mark())
+
+    def _forward(self, s: int, mb: int, x: torch.Tensor, first: bool, last: bool) -> _Live:
+        """Stage s on micro-batch mb: with its graph (and its outputs captured for W where
+        the backward is split), or, split with recomputation, without one (see the
+        module docstring)."""
+        stage, cap = self.stages[s], self.capture.get(s)
+        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        if stage.recompute is not None and (s, mb) in self.split:
+            keep, redo = stage.recompute.contexts()
+            with torch.no_grad(), keep:
+                out = stage(x, targets, self._ntok, positions=self.positions)
+            return _Live(None if first else x, out, redo=redo)
+        if cap:
+            cap.start()
+        out = stage(x, targets, self._ntok, positions=self.positions)
+        return _Live(None if first else x, out, cap.stop() if cap else [])
+
+    def _forward_again(self, s: int, mb: int, live: _Live, first: bool, last: bool) -> None:
+        """The recomputation of a split backward: F once more, the saved groups' outputs
+        returned by the policy's recompute context, building the graph I and W share."""
+        stage, cap = self.stages[s], self.capture[s]
+        x = self._columns(self._micro[mb][:, :-1]) if first else live.x
+        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        setting, stage.recompute = stage.recompute, None  # the whole stage, not per block
+        t0 = self.timer.mark()
+        try:
+            with live.redo:
+                cap.start()
+                live.out = stage(x, targets, self._ntok, positions=self.positions)
+                live.kept = cap.stop()
+        finally:
+            stage.recompute = setting
+        live.redo = None
+        self._recomputes.append((s, mb, t0, self.timer.mark()))
 
 
 # ---- DualPipe: two copies of every block ----------------------------------------------
