@@ -191,7 +191,10 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
                                         time, p2p = post = 0: as if every rank had its own
                                         core and transfers were free
       idle                              where the measured idle went (`idle_breakdown`)
-      cpu_share                         thread CPU / wall over the computes, per kind"""
+      cpu_share                         thread CPU / wall over the computes, per kind
+      recompute                         per pp rank, the forwards run again inside its
+                                        I actions (recomputation with a split backward):
+                                        count and milliseconds per step"""
     steps = gather_events(runtime, mesh)
     used = steps[1:] if len(steps) > 1 else steps
     bubbles = [step_bubble(s) for s in used]
@@ -241,8 +244,23 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
         "cpu_share": {k: sum(cpu[k]) / sum(by_kind[k]) for k in sorted(by_kind)
                       if sum(by_kind[k]) > 0},
         "steps_measured": len(used),
+        "recompute": _recompute_per_rank(runtime, mesh, len(steps) - len(used)),
     }
     return {"summary": summary, "events": events, "schedule": sched, "simulated": sim}
+
+
+def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int) -> dict:
+    """Each pp rank's forwards run again inside I (count, ms) per measured step."""
+    used = runtime.steps_recompute[skip:]
+    n = max(len(used), 1)
+    mine = [sum(len(r) for r in used) / n, 1e3 * sum(b - a for r in used for *_, a, b in r) / n]
+    dev, pp = mesh.device.torch, mesh.size("pp")
+    every = torch.empty(2 * pp, dtype=torch.float64, device=dev)
+    with mesh.ledger.outside_step():
+        comm.all_gather(every, torch.tensor(mine, dtype=torch.float64, device=dev), mesh,
+                        "pp", tag="timeline")
+    rows = every.view(pp, 2).tolist()
+    return {"count_per_step": [r[0] for r in rows], "ms_per_step": [r[1] for r in rows]}
 
 
 def write_trace(report: dict, path: str | Path) -> Path:
