@@ -115,10 +115,6 @@ def pipeline_problems(cfg: Config) -> list[str]:
     v = natural_virtual_stages(p.schedule, p.virtual_stages)
     problems = validate_schedule_request(p.schedule, p.pp, cfg.microbatches(), v,
                                          n_layers=m.n_layers)
-    if spec.chains > 1 and p.zero:
-        problems.append(f"zero={p.zero} with schedule {p.schedule} (two model copies "
-                        "whose gradients are summed) is not supported yet; use zero=0 or "
-                        "schedule dualpipev")
     if m.tie_embeddings:
         problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
                         "sit on different stages; set model.tie_embeddings=false")
@@ -131,9 +127,23 @@ def unbuilt_problems(cfg: Config) -> list[str]:
     if p.zero > 0 and m.tie_embeddings:
         problems.append("ZeRO shards each parameter within one module: set "
                         "model.tie_embeddings=false, or zero=0")
-    if p.zero >= 2 and p.pp > 1:
-        problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
+    return problems + unbuilt_combinations(p.pp, p.zero, p.schedule)
+
+
+def unbuilt_combinations(pp: int, zero: int, schedule: str) -> list[str]:
+    """ZeRO with pipelines as far as the runtime builds it: the one list `validate()` and
+    the planner (`plait/plan/search.py`: a layout it evaluates, the layouts it searches)
+    both read, so `plait plan` never offers a layout `plait train` refuses. Depends on pp
+    only through pp > 1."""
+    problems = []
+    if zero >= 2 and pp > 1:
+        problems.append(f"zero={zero} with pp={pp}: pipeline stages accumulate "
                         "gradients across micro-batches; use zero=0 or 1 with pp")
+    spec = SCHEDULES.get(schedule)
+    if pp > 1 and zero and spec is not None and spec.chains > 1:
+        problems.append(f"zero={zero} with schedule {schedule} (two model copies "
+                        "whose gradients are summed) is not supported yet; use zero=0 or "
+                        "schedule dualpipev")
     return problems
 
 def expert_problems(cfg: Config) -> list[str]:
