@@ -111,7 +111,6 @@ def pipeline_problems(cfg: Config) -> list[str]:
                 f"pp <= {m.n_layers}"]
     if p.pp == 1 or p.schedule not in SCHEDULES:
         return []
-    spec = SCHEDULES[p.schedule]
     v = natural_virtual_stages(p.schedule, p.virtual_stages)
     problems = validate_schedule_request(p.schedule, p.pp, cfg.microbatches(), v,
                                          n_layers=m.n_layers)
