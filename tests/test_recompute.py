@@ -17,7 +17,7 @@ from helpers import batches_for, config, reference, run_layout
 from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
 from plait.model import transformer
-from plait.model.recompute import Recompute, op_group
+from plait.model.recompute import Recompute, extra_forward_flops_per_token, op_group
 from plait.parallel.tensor import apply_tensor_parallel
 from plait.placement import PlacementTable
 from plait.plan.activations import layer_saved_bytes
@@ -81,6 +81,19 @@ def test_op_groups():
     sel = Recompute.of("selective")
     assert sel.saved_groups == ("matmul",) and Recompute.of("full").saved_groups == ()
     assert Recompute.of("none") is None
+
+
+def test_extra_forward_flops():
+    """Full recompute with a split backward redoes the whole forward: a third of training's
+    6N + attention; per block it skips the head; selective redoes the attention core."""
+    cfg = config().model
+    s, total = 32, cfg.flops_per_token(32)
+    full, sel = Recompute.of("full"), Recompute.of("selective")
+    assert extra_forward_flops_per_token(cfg, s, full, True) == pytest.approx(total / 3)
+    head = 2 * cfg.dim * cfg.vocab_size
+    assert extra_forward_flops_per_token(cfg, s, full, False) == pytest.approx(total / 3 - head)
+    assert extra_forward_flops_per_token(cfg, s, sel, True) == cfg.n_layers * 2 * s * cfg.dim
+    assert extra_forward_flops_per_token(cfg, s, None) == 0
 
 
 def test_bad_recompute_settings_named_at_validation():

@@ -45,6 +45,7 @@ import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
+from plait.model.presets import ModelConfig
 from plait.model.recompute_settings import DEFAULT_OPS, GROUPS, MODES
 
 _aten = torch.ops.aten
@@ -111,3 +112,24 @@ class Recompute:
     def block(self, block: nn.Module, *args: Any) -> Any:
         """block(*args), keeping only its inputs (and the saved groups' outputs)."""
         return ckpt.checkpoint(block, *args, use_reentrant=False, context_fn=self.contexts)
+
+
+def extra_forward_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute | None,
+                                  split_backward: bool = False) -> float:
+    """FLOPs per token a step adds by recomputing, on the convention of
+    `ModelConfig.flops_per_token` (2 per multiply-add, causal attention at half): each
+    recomputed matmul's and attention core's forward once per micro-batch; element-wise
+    ops are memory-bound and not counted. `split_backward`: the whole stage runs again
+    (plait/parallel/pipeline/runtime.py), so the LM head's matmul is recomputed too when
+    the matmul group is (always under full); the embedding is a lookup."""
+    if recompute is None:
+        return 0.0
+    h, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    if cfg.n_experts:  # routed experts (active per token), shared experts and the router
+        f = cfg.expert_ffn_dim * (cfg.top_k + cfg.n_shared_experts)
+    matmul = 2 * (2 * h * h + 2 * h * kv + 3 * h * f)
+    attention = 2 * 2 * seq_len * h / 2
+    redone = set(GROUPS) if recompute.mode == "full" else set(recompute.ops)
+    per_layer = matmul * ("matmul" in redone) + attention * ("attention" in redone)
+    head = 2 * h * cfg.vocab_size * ("matmul" in redone and split_backward)
+    return cfg.n_layers * per_layer + head
