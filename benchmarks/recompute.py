@@ -2,7 +2,8 @@
 forwards' time for none / selective / full, at pp=1 and under a whole-B (1f1b) and a
 split-backward (zb-v) pipeline schedule.
 
-    python benchmarks/recompute.py
+    python benchmarks/recompute.py            # step time table
+    python benchmarks/recompute.py --memory   # peak activations per pp rank, per schedule
 
 The peer is torch itself: plait's recomputation is torch's non-reentrant checkpoint with
 its selective-checkpoint policy (plait/model/recompute.py), so the ratios printed are
@@ -34,8 +35,29 @@ LAYOUTS = {"pp=1 m=2": ["parallel.microbatches=2"],
                              "parallel.microbatches=4"]}
 
 
+MEMORY = ["model_name=small", "model.vocab_size=256", "train.seq_len=128",
+          "train.global_batch=8", "train.steps=2", "train.memory_step=1", "model.n_layers=8",
+          "parallel.pp=2", "parallel.microbatches=8"]
+
+
+def memory() -> None:
+    """Peak activation MB per pp rank for each schedule kind and mode (docs/recompute.md)."""
+    print(f"{'schedule':<11}" + "".join(f"{m:>16}" for m in ("none", "selective", "full")))
+    for schedule in ("1f1b", "zb-h1", "zb-v", "dualpipev"):
+        row = f"{schedule:<11}"
+        for mode in ("none", "selective", "full"):
+            outs = run_layout(*MEMORY, f"parallel.schedule={schedule}",
+                              f"train.recompute={mode}")
+            mb = [o["metrics"][1]["memory"]["peak"]["activations"] / 1e6 for o in outs]
+            row += f"{' / '.join(f'{x:.2f}' for x in mb):>16}"
+        print(row)
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if "--memory" in sys.argv:
+        memory()
+        return
     print(f"{'layout':<15}{'mode':<11}{'step ms':>9}{'x none':>8}{'act MB':>8}"
           f"{'recomp ms':>10}{'FLOPs +%':>9}")
     for name, sets in LAYOUTS.items():
