@@ -10,6 +10,8 @@
   1f1b and gpipe by tests/test_parity_combinations.py.
 """
 
+import json
+
 import pytest
 import torch
 from helpers import batches_for, config, reference, run_layout
@@ -18,6 +20,7 @@ from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
 from plait.model import transformer
 from plait.model.recompute import Recompute, extra_forward_flops_per_token, op_group
+from plait.parallel.pipeline.measure import write_trace
 from plait.parallel.tensor import apply_tensor_parallel
 from plait.placement import PlacementTable
 from plait.plan.activations import layer_saved_bytes
@@ -113,7 +116,7 @@ def test_bad_recompute_settings_named_at_validation():
 
 # ---- each forward runs twice: F and one recomputation ----------------------------------
 
-def _forwards_counted(rank, world, sets):
+def _forwards_counted(rank, world, sets, out_dir):
     calls = [0]
     forward = transformer.Block.forward
 
@@ -125,22 +128,32 @@ def _forwards_counted(rank, world, sets):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg))
+    if rank == 0:  # the recomputations inside I, drawn nested in the Chrome trace
+        write_trace(result.pipeline, f"{out_dir}/trace.json")
     return calls[0], result.summary["pipeline"]["recompute"]["count_per_step"]
 
 
 @pytest.mark.parametrize("schedule, mode", [("1f1b", "selective"), ("zb-v", "selective"),
                                             ("zb-v", "full"), ("zb-v", "none")])
-def test_each_forward_recomputed_once(schedule, mode):
+def test_each_forward_recomputed_once(schedule, mode, tmp_path):
     """4 layers, 2 per rank (zb-v: 2 stages of 1 layer each per rank), 4 micro-batches, 1
     step: 8 block forwards per rank, twice that with recomputation; a split backward's
     recomputation is one per (stage, micro-batch), inside its I."""
     sets = [*PP_MODEL, "train.steps=1", "parallel.pp=2", f"parallel.schedule={schedule}",
             "parallel.microbatches=4", f"train.recompute={mode}"]
     twice = mode != "none"
-    for calls, recomputes in run_ranks(_forwards_counted, 2, sets):
+    split = schedule == "zb-v" and twice
+    for calls, recomputes in run_ranks(_forwards_counted, 2, sets, str(tmp_path)):
         assert calls == 8 * (2 if twice else 1)
-        split = schedule == "zb-v" and twice
         assert recomputes == [8.0 if split else 0.0] * 2
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    redone = [e for e in trace if e["ph"] == "X" and e["tid"] == 1]
+    assert len(redone) == (2 * 8 if split else 0)  # 2 ranks x 8 (stage, micro-batch)
+    inside = {(e["pid"], e["args"]["stage"], e["args"]["microbatch"]): e for e in trace
+              if e["ph"] == "X" and e["cat"] == "I"}
+    for r in redone:  # each inside its I
+        i = inside[r["pid"], r["args"]["stage"], r["args"]["microbatch"]]
+        assert i["ts"] <= r["ts"] and r["ts"] + r["dur"] <= i["ts"] + i["dur"] + 1e-3
 
 
 # ---- parity: a pairwise cover of mode x schedule x tp ---------------------------------
