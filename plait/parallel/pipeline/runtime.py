@@ -8,15 +8,10 @@ The contract is the one `lower.py` states and `check.py` simulates:
 Gradient accumulation without pipelining is the one-stage case: a schedule of F, B pairs
 on one rank and no transfers.
 
-The I/W split is generic, through autograd, with no backward written by hand. During F,
-forward hooks on every module that owns parameters directly (Linear, RMSNorm, Embedding,
-whatever a strategy swapped in) keep that module's output y. I asks autograd for the
-gradient w.r.t. the stage input *and* every kept y, with the graph retained: one pass that
-computes exactly the input-gradient chain (autograd prunes the weight branches, since no
-parameter is asked for). W then asks, module by module, for the gradient of y w.r.t. that
-module's own parameters, seeded with dy: autograd walks only the branch from y to those
-parameters (the input branch leads to no requested tensor), so each weight gradient is
-computed once, from saved activations, and accumulated into .grad like any backward.
+The I/W split is generic, through autograd (plait/parallel/pipeline/split.py): F keeps
+each parameter-owning module's output, I takes the gradients of the stage input and of
+those outputs, W each module's weight gradient from its output's; between I and W only
+the saved tensors W reads are held.
 
 Recomputation with the split (plait/model/recompute.py, docs/recompute.md): torch's
 checkpoint recomputes once per backward call, and I and W are two calls that read the
@@ -45,58 +40,22 @@ from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.lower import lower
+from plait.parallel.pipeline.split import (
+    Deferred,
+    OutputCapture,
+    SavedStore,
+    backward_input,
+    backward_weight,
+)
+
+__all__ = ["OutputCapture", "PipelineRuntime", "backward_input", "backward_weight",
+           "sum_copy_gradients"]
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 # per compute, beside its Event: (when it began waiting for its input, thread CPU seconds).
 # wait start == Event start when the input was local or already there; CPU < wall when
 # the OS ran another process on this rank's core during the compute (time-slicing).
 Detail = tuple[float, float]
-Deferred = list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]  # (params, y, dy)
-
-
-# ---- the I/W split --------------------------------------------------------------------
-
-class OutputCapture:
-    """Keeps the output of each parameter-owning module of `root` while `active` is set."""
-
-    def __init__(self, root: nn.Module):
-        self.active: list[tuple[nn.Module, torch.Tensor]] | None = None
-        self.owners = [m for m in root.modules() if any(True for _ in m.parameters(False))]
-        shared = {id(p) for m in self.owners for p in m.parameters(False)}
-        if len(shared) != sum(len(list(m.parameters(False))) for m in self.owners):
-            raise ValueError("a parameter owned by two modules cannot be split into I and W")
-        self._hooks = [m.register_forward_hook(self._keep) for m in self.owners]
-
-    def _keep(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if self.active is not None and torch.is_grad_enabled() and isinstance(
-                output, torch.Tensor) and output.requires_grad:
-            self.active.append((module, output))
-
-    def start(self) -> None:
-        self.active = []
-
-    def stop(self) -> list[tuple[nn.Module, torch.Tensor]]:
-        kept, self.active = self.active or [], None
-        return kept
-
-
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
-                   inputs: Sequence[torch.Tensor],
-                   kept: list[tuple[nn.Module, torch.Tensor]]
-                   ) -> tuple[list[torch.Tensor | None], Deferred]:
-    """I: gradients w.r.t. `inputs`, and the deferred weight work (params, y, dy) for W."""
-    ys = [y for _, y in kept]
-    grads = torch.autograd.grad(output, [*inputs, *ys], grad_output, retain_graph=True,
-                                allow_unused=True)
-    deferred = [(list(m.parameters(False)), y, dy)
-                for (m, y), dy in zip(kept, grads[len(inputs):], strict=True) if dy is not None]
-    return list(grads[:len(inputs)]), deferred
-
-
-def backward_weight(deferred: Deferred) -> None:
-    """W: accumulate each module's weight gradient from its kept output and dy."""
-    for params, y, dy in deferred:
-        torch.autograd.backward(y, dy, inputs=[p for p in params if p.requires_grad])
 
 
 # ---- the runtime ----------------------------------------------------------------------
@@ -110,6 +69,7 @@ class _Live:
     deferred: Deferred = field(default_factory=list)
     # recomputation with the I/W split: the policy's recompute context; I runs F again
     redo: AbstractContextManager | None = None
+    store: SavedStore | None = None  # a split backward's saved tensors (split.py)
 
 
 class PipelineRuntime:
@@ -297,7 +257,9 @@ class PipelineRuntime:
             t0 = self.timer.mark()
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
-            backward_weight(self._live.pop((s, mb)).deferred)
+            live = self._live.pop((s, mb))
+            backward_weight(live.deferred)
+            live.store.release()
             if self.after_weight_grad is not None:
                 self.after_weight_grad(index == self.final_grad_action)
             return ("W", s, mb, t0, self.timer.mark())
@@ -326,6 +288,7 @@ class PipelineRuntime:
             grads, live.deferred = backward_input(live.out, grad_out, inputs, live.kept)
             grad_x = grads[0] if inputs else None
             live.x, live.out, live.kept = None, None, []  # W needs only (params, y, dy)
+            live.store.keep_only_for_weights(live.deferred)  # and what their branches read
         prev = sched.prev_stage(s)
         if prev is not None:
             if sched.stage_to_rank[prev] == self.me:
@@ -345,10 +308,14 @@ class PipelineRuntime:
             with torch.no_grad(), keep:
                 out = stage(x, targets, self._ntok, positions=self.positions)
             return _Live(None if first else x, out, redo=redo)
-        if cap:
+        if (s, mb) not in self.split:
+            return _Live(None if first else x, stage(x, targets, self._ntok,
+                                                     positions=self.positions))
+        store = SavedStore()
+        with store.hooks():
             cap.start()
-        out = stage(x, targets, self._ntok, positions=self.positions)
-        return _Live(None if first else x, out, cap.stop() if cap else [])
+            out = stage(x, targets, self._ntok, positions=self.positions)
+        return _Live(None if first else x, out, cap.stop(), store=store)
 
     def _forward_again(self, s: int, mb: int, live: _Live, first: bool, last: bool) -> None:
         """The recomputation of a split backward: F once more, the saved groups' outputs
@@ -358,8 +325,9 @@ class PipelineRuntime:
         targets = self._columns(self._micro[mb][:, 1:]) if last else None
         setting, stage.recompute = stage.recompute, None  # the whole stage, not per block
         t0 = self.timer.mark()
+        live.store = SavedStore()
         try:
-            with live.redo:
+            with live.redo, live.store.hooks():
                 cap.start()
                 live.out = stage(x, targets, self._ntok, positions=self.positions)
                 live.kept = cap.stop()
