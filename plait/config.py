@@ -98,7 +98,10 @@ class TrainConfig:
     # parity check that a gradient off by a constant factor cannot pass (docs/parity.md)
     optimizer: str = "adamw"
     precision: str = "fp32"  # "fp32" | "bf16" (bf16 compute, fp32 master weights)
-    recompute: str = "none"  # "none" | "full" (per block)
+    recompute: str = "none"  # "none" | "selective" | "full" (per block; docs/recompute.md)
+    # selective: the operator groups recomputed; the others' outputs are saved
+    # (plait/model/recompute.py: matmul, attention, elementwise)
+    recompute_ops: tuple[str, ...] = ("attention", "elementwise")
     seed: int = 1234
     data: str | None = None  # token file (.bin with .json beside it); None: default corpus
     # starting weights: "hf:DIR" (a Hugging Face Llama directory) or a plait checkpoint;

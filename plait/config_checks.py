@@ -7,6 +7,8 @@ A module of their own so that plait/config.py stays one readable file; the order
 from __future__ import annotations
 
 from plait.config import DIMS, Config
+from plait.model.recompute_settings import MODES as RECOMPUTE_MODES
+from plait.model.recompute_settings import ops_problems
 from plait.parallel.pipeline.registry import (
     SCHEDULE_NAMES,
     SCHEDULES,
@@ -103,28 +105,18 @@ def context_parallel_problems(cfg: Config) -> list[str]:
 def pipeline_problems(cfg: Config) -> list[str]:
     """For pp > 1: the schedule's requests (the registry's rules), the layer split, and
     the combinations not built with a pipeline."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p = cfg.model, cfg.parallel
     if p.pp > m.n_layers:
         return [f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
                 f"pp <= {m.n_layers}"]
     if p.pp == 1 or p.schedule not in SCHEDULES:
         return []
-    spec = SCHEDULES[p.schedule]
     v = natural_virtual_stages(p.schedule, p.virtual_stages)
     problems = validate_schedule_request(p.schedule, p.pp, cfg.microbatches(), v,
                                          n_layers=m.n_layers)
-    if spec.chains > 1 and p.zero:
-        problems.append(f"zero={p.zero} with schedule {p.schedule} (two model copies "
-                        "whose gradients are summed) is not supported yet; use zero=0 or "
-                        "schedule dualpipev")
     if m.tie_embeddings:
         problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
                         "sit on different stages; set model.tie_embeddings=false")
-    if t.recompute != "none" and spec.split_backward:
-        whole_b = " / ".join(n for n, s in SCHEDULES.items() if not s.split_backward)
-        problems.append(f"train.recompute={t.recompute} with schedule {p.schedule} (I/W "
-                        "split) is not supported; use train.recompute=none or schedule "
-                        f"{whole_b}")
     return problems
 
 def unbuilt_problems(cfg: Config) -> list[str]:
@@ -134,9 +126,23 @@ def unbuilt_problems(cfg: Config) -> list[str]:
     if p.zero > 0 and m.tie_embeddings:
         problems.append("ZeRO shards each parameter within one module: set "
                         "model.tie_embeddings=false, or zero=0")
-    if p.zero >= 2 and p.pp > 1:
-        problems.append(f"zero={p.zero} with pp={p.pp}: pipeline stages accumulate "
+    return problems + unbuilt_combinations(p.pp, p.zero, p.schedule)
+
+
+def unbuilt_combinations(pp: int, zero: int, schedule: str) -> list[str]:
+    """ZeRO with pipelines as far as the runtime builds it: the one list `validate()` and
+    the planner (`plait/plan/search.py`: a layout it evaluates, the layouts it searches)
+    both read, so `plait plan` never offers a layout `plait train` refuses. Depends on pp
+    only through pp > 1."""
+    problems = []
+    if zero >= 2 and pp > 1:
+        problems.append(f"zero={zero} with pp={pp}: pipeline stages accumulate "
                         "gradients across micro-batches; use zero=0 or 1 with pp")
+    spec = SCHEDULES.get(schedule)
+    if pp > 1 and zero and spec is not None and spec.chains > 1:
+        problems.append(f"zero={zero} with schedule {schedule} (two model copies "
+                        "whose gradients are summed) is not supported yet; use zero=0 or "
+                        "schedule dualpipev")
     return problems
 
 def expert_problems(cfg: Config) -> list[str]:
@@ -235,8 +241,8 @@ def train_problems(cfg: Config) -> list[str]:
         (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
         (t.precision not in ("fp32", "bf16"),
          f"train.precision={t.precision!r}; use 'fp32' or 'bf16'"),
-        (t.recompute not in ("none", "full"),
-         f"train.recompute={t.recompute!r}; use 'none' or 'full'"),
+        (t.recompute not in RECOMPUTE_MODES,
+         f"train.recompute={t.recompute!r}; use 'none', 'selective' or 'full'"),
         (t.lr <= 0, f"train.lr={t.lr} must be > 0"),
         (t.grad_clip < 0,
          f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)"),
@@ -256,5 +262,5 @@ def train_problems(cfg: Config) -> list[str]:
          f"train.memory_step={t.memory_step} is not a step of this run; use 0 to "
          f"{t.steps - 1}, or -1 for none"),
     ]
-    return [problem for broken, problem in checks if broken]
+    return [problem for broken, problem in checks if broken] + ops_problems(t.recompute_ops)
 

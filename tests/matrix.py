@@ -7,7 +7,8 @@ A row is one layout in a short notation, one token per setting, e.g.
 `dpN` data parallel, `zN` ZeRO stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
 `ppN:SCHEDULE` pipeline, `cpN:MODE` context parallel (ring | allgather), `moe` the MoE
 model (`epN` experts over ep ranks), `bf16` bf16 compute with fp32 masters, `rc` full
-recomputation. Omitted: dp1 z0 tp1 pp1 cp1, the dense model, fp32, no recompute.
+recomputation, `rcs` selective (plait/model/recompute.py's default ops). Omitted: dp1 z0
+tp1 pp1 cp1, the dense model, fp32, no recompute.
 
 `FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
 that some valid layout at world <= 8 has, appears in some row (pairwise, or "all-pairs",
@@ -45,76 +46,85 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "cp": ("cp1", "cp2:ring", "cp2:allgather"),
     "ep": ("dense", "moe ep1", "moe ep2", "moe ep4"),
     "precision": ("fp32", "bf16"),
-    "recompute": ("rc:none", "rc:full"),
+    "recompute": ("rc:none", "rc:full", "rc:selective"),
 }
 # the factors a schedule must meet each level of: what it moves between stages (tp, SP and
 # cp change the activation's shape and positions, MoE adds a routed block and balancing
 # state, bf16 the dtype); dp and ZeRO meet the schedules through the pairwise cover
 SCHEDULE_PAIRS = ("tp", "cp", "ep", "precision")
 COST_FIXED = 2  # a row's time ~ (this + world size) x a step: ranks share 2 cores
+# recomputing costs a forward: ~1.3x a step with full; selective ~1.75x on CPU (torch's
+# selective checkpoint runs a Python hook on every op; docs/recompute.md)
+RECOMPUTE_COST = {"rc:none": 1.0, "rc:full": 1.3, "rc:selective": 1.75}
+# bf16 rows are held to looser bounds (no first-gradient check with MoE): a pair is better
+# met in fp32 where it can be, so a bf16 row counts as dearer
+PRECISION_COST = {"fp32": 1.0, "bf16": 1.5}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev",
              "dualpipe")
 
 ROWS: tuple[str, ...] = (
-    'rc',
-    'pp2:zb-v moe bf16',
-    'z3 cp2:ring moe ep2 bf16 rc',
-    'dp2 z2 moe ep2',
-    'z1 cp2:allgather moe rc',
-    'dp2 z1 pp2:zb-h2 bf16',
+    'moe',
+    'z3 cp2:ring moe ep2',
+    'z2 cp2:allgather',
+    'dp2 z1 pp2:zb-v moe ep2',
+    'pp2:zb-h2 rc',
     'dp4 z3 moe ep4',
-    'z2 tp2 sp cp2:allgather bf16 rc',
-    'tp2 pp2:interleaved rc',
-    'pp4:zb-h1 moe bf16',
-    'z1 pp2:gpipe cp2:ring moe ep2',
-    'tp2 sp pp2:dualpipev moe',
-    'pp2:1f1b cp2:allgather moe ep2 bf16',
-    'z2 tp2 cp2:ring moe bf16',
-    'dp2 cp2:ring moe ep4 bf16 rc',
-    'pp2:dualpipe bf16',
-    'pp4:1f1b rc',
-    'dp4 z1 pp2:interleaved moe ep4 bf16 rc',
-    'z1 pp2:dualpipev cp2:ring bf16',
-    'dp2 z3 tp2 sp moe rc',
-    'pp2:gpipe moe bf16 rc',
-    'z1 tp2 sp pp2:zb-v cp2:ring moe ep2',
-    'z1 tp2 pp2:zb-h2 cp2:allgather moe ep2',
-    'z1 pp4:zb-h1 cp2:ring moe ep2',
-    'dp2 z3 tp2 cp2:allgather moe ep4 rc',
-    'dp4 z2 tp2 sp moe ep4 rc',
-    'z1 pp2:zb-v cp2:allgather bf16',
-    'z1 pp2:zb-h2 cp2:ring moe bf16',
-    'z1 pp2:zb-h1 cp2:allgather bf16',
-    'z1 pp2:interleaved cp2:ring moe rc',
-    'z1 pp2:interleaved cp2:allgather moe ep2 rc',
-    'z1 pp2:gpipe cp2:allgather rc',
-    'z1 pp2:dualpipev cp2:allgather moe ep2 bf16',
-    'z1 pp2:1f1b cp2:ring moe rc',
+    'tp2 sp moe bf16',
+    'tp2 pp2:zb-h1 moe',
+    'pp4:gpipe moe',
+    'z1 cp2:ring moe rc',
+    'pp2:interleaved rcs',
+    'dp2 z2 moe ep2 bf16 rc',
+    'pp2:dualpipev cp2:allgather moe ep2',
+    'z1 pp2:1f1b cp2:ring bf16',
     'tp2 sp pp2:dualpipe',
-    'dp4 z3 rc',
-    'dp4 moe rc',
-    'tp2 sp pp4:zb-h2 moe bf16',
-    'tp2 pp4:zb-h1 moe bf16',
-    'tp2 pp2:dualpipe cp2:ring bf16',
-    'pp4:dualpipe cp2:allgather bf16',
-    'dp4 z3 tp2 moe ep2 rc',
-    'tp2 sp pp2:zb-h1 moe bf16',
-    'tp2 sp pp2:interleaved rc',
-    'tp2 sp pp2:gpipe rc',
-    'tp2 sp pp2:1f1b rc',
-    'tp2 pp2:zb-v moe bf16',
-    'tp2 pp2:gpipe rc',
+    'dp2 z3 tp2',
+    'z3 tp2 sp cp2:allgather moe rc',
+    'dp2 cp2:ring moe ep4',
+    'z2 cp2:ring moe rcs',
+    'z1 tp2 pp2:1f1b cp2:allgather moe ep2',
+    'dp2 z1 pp2:zb-h1 cp2:allgather moe ep4',
+    'dp2 z1 tp2 sp moe ep2 rcs',
+    'dp4 z2 tp2 moe ep4 rc',
     'tp2 pp2:dualpipev moe bf16',
-    'tp2 pp2:1f1b rc',
-    'dp4 z3 cp2:ring rc',
-    'dp4 z3 cp2:allgather rc',
-    'dp4 z1 pp2:zb-v moe ep4 bf16',
-    'dp4 z1 pp2:zb-h2 moe ep4 bf16',
-    'dp4 z1 pp2:zb-h1 moe ep4 bf16',
-    'dp4 z1 pp2:gpipe moe ep4 rc',
-    'dp4 z1 pp2:1f1b moe ep4 rc',
-    'dp2 z1 pp4:zb-h2 moe ep2 bf16',
-    'dp2 z1 pp2:dualpipev cp2:ring moe ep4 bf16',
+    'z1 pp4:zb-h2 cp2:allgather moe ep2 bf16',
+    'pp2:1f1b moe',
+    'dp4 z3 moe ep4 bf16 rcs',
+    'z1 tp2 sp pp2:zb-v cp2:ring moe',
+    'z1 tp2 pp2:zb-h2 cp2:ring moe',
+    'z1 pp4:zb-h1 cp2:ring',
+    'dp4 z1 pp2:zb-v',
+    'pp2:interleaved moe bf16',
+    'pp2:gpipe bf16',
+    'pp2:dualpipe bf16',
+    'z1 pp2:interleaved cp2:ring moe ep2',
+    'z1 pp2:gpipe cp2:ring moe ep2',
+    'z1 pp2:dualpipev cp2:ring',
+    'dp4 moe ep2',
+    'dp2 z2 tp2 sp moe',
+    'tp2 sp pp4:zb-h2 rc',
+    'z1 tp2 pp2:zb-v cp2:allgather rcs',
+    'z1 pp2:zb-h1 cp2:ring moe ep2 bf16',
+    'z1 tp2 sp pp2:interleaved cp2:allgather moe ep2',
+    'z1 tp2 sp pp2:gpipe cp2:allgather moe ep2',
+    'tp2 pp4:gpipe moe',
+    'tp2 pp2:dualpipe cp2:ring',
+    'dp4 z3 tp2 sp moe ep4',
+    'dp4 z3 cp2:ring moe',
+    'pp2:zb-v moe bf16',
+    'tp2 sp pp2:zb-h1 moe',
+    'tp2 sp pp2:dualpipev moe',
+    'tp2 sp pp2:1f1b moe',
+    'tp2 pp2:interleaved moe',
+    'pp2:dualpipe cp2:allgather',
+    'dp2 z1 pp4:zb-h2 rcs',
+    'dp4 z3 cp2:allgather moe ep4',
+    'dp4 z1 pp2:zb-v moe ep4',
+    'dp4 z1 pp2:zb-h2 moe ep4',
+    'dp4 z1 pp2:interleaved moe ep4',
+    'dp4 z1 pp2:gpipe moe ep4',
+    'dp4 z1 pp2:1f1b moe ep4',
+    'dp2 z1 pp2:dualpipev cp2:ring moe ep4',
 )
 
 
@@ -155,6 +165,9 @@ def parse(row: str) -> dict:
         elif tok == "rc":
             levels["recompute"] = "rc:full"
             sets.append("train.recompute=full")
+        elif tok == "rcs":
+            levels["recompute"] = "rc:selective"
+            sets.append("train.recompute=selective")
         else:
             raise ValueError(f"matrix row {row!r}: unknown token {tok!r}")
     if moe and levels["ep"] == "dense":
@@ -195,8 +208,8 @@ def row_of(levels: dict[str, str], schedule: str | None) -> str:
         toks += ["moe"] + ([levels["ep"].split()[1]] if levels["ep"] != "moe ep1" else [])
     if levels["precision"] == "bf16":
         toks.append("bf16")
-    if levels["recompute"] == "rc:full":
-        toks.append("rc")
+    if levels["recompute"] != "rc:none":
+        toks.append("rc" if levels["recompute"] == "rc:full" else "rcs")
     return " ".join(toks)
 
 
@@ -240,19 +253,22 @@ def coverable_pairs(rows: Iterable[str]) -> set[tuple[str, str]]:
 def greedy_cover(candidates: list[str]) -> list[str]:
     """Rows until every coverable pair and every schedule is in one: each pick covers the
     most new pairs (a new schedule counts as one) per unit of the suite's time, a row's
-    taken as COST_FIXED + its world size (the weighted greedy set cover, Chvatal 1979);
+    taken as (COST_FIXED + its world size) x its recompute's and precision's costs (the
+    weighted greedy set cover, Chvatal 1979);
     ties to the smaller world, then to the text (deterministic)."""
     need = coverable_pairs(candidates)
-    info = {}
+    info, cost = {}, {}
     for r in candidates:
         p = parse(r)
         info[r] = (pairs(p["levels"], p["schedule"]), p["schedule"], _world(r))
+        cost[r] = ((COST_FIXED + _world(r)) * RECOMPUTE_COST[p["levels"]["recompute"]]
+                   * PRECISION_COST[p["levels"]["precision"]])
     chosen: list[str] = []
     schedules_left = set(SCHEDULES)
     while need or schedules_left:
         def gain(r: str, need: set = need, left: set = schedules_left) -> tuple:
             ps, sched, world = info[r]
-            return ((len(ps & need) + (sched in left)) / (COST_FIXED + world), -world, r)
+            return ((len(ps & need) + (sched in left)) / cost[r], -world, r)
         best = max(candidates, key=gain)
         chosen.append(best)
         need -= info[best][0]

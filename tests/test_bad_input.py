@@ -107,6 +107,8 @@ CASES = [
     train("--set", "train.memory_step=99", phrases="not a step of this run",
           id="memory-step-past-end"),
     train("--set", "parallel.sp=maybe", phrases="expected true or false", id="set-bool"),
+    train("--recompute", "selective", "--set", "train.recompute_ops=attention",
+          phrases="include 'elementwise'", id="recompute-ops"),
     train("--set", "bogus.x=1", phrases="unknown setting 'bogus.x'", id="set-unknown"),
     train("--set", "noequals", phrases="must look like section.name=value", id="set-no-eq"),
     train("--model", "nope", phrases="known: tiny", id="model-unknown"),

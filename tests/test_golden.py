@@ -39,8 +39,9 @@ CASES: dict[str, list[str]] = {
     # two single layouts through the simulator
     "plan_layout_interleaved": PLAN + ["--layout", "tp=8,pp=8,dp=8", "--microbatch", "1",
                                        "--schedule", "interleaved", "--virtual-stages", "2"],
-    "plan_layout_zbv_zero2_full": PLAN + ["--layout", "tp=4,pp=4,dp=32", "--microbatch", "2",
-                                          "--schedule", "zb-v", "--zero", "2",
+    # (ZeRO-1: the runtime builds ZeRO 0-1 with a pipeline, and plan refuses what it does not)
+    "plan_layout_zbv_zero1_full": PLAN + ["--layout", "tp=4,pp=4,dp=32", "--microbatch", "2",
+                                          "--schedule", "zb-v", "--zero", "1",
                                           "--recompute", "full"],
     # the simulator: closed forms present (uniform durations) and absent (zb-v, uneven + p2p)
     "sim_1f1b": ["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8",

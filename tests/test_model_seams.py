@@ -18,6 +18,7 @@ from torch import nn
 from plait.model import loss as model_loss
 from plait.model.moe import MoE
 from plait.model.presets import PRESETS, ModelConfig
+from plait.model.recompute import Recompute
 from plait.model.rope import Positions, RotaryEmbedding, rope_tables
 from plait.model.transformer import (
     CausalAttentionCore,
@@ -78,14 +79,14 @@ def test_explicit_contiguous_positions_equal_the_default():
         torch.testing.assert_close(model(tokens, positions=rows), base, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_out_of_order_chunks_with_their_positions_equal_the_sequence(recompute):
     """Catches a mask or rotation taken from the order of the tokens rather than their
     positions: context parallel's load-balanced chunk order, tokens and positions permuted
     together, gives the permuted logits and the same gradients."""
     cfg = tiny()
     model = build_model(cfg, SEED)
-    model.recompute = recompute
+    model.recompute = Recompute.of(recompute)
     tokens = _tokens(cfg)
     order = _balanced_order(32, cp=2)
     base = model(tokens)
@@ -192,14 +193,14 @@ def _with_toy_mlps(cfg: ModelConfig) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_aux_losses_reach_the_collector_and_train_the_router(recompute):
     """Catches an aux-loss path that drops losses, collects them twice under recompute, or
     detaches them: one loss per block in block order, each backpropagating to its gate;
     the same through a pipeline stage; a dense model reports none."""
     cfg = tiny(n_layers=3)
     model = _with_toy_mlps(cfg)
-    model.recompute = recompute
+    model.recompute = Recompute.of(recompute)
     tokens = _tokens(cfg)
     aux: list[torch.Tensor] = []
     logits = model(tokens, aux_losses=aux)
@@ -226,17 +227,17 @@ def test_aux_losses_reach_the_collector_and_train_the_router(recompute):
 # --- one loop, one materialisation, the loss in the model layer ------------------------------
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_stages_run_the_models_loop_bit_for_bit(recompute):
     """Catches a stage loop that drifts from the model's: the whole model as one stage,
     and cut in two, give the model's logits exactly."""
     cfg = tiny(n_layers=3)
     model = build_model(cfg, SEED)
-    model.recompute = recompute
+    model.recompute = Recompute.of(recompute)
     tokens = _tokens(cfg)
     want = model(tokens)
     whole = Stage(model, (0, 3), first=True, last=True)
-    whole.recompute = recompute
+    whole.recompute = Recompute.of(recompute)
     assert torch.equal(whole(tokens), want)
     s0, s1 = Stage(model, (0, 2), True, False), Stage(model, (2, 3), False, True)
     assert torch.equal(s1(s0(tokens)), want)

@@ -7,6 +7,7 @@ import torch
 from helpers import batches_for, config, reference, run_layout
 
 from plait.config import ConfigError
+from plait.device.memory import MemoryTracker
 from plait.mesh import ParallelMesh
 from plait.model.presets import PRESETS
 from plait.model.rope import Positions, rope_tables
@@ -20,6 +21,7 @@ from plait.parallel.pipeline.registry import (
     validate_schedule_request,
 )
 from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
+from plait.parallel.pipeline.split import SavedStore
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train.loop import train
 
@@ -54,6 +56,43 @@ def test_iw_split_equals_plain_backward_on_a_block():
     split = _grads(block)
     for name, ref in plain.items():
         torch.testing.assert_close(split[name], ref, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_between_i_and_w_only_what_w_reads_is_held():
+    """SavedStore: after I a block keeps the linears' inputs, the norms' normalised values
+    and the output gradients, not attention's or SwiGLU's tensors; W's gradients are
+    those of a plain backward, and after W nothing of the forward is left."""
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(0)
+    block = Block(cfg)
+    pos = Positions(None, *rope_tables(cfg.head_dim, 16, cfg.rope_theta))
+    x = torch.randn(2, 16, cfg.dim, requires_grad=True)
+    g = torch.randn(2, 16, cfg.dim)
+    block(x, pos).backward(g)
+    plain = _grads(block)
+    block.zero_grad(set_to_none=True)
+    cap, store = OutputCapture(block), SavedStore()
+    x2 = x.detach().clone().requires_grad_()
+    with MemoryTracker(new_only=True) as live:
+        with store.hooks():
+            cap.start()
+            out = block(x2, pos)
+            kept = cap.stop()
+        forward = live.live_bytes()
+        grads, deferred = backward_input(out, g, [x2], kept)
+        del out, kept, grads
+        before = live.live_bytes()
+        store.keep_only_for_weights(deferred)
+        after = live.live_bytes()
+        backward_weight(deferred)
+        store.release()
+        del deferred
+        grads_only = live.live_bytes()
+    print(f"\nforward {forward}, after I {before}, kept for W {after}")
+    assert after < before - forward / 2, (forward, before, after)  # most of it let go
+    assert grads_only == sum(p.grad.numel() * 4 for p in block.parameters())
+    for name, ref in _grads(block).items():
+        torch.testing.assert_close(ref, plain[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_iw_split_on_first_stage_with_embedding_and_accumulation():

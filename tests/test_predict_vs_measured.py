@@ -32,6 +32,9 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2 sp bf16": ["parallel.tp=2", "parallel.sp=true", "train.precision=bf16"],
     "tp2 sp recompute": ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"],
+    "tp2 sp selective": ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"],
+    "dp2 zero1 bf16 m2 selective": ["parallel.dp=2", "parallel.zero=1", "train.precision=bf16",
+                                    "parallel.microbatches=2", "train.recompute=selective"],
     "pp2 1f1b small m4": ["model_name=small", "model.vocab_size=256", "parallel.pp=2",
                           "parallel.microbatches=4"],
     "pp2 gpipe bf16": ["parallel.pp=2", "parallel.schedule=gpipe", "train.precision=bf16"],
@@ -41,6 +44,8 @@ LAYOUTS = {
     "pp2 tp4 sp gqa recompute m4": ["model.n_layers=4", "parallel.pp=2", "parallel.tp=4",
                                     "parallel.sp=true", "model.n_kv_heads=2",
                                     "train.recompute=full", "parallel.microbatches=4"],
+    "pp2 1f1b selective m4": ["model.n_layers=4", "parallel.pp=2", "parallel.microbatches=4",
+                              "train.recompute=selective"],
 }
 
 

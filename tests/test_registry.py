@@ -113,15 +113,9 @@ def test_rules_hold_elementwise_as_they_do_one_by_one(name):
             assert together.tolist() == one_by_one
 
 
-# a known gap, kept so the planner's frozen outputs hold: tightening it changes
-# tests/golden/plan_search.json (layouts_considered)
-_SEARCH_GAP = pytest.mark.xfail(strict=True, reason="the search tries dualpipev at "
-                                "p <= m < 2p-1, which cannot be built")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_SEARCH_GAP) if n == "dualpipev"
-                                  else n for n in SCHEDULE_NAMES])
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_what_the_planner_searches_can_be_built(name):
+    # (issue 17 closed the gap where the search tried dualpipev at p <= m < 2p-1)
     spec = schedule_spec(name)
     for p in (2, 3, 4, 8):
         for m in range(1, 3 * p):

@@ -17,11 +17,11 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from plait.model.moe import MoE
 from plait.model.presets import ModelConfig
+from plait.model.recompute import Recompute
 from plait.model.rope import Positions, RotaryEmbedding, apply_rope, rope_scaling
 
 
@@ -126,19 +126,20 @@ class Block(nn.Module):
 
 
 def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, positions: Positions,
-               recompute: bool = False, aux_losses: list[torch.Tensor] | None = None
-               ) -> torch.Tensor:
+               recompute: Recompute | None = None,
+               aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
     """x through `blocks` in order: the one layer loop, of the model and of a pipeline stage.
 
-    `recompute`: each block keeps only its input and recomputes its activations in backward
-    (Chen et al. 2016), when gradients are on. `aux_losses`: when given, each block's MLP
+    `recompute` (plait/model/recompute.py), when gradients are on: each block keeps only
+    its input (full), or its input and the outputs of the saved operator groups
+    (selective), and computes the rest again in backward. `aux_losses`: when given, each block's MLP
     auxiliary loss (`mlp.aux_loss`, see `make_mlp`) of this forward is appended to it, in
     block order; a dense MLP reports none, and without the list nothing is looked up.
     """
-    checkpoint = recompute and torch.is_grad_enabled()
+    checkpoint = recompute is not None and torch.is_grad_enabled()
     for block in blocks:
         if checkpoint:
-            x = torch.utils.checkpoint.checkpoint(block, x, positions, use_reentrant=False)
+            x = recompute.block(block, x, positions)
         else:
             x = block(x, positions)
         if aux_losses is not None:
@@ -161,7 +162,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len,
                                     rope_scaling(cfg))
         # recomputation is a runtime choice made by the trainer, not a model property
-        self.recompute = False
+        self.recompute: Recompute | None = None
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:

@@ -7,9 +7,11 @@ the mesh's device, and the one gradient-sync + optimizer object the loop drives.
 
 The order, and why:
 
-1. **Recompute** (`train.recompute = "full"`): a flag on the model that the shared block
-   loop (`plait.model.transformer.run_blocks`) reads; every stage cut from the model
-   inherits it.
+1. **Recompute** (`train.recompute = "selective" | "full"`, `train.recompute_ops`): a
+   `Recompute` setting on the model (plait/model/recompute.py) that the shared block loop
+   (`plait.model.transformer.run_blocks`) applies to each block; every stage cut from the
+   model inherits it (a stage whose backward is split into I and W recomputes as a whole
+   instead: the pipeline runtime).
 2. **Pipeline split** (`parallel.pp`, `parallel.schedule`): the layers are cut into model
    stages (balanced by cost) and only the stages this pp rank holds are materialised,
    from the name-seeded init, on `mesh.device`. The split *selects* modules and renames
@@ -48,6 +50,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer
 from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
 from plait.parallel.pipeline.ir import Schedule
@@ -84,7 +87,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config) -> Parallel
                          "(build_model(cfg, seed, device='meta')): each rank materialises "
                          f"only the layers it holds; got parameters on {sorted(on_meta)}")
     placements = PlacementTable()
-    model.recompute = cfg.train.recompute == "full"  # 1. recompute
+    model.recompute = Recompute.of(cfg.train.recompute, cfg.train.recompute_ops)  # 1.
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
                           placements, model=model, device=mesh.device.torch)
     _experts(pipe, mesh, cfg, placements)  # 3. ep (before tp: its hooks see the slices)

@@ -22,11 +22,24 @@ For fp32 (e = 4) these are the TP engineer's element counts × 4, unchanged.
 Under context parallel s is the rank's s/cp tokens: ring attention keeps q, the packed
 K/V, the output and its log-sum-exp, the same tensors (measured equal at cp = 1, 2, 4,
 tests/test_context_parallel.py).
+
+Recomputation (plait/model/recompute.py, `layer_saved_bytes`): full keeps the block's
+input, e·b·s_l·h (s_l = s/t under SP: the residual stream is a sequence chunk); selective
+keeps the input and the outputs of the operator groups it does not recompute:
+
+    matmul      e·b·s·(h_t + 2·k_t + h + 2·f_t + h)   (wq, wk, wv, wo, w1, w3, w2: the
+                                                        row-parallel outputs before their
+                                                        reduction, whole sequence)
+    attention   e·b·s·h_t + 4·b·a_t·s                 (the kernel's output and fp32 lse)
+
+The default (recompute attention and element-wise ops) keeps input + matmul; measured to
+the byte for tp 1, 2 and 2 + SP (tests/test_recompute.py).
 """
 
 from __future__ import annotations
 
 from plait.model.presets import ModelConfig
+from plait.model.recompute_settings import DEFAULT_OPS, GROUPS
 
 FP32 = 4
 
@@ -75,3 +88,23 @@ def model_activation_bytes(cfg: ModelConfig, b: int, s: int, tp: int = 1, sp: bo
     if t > 1:
         extra += 2 * (8 * b * s + b * s)  # local ids (int64) + masks (bool): embedding, loss
     return cfg.n_layers * layer_activation_bytes(cfg, b, s, t, sp) + extra
+
+
+def layer_saved_bytes(cfg: ModelConfig, b: int, s: int, tp: int = 1, sp: bool = False,
+                      act_bytes: int = FP32, recompute: str = "none",
+                      ops: tuple[str, ...] = DEFAULT_OPS) -> int:
+    """Bytes one block keeps between its forward and backward on one rank under
+    `recompute` ("none" | "selective" | "full"; selective recomputes the groups `ops`)."""
+    if recompute == "none":
+        return layer_activation_bytes(cfg, b, s, tp, sp, act_bytes)
+    h, t, e = cfg.dim, tp, act_bytes
+    block_input = e * b * (s // t if sp else s) * h
+    if recompute == "full":
+        return block_input
+    if recompute != "selective":
+        raise ValueError(f"recompute={recompute!r}; use none, selective or full")
+    h_t, f_t, a_t = h // t, cfg.ffn_dim // t, cfg.n_heads // t
+    k_t = kv_width_per_rank(cfg, t)
+    group = {"matmul": e * b * s * (h_t + 2 * k_t + h + 2 * f_t + h),
+             "attention": e * b * s * h_t + FP32 * b * a_t * s, "elementwise": 0}
+    return block_input + sum(group[g] for g in GROUPS if g not in ops)

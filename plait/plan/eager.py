@@ -129,8 +129,11 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
     a, z = sz.stages[bw.st][:2]
     st, mb, e, pb = bw.st, bw.mb, sz.e, sz.pb
     kept = j - a  # blocks before j still hold their saved tensors
-    if sz.recompute:  # fp32: the recomputed block's first norm input is its checkpoint
-        act_b = sz.rope + bw.this_first + (kept + (e != FP32)) * sz.ckpt + sz.layer_saved
+    if sz.recompute:  # fp32: the recomputed block's first norm input is its checkpoint;
+        # selective's saved outputs were handed to the recomputed graph (in layer_saved)
+        block_input = e * sz.tok_l * sz.sh["h"]
+        act_b = (sz.rope + bw.this_first + kept * sz.ckpt + (e != FP32) * block_input
+                 + sz.layer_saved)
     else:
         act_b = sz.rope + bw.this_first + (kept + 1) * sz.layer_saved
     act_b += bw.in_flight

@@ -15,6 +15,7 @@ from plait.plan.activations import (
     FP32,
     kv_width_per_rank,
     layer_activation_bytes,
+    layer_saved_bytes,
     norm_bytes,
 )
 
@@ -169,7 +170,7 @@ class RankSizes:
     grad_shards: float
     inputs: float  # this rank's int64 token rows, and the loader's epoch permutation
     layer_saved: float  # one block's saved tensors
-    ckpt: float  # recompute: each block keeps only its input
+    ckpt: float  # recompute: what each block keeps (full: its input; selective: + outputs)
     rope: float  # cos, sin tables (s, d/2) fp32, one pair per forward
     tp_ids: float  # int64 local ids + bool mask (embed / loss)
     loss_saved: float  # log-softmax (t=1) / softmax (vocab-parallel)
@@ -235,11 +236,12 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
     # d(w3 out): net d(out) + 2 f-wide buffers
     return RankSizes(
         cfg=cfg, sh=sh, sched=sched, stages=stages, e=e, pb=pb, b=b, s=s, tok=tok,
-        tok_l=tok_l, n_micro=cfg.microbatches(), recompute=tr.recompute == "full",
+        tok_l=tok_l, n_micro=cfg.microbatches(), recompute=tr.recompute != "none",
         units=units, k=k, padded=padded, params=params, optim=optim, grads_full=grads_full,
         grad_shards=grad_shards,
         inputs=8 * (tr.global_batch // p.dp) * (s + 1) + 8 * data_windows,
-        layer_saved=layer_activation_bytes(m_cfg, b, s, t, sp, e), ckpt=e * tok_l * h,
+        layer_saved=layer_activation_bytes(m_cfg, b, s, t, sp, e),
+        ckpt=layer_saved_bytes(m_cfg, b, s, t, sp, e, tr.recompute, tr.recompute_ops),
         rope=FP32 * s * m_cfg.head_dim, tp_ids=tp_ids, loss_saved=FP32 * tok * v_t + tp_ids,
         loss_fwd=loss_fwd, loss_bwd=loss_bwd, mlp_bwd=e * tok * h + 2 * e * tok * f_t,
         dy=e * tok * h, dprod=e * tok * f_t, recv=e * tok_l * h, w2=h * f_t * pb,

@@ -64,6 +64,15 @@ class Layout:
     recompute: str = "selective"
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022)
     cp_mode: str = "ring"  # "ring" (Liu et al. 2023) | "allgather" K/V (Llama 3)
+    # plait's own train.recompute when the layout is a plait config (its "selective" is not
+    # the planner's, Korthikanti's: docs/recompute.md); it decides which collectives the
+    # runtime replays (plait/plan/runtime_comm.py). None: "full" when recompute is, else none
+    runtime_recompute: str | None = None
+
+    def runtime_mode(self) -> str:
+        if self.runtime_recompute is not None:
+            return self.runtime_recompute
+        return "full" if self.recompute == "full" else "none"
 
     def label(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp}"

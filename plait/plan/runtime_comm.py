@@ -14,7 +14,11 @@ hidden x bytes; the ledger's payload is the full message, see plait/comm/ledger.
   full recompute      replays the block's forward up to the last tensor backward needs
                       (torch.utils.checkpoint stops early): every forward collective but
                       a dense block's last one (the MLP's all-reduce / reduce-scatter);
-                      cp's K/V exchange and ep's dispatch + combine are replayed whole
+                      an I/W-split schedule reruns the stage's whole forward in I: every
+                      forward collective, the head's and the loss's included
+  selective           replays what full does (its policy saves matmul outputs only: every
+                      collective is recomputed, up to the same early stop); cp's K/V
+                      exchange and ep's dispatch + combine are replayed whole under both
   embedding / head    vocab-parallel: the embedding's all-reduce forward (SP: reduce-
                       scatter forward, all-gather backward), the head input's all-reduce
                       backward (SP: all-gather forward, reduce-scatter backward, the final
@@ -55,13 +59,15 @@ def layer_visits(b: _Basis) -> Num:
     return b.rank_layers * b.m / chains(b.sched)
 
 
-def _per_layer(moe: bool, sp: bool, full: bool) -> dict[str, int]:
-    """tp collectives of one layer and micro-batch by op (module docstring)."""
+def _per_layer(moe: bool, sp: bool, full: bool, split: bool) -> dict[str, int]:
+    """tp collectives of one layer and micro-batch by op (module docstring). `split`: an
+    I/W-split schedule, whose I step reruns the stage's whole forward (no early stop)."""
     pairs_fwd = 1 if moe else 2  # attention's (and a dense MLP's)
+    replay = pairs_fwd if full and split else 0
     if not sp:
-        return {"all-reduce": 2 * pairs_fwd + (1 if full else 0)}
+        return {"all-reduce": 2 * pairs_fwd + (replay or (1 if full else 0))}
     replay_ag = pairs_fwd if full else 0
-    replay_rs = (1 if moe else pairs_fwd - 1) if full else 0
+    replay_rs = replay or ((1 if moe else pairs_fwd - 1) if full else 0)
     return {"all-gather": 2 * pairs_fwd + replay_ag, "reduce-scatter": 2 * pairs_fwd + replay_rs}
 
 
@@ -76,8 +82,13 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     t_ar, _ = comm.all_reduce(s, b.tp, bw, al)
     t_g = comm.gather_like(s, b.tp, bw, al)
     m, visits, sp = b.m / chains(b.sched), layer_visits(b), lay.sp
-    per = _per_layer(shape.moe, sp, lay.recompute == "full")
     spec = schedule_spec(b.sched)
+    # plait's selective recomputes the tp collectives too (non-matmul ops: the policy saves
+    # matmul outputs only), up to the same early stop: measured equal to full's replays
+    full = lay.runtime_mode() != "none"
+    per = _per_layer(shape.moe, sp, full, spec.split_backward)
+    # an I/W-split schedule's recomputed forward also reruns the head's and the loss's
+    rerun = 1.0 if full and spec.split_backward else 0.0
     # the head (and the loss) sit on the last rank, or on rank 0 with the embedding (V
     # shapes), or everything on the one rank without a pipeline: the most loaded rank
     embed = np.where((b.pp == 1) | spec.head_on_first_rank, 1.0, 0.0)
@@ -91,10 +102,10 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
         add(f"{op} (layers)", s, k * visits, t_ar if op == "all-reduce" else t_g,
             "none: on the critical path")
     if sp:
-        add("all-gather (head input, embedding grad)", s, (1 + embed) * m, t_g,
+        add("all-gather (head input, embedding grad)", s, (1 + rerun + embed) * m, t_g,
             "none: on the critical path")
-        add("reduce-scatter (embedding out, head grad)", s, (1 + embed) * m, t_g,
-            "none: on the critical path")
+        add("reduce-scatter (embedding out, head grad)", s, (1 + embed * (1 + rerun)) * m,
+            t_g, "none: on the critical path")
         g = shape.hidden * b.e  # two norms a layer, the final one on the head rank
         add("all-reduce (SP norm gains' grads)", g, 2 * visits + m,
             comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
@@ -103,11 +114,11 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
             add("all-reduce (SP MoE weights' grads)", g, visits,
                 comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
     else:
-        add("all-reduce (embedding out, head grad)", s, (1 + embed) * m, t_ar,
-            "none: on the critical path")
+        add("all-reduce (embedding out, head grad)", s, (1 + embed * (1 + rerun)) * m,
+            t_ar, "none: on the critical path")
     for what, nbytes in (("max", 4), ("sums", 8)):
         size = b.tokens * nbytes
-        add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, m,
+        add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, (1 + rerun) * m,
             comm.all_reduce(size, b.tp, bw, al)[0], "none: on the critical path")
     return out
 

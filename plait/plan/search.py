@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.config_checks import unbuilt_combinations
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 from plait.plan.bubble import stages_per_chain
 from plait.plan.compute import Efficiency
@@ -69,8 +70,13 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
                             shape.layers)[0]:
             out.append(_schedule_hint(lay.schedule, lay.pp, m, lay.v, shape.layers,
                                       stages_per_chain(lay.schedule, lay.pp, lay.v)))
+    if lay.sp and lay.tp > 1 and (shape.seq // lay.cp) % lay.tp:
+        out.append(f"sequence parallel splits each cp rank's {shape.seq // lay.cp} tokens "
+                   f"over tp={lay.tp}; use a sequence that is a multiple of {lay.cp * lay.tp}")
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"zero={lay.zero}: use 0, 1, 2 or 3")
+    else:  # what the runtime has not built (plait/config_checks.py): refused alike
+        out += unbuilt_combinations(lay.pp, lay.zero, lay.schedule)
     if lay.recompute not in RECOMPUTE:
         out.append(f"recompute={lay.recompute!r}: use one of {', '.join(RECOMPUTE)}")
     return out
@@ -158,6 +164,8 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             continue
         idx = np.nonzero(mask)[0]
         for zero in (0, 1, 2, 3):
+            if unbuilt_combinations(1 if sched == "none" else 2, zero, sched):
+                continue  # the runtime refuses it (a group's pp are all 1 or all > 1)
             for rec in RECOMPUTE:
                 lay = Layout(tp=c["tp"][idx], pp=c["pp"][idx], dp=c["dp"][idx],
                              cp=c["cp"][idx], ep=c["ep"][idx], mbs=c["mbs"][idx],
@@ -195,8 +203,8 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     for j in order[:10 * n_sim]:
         try:
             sims.append(evaluate(shape, cluster, train, layout_at(int(j)), eff, simulate=True))
-        except ValueError:  # the search's looser rule admitted a layout no build accepts
-            continue  # (dualpipev's m >= p, registry.py): never shown, the next one is
+        except ValueError:  # a layout the simulator cannot build: never shown, the next
+            continue  # one is (the search asks every rule a build does: registry.py)
         if len(sims) == n_sim:
             break
     if not sims:

@@ -52,7 +52,9 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     moe_layer = (shape.dense_mlp_params() + shape.expert_params() / b.ep
                  + 2 * shape.hidden) if shape.moe else 0.0
     colls.extend(tp_collectives(shape, cluster, lay, eff, b, moe_layer - 2 * shape.hidden))
-    replay = 1 if lay.recompute == "full" else 0  # the recomputed forward's exchanges
+    # the recomputed forward's exchanges (plait's full and selective both redo attention
+    # and the all-to-alls)
+    replay = 0 if lay.runtime_mode() == "none" else 1
     cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode, replay)
     ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls, replay)
     return LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)

@@ -80,15 +80,21 @@ def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -
 
 
 def to_chrome_trace(
-    events_per_rank: Sequence[Sequence[Event]], path_json: str | Path, time_unit: float = 1e-6
+    events_per_rank: Sequence[Sequence[Event]], path_json: str | Path, time_unit: float = 1e-6,
+    nested: Sequence[Sequence[Event]] | None = None,
 ) -> Path:
     """Write a Chrome trace: one process per rank, one complete ("X") event per compute.
     `time_unit` is how many seconds one unit of the events' times is (1e-6: microseconds,
-    the trace format's own unit; pass 1.0 for times in seconds)."""
+    the trace format's own unit; pass 1.0 for times in seconds). `nested`: spans inside
+    the computes (the recomputation inside an I), drawn on a second row of the rank."""
     scale = time_unit / 1e-6
     trace = []
-    for r, events in enumerate(events_per_rank):
-        trace.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+    rows = [(r, 0, evs) for r, evs in enumerate(events_per_rank)]
+    rows += [(r, 1, evs) for r, evs in enumerate(nested or [])]
+    for r, tid, events in rows:
+        if tid == 0:
+            trace.append({"name": "process_name", "ph": "M", "pid": r,
+                          "args": {"name": f"rank {r}"}})
         for kind, stage, mb, start, end in events:
             trace.append(
                 {
@@ -96,7 +102,7 @@ def to_chrome_trace(
                     "cat": kind,
                     "ph": "X",
                     "pid": r,
-                    "tid": 0,
+                    "tid": tid,
                     "ts": start * scale,
                     "dur": (end - start) * scale,
                     "args": {"stage": stage, "microbatch": mb},

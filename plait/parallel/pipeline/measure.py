@@ -191,7 +191,10 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
                                         time, p2p = post = 0: as if every rank had its own
                                         core and transfers were free
       idle                              where the measured idle went (`idle_breakdown`)
-      cpu_share                         thread CPU / wall over the computes, per kind"""
+      cpu_share                         thread CPU / wall over the computes, per kind
+      recompute                         per pp rank, the forwards run again inside its
+                                        I actions (recomputation with a split backward):
+                                        count and milliseconds per step"""
     steps = gather_events(runtime, mesh)
     used = steps[1:] if len(steps) > 1 else steps
     bubbles = [step_bubble(s) for s in used]
@@ -242,12 +245,40 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
                       if sum(by_kind[k]) > 0},
         "steps_measured": len(used),
     }
-    return {"summary": summary, "events": events, "schedule": sched, "simulated": sim}
+    summary["recompute"], spans = _recompute_per_rank(runtime, mesh, len(steps) - len(used))
+    redone = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r] for r in spans]
+    return {"summary": summary, "events": events, "schedule": sched, "simulated": sim,
+            "recompute_events": redone}
+
+
+def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int
+                        ) -> tuple[dict, list[list[Event]]]:
+    """Each pp rank's forwards run again inside I: (count, ms) per measured step, and the
+    last step's spans ("R", stage, mb, start, end) per rank, on the ranks' one clock."""
+    used, last = runtime.steps_recompute[skip:], runtime.steps_recompute[-1]
+    n = max(len(used), 1)
+    rows = [[sum(len(r) for r in used) / n, 1e3 * sum(b - a for r in used for *_, a, b in r)
+             / n, 0.0, 0.0]] + [list(span) for span in last]
+    dev, pp = mesh.device.torch, mesh.size("pp")
+    with mesh.ledger.outside_step():
+        counts = torch.zeros(pp, dtype=torch.float64, device=dev)
+        comm.all_gather(counts, torch.tensor([float(len(rows))], dtype=torch.float64,
+                                             device=dev), mesh, "pp", tag="timeline")
+        width = int(counts.max())
+        padded = torch.zeros(width, 4, dtype=torch.float64, device=dev)
+        padded[:len(rows)] = torch.tensor(rows, dtype=torch.float64, device=dev)
+        every = torch.empty(pp * width, 4, dtype=torch.float64, device=dev)
+        comm.all_gather(every, padded, mesh, "pp", tag="timeline")
+    per_rank = [every[r * width:(r * width + int(counts[r]))].tolist() for r in range(pp)]
+    summary = {"count_per_step": [r[0][0] for r in per_rank],
+               "ms_per_step": [r[0][1] for r in per_rank]}
+    return summary, [[("R", int(s), int(mb), a, b) for s, mb, a, b in r[1:]] for r in per_rank]
 
 
 def write_trace(report: dict, path: str | Path) -> Path:
     """Chrome trace of the last step (open in Perfetto): a process per rank."""
-    return to_chrome_trace(report["events"], path, time_unit=1.0)
+    return to_chrome_trace(report["events"], path, time_unit=1.0,
+                           nested=report.get("recompute_events"))
 
 
 def write_timeline(report: dict, path: str | Path) -> Path:

@@ -23,6 +23,7 @@ from torch import nn
 
 from plait.model.loss import token_loss
 from plait.model.presets import ModelConfig
+from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer, build_model, materialise, run_blocks
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.registry import (
@@ -204,7 +205,7 @@ def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
     m = cfg.microbatches()
     if model is None:
         model = build_model(cfg.model, seed=t.seed, device="meta")
-        model.recompute = t.recompute == "full"
+        model.recompute = Recompute.of(t.recompute, t.recompute_ops)
     if p.pp == 1:
         model = materialise(model, cfg.model, t.seed, dtype, device)
         n = cfg.model.n_layers

@@ -8,21 +8,28 @@ The contract is the one `lower.py` states and `check.py` simulates:
 Gradient accumulation without pipelining is the one-stage case: a schedule of F, B pairs
 on one rank and no transfers.
 
-The I/W split is generic, through autograd, with no backward written by hand. During F,
-forward hooks on every module that owns parameters directly (Linear, RMSNorm, Embedding,
-whatever a strategy swapped in) keep that module's output y. I asks autograd for the
-gradient w.r.t. the stage input *and* every kept y, with the graph retained: one pass that
-computes exactly the input-gradient chain (autograd prunes the weight branches, since no
-parameter is asked for). W then asks, module by module, for the gradient of y w.r.t. that
-module's own parameters, seeded with dy: autograd walks only the branch from y to those
-parameters (the input branch leads to no requested tensor), so each weight gradient is
-computed once, from saved activations, and accumulated into .grad like any backward.
+The I/W split is generic, through autograd (plait/parallel/pipeline/split.py): F keeps
+each parameter-owning module's output, I takes the gradients of the stage input and of
+those outputs, W each module's weight gradient from its output's; between I and W only
+the saved tensors W reads are held.
+
+Recomputation with the split (plait/model/recompute.py, docs/recompute.md): torch's
+checkpoint recomputes once per backward call, and I and W are two calls that read the
+same saved tensors (a matmul's node keeps both operands), so per-block checkpointing would
+run each forward twice. A (stage, micro-batch) whose backward is split therefore runs its
+F without a graph, under the selective policy's forward context (which keeps the saved
+groups' outputs; nothing under full), and its I first runs the stage forward again under
+the policy's recompute context: the saved outputs are returned, the rest computed, one
+graph built, which I and W then share exactly as without recomputation. One extra forward
+(less the saved groups) per micro-batch, as with whole-B schedules; timed per step in
+`steps_recompute`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,58 +40,22 @@ from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.lower import lower
+from plait.parallel.pipeline.split import (
+    Deferred,
+    OutputCapture,
+    SavedStore,
+    backward_input,
+    backward_weight,
+)
+
+__all__ = ["OutputCapture", "PipelineRuntime", "backward_input", "backward_weight",
+           "sum_copy_gradients"]
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 # per compute, beside its Event: (when it began waiting for its input, thread CPU seconds).
 # wait start == Event start when the input was local or already there; CPU < wall when
 # the OS ran another process on this rank's core during the compute (time-slicing).
 Detail = tuple[float, float]
-Deferred = list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]  # (params, y, dy)
-
-
-# ---- the I/W split --------------------------------------------------------------------
-
-class OutputCapture:
-    """Keeps the output of each parameter-owning module of `root` while `active` is set."""
-
-    def __init__(self, root: nn.Module):
-        self.active: list[tuple[nn.Module, torch.Tensor]] | None = None
-        self.owners = [m for m in root.modules() if any(True for _ in m.parameters(False))]
-        shared = {id(p) for m in self.owners for p in m.parameters(False)}
-        if len(shared) != sum(len(list(m.parameters(False))) for m in self.owners):
-            raise ValueError("a parameter owned by two modules cannot be split into I and W")
-        self._hooks = [m.register_forward_hook(self._keep) for m in self.owners]
-
-    def _keep(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if self.active is not None and torch.is_grad_enabled() and isinstance(
-                output, torch.Tensor) and output.requires_grad:
-            self.active.append((module, output))
-
-    def start(self) -> None:
-        self.active = []
-
-    def stop(self) -> list[tuple[nn.Module, torch.Tensor]]:
-        kept, self.active = self.active or [], None
-        return kept
-
-
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
-                   inputs: Sequence[torch.Tensor],
-                   kept: list[tuple[nn.Module, torch.Tensor]]
-                   ) -> tuple[list[torch.Tensor | None], Deferred]:
-    """I: gradients w.r.t. `inputs`, and the deferred weight work (params, y, dy) for W."""
-    ys = [y for _, y in kept]
-    grads = torch.autograd.grad(output, [*inputs, *ys], grad_output, retain_graph=True,
-                                allow_unused=True)
-    deferred = [(list(m.parameters(False)), y, dy)
-                for (m, y), dy in zip(kept, grads[len(inputs):], strict=True) if dy is not None]
-    return list(grads[:len(inputs)]), deferred
-
-
-def backward_weight(deferred: Deferred) -> None:
-    """W: accumulate each module's weight gradient from its kept output and dy."""
-    for params, y, dy in deferred:
-        torch.autograd.backward(y, dy, inputs=[p for p in params if p.requires_grad])
 
 
 # ---- the runtime ----------------------------------------------------------------------
@@ -96,6 +67,9 @@ class _Live:
     out: torch.Tensor | None
     kept: list = field(default_factory=list)
     deferred: Deferred = field(default_factory=list)
+    # recomputation with the I/W split: the policy's recompute context; I runs F again
+    redo: AbstractContextManager | None = None
+    store: SavedStore | None = None  # a split backward's saved tensors (split.py)
 
 
 class PipelineRuntime:
@@ -126,10 +100,9 @@ class PipelineRuntime:
         kinds = {(a.kind, a.stage) for a in self.actions}
         # capture hooks only where the schedule splits I from W
         self.capture = {s: OutputCapture(m) for s, m in stages.items() if ("I", s) in kinds}
-        for s in self.capture:
-            if getattr(stages[s], "recompute", False):
-                raise ValueError("recomputation with an I/W-split schedule is not supported; "
-                                 "use train.recompute=none or a schedule without I/W")
+        # the (stage, micro-batch) pairs whose backward is split: with recomputation, I
+        # runs their forward again (once, for I and W)
+        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind == "I"}
         # the last gradient-writing action of each stage: data parallel syncs after it
         last: dict[int, int] = {}
         for i, a in enumerate(self.actions):
@@ -142,6 +115,8 @@ class PipelineRuntime:
         self.steps_detail: list[list[Detail]] = []  # per step, per compute: see `Detail`
         # per step: each post of a batch of transfers, (start, end, thread CPU seconds)
         self.steps_posts: list[list[tuple[float, float, float]]] = []
+        # per step: each forward run again inside an I, (stage, mb, start, end) seconds
+        self.steps_recompute: list[list[tuple[int, int, float, float]]] = []
 
     # ---- one step ---------------------------------------------------------------------
     def step(self, micro: Sequence[torch.Tensor], tokens_in_global_batch: int) -> torch.Tensor:
@@ -163,6 +138,7 @@ class PipelineRuntime:
         events: list[Event] = []
         detail: list[Detail] = []
         self._posts: list[tuple[float, float, float]] = []
+        self._recomputes: list[tuple[int, int, object, object]] = []
         start = self.timer.mark()
         i = 0
         while i < len(self.actions):
@@ -200,6 +176,7 @@ class PipelineRuntime:
         self.steps_detail.append([(ev[3] if w is None else w, c)
                                   for ev, (w, c) in zip(timed, detail, strict=True)])
         self.steps_posts.append(self._posts)
+        self.steps_recompute.append([(s, mb, sec(a), sec(b)) for s, mb, a, b in self._recomputes])
         self.steps_window.append((sec(start), end))
 
     def _post(self, actions: Sequence[Action]) -> None:
@@ -265,13 +242,8 @@ class PipelineRuntime:
             else:
                 x = self._local_in.pop((s, mb))
             t0 = self.timer.mark()
-            cap = self.capture.get(s)
-            if cap:
-                cap.start()
-            targets = self._columns(self._micro[mb][:, 1:]) if last else None
-            out = self.stages[s](x, targets, self._ntok, positions=self.positions)
-            kept = cap.stop() if cap else []
-            self._live[s, mb] = _Live(None if first else x, out, kept)
+            self._live[s, mb] = live = self._forward(s, mb, x, first, last)
+            out = live.out
             nxt = sched.next_stage(s)
             if last:
                 self._loss += out.detach().double()
@@ -285,7 +257,9 @@ class PipelineRuntime:
             t0 = self.timer.mark()
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
-            backward_weight(self._live.pop((s, mb)).deferred)
+            live = self._live.pop((s, mb))
+            backward_weight(live.deferred)
+            live.store.release()
             if self.after_weight_grad is not None:
                 self.after_weight_grad(index == self.final_grad_action)
             return ("W", s, mb, t0, self.timer.mark())
@@ -299,6 +273,8 @@ class PipelineRuntime:
             grad_out = self._local_grad.pop((s, mb))
         t0 = self.timer.mark()
         live = self._live[s, mb]
+        if live.redo is not None:
+            self._forward_again(s, mb, live, first, last)
         if a.kind == "B":
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
@@ -312,6 +288,7 @@ class PipelineRuntime:
             grads, live.deferred = backward_input(live.out, grad_out, inputs, live.kept)
             grad_x = grads[0] if inputs else None
             live.x, live.out, live.kept = None, None, []  # W needs only (params, y, dy)
+            live.store.keep_only_for_weights(live.deferred)  # and what their branches read
         prev = sched.prev_stage(s)
         if prev is not None:
             if sched.stage_to_rank[prev] == self.me:
@@ -319,6 +296,45 @@ class PipelineRuntime:
             else:
                 self._to_send["B", s, mb] = grad_x
         return (a.kind, s, mb, t0, self.timer.mark())
+
+    def _forward(self, s: int, mb: int, x: torch.Tensor, first: bool, last: bool) -> _Live:
+        """Stage s on micro-batch mb: with its graph (and its outputs captured for W where
+        the backward is split), or, split with recomputation, without one (see the
+        module docstring)."""
+        stage, cap = self.stages[s], self.capture.get(s)
+        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        if stage.recompute is not None and (s, mb) in self.split:
+            keep, redo = stage.recompute.contexts()
+            with torch.no_grad(), keep:
+                out = stage(x, targets, self._ntok, positions=self.positions)
+            return _Live(None if first else x, out, redo=redo)
+        if (s, mb) not in self.split:
+            return _Live(None if first else x, stage(x, targets, self._ntok,
+                                                     positions=self.positions))
+        store = SavedStore()
+        with store.hooks():
+            cap.start()
+            out = stage(x, targets, self._ntok, positions=self.positions)
+        return _Live(None if first else x, out, cap.stop(), store=store)
+
+    def _forward_again(self, s: int, mb: int, live: _Live, first: bool, last: bool) -> None:
+        """The recomputation of a split backward: F once more, the saved groups' outputs
+        returned by the policy's recompute context, building the graph I and W share."""
+        stage, cap = self.stages[s], self.capture[s]
+        x = self._columns(self._micro[mb][:, :-1]) if first else live.x
+        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        setting, stage.recompute = stage.recompute, None  # the whole stage, not per block
+        t0 = self.timer.mark()
+        live.store = SavedStore()
+        try:
+            with live.redo, live.store.hooks():
+                cap.start()
+                live.out = stage(x, targets, self._ntok, positions=self.positions)
+                live.kept = cap.stop()
+        finally:
+            stage.recompute = setting
+        live.redo = None
+        self._recomputes.append((s, mb, t0, self.timer.mark()))
 
 
 # ---- DualPipe: two copies of every block ----------------------------------------------
