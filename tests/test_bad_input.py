@@ -387,7 +387,7 @@ CASES = [
         "{w}/adir", phrases="is a directory", id="plan-emit-config-directory"),
     cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--layout",
         "pp=2,dp=2", "--zero", "2", "--emit-config", "{w}/run.toml",
-        phrases="plait train cannot run any layout shown", id="plan-emit-config-unrunnable"),
+        phrases="zero=2 with pp=2", id="plan-emit-config-unrunnable"),
     # ---- Hugging Face models: train --init-from, eval, export, data prepare -----------
     train("--init-from", "hf:{w}/gpt2", phrases="'gpt2' is not a Llama-family model",
           id="hf-not-llama"),

@@ -47,17 +47,17 @@ ROOT = Path("/tmp/plait-tests/matrix")
 # (source row, destination row): save after step 1 in one layout, train steps 2-3 in the
 # other; sources and destinations of different worlds, meshes, ZeRO stages and schedules
 ROUND_TRIPS = (
-    ("dp4 z3 cp2:allgather moe ep4", "tp2 sp pp2:1f1b moe"),  # experts ZeRO-3 over edp=2
-    ("tp2 sp pp2:1f1b moe", "dp4 z3 moe ep4"),
-    ("dp2 z3 tp2", "pp2:interleaved rcs"),
-    ("tp2 sp pp2:dualpipe", "dp4 z1 pp2:zb-v"),  # DualPipe's two copies -> one
+    ("dp4 z3 cp2:ring moe ep2", "tp2 sp pp2:dualpipev moe"),  # experts ZeRO-3 over edp=4
+    ("tp2 sp pp2:dualpipev moe", "dp4 z3 moe ep4"),
+    ("dp2 z3 tp2 rc", "pp2:zb-h1 rcs"),
+    ("pp2:dualpipe", "dp4 rc"),  # DualPipe's two copies -> one
     ("z2 cp2:allgather", "tp2 pp2:dualpipe cp2:ring"),
-    ("pp2:zb-h2 rc", "z1 pp4:zb-h1 cp2:ring"),
-    ("dp4 z2 tp2 moe ep4 rc", "z1 tp2 sp pp2:zb-v cp2:ring moe"),
-    ("z3 cp2:ring moe ep2", "dp4 moe ep2"),
-    ("dp2 z1 pp2:zb-v moe ep2", "dp2 z2 tp2 sp moe"),
-    ("moe", "dp2 z1 pp2:dualpipev cp2:ring moe ep4"),  # 1 rank -> 8
-    ("z1 pp2:1f1b cp2:ring bf16", "pp2:gpipe bf16"),
+    ("pp2:zb-h1 rcs", "z1 pp4:zb-h1 cp2:ring rc"),
+    ("dp4 z1 tp2 moe ep4 rcs", "z1 tp2 sp pp2:zb-v cp2:ring moe ep2"),
+    ("z3 cp2:ring moe ep2", "pp2:1f1b moe"),
+    ("dp2 z1 pp2:zb-v moe ep2", "z2 tp2 cp2:allgather moe ep2"),
+    ("moe", "dp4 z1 pp2:zb-v moe ep4"),  # 1 rank -> 8
+    ("z1 pp2:dualpipev cp2:allgather bf16", "tp2 sp pp4:dualpipe bf16"),
 )
 SOURCES = {src for src, _ in ROUND_TRIPS}
 

@@ -160,9 +160,11 @@ def test_valid_pipeline_config_passes_and_picks_two_stages_per_rank_for_v():
 # --- parity: every schedule, pp 2 and 4, m 4 and 8 ------------------------------------------
 
 STEPS = "train.steps=2"
-# every registered schedule where it accepts (pp, m): dualpipev needs m >= 2pp-1
+# every registered schedule where it accepts (pp, m): dualpipev needs m >= 2pp-1; pp=2
+# with m=4 is the parity matrix's (tests/test_matrix.py: every schedule at pp2, m4)
 CASES = [(s, pp, m) for s in SCHEDULE_NAMES for pp in (2, 4) for m in (4, 8)
-         if not validate_schedule_request(s, pp, m, natural_virtual_stages(s, None))]
+         if not validate_schedule_request(s, pp, m, natural_virtual_stages(s, None))
+         and (pp, m) != (2, 4)]
 
 
 @pytest.mark.parametrize("schedule, pp, m", CASES)
@@ -176,22 +178,7 @@ def test_schedule_parity(schedule, pp, m):
         assert o["grad_norms"] == pytest.approx(outs[0]["grad_norms"], rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
-def test_pp2_dp2_parity(schedule):
-    sets = ("model.n_layers=4", STEPS, "parallel.pp=2", "parallel.dp=2",
-            f"parallel.schedule={schedule}", "parallel.microbatches=2")
-    outs = run_layout(*sets)
-    # ranks 0, 1 are one pipeline (pp is inner to dp); 2, 3 the other replica
-    assert_parity(merge_ranks(outs[:2]), reference("model.n_layers=4", STEPS))
-    assert_parity(merge_ranks(outs[2:]), reference("model.n_layers=4", STEPS))
-
-
-def test_pp2_dp2_zero1_parity():
-    sets = ("model.n_layers=4", STEPS, "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
-            "parallel.schedule=zb-h1", "parallel.microbatches=2")
-    outs = run_layout(*sets)
-    for replica in (outs[:2], outs[2:]):
-        assert_parity(merge_ranks(replica), reference("model.n_layers=4", STEPS))
+# pp2 x dp2 (with and without ZeRO-1): the parity matrix's dp x pp rows
 
 
 def test_one_stage_runtime_is_gradient_accumulation():

@@ -51,22 +51,8 @@ def _check(name, outs, replicas=1):
     assert MAX_ERRORS[name] <= MAX_PARAM_ERROR, (name, MAX_ERRORS[name], MAX_PARAM_ERROR)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_pp2_tp2_1f1b_parity(sp):
-    outs = run_layout(LAYERS, STEPS, "parallel.pp=2", "parallel.tp=2", f"parallel.sp={sp}",
-                      "parallel.schedule=1f1b", "parallel.microbatches=4")
-    _check(f"pp2 tp2 sp={sp} 1f1b", outs)
-
-
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipe"])
-def test_pp2_tp2_split_and_two_stage_schedules_parity(schedule):
-    # I/W split through autograd: TP's collectives (region backward, SP gain all-reduce)
-    # run in I or W identically on every tp rank of the stage. zb-v holds the first and
-    # the last stage on one rank; dualpipe two copies of each block (gradients summed
-    # between mirror ranks of the same tp coordinate)
-    outs = run_layout(LAYERS, STEPS, "parallel.pp=2", "parallel.tp=2", "parallel.sp=true",
-                      f"parallel.schedule={schedule}", "parallel.microbatches=4")
-    _check(f"pp2 tp2 sp {schedule}", outs)
+# pp2 x tp2 (+SP) under every schedule: rows of the parity matrix (tests/test_matrix.py
+# pairs every schedule with tp2 and tp2+SP); here the 8-rank dp x pp x tp layout
 
 
 def test_dp2_pp2_tp2_zero1_parity():
