@@ -44,7 +44,7 @@ from plait.train.data import TokenFile
 from plait.train.loop import full_state, train
 
 ROOT = Path("/tmp/plait-tests/matrix")
-# (source row, destination row): save after step 1 in one layout, train steps 2-3 in the
+# (source row, destination row): save after step 1 in one layout, train step 2 in the
 # other; sources and destinations of different worlds, meshes, ZeRO stages and schedules
 ROUND_TRIPS = (
     ("dp4 z3 cp2:ring moe ep2", "tp2 sp pp2:dualpipev moe"),  # experts ZeRO-3 over edp=4
@@ -170,8 +170,10 @@ def test_row_memory_equals_the_eager_model(row):
 
 @pytest.mark.parametrize("src, dst", ROUND_TRIPS, ids=[f"{a} -> {b}" for a, b in ROUND_TRIPS])
 def test_round_trip_continues_within_parity(src, dst):
-    """Save after step 1 in one row's layout, resume in another's for steps 2-3: the
-    stitched run equals the single-process run at the looser of the two rows' bounds."""
+    """Save after step 1 in one row's layout, resume in another's for step 2 (Adam's
+    moments, the step count and the schedule's position all come from the checkpoint):
+    the stitched run equals the single-process run at the looser of the two rows'
+    bounds."""
     first = row_run(src)
     sets = row_sets(dst)
     resumed = run_row(tuple(s for s in sets if s != "train.memory_step=1"),
