@@ -122,3 +122,23 @@ def assert_memory_matches(measured: dict, total: int, pred: dict, where: str,
     split = all(abs(measured[cat] - sum(pred[n] for n in names))
                 <= max(rel * measured[cat], MEMORY_SLACK) for cat, names in MEMORY_CATS.items())
     assert split, f"{where}: measured {measured} (total {total}); predicted peak {pred}"
+
+
+def data_windows(cfg: Config) -> int:
+    """seq_len windows of the test token file: the loader's permutation the eager model
+    counts (nothing else is left out)."""
+    return (len(TokenFile.open(token_file())) - 1) // cfg.train.seq_len
+
+
+def assert_ranks_memory_match(outs: list[dict], cfg: Config, where: str) -> None:
+    """Every rank's measured peak (`train.memory_step=1`) against the eager model of its
+    pipeline rank (mesh order tp, cp, pp, dp: innermost first)."""
+    from plait.plan.eager import eager_memory_by_rank
+
+    by_pp = eager_memory_by_rank(cfg, data_windows(cfg))
+    stride = cfg.parallel.tp * cfg.parallel.cp
+    for rank, out in enumerate(outs):
+        mem = out["metrics"][1]["memory"]
+        assert_memory_matches(mem["peak"], mem["peak_total"],
+                              by_pp[(rank // stride) % cfg.parallel.pp], f"{where} rank {rank}")
+

@@ -51,8 +51,6 @@ def memory_cell(row: str) -> str:
     why = not_covered(config(*T.row_sets(row)))
     if why is not None:  # its first clause: what it does not follow
         return "refused: " + why.split(";")[0]
-    if row in T.MEMORY_GAPS:
-        return "**gap**: " + T.MEMORY_GAPS[row].split(":")[0]
     return "within 5 %"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    assert_memory_matches,
+    assert_ranks_memory_match,
     batches_for,
     config,
     initial_params,
@@ -38,9 +38,8 @@ from plait.checkpoint import Checkpointing
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.plan import estimate_config
-from plait.plan.eager import eager_memory_by_rank, not_covered
+from plait.plan.eager import not_covered
 from plait.testing import assert_parity, merge_ranks, run_ranks
-from plait.train.data import TokenFile
 from plait.train.loop import full_state, train
 
 ROOT = Path("/tmp/plait-tests/matrix")
@@ -144,28 +143,12 @@ def test_row_equals_the_single_process_run(row):
     assert all(o["losses"] == outs[0]["losses"] for o in outs)
 
 
-# rows the eager model claims to cover and misses (strict: fixing the model fails them);
-# none today (the last, ZeRO-3 at one sequence a micro-batch, was fixed: the moment its
-# gradients are flattened)
-MEMORY_GAPS: dict[str, str] = {}
-
-
-@pytest.mark.parametrize("row", [
-    pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=MEMORY_GAPS[r]))
-    if r in MEMORY_GAPS else r for r in ROWS if "train.memory_step=1" in row_sets(r)])
+@pytest.mark.parametrize("row", [r for r in ROWS if "train.memory_step=1" in row_sets(r)])
 def test_row_memory_equals_the_eager_model(row):
     """Peak live bytes per rank and by category at the peak within 5 % of the planner's
-    eager model (tests/helpers.py, assert_memory_matches); the rows it does not cover
+    eager model (tests/helpers.py, assert_ranks_memory_match); the rows it does not cover
     are in docs/parity.md with its reason (plait.plan.eager.not_covered)."""
-    outs = row_run(row)
-    cfg = config(*row_sets(row))
-    windows = (len(TokenFile.open(token_file())) - 1) // cfg.train.seq_len
-    by_pp = eager_memory_by_rank(cfg, windows)
-    stride = cfg.parallel.tp * cfg.parallel.cp  # mesh order tp, cp, pp, dp
-    for rank, out in enumerate(outs):
-        mem = out["metrics"][1]["memory"]
-        assert_memory_matches(mem["peak"], mem["peak_total"],
-                              by_pp[(rank // stride) % cfg.parallel.pp], f"{row} rank {rank}")
+    assert_ranks_memory_match(row_run(row), config(*row_sets(row)), row)
 
 
 @pytest.mark.parametrize("src, dst", ROUND_TRIPS, ids=[f"{a} -> {b}" for a, b in ROUND_TRIPS])

@@ -32,7 +32,9 @@ def _grads(module):
     return {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
-def test_iw_split_equals_plain_backward_on_a_block():
+def _block_after_a_plain_backward():
+    """A tiny block, its input and output gradient, and the weight gradients of one plain
+    backward (the block's .grad cleared again for the split run)."""
     cfg = PRESETS["tiny"]
     torch.manual_seed(0)
     block = Block(cfg)
@@ -40,8 +42,14 @@ def test_iw_split_equals_plain_backward_on_a_block():
     x = torch.randn(2, 16, cfg.dim, requires_grad=True)
     g = torch.randn(2, 16, cfg.dim)
     block(x, pos).backward(g)
-    plain_x, plain = x.grad.clone(), _grads(block)
+    plain = _grads(block)
     block.zero_grad(set_to_none=True)
+    return block, pos, x, g, plain
+
+
+def test_iw_split_equals_plain_backward_on_a_block():
+    block, pos, x, g, plain = _block_after_a_plain_backward()
+    plain_x = x.grad.clone()
 
     cap = OutputCapture(block)
     x2 = x.detach().clone().requires_grad_()
@@ -62,15 +70,7 @@ def test_between_i_and_w_only_what_w_reads_is_held():
     """SavedStore: after I a block keeps the linears' inputs, the norms' normalised values
     and the output gradients, not attention's or SwiGLU's tensors; W's gradients are
     those of a plain backward, and after W nothing of the forward is left."""
-    cfg = PRESETS["tiny"]
-    torch.manual_seed(0)
-    block = Block(cfg)
-    pos = Positions(None, *rope_tables(cfg.head_dim, 16, cfg.rope_theta))
-    x = torch.randn(2, 16, cfg.dim, requires_grad=True)
-    g = torch.randn(2, 16, cfg.dim)
-    block(x, pos).backward(g)
-    plain = _grads(block)
-    block.zero_grad(set_to_none=True)
+    block, pos, x, g, plain = _block_after_a_plain_backward()
     cap, store = OutputCapture(block), SavedStore()
     x2 = x.detach().clone().requires_grad_()
     with MemoryTracker(new_only=True) as live:

@@ -7,11 +7,9 @@ measures during `train.memory_step`. One cost model: the prediction is
 """
 
 import pytest
-from helpers import assert_memory_matches, config, run_layout, token_file
+from helpers import assert_ranks_memory_match, config, data_windows, run_layout, token_file
 
 from plait.plan import predict_memory
-from plait.plan.eager import eager_memory_by_rank
-from plait.train.data import TokenFile
 
 MEASURE = ["train.memory_step=1", "train.steps=2"]
 # the loader's permutation is passed in (data_windows); nothing else is left out
@@ -54,17 +52,10 @@ def test_predicted_peak_equals_measured(name):
     sets = [*LAYOUTS[name], *MEASURE]
     cfg = config(*sets)
     outs = run_layout(*sets)
-    windows = (len(TokenFile.open(token_file())) - 1) // cfg.train.seq_len
-    by_pp = eager_memory_by_rank(cfg, windows)
-    stride = cfg.parallel.tp * cfg.parallel.cp  # mesh order tp, cp, pp, dp (innermost first)
-    for rank, out in enumerate(outs):
-        mem = out["metrics"][1]["memory"]
-        pp_rank = (rank // stride) % cfg.parallel.pp
-        assert_memory_matches(mem["peak"], mem["peak_total"], by_pp[pp_rank],
-                              f"{name} rank {rank}")
+    assert_ranks_memory_match(outs, cfg, name)
     # predict_memory(kernels="eager") is the most loaded rank's
     top = max(o["metrics"][1]["memory"]["peak_total"] for o in outs)
-    assert predict_memory(cfg, "eager", windows)["total"] == pytest.approx(top, rel=0.05)
+    assert predict_memory(cfg, "eager", data_windows(cfg))["total"] == pytest.approx(top, rel=0.05)
 
 
 def test_plait_report_on_a_metrics_file(tmp_path, capsys):

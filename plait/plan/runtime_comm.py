@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import comm
+from plait.plan import comm, memory
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.shape import Shape
 
 if TYPE_CHECKING:
     from plait.plan.estimate import Layout, Training, _Basis
+
 
 def chains(sched: str) -> int:
     """Pipeline chains: DualPipe runs each micro-batch through one of its two."""
@@ -59,21 +60,23 @@ def layer_visits(b: _Basis) -> Num:
     return b.rank_layers * b.m / chains(b.sched)
 
 
-def _per_layer(moe: bool, sp: bool, full: bool, split: bool) -> dict[str, int]:
+def _per_layer(moe: bool, sp: bool, recomputed: bool, split: bool) -> dict[str, int]:
     """tp collectives of one layer and micro-batch by op (module docstring). `split`: an
     I/W-split schedule, whose I step reruns the stage's whole forward (no early stop)."""
-    pairs_fwd = 1 if moe else 2  # attention's (and a dense MLP's)
-    replay = pairs_fwd if full and split else 0
+    pairs = 1 if moe else 2  # attention's (and a dense MLP's) forward pair
+    if not recomputed:
+        replay_first = replay_second = 0
+    elif split:
+        replay_first = replay_second = pairs
+    else:  # early stop: a dense block's last collective (the MLP's second) is not redone
+        replay_first, replay_second = pairs, pairs - (0 if moe else 1)
     if not sp:
-        return {"all-reduce": 2 * pairs_fwd + (replay or (1 if full else 0))}
-    replay_ag = pairs_fwd if full else 0
-    replay_rs = replay or ((1 if moe else pairs_fwd - 1) if full else 0)
-    return {"all-gather": 2 * pairs_fwd + replay_ag, "reduce-scatter": 2 * pairs_fwd + replay_rs}
+        return {"all-reduce": 2 * pairs + replay_second}
+    return {"all-gather": 2 * pairs + replay_first, "reduce-scatter": 2 * pairs + replay_second}
 
 
-def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
-                   moe_params: Num) -> list[comm.Collective]:
-    """`moe_params`: one MoE layer's parameters on a rank (router, shared, local experts)."""
+def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
+                   b: _Basis) -> list[comm.Collective]:
     if not np.any(b.tp > 1):
         return []
     intra = comm.intra_node(1, b.tp, cluster.gpus_per_node)
@@ -85,10 +88,10 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     spec = schedule_spec(b.sched)
     # plait's selective recomputes the tp collectives too (non-matmul ops: the policy saves
     # matmul outputs only), up to the same early stop: measured equal to full's replays
-    full = lay.runtime_mode() != "none"
-    per = _per_layer(shape.moe, sp, full, spec.split_backward)
+    recomputed = lay.runtime_mode() != "none"
+    per = _per_layer(shape.moe, sp, recomputed, spec.split_backward)
     # an I/W-split schedule's recomputed forward also reruns the head's and the loss's
-    rerun = 1.0 if full and spec.split_backward else 0.0
+    rerun = 1.0 if recomputed and spec.split_backward else 0.0
     # the head (and the loss) sit on the last rank, or on rank 0 with the embedding (V
     # shapes), or everything on the one rank without a pipeline: the most loaded rank
     embed = np.where((b.pp == 1) | spec.head_on_first_rank, 1.0, 0.0)
@@ -109,8 +112,8 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
         g = shape.hidden * b.e  # two norms a layer, the final one on the head rank
         add("all-reduce (SP norm gains' grads)", g, 2 * visits + m,
             comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
-        if shape.moe:  # one call per MoE weight; size: all of a layer's
-            g = moe_params * b.e
+        if shape.moe:  # one call per MoE weight; size: all of a layer's on this rank
+            g = (shape.dense_mlp_params() + shape.expert_params() / b.ep) * b.e
             add("all-reduce (SP MoE weights' grads)", g, visits,
                 comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
     else:
@@ -128,8 +131,6 @@ def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: _Basi
     """DualPipe's swap of the two copies' gradients with the mirror rank: every gradient
     the rank holds, in the compute dtype, once a step (a send; the receive is the
     mirror's send)."""
-    from plait.plan import memory
-
     _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)

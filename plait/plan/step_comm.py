@@ -49,9 +49,7 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
     # the collectives listed are the runtime's (plait/plan/runtime_comm.py); the time above
     # keeps Megatron's count, on which the step-time model was calibrated
-    moe_layer = (shape.dense_mlp_params() + shape.expert_params() / b.ep
-                 + 2 * shape.hidden) if shape.moe else 0.0
-    colls.extend(tp_collectives(shape, cluster, lay, eff, b, moe_layer - 2 * shape.hidden))
+    colls.extend(tp_collectives(shape, cluster, lay, eff, b))
     # the recomputed forward's exchanges (plait's full and selective both redo attention
     # and the all-to-alls)
     replay = 0 if lay.runtime_mode() == "none" else 1
@@ -125,10 +123,11 @@ def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
     middle rank, one fewer at pp = 2 (both ranks are ends); V shapes (stages r and
     2pp-1-r on rank r): the turn is local, 2 each way in the middle, 1 at pp = 2;
     DualPipe: each micro-batch runs one chain, like v = 1."""
-    two = np.asarray(pp) == 2
-    if schedule_spec(sched).head_on_first_rank and schedule_spec(sched).chains == 1:
+    spec, two = schedule_spec(sched), np.asarray(pp) == 2
+    if spec.chains > 1:
+        v = 1.0
+    elif spec.head_on_first_rank:  # V shape
         return np.where(two, 2.0, 4.0)
-    v = 1.0 if schedule_spec(sched).chains > 1 else v
     return 2.0 * v - np.where(two, 1.0, 0.0)
 
 
