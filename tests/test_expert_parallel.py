@@ -219,19 +219,17 @@ def _check(outs: list[dict], *model_sets: str, precision: str = "fp32",
         assert other["losses"] == outs[0]["losses"]
 
 
+# ep with ZeRO-3 at dp=4, SP, pp (every schedule but DualPipe, whose two copies refuse the
+# bias), cp and recompute: tests/test_matrix.py's rows (the same MoE block, bias balancing
+# on: `dp4 z3 moe ep4`, `dp2 z1 tp2 sp moe ep2 rcs`, `dp2 z1 pp2:zb-v moe ep2`,
+# `z1 tp2 sp pp2:1f1b cp2:ring moe ep2`, `z3 cp2:ring moe ep2`, `dp2 z2 moe ep2 bf16 rc`)
 LAYOUTS = [
     ["parallel.dp=2", "parallel.ep=2"],
     ["parallel.dp=4", "parallel.ep=4"],
     ["parallel.dp=4", "parallel.ep=2"],
     ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"],
-    ["parallel.dp=4", "parallel.ep=4", "parallel.zero=3"],
     ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "parallel.microbatches=2"],
     ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
-    ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
-    ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=1f1b"],
-    ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.schedule=zb-v"],
-    ["parallel.dp=2", "parallel.ep=2", "parallel.cp=2"],
-    ["parallel.dp=2", "parallel.ep=2", "train.recompute=full"],
     # one row per (token, destination rank); gates applied where the experts are
     ["parallel.dp=4", "parallel.ep=4", "parallel.ep_dispatch=token"],
     ["parallel.dp=4", "parallel.ep=2", "parallel.ep_dispatch=token", "parallel.zero=3"],
@@ -252,9 +250,9 @@ def test_parity(layout):
 NO_BIAS = [x for x in M if not x.startswith("model.bias_update_rate")]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb-h1", "dualpipev",
-                                      "dualpipe"])
-def test_parity_every_other_schedule(schedule):
+# the other schedules with ep2: tests/test_matrix.py (every schedule meets MoE there, but
+# DualPipe only here, without the bias)
+def test_parity_dualpipe(schedule="dualpipe"):
     _check(_run(*NO_BIAS, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
                 f"parallel.schedule={schedule}", "parallel.microbatches=4"), *NO_BIAS,
            bias_moves=False)

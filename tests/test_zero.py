@@ -6,9 +6,10 @@ from helpers import initial_params, reference, run_layout
 from plait.testing import assert_parity, run_ranks
 
 
+# dp=4 with every stage: tests/test_matrix.py's rows (dp4 z1 / z2 / z3); here the
+# accumulated micro-batches with clipping active
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("dp", [2, 4])
-def test_parity_with_accumulation_and_clipping(stage, dp):
+def test_parity_with_accumulation_and_clipping(stage, dp=2):
     outs = run_layout(f"parallel.dp={dp}", f"parallel.zero={stage}", "parallel.microbatches=2")
     assert all(m["grad_norm"] > 0.5 for m in outs[0]["metrics"])  # clipping is active
     for out in outs:  # every rank gathers the same full parameters
