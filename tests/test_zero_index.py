@@ -126,9 +126,11 @@ def _sizes(shapes: dict) -> dict:
     return {n: (torch.Size(sh), dt) for n, (sh, dt) in shapes.items()}
 
 
-@pytest.mark.parametrize("dp", [2, 3, 4])
+@pytest.mark.parametrize("dp", [2, 3])
 def test_index_covers_each_element_once_and_reads_the_state(dp):
-    """Stages 1-3 x fp32/bf16 x AdamW/SGD; dp=3 pads the units (padding must not appear)."""
+    """Stages 1-3 x fp32/bf16 x AdamW/SGD; dp=3 pads the units (padding must not appear)
+    and has a middle rank, so dp=2 and 3 hold every case dp=4 would (the checkpoint round
+    trips of tests/test_matrix.py read the index at dp=4)."""
     token_file()  # made once in the parent, before the ranks fork
     runs = [_sets(dp, *combo) for combo in COMBOS]
     outs = run_ranks(_probe, dp, runs)
