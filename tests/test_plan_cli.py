@@ -152,3 +152,14 @@ def test_recompute_none_fits_where_the_flash_model_says():
                                                                 rel=1e-12)
     assert not math["fits"]
     assert flash["flops_per_step"]["hardware"] == flash["flops_per_step"]["model"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_time_breakdown_sums_to_the_step(recompute):
+    """Each mode's recomputation is in the breakdown once (the replayed tp collectives in
+    "tp comm", the rest in "recompute"), so the terms add up to the step time."""
+    rc, out = plan(*EXAMPLE, "--recompute", recompute)
+    lay = json.loads(out)["layouts"][0]
+    assert rc == 0 and lay["recompute"] == recompute
+    assert sum(lay["time_breakdown_s"].values()) == pytest.approx(lay["step_time_s"], rel=1e-9)
+    assert (lay["time_breakdown_s"]["recompute"] > 0) == (recompute != "none")

@@ -160,9 +160,11 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
 
 def recompute_time(lay: Layout, lt: LayerTimes, f_layer: Num) -> Num:
     """Seconds one layer's backward adds by recomputing, of exactly what `lay.recompute`
-    drops (compute.recomputed_flops_per_token counts the same): full its forward (with
-    its collectives, `f_layer`); selective with math the attention core; selective with
-    flash the groups of plait's policy, the element-wise ops always."""
+    drops (compute.recomputed_flops_per_token counts the same FLOPs): full its forward
+    (with its exchanges, `f_layer`); selective with math the attention core; selective with
+    flash the groups of plait's policy, the element-wise ops always, and with them the
+    forward's exchanges (a collective is an element-wise op to the policy: the runtime
+    re-issues them, docs/recompute.md)."""
     if lay.recompute == "full":
         return f_layer
     if lay.recompute != "selective":
@@ -170,7 +172,8 @@ def recompute_time(lay: Layout, lt: LayerTimes, f_layer: Num) -> Num:
     if lay.attention == "math":
         return lt.attn_fwd
     ops = lay.recompute_ops
-    return (lt.elementwise_fwd + lt.attn_fwd * ("attention" in ops)
+    exchanges = f_layer - lt.forward
+    return (lt.elementwise_fwd + exchanges + lt.attn_fwd * ("attention" in ops)
             + lt.gemm_fwd * ("matmul" in ops))
 
 
@@ -308,7 +311,9 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
         "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
         * b.rank_layers * m,
-        "recompute": m * cpr * b.chunk_layers * recompute_time(lay, lt, ct.f_layer),
+        # the replayed tp collectives are in "tp comm" (its count has them): not twice
+        "recompute": m * cpr * b.chunk_layers * (recompute_time(lay, lt, ct.f_layer) - (
+            0.0 if lay.runtime_mode() == "none" else TP_COLLECTIVES_FWD * lc.t_ar)),
         "pipeline bubble + p2p": np.maximum(pipe - busy, 0.0),
         "dp comm (exposed)": dp_exposed,
         "optimizer step": t_opt,
