@@ -106,3 +106,60 @@ def test_layout_that_does_not_fit_says_so():
     rc, out = plan("--model", "llama3-70b", "--gpus", "8", "--global-batch", "8",
                    "--layout", "tp=8,pp=1,dp=1", "--zero", "0")
     assert rc == 0 and "does NOT fit" in out
+
+
+def test_help_explains_attention_and_recompute_in_one_line_each():
+    plan_parser = add_parser(argparse.ArgumentParser(prog="plait").add_subparsers())
+    actions = {a.dest: a for a in plan_parser._actions}
+    for dest, choices, default in (("attention", ("flash", "math"), "flash"),
+                                   ("recompute", ("none", "selective", "full"), "none")):
+        act = actions[dest]
+        assert tuple(act.choices) == choices and act.default == default
+        assert "\n" not in act.help and act.help.count(". ") == 0  # one line, one sentence
+        assert all(c in act.help for c in choices) and "default" in act.help
+    assert "log-sum-exp" in actions["attention"].help
+    assert "probabilities" in actions["attention"].help
+    assert "plait train" in actions["recompute"].help  # the runtime's list, its default
+
+
+# the issue-20 example: a Llama 70B layout that fits with flash attention and no recompute
+EXAMPLE = ("--model", "llama3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--global-batch",
+           "64", "--layout", "tp=8,pp=2,dp=4", "--json")
+
+
+def test_recompute_none_fits_where_the_flash_model_says():
+    from plait.plan.memory import layer_activations
+    from plait.plan.shape import from_preset
+
+    docs = {}
+    for attention in ("flash", "math"):
+        rc, out = plan(*EXAMPLE, "--recompute", "none", "--attention", attention)
+        assert rc == 0, out
+        docs[attention] = json.loads(out)
+    flash, math = (docs[k]["layouts"][0] for k in ("flash", "math"))
+    assert docs["flash"]["attention"]["kernel"] == "flash" and flash["attention"] == "flash"
+    assert flash["recompute"] == "none" and math["attention"] == "math"
+    # 1F1B at pp = 2: the first rank holds 2 micro-batches of its 40 layers in flight
+    sh = from_preset("llama3-70b")
+    per_layer = {k: float(layer_activations(sh, 1, 8, 1, True, "none", attention=k))
+                 for k in ("flash", "math")}
+    assert flash["memory_peak_rank"] == "first"
+    assert flash["memory_bytes"]["activations"] == pytest.approx(2 * 40 * per_layer["flash"],
+                                                                 rel=1e-12)
+    assert flash["fits"] and flash["memory_total_bytes"] <= 0.9 * 80e9
+    # the materialised probabilities (the old `none`) do not fit
+    assert math["memory_bytes"]["activations"] == pytest.approx(2 * 40 * per_layer["math"],
+                                                                rel=1e-12)
+    assert not math["fits"]
+    assert flash["flops_per_step"]["hardware"] == flash["flops_per_step"]["model"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_time_breakdown_sums_to_the_step(recompute):
+    """Each mode's recomputation is in the breakdown once (the replayed tp collectives in
+    "tp comm", the rest in "recompute"), so the terms add up to the step time."""
+    rc, out = plan(*EXAMPLE, "--recompute", recompute)
+    lay = json.loads(out)["layouts"][0]
+    assert rc == 0 and lay["recompute"] == recompute
+    assert sum(lay["time_breakdown_s"].values()) == pytest.approx(lay["step_time_s"], rel=1e-9)
+    assert (lay["time_breakdown_s"]["recompute"] > 0) == (recompute != "none")

@@ -35,6 +35,7 @@ def plan(*argv: str) -> tuple[int, str]:
     ("4", "pp=2,dp=2", ("--schedule", "interleaved", "--virtual-stages", "2", "--zero", "1",
                         "--model", "small"), {"virtual_stages": 2, "zero": 1}),
     ("2", "cp=2", ("--recompute", "full"), {"cp": 2}),
+    ("2", "tp=2", ("--recompute", "selective", "--zero", "0"), {"tp": 2}),
 ])
 def test_emitted_config_loads_and_validates(tmp_path, gpus, layout, extra, want):
     path = tmp_path / "run.toml"
@@ -45,7 +46,9 @@ def test_emitted_config_loads_and_validates(tmp_path, gpus, layout, extra, want)
     assert cfg.parallel.world_size == int(gpus)
     got = {**vars(cfg.parallel), **{k: getattr(cfg.train, k) for k in ("recompute",)}}
     assert {k: got[k] for k in want} == want
-    assert cfg.train.recompute == ("full" if "full" in extra else "none")
+    # one meaning of each mode in plan and train (selective with flash: the runtime's list)
+    asked = dict(zip(extra[::2], extra[1::2])).get("--recompute", "none")
+    assert cfg.train.recompute == asked
     side = json.loads((tmp_path / "run.plan.json").read_text())
     assert side["layout"]["layout"][layout.split("=")[0]] == int(layout.split("=")[1][0])
     assert tomllib.loads(path.read_text())["parallel"]["dp"] == cfg.parallel.dp
@@ -69,6 +72,9 @@ def test_unrunnable_layout_refused_and_nothing_written(tmp_path):
     rc, out = plan(*TINY, "--arch", "gpt", "--gpus", "2", "--layout", "dp=2", "--emit-config",
                    str(path))
     assert rc == 2 and "builds the llama block only" in out
+    rc, out = plan(*TINY, "--attention", "math", "--gpus", "2", "--layout", "dp=2",
+                   "--emit-config", str(path))
+    assert rc == 2 and "runtime attention is SDPA" in out
     assert list(tmp_path.iterdir()) == []
 
 

@@ -23,9 +23,11 @@ from dataclasses import replace
 import pytest
 
 from plait.model.presets import PRESETS
+from plait.model.recompute import Recompute, extra_forward_flops_per_token
+from plait.model.recompute_settings import DEFAULT_OPS
 from plait.plan.calibration import EFFICIENCY
 from plait.plan.cli import add_parser, run
-from plait.plan.compute import model_flops_per_token
+from plait.plan.compute import model_flops_per_token, recomputed_flops_per_token
 from plait.plan.estimate import Layout, Training, evaluate
 from plait.plan.hardware import GPUS, Cluster
 from plait.plan.shape import Shape, from_model_config, gpt_shape
@@ -40,9 +42,12 @@ def plan(*argv: str) -> tuple[int, str]:
     return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
 
 
-def step_flops(shape: Shape, batch: int, recompute: str) -> tuple[float, float]:
+def step_flops(shape: Shape, batch: int, recompute: str, attention: str = "math"
+               ) -> tuple[float, float]:
+    """Model and hardware FLOPs of a step (the GPT runs' math kernel by default)."""
     est = evaluate(shape, Cluster(GPUS["a100-80gb"], 64), Training(batch),
-                   Layout(tp=8, pp=8, dp=1, mbs=1, recompute=recompute), EFFICIENCY)
+                   Layout(tp=8, pp=8, dp=1, mbs=1, recompute=recompute, attention=attention),
+                   EFFICIENCY)
     return float(est.extra["model_flops"]), float(est.extra["hardware_flops"])
 
 
@@ -106,6 +111,39 @@ def test_planner_counts_equal_the_runtime_model(name, dense):
     shape = from_model_config(cfg, 512)
     assert shape.num_params() == cfg.num_params()
     assert model_flops_per_token(shape) == pytest.approx(cfg.flops_per_token(512), rel=REL)
+
+
+RUNTIME_OPS = [("attention", "elementwise"), ("elementwise",), ("matmul", "elementwise")]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa", "llama3-8b", "llama3-70b"])
+@pytest.mark.parametrize("mode,ops", [("selective", o) for o in RUNTIME_OPS] + [("full", ())])
+def test_recomputed_flops_are_the_runtimes_list(name, mode, ops):
+    """With flash attention the planner's recompute costs exactly the forward FLOPs of what
+    the runtime's policy recomputes (plait/model/recompute.py's count, whole-B schedules);
+    the math kernel computes the full masked matrix, so it adds the other causal half."""
+    cfg, s = PRESETS[name], 1024
+    shape = from_model_config(cfg, s)
+    rec = Recompute.of(mode, ops or DEFAULT_OPS)
+    want = extra_forward_flops_per_token(cfg, s, rec)
+    ops = ops or DEFAULT_OPS
+    assert recomputed_flops_per_token(shape, mode, "flash", ops) == pytest.approx(want, rel=REL)
+    assert recomputed_flops_per_token(shape, "none", "flash", ops) == 0.0
+    core_half = cfg.n_layers * 2 * s * cfg.dim  # causal: 4 s h / 2 per token and layer
+    if mode == "full":
+        assert recomputed_flops_per_token(shape, mode, "math") == pytest.approx(
+            want + core_half, rel=REL)
+    else:  # Korthikanti's selective: the (full) attention core only
+        assert recomputed_flops_per_token(shape, mode, "math") == pytest.approx(
+            2 * core_half, rel=REL)
+    # hardware FLOPs per step: the model FLOPs (the llama block's causal convention) + the
+    # recomputation, both kernels; math executes the masked half three times more
+    B = 8
+    model, hw = step_flops(shape, B, mode, "flash")
+    assert hw == pytest.approx(model + B * s * recomputed_flops_per_token(
+        shape, mode, "flash"), rel=REL)
+    _, hw_math = step_flops(shape, B, "none", "math")
+    assert hw_math == pytest.approx(model + 3 * B * s * core_half, rel=REL)
 
 
 def test_dense_layers_on_the_first_stage():

@@ -35,8 +35,9 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
 
     Categories are the ledger's: parameters, gradients, optimizer states, activations
     (+ logits), communication buffers, and "total". The runtime's attention is SDPA, which
-    keeps no score matrix: in the planner's vocabulary its recompute "none" is
-    "selective" (scores recomputed), and "full" is "full".
+    keeps no score matrix: the fused model plans it with the flash kernel
+    (activations.RUNTIME_ATTENTION), and the config's recompute mode and recompute_ops
+    mean the same in both (shape.selective_terms is the runtime's selective list).
     The fused activation terms assume fused RMSNorm/SwiGLU kernels, which eager CPU code
     exceeds: compare a CPU run with kernels="eager".
     """
@@ -56,6 +57,7 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
 def estimate_config(cfg: Config) -> Estimate:
     """The planner's `evaluate` for the layout of a plait Config (memory, collectives)."""
     from plait.parallel.pipeline.registry import natural_virtual_stages
+    from plait.plan.activations import RUNTIME_ATTENTION
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
 
     p, t = cfg.parallel, cfg.train
@@ -64,7 +66,8 @@ def estimate_config(cfg: Config) -> Estimate:
     lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, mbs=cfg.micro_batch_size(),
                  schedule=p.schedule, v=natural_virtual_stages(p.schedule, p.virtual_stages),
                  zero=p.zero,
-                 recompute="full" if t.recompute == "full" else "selective", sp=p.sp,
-                 cp_mode=p.cp_mode, runtime_recompute=t.recompute)
+                 recompute=t.recompute, sp=p.sp, cp_mode=p.cp_mode,
+                 runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
+                 recompute_ops=tuple(t.recompute_ops))
     return evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
                     lay, EFFICIENCY, simulate=p.pp > 1)

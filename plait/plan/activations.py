@@ -39,9 +39,17 @@ the byte for tp 1, 2 and 2 + SP (tests/test_recompute.py).
 from __future__ import annotations
 
 from plait.model.presets import ModelConfig
-from plait.model.recompute_settings import DEFAULT_OPS, GROUPS
+from plait.model.recompute_settings import DEFAULT_OPS
+from plait.plan.shape import from_model_config, per_rank_bytes, selective_terms
 
 FP32 = 4
+# What plait's CPU runtime's attention keeps (plait/model/transformer.py calls
+# scaled_dot_product_attention): torch 2.13 on CPU dispatches it, causal or masked, MHA or
+# GQA (enable_gqa), fp32 or bf16, to `_scaled_dot_product_flash_attention_for_cpu`, which
+# saves q, k, v, the output and an fp32 log-sum-exp (b, a, s): the flash kernel's tensors,
+# no s x s probabilities (a bool mask, when given, is kept as an s x s fp32 tensor).
+# tests/test_plan_memory.py checks it on this torch.
+RUNTIME_ATTENTION = "flash"
 
 
 def kv_width_per_rank(cfg: ModelConfig, tp: int) -> int:
@@ -103,8 +111,7 @@ def layer_saved_bytes(cfg: ModelConfig, b: int, s: int, tp: int = 1, sp: bool = 
         return block_input
     if recompute != "selective":
         raise ValueError(f"recompute={recompute!r}; use none, selective or full")
-    h_t, f_t, a_t = h // t, cfg.ffn_dim // t, cfg.n_heads // t
-    k_t = kv_width_per_rank(cfg, t)
-    group = {"matmul": e * b * s * (h_t + 2 * k_t + h + 2 * f_t + h),
-             "attention": e * b * s * h_t + FP32 * b * a_t * s, "elementwise": 0}
-    return block_input + sum(group[g] for g in GROUPS if g not in ops)
+    # the runtime's list (plait/plan/shape.py, selective_terms: the planner's too), per rank
+    shape = from_model_config(cfg, s)
+    kept = selective_terms(shape, e, attention=RUNTIME_ATTENTION, ops=ops)[1:]
+    return block_input + int(sum(b * s * per_rank_bytes(term, shape, t, sp) for term in kept))

@@ -18,7 +18,9 @@ and checks they equal `EFFICIENCY`.
 Run configurations as the paper ran them: dp=1, no ZeRO (Megatron's fp32 gradient
 buffer: precision bf16-fp32grad), interleaved schedule where Calculon's validation input
 gives an interleave factor > 1; full-recompute runs without sequence parallelism (the
-paper's baseline), selective runs with it.
+paper's baseline), selective runs with it. The block is the paper's GPT block with the
+math attention kernel (`--arch gpt --attention math`: the score matrix materialised and
+computed in full, selective recompute dropping it), as Megatron ran it then.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def load_runs(data: dict[str, Any] | None = None) -> list[Run]:
                          ("selective", "iter_time_seq_par_plus_selective_s")):
             lay = Layout(tp=r["tp"], pp=r["pp"], dp=r["dp"], mbs=r["microbatch_size"],
                          schedule="interleaved" if v > 1 else "1f1b", v=v, zero=0,
-                         recompute=rec, sp=rec == "selective")
+                         recompute=rec, sp=rec == "selective", attention="math")
             runs.append(Run(f"{r['model']} {rec}", shape, cluster, train, lay, r[key]))
     return runs
 

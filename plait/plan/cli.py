@@ -39,7 +39,7 @@ from plait.plan.model_flags import (
 )
 from plait.plan.profile import base_gpu, hardware_of
 from plait.plan.search import PlanError, layout_problems, search
-from plait.plan.shape import Shape
+from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
 
@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="default adam")
     t.add_argument("--mem-limit", type=float, default=0.9,
                    help="usable fraction of HBM (default 0.9)")
+    t.add_argument("--attention", default="flash", choices=list(ATTENTION),
+                   help="attention kernel: flash (default: SDPA on GPUs and plait's CPU "
+                   f"runtime) {ATTENTION_HELP['flash']}; math {ATTENTION_HELP['math']} "
+                   "(Korthikanti et al.'s GPT runs: --arch gpt --attention math)")
     lay = p.add_argument_group("one layout (instead of searching)")
     lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
     lay.add_argument("--microbatch", type=int, default=1, metavar="N",
@@ -86,8 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="default 1f1b")
     lay.add_argument("--virtual-stages", type=int, default=1, metavar="N",
                      help="stages per rank for interleaved (default 1; the V schedules fix 2)")
-    lay.add_argument("--recompute", default="selective", choices=list(RECOMPUTE),
-                     help="default selective")
+    lay.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
+                     help="what backward computes again: none (nothing; default, as plait "
+                     "train), selective (math: the probabilities; flash: plait train's "
+                     "list, the attention core and element-wise ops, keeping the matmul "
+                     "outputs), full (all but each layer's input)")
     lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="default 1")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
     add_goodput_arguments(p)
@@ -140,7 +147,7 @@ def parse_layout(text: str, args: argparse.Namespace) -> Layout:
     if not spec.free_virtual_stages and spec.virtual_stages > 1:
         v = spec.virtual_stages  # the V schedules fix 2 per rank, whatever the flag says
     return Layout(**sizes, mbs=args.microbatch, schedule=args.schedule, v=v, zero=args.zero,
-                  recompute=args.recompute, sp=not args.no_sp)
+                  recompute=args.recompute, sp=not args.no_sp, attention=args.attention)
 
 
 def _num(x: Any) -> Any:
@@ -155,7 +162,7 @@ def to_dict(e: Estimate) -> dict[str, Any]:
         "layout": {k: _num(getattr(lay, k)) for k in ("tp", "pp", "dp", "cp", "ep")},
         "microbatch": _num(lay.mbs), "microbatches": _num(e.microbatches),
         "schedule": lay.schedule, "virtual_stages": _num(lay.v), "zero": lay.zero,
-        "recompute": lay.recompute, "sequence_parallel": lay.sp,
+        "recompute": lay.recompute, "attention": lay.attention, "sequence_parallel": lay.sp,
         "step_time_s": _num(e.step_time), "tokens_per_s": _num(e.tokens_per_s),
         "model_tflops_per_gpu": _num(e.model_tflops),
         "hardware_tflops_per_gpu": _num(e.hardware_tflops), "mfu": _num(e.mfu),
@@ -240,8 +247,8 @@ def flops_line(e: Estimate) -> str:
     """The step's FLOPs, both counts, saying what each counts (FLOP_DEFINITIONS in full)."""
     return (f"FLOPs per step: model {float(e.extra['model_flops']):.4g} (6N + attention, "
             "PaLM appendix B; causal kernels count half the scores), hardware "
-            f"{float(e.extra['hardware_flops']):.4g} (model + what recompute "
-            f"{e.layout.recompute} runs again).")
+            f"{float(e.extra['hardware_flops']):.4g} (what the {e.layout.attention} "
+            f"attention kernel executes + what recompute {e.layout.recompute} runs again).")
 
 
 def plot_memory(path: str, ests: list[Estimate]) -> None:
@@ -284,7 +291,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         def cost(e: Estimate) -> Any:  # seconds per useful step under failures
             return layout_goodput(e, shape, train, cluster.n_gpus, fail)[
                 "seconds_per_useful_step"]
-    res = search(shape, cluster, train, eff, top=args.top, cost=cost)
+    res = search(shape, cluster, train, eff, top=args.top, cost=cost, attention=args.attention)
     doc: dict[str, Any] = {"layouts_considered": res.considered,
                            "layouts_fitting": res.feasible}
     if cost:
@@ -310,7 +317,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         shape, cluster, train = build_inputs(args)
         header = (f"{shape.name}: {shape.num_params() / 1e9:.2f} B params, seq {shape.seq}; "
                   f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
-                  f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)")
+                  f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)"
+                  f"; attention {args.attention} ({ATTENTION_HELP[args.attention]})")
         fail = failures_from_args(args)
         ests, notes, doc = _choose(args, shape, cluster, train, fail, hardware_of(args)[1])
         gps = layouts_goodput(ests, shape, train, cluster.n_gpus, fail) if fail else None
@@ -339,7 +347,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         doc.update({"model": shape.name, "params": shape.num_params(), "gpus": cluster.n_gpus,
                     "gpu": cluster.gpu.name, "global_batch": train.global_batch,
                     "layouts": layouts, "explanation": notes,
-                    "shape": describe(shape), "flop_definitions": FLOP_DEFINITIONS})
+                    "shape": describe(shape), "flop_definitions": FLOP_DEFINITIONS,
+                    "attention": {"kernel": args.attention,
+                                  "assumes": ATTENTION_HELP[args.attention]}})
         (out or sys.stdout).write(json.dumps(doc, indent=1) + "\n")
     else:
         _print(console, shape, cluster, ests, notes, header)

@@ -3,8 +3,8 @@
 FLOPs (Narayanan et al. 2021, appendix; Korthikanti et al. 2022, section 6): a GEMM of
 m x k by k x n costs 2mkn; the backward pass costs twice the forward (input gradient and
 weight gradient, one GEMM each). Attention adds QK^T and PV, 2 * 2 * s * h per token
-forward. The GPT runs of the calibration set computed the full s x s score matrix and
-masked it; plait's block uses causal attention kernels that skip the masked half.
+forward. The math kernel computes the full s x s score matrix and masks it (the GPT runs
+of the calibration set did); flash kernels skip the masked half.
 
 Time: each GEMM at peak x efficiency(work), a saturating curve of the GEMM's FLOPs
     eff(W) = e_max * W / (W + W_half)
@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from plait.model.recompute_settings import DEFAULT_OPS
 from plait.plan.hardware import GPU
-from plait.plan.shape import Shape
+from plait.plan.shape import Shape, check_attention
 
 Num = Any
 
@@ -78,17 +79,23 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
     return out
 
 
-def causal_fraction(shape: Shape) -> float:
-    """Fraction of the s x s score matrix computed: 1 for the GPT runs (masked full
-    matrix), 1/2 for causal kernels."""
-    return 1.0 if shape.arch == "gpt" else 0.5
+def causal_fraction(shape: Shape, attention: str | None = None) -> float:
+    """Fraction of the s x s score matrix computed. A kernel's (`attention`): math computes
+    the full masked matrix (the GPT runs of the calibration set did), flash skips the
+    masked half. None: the model-FLOPs convention of the block, PaLM's full matrix for the
+    GPT block, half for the llama block's causal kernels (`ModelConfig.flops_per_token`)."""
+    if attention is None:
+        return 1.0 if shape.arch == "gpt" else 0.5
+    check_attention(attention)
+    return 1.0 if attention == "math" else 0.5
 
 
-def attention_core_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
+def attention_core_flops(shape: Shape, tokens: Num, tp: Num, attention: str | None = None
+                         ) -> Num:
     """QK^T and PV, forward: 2 * 2 * tokens * s * h / tp (queries of this rank against all s
-    keys, also under context parallelism)."""
+    keys, also under context parallelism), times the kernel's `causal_fraction`."""
     return 4 * np.asarray(tokens, dtype=float) * shape.seq * shape.hidden * causal_fraction(
-        shape) / np.asarray(tp, dtype=float)
+        shape, attention) / np.asarray(tp, dtype=float)
 
 
 def head_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
@@ -97,15 +104,20 @@ def head_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
         tp, dtype=float)
 
 
-def layers_forward_flops_per_token(shape: Shape) -> float:
-    """Forward FLOPs per token of all layers: weight GEMMs + attention core (an MoE
-    model's leading dense layers counted with their dense MLP)."""
-    def one(s: Shape) -> float:
-        return float(sum(f for _, f in layer_gemms(s, 1, 1)) + attention_core_flops(s, 1, 1))
-
+def _per_layer_types(shape: Shape) -> list[tuple[int, Shape]]:
+    """(count, shape) of the layer types: an MoE model's leading dense layers apart."""
     if not shape.moe or not shape.dense_layers:
-        return shape.layers * one(shape)
-    return shape.moe_layers * one(shape) + shape.dense_layers * one(shape.dense_version())
+        return [(shape.layers, shape)]
+    return [(shape.moe_layers, shape), (shape.dense_layers, shape.dense_version())]
+
+
+def layers_forward_flops_per_token(shape: Shape, attention: str | None = None) -> float:
+    """Forward FLOPs per token of all layers: weight GEMMs + attention core (an MoE
+    model's leading dense layers counted with their dense MLP); `attention` as in
+    causal_fraction (None: the model-FLOPs convention)."""
+    return sum(n * float(sum(f for _, f in layer_gemms(s, 1, 1))
+                         + attention_core_flops(s, 1, 1, attention))
+               for n, s in _per_layer_types(shape))
 
 
 def model_flops_per_token(shape: Shape) -> float:
@@ -119,14 +131,46 @@ def model_flops_per_token(shape: Shape) -> float:
     return 3 * (layers_forward_flops_per_token(shape) + head_flops(shape, 1, 1))
 
 
+def recomputed_flops_per_token(shape: Shape, recompute: str, attention: str,
+                               ops: tuple[str, ...] = DEFAULT_OPS) -> float:
+    """Forward FLOPs per token that `recompute` runs again, once per micro-batch, of
+    exactly what it drops: full the layers' forward; selective with the math kernel the
+    attention core (Korthikanti et al. 2022, sec. 5); selective with flash plait's
+    operator policy, the groups in `ops` (attention: the core; matmul: the weight GEMMs;
+    element-wise ops are memory-bound and not FLOPs), as the runtime's
+    `extra_forward_flops_per_token` counts for a whole-backward schedule."""
+    if recompute == "none":
+        return 0.0
+    if recompute == "full":
+        return layers_forward_flops_per_token(shape, attention)
+    core = shape.layers * float(attention_core_flops(shape, 1, 1, attention))
+    if attention == "math":
+        return core
+    gemms = sum(n * float(sum(f for _, f in layer_gemms(s, 1, 1)))
+                for n, s in _per_layer_types(shape))
+    return core * ("attention" in ops) + gemms * ("matmul" in ops)
+
+
+def hardware_flops_per_token(shape: Shape, recompute: str, attention: str,
+                             ops: tuple[str, ...] = DEFAULT_OPS) -> float:
+    """FLOPs per token the kernels execute: 3 x the forward with the kernel's share of the
+    score matrix, plus the recomputation (equal to the model FLOPs + recompute for the
+    block's own convention: gpt with math, llama with flash)."""
+    executed = 3 * (layers_forward_flops_per_token(shape, attention) + head_flops(shape, 1, 1))
+    return executed + recomputed_flops_per_token(shape, recompute, attention, ops)
+
+
 FLOP_DEFINITIONS = {
     "model": "model FLOPs (the MFU numerator, no recompute): 6 x matmul parameters per "
              "token + 3 x the attention core forward; PaLM's 6N + 12LHQT (Chowdhery et al. "
              "2022, appendix B) for the GPT block (full score matrix), its attention term "
              "halved for causal kernels (llama)",
-    "hardware": "hardware FLOPs: the model FLOPs plus what recompute runs again (full: the "
-                "layers' forward, Narayanan et al. 2021 eq. 3's 4 passes; selective: the "
-                "attention core forward)",
+    "hardware": "hardware FLOPs: what the kernels execute (the attention core at the "
+                "kernel's share of the score matrix: math the full masked matrix, flash "
+                "half) plus what recompute runs again (full: the layers' forward, Narayanan "
+                "et al. 2021 eq. 3's 4 passes; selective with math: the attention core "
+                "forward, Korthikanti et al. 2022 sec. 5; selective with flash: the groups "
+                "plait's policy recomputes, by default the attention core)",
 }
 
 
@@ -145,12 +189,14 @@ class LayerTimes:
 
 
 def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
-                saved_bytes: Num, peak_scale: float = 1.0, moe_split: Num = 1) -> LayerTimes:
+                saved_bytes: Num, peak_scale: float = 1.0, moe_split: Num = 1,
+                attention: str = "flash") -> LayerTimes:
     """Forward times of one layer; `saved_bytes` is what the layer saves without recompute
-    (memory.layer_activations with recompute='none'), the proxy for elementwise traffic."""
+    (memory.layer_activations with recompute='none'), the proxy for elementwise traffic
+    (with the math kernel it holds the probabilities written and read)."""
     gemms = layer_gemms(shape, tokens, tp, moe_split)
     g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
-    a_flops = attention_core_flops(shape, tokens, tp)
+    a_flops = attention_core_flops(shape, tokens, tp, attention)
     # batched per-head GEMMs: efficiency of the whole batch's work
     a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
     elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw + eff.op_seconds * eff.layer_ops / 3

@@ -8,9 +8,10 @@ hardware it was planned for, goodput when asked): `plait report --metrics m.json
 run.plan.json` compares the run against it (plait/observe/plan_check.py).
 
 Mapping (planner -> runtime), stated in the file's header:
-- recompute: "full" -> "full"; "selective" and "none" -> "none" (plait's SDPA attention
-  keeps no score matrix, so the runtime's "none" is the planner's "selective"; the
-  planner's "none" keeps the scores, which plait never materialises);
+- recompute: the same mode (none, selective, full mean the same in both: the planner's
+  selective with flash attention is the runtime's list, plait/plan/shape.py
+  selective_terms); a plan with `--attention math` is refused (plait's SDPA attention keeps
+  no probabilities: plan it with flash);
 - precision: bf16 -> bf16 (fp32 masters and moments), fp32 -> fp32, bf16-fp32grad -> bf16
   (the runtime keeps gradients in the compute dtype: docs/architecture.md, Decisions);
 - optimizer: adam -> adamw; sgd -> sgd (the runtime's is plain, no momentum);
@@ -28,6 +29,7 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.files import atomic_output
 from plait.model.presets import PRESETS, ModelConfig
 from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan.activations import RUNTIME_ATTENTION
 from plait.plan.estimate import Estimate, Training
 from plait.plan.hardware import Cluster
 from plait.plan.search import PlanError
@@ -71,7 +73,7 @@ def layout_config(est: Estimate, shape: Shape, cluster: Cluster, train: Training
     tc = TrainConfig(global_batch=train.global_batch, seq_len=shape.seq,
                      precision=_PRECISION[train.precision],
                      optimizer=_OPTIMIZER[train.optimizer],
-                     recompute="full" if lay.recompute == "full" else "none")
+                     recompute=lay.recompute)
     return Config(model=model, parallel=par, train=tc, model_name=name)
 
 
@@ -115,6 +117,11 @@ def choose_runnable(ests: list[Estimate], shape: Shape, cluster: Cluster, train:
         raise PlanError("--emit-config: plait's runtime builds the llama block only "
                         "(plait/model/transformer.py); this plan is for --arch "
                         f"{shape.arch}. Drop --emit-config, or plan --arch llama")
+    if any(e.layout.attention != RUNTIME_ATTENTION for e in ests):
+        raise PlanError("--emit-config: plait's runtime attention is SDPA, the flash "
+                        "kernel's tensors (output + log-sum-exp, no probabilities); this "
+                        "plan assumes --attention math. Drop --emit-config, or plan with "
+                        "--attention flash")
     skipped: list[str] = []
     for k, est in enumerate(ests, 1):
         cfg = layout_config(est, shape, cluster, train, preset)
@@ -164,8 +171,8 @@ def emit_plan(args: Any, ests: list[Estimate], gps: list[dict] | None, shape: Sh
               f"run: plait train --config {args.emit_config} --nproc {n}   (or torchrun "
               f"with {n} ranks); compare: plait report --metrics M.jsonl --plan "
               f"{plan_path(args.emit_config)}",
-              "mapping: recompute selective/none -> none (SDPA keeps no scores), full -> "
-              "full; bf16-fp32grad -> bf16; adam -> adamw (see plait/plan/emit.py)"]
+              "mapping: recompute as planned (flash attention: SDPA's); bf16-fp32grad -> "
+              "bf16; adam -> adamw (see plait/plan/emit.py)"]
     side = write_config(args.emit_config, cfg, header, plan_doc)
     lines = [f"config for layout #{k + 1} written to {args.emit_config} (plan: {side}); "
              f"run it with plait train --config {args.emit_config} --nproc {n}"]

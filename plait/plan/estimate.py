@@ -13,16 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from plait.model.recompute_settings import DEFAULT_OPS
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import bubble, comm, memory
 from plait.plan.compute import (
     Efficiency,
     LayerTimes,
-    attention_core_flops,
     gemm_time,
+    hardware_flops_per_token,
     head_flops,
     layer_times,
-    layers_forward_flops_per_token,
     model_flops_per_token,
 )
 from plait.plan.hardware import Cluster
@@ -61,18 +61,25 @@ class Layout:
     schedule: str = "1f1b"
     v: Num = 1  # virtual stages per rank (interleaved)
     zero: int = 1
-    recompute: str = "selective"
+    # none | selective | full (memory.layer_activations): nothing, the attention kernel's
+    # probabilities (math) or plait's operator policy over `recompute_ops` (flash), all but
+    # the layer input
+    recompute: str = "none"
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022)
     cp_mode: str = "ring"  # "ring" (Liu et al. 2023) | "allgather" K/V (Llama 3)
-    # plait's own train.recompute when the layout is a plait config (its "selective" is not
-    # the planner's, Korthikanti's: docs/recompute.md); it decides which collectives the
-    # runtime replays (plait/plan/runtime_comm.py). None: "full" when recompute is, else none
+    # plait's own train.recompute when the layout is a plait config; it decides which
+    # collectives the runtime replays (plait/plan/runtime_comm.py). None: `recompute`, but
+    # "none" for math's selective (only the attention core is redone, no collective)
     runtime_recompute: str | None = None
+    attention: str = "flash"  # the kernel (shape.ATTENTION): what attention keeps, computes
+    recompute_ops: tuple[str, ...] = DEFAULT_OPS  # selective with flash: groups recomputed
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:
             return self.runtime_recompute
-        return "full" if self.recompute == "full" else "none"
+        if self.recompute == "selective" and self.attention == "math":
+            return "none"
+        return self.recompute
 
     def label(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp}"
@@ -140,14 +147,34 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     tokens = mbs * shape.seq / cp
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
-    saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e)
+    saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e, lay.attention)
     return _Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
-        saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e),
+        saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e,
+                                       lay.attention, lay.recompute_ops),
         lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale,
-                       tp if lay.sp else 1.0), moe_split=tp if lay.sp else 1.0)
+                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0)
+
+
+def recompute_time(lay: Layout, lt: LayerTimes, f_layer: Num) -> Num:
+    """Seconds one layer's backward adds by recomputing, of exactly what `lay.recompute`
+    drops (compute.recomputed_flops_per_token counts the same FLOPs): full its forward
+    (with its exchanges, `f_layer`); selective with math the attention core; selective with
+    flash the groups of plait's policy, the element-wise ops always, and with them the
+    forward's exchanges (a collective is an element-wise op to the policy: the runtime
+    re-issues them, docs/recompute.md)."""
+    if lay.recompute == "full":
+        return f_layer
+    if lay.recompute != "selective":
+        return 0.0 * f_layer
+    if lay.attention == "math":
+        return lt.attn_fwd
+    ops = lay.recompute_ops
+    exchanges = f_layer - lt.forward
+    return (lt.elementwise_fwd + exchanges + lt.attn_fwd * ("attention" in ops)
+            + lt.gemm_fwd * ("matmul" in ops))
 
 
 @dataclass
@@ -173,10 +200,7 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
     i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
         + lc.cp_exp_b + lc.ep_exp_b
     w_layer = lt.gemm_fwd
-    if lay.recompute == "full":
-        i_layer = i_layer + f_layer
-    elif lay.recompute == "selective":
-        i_layer = i_layer + lt.attn_fwd
+    i_layer = i_layer + recompute_time(lay, lt, f_layer)
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.peak_scale)
     head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
@@ -287,9 +311,9 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
         "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
         * b.rank_layers * m,
-        "recompute": m * cpr * b.chunk_layers * (ct.f_layer if lay.recompute == "full" else
-                                                 lt.attn_fwd if lay.recompute == "selective"
-                                                 else 0.0),
+        # the replayed tp collectives are in "tp comm" (its count has them): not twice
+        "recompute": m * cpr * b.chunk_layers * (recompute_time(lay, lt, ct.f_layer) - (
+            0.0 if lay.runtime_mode() == "none" else TP_COLLECTIVES_FWD * lc.t_ar)),
         "pipeline bubble + p2p": np.maximum(pipe - busy, 0.0),
         "dp comm (exposed)": dp_exposed,
         "optimizer step": t_opt,
@@ -299,13 +323,8 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
 def _step_flops(shape: Shape, train: Training, lay: Layout, b: _Basis) -> tuple[Num, Num]:
     """(model FLOPs, hardware FLOPs: with recompute) of one step."""
     tokens_step = tokens_per_step(train.global_batch, shape.seq)
-    model_flops = model_flops_per_token(shape) * tokens_step
-    rec_per_token = 0.0
-    if lay.recompute == "full":
-        rec_per_token = layers_forward_flops_per_token(shape)
-    elif lay.recompute == "selective":
-        rec_per_token = shape.layers * attention_core_flops(shape, 1, 1)
-    return model_flops, model_flops + rec_per_token * tokens_step
+    hardware = hardware_flops_per_token(shape, lay.recompute, lay.attention, lay.recompute_ops)
+    return model_flops_per_token(shape) * tokens_step, hardware * tokens_step
 
 
 def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,

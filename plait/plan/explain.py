@@ -32,7 +32,8 @@ def why_no_fit(est: Estimate, cluster: Cluster, train: Training) -> str:
     total = float(est.memory_total)
     term, val = dominant_term(est)
     return (f"no layout fits: the smallest-memory layout ({est.layout.label()}, zero="
-            f"{est.layout.zero}, recompute={est.layout.recompute}) needs {total / GB:.1f} GB "
+            f"{est.layout.zero}, recompute={est.layout.recompute}, attention="
+            f"{est.layout.attention}) needs {total / GB:.1f} GB "
             f"per rank, {(total - limit) / GB:.1f} GB over the {limit / GB:.1f} GB usable "
             f"({train.mem_limit_frac:.0%} of {cluster.gpu.hbm_bytes / GB:.0f} GB); the largest "
             f"term is {term} ({val / GB:.1f} GB). Add GPUs, a larger-memory GPU, or a smaller "

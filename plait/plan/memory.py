@@ -10,10 +10,12 @@ variance), N_d data-parallel ranks:
   stage 2: 2 Psi + (2 + K) Psi / N_d          stage 3: (2 + 2 + K) Psi / N_d
 Megatron keeps fp32 gradients for accumulation (`bf16-fp32grad`: 2 + 4 + 12 = 18 bytes).
 
-Activations per layer: the saved-tensor list of plait/plan/shape.py, which reproduces
-Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h) unsharded; with TP t:
-sbh(10 + 24/t + 5as/(ht)); with TP+SP: sbh(34/t + 5as/(ht)); selective recompute drops the
-5as/h term; full recompute keeps only the layer input (2sbh).
+Activations per layer: the saved-tensor list of plait/plan/shape.py. For the GPT block with
+the math attention kernel (`--arch gpt --attention math`) it reproduces Korthikanti et al.
+2022, Table 2: sbh(34 + 5as/h) unsharded; with TP t: sbh(10 + 24/t + 5as/(ht)); with
+TP+SP: sbh(34/t + 5as/(ht)); selective recompute drops the 5as/h term; full recompute keeps
+only the layer input (2sbh). With flash attention there is no 5as/h term (an fp32
+log-sum-exp per head instead), and selective is plait's operator policy (docs/recompute.md).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from plait.model.recompute_settings import DEFAULT_OPS
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan.shape import Shape, activation_terms
+from plait.plan.shape import Shape, activation_terms, per_rank_bytes, selective_terms
 
 Num = Any
 
@@ -65,23 +68,32 @@ def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",
 
 
 def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recompute: str,
-                      act_bytes: int = 2) -> Num:
-    """Bytes one layer keeps for one micro-batch on one rank (Korthikanti et al. 2022,
-    section 4; per-term list in shape.activation_terms). Context parallelism splits the
-    sequence: each rank keeps s/cp tokens (its queries attend to all s keys)."""
+                      act_bytes: int = 2, attention: str = "flash",
+                      ops: tuple[str, ...] = DEFAULT_OPS) -> Num:
+    """Bytes one layer keeps for one micro-batch on one rank under `recompute`:
+
+      none       every tensor the layer saves (shape.activation_terms; what `attention`
+                 keeps: flash an fp32 log-sum-exp, math the a*s probabilities per token);
+      selective  math: Korthikanti et al.'s, the probabilities (and their dropout) dropped
+                 and recomputed with the attention core; flash (no probabilities to drop):
+                 plait's operator policy, the layer input and the outputs of the groups not
+                 in `ops` (shape.selective_terms, the runtime's list);
+      full       the layer input only.
+
+    Korthikanti et al. 2022, section 4 / Table 2 are the `--arch gpt`, math sums.
+    Context parallelism splits the sequence: each rank keeps s/cp tokens (its queries
+    attend to all s keys)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
-    tp = np.asarray(tp, dtype=float)
     tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(cp, dtype=float)
-    seq_div = tp if sp else 1.0
-    total = 0.0
-    for t in activation_terms(shape, act_bytes):
-        if recompute == "full" and not t.keep_full:
-            continue
-        if recompute == "selective" and t.scores:
-            continue
-        total = total + t.bytes_per_token / (tp if t.tp else seq_div)
-    return tokens * total
+    terms = activation_terms(shape, act_bytes, attention=attention)
+    if recompute == "full":
+        terms = [t for t in terms if t.keep_full]
+    elif recompute == "selective" and attention == "math":
+        terms = [t for t in terms if not t.scores]
+    elif recompute == "selective":
+        terms = selective_terms(shape, act_bytes, attention=attention, ops=ops)
+    return tokens * sum(per_rank_bytes(t, shape, tp, sp) for t in terms)
 
 
 def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:

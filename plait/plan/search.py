@@ -23,7 +23,7 @@ from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import Cluster
 from plait.plan.memory import RECOMPUTE
-from plait.plan.shape import Shape
+from plait.plan.shape import ATTENTION, Shape
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MAX_MICROBATCH = 16  # sequences; larger micro-batches only add activation memory
@@ -79,6 +79,8 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
         out += unbuilt_combinations(lay.pp, lay.zero, lay.schedule)
     if lay.recompute not in RECOMPUTE:
         out.append(f"recompute={lay.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    if lay.attention not in ATTENTION:
+        out.append(f"attention={lay.attention!r}: use one of {', '.join(ATTENTION)}")
     return out
 
 
@@ -145,9 +147,11 @@ class SearchResult:
 
 def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
            top: int = 5, simulate_top: int | None = None,
-           cost: Callable[[Estimate], Any] | None = None) -> SearchResult:
+           cost: Callable[[Estimate], Any] | None = None,
+           attention: str = "flash") -> SearchResult:
     """The best `top` layouts by step time, or by `cost(estimate)` (seconds per useful
-    step, e.g. step time / goodput: plait/plan/goodput.py) when given."""
+    step, e.g. step time / goodput: plait/plan/goodput.py) when given; every layout with
+    the `attention` kernel (shape.ATTENTION)."""
     seconds = cost or (lambda e: e.step_time)
     c = numeric_candidates(shape, cluster, train)
     if len(c["tp"]) == 0:
@@ -170,7 +174,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
                 lay = Layout(tp=c["tp"][idx], pp=c["pp"][idx], dp=c["dp"][idx],
                              cp=c["cp"][idx], ep=c["ep"][idx], mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
-                             recompute=rec, sp=True)
+                             recompute=rec, sp=True, attention=attention)
                 est = evaluate(shape, cluster, train, lay, eff)
                 considered += len(idx)
                 scored.append((idx, np.broadcast_to(seconds(est), idx.shape),
@@ -189,7 +193,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         return Layout(tp=int(c["tp"][r]), pp=int(c["pp"][r]), dp=int(c["dp"][r]),
                       cp=int(c["cp"][r]), ep=int(c["ep"][r]), mbs=int(c["mbs"][r]),
                       schedule=g["schedule"], v=g["v"], zero=g["zero"],
-                      recompute=g["recompute"], sp=True)
+                      recompute=g["recompute"], sp=True, attention=attention)
 
     if not fits.any():
         j = int(np.argmin(mems))

@@ -22,8 +22,14 @@ et al. fall out as sums (see `activation_terms`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from plait.model.presets import PRESETS, ModelConfig
+from plait.model.recompute_settings import DEFAULT_OPS, GROUPS
+
+Num = Any
 
 
 @dataclass(frozen=True)
@@ -150,14 +156,39 @@ def gpt_shape(layers: int, hidden: int, heads: int, seq: int, vocab: int = 51200
 
 # ---- saved tensors of one layer ------------------------------------------------------
 
+# The attention kernel decides what attention keeps for backward and what it computes.
+#   flash  FlashAttention (Dao et al. 2022, sec. 3.1) and the memory-efficient kernels:
+#          the output and one fp32 log-sum-exp per head and query; causal masking skips the
+#          blocks above the diagonal (half the s x s work). What SDPA runs on GPUs, and what
+#          plait's CPU runtime runs (`_scaled_dot_product_flash_attention_for_cpu`, with GQA
+#          too: plait/plan/activations.py, RUNTIME_ATTENTION).
+#   math   the unfused maths: softmax(q k^T) materialised, a*s probabilities per token kept
+#          (Korthikanti et al. 2022's GPT block, which also keeps its dropout mask and
+#          output), the full masked s x s matrix computed.
+ATTENTION = ("flash", "math")
+ATTENTION_HELP = {"flash": "keeps the output + an fp32 log-sum-exp per head, computes half "
+                           "the causal scores",
+                  "math": "keeps the a*s softmax probabilities per token too, computes the "
+                          "full masked score matrix"}
+
+
+def check_attention(attention: str) -> None:
+    if attention not in ATTENTION:
+        raise ValueError(f"unknown attention kernel {attention!r}; use one of "
+                         f"{', '.join(ATTENTION)}")
+
+
 @dataclass(frozen=True)
 class Saved:
     """One tensor a layer keeps for its backward, per token (of the local sequence).
 
     bytes_per_token: its size per token; `tp`: split by tensor parallelism (heads / FFN
-    columns); otherwise it is a full-hidden tensor that only sequence parallelism splits.
-    `scores`: the attention-probability tensor (size a*s per token), dropped by selective
-    recompute. `keep_full`: the one tensor full recompute keeps (the layer input).
+    columns); `kv`: a KV-width tensor (with `tp`: one head per rank when tp exceeds the KV
+    heads); `whole`: split by neither (a row-parallel matmul's output before its
+    reduction: every tp rank holds all tokens' partial sums); otherwise it is a full-hidden
+    tensor that only sequence parallelism splits. `scores`: an s-long tensor per head (the
+    math kernel's probabilities), what Korthikanti et al.'s selective recompute drops.
+    `keep_full`: the one tensor full recompute keeps (the layer input).
     """
 
     name: str
@@ -165,27 +196,57 @@ class Saved:
     tp: bool = False
     scores: bool = False
     keep_full: bool = False
+    kv: bool = False
+    whole: bool = False
 
 
-def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None) -> list[Saved]:
-    """The tensors one layer saves for its backward pass, per token.
+def per_rank_bytes(term: Saved, shape: Shape, tp: Num, sp: bool) -> Num:
+    """Bytes per (local) token of `term` on one tensor-parallel rank."""
+    tp = np.asarray(tp, dtype=float)
+    if term.whole:
+        return term.bytes_per_token + 0 * tp
+    if term.tp and term.kv:  # tp > KV heads: each rank keeps one KV head
+        one_head = term.bytes_per_token * shape.head_dim / shape.kv_dim
+        return np.where(np.mod(shape.kv_heads, tp) == 0, term.bytes_per_token / tp, one_head)
+    if term.tp or sp:
+        return term.bytes_per_token / tp
+    return term.bytes_per_token + 0 * tp
+
+
+def _attention_kept(shape: Shape, e: int, s: float, attention: str) -> list[Saved]:
+    """What the attention kernel itself keeps beyond its inputs q, k, v and its output."""
+    a = shape.heads
+    if attention == "flash":
+        return [Saved("log-sum-exp (fp32)", 4 * a, tp=True)]
+    if shape.arch == "gpt":  # Korthikanti's softmax, its dropout mask and output
+        return [Saved("softmax output", e * a * s, tp=True, scores=True),
+                Saved("attn dropout mask", a * s, tp=True, scores=True),
+                Saved("dropout output", e * a * s, tp=True, scores=True)]
+    return [Saved("softmax output", e * a * s, tp=True, scores=True)]
+
+
+def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None,
+                     attention: str = "flash") -> list[Saved]:
+    """The tensors one layer saves for its backward pass with nothing recomputed, per token.
 
     `seq` is the key length each query attends to (the full sequence, also under context
-    parallelism, whose rank holds s/cp queries against all s keys).
-    gpt: Korthikanti et al. 2022, section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh,
-    LayerNorms 4sbh, with 2-byte activations and 1-byte dropout masks).
+    parallelism, whose rank holds s/cp queries against all s keys). `attention`: the
+    kernel (ATTENTION): flash keeps a log-sum-exp, math the probabilities.
+    gpt + math: Korthikanti et al. 2022, section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh,
+    LayerNorms 4sbh, with 2-byte activations and 1-byte dropout masks); with flash the
+    dropout masks of the scores are regenerated from the RNG state, not kept.
     llama: counted from plait's block with fused RMSNorm/SwiGLU kernels and no dropout.
     """
-    h, a, e, kv = shape.hidden, shape.heads, act_bytes, shape.kv_dim
+    check_attention(attention)
+    h, e, kv = shape.hidden, act_bytes, shape.kv_dim
     s = shape.seq if seq is None else seq
+    kept = _attention_kept(shape, e, s, attention)
     if shape.arch == "gpt":  # Korthikanti's MHA, 4h terms written for any kv and ffn
         return [
             Saved("ln1 input", e * h, keep_full=True),
             Saved("qkv input", e * h),
             Saved("q, k", e * (h + kv), tp=True),
-            Saved("softmax output", e * a * s, tp=True, scores=True),
-            Saved("attn dropout mask", a * s, tp=True, scores=True),
-            Saved("dropout output", e * a * s, tp=True, scores=True),
+            *kept,
             Saved("v", e * kv, tp=True),
             Saved("out-proj input", e * h, tp=True),
             Saved("attn out dropout mask", h),
@@ -200,7 +261,7 @@ def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None)
         Saved("qkv input (norm out)", e * h),
         Saved("q, k after RoPE", e * (h + kv), tp=True),
         Saved("v", e * kv, tp=True),
-        Saved("softmax output", e * a * s, tp=True, scores=True),
+        *kept,
         Saved("attention output", e * h, tp=True),
         Saved("mlp norm input", e * h),
         Saved("mlp input (norm out)", e * h),
@@ -219,3 +280,56 @@ def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None)
     else:
         terms.append(Saved("gate, up, product", 3 * e * shape.ffn, tp=True))
     return terms
+
+
+def _matmul_outputs(shape: Shape, e: int) -> list[Saved]:
+    """The outputs of a layer's weight matmuls (plait/model/recompute.py's "matmul" group:
+    aten.mm / addmm / _grouped_mm), per token; the row-parallel ones (attention's output
+    projection, the MLP's down projection) before their reduction, hence `whole`."""
+    h, kv = shape.hidden, shape.kv_dim
+    attn = [Saved("wq output", e * h, tp=True), Saved("wk, wv outputs", 2 * e * kv, tp=True,
+                                                      kv=True),
+            Saved("wo output (before its reduction)", e * h, whole=True)]
+    if shape.arch == "gpt":
+        return attn + [Saved("fc1 output", e * shape.ffn, tp=True),
+                       Saved("fc2 output (before its reduction)", e * h, whole=True)]
+    if not shape.moe:
+        return attn + [Saved("w1, w3 outputs", 2 * e * shape.ffn, tp=True),
+                       Saved("w2 output (before its reduction)", e * h, whole=True)]
+    k, fe, ns = shape.top_k, shape.expert_ffn, shape.shared_experts
+    out = attn + [Saved("router logits", 4 * shape.experts, tp=True),
+                  Saved("expert w1, w3 outputs", 2 * e * k * fe, tp=True),
+                  Saved("expert w2 outputs", e * k * h, tp=True)]
+    if ns:
+        out.append(Saved("shared expert outputs", e * ns * (2 * fe + h), tp=True))
+    return out
+
+
+def _attention_outputs(shape: Shape, e: int, s: float, attention: str) -> list[Saved]:
+    """The outputs of the "attention" group: the fused kernel's (output, log-sum-exp), or
+    the unfused maths' bmm outputs (the scores q k^T and the probabilities times v)."""
+    h, a = shape.hidden, shape.heads
+    if attention == "flash":
+        return [Saved("attention output", e * h, tp=True),
+                Saved("log-sum-exp (fp32)", 4 * a, tp=True)]
+    return [Saved("scores q k^T", e * a * s, tp=True, scores=True),
+            Saved("attention output", e * h, tp=True)]
+
+
+def selective_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None,
+                    attention: str = "flash", ops: tuple[str, ...] = DEFAULT_OPS
+                    ) -> list[Saved]:
+    """What a layer keeps under plait's selective recomputation: its input and the outputs
+    of the operator groups (GROUPS) not recomputed, i.e. not in `ops` (the runtime's
+    `train.recompute_ops`; default: recompute attention and element-wise ops, keep the
+    matmul outputs). The one definition the runtime's policy (plait/model/recompute.py)
+    applies and plait/plan/activations.py's `layer_saved_bytes` sums: measured to the byte
+    (tests/test_recompute.py)."""
+    check_attention(attention)
+    s = shape.seq if seq is None else seq
+    e = act_bytes
+    groups = {"matmul": _matmul_outputs(shape, e),
+              "attention": _attention_outputs(shape, e, s, attention),
+              "elementwise": []}  # always recomputed (recompute_settings.ops_problems)
+    block_input = next(t for t in activation_terms(shape, e, s, attention) if t.keep_full)
+    return [block_input] + [t for g in GROUPS if g not in ops for t in groups[g]]

@@ -45,7 +45,9 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     bw, al = comm.link(gpu, tp_intra, eff.link_efficiency)
     s_tp = b.tokens * shape.hidden * b.e
     t_ar, _ = comm.all_reduce(s_tp, b.tp, bw, al)
-    n_tp_bwd = 2 + (2 if lay.recompute == "full" else 0)
+    # a recomputed forward replays the forward's 2 (Megatron's count; plait's full and its
+    # selective both re-issue them, math's selective only redoes the attention core)
+    n_tp_bwd = 2 + (0 if lay.runtime_mode() == "none" else 2)
     tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
     # the collectives listed are the runtime's (plait/plan/runtime_comm.py); the time above
     # keeps Megatron's count, on which the step-time model was calibrated
