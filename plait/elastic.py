@@ -30,7 +30,9 @@ checkpoint to resume from; refused until that is built.
 Test-only fault injection: `PLAIT_TEST_FAULT=kill:RANK:STEP` makes that rank SIGKILL
 itself right after step STEP's row is logged, on the first attempt only;
 `kill:RANK:STEP:every` on every attempt; `stop:...` SIGSTOPs it instead (a stalled rank,
-for the hang watchdog, plait/watchdog.py). Read here, by the rank entry, nowhere else.
+for the hang watchdog, plait/watchdog.py); `extra:...` makes it enter one collective the
+others never do (equally: the others skipped one), so that from then on the ranks' calls
+on that dim are out of step. Read here, by the rank entry, nowhere else.
 """
 
 from __future__ import annotations
@@ -205,14 +207,19 @@ class ElasticState:
                 "restart_log": self.restarts}
 
 
-def inject_fault(rank: int, step: int, attempt: int) -> None:
+def inject_fault(rank: int, step: int, attempt: int,
+                 extra_collective: Callable[[], None] | None = None) -> None:
     """Test-only (`PLAIT_TEST_FAULT`, module doc): SIGKILL (kill) or SIGSTOP (stop) this
-    rank after `step`."""
+    rank after `step`, or enter `extra_collective` there (extra), which no other rank does."""
     parts = os.environ.get(FAULT_ENV, "").split(":")
-    if len(parts) < 3 or parts[0] not in FAULT_SIGNALS:
+    if len(parts) < 3 or parts[0] not in (*FAULT_SIGNALS, "extra"):
         return
     every = parts[3:] == ["every"]
     if int(parts[1]) == rank and int(parts[2]) == step and (attempt == 0 or every):
         sys.stdout.flush()
         sys.stderr.flush()
+        if parts[0] == "extra":
+            if extra_collective is not None:
+                extra_collective()
+            return
         os.kill(os.getpid(), FAULT_SIGNALS[parts[0]])

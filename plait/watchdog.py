@@ -65,21 +65,58 @@ def hang_report(states: dict[int, dict | None], world: int, reporter: int,
     low = min((progress(r) for r in seen), default=-1)
     behind = sorted({*silent, *(r for r in seen if progress(r) == low
                                 and low < max(progress(q) for q in seen))})
+    mismatched = mismatches(states)
     lines = [f"plait: hang: rank {reporter} waited {timeout_s:.0f} s in "
              f"{_entry_text(stuck) if stuck else 'a collective'}; "
              + (f"behind: rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))}"
-                if behind else "no rank is behind on that dim (a mismatched collective?)")
+                if behind else "no rank is behind on that dim"
+                + (" (a mismatched collective?)" if not mismatched else ""))
              + f"; waiting: {', '.join(map(str, waiting)) or 'none'}. Last collective per rank "
              "(the flight recorder):"]
-    now = time.time()
+    return lines + rank_lines(states, world) + mismatched
+
+
+def failure_report(states: dict[int, dict | None], world: int, reporter: int) -> list[str]:
+    """The lines a failed rank prints (a peer gone, gloo's error, an exception): where it
+    was, and every rank's last collective as published (module doc)."""
+    entries = (states.get(reporter) or {}).get("entries", [])
+    open_ = [e for e in entries if not e["done"]]
+    where = (f"in {_entry_text(open_[0])}" if open_ else
+             f"after {_entry_text(entries[-1])}" if entries else "before its first collective")
+    return ([f"plait: rank {reporter} failed {where}. Last collective per rank (the flight "
+             "recorder):"] + rank_lines(states, world) + mismatches(states))
+
+
+def rank_lines(states: dict[int, dict | None], world: int) -> list[str]:
+    """One line per rank: its last collective (in flight or done), and how long ago it
+    published that."""
+    now, lines = time.time(), []
     for r in range(world):
         s = states.get(r)
         if s is None:
             lines.append(f"  rank {r}: no state published (stopped before its first report)")
             continue
-        what = _entry_text(last[r]) if last[r] else "no collective yet"
+        what = _entry_text(s["entries"][-1]) if s["entries"] else "no collective yet"
         lines.append(f"  rank {r}: {what}; reported {now - s['at']:.1f} s ago")
     return lines
+
+
+def mismatches(states: dict[int, dict | None]) -> list[str]:
+    """Collectives that ranks entered as the same call on a dim (the same `dim_seq`) but
+    that differ in op, payload or tag: the ranks' code paths went out of step there (a
+    rank skipped a collective, or issued one the others did not)."""
+    calls: dict[tuple[str, int], dict[int, dict]] = {}
+    for r, s in sorted(states.items()):
+        for e in (s or {}).get("entries", []):
+            calls.setdefault((e["dim"], e["dim_seq"]), {})[r] = e
+    lines = []
+    for (dim, seq), by_rank in sorted(calls.items(), key=lambda kv: kv[0][1]):
+        kinds = {(e["op"], e["payload"], e["tag"]) for e in by_rank.values()}
+        if len(kinds) > 1:
+            said = "; ".join(f"rank {r}: {e['op']} {e['payload']:,} B ({e['tag'] or 'untagged'}"
+                             f", step {e['step']})" for r, e in sorted(by_rank.items()))
+            lines.append(f"  mismatch on {dim} call #{seq}: {said}")
+    return lines[:1]  # the first one: every later call on that dim is out of step too
 
 
 class Watchdog:
@@ -111,6 +148,22 @@ class Watchdog:
         state = {"entries": [e.__dict__ for e in entries], "at": time.time()}
         with contextlib.suppress(Exception):  # the store's host gone: the job is ending
             self.store.set(f"{KEY}/{self.rank}", json.dumps(state))
+
+    def report_failure(self) -> None:
+        """This rank failed (the rank entry calls it): publish its state and, if no rank
+        has reported yet, print every rank's flight recorder (`failure_report`)."""
+        self.stop()
+        self.publish()
+        try:
+            first = self.store.add(f"{KEY}/reporters", 1) == 1
+        except Exception:  # noqa: BLE001 - no store: this rank's own view
+            first = True
+        if first:
+            states = {r: self._state(r) for r in range(self.world)}
+            states[self.rank] = states[self.rank] or {"entries": [
+                e.__dict__ for e in self.ledger.in_flight()], "at": time.time()}
+            print("\n".join(failure_report(states, self.world, self.rank)), file=sys.stderr,
+                  flush=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

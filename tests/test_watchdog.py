@@ -1,12 +1,16 @@
 """No silent hangs (issue 12, item 8): the flight recorder notes every collective as it
 is entered; the watchdog of a rank whose collective waits past `--timeout` reports every
-rank's last collective, names the rank that is behind, and ends the job (exit 1).
+rank's last collective, names the rank that is behind, and ends the job (exit 1). A rank
+whose calls go out of step with the others' (it skipped a collective, or issued one they
+did not) is named too: a mismatch in the flight recorders, or gloo's own abort, after which
+the rank that lost its peer prints every rank's flight recorder.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,7 +27,7 @@ from plait.comm.ledger import FLIGHT_RECORDS, Ledger
 from plait.config import ParallelConfig
 from plait.mesh import ParallelMesh
 from plait.testing import run_ranks
-from plait.watchdog import Watchdog, hang_report
+from plait.watchdog import Watchdog, failure_report, hang_report
 
 
 def _entry(dim_seq: int, done: bool, op: str = "all_reduce", dim: str = "dp", step: int = 3):
@@ -98,3 +102,46 @@ def test_a_stopped_rank_ends_the_job_with_a_report(tmp_path):
     assert "  rank 1: all_reduce@dp" in r.stderr and "(step 2, " in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert_all_gone(marker, within_s=15)  # the stopped rank too (SIGKILL after the grace)
+
+
+def test_a_mismatched_call_is_named_with_both_ranks_collectives():
+    """Rank 1 issued a 4-byte all-reduce where rank 0 issued the gradients' (call #7 on dp
+    for both): the report says so, and names nobody behind (both are at #7)."""
+    fault = {**_entry(7, False), "payload": 4, "tag": "fault", "step": 2}
+    states = {0: {"entries": [_entry(6, True), _entry(7, False)], "at": time.time()},
+              1: {"entries": [_entry(6, True), fault], "at": time.time()}}
+    lines = hang_report(states, 2, 0, 8)
+    assert "no rank is behind on that dim;" in lines[0], lines
+    assert lines[-1] == ("  mismatch on dp call #7: rank 0: all_reduce 64 B (grads, step 3); "
+                         "rank 1: all_reduce 4 B (fault, step 2)"), lines
+    text = failure_report(states, 2, 1)
+    assert text[0].startswith("plait: rank 1 failed in all_reduce@dp #7 (step 2, 4 B, fault) "
+                              "in flight."), text
+    assert text[-1] == lines[-1] and len(text) == 4  # header, a line per rank, the mismatch
+    in_step = {r: {"entries": [_entry(6, True)], "at": time.time()} for r in (0, 1)}
+    assert not any("mismatch" in line for line in failure_report(in_step, 2, 0))
+
+
+def test_a_rank_out_of_step_ends_the_job_with_every_flight_recorder(tmp_path):
+    """Rank 1 enters one all-reduce after step 2 that rank 0 never does (the test-only
+    fault `extra`, plait/elastic.py): rank 0's next call, step 3's gradients, meets it;
+    gloo aborts rank 1 on the size mismatch, and rank 0 says where each rank was."""
+    marker = f"plait-skip-{uuid.uuid4().hex[:12]}"
+    sets = [a for s in (*BASE, "train.steps=100000") for a in ("--set", s)]
+    r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data",
+                        str(token_file()), *sets, "--nproc", "2", "--dp", "2", "--quiet",
+                        "--timeout", "60", "--metrics-out", str(tmp_path / f"{marker}.jsonl")],
+                       env={**os.environ, "PLAIT_TEST_FAULT": "extra:1:2"},
+                       capture_output=True, text=True, timeout=300)
+    err = r.stderr
+    assert r.returncode == 1, err
+    assert "Is there a distributed collective mismatch" in err, err  # gloo, on rank 1
+    assert "plait: rank 1 exited first, with signal SIGABRT" in err, err
+    # rank 0 in its first call of step 3; rank 1's last published, the end of step 2 (its
+    # extra call came after, and it published nothing more before gloo ended it)
+    at = re.search(r"plait: rank 0 failed in all_reduce@dp #(\d+) \(step 3, [\d,]+ B, grads\) "
+                   r"in flight", err)
+    assert at, err
+    assert re.search(rf"  rank 1: \S+@dp #{int(at.group(1)) - 1} \(step 2, .*\) done", err), err
+    assert "Traceback" not in err, err
+    assert_all_gone(marker, within_s=15)

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -35,6 +36,7 @@ from plait.device import DeviceError, resolve_device
 from plait.elastic import ElasticState, inject_fault
 from plait.files import PartialFile
 from plait.launch import (
+    STOP_SIGNALS,
     StopRequested,
     describe_error,
     die_with_parent,
@@ -102,6 +104,7 @@ class _Run:
         self.metrics: PartialFile | None = None
         self.sinks: MetricSinks | None = None  # --tensorboard, --wandb (plait/train/sinks.py)
         self.stop = StopRequest()  # --checkpoint-on-stop: the signal, for the boundary
+        self.watchdog: Watchdog | None = None  # a failure prints every rank's flight recorder
 
     def open_outputs(self, args: argparse.Namespace, cfg: Config, layout: str,
                      elastic: ElasticState | None) -> None:
@@ -178,11 +181,15 @@ def _outcome(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
                 time.sleep(PEER_REPORT_WAIT_S)
         return 2
     except Exception as e:
+        # the agent's SIGTERM (a peer is gone) waits until this rank has said what it saw
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         if args.debug:
             traceback.print_exc()
         print(f"plait: rank {rank} failed after {run.steps_done} steps: {describe_error(e)}"
               f"{run.kept_metrics()}" + ("" if args.debug else " (rerun with --debug "
                                             "for the traceback)"), file=sys.stderr)
+        if run.watchdog is not None:
+            run.watchdog.report_failure()
         return 1
 
 
@@ -230,6 +237,7 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
     mesh = ParallelMesh.build(cfg.parallel, device=device)
     store = store_client(args.timeout) if world > 1 else None
     watchdog = Watchdog(mesh.ledger, rank, world, store, args.timeout).start() if store else None
+    run.watchdog = watchdog
     batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
                             cfg.train.seed, cfg.model.vocab_size)
     lead = rank == 0
@@ -247,7 +255,9 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                     elastic.log(row)
                 if watchdog is not None:
                     watchdog.publish()
-                inject_fault(rank, row["step"], elastic.attempt if elastic else 0)
+                inject_fault(rank, row["step"], elastic.attempt if elastic else 0,
+                             lambda: comm.all_reduce(torch.zeros(1, device=device.torch),
+                                                     mesh, "dp", tag="fault"))
 
             if args.checkpoint_on_stop:  # from here a signal waits for the step boundary
                 raise_on_stop_signals(record=run.stop.request)
