@@ -7,7 +7,8 @@ collectives. Both pictures show, per rank, three rows:
   step   the runtime's actions (F, B, I, W per stage and micro-batch; without pipelining,
          F and B per micro-batch) and the loop's phases after them (gradient sync,
          grad norm, optimizer, metrics)
-  units  each unit's forward (F), backward (B) and recomputed forward (R), by name
+  units  each unit's forward (F), backward (B; BR, hatched, when it holds the block's
+         recomputation) and recomputed forward (R, the I/W split's), by name
   comm   each collective from issue to completion, its blocked part (the rank waited:
          exposed) distinguishable from the part in flight behind other work (hidden)
 
@@ -26,7 +27,8 @@ from pathlib import Path
 from plait.files import atomic_output, write_text_atomic
 
 ACTION_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
-UNIT_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "R": "#9b59b6"}
+UNIT_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "BR": "#f5a623", "R": "#9b59b6"}
+UNIT_CATEGORIES = {"F": "forward", "B": "backward", "BR": "backward", "R": "recompute"}
 PHASE_COLORS = {"gradient sync": "#7f8c8d", "grad norm": "#bdc3c7", "optimizer": "#2ecc71",
                 "metrics": "#d5dbdb"}
 DIM_COLORS = {"dp": "#1f77b4", "tp": "#d62728", "pp": "#9467bd", "cp": "#17becf",
@@ -81,9 +83,9 @@ def trace_events(timeline: dict) -> list[dict]:
                               {"stage": stage, "microbatch": mb}))
         out += [_slice(name, "phase", pid, 0, a, b) for name, a, b in rec["phases"]
                 if name != RUNTIME_PHASE]
-        out += [_slice(f"{kind} {name}", {"F": "forward", "B": "backward",
-                                          "R": "recompute"}[kind], pid, 1, a, b,
-                       {"unit": name, "stage": stage}) for kind, name, stage, a, b in rec["units"]]
+        out += [_slice(f"{kind} {name}", UNIT_CATEGORIES[kind], pid, 1, a, b,
+                       {"unit": name, "stage": stage, "recomputed": kind == "BR"})
+                for kind, name, stage, a, b in rec["units"]]
         lanes = comm_lanes(rec["comm"])
         for lane in sorted(set(lanes)):
             out.append(_meta("thread_name", pid, f"comm {lane}", 2 + lane))
@@ -166,7 +168,8 @@ def _draw_rank(ax, rec: dict, y: float, span: float) -> None:
                  linewidth=0.3)
             _label(ax, y, a, b, name, span)
     for kind, name, _stage, a, b in rec["units"]:
-        _bar(ax, y + 1, a, b, UNIT_COLORS[kind], edgecolor="black", linewidth=0.2)
+        _bar(ax, y + 1, a, b, UNIT_COLORS[kind], edgecolor="black", linewidth=0.2,
+             hatch="///" if kind == "BR" else None)
         _label(ax, y + 1, a, b, name.removeprefix("layers."), span)
     for c in rec["comm"]:
         color = DIM_COLORS.get(c["dim"], "#333333")
@@ -182,10 +185,11 @@ def _legend(ranks: list[dict]) -> list:
     units = {k for r in ranks for k, *_ in r["units"]}
     phases = {n for r in ranks for n, *_ in r["phases"]} - {RUNTIME_PHASE}
     dims = sorted({c["dim"] for r in ranks for c in r["comm"]})
-    unit_names = {"F": "unit forward", "B": "unit backward", "R": "unit recompute"}
+    unit_names = {"F": "unit forward", "B": "unit backward",
+                  "BR": "unit backward + recompute", "R": "unit recompute"}
     return ([Patch(color=ACTION_COLORS[k], label=f"action {k}") for k in ACTION_COLORS
              if k in actions]
             + [Patch(color=PHASE_COLORS[p], label=p) for p in PHASE_COLORS if p in phases]
-            + [Patch(color=UNIT_COLORS[k], label=unit_names[k]) for k in UNIT_COLORS
-               if k in units]
+            + [Patch(facecolor=UNIT_COLORS[k], hatch="///" if k == "BR" else None,
+                     label=unit_names[k]) for k in UNIT_COLORS if k in units]
             + [Patch(color=DIM_COLORS.get(d, "#333333"), label=f"comm {d}") for d in dims])

@@ -10,9 +10,11 @@ this rank's model and step, and `gather_timeline` collects the last step on ever
   pre-hook to its forward hook; its backward from the moment the gradient of its output
   is computed (a hook on that tensor) to the gradient of its input (a hook on the input),
   or, for a unit whose input takes no gradient (the embedding's token ids), to the last
-  gradient accumulated into its parameters. A forward run inside autograd's backward (a
-  checkpointed block computed again) or inside a backward action of the pipeline runtime
-  (recomputation with the I/W split) is a recompute, `R`.
+  gradient accumulated into its parameters. A forward run inside a backward action of
+  the pipeline runtime (recomputation with the I/W split) is a recompute, `R`; a
+  checkpointed block's recomputation inside autograd's backward (`train.recompute`) has
+  no end marker (torch stops it early, before the forward hook), so the backward span
+  that holds it is `BR`.
 * **Actions**: the pipeline runtime's computes (`F`, `B`, `I`, `W` per stage and
   micro-batch: gradient accumulation without pipelining is the one-stage case) and the
   forwards it ran again inside an `I`.
@@ -108,7 +110,14 @@ class StepMarks:
 
     # ---- hooks -------------------------------------------------------------------------
     def _pre_forward(self, key: tuple, module: nn.Module, args: tuple) -> None:
-        self._forward_start[key[2]] = self.timer.mark()
+        uid = key[2]
+        if torch._C._current_graph_task_id() != -1 and uid in self._open_backward:
+            # a checkpointed block computed again for its backward: torch stops the
+            # recomputation as soon as it has what backward needs, before the forward
+            # hook, so it has no end of its own; its backward span holds it
+            self._open_backward[uid][0] = "BR"
+            return
+        self._forward_start[uid] = self.timer.mark()
 
     def _post_forward(self, key: tuple, module: nn.Module, args: tuple, output: Any) -> None:
         name, stage, uid = key
