@@ -20,6 +20,7 @@ from helpers import batches_for, config, token_file
 from plait.comm import ops
 from plait.config import ParallelConfig
 from plait.mesh import ParallelMesh
+from plait.observe.report import compare
 from plait.observe.timeline import draw_step_timeline, write_chrome_trace
 from plait.parallel.zero_units import zero_units
 from plait.testing import run_ranks
@@ -55,7 +56,8 @@ def _train_rank(rank, world, sets, timeline):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg), timeline=timeline)
-    return {"rank": rank, "summary": result.summary, "ledger": mesh.ledger.to_dicts(),
+    return {"rank": rank, "summary": result.summary, "metrics": result.metrics,
+            "ledger": mesh.ledger.to_dicts(),
             "timeline": result.timeline,
             # ZeRO's units in order: tag params:i gathers the i-th
             "units": [prefix.rstrip(".") for prefix, _ in zero_units(result.model)]}
@@ -77,6 +79,19 @@ def test_naive_dp_exposes_all_gradient_communication():
         assert grads and all(r["blocked"] == r["end"] - r["start"] for r in grads)
         overlap = rank["summary"]["ledger"]["overlap_per_step"]["dp"]
         assert overlap["hidden"] == 0.0 and overlap["exposed"] == overlap["seconds"] > 0
+
+
+def test_report_puts_naive_dp_beside_the_planner_and_says_why():
+    """plait report's overlap: the measured exposed share of naive DP's dp traffic is 1;
+    the planner overlaps the all-reduce with backward, and the note says so."""
+    rank = _run(NAIVE)[0]
+    rep = compare(rank["metrics"], rank["summary"], config(*NAIVE))
+    dp = next(d for d in rep["communication"] if d["dim"] == "dp")
+    assert dp["measured_exposed_share"] == 1.0
+    assert dp["measured_exposed_s"] == rank["summary"]["ledger"]["overlap_per_step"]["dp"][
+        "exposed"] and dp["measured_hidden_s"] == 0.0
+    assert dp["predicted_exposed_share"] < 1.0  # the gap the note explains
+    assert any("naive data parallel" in n for n in rep["notes"])
 
 
 def test_bucketed_dp_hides_buckets_behind_backward():

@@ -274,6 +274,9 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
             write_pipeline_outputs(result.pipeline)
         if lead and result.timeline:
             write_timeline_outputs(result.timeline, args.trace, args.timeline)
+        elif lead and (args.trace or args.timeline):  # resumed at the last step
+            print("plait: no step ran, so --trace/--timeline have nothing to draw",
+                  file=sys.stderr)
         finished = True
     finally:
         if dist.is_initialized():

@@ -111,29 +111,28 @@ class StepMarks:
     # ---- hooks -------------------------------------------------------------------------
     def _pre_forward(self, key: tuple, module: nn.Module, args: tuple) -> None:
         uid = key[2]
-        if torch._C._current_graph_task_id() != -1 and uid in self._open_backward:
+        if torch._C._current_graph_task_id() != -1:
             # a checkpointed block computed again for its backward: torch stops the
             # recomputation as soon as it has what backward needs, before the forward
-            # hook, so it has no end of its own; its backward span holds it
-            self._open_backward[uid][0] = "BR"
+            # hook, so it has no end of its own; the backward span holding it says so
+            if uid in self._open_backward:
+                self._open_backward[uid][0] = "BR"
             return
         self._forward_start[uid] = self.timer.mark()
 
     def _post_forward(self, key: tuple, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation that ran to its end: inside its backward span
         name, stage, uid = key
-        in_backward = torch._C._current_graph_task_id() != -1  # a checkpointed recompute
-        span = ["R" if in_backward else "F", name, stage, self._forward_start.pop(uid),
-                self.timer.mark()]
-        self.units.append(span)
-        if in_backward or not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
+        self.units.append(["F", name, stage, self._forward_start.pop(uid), self.timer.mark()])
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return  # no graph (a pipeline F that its I runs again): no backward to mark
+        output.register_hook(partial(self._backward_start, key))
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        input_grad = x is not None and x.requires_grad
-        output.register_hook(partial(self._backward_start, key, input_grad))
-        if input_grad:
+        if x is not None and x.requires_grad:
             x.register_hook(partial(self._backward_end, uid))
 
-    def _backward_start(self, key: tuple, input_grad: bool, grad: torch.Tensor) -> None:
+    def _backward_start(self, key: tuple, grad: torch.Tensor) -> None:
         name, stage, uid = key
         span = ["B", name, stage, self.timer.mark(), None]
         self.units.append(span)
