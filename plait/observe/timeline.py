@@ -61,8 +61,8 @@ def _slice(name: str, cat: str, pid: int, tid: int, start: float, end: float,
             "dur": max(end - start, 0.0) * _US, "args": args or {}}
 
 
-def _meta(kind: str, pid: int, name: str, tid: int | None = None) -> dict:
-    row = {"name": kind, "ph": "M", "pid": pid, "args": {"name": name}}
+def _meta(kind: str, pid: int, tid: int | None = None, **args: object) -> dict:
+    row = {"name": kind, "ph": "M", "pid": pid, "args": args}
     return row if tid is None else {**row, "tid": tid}
 
 
@@ -72,9 +72,10 @@ def trace_events(timeline: dict) -> list[dict]:
     out = []
     for rec in timeline["ranks"]:
         pid = rec["rank"]
-        out += [_meta("process_name", pid, rank_label(rec)),
-                _meta("process_sort_index", pid, str(pid)),
-                _meta("thread_name", pid, "step", 0), _meta("thread_name", pid, "units", 1)]
+        out += [_meta("process_name", pid, name=rank_label(rec)),
+                _meta("process_sort_index", pid, sort_index=pid),
+                _meta("thread_name", pid, 0, name="step"),
+                _meta("thread_name", pid, 1, name="units")]
         for kind, stage, mb, a, b in rec["actions"]:
             out.append(_slice(f"{kind}{stage}.{mb}", f"action.{kind}", pid, 0, a, b,
                               {"stage": stage, "microbatch": mb}))
@@ -88,7 +89,7 @@ def trace_events(timeline: dict) -> list[dict]:
                 for kind, name, stage, a, b in rec["units"]]
         lanes = comm_lanes(rec["comm"])
         for lane in sorted(set(lanes)):
-            out.append(_meta("thread_name", pid, f"comm {lane}", 2 + lane))
+            out.append(_meta("thread_name", pid, 2 + lane, name=f"comm {lane}"))
         for c, lane in zip(rec["comm"], lanes, strict=True):
             hidden = max(c["end"] - c["start"] - c["blocked"], 0.0)
             args = {"op": c["op"], "dim": c["dim"], "tag": c["tag"], "payload_bytes": c["payload"],
