@@ -6,7 +6,7 @@ those records, as `plait train --trace / --timeline` write it for any layout.
 Structural facts, not timings: a synchronous call is exposed from issue to completion, so
 its hidden time is exactly zero; an async one issued and waited for later was in flight
 while the rank worked, so its hidden time is positive (at least the time until its wait).
-Three runs of 2 steps serve every test here (cached): dp=2 x tp=2 with bucketed DP, naive
+Three 1-step runs serve every test here (cached): dp=2 x tp=2 with bucketed DP, naive
 dp=2, and dp=2 ZeRO-3 with the timeline on."""
 
 import json
@@ -57,8 +57,7 @@ def _train_rank(rank, world, sets, timeline):
     mesh = ParallelMesh.build(cfg.parallel)
     result = train(cfg, mesh, batches_for(cfg), timeline=timeline)
     return {"rank": rank, "summary": result.summary, "metrics": result.metrics,
-            "ledger": mesh.ledger.to_dicts(),
-            "timeline": result.timeline,
+            "ledger": mesh.ledger.to_dicts(), "timeline": result.timeline,
             # ZeRO's units in order: tag params:i gathers the i-th
             "units": [prefix.rstrip(".") for prefix, _ in zero_units(result.model)]}
 

@@ -34,7 +34,7 @@ from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.optim import clip_coefficient, lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
-from plait.train.timeline import NO_MARKS, StepMarks, gather_timeline
+from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
 
 
 @dataclass
@@ -148,7 +148,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
-    marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
+    marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
     streak = 0  # non-finite steps in a row
     for step in range(start_step, t.steps):
         if stop is not None:
@@ -207,7 +207,7 @@ def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
 
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
-                result: TrainResult, marks: StepMarks = NO_MARKS) -> dict:
+                result: TrainResult, marks: Marks = NO_MARKS) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
     update, the logged loss; its metrics row. `capture`: keep the full gradients.
     `marks`: the timeline's markers, a point at the end of each part of the step."""

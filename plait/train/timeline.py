@@ -59,8 +59,8 @@ def timeline_units(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, child
 
 
-class _NoMarks:
-    """Markers off: the loop's calls cost one method call."""
+class Marks:
+    """What the loop calls at each step: as here, markers off (one method call each)."""
 
     def begin_step(self) -> None:
         pass
@@ -69,10 +69,10 @@ class _NoMarks:
         pass
 
 
-NO_MARKS = _NoMarks()
+NO_MARKS = Marks()
 
 
-class StepMarks:
+class StepMarks(Marks):
     """Markers on this rank's stages and step; the spans of the current step only."""
 
     def __init__(self, stages: dict[int, nn.Module], mesh: ParallelMesh):
