@@ -1,14 +1,17 @@
 """Measured overlap per mesh dim: how much of each layout's communication is exposed.
 
-    python benchmarks/overlap.py [--model small] [--steps 6] [--seq-len 128]
+    python benchmarks/overlap.py [--model small] [--steps 6] [--seq-len 128] [--timeline-dir D]
 
 For each layout (4 ranks, gloo on CPU, one thread per rank) plait trains `--steps` steps
 and every rank's ledger gives, per mesh dim and step: communication seconds from issue
 to completion, exposed seconds (the rank was blocked waiting: all of a synchronous call,
 an async one's time in wait()) and hidden = total - exposed. Printed: rank 0's mean per
 step over the steps after the first, and the exposed share of each dim's communication
-beside the step time. Naive DP and TP are synchronous (exposed share 1.0 by construction);
-bucketed DP, ZeRO's reduce-scatters and ZeRO-3's prefetched all-gathers hide part of theirs.
+beside the step time and the planner's exposed share for the same layout (what `plait
+report` puts beside it: `plait.plan.estimate_config`). Naive DP and TP are synchronous
+(exposed share 1.0 by construction); bucketed DP, ZeRO's reduce-scatters and ZeRO-3's
+prefetched all-gathers hide part of theirs. `--timeline-dir D`: also each layout's last
+step as `plait train --trace / --timeline` write it (D/LAYOUT.json, D/LAYOUT.png).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from common import batches
 
 from plait.config import load_config
 from plait.mesh import ParallelMesh
+from plait.plan import estimate_config
 from plait.testing import run_ranks
 from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
@@ -44,10 +48,16 @@ def _cfg(args, sets):
         f"model.vocab_size={args.vocab}", *sets]).check(4)
 
 
-def _rank(rank, world, args, sets, path):
+def _rank(rank, world, args, sets, path, name):
     cfg = _cfg(args, sets)
     mesh = ParallelMesh.build(cfg.parallel)
-    res = train(cfg, mesh, batches(cfg, path))
+    res = train(cfg, mesh, batches(cfg, path), timeline=bool(args.timeline_dir))
+    if args.timeline_dir and rank == 0:
+        from plait.observe.timeline import draw_step_timeline, write_chrome_trace
+
+        stem = Path(args.timeline_dir) / name.replace(" ", "_").replace("+", "")
+        write_chrome_trace(res.timeline, stem.with_suffix(".json"))
+        draw_step_timeline(res.timeline, stem.with_suffix(".png"))
     steps = range(1, cfg.train.steps)  # the first step warms caches
     per_dim: dict[str, dict[str, float]] = {}
     for s in steps:
@@ -59,26 +69,40 @@ def _rank(rank, world, args, sets, path):
     return {"per_dim": per_dim, "step_time": step_time}
 
 
+def planner_shares(cfg) -> dict[str, float]:
+    """The planner's exposed share of each dim's communication time (as plait report)."""
+    total: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    for c in estimate_config(cfg).collectives:
+        total[c.dim] = total.get(c.dim, 0.0) + c.total
+        exposed[c.dim] = exposed.get(c.dim, 0.0) + c.exposed
+    return {d: exposed[d] / t for d, t in total.items() if t > 0}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--timeline-dir", help="write each layout's trace and PNG here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "t.bin", 200_000, args.vocab, seed=3)
         print(f"model {args.model}, 4 ranks (gloo, CPU), seq {args.seq_len}, global batch 16, "
               f"{args.steps} steps (mean of steps 1..); rank 0, ms per step")
-        print(f"{'layout':<16} {'step':>8}  {'dim':<4} {'comm':>8} {'exposed':>8} "
-              f"{'hidden':>8}  exposed share")
+        print(f"{'layout':<16} {'step':>8}  {'dim':<5} {'comm':>8} {'exposed':>8} "
+              f"{'hidden':>8}  exposed share  planner")
         for name, sets in LAYOUTS.items():
-            out = run_ranks(_rank, 4, args, sets, path)[0]
+            out = run_ranks(_rank, 4, args, sets, path, name)[0]
+            planner = planner_shares(_cfg(args, sets))
             for i, (dim, row) in enumerate(sorted(out["per_dim"].items())):
                 share = row["exposed"] / row["seconds"] if row["seconds"] else float("nan")
                 head = f"{name:<16} {out['step_time'] * 1e3:8.1f}" if i == 0 else " " * 25
-                print(f"{head}  {dim:<4} {row['seconds'] * 1e3:8.2f} "
-                      f"{row['exposed'] * 1e3:8.2f} {row['hidden'] * 1e3:8.2f}  {share:6.2f}")
+                pred = f"{planner[dim]:7.2f}" if dim in planner else "      -"
+                print(f"{head}  {dim:<5} {row['seconds'] * 1e3:8.2f} "
+                      f"{row['exposed'] * 1e3:8.2f} {row['hidden'] * 1e3:8.2f}  "
+                      f"{share:13.2f}  {pred}")
 
 
 if __name__ == "__main__":

@@ -606,6 +606,8 @@ def test_debug_shows_the_traceback(world, capsys):
                "{w}/wb"], "pip install 'plait[wandb]'"),
     ("matplotlib", ["report", "--metrics", f"{{w}}/{PRECIOUS}", "--html", "{w}/r.html"],
      "pip install 'plait[plot]'"),
+    ("matplotlib", ["train", "--data", "{data}", *BASE_FLAGS, "--timeline", "{w}/t.png"],
+     "--timeline draws with matplotlib, which is not installed: pip install 'plait[plot]'"),
 ])
 def test_a_missing_optional_package_is_refused_before_anything(package, argv, phrase, world,
                                                                  capsys, monkeypatch):

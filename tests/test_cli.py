@@ -82,9 +82,14 @@ def test_pipeline_trace_and_timeline_through_torchrun(tmp_path):
               "--data", str(token_file()), *SETS, "--trace", str(trace), "--timeline", str(png))
     assert r.returncode == 0, r.stderr
     assert "measured bubble" in r.stdout and "simulated" in r.stdout
-    events = json.loads(trace.read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    assert {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for pid in (0, 1):  # the pipeline's actions in the timeline every layout gets
+        mine = [e for e in events if e["pid"] == pid]
+        assert {"action.F", "action.B", "forward", "backward", "comm"} <= {e["cat"] for e in mine}
+        assert len([e for e in mine if e["cat"] == "action.F"]) == 4  # one per micro-batch
+        p2p = [e["args"] for e in mine if e["cat"] == "comm" and e["args"]["tag"] == "pp"]
+        assert {a["op"] for a in p2p} == {"send", "recv"} and {a["dim"] for a in p2p} == {"pp"}
+        assert all(a["payload_bytes"] > 0 for a in p2p)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

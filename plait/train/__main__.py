@@ -57,10 +57,8 @@ from plait.train.stop import StoppedAtBoundary, StopRequest
 from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
 
 
-def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None) -> None:
-    """Measured bubble beside the simulator's prediction; the trace and PNG if asked."""
-    from plait.parallel.pipeline.measure import write_timeline, write_trace
-
+def write_pipeline_outputs(report: dict) -> None:
+    """Measured bubble beside the simulator's prediction."""
     s = report["summary"]
     print(f"pipeline {s['schedule']} pp={s['pp']} m={s['microbatches']} "
           f"v={s['virtual_stages']}: {s['partition']}")
@@ -77,10 +75,17 @@ def write_pipeline_outputs(report: dict, trace: str | None, timeline: str | None
     print("  measured idle: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items())
           + "; CPU share of compute wall time: "
           + ", ".join(f"{k} {v:.0%}" for k, v in s["cpu_share"].items()))
+
+
+def write_timeline_outputs(timeline: dict, trace: str | None, png: str | None) -> None:
+    """--trace and --timeline: the last step's compute and communication, every rank."""
+    from plait.observe.timeline import draw_step_timeline, write_chrome_trace
+
     if trace:
-        print(f"  Chrome trace (open in https://ui.perfetto.dev): {write_trace(report, trace)}")
-    if timeline:
-        print(f"  timeline PNG: {write_timeline(report, timeline)}")
+        print(f"Chrome trace of step {timeline['step']} (open in https://ui.perfetto.dev): "
+              f"{write_chrome_trace(timeline, trace)}")
+    if png:
+        print(f"timeline PNG of step {timeline['step']}: {draw_step_timeline(timeline, png)}")
 
 
 # A refused input: the other ranks wait this long for rank 0 to print why and exit, since
@@ -263,7 +268,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
                 raise_on_stop_signals(record=run.stop.request)
             try:
                 result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint,
-                               stop=run.stop if args.checkpoint_on_stop else None)
+                               stop=run.stop if args.checkpoint_on_stop else None,
+                               timeline=bool(args.trace or args.timeline))
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise
@@ -275,9 +281,12 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
         if lead and not args.quiet:
             print_summary(result.summary, result.metrics)
         if lead and result.pipeline:
-            write_pipeline_outputs(result.pipeline, args.trace, args.timeline)
-        elif lead and (args.trace or args.timeline):
-            print("plait: --trace/--timeline draw a pipeline; this run has pp=1", file=sys.stderr)
+            write_pipeline_outputs(result.pipeline)
+        if lead and result.timeline:
+            write_timeline_outputs(result.timeline, args.trace, args.timeline)
+        elif lead and (args.trace or args.timeline):  # resumed at the last step
+            print("plait: no step ran, so --trace/--timeline have nothing to draw",
+                  file=sys.stderr)
         finished = True
     finally:
         if dist.is_initialized():

@@ -7,6 +7,7 @@ naming the fix; the caller refuses the run when there is any.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
                         "ranks on one machine; use torchrun -m plait.train across nodes")
     problems += _stop_checkpoint_problems(args)
     problems += sink_problems(args)  # --tensorboard / --wandb: the package, the directory
+    if getattr(args, "timeline", None) and importlib.util.find_spec("matplotlib") is None:
+        problems.append("--timeline draws with matplotlib, which is not installed: pip "
+                        "install 'plait[plot]' (or leave --timeline out; --trace needs nothing)")
     max_restarts = getattr(args, "max_restarts", None)
     if max_restarts is not None and max_restarts < 0:
         problems.append(f"--max-restarts {max_restarts}: must be >= 0 (0: no restarts)")

@@ -67,9 +67,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument("--metrics-out", help="JSON lines: one per step, then a summary (streamed "
                    "to NAME.partial, renamed to NAME when the run completes)")
-    p.add_argument("--trace", help="pp > 1: Chrome trace (Perfetto) of the last step's "
-                   "measured pipeline timeline, a row per rank")
-    p.add_argument("--timeline", help="pp > 1: PNG of the last step's measured timeline")
+    p.add_argument("--trace", metavar="FILE.json", help="Chrome trace (open in Perfetto) of "
+                   "the last step on every rank, any layout: the pipeline actions, each "
+                   "unit's forward/backward, the optimizer, and each collective with its dim, "
+                   "bytes and blocked (exposed) part (docs/metrics.md)")
+    p.add_argument("--timeline", metavar="FILE.png", help="PNG of the same timeline: per rank "
+                   "a step row, a units row and a comm row (collective in flight pale, rank "
+                   "blocked solid); needs matplotlib")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait before the job fails with a hang "
                    "report naming the rank behind (default 300; plait/watchdog.py)")

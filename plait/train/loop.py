@@ -34,6 +34,7 @@ from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.optim import clip_coefficient, lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
+from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
 
 
 @dataclass
@@ -47,6 +48,9 @@ class TrainResult:
     # over the mesh, before clipping (what the parity oracle compares)
     first_grads: dict[str, torch.Tensor] | None = None
     placements: PlacementTable | None = None  # where each of this rank's parameters lives
+    # train(timeline=True): the last step's compute and communication spans of every rank
+    # (plait/train/timeline.py; plait train --trace / --timeline draw it)
+    timeline: dict | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -111,14 +115,15 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
           capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
-          stop: StopRequest | None = None) -> TrainResult:
+          stop: StopRequest | None = None, timeline: bool = False) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
     `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
     (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once
     any rank has recorded a signal, every rank saves the steps done into `checkpoint` and
-    raises StoppedAtBoundary."""
+    raises StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's
+    timeline of every rank (result.timeline; collective at the end)."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
@@ -143,12 +148,13 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
+    marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
     streak = 0  # non-finite steps in a row
     for step in range(start_step, t.steps):
         if stop is not None:
             _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
-                          capture_first_grads and step == start_step, result)
+                          capture_first_grads and step == start_step, result, marks)
         result.metrics.append(row)
         if checkpoint is not None:  # outside the step: its collectives are tagged so
             checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
@@ -163,6 +169,11 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
+    if isinstance(marks, StepMarks):
+        marks.remove()
+        if result.metrics:  # every rank alike: the same steps ran
+            result.timeline = gather_timeline(marks, runtime, mesh, result.metrics[-1]["step"],
+                                              result.summary["layout"])
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
         result.pipeline = pipeline_report(runtime, par.partition, mesh)
         result.summary["pipeline"] = result.pipeline["summary"]
@@ -196,10 +207,12 @@ def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
 
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
-                result: TrainResult) -> dict:
+                result: TrainResult, marks: Marks = NO_MARKS) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
-    update, the logged loss; its metrics row. `capture`: keep the full gradients."""
+    update, the logged loss; its metrics row. `capture`: keep the full gradients.
+    `marks`: the timeline's markers, a point at the end of each part of the step."""
     t, opt = cfg.train, par.optimizer
+    marks.begin_step()
     step_tokens = tokens_per_step(t.global_batch, t.seq_len)
     mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
     mesh.ledger.step = step
@@ -211,8 +224,11 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
     loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
                             step_tokens)
+    marks.point("micro-batches")
     opt.finish_gradients()
+    marks.point("gradient sync")
     norm = opt.grad_norm()
+    marks.point("grad norm")
     if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
     lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
@@ -227,6 +243,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if not skipped:
         opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
     opt.zero_grad()
+    marks.point("optimizer")
     moe = {}
     if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
         moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
@@ -236,6 +253,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
     comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
     comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    marks.point("metrics")
     if meter is not None:
         meter.__exit__(None, None, None)
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,

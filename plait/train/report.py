@@ -97,3 +97,9 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
                   human_bytes(ledger["received_bytes_per_step"]),
                   f"{ledger['comm_seconds_per_step'] * 1e3:.1f} ms")
     console.print(table)
+    overlap = ledger.get("overlap_per_step", {})
+    if overlap:  # time is issue to completion; exposed is what the rank waited for
+        console.print("exposed (rank waited) / hidden (in flight behind work), per step: "
+                      + ", ".join(f"{d} {r['exposed'] * 1e3:.1f} / {r['hidden'] * 1e3:.1f} ms"
+                                  for d, r in sorted(overlap.items())),
+                      soft_wrap=True, highlight=False)
