@@ -17,13 +17,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import BASE, batches_for, config, token_file
+from helpers import BASE, batches_for, config, reference, token_file
 from test_clean_stop import assert_all_gone
 
 from plait.checkpoint import Checkpointing
 from plait.mesh import ParallelMesh
-from plait.testing import run_ranks
-from plait.train.loop import train
+from plait.testing import assert_parity, run_ranks
+from plait.train.loop import full_state, train
+from plait.train.reference import Reference
 
 STEPS, EVERY = 6, 2
 LAYOUT = ("parallel.dp=2", "parallel.zero=1")
@@ -83,7 +84,8 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, seed):
 
 def test_no_restarts_left_fails_the_run(tmp_path):
     """The fault fires on every attempt; after --max-restarts 1 the run fails (exit 1)
-    and keeps what it has: the partial metrics and the last checkpoint."""
+    and keeps what it has: the partial metrics and the last checkpoint, which a new job
+    resumes on a different layout (a killed rank, then another layout: issue 12's aim)."""
     r, metrics, ck = _plait_train(tmp_path, "kill:1:4:every", "--max-restarts", "1")
     assert r.returncode == 1, r.stderr
     assert "plait: restart 1 of 1: rank 1 died (signal SIGKILL) after step 4" in r.stderr
@@ -91,3 +93,20 @@ def test_no_restarts_left_fails_the_run(tmp_path):
             f"the last checkpoint is {ck}/step-00000004") in r.stderr, r.stderr
     assert not metrics.exists()  # NAME: complete runs only
     assert metrics.with_name(metrics.name + ".partial").exists()
+    # what the dead job kept resumes on another layout (dp2 ZeRO-1 -> tp2 with SP): the
+    # last two steps within fp32-tp parity of the uninterrupted single-process run
+    rows, params = run_ranks(_resumed_rank, 2, str(ck / "step-00000004"),
+                             ["parallel.tp=2", "parallel.sp=true"])[0]
+    ref = reference(f"train.steps={STEPS}")
+    assert [x["step"] for x in rows] == [4, 5]
+    assert_parity({"losses": [x["loss"] for x in rows], "params": params,
+                   "grad_norms": [x["grad_norm"] for x in rows]},
+                  Reference(losses=ref.losses[4:], grad_norms=ref.grad_norms[4:],
+                            params=ref.params), "fp32-tp")
+
+
+def _resumed_rank(rank: int, world: int, path: str, layout: list[str]):
+    cfg = config(f"train.steps={STEPS}", *layout).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    result = train(cfg, mesh, batches_for(cfg), checkpoint=Checkpointing(resume=path))
+    return result.metrics, full_state(result.model, result.optimizer, mesh, result.placements)
