@@ -1,5 +1,5 @@
 """The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint
-| eval | export.
+| eval | export | calibrate | cluster.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # subcommands that live beside their subsystem register themselves
     from plait import calibrate as calibrate_cli
+    from plait import cluster as cluster_cli
     from plait.checkpoint import cli as checkpoint_cli
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
@@ -282,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint_cli.add_parser(sub)
     eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
     calibrate_cli.add_parser(sub)  # plait calibrate (docs/planner.md, Hardware profiles)
+    cluster_cli.add_parser(sub)  # plait cluster (docs/multi_node.md, emulated nodes)
     for p in [*sub.choices.values(), prep]:
         if p is not data and not any("--debug" in a.option_strings for a in p._actions):
             p.add_argument("--debug", action="store_true",
