@@ -283,6 +283,15 @@ CASES = [
         limit_s=60.0),
     cmd("plan", "--model", "tiny", "--gpus", "0", "--global-batch", "8",
         phrases="--gpus 0 must be >= 1", id="plan-gpus-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--layout",
+        "tp=2,dp=2", "--order", "tp,dp", phrases="--order tp,dp: name each of tp, cp, pp, "
+        "dp once", id="plan-order-incomplete"),
+    cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--order",
+        "dp,tp,cp,pp", phrases="the search keeps the default order; give --layout too",
+        id="plan-order-without-layout"),
+    cmd("cluster", "--inter-node-mbit", "0", "--", "--dp", "2", "--nnodes", "2",
+        phrases=("--inter-node-mbit 0.0: give a rate > 0", "--nnodes after --: plait "
+                 "cluster sets it"), id="cluster-bad-flags"),
     cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--hbm-gb", "-3",
         phrases="--hbm-gb -3.0 must be a finite number > 0", id="plan-hbm-negative"),
     cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--hbm-gb", "nan",

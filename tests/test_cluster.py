@@ -130,3 +130,31 @@ def test_two_emulated_nodes_match_the_reference_and_the_wire_matches_the_ledger(
     ledger_inter = 2 * 2 * sum(row["sent_inter"] for row in per_step.values())  # 2 steps,
     for node, sent in enumerate(_wire_sent(r.stderr)):  # 2 ranks a node (symmetric)
         assert ledger_inter <= sent <= 1.25 * ledger_inter, (node, sent, ledger_inter)
+
+
+def _plan(capsys, *flags: str) -> dict:
+    from plait.cli import main
+
+    assert main(["plan", "--gpu", "h100-sxm", "--model", "tiny", "--vocab", "256", "--seq",
+                 "128", "--gpus", "4", "--gpus-per-node", "2", "--global-batch", "16",
+                 "--zero", "0", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)["layouts"][0]
+
+
+def test_the_planner_follows_the_mesh_order_across_nodes(capsys):
+    """`plait plan --order`: the mesh's order decides which groups' collectives the
+    planner puts on the inter-node link, as ParallelMesh.link does for the ledger."""
+    inside = _plan(capsys, "--layout", "tp=2,dp=2")
+    across = _plan(capsys, "--layout", "tp=2,dp=2", "--order", "dp,tp,cp,pp")
+    links = {name: {(c["dim"], c["link"]) for c in est["collectives"]}
+             for name, est in (("inside", inside), ("across", across))}
+    assert links["inside"] == {("tp", "nvlink"), ("dp", "inter-node")}, links
+    assert links["across"] == {("tp", "inter-node"), ("dp", "nvlink")}, links
+    assert across["step_time_s"] > inside["step_time_s"]
+    for order in ("dp,tp,cp,pp", "tp,cp,pp,dp"):
+        mesh = ParallelMesh(sizes={"dp": 2, "pp": 1, "cp": 1, "tp": 2}, rank=0,
+                            order=tuple(order.split(",")), gpus_per_node=2)
+        mesh.group_ranks = {d: mesh.ranks_along(d) for d in ("dp", "pp", "cp", "tp")}
+        est = inside if order.startswith("tp") else across
+        for c in est["collectives"]:
+            assert (c["link"] == "inter-node") == (mesh.link(c["dim"]) == "inter"), (order, c)

@@ -65,6 +65,6 @@ def estimate_config(cfg: Config) -> Estimate:
                  schedule=p.schedule, v=natural_virtual_stages(p.schedule, p.virtual_stages),
                  zero=p.zero,
                  recompute="full" if t.recompute == "full" else "selective", sp=p.sp,
-                 cp_mode=p.cp_mode, runtime_recompute=t.recompute)
+                 cp_mode=p.cp_mode, runtime_recompute=t.recompute, order=tuple(p.order))
     return evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
                     lay, EFFICIENCY, simulate=p.pp > 1)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.config import DEFAULT_ORDER
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import bubble, comm, memory
 from plait.plan.compute import (
@@ -68,6 +69,9 @@ class Layout:
     # the planner's, Korthikanti's: docs/recompute.md); it decides which collectives the
     # runtime replays (plait/plan/runtime_comm.py). None: "full" when recompute is, else none
     runtime_recompute: str | None = None
+    # the mesh's order, innermost first (parallel.order): which groups stay inside a node.
+    # The default keeps tp innermost; a custom order is modelled for dense layouts
+    order: tuple[str, ...] = DEFAULT_ORDER
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:
@@ -128,6 +132,12 @@ class _Basis:
     saved: Num  # bytes one layer saves per micro-batch under the layout's recompute
     lt: LayerTimes  # forward times of one layer per micro-batch
     moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
+    strides: dict[str, Num]  # rank distance between neighbours along each dim (the order)
+
+    def span(self, dim: str) -> Num:
+        """Ranks from the first to past the last of a `dim` group: inside one node when
+        at most gpus_per_node (ranks are numbered node by node)."""
+        return self.strides[dim] * getattr(self, dim)
 
 
 def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
@@ -141,13 +151,22 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
     saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e)
+    sizes, strides, stride = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, {}, 1.0
+    if sorted(lay.order) != sorted(sizes):
+        raise ValueError(f"order {','.join(lay.order)}: name each of tp, cp, pp, dp once")
+    if tuple(lay.order) != DEFAULT_ORDER and np.any(ep > 1):
+        raise ValueError("a mesh order other than tp,cp,pp,dp is modelled for dense "
+                         "layouts only (expert parallel's groups assume the default)")
+    for d in lay.order:
+        strides[d], stride = stride, stride * sizes[d]
     return _Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
         saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e),
         lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale,
-                       tp if lay.sp else 1.0), moe_split=tp if lay.sp else 1.0)
+                       tp if lay.sp else 1.0), moe_split=tp if lay.sp else 1.0,
+        strides=strides)
 
 
 @dataclass
