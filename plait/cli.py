@@ -24,6 +24,7 @@ from plait.device import DeviceError
 from plait.elastic import run_elastic
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
 from plait.multinode import NODE_FLAGS, add_node_args, node_spec, run_node
+from plait.multinode_elastic import run_elastic_nodes
 from plait.train.checks import TrainInputs
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
@@ -73,6 +74,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     rank_args = [*argv, "--data", str(found.data)]
     shim = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND]
     extra = [f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"]
+    if nodes is not None and getattr(args, "max_restarts", None):  # restarts together
+        return run_elastic_nodes(nodes, args.max_restarts, args.checkpoint_dir, rank_args,
+                                 args.timeout, shim, extra)
     if nodes is not None:  # one launcher per node (plait/multinode.py)
         return run_node(nodes, rank_args, args.timeout, shim, extra)
 

@@ -329,7 +329,8 @@ def run_nodes(cluster: EmulatedCluster, command: Callable[[int], list[str]],
             for node, proc in procs.items():
                 if node in codes or proc.poll() is None:
                     continue
-                if proc.returncode < 0 and restarted < max_restarts:  # the node died
+                # a node died (node 0 hosts the job's store: its loss ends the job)
+                if proc.returncode < 0 and node > 0 and restarted < max_restarts:
                     restarted += 1
                     print(f"plait: cluster: node {node} died "
                           f"({signal.Signals(-proc.returncode).name}); starting it again "

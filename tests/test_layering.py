@@ -44,7 +44,7 @@ LAYERS = [
     ("observe", ["plait.observe"]),
     ("testing", ["plait.testing"]),
     ("cli", ["plait.cli", "plait.cluster", "plait.launch", "plait.elastic", "plait.multinode",
-             "plait.watchdog",
+             "plait.multinode_elastic", "plait.watchdog",
              "plait.calibrate",  # measures through plait.testing's fork harness
              "plait.train.__main__", "plait.train.eval_cli"]),
 ]
