@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -50,6 +51,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.launch import die_with_parent
+
 SUBNET = "10.231.0"  # inside the run's own namespaces only: no clash with the host's
 FIRST_HOST = 100  # node i is SUBNET.(100 + i): text order = numeric order (module doc)
 MAX_NODES = 100
@@ -58,6 +61,7 @@ NODE_INTERFACE = "plait0"
 CLUSTER_FLAGS = ("--nnodes", "--node-rank", "--master", "--interface")  # set per node here
 NETNS_ETC = Path("/etc/netns")  # ip-netns(8): per-namespace files for /etc
 STOP_GRACE_S = 15.0
+FAILED_GRACE_S = 30.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -183,8 +187,6 @@ class EmulatedCluster:
 
     def run(self, node: int, argv: list[str], **popen: object) -> subprocess.Popen:
         """Start `argv` inside node `node`'s namespace; it dies with this process."""
-        from plait.launch import die_with_parent
-
         return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv],
                                 preexec_fn=die_with_parent, **popen)  # type: ignore[call-overload]
 
@@ -204,8 +206,6 @@ class EmulatedCluster:
     def wire_bytes(self, node: int) -> dict[str, int]:
         """Bytes node `node` sent and received between nodes (its interface's counters)."""
         out = _ip("-n", self.namespace(node), "-s", "-j", "link", "show", NODE_INTERFACE)
-        import json
-
         stats = json.loads(out.stdout)[0]["stats64"]
         return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
 
@@ -323,7 +323,7 @@ def run_nodes(cluster: EmulatedCluster, command: Callable[[int], list[str]],
     A launcher killed by a signal is started again while restarts are left."""
     procs = {n: cluster.run(n, command(n)) for n in range(cluster.nnodes)}
     codes: dict[int, int] = {}
-    restarted = 0
+    restarted, failed_at = 0, None
     try:
         while len(codes) < len(procs):
             for node, proc in procs.items():
@@ -338,12 +338,31 @@ def run_nodes(cluster: EmulatedCluster, command: Callable[[int], list[str]],
                     procs[node] = cluster.run(node, command(node))
                     continue
                 codes[node] = proc.returncode
+            failed_at = _end_the_rest(procs, codes, failed_at)
             time.sleep(0.1)
     except ClusterStop as stop:
         return _stop_nodes(procs, stop.signum)
     failed = [c for c in codes.values() if c != 0]
     code = failed[0] if failed else 0
     return 128 + -code if code < 0 else code
+
+
+def _end_the_rest(procs: dict[int, subprocess.Popen], codes: dict[int, int],
+                  failed_at: float | None) -> float | None:
+    """Once a node has failed, the others get FAILED_GRACE_S to end on their own (they
+    normally do within seconds: their ranks lose their peers), then SIGTERM, as SLURM's
+    --kill-on-bad-exit; a node waiting for a peer that will not come is not left waiting
+    out its timeout. The time of the first failure, or None."""
+    if failed_at is None:
+        return time.monotonic() if any(c != 0 for c in codes.values()) else None
+    if time.monotonic() - failed_at > FAILED_GRACE_S:
+        for node, proc in procs.items():
+            if node not in codes and proc.poll() is None:
+                print(f"plait: cluster: node {node} still running {FAILED_GRACE_S:.0f} s "
+                      "after another failed; stopping it", file=sys.stderr, flush=True)
+                proc.send_signal(signal.SIGTERM)
+        return float("inf")  # once
+    return failed_at
 
 
 def _stop_nodes(procs: dict[int, subprocess.Popen], signum: int) -> int:
