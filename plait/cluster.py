@@ -162,12 +162,14 @@ class EmulatedCluster:
         """`ip netns exec` mounts /etc/netns/NAME/* over /etc: every node's address and
         this host's name in `hosts`, and a resolver on the namespace's own loopback, so
         that a name lookup (torch logs a client's host name) answers at once instead of
-        timing out on a name server the namespace cannot reach."""
+        timing out on a name server the namespace cannot reach. Best effort: where /etc
+        is read-only, lookups are only slower."""
         etc = NETNS_ETC / name
-        etc.mkdir(parents=True, exist_ok=True)
         nodes = "".join(f"{self.address(n)} plait-node{n}\n" for n in range(self.nnodes))
-        (etc / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n{nodes}")
-        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\n")
+        with contextlib.suppress(OSError):
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n{nodes}")
+            (etc / "resolv.conf").write_text("nameserver 127.0.0.1\n")
 
     def _build(self) -> None:
         sw = self.switch
