@@ -230,3 +230,36 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
     assert_parity({"losses": [s["loss"] for s in body],
                    "grad_norms": [s["grad_norm"] for s in body], "params": params},
                   reference(*LAYOUT, f"train.steps={steps}"))
+
+
+@needs_namespaces
+def test_a_stop_signal_tears_the_cluster_down(tmp_path):
+    """SIGTERM to plait cluster while its nodes start: exit 143, and no namespace, no
+    /etc/netns file and no process of the run left."""
+    import signal
+    import time
+
+    marker = f"plait-cluster-{uuid.uuid4().hex[:12]}"
+    err_path = tmp_path / "err"
+    sets = [a for s in (*BASE, *LAYOUT, "train.steps=100000") for a in ("--set", s)]
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plait.cli", "cluster", "--inter-node-mbit", "1000", "--",
+             "--data", str(token_file()), *sets, "--quiet", "--metrics-out",
+             str(tmp_path / f"{marker}.jsonl")], stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 60
+    while not (found := re.search(r"plait: cluster (plaitc-\d+-[0-9a-f]+):",
+                                  err_path.read_text())):
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+        time.sleep(0.1)
+    tag = found[1]
+    while not subprocess.run(["ip", "netns", "pids", f"{tag}-n1"], capture_output=True,
+                             text=True).stdout.split():  # node 1's launcher is in
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, err_path.read_text()
+    assert "plait: cluster: stopped by SIGTERM; tearing down" in err_path.read_text()
+    assert not {n for n in _namespaces() if n.startswith(tag)}
+    assert not list(cluster.NETNS_ETC.glob(f"{tag}*"))
+    assert_all_gone(marker)
