@@ -24,8 +24,9 @@ wall-clock times the agent saw the failure, every rank was gone, the ranks were 
 again and the first step after the restart was done).
 
 This is the CLI layer: it reads the environment (the test-only fault below) and starts
-processes. Single node only: with --nnodes > 1 the launchers would have to agree on the
-checkpoint to resume from; refused until that is built.
+processes. With --nnodes > 1 every node's launcher runs plait/multinode_elastic.py's
+loop instead, which agrees on the checkpoint across the launchers and reuses `Progress`,
+`next_attempt` and `Restart` from here.
 
 Test-only fault injection: `PLAIT_TEST_FAULT=kill:RANK:STEP` makes that rank SIGKILL
 itself right after step STEP's row is logged, on the first attempt only;
