@@ -1,5 +1,5 @@
 """The `plait` command: train | demo | data prepare | simulate | plan | report | checkpoint
-| eval | export.
+| eval | export | calibrate | cluster.
 
 `plait train --nproc N ...` validates everything (configuration, data, vocabulary) in this
 process, before any rank or collective exists, then launches N local ranks through
@@ -24,6 +24,7 @@ from plait.device import DeviceError
 from plait.elastic import run_elastic
 from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
 from plait.multinode import NODE_FLAGS, add_node_args, node_spec, run_node
+from plait.multinode_elastic import run_elastic_nodes
 from plait.train.checks import TrainInputs
 from plait.train.data import DataError
 from plait.train.flags import add_train_args
@@ -73,6 +74,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     rank_args = [*argv, "--data", str(found.data)]
     shim = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND]
     extra = [f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"]
+    if nodes is not None and getattr(args, "max_restarts", None):  # restarts together
+        return run_elastic_nodes(nodes, args.max_restarts, args.checkpoint_dir, rank_args,
+                                 args.timeout, shim, extra)
     if nodes is not None:  # one launcher per node (plait/multinode.py)
         return run_node(nodes, rank_args, args.timeout, shim, extra)
 
@@ -270,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # subcommands that live beside their subsystem register themselves
     from plait import calibrate as calibrate_cli
+    from plait import cluster as cluster_cli
     from plait.checkpoint import cli as checkpoint_cli
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
@@ -282,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint_cli.add_parser(sub)
     eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
     calibrate_cli.add_parser(sub)  # plait calibrate (docs/planner.md, Hardware profiles)
+    cluster_cli.add_parser(sub)  # plait cluster (docs/multi_node.md, emulated nodes)
     for p in [*sub.choices.values(), prep]:
         if p is not data and not any("--debug" in a.option_strings for a in p._actions):
             p.add_argument("--debug", action="store_true",

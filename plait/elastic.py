@@ -24,8 +24,9 @@ wall-clock times the agent saw the failure, every rank was gone, the ranks were 
 again and the first step after the restart was done).
 
 This is the CLI layer: it reads the environment (the test-only fault below) and starts
-processes. Single node only: with --nnodes > 1 the launchers would have to agree on the
-checkpoint to resume from; refused until that is built.
+processes. With --nnodes > 1 every node's launcher runs plait/multinode_elastic.py's
+loop instead, which agrees on the checkpoint across the launchers and reuses `Progress`,
+`next_attempt` and `Restart` from here.
 
 Test-only fault injection: `PLAIT_TEST_FAULT=kill:RANK:STEP` makes that rank SIGKILL
 itself right after step STEP's row is logged, on the first attempt only;
@@ -97,9 +98,11 @@ class Restart:
     detected_at: float | None  # wall clock: the agent saw the failure
     down_at: float  # every rank of the failed attempt gone
     relaunched_at: float = 0.0
+    who: str | None = None  # what died, where not a rank (a whole node: multinode_elastic)
 
     def line(self, max_restarts: int) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "the launcher's agent"
+        who = self.who or (f"rank {self.rank}" if self.rank is not None
+                           else "the launcher's agent")
         after = f" after step {self.last_step}" if self.last_step is not None else ""
         src = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint yet"
         return (f"plait: restart {self.attempt} of {max_restarts}: {who} died ({self.exit})"
@@ -108,7 +111,7 @@ class Restart:
 
 
 @dataclass
-class _Progress:
+class Progress:
     """What survives the attempts: the rows before each resume point, the restarts."""
 
     state_dir: Path
@@ -128,7 +131,7 @@ class _Progress:
         return []
 
 
-def _failure(path: Path) -> dict:
+def read_failure(path: Path) -> dict:
     with contextlib.suppress(OSError, ValueError):
         return json.loads(path.read_text())
     return {}
@@ -138,7 +141,7 @@ def run_elastic(max_restarts: int, checkpoint_dir: str, rank_args: list[str],
                 launch: Callable[[list[str], dict[str, str], list[int]], int]) -> int:
     """Launch the ranks (`launch(rank_args, extra_env, received_signals)` returns the exit
     status) and relaunch them after a failure, up to `max_restarts` times."""
-    progress = _Progress(Path(tempfile.mkdtemp(prefix="plait-elastic-")))
+    progress = Progress(Path(tempfile.mkdtemp(prefix="plait-elastic-")))
     args = list(rank_args)
     try:
         for attempt in range(max_restarts + 1):
@@ -148,7 +151,7 @@ def run_elastic(max_restarts: int, checkpoint_dir: str, rank_args: list[str],
                           {FAILURE_FILE_ENV: str(failure_file)}, received)
             if code == 0 or code == 2 or received:  # done, bad input, stopped by the user
                 return code
-            restart = _next_attempt(attempt, progress, _failure(failure_file),
+            restart = next_attempt(attempt, progress, read_failure(failure_file),
                                     Path(checkpoint_dir))
             if attempt == max_restarts:
                 who = f"rank {restart.rank}" if restart.rank is not None else "the job"
@@ -166,7 +169,7 @@ def run_elastic(max_restarts: int, checkpoint_dir: str, rank_args: list[str],
         shutil.rmtree(progress.state_dir, ignore_errors=True)
 
 
-def _next_attempt(attempt: int, progress: _Progress, failure: dict, root: Path) -> Restart:
+def next_attempt(attempt: int, progress: Progress, failure: dict, root: Path) -> Restart:
     """After attempt `attempt` failed: where the next one resumes, what was lost."""
     down_at = time.time()
     committed = [(step, path) for step, path, done in checkpoints(root) if done]

@@ -268,6 +268,9 @@ class LocalLaunch:
 # host:port of the store `plait train` hosts (LocalLaunch, plait/multinode.py): its ranks
 # build their process group on it, so no rank has to bind a port picked by someone else
 STORE_ENV = "PLAIT_STORE"
+# a multi-node job's attempt (plait/multinode_elastic.py): each builds its group under its
+# own prefix of the one store node 0 hosts for the whole job
+ATTEMPT_ENV = "PLAIT_ATTEMPT"
 
 
 def job_store(timeout: datetime.timedelta) -> dist.Store | None:
@@ -278,8 +281,9 @@ def job_store(timeout: datetime.timedelta) -> dist.Store | None:
         return None
     host, _, port = where.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"plait-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-                            store)
+    attempt = os.environ.get(ATTEMPT_ENV, "0")
+    return dist.PrefixStore(
+        f"plait-{attempt}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def init_rank_process_group(backend: str, timeout: datetime.timedelta) -> None:

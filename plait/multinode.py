@@ -24,7 +24,10 @@ reports the closed connection at once; a stalled peer at `--timeout`); a node wh
 launcher is killed takes its ranks with it (plait/launch.py). No launcher waits forever:
 the rendezvous gives up after `--timeout` seconds.
 
-This is the CLI layer. Elastic restarts (`--max-restarts`) are single-node only.
+With `--max-restarts R` every launcher restarts the job together with the others, from
+the checkpoint node 0 picks (plait/multinode_elastic.py).
+
+This is the CLI layer.
 """
 
 from __future__ import annotations
@@ -122,9 +125,6 @@ def node_spec(args: argparse.Namespace, layout_world: int | None
     rank = args.node_rank
     if rank is None or not 0 <= rank < max(nnodes, 1):
         problems.append(f"--node-rank {rank}: give this machine's index, 0..{nnodes - 1}")
-    if getattr(args, "max_restarts", None):
-        problems.append("--max-restarts with --nnodes > 1 is not built yet (the launchers "
-                        "would have to agree on the checkpoint to resume from); leave it out")
     nproc = args.nproc or ((layout_world or 0) // max(nnodes, 1))
     if nproc < 1 or (args.nproc is None and layout_world and layout_world % nnodes):
         problems.append(f"--nnodes {nnodes}: the layout's {layout_world} ranks do not "
@@ -154,15 +154,18 @@ class NodeLaunch:
     rendezvous store (keep this object alive while they run)."""
 
     def __init__(self, spec: NodeSpec, rank_args: list[str], timeout_s: float,
-                 torchrun: list[str], extra: list[str]):
+                 torchrun: list[str], extra: list[str], attempt: int | None = None):
+        """`attempt`: one attempt of a restarting job (plait/multinode_elastic.py), whose
+        launcher hosts the store; its rendezvous is the attempt's own."""
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = (bound_store(spec.address, spec.port, None, timeout)
-                      if spec.node_rank == 0 else None)
+                      if spec.node_rank == 0 and attempt is None else None)
         rdzv = f"is_host=false,join_timeout={max(int(timeout_s), 1)}"
+        run_id = f"plait-{spec.host}-{spec.port}" + ("" if attempt is None else f"-a{attempt}")
         self.command = [
             *torchrun, f"--nnodes={spec.nnodes}", *extra, f"--nproc-per-node={spec.nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.host}:{spec.port}",
-            f"--rdzv-id=plait-{spec.host}-{spec.port}", f"--rdzv-conf={rdzv}",
+            f"--rdzv-id={run_id}", f"--rdzv-conf={rdzv}",
             f"--local-addr={spec.address}", "-m", "plait.train", *rank_args]
         self.env = {**os.environ, **transport_env(spec.interface),
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",

@@ -2,7 +2,8 @@
 launchers on this machine, `--nnodes 2 --node-rank K --master 127.0.0.1:PORT`, two ranks
 each, form one four-rank job that matches the single-process reference (fp32 parity
 tolerances, docs/parity.md), listens only on the interface it names, and when one node
-dies the other comes down with a clear message, never a hang (a marker in every command
+dies the other comes down with a clear message, never a hang; with `--max-restarts` a
+killed rank restarts both launchers (a marker in every command
 line finds what is left, as in test_clean_stop.py).
 """
 
@@ -23,6 +24,7 @@ from test_clean_stop import assert_all_gone
 
 from plait.checkpoint.format import read_metadata
 from plait.checkpoint.reader import full_tensor
+from plait.cluster import capability_problem
 from plait.device.network import listening_sockets, process_tree
 from plait.testing import assert_parity, free_port
 
@@ -102,3 +104,33 @@ def test_a_dead_node_brings_the_other_down(tmp_path, dead):
     assert f"plait: node {1 - dead} of 2: the job failed" in err, err
     assert "Traceback" not in err, err
     assert_all_gone(marker, within_s=15)
+
+
+@pytest.mark.skipif(capability_problem() is None, reason="tests/test_cluster.py kills a "
+                    "whole emulated node instead (a superset): one of the two runs")
+def test_a_killed_rank_restarts_every_launcher(tmp_path, monkeypatch):
+    """Issue 12 items 7 and 9: `--max-restarts` across two launchers. Rank 2 (node 1)
+    SIGKILLs itself after step 2 of the first attempt (the test-only fault); both
+    launchers meet in the next attempt, resume from the step-2 checkpoint node 0 picks,
+    and finish: each step once, one restart naming rank 2, parity with the reference."""
+    monkeypatch.setenv("PLAIT_TEST_FAULT", "kill:2:2")
+    ck, steps = tmp_path / "ck", 5
+    procs, marker, metrics = _launchers(tmp_path, "--checkpoint-dir", str(ck),
+                                        "--checkpoint-every", "2", "--max-restarts", "1",
+                                        steps=steps)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for node, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, (node, err)
+    assert ("plait: restart 1 of 1: rank 2 died (signal SIGKILL) after step 2; resuming "
+            "from step 2") in outs[0][1], outs[0][1]
+    assert_all_gone(marker)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    body, summary = rows[:-1], rows[-1]
+    assert [r["step"] for r in body] == list(range(steps))
+    assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
+    path = ck / f"step-{steps:08d}"
+    meta = read_metadata(path)
+    params = {n: torch.from_numpy(full_tensor(path, meta, n)) for n in meta["tensors"]}
+    assert_parity({"losses": [r["loss"] for r in body],
+                   "grad_norms": [r["grad_norm"] for r in body], "params": params},
+                  reference(*LAYOUT, f"train.steps={steps}"))

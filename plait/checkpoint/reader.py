@@ -97,9 +97,12 @@ def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
         raise CheckpointError(f"{path}: the checkpoint is at step {meta['step']} and "
                               f"train.steps is {cfg.train.steps}: nothing left to train; "
                               "raise --steps")
+    def plain(v: object) -> object:  # JSON reads a tuple (recompute_ops) back as a list
+        return list(v) if isinstance(v, tuple) else v
+
     mine_t = dataclasses.asdict(cfg.train)
     changed = [k for k in mine_t if k != "data"  # the same tokens may move
-               and saved["train"].get(k) != mine_t[k]]
+               and plain(saved["train"].get(k)) != plain(mine_t[k])]
     if changed:
         warnings.warn(f"{path}: training settings differ from the checkpoint's "
                       f"({', '.join(changed)}): the run continues, but not as the "

@@ -68,6 +68,6 @@ def estimate_config(cfg: Config) -> Estimate:
                  zero=p.zero,
                  recompute=t.recompute, sp=p.sp, cp_mode=p.cp_mode,
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
-                 recompute_ops=tuple(t.recompute_ops))
+                 recompute_ops=tuple(t.recompute_ops), order=tuple(p.order))
     return evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
                     lay, EFFICIENCY, simulate=p.pp > 1)

@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "outputs), full (all but each layer's input)")
     lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="default 1")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    lay.add_argument("--order", default="tp,cp,pp,dp", metavar="DIMS",
+                     help="the mesh order, innermost first, as parallel.order (default "
+                     "tp,cp,pp,dp: tp inside a node); decides which groups cross nodes")
     add_goodput_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
@@ -146,8 +149,16 @@ def parse_layout(text: str, args: argparse.Namespace) -> Layout:
     spec = schedule_spec(args.schedule)
     if not spec.free_virtual_stages and spec.virtual_stages > 1:
         v = spec.virtual_stages  # the V schedules fix 2 per rank, whatever the flag says
+    order = tuple(d.strip() for d in getattr(args, "order", "tp,cp,pp,dp").split(","))
+    if sorted(order) != ["cp", "dp", "pp", "tp"]:
+        raise PlanError(f"--order {args.order}: name each of tp, cp, pp, dp once, innermost "
+                        "first, e.g. tp,cp,pp,dp")
+    if order != ("tp", "cp", "pp", "dp") and sizes["ep"] > 1:
+        raise PlanError(f"--order {args.order}: a custom order is modelled for dense "
+                        "layouts only; leave out ep or --order")
     return Layout(**sizes, mbs=args.microbatch, schedule=args.schedule, v=v, zero=args.zero,
-                  recompute=args.recompute, sp=not args.no_sp, attention=args.attention)
+                  recompute=args.recompute, sp=not args.no_sp, attention=args.attention,
+                  order=order)
 
 
 def _num(x: Any) -> Any:
@@ -286,6 +297,9 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         est = evaluate(shape, cluster, train, lay, eff, simulate=True)
         notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
         return [est], notes, {}
+    if getattr(args, "order", "tp,cp,pp,dp") != "tp,cp,pp,dp":
+        raise PlanError(f"--order {args.order}: the search keeps the default order; give "
+                        "--layout too to evaluate one layout under another order")
     cost = None
     if args.rank_by == "goodput" and fail is not None:
         def cost(e: Estimate) -> Any:  # seconds per useful step under failures

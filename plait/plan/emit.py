@@ -69,7 +69,8 @@ def layout_config(est: Estimate, shape: Shape, cluster: Cluster, train: Training
         zero=int(lay.zero), sp=bool(lay.sp) and int(lay.tp) > 1, cp_mode=lay.cp_mode,
         schedule=lay.schedule if pp > 1 else "1f1b",
         virtual_stages=int(lay.v) if pp > 1 and spec.free_virtual_stages else None,
-        microbatches=int(est.microbatches), gpus_per_node=cluster.gpus_per_node)
+        microbatches=int(est.microbatches), gpus_per_node=cluster.gpus_per_node,
+        order=tuple(lay.order))
     tc = TrainConfig(global_batch=train.global_batch, seq_len=shape.seq,
                      precision=_PRECISION[train.precision],
                      optimizer=_OPTIMIZER[train.optimizer],
@@ -82,6 +83,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return json.dumps(str(v))  # a TOML basic string: JSON's escapes are TOML's
 
 
@@ -101,7 +104,7 @@ def config_toml(cfg: Config, header: list[str]) -> str:
         ours, default = getattr(cfg, section), getattr(base, section)
         rows = [f"{f.name} = {_toml_value(getattr(ours, f.name))}"
                 for f in dataclasses.fields(ours)
-                if getattr(ours, f.name) is not None and f.name != "order"
+                if getattr(ours, f.name) is not None
                 and (f.name in _ALWAYS[section]
                      or getattr(ours, f.name) != getattr(default, f.name))]
         if rows:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.config import DEFAULT_ORDER
 from plait.model.recompute_settings import DEFAULT_OPS
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import bubble, comm, memory
@@ -73,6 +74,9 @@ class Layout:
     runtime_recompute: str | None = None
     attention: str = "flash"  # the kernel (shape.ATTENTION): what attention keeps, computes
     recompute_ops: tuple[str, ...] = DEFAULT_OPS  # selective with flash: groups recomputed
+    # the mesh's order, innermost first (parallel.order): which groups stay inside a node.
+    # The default keeps tp innermost; a custom order is modelled for dense layouts
+    order: tuple[str, ...] = DEFAULT_ORDER
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:
@@ -135,6 +139,12 @@ class _Basis:
     saved: Num  # bytes one layer saves per micro-batch under the layout's recompute
     lt: LayerTimes  # forward times of one layer per micro-batch
     moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
+    strides: dict[str, Num]  # rank distance between neighbours along each dim (the order)
+
+    def span(self, dim: str) -> Num:
+        """Ranks from the first to past the last of a `dim` group: inside one node when
+        at most gpus_per_node (ranks are numbered node by node)."""
+        return self.strides[dim] * getattr(self, dim)
 
 
 def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
@@ -148,6 +158,14 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
     saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e, lay.attention)
+    sizes, strides, stride = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, {}, 1.0
+    if sorted(lay.order) != sorted(sizes):
+        raise ValueError(f"order {','.join(lay.order)}: name each of tp, cp, pp, dp once")
+    if tuple(lay.order) != DEFAULT_ORDER and np.any(ep > 1):
+        raise ValueError("a mesh order other than tp,cp,pp,dp is modelled for dense "
+                         "layouts only (expert parallel's groups assume the default)")
+    for d in lay.order:
+        strides[d], stride = stride, stride * sizes[d]
     return _Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
@@ -155,7 +173,8 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e,
                                        lay.attention, lay.recompute_ops),
         lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale,
-                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0)
+                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
+        strides=strides)
 
 
 def recompute_time(lay: Layout, lt: LayerTimes, f_layer: Num) -> Num:

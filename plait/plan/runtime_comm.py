@@ -79,7 +79,7 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
                    b: _Basis) -> list[comm.Collective]:
     if not np.any(b.tp > 1):
         return []
-    intra = comm.intra_node(1, b.tp, cluster.gpus_per_node)
+    intra = comm.intra_node(b.strides["tp"], b.tp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)
     s = b.tokens * shape.hidden * b.e
     t_ar, _ = comm.all_reduce(s, b.tp, bw, al)
@@ -132,7 +132,7 @@ def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: _Basi
     the rank holds, in the compute dtype, once a step (a send; the receive is the
     mirror's send)."""
     _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
+    intra = comm.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)
     size = rank_params * gb
     return comm.Collective("pp", "send (DualPipe copies' gradients)", size, 1.0, 2, intra,

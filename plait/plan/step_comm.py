@@ -41,7 +41,7 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
                 b: _Basis) -> LayerComm:
     colls: list[comm.Collective] = []
     gpu, gpn = cluster.gpu, cluster.gpus_per_node
-    tp_intra = comm.intra_node(1, b.tp, gpn)
+    tp_intra = comm.intra_node(b.strides["tp"], b.tp, gpn)
     bw, al = comm.link(gpu, tp_intra, eff.link_efficiency)
     s_tp = b.tokens * shape.hidden * b.e
     t_ar, _ = comm.all_reduce(s_tp, b.tp, bw, al)
@@ -67,7 +67,7 @@ def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
     local K/V chunk hops cp-1 times forward, K/V and dK/dV 2(cp-1) times backward, each
     hop hidden behind a block's compute; all-gather: K/V gathered forward, dK/dV
     reduce-scattered backward, not overlapped (plait/parallel/context.py)."""
-    cp_intra = comm.intra_node(b.tp, b.cp, cluster.gpus_per_node)
+    cp_intra = comm.intra_node(b.strides["cp"], b.cp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, cp_intra, eff.link_efficiency)
     s_kv = 2 * b.tokens * shape.kv_dim * b.e / b.tp
     if mode == "allgather":
@@ -136,7 +136,7 @@ def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
 def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
            colls: list[comm.Collective], sp: bool = False) -> Num:
     """One pipeline send's time (0 without a pipeline); appends pp's collective."""
-    pp_intra = comm.intra_node(b.tp * b.cp, b.pp, cluster.gpus_per_node)
+    pp_intra = comm.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, pp_intra, eff.link_efficiency)
     # the time: Megatron's scatter/gather optimisation sends 1/tp of the activation per
     # rank (Narayanan et al. 2021, sec. 4.1), on which the calibration was fitted. The
@@ -160,7 +160,8 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     collectives (dim "dp" or "edp")."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     m = b.m
-    span = np.where(b.dp > 1, b.tp * b.cp * b.pp * b.dp, b.tp * b.cp)
+    # the gradients are reduced over dp x cp: inside a node when both dims' groups are
+    span = np.maximum(np.where(b.dp > 1, b.span("dp"), 1), np.where(b.cp > 1, b.span("cp"), 1))
     dp_intra = span <= cluster.gpus_per_node
     bw, al = comm.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
