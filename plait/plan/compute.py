@@ -201,3 +201,22 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
     elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)
+
+
+def recompute_seconds(lay: Any, lt: LayerTimes, f_layer: Any) -> Any:
+    """Seconds one layer's backward adds by recomputing, of exactly what the layout's
+    `recompute` (with its `attention` and `recompute_ops`: estimate.Layout) drops
+    (recomputed_flops_per_token counts the same FLOPs): full its forward (with its
+    exchanges, `f_layer`); selective with math the attention core; selective with flash
+    the groups of plait's policy, the element-wise ops always, and with them the forward's
+    exchanges (a collective is an element-wise op to the policy: the runtime re-issues
+    them, docs/recompute.md)."""
+    if lay.recompute == "full":
+        return f_layer
+    if lay.recompute != "selective":
+        return 0.0 * f_layer
+    if lay.attention == "math":
+        return lt.attn_fwd
+    ops, exchanges = lay.recompute_ops, f_layer - lt.forward
+    return (lt.elementwise_fwd + exchanges + lt.attn_fwd * ("attention" in ops)
+            + lt.gemm_fwd * ("matmul" in ops))

@@ -25,6 +25,7 @@ from plait.plan.compute import (
     head_flops,
     layer_times,
     model_flops_per_token,
+    recompute_seconds,
 )
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import dualpipe_copies
@@ -177,25 +178,6 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         strides=strides)
 
 
-def recompute_time(lay: Layout, lt: LayerTimes, f_layer: Num) -> Num:
-    """Seconds one layer's backward adds by recomputing, of exactly what `lay.recompute`
-    drops (compute.recomputed_flops_per_token counts the same FLOPs): full its forward
-    (with its exchanges, `f_layer`); selective with math the attention core; selective with
-    flash the groups of plait's policy, the element-wise ops always, and with them the
-    forward's exchanges (a collective is an element-wise op to the policy: the runtime
-    re-issues them, docs/recompute.md)."""
-    if lay.recompute == "full":
-        return f_layer
-    if lay.recompute != "selective":
-        return 0.0 * f_layer
-    if lay.attention == "math":
-        return lt.attn_fwd
-    ops = lay.recompute_ops
-    exchanges = f_layer - lt.forward
-    return (lt.elementwise_fwd + exchanges + lt.attn_fwd * ("attention" in ops)
-            + lt.gemm_fwd * ("matmul" in ops))
-
-
 @dataclass
 class _ChunkTimes:
     """Durations of one layer's F, I (input gradient), W (weight gradient), of the LM head,
@@ -219,7 +201,7 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
     i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
         + lc.cp_exp_b + lc.ep_exp_b
     w_layer = lt.gemm_fwd
-    i_layer = i_layer + recompute_time(lay, lt, f_layer)
+    i_layer = i_layer + recompute_seconds(lay, lt, f_layer)
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.peak_scale)
     head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
@@ -331,7 +313,7 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
         "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
         * b.rank_layers * m,
         # the replayed tp collectives are in "tp comm" (its count has them): not twice
-        "recompute": m * cpr * b.chunk_layers * (recompute_time(lay, lt, ct.f_layer) - (
+        "recompute": m * cpr * b.chunk_layers * (recompute_seconds(lay, lt, ct.f_layer) - (
             0.0 if lay.runtime_mode() == "none" else TP_COLLECTIVES_FWD * lc.t_ar)),
         "pipeline bubble + p2p": np.maximum(pipe - busy, 0.0),
         "dp comm (exposed)": dp_exposed,

@@ -218,6 +218,25 @@ def check_rank_inputs(args: argparse.Namespace, rank: int, world: int, local_ran
     return found.cfg
 
 
+def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, elastic,
+                    lead: bool) -> None:
+    """The summary row and what rank 0 prints and draws once training is done."""
+    if elastic:
+        result.summary.update(elastic.summary())
+    if lead and checkpoint.resumed_from is not None and not args.quiet:
+        print(f"resumed from {checkpoint.resumed_from}")
+    run.record(result.summary)
+    if lead and not args.quiet:
+        print_summary(result.summary, result.metrics)
+    if lead and result.pipeline:
+        write_pipeline_outputs(result.pipeline)
+    if lead and result.timeline:
+        write_timeline_outputs(result.timeline, args.trace, args.timeline)
+    elif lead and (args.trace or args.timeline):  # resumed at the last step
+        print("plait: no step ran, so --trace/--timeline have nothing to draw",
+              file=sys.stderr)
+
+
 def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cfg = check_rank_inputs(args, rank, world, local_rank,
@@ -273,20 +292,7 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise
-        if elastic:
-            result.summary.update(elastic.summary())
-        if lead and checkpoint.resumed_from is not None and not args.quiet:
-            print(f"resumed from {checkpoint.resumed_from}")
-        run.record(result.summary)
-        if lead and not args.quiet:
-            print_summary(result.summary, result.metrics)
-        if lead and result.pipeline:
-            write_pipeline_outputs(result.pipeline)
-        if lead and result.timeline:
-            write_timeline_outputs(result.timeline, args.trace, args.timeline)
-        elif lead and (args.trace or args.timeline):  # resumed at the last step
-            print("plait: no step ran, so --trace/--timeline have nothing to draw",
-                  file=sys.stderr)
+        _record_outcome(args, run, result, checkpoint, elastic, lead)
         finished = True
     finally:
         if dist.is_initialized():
