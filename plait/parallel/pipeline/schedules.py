@@ -13,9 +13,11 @@ registry.py, holds every other fact about each schedule). Placement per schedule
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import trusted as _act
 from plait.parallel.pipeline.simulate import Durations
 
 
@@ -29,7 +31,7 @@ def _linear(name: str, p: int, m: int, actions: list[list[Action]]) -> Schedule:
 def build_gpipe(p: int, m: int, v: int) -> Schedule:
     """All forwards, then all backwards (Huang et al. 2019). Peak activations m per rank."""
     acts = [
-        [Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+        [_act("F", r, i) for i in range(m)] + [_act("B", r, i) for i in range(m)]
         for r in range(p)
     ]
     return _linear("gpipe", p, m, acts)
@@ -41,11 +43,11 @@ def build_1f1b(p: int, m: int, v: int) -> Schedule:
     acts = []
     for r in range(p):
         warm = min(p - 1 - r, m)
-        seq = [Action("F", r, i) for i in range(warm)]
+        seq = [_act("F", r, i) for i in range(warm)]
         for k in range(m):
             if warm + k < m:
-                seq.append(Action("F", r, warm + k))
-            seq.append(Action("B", r, k))
+                seq.append(_act("F", r, warm + k))
+            seq.append(_act("B", r, k))
         acts.append(seq)
     return _linear("1f1b", p, m, acts)
 
@@ -71,16 +73,16 @@ def _split_1f1b(name: str, p: int, m: int, warm, w_delay) -> Schedule:
     acts = []
     for r in range(p):
         w = min(warm(r), m)
-        seq = [Action("F", r, i) for i in range(w)]
+        seq = [_act("F", r, i) for i in range(w)]
         next_w = 0
         for k in range(m):
             if w + k < m:
-                seq.append(Action("F", r, w + k))
-            seq.append(Action("I", r, k))
+                seq.append(_act("F", r, w + k))
+            seq.append(_act("I", r, k))
             if k >= w_delay(r):
-                seq.append(Action("W", r, next_w))
+                seq.append(_act("W", r, next_w))
                 next_w += 1
-        seq += [Action("W", r, i) for i in range(next_w, m)]
+        seq += [_act("W", r, i) for i in range(next_w, m)]
         acts.append(seq)
     return _linear(name, p, m, acts)
 
@@ -103,10 +105,10 @@ def build_interleaved(p: int, m: int, v: int) -> Schedule:
     for r in range(p):
 
         def fwd(k: int, r: int = r) -> Action:
-            return Action("F", ((k // p) % v) * p + r, mb_of(k))
+            return _act("F", ((k // p) % v) * p + r, mb_of(k))
 
         def bwd(k: int, r: int = r) -> Action:
-            return Action("B", (v - 1 - (k // p) % v) * p + r, mb_of(k))
+            return _act("B", (v - 1 - (k // p) % v) * p + r, mb_of(k))
 
         warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
         seq = [fwd(k) for k in range(warm)]
@@ -176,17 +178,17 @@ def build_dualpipev(p: int, m: int, v: int) -> Schedule:
         seq: list[Action] = []
 
         def f(c: int, seq=seq, nxt=nxt, stage=stage) -> None:
-            seq.append(Action("F", stage[c], nxt["F"][c]))
+            seq.append(_act("F", stage[c], nxt["F"][c]))
             nxt["F"][c] += 1
 
         def b(c: int, split: bool, seq=seq, nxt=nxt, stage=stage, pw=pending_w) -> None:
             mb = nxt["B"][c]
             nxt["B"][c] += 1
             if split:
-                seq.append(Action("I", stage[c], mb))
-                pw.append(Action("W", stage[c], mb))
+                seq.append(_act("I", stage[c], mb))
+                pw.append(_act("W", stage[c], mb))
             else:
-                seq.append(Action("B", stage[c], mb))
+                seq.append(_act("B", stage[c], mb))
 
         for _ in range(2 * (p - 1 - r)):
             f(0)
@@ -250,76 +252,153 @@ def _list_schedule(
 
 
 class _ListScheduler:
-    """One run of `_list_schedule`: the clock, what each rank has left, what has finished."""
+    """One run of `_list_schedule`, event-driven: a heap of the moments anything can change
+    (each finish, and each finish + p2p), and per rank heaps of the actions whose inputs
+    have arrived (I, W, and F per stage), so each action is touched O(log n) times.
+
+    The moments and the order ranks are served in are those of a clock that, at every
+    moment, lets each free rank (0, 1, ...) start its best ready action: a rank starts at
+    most one action per moment, and an input that arrives at the moment it is produced
+    (a zero duration) is seen by higher ranks at that moment, by lower ones at the next."""
 
     def __init__(self, shape: Schedule, quota: Quota, d: Durations):
-        self.shape, self.quota, self.d = shape, quota, d
-        self.todo: list[list[Item]] = [[] for _ in range(shape.pp)]
-        for mb in range(shape.microbatches):
+        self.shape, self.quota = shape, quota
+        p, self.m, n = shape.pp, shape.microbatches, shape.num_stages
+        self.p2p = d.p2p
+        self.dur = {k: [d.of(k, s) for s in range(n)] for k in ("F", "I", "W")}
+        self.rank_of = shape.stage_to_rank
+        self.quotas = [quota(s) for s in range(n)]
+        # inputs still missing per (kind, stage * m + mb); at 0 the action is ready
+        self.missing = {"F": [0 if shape.prev_stage(s) is None else 1 for s in range(n)],
+                        "I": [1 if shape.next_stage(s) is None else 2 for s in range(n)]}
+        self.waiting = {k: bytearray(n * self.m) for k in ("F", "I", "W")}
+        for mb in range(self.m):
             for s in shape.stages_of(mb):
-                for prio, kind in ((1, "F"), (0, "I"), (2, "W")):
-                    self.todo[shape.stage_to_rank[s]].append((prio, mb, -s, kind))
-        self.end: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish
+                self.waiting["F"][s * self.m + mb] = self.missing["F"][s]
+                self.waiting["I"][s * self.m + mb] = self.missing["I"][s]
+                self.waiting["W"][s * self.m + mb] = 1
+        self.ready_i: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.ready_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.ready_f: list[list[tuple[int, list]]] = [
+            [(s, []) for s in shape.stages_on(r)] for r in range(p)]
+        self.ready_f_of = {s: heap for row in self.ready_f for s, heap in row}
+        self.todo = [0] * p  # actions each rank has left
+        for mb in range(self.m):
+            for s in shape.stages_of(mb):
+                self.todo[self.rank_of[s]] += 3
         self.live: dict[object, int] = {}  # quota key -> admitted and not yet freed
-        self.free = [0.0] * shape.pp  # when each rank is next free
-        self.acts: list[list[Action]] = [[] for _ in range(shape.pp)]
+        self.free = [0.0] * p
+        self.acts: list[list[Action]] = [[] for _ in range(p)]
+        self.moments: list[float] = []
+        self.arrivals: dict[float, list[tuple[str, int, int]]] = {}  # t -> inputs landing
+        self.wakes: dict[float, list[int]] = {}  # t -> ranks falling free
+        for mb in range(self.m):  # the forwards that need no input are ready at once
+            for s in shape.stages_of(mb):
+                if self.missing["F"][s] == 0:
+                    heapq.heappush(self.ready_f_of[s], (mb, -s))
 
     def run(self) -> list[list[Action]]:
-        t = 0.0
-        while any(self.todo):
-            for r in range(self.shape.pp):
-                if self.free[r] > t or not self.todo[r]:
-                    continue
-                ready = [item for item in self.todo[r] if self._ready(r, item, t)]
-                if ready:
-                    self._start(r, min(ready), t)
-            later = self._next_moment(t)
-            if later is None:
-                if any(self.todo):  # cannot happen: some action is always ready eventually
-                    raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
+        t, due = 0.0, list(range(self.shape.pp))  # at 0 every rank looks
+        while True:
+            for kind, s, mb in self.arrivals.pop(t, ()):
+                self._arrive(kind, s, mb, due)
+            due.extend(self.wakes.pop(t, ()))
+            due = self._serve(t, due)
+            while self.moments and self.moments[0] <= t:
+                heapq.heappop(self.moments)
+            if not self.moments:
                 break
-            t = later
+            t = heapq.heappop(self.moments)
+        if any(self.todo):  # cannot happen: some action is always ready eventually
+            raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
         return self.acts
 
-    def _arrival(self, kind: str, src: int, mb: int, rank: int) -> float | None:
-        """When the output of (kind, src, mb) is on `rank`; None if not yet computed."""
-        t = self.end.get((kind, src, mb))
-        if t is None:
-            return None
-        return t + (self.d.p2p if self.shape.stage_to_rank[src] != rank else 0.0)
+    def _serve(self, t: float, due: list[int]) -> list[int]:
+        """Let the due ranks, lowest first, each start one action at t; the ranks to look
+        again at the next moment (an input produced at t for a rank already served)."""
+        heap = sorted(set(due))
+        seen, later = set(heap), []
+        while heap:
+            r = heapq.heappop(heap)
+            if self.free[r] > t or not self.todo[r]:
+                continue
+            for r2 in self._start_best(r, t):
+                if r2 > r and r2 not in seen:
+                    seen.add(r2)
+                    heapq.heappush(heap, r2)
+                elif r2 <= r:
+                    later.append(r2)
+        return later
 
-    def _ready(self, r: int, item: Item, t: float) -> bool:
-        _, mb, neg_s, kind = item
-        s, inf = -neg_s, float("inf")
-        if kind == "F":
-            src = self.shape.prev_stage(s)
-            key, limit, gated = self.quota(s)
-            if gated and self.live.get(key, 0) >= limit:
-                return False
-            return src is None or (self._arrival("F", src, mb, r) or inf) <= t
-        if kind == "I":
-            src = self.shape.next_stage(s)
-            return self.end.get(("F", s, mb), inf) <= t and (
-                src is None or (self._arrival("I", src, mb, r) or inf) <= t
-            )
-        return self.end.get(("I", s, mb), inf) <= t
+    def _start_best(self, r: int, t: float) -> list[int]:
+        """Start rank r's best ready action at t (an I, else an F its quota admits, oldest
+        micro-batch first, then the stage nearer the loss, else a W); the ranks an input
+        reaches at t itself."""
+        if self.ready_i[r]:
+            mb, neg_s = heapq.heappop(self.ready_i[r])
+            return self._start(r, "I", -neg_s, mb, t)
+        best = None
+        for s, heap in self.ready_f[r]:
+            key, limit, gated = self.quotas[s]
+            if heap and not (gated and self.live.get(key, 0) >= limit) and (
+                    best is None or heap[0] < best[0]):
+                best = heap[0], heap
+        if best is not None:
+            mb, neg_s = heapq.heappop(best[1])
+            return self._start(r, "F", -neg_s, mb, t)
+        if self.ready_w[r]:
+            mb, neg_s = heapq.heappop(self.ready_w[r])
+            return self._start(r, "W", -neg_s, mb, t)
+        return []
 
-    def _start(self, r: int, item: Item, t: float) -> None:
-        """Run `item` on rank r from time t: its finish, the quota count, the order."""
-        self.todo[r].remove(item)
-        _, mb, neg_s, kind = item
-        self.free[r] = t + self.d.of(kind, -neg_s)
-        self.end[(kind, -neg_s, mb)] = self.free[r]
+    def _start(self, r: int, kind: str, s: int, mb: int, t: float) -> list[int]:
+        """Run (kind, s, mb) on rank r from t: the order, the quota, when its outputs land."""
+        end = t + self.dur[kind][s]
+        self.free[r] = end
+        self.todo[r] -= 1
+        self.acts[r].append(_act(kind, s, mb))
         if kind != "W":
-            key = self.quota(-neg_s)[0]
+            key = self.quotas[s][0]
             self.live[key] = self.live.get(key, 0) + (1 if kind == "F" else -1)
-        self.acts[r].append(Action(kind, -neg_s, mb))
+        heapq.heappush(self.moments, end)
+        if self.p2p:
+            heapq.heappush(self.moments, end + self.p2p)
+        now: list[int] = []
+        if end <= t:  # zero duration: the rank looks again at the next moment
+            now.append(r)
+        else:
+            self.wakes.setdefault(end, []).append(r)
+        if kind == "F":
+            out = [("I", s, 0.0)]
+            nxt = self.shape.next_stage(s)
+            if nxt is not None:
+                out.append(("F", nxt, self.p2p if self.rank_of[nxt] != r else 0.0))
+        elif kind == "I":
+            out = [("W", s, 0.0)]
+            prv = self.shape.prev_stage(s)
+            if prv is not None:
+                out.append(("I", prv, self.p2p if self.rank_of[prv] != r else 0.0))
+        else:
+            out = []
+        for k, dst, hop in out:
+            at = end + hop
+            if at <= t:
+                self._arrive(k, dst, mb, now)
+            else:
+                self.arrivals.setdefault(at, []).append((k, dst, mb))
+        return now
 
-    def _next_moment(self, t: float) -> float | None:
-        """The next time anything can change: a rank frees up or an input arrives."""
-        p2p = self.d.p2p
-        later = [x for x in self.free if x > t]
-        later += [x + p2p for x in self.end.values() if x + p2p > t] + [
-            x for x in self.end.values() if x > t
-        ]
-        return min(later) if later else None
+    def _arrive(self, kind: str, s: int, mb: int, due: list[int]) -> None:
+        """One input of (kind, s, mb) is there; once all are, it is ready on its rank."""
+        left = self.waiting[kind]
+        i = s * self.m + mb
+        left[i] -= 1
+        if left[i]:
+            return
+        r = self.rank_of[s]
+        if kind == "F":
+            heap = self.ready_f_of[s]
+        else:
+            heap = self.ready_i[r] if kind == "I" else self.ready_w[r]
+        heapq.heappush(heap, (mb, -s))
+        due.append(r)
