@@ -220,6 +220,7 @@ def build_dualpipev(p: int, m: int, v: int) -> Schedule:
     return Schedule("dualpipev", p, m, 2, 2 * p, _v_placement(p), acts)
 
 
+_KINDS = ("F", "I", "W")  # the list scheduler's kinds, by index
 Quota = Callable[[int], tuple[object, int, bool]]  # stage -> (key, limit, gated)
 Item = tuple[int, int, int, str]  # (priority, micro-batch, -stage, kind): min() picks
 
@@ -252,153 +253,156 @@ def _list_schedule(
 
 
 class _ListScheduler:
-    """One run of `_list_schedule`, event-driven: a heap of the moments anything can change
-    (each finish, and each finish + p2p), and per rank heaps of the actions whose inputs
-    have arrived (I, W, and F per stage), so each action is touched O(log n) times.
+    """One run of `_list_schedule`, event-driven: what lands when (inputs, ranks falling
+    free) keyed by time, a heap of those times, and per rank heaps of the actions whose
+    inputs are all there (I, W, and F per stage), so each action costs O(log n).
 
-    The moments and the order ranks are served in are those of a clock that, at every
-    moment, lets each free rank (0, 1, ...) start its best ready action: a rank starts at
-    most one action per moment, and an input that arrives at the moment it is produced
-    (a zero duration) is seen by higher ranks at that moment, by lower ones at the next."""
+    It reproduces a clock that, at every moment (each finish, and each finish + p2p),
+    lets each free rank, lowest first, start its best ready action: a rank starts at most
+    one action per moment, and an input that lands the moment it is produced (a zero
+    duration) is seen by higher ranks at that moment, by lower ones at the next."""
 
     def __init__(self, shape: Schedule, quota: Quota, d: Durations):
-        self.shape, self.quota = shape, quota
-        p, self.m, n = shape.pp, shape.microbatches, shape.num_stages
+        p, m, n = shape.pp, shape.microbatches, shape.num_stages
+        self.shape, self.p, self.m, self.n = shape, p, m, n
+        rank_of = self.rank_of = shape.stage_to_rank
+        self.dur = [[d.of(k, s) for s in range(n)] for k in _KINDS]  # [F, I, W][stage]
         self.p2p = d.p2p
-        self.dur = {k: [d.of(k, s) for s in range(n)] for k in ("F", "I", "W")}
-        self.rank_of = shape.stage_to_rank
-        self.quotas = [quota(s) for s in range(n)]
-        # inputs still missing per (kind, stage * m + mb); at 0 the action is ready
-        self.missing = {"F": [0 if shape.prev_stage(s) is None else 1 for s in range(n)],
-                        "I": [1 if shape.next_stage(s) is None else 2 for s in range(n)]}
-        self.waiting = {k: bytearray(n * self.m) for k in ("F", "I", "W")}
-        for mb in range(self.m):
-            for s in shape.stages_of(mb):
-                self.waiting["F"][s * self.m + mb] = self.missing["F"][s]
-                self.waiting["I"][s * self.m + mb] = self.missing["I"][s]
-                self.waiting["W"][s * self.m + mb] = 1
-        self.ready_i: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-        self.ready_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-        self.ready_f: list[list[tuple[int, list]]] = [
-            [(s, []) for s in shape.stages_on(r)] for r in range(p)]
-        self.ready_f_of = {s: heap for row in self.ready_f for s, heap in row}
+        # zero durations make inputs land at the moment they are produced: then the
+        # moments with nothing landing (finish + p2p of a W, ...) matter too
+        self.zero = min(min(x) for x in self.dur) <= 0
+
+        def to(stage: int | None, s: int) -> tuple[int, float]:
+            if stage is None:
+                return -1, 0.0
+            return stage, (d.p2p if rank_of[stage] != rank_of[s] else 0.0)
+
+        self.f_to = [to(shape.next_stage(s), s) for s in range(n)]  # F s feeds F (s+1)
+        self.i_to = [to(shape.prev_stage(s), s) for s in range(n)]  # I s feeds I (s-1)
+        quotas = [quota(s) for s in range(n)]
+        ids = {key: k for k, key in enumerate(dict.fromkeys(q[0] for q in quotas))}
+        self.keys = [ids[q[0]] for q in quotas]  # stages sharing a key count together
+        limits = [q[1] if q[2] else float("inf") for q in quotas]  # ungated: no limit
+        # inputs still missing per kind * n * m + stage * m + mb; at 0 the action is ready
+        self.missing = bytearray(3 * n * m)
+        self.ready_i: list[list[int]] = [[] for _ in range(p)]  # codes mb * n + n-1-s
+        self.ready_w: list[list[int]] = [[] for _ in range(p)]
+        self.ready_f: list[list[tuple[int, list[int], int, float]]] = [
+            [(s, [], self.keys[s], limits[s]) for s in shape.stages_on(r)] for r in range(p)]
+        self.ready_f_of = {row[0]: row[1] for rows in self.ready_f for row in rows}
         self.todo = [0] * p  # actions each rank has left
-        for mb in range(self.m):
+        for mb in range(m):
             for s in shape.stages_of(mb):
-                self.todo[self.rank_of[s]] += 3
-        self.live: dict[object, int] = {}  # quota key -> admitted and not yet freed
+                self.todo[rank_of[s]] += 3
+                i = s * m + mb
+                self.missing[i] = 0 if shape.prev_stage(s) is None else 1
+                self.missing[n * m + i] = 1 if self.f_to[s][0] < 0 else 2
+                self.missing[2 * n * m + i] = 1
+                if not self.missing[i]:
+                    self.ready_f_of[s].append(mb * n + n - 1 - s)
+        self.live = [0] * len(ids)  # per quota key: admitted and not yet freed
         self.free = [0.0] * p
         self.acts: list[list[Action]] = [[] for _ in range(p)]
-        self.moments: list[float] = []
-        self.arrivals: dict[float, list[tuple[str, int, int]]] = {}  # t -> inputs landing
-        self.wakes: dict[float, list[int]] = {}  # t -> ranks falling free
-        for mb in range(self.m):  # the forwards that need no input are ready at once
-            for s in shape.stages_of(mb):
-                if self.missing["F"][s] == 0:
-                    heapq.heappush(self.ready_f_of[s], (mb, -s))
+        self.landing: dict[float, list[int]] = {}  # time -> inputs (codes), ~rank free
+        self.times: list[float] = []  # heap of the moments ahead
 
     def run(self) -> list[list[Action]]:
-        t, due = 0.0, list(range(self.shape.pp))  # at 0 every rank looks
+        n, m, nm = self.n, self.m, self.n * self.m
+        dur, live, free, todo = self.dur, self.live, self.free, self.todo
+        outs = (self.f_to, self.i_to)
+        missing, landing, times, acts = self.missing, self.landing, self.times, self.acts
+        ready_i, ready_w, ready_f = self.ready_i, self.ready_w, self.ready_f
+        keys, names, new = self.keys, _KINDS, tuple.__new__
+        phantom = self.p2p if self.zero else 0.0
+        push, pop = heapq.heappush, heapq.heappop
+        t, due = 0.0, list(range(self.p))  # at 0 every rank looks
         while True:
-            for kind, s, mb in self.arrivals.pop(t, ()):
-                self._arrive(kind, s, mb, due)
-            due.extend(self.wakes.pop(t, ()))
-            due = self._serve(t, due)
-            while self.moments and self.moments[0] <= t:
-                heapq.heappop(self.moments)
-            if not self.moments:
+            for code in landing.pop(t, ()):
+                if code < 0:
+                    due.append(~code)  # the rank is free
+                    continue
+                missing[code] -= 1
+                if not missing[code]:
+                    due.append(self._ready(code))
+            ranks, due = sorted(set(due)), []
+            while ranks:  # lowest rank first; each starts at most one action
+                r = pop(ranks)
+                if free[r] > t or not todo[r]:
+                    continue
+                kind, heap = 1, ready_i[r]  # an I, else the best F its quota admits, else W
+                if not heap:
+                    kind, heap = 0, None
+                    for s, h, key, limit in ready_f[r]:
+                        if h and (heap is None or h[0] < heap[0]) and live[key] < limit:
+                            heap = h
+                    if heap is None:
+                        kind, heap = 2, ready_w[r]
+                        if not heap:
+                            continue
+                mb, rest = divmod(pop(heap), n)
+                s = n - 1 - rest
+                end = t + dur[kind][s]
+                free[r] = end
+                todo[r] -= 1
+                acts[r].append(new(Action, (names[kind], s, mb, None)))
+                if end > t:
+                    at = landing.get(end)
+                    if at is None:
+                        landing[end] = at = []
+                        push(times, end)
+                    at.append(~r)  # the rank is free
+                    if kind < 2:
+                        live[keys[s]] += 1 - 2 * kind
+                        at.append((kind + 1) * nm + s * m + mb)  # its own I (W) may run
+                        dst, hop = outs[kind][s]
+                        if dst >= 0:  # the peer's input
+                            at = landing.get(end + hop)
+                            if at is None:
+                                landing[end + hop] = at = []
+                                push(times, end + hop)
+                            at.append(kind * nm + dst * m + mb)
+                else:  # zero duration: higher ranks see it now, lower ones next moment
+                    for r2 in self._zero_duration(r, kind, s, mb, end, t):
+                        (push(ranks, r2) if r2 > r and r2 not in ranks else due.append(r2))
+                if phantom:  # the finish + p2p moments with nothing landing
+                    push(times, end + phantom)
+            while times and times[0] <= t:
+                pop(times)
+            if not times:
                 break
-            t = heapq.heappop(self.moments)
-        if any(self.todo):  # cannot happen: some action is always ready eventually
+            t = pop(times)
+        if any(todo):  # cannot happen: some action is always ready eventually
             raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
-        return self.acts
+        return acts
 
-    def _serve(self, t: float, due: list[int]) -> list[int]:
-        """Let the due ranks, lowest first, each start one action at t; the ranks to look
-        again at the next moment (an input produced at t for a rank already served)."""
-        heap = sorted(set(due))
-        seen, later = set(heap), []
-        while heap:
-            r = heapq.heappop(heap)
-            if self.free[r] > t or not self.todo[r]:
-                continue
-            for r2 in self._start_best(r, t):
-                if r2 > r and r2 not in seen:
-                    seen.add(r2)
-                    heapq.heappush(heap, r2)
-                elif r2 <= r:
-                    later.append(r2)
-        return later
+    def _zero_duration(self, r: int, kind: int, s: int, mb: int, end: float,
+                       t: float) -> list[int]:
+        """What a zero-duration action lands at t itself; the ranks that may act on it."""
+        nm = self.n * self.m
+        out = [r]
+        if kind < 2:
+            self.live[self.keys[s]] += 1 - 2 * kind
+            lands = [((kind + 1) * nm + s * self.m + mb, end)]
+            dst, hop = (self.f_to, self.i_to)[kind][s]
+            if dst >= 0:
+                lands.append((kind * nm + dst * self.m + mb, end + hop))
+            for code, at in lands:
+                if at > t:
+                    if at not in self.landing:
+                        self.landing[at] = []
+                        heapq.heappush(self.times, at)
+                    self.landing[at].append(code)
+                else:
+                    self.missing[code] -= 1
+                    if not self.missing[code]:
+                        out.append(self._ready(code))
+        return out
 
-    def _start_best(self, r: int, t: float) -> list[int]:
-        """Start rank r's best ready action at t (an I, else an F its quota admits, oldest
-        micro-batch first, then the stage nearer the loss, else a W); the ranks an input
-        reaches at t itself."""
-        if self.ready_i[r]:
-            mb, neg_s = heapq.heappop(self.ready_i[r])
-            return self._start(r, "I", -neg_s, mb, t)
-        best = None
-        for s, heap in self.ready_f[r]:
-            key, limit, gated = self.quotas[s]
-            if heap and not (gated and self.live.get(key, 0) >= limit) and (
-                    best is None or heap[0] < best[0]):
-                best = heap[0], heap
-        if best is not None:
-            mb, neg_s = heapq.heappop(best[1])
-            return self._start(r, "F", -neg_s, mb, t)
-        if self.ready_w[r]:
-            mb, neg_s = heapq.heappop(self.ready_w[r])
-            return self._start(r, "W", -neg_s, mb, t)
-        return []
-
-    def _start(self, r: int, kind: str, s: int, mb: int, t: float) -> list[int]:
-        """Run (kind, s, mb) on rank r from t: the order, the quota, when its outputs land."""
-        end = t + self.dur[kind][s]
-        self.free[r] = end
-        self.todo[r] -= 1
-        self.acts[r].append(_act(kind, s, mb))
-        if kind != "W":
-            key = self.quotas[s][0]
-            self.live[key] = self.live.get(key, 0) + (1 if kind == "F" else -1)
-        heapq.heappush(self.moments, end)
-        if self.p2p:
-            heapq.heappush(self.moments, end + self.p2p)
-        now: list[int] = []
-        if end <= t:  # zero duration: the rank looks again at the next moment
-            now.append(r)
-        else:
-            self.wakes.setdefault(end, []).append(r)
-        if kind == "F":
-            out = [("I", s, 0.0)]
-            nxt = self.shape.next_stage(s)
-            if nxt is not None:
-                out.append(("F", nxt, self.p2p if self.rank_of[nxt] != r else 0.0))
-        elif kind == "I":
-            out = [("W", s, 0.0)]
-            prv = self.shape.prev_stage(s)
-            if prv is not None:
-                out.append(("I", prv, self.p2p if self.rank_of[prv] != r else 0.0))
-        else:
-            out = []
-        for k, dst, hop in out:
-            at = end + hop
-            if at <= t:
-                self._arrive(k, dst, mb, now)
-            else:
-                self.arrivals.setdefault(at, []).append((k, dst, mb))
-        return now
-
-    def _arrive(self, kind: str, s: int, mb: int, due: list[int]) -> None:
-        """One input of (kind, s, mb) is there; once all are, it is ready on its rank."""
-        left = self.waiting[kind]
-        i = s * self.m + mb
-        left[i] -= 1
-        if left[i]:
-            return
+    def _ready(self, code: int) -> int:
+        """Put the action `code` (all its inputs there) on its rank's heap; the rank."""
+        kind, rest = divmod(code, self.n * self.m)
+        s, mb = divmod(rest, self.m)
         r = self.rank_of[s]
-        if kind == "F":
-            heap = self.ready_f_of[s]
-        else:
-            heap = self.ready_i[r] if kind == "I" else self.ready_w[r]
-        heapq.heappush(heap, (mb, -s))
-        due.append(r)
+        heap = (self.ready_f_of[s], self.ready_i[r], self.ready_w[r])[kind]
+        heapq.heappush(heap, mb * self.n + self.n - 1 - s)
+        return r
