@@ -44,51 +44,80 @@ def _placement(s: Schedule) -> list[str]:
     if any(not 0 <= r < s.pp for r in s.stage_to_rank):
         out.append(f"stage_to_rank {s.stage_to_rank} names a rank outside 0..{s.pp - 1}")
         return out
+    chain_mbs = [s.microbatches_of(st) for st in range(s.num_stages)]
     for r, acts in enumerate(s.actions):
-        for a in acts:
-            if not 0 <= a.stage < s.num_stages:
-                out.append(f"rank {r}: {a} names stage {a.stage} outside 0..{s.num_stages - 1}")
-            elif s.stage_to_rank[a.stage] != r:
+        mine = {st: chain_mbs[st] for st in s.stages_on(r)}
+        for a in acts:  # the common case costs a dict lookup and a range test
+            kind, stage, mb, peer = a
+            mbs = mine.get(stage)
+            if mbs is not None and mb in mbs and (peer is None or 0 <= peer < s.pp):
+                continue
+            if not 0 <= stage < s.num_stages:
+                out.append(f"rank {r}: {a} names stage {stage} outside 0..{s.num_stages - 1}")
+            elif s.stage_to_rank[stage] != r:
                 out.append(
-                    f"rank {r}: {a} runs stage {a.stage}, which lives on rank "
-                    f"{s.stage_to_rank[a.stage]}"
+                    f"rank {r}: {a} runs stage {stage}, which lives on rank "
+                    f"{s.stage_to_rank[stage]}"
                 )
-            elif a.microbatch not in s.microbatches_of(a.stage):
-                out.append(
-                    f"rank {r}: {a}: micro-batch {a.microbatch} does not pass stage {a.stage}"
-                )
-            elif a.is_comm and not 0 <= a.peer < s.pp:
-                out.append(f"rank {r}: {a}: peer {a.peer} is not a rank")
+            elif mb not in chain_mbs[stage]:
+                out.append(f"rank {r}: {a}: micro-batch {mb} does not pass stage {stage}")
+            elif len(kind) > 1:
+                out.append(f"rank {r}: {a}: peer {peer} is not a rank")
     return out
+
+
+def _counts(s: Schedule) -> dict[str, list[int]]:
+    """How many of each compute kind every (stage * m + mb) has (placement checked)."""
+    m = s.microbatches
+    count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
+    for acts in s.actions:
+        for kind, stage, mb, _ in acts:
+            if len(kind) == 1:
+                count[kind][stage * m + mb] += 1
+    return count
 
 
 def _completeness(s: Schedule) -> list[str]:
-    count = Counter(
-        (a.kind, a.stage, a.microbatch) for acts in s.actions for a in acts if not a.is_comm
-    )
+    m = s.microbatches
+    count = _counts(s)
+    expected = [0] * (s.num_stages * m)
+    for stage in range(s.num_stages):
+        for mb in s.microbatches_of(stage):
+            expected[stage * m + mb] = 1
+    f, b, i, w = (count[k] for k in "FBIW")
+    if f == expected and i == w and [x + y for x, y in zip(b, i)] == expected:
+        return []  # every forward once, one B or one I and one W: nothing to say
     out = []
     for stage in range(s.num_stages):
         for mb in s.microbatches_of(stage):
-            f, b, i, w = (count[(k, stage, mb)] for k in "FBIW")
-            if f != 1:
-                out.append(f"stage {stage} micro-batch {mb}: {f} forwards, expected 1")
-            if not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
+            k = stage * m + mb
+            if f[k] != 1:
+                out.append(f"stage {stage} micro-batch {mb}: {f[k]} forwards, expected 1")
+            if not ((b[k] == 1 and i[k] == w[k] == 0) or (b[k] == 0 and i[k] == w[k] == 1)):
                 out.append(
-                    f"stage {stage} micro-batch {mb}: backward is B x{b}, I x{i}, W x{w}; "
-                    "expected one B, or one I and one W"
+                    f"stage {stage} micro-batch {mb}: backward is B x{b[k]}, I x{i[k]}, "
+                    f"W x{w[k]}; expected one B, or one I and one W"
                 )
     return out
+
+
+_NEEDS = {"B": "F", "I": "F", "W": "I"}
 
 
 def _local_order(s: Schedule) -> list[str]:
     out = []
+    m = s.microbatches
     for r, acts in enumerate(s.actions):
-        seen: set[Key] = set()
+        seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
         for a in acts:
-            need = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
-            if need and (need, a.stage, a.microbatch) not in seen:
-                out.append(f"rank {r}: {a} runs before {need}{a.stage}.{a.microbatch}")
-            seen.add((a.kind, a.stage, a.microbatch))
+            kind, stage, mb, _ = a
+            if len(kind) > 1:
+                continue
+            k = stage * m + mb
+            need = _NEEDS.get(kind)
+            if need and not seen[need][k]:
+                out.append(f"rank {r}: {a} runs before {need}{stage}.{mb}")
+            seen[kind][k] = 1
     return out
 
 
@@ -185,60 +214,89 @@ def _fmt(item: tuple[str, int, int]) -> str:
 
 
 def deadlocks(s: Schedule) -> list[str]:
-    """Execute the schedule without durations (see module docstring, 5.)."""
-    lowered = any(a.is_comm for acts in s.actions for a in acts)
-    ran: set[Key] = set()  # computes executed, as (kind-family, stage, mb); I and B -> "G"
-    posted: set[Key] = set()  # transfers posted, keyed by their own action
+    """Execute the schedule without durations (see module docstring, 5.), event-driven:
+    a rank runs until an action cannot, then waits on the one thing it lacks (a compute
+    run, a send posted) and is woken when that happens. Whatever order ranks run in, they
+    end in the same state (running an action never stops another), so the report is the
+    one a round-robin execution gives."""
+    lowered = any(len(a[0]) > 1 for acts in s.actions for a in acts)
+    m, size = s.microbatches, s.num_stages * s.microbatches
+    # done[kind][stage * m + mb]: F and G (I or B) computes run; SEND_F, SEND_B and the
+    # receives posted
+    done = {k: bytearray(size) for k in ("F", "G", "W", *_COMM_KINDS)}
+    fam = {"F": "F", "B": "G", "I": "G", "W": "W", **{k: k for k in _COMM_KINDS}}
+    prev = [s.prev_stage(st) for st in range(s.num_stages)]
+    nxt = [s.next_stage(st) for st in range(s.num_stages)]
+    rank_of = s.stage_to_rank
+    waiting: dict[tuple[str, int], list[int]] = {}
     pos = [0] * s.pp
 
-    def blocker(r: int, a: Action) -> str | None:
-        """What compute `a` on rank r still waits for; None if it can run."""
-        if a.kind == "W":
-            return None if ("G", a.stage, a.microbatch) in ran else f"I{a.stage}.{a.microbatch}"
-        if a.kind == "F":
-            src, fam, recv_kind = s.prev_stage(a.stage), "F", "RECV_F"
+    def lacks(r: int, kind: str, stage: int, mb: int) -> tuple[str, int] | None:
+        """What compute (kind, stage, mb) on rank r waits for: (done kind, index)."""
+        k = stage * m + mb
+        if kind == "W":
+            return None if done["G"][k] else ("G", k)
+        if kind == "F":
+            src, need, recv, send = prev[stage], "F", "RECV_F", "SEND_F"
         else:
-            if ("F", a.stage, a.microbatch) not in ran:
-                return f"F{a.stage}.{a.microbatch}"
-            src, fam, recv_kind = s.next_stage(a.stage), "G", "RECV_B"
+            if not done["F"][k]:
+                return "F", k
+            src, need, recv, send = nxt[stage], "G", "RECV_B", "SEND_B"
         if src is None:
             return None
-        need = f"{'F' if fam == 'F' else 'I/B'}{src}.{a.microbatch}"
-        src_rank = s.stage_to_rank[src]
-        if src_rank == r or not lowered:
-            return None if (fam, src, a.microbatch) in ran else need + f" on rank {src_rank}"
-        if (recv_kind, a.stage, a.microbatch) not in posted:
-            return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
-        send_kind = "SEND_F" if fam == "F" else "SEND_B"
-        if (send_kind, src, a.microbatch) not in posted:
-            return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
-        return None
+        j = src * m + mb
+        if rank_of[src] == r or not lowered:
+            return None if done[need][j] else (need, j)
+        if not done[recv][k]:
+            return recv, k  # its receive comes later on this rank: never
+        return None if done[send][j] else (send, j)
 
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(s.actions):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if a.is_comm:
-                    posted.add((a.kind, a.stage, a.microbatch))
-                elif blocker(r, a) is None:
-                    ran.add(("G" if a.kind in ("I", "B") else a.kind, a.stage, a.microbatch))
-                else:
+    ready = list(range(s.pp - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        acts = s.actions[r]
+        while pos[r] < len(acts):
+            kind, stage, mb, _ = acts[pos[r]]
+            if len(kind) == 1:
+                missing = lacks(r, kind, stage, mb)
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(r)
                     break
-                pos[r] += 1
-                progress = True
+            key = (fam[kind], stage * m + mb)
+            done[key[0]][key[1]] = 1
+            ready += waiting.pop(key, ())
+            pos[r] += 1
     stuck = [r for r in range(s.pp) if pos[r] < len(s.actions[r])]
     if not stuck:
         return []
-    return [
-        "deadlock: "
-        + "; ".join(
-            f"rank {r} blocked at {s.actions[r][pos[r]]} (action #{pos[r]}) waiting for "
-            f"{blocker(r, s.actions[r][pos[r]])}"
-            for r in stuck
-        )
-    ]
+    return ["deadlock: " + "; ".join(
+        f"rank {r} blocked at {s.actions[r][pos[r]]} (action #{pos[r]}) waiting for "
+        f"{_blocker(s, lowered, done, r, s.actions[r][pos[r]])}" for r in stuck)]
+
+
+_COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+def _blocker(s: Schedule, lowered: bool, done: dict[str, bytearray], r: int,
+             a: Action) -> str:
+    """What the stuck compute `a` on rank r waits for, in words."""
+    m = s.microbatches
+    if a.kind == "W":
+        return f"I{a.stage}.{a.microbatch}"
+    if a.kind == "F":
+        src, fam, recv_kind = s.prev_stage(a.stage), "F", "RECV_F"
+    else:
+        if not done["F"][a.stage * m + a.microbatch]:
+            return f"F{a.stage}.{a.microbatch}"
+        src, fam, recv_kind = s.next_stage(a.stage), "G", "RECV_B"
+    need = f"{'F' if fam == 'F' else 'I/B'}{src}.{a.microbatch}"
+    src_rank = s.stage_to_rank[src]
+    if src_rank == r or not lowered:
+        return need + f" on rank {src_rank}"
+    if not done[recv_kind][a.stage * m + a.microbatch]:
+        return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
+    send_kind = "SEND_F" if fam == "F" else "SEND_B"
+    return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
