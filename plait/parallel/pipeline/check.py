@@ -221,57 +221,63 @@ def deadlocks(s: Schedule) -> list[str]:
     one a round-robin execution gives."""
     lowered = any(len(a[0]) > 1 for acts in s.actions for a in acts)
     m, size = s.microbatches, s.num_stages * s.microbatches
-    # done[kind][stage * m + mb]: F and G (I or B) computes run; SEND_F, SEND_B and the
-    # receives posted
-    done = {k: bytearray(size) for k in ("F", "G", "W", *_COMM_KINDS)}
-    fam = {"F": "F", "B": "G", "I": "G", "W": "W", **{k: k for k in _COMM_KINDS}}
-    prev = [s.prev_stage(st) for st in range(s.num_stages)]
-    nxt = [s.next_stage(st) for st in range(s.num_stages)]
+    # done[code * size + stage * m + mb], code: F run, G (I or B) run, W run, and each
+    # transfer kind posted
+    done = bytearray(7 * size)
+    F, G, W, SEND_F, RECV_F, SEND_B, RECV_B = (c * size for c in range(7))
+    offset = {"F": F, "G": G, "B": G, "I": G, "W": W, "SEND_F": SEND_F, "RECV_F": RECV_F,
+              "SEND_B": SEND_B, "RECV_B": RECV_B}
+    # per stage: the stage its F (its I/B) reads from, and whether that crosses ranks in
+    # a lowered schedule (then: its own receive posted, the peer's send posted)
+    ends = {"F": [s.prev_stage(st) for st in range(s.num_stages)],
+            "G": [s.next_stage(st) for st in range(s.num_stages)]}
     rank_of = s.stage_to_rank
-    waiting: dict[tuple[str, int], list[int]] = {}
+    waiting: dict[int, list[int]] = {}
     pos = [0] * s.pp
-
-    def lacks(r: int, kind: str, stage: int, mb: int) -> tuple[str, int] | None:
-        """What compute (kind, stage, mb) on rank r waits for: (done kind, index)."""
-        k = stage * m + mb
-        if kind == "W":
-            return None if done["G"][k] else ("G", k)
-        if kind == "F":
-            src, need, recv, send = prev[stage], "F", "RECV_F", "SEND_F"
-        else:
-            if not done["F"][k]:
-                return "F", k
-            src, need, recv, send = nxt[stage], "G", "RECV_B", "SEND_B"
-        if src is None:
-            return None
-        j = src * m + mb
-        if rank_of[src] == r or not lowered:
-            return None if done[need][j] else (need, j)
-        if not done[recv][k]:
-            return recv, k  # its receive comes later on this rank: never
-        return None if done[send][j] else (send, j)
-
     ready = list(range(s.pp - 1, -1, -1))
     while ready:
         r = ready.pop()
-        acts = s.actions[r]
-        while pos[r] < len(acts):
-            kind, stage, mb, _ = acts[pos[r]]
+        acts, i = s.actions[r], pos[r]
+        while i < len(acts):
+            kind, stage, mb, _ = acts[i]
+            k = stage * m + mb
             if len(kind) == 1:
-                missing = lacks(r, kind, stage, mb)
-                if missing is not None:
-                    waiting.setdefault(missing, []).append(r)
+                if kind == "W":
+                    lack = -1 if done[G + k] else G + k
+                elif kind != "F" and not done[F + k]:
+                    lack = F + k
+                else:
+                    fam = "F" if kind == "F" else "G"
+                    src = ends[fam][stage]
+                    if src is None:
+                        lack = -1
+                    else:
+                        j = src * m + mb
+                        if not lowered or rank_of[src] == r:
+                            lack = offset[fam] + j
+                        elif not done[(RECV_F if fam == "F" else RECV_B) + k]:
+                            lack = (RECV_F if fam == "F" else RECV_B) + k  # never: later here
+                        else:
+                            lack = (SEND_F if fam == "F" else SEND_B) + j
+                        if done[lack]:
+                            lack = -1
+                if lack >= 0:
+                    waiting.setdefault(lack, []).append(r)
                     break
-            key = (fam[kind], stage * m + mb)
-            done[key[0]][key[1]] = 1
-            ready += waiting.pop(key, ())
-            pos[r] += 1
+            code = offset[kind] + k
+            done[code] = 1
+            if code in waiting:
+                ready += waiting.pop(code)
+            i += 1
+        pos[r] = i
     stuck = [r for r in range(s.pp) if pos[r] < len(s.actions[r])]
     if not stuck:
         return []
+    posted = {k: done[c * size:(c + 1) * size] for k, c in (("F", 0), *((x, 3 + n) for n, x
+                                                                     in enumerate(_COMM_KINDS)))}
     return ["deadlock: " + "; ".join(
         f"rank {r} blocked at {s.actions[r][pos[r]]} (action #{pos[r]}) waiting for "
-        f"{_blocker(s, lowered, done, r, s.actions[r][pos[r]])}" for r in stuck)]
+        f"{_blocker(s, lowered, posted, r, s.actions[r][pos[r]])}" for r in stuck)]
 
 
 _COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
