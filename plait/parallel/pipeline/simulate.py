@@ -205,7 +205,9 @@ class _Timeline:
         """Run rank r until it waits; the ranks its outputs woke."""
         q, events, m, size = self.queues[r], self.events[r], self.m, self.size
         f_end, g_end, dur, waiting = self.f_end, self.g_end, self.dur, self.waiting
+        f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
         pos, free, step = self.pos[r], self.free[r], self.step[r]
+        append = events.append
         woke: list[int] = []
         base = step * size
         while True:
@@ -226,7 +228,7 @@ class _Timeline:
             kind, st, mb, _ = a
             i = base + st * m + mb
             if kind == "F":
-                src, hop = self.f_src[st]
+                src, hop = f_src[st]
                 if src < 0:
                     t = 0.0
                 else:
@@ -238,15 +240,15 @@ class _Timeline:
             elif kind == "W":
                 t = g_end[i]
                 if t is None:
-                    waiting.setdefault(size * self.steps + i, []).append(r)
+                    waiting.setdefault(gk + i, []).append(r)
                     break
             else:  # I or B: its own F, and the gradient from the next stage
-                src, hop = self.g_src[st]
+                src, hop = g_src[st]
                 t = f_end[i]
                 if t is not None and src >= 0:
                     t = g_end[i + (src - st) * m]
                     if t is None:
-                        waiting.setdefault(size * self.steps + i + (src - st) * m, []).append(r)
+                        waiting.setdefault(gk + i + (src - st) * m, []).append(r)
                         break
                     t += hop
                 elif t is None:
@@ -254,13 +256,15 @@ class _Timeline:
                     break
             start = free if free >= t else t
             free = start + dur[kind][st]
-            events.append((kind, st, mb, start, free))
+            append((kind, st, mb, start, free))
             if kind == "F":
                 f_end[i] = free
-                woke += waiting.pop(i, ())
+                if i in waiting:
+                    woke += waiting.pop(i)
             elif kind != "W":
                 g_end[i] = free
-                woke += waiting.pop(size * self.steps + i, ())
+                if gk + i in waiting:
+                    woke += waiting.pop(gk + i)
             pos += 1
         self.pos[r], self.free[r], self.step[r] = pos, free, step
         return woke
