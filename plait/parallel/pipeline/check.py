@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import Action, Schedule, without_gc
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
 
-def check(schedule: Schedule) -> list[str]:
-    """Every problem with the schedule, as readable sentences; [] if it is valid."""
+@without_gc
+def check(schedule: Schedule, execute: bool = True) -> list[str]:
+    """Every problem with the schedule, as readable sentences; [] if it is valid.
+    `execute=False` leaves out 5. (deadlock freedom), for a caller that executes the
+    schedule anyway (`simulate` raises DeadlockError; then ask `deadlocks`)."""
     problems = _placement(schedule)
     if problems:  # the rest assumes stages and ranks make sense
         return problems
@@ -34,7 +37,7 @@ def check(schedule: Schedule) -> list[str]:
     problems += _local_order(schedule)
     if any(a.is_comm for acts in schedule.actions for a in acts):
         problems += _transfers(schedule)
-    if not problems:
+    if not problems and execute:
         problems += deadlocks(schedule)
     return problems
 
@@ -213,6 +216,7 @@ def _fmt(item: tuple[str, int, int]) -> str:
     return f"{'activation' if kind == 'F' else 'gradient'} of stage {stage} mb {mb}"
 
 
+@without_gc
 def deadlocks(s: Schedule) -> list[str]:
     """Execute the schedule without durations (see module docstring, 5.), event-driven:
     a rank runs until an action cannot, then waits on the one thing it lacks (a compute

@@ -32,9 +32,12 @@ and `RECV_F1.3<0` (from rank 0).
 
 from __future__ import annotations
 
+import functools
+import gc
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -92,6 +95,26 @@ class Action(_ActionFields):
 
 
 _new_tuple = tuple.__new__
+_F = TypeVar("_F", bound=Callable)
+
+
+def without_gc(fn: _F) -> _F:
+    """Run `fn` with Python's cycle collector paused. A schedule is up to millions of
+    small tuples and lists and no cycles; the collector would rescan them all, again and
+    again as they accumulate, for nothing (half the time of building 1F1B at p=64,
+    m=1024)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return wrapper  # type: ignore[return-value]
 
 
 def trusted(kind: str, stage: int, microbatch: int, peer: int | None = None) -> Action:

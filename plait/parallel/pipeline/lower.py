@@ -22,11 +22,12 @@ channel is held.
 
 from __future__ import annotations
 
-from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import Action, Schedule, without_gc
 
 LOOKAHEAD = 1  # receives are posted this many computes before the one that needs them
 
 
+@without_gc
 def lower(schedule: Schedule) -> Schedule:
     """A copy of `schedule` with SEND/RECV actions inserted (see module docstring)."""
     if schedule.lowered or any(a.is_comm for acts in schedule.actions for a in acts):

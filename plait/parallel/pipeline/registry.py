@@ -24,7 +24,7 @@ from typing import Any
 
 from plait.parallel.pipeline import rules as r
 from plait.parallel.pipeline import schedules as b
-from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.ir import Schedule, without_gc
 from plait.parallel.pipeline.rules import Rule
 from plait.parallel.pipeline.simulate import Durations
 
@@ -220,6 +220,7 @@ def _stage_count_problems(spec: ScheduleSpec, pp: int, v: int, n_layers: int) ->
             f"{n_layers}; every stage needs a layer: {fix}, or set model.n_layers>={stages}"]
 
 
+@without_gc
 def build_schedule(
     name: str,
     pp: int,

@@ -332,7 +332,7 @@ class _ListScheduler:
                 kind, heap = 1, ready_i[r]  # an I, else the best F its quota admits, else W
                 if not heap:
                     kind, heap = 0, None
-                    for s, h, key, limit in ready_f[r]:
+                    for _stage, h, key, limit in ready_f[r]:
                         if h and (heap is None or h[0] < heap[0]) and live[key] < limit:
                             heap = h
                     if heap is None:

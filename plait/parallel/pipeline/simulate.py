@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.parallel.pipeline.check import peak_activations
-from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import Action, Schedule, without_gc
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 
@@ -92,6 +92,7 @@ class DeadlockError(ValueError):
     """The schedule's order makes some rank wait for an action that can never run."""
 
 
+@without_gc
 def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
              optimizer_sync: str = "barrier") -> SimResult:
     """Lay the schedule out in time (see the module docstring for the rules), for `steps`
