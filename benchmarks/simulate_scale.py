@@ -6,8 +6,9 @@ wall each, Python start-up and imports included; issue 11, item 3).
 
 Runs the command a user types, `python -m plait.cli simulate --schedule S --pp P
 --microbatches M --json`, in a fresh process `--runs` times per schedule, and prints the
-median wall time and CPU time (user + system) beside the goal, the bubble, and whether torch was imported (it must not be). The machine's load average is printed with
-the table: on a shared machine wall time is CPU time stretched by the load. No torch-native
+median wall time and CPU time (user + system) beside the goal, the bubble, and whether
+torch was imported (it must not be). The machine's load average is printed with the
+table: on a shared machine wall time is CPU time stretched by the load. No torch-native
 peer exists for this; the goal is the reference. Tests never assert time.
 """
 

@@ -110,8 +110,9 @@ _NEEDS = {"B": "F", "I": "F", "W": "I"}
 def _local_order(s: Schedule) -> list[str]:
     out = []
     m = s.microbatches
+    # one set for all ranks: placement is checked, so no two ranks run the same stage
+    seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
     for r, acts in enumerate(s.actions):
-        seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
         for a in acts:
             kind, stage, mb, _ = a
             if len(kind) > 1:
