@@ -190,9 +190,7 @@ class _Timeline:
         self.events: list[list[Event]] = [[] for _ in range(p)]
 
     def run(self) -> tuple[list[list[Event]], list[float]]:
-        ready = list(range(self.s.pp - 1, -1, -1))
-        while ready:
-            ready += self._advance(ready.pop())
+        self._lay_out()
         stuck = [r for r in range(self.s.pp) if self.step[r] < self.steps]
         if stuck:
             raise DeadlockError("schedule cannot finish: " + "; ".join(
@@ -202,73 +200,75 @@ class _Timeline:
                 for r in stuck))
         return self.events, [max(x) for x in self.last]
 
-    def _advance(self, r: int) -> list[int]:
-        """Run rank r until it waits; the ranks its outputs woke."""
-        q, events, m, size = self.queues[r], self.events[r], self.m, self.size
+    def _lay_out(self) -> None:
+        """Run ranks, each until it waits, lowest first, then whichever were woken."""
+        m, size, steps = self.m, self.size, self.steps
         f_end, g_end, dur, waiting = self.f_end, self.g_end, self.dur, self.waiting
-        f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
-        pos, free, step = self.pos[r], self.free[r], self.step[r]
-        append = events.append
-        woke: list[int] = []
-        base = step * size
-        while True:
-            if pos == len(q):  # the rank's step is done
-                self.last[step][r] = events[-1][4] if self.computes[r] else free
-                pos, step = 0, step + 1
-                base = step * size
-                opens = self._step_done(r, step, woke)
-                if opens is None:
-                    break
-                free = free if free >= opens else opens
-                continue
-            a = q[pos]
-            if a is None:  # posting a batch of transfers
-                free += self.post
+        f_src, g_src, gk = self.f_src, self.g_src, size * steps  # gk: G's waiting keys
+        ready = list(range(self.s.pp - 1, -1, -1))
+        while ready:
+            r = ready.pop()
+            q, events = self.queues[r], self.events[r]
+            append, n = events.append, len(q)
+            pos, free, step = self.pos[r], self.free[r], self.step[r]
+            base = step * size
+            while True:
+                if pos == n:  # the rank's step is done
+                    self.last[step][r] = events[-1][4] if self.computes[r] else free
+                    pos, step = 0, step + 1
+                    base = step * size
+                    opens = self._step_done(r, step, ready)
+                    if opens is None:
+                        break
+                    free = free if free >= opens else opens
+                    continue
+                a = q[pos]
+                if a is None:  # posting a batch of transfers
+                    free += self.post
+                    pos += 1
+                    continue
+                kind, st, mb, _ = a
+                i = base + st * m + mb
+                if kind == "F":
+                    src, hop = f_src[st]
+                    if src < 0:
+                        t = 0.0
+                    else:
+                        t = f_end[i + (src - st) * m]
+                        if t is None:
+                            waiting.setdefault(i + (src - st) * m, []).append(r)
+                            break
+                        t += hop
+                elif kind == "W":
+                    t = g_end[i]
+                    if t is None:
+                        waiting.setdefault(gk + i, []).append(r)
+                        break
+                else:  # I or B: its own F, and the gradient from the next stage
+                    src, hop = g_src[st]
+                    t = f_end[i]
+                    if t is not None and src >= 0:
+                        t = g_end[i + (src - st) * m]
+                        if t is None:
+                            waiting.setdefault(gk + i + (src - st) * m, []).append(r)
+                            break
+                        t += hop
+                    elif t is None:
+                        waiting.setdefault(i, []).append(r)
+                        break
+                start = free if free >= t else t
+                free = start + dur[kind][st]
+                append((kind, st, mb, start, free))
+                if kind == "F":
+                    f_end[i] = free
+                    if i in waiting:
+                        ready += waiting.pop(i)
+                elif kind != "W":
+                    g_end[i] = free
+                    if gk + i in waiting:
+                        ready += waiting.pop(gk + i)
                 pos += 1
-                continue
-            kind, st, mb, _ = a
-            i = base + st * m + mb
-            if kind == "F":
-                src, hop = f_src[st]
-                if src < 0:
-                    t = 0.0
-                else:
-                    t = f_end[i + (src - st) * m]
-                    if t is None:
-                        waiting.setdefault(i + (src - st) * m, []).append(r)
-                        break
-                    t += hop
-            elif kind == "W":
-                t = g_end[i]
-                if t is None:
-                    waiting.setdefault(gk + i, []).append(r)
-                    break
-            else:  # I or B: its own F, and the gradient from the next stage
-                src, hop = g_src[st]
-                t = f_end[i]
-                if t is not None and src >= 0:
-                    t = g_end[i + (src - st) * m]
-                    if t is None:
-                        waiting.setdefault(gk + i + (src - st) * m, []).append(r)
-                        break
-                    t += hop
-                elif t is None:
-                    waiting.setdefault(i, []).append(r)
-                    break
-            start = free if free >= t else t
-            free = start + dur[kind][st]
-            append((kind, st, mb, start, free))
-            if kind == "F":
-                f_end[i] = free
-                if i in waiting:
-                    woke += waiting.pop(i)
-            elif kind != "W":
-                g_end[i] = free
-                if gk + i in waiting:
-                    woke += waiting.pop(gk + i)
-            pos += 1
-        self.pos[r], self.free[r], self.step[r] = pos, free, step
-        return woke
+            self.pos[r], self.free[r], self.step[r] = pos, free, step
 
     def _step_done(self, r: int, step: int, woke: list[int]) -> float | None:
         """Rank r has finished step `step` - 1: when it may start `step`; None: not yet
