@@ -305,6 +305,7 @@ class _ListScheduler:
         self.acts: list[list[Action]] = [[] for _ in range(p)]
         self.landing: dict[float, list[int]] = {}  # time -> inputs (codes), ~rank free
         self.times: list[float] = []  # heap of the moments ahead
+        self.visits = 0  # (moment, rank) looks: at most one per rank per thing landing
 
     def run(self) -> list[list[Action]]:
         n, m, nm = self.n, self.m, self.n * self.m
@@ -325,6 +326,7 @@ class _ListScheduler:
                 if not missing[code]:
                     due.append(self._ready(code))
             ranks, due = sorted(set(due)), []
+            self.visits += len(ranks)
             while ranks:  # lowest rank first; each starts at most one action
                 r = pop(ranks)
                 if free[r] > t or not todo[r]:

@@ -188,6 +188,7 @@ class _Timeline:
         self.at_barrier: set[int] = set()
         self.computes = [sum(1 for a in q if a is not None) for q in queues]
         self.events: list[list[Event]] = [[] for _ in range(p)]
+        self.resumed = 0  # times a rank was run (once, then once per wake-up): O(actions)
 
     def run(self) -> tuple[list[list[Event]], list[float]]:
         self._lay_out()
@@ -208,6 +209,7 @@ class _Timeline:
         ready = list(range(self.s.pp - 1, -1, -1))
         while ready:
             r = ready.pop()
+            self.resumed += 1
             q, events = self.queues[r], self.events[r]
             append, n = events.append, len(q)
             pos, free, step = self.pos[r], self.free[r], self.step[r]
