@@ -129,3 +129,15 @@ def test_list_scheduler_looks_are_linear_in_actions(name, monkeypatch):
             s = build_schedule(name, p, m, natural_virtual_stages(name, None), durations=d)
             actions = sum(map(len, s.actions))
             assert made[-1].visits <= 4 * actions + p, (p, m, d)
+
+
+def test_planner_uses_the_steady_state_under_post_validation():
+    from plait.plan.bubble import simulate_pipeline
+
+    ones = [1.0] * 4
+    bar = simulate_pipeline("zb-h2", 4, 16, 1, ones, ones, ones, 0.0)
+    post = simulate_pipeline("zb-h2", 4, 16, 1, ones, ones, ones, 0.0, "post_validation")
+    assert (bar["optimizer_sync"], bar["source"]) == ("barrier", "simulator")
+    assert bar["step"] == 16 * 3 + 3 and bar["bubble"] > 0  # the fill triangle (p-1) T_F
+    assert post["optimizer_sync"] == "post_validation" and "steady state" in post["source"]
+    assert (post["step"], post["bubble"]) == (48.0, 0.0)
