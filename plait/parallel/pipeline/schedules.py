@@ -314,6 +314,7 @@ class _ListScheduler:
         missing, landing, times, acts = self.missing, self.landing, self.times, self.acts
         ready_i, ready_w, ready_f = self.ready_i, self.ready_w, self.ready_f
         keys, names, new = self.keys, _KINDS, tuple.__new__
+        rank_of, ready_f_of = self.rank_of, self.ready_f_of
         phantom = self.p2p if self.zero else 0.0
         push, pop = heapq.heappush, heapq.heappop
         t, due = 0.0, list(range(self.p))  # at 0 every rank looks
@@ -323,8 +324,14 @@ class _ListScheduler:
                     due.append(~code)  # the rank is free
                     continue
                 missing[code] -= 1
-                if not missing[code]:
-                    due.append(self._ready(code))
+                if missing[code]:
+                    continue
+                kind, rest = divmod(code, nm)  # all its inputs are there: ready
+                s, mb = divmod(rest, m)
+                r = rank_of[s]
+                push(ready_f_of[s] if kind == 0 else ready_i[r] if kind == 1 else ready_w[r],
+                     mb * n + n - 1 - s)
+                due.append(r)
             ranks, due = sorted(set(due)), []
             self.visits += len(ranks)
             while ranks:  # lowest rank first; each starts at most one action
@@ -405,6 +412,7 @@ class _ListScheduler:
         kind, rest = divmod(code, self.n * self.m)
         s, mb = divmod(rest, self.m)
         r = self.rank_of[s]
-        heap = (self.ready_f_of[s], self.ready_i[r], self.ready_w[r])[kind]
+        heap = self.ready_f_of[s] if kind == 0 else (self.ready_i[r] if kind == 1
+                                                        else self.ready_w[r])
         heapq.heappush(heap, mb * self.n + self.n - 1 - s)
         return r
