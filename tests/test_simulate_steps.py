@@ -12,7 +12,7 @@ import json
 import pytest
 
 from plait.cli import main
-from plait.parallel.pipeline import schedules
+from plait.parallel.pipeline import list_schedule
 from plait.parallel.pipeline import simulate as simulate_mod
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
 from plait.parallel.pipeline.simulate import DeadlockError, Durations, simulate
@@ -123,7 +123,7 @@ def test_list_scheduler_looks_are_linear_in_actions(name, monkeypatch):
     """Each (moment, rank) look is owed to something landing (an input, the rank itself
     falling free: at most three per action) or to the first moment, so looks stay within
     4 x actions + p at every size, with durations that make many distinct moments."""
-    made = _recorded(monkeypatch, schedules, "_ListScheduler")
+    made = _recorded(monkeypatch, list_schedule, "ListScheduler")
     for p, m in ((4, 16), (8, 64), (16, 128)):
         for d in (None, Durations(1.0, 1.3, 0.7, 0.11)):
             s = build_schedule(name, p, m, natural_virtual_stages(name, None), durations=d)

@@ -32,7 +32,8 @@ _SIM_ACTIONS = 24_000
 # actions (a few seconds); past it, the closed form stands in and says so
 _SIM_ACTIONS_MAX = 400_000
 # list-scheduled schedules (zb-v, dualpipe) have their order searched for the durations
-# when built, which costs ~(p*m)^2: above this p*m the planner uses the closed form
+# when built: above this p*m the planner uses the closed form. (The search cost ~(p*m)^2
+# when this was set; it is O(n log n) now, but the limit stays so that plans do not move.)
 _LIST_BUILD_LIMIT = 400
 
 
@@ -114,7 +115,7 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
 
 
 class TooLargeToSimulate(Exception):
-    """A list-scheduled schedule whose build cost (about (p*m)^2) is too high here."""
+    """A schedule the planner does not simulate at this size (see the limits above)."""
 
 
 def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i: list[float],

@@ -218,39 +218,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  - {p}", file=sys.stderr)
         return 2
 
-    closed = closed_form_bubble(
-        schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
-    )
     _write_outputs(args, res, compute_only, lowered)
-
-    summary = {
-        "schedule": schedule.name,
-        "pp": schedule.pp,
-        "microbatches": schedule.microbatches,
-        "virtual_stages": schedule.virtual_stages,
-        "durations": {
-            "forward": d.forward,
-            "backward_input": d.backward_input,
-            "backward_weight": d.backward_weight,
-            "p2p": d.p2p,
-        },
-        "step_time": res.step_time,
-        "bubble_fraction": res.bubble_fraction,
-        "closed_form_bubble": closed,
-        "paper_bubble_time": paper_bubble_time(
-            schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
-        ),
-        "bubble_per_rank": res.bubble_per_rank,
-        "span_idle_per_rank": res.span_idle_per_rank,
-        "busy_per_rank": res.busy_per_rank,
-        "peak_activations": res.peak_activations,
-    }
-    if args.steps > 1 or args.optimizer_sync != "barrier":  # (one step: as before)
-        summary["steps"] = {
-            "steps": res.steps, "optimizer_sync": res.optimizer_sync,
-            "step_ends": res.step_ends, "steady_step_time": res.steady_step_time,
-            "steady_bubble_fraction": res.steady_bubble_fraction,
-        }
+    summary = _summary(schedule, res, d)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -260,6 +229,32 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_table(compute_only))
     return 0
+
+
+def _summary(schedule: Schedule, res, d: Durations) -> dict:
+    """What --json prints (and the table shows)."""
+    name, p, m, v = (schedule.name, schedule.pp, schedule.microbatches,
+                     schedule.virtual_stages)
+    summary = {
+        "schedule": name, "pp": p, "microbatches": m, "virtual_stages": v,
+        "durations": {"forward": d.forward, "backward_input": d.backward_input,
+                      "backward_weight": d.backward_weight, "p2p": d.p2p},
+        "step_time": res.step_time,
+        "bubble_fraction": res.bubble_fraction,
+        "closed_form_bubble": closed_form_bubble(name, p, m, v, d),
+        "paper_bubble_time": paper_bubble_time(name, p, m, v, d),
+        "bubble_per_rank": res.bubble_per_rank,
+        "span_idle_per_rank": res.span_idle_per_rank,
+        "busy_per_rank": res.busy_per_rank,
+        "peak_activations": res.peak_activations,
+    }
+    if res.steps > 1 or res.optimizer_sync != "barrier":  # (one step: as before)
+        summary["steps"] = {
+            "steps": res.steps, "optimizer_sync": res.optimizer_sync,
+            "step_ends": res.step_ends, "steady_step_time": res.steady_step_time,
+            "steady_bubble_fraction": res.steady_bubble_fraction,
+        }
+    return summary
 
 
 def _print_table(s: dict) -> None:

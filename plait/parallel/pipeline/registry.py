@@ -47,7 +47,7 @@ class ScheduleSpec:
     free_virtual_stages: bool = False
     chains: int = 1  # copies of the model, each its own chain of stages (DualPipe: 2)
     split_backward: bool = False  # B split into I and W (recompute: F again before I)
-    list_scheduled: bool = False  # order searched for the durations: costs ~(p*m)^2
+    list_scheduled: bool = False  # order searched for the durations (list_schedule.py)
     # Closed forms, uniform stages and free transfers. `sync_bubble`: the bubble time per
     # rank `simulate` must give under a synchronous step (None where none is known or
     # its conditions fail); `paper_bubble`: the bubble time as the papers state it.
