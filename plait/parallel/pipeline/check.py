@@ -33,9 +33,10 @@ def check(schedule: Schedule, execute: bool = True) -> list[str]:
     problems = _placement(schedule)
     if problems:  # the rest assumes stages and ranks make sense
         return problems
-    problems += _completeness(schedule)
-    problems += _local_order(schedule)
-    if any(a.is_comm for acts in schedule.actions for a in acts):
+    count, order, transfers = _scan(schedule)
+    problems += _completeness(schedule, count)
+    problems += order
+    if transfers:
         problems += _transfers(schedule)
     if not problems and execute:
         problems += deadlocks(schedule)
@@ -69,20 +70,8 @@ def _placement(s: Schedule) -> list[str]:
     return out
 
 
-def _counts(s: Schedule) -> dict[str, list[int]]:
-    """How many of each compute kind every (stage * m + mb) has (placement checked)."""
+def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
     m = s.microbatches
-    count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
-    for acts in s.actions:
-        for kind, stage, mb, _ in acts:
-            if len(kind) == 1:
-                count[kind][stage * m + mb] += 1
-    return count
-
-
-def _completeness(s: Schedule) -> list[str]:
-    m = s.microbatches
-    count = _counts(s)
     expected = [0] * (s.num_stages * m)
     for stage in range(s.num_stages):
         for mb in s.microbatches_of(stage):
@@ -107,22 +96,28 @@ def _completeness(s: Schedule) -> list[str]:
 _NEEDS = {"B": "F", "I": "F", "W": "I"}
 
 
-def _local_order(s: Schedule) -> list[str]:
-    out = []
+def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool]:
+    """One pass (placement checked): how many of each compute kind every (stage * m + mb)
+    has; the computes that run before what they need on their rank (F before I/B, I
+    before W); whether there are transfers."""
     m = s.microbatches
-    # one set for all ranks: placement is checked, so no two ranks run the same stage
+    count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
+    # one seen-set for all ranks: placement is checked, so no two ranks run the same stage
     seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
+    order, transfers = [], False
     for r, acts in enumerate(s.actions):
         for a in acts:
             kind, stage, mb, _ = a
             if len(kind) > 1:
+                transfers = True
                 continue
             k = stage * m + mb
+            count[kind][k] += 1
             need = _NEEDS.get(kind)
             if need and not seen[need][k]:
-                out.append(f"rank {r}: {a} runs before {need}{stage}.{mb}")
+                order.append(f"rank {r}: {a} runs before {need}{stage}.{mb}")
             seen[kind][k] = 1
-    return out
+    return count, order, transfers
 
 
 def _edges(s: Schedule) -> dict[tuple[str, int, int], tuple[int, int, str, int]]:

@@ -188,19 +188,23 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # a text that is not a schedule, too
         print(f"error: {e}", file=sys.stderr)
         return 2
-    compute_only = Schedule(
-        schedule.name,
-        schedule.pp,
-        schedule.microbatches,
-        schedule.virtual_stages,
-        schedule.num_stages,
-        schedule.stage_to_rank,
-        [[a for a in acts if not a.is_comm] for acts in schedule.actions],
-        schedule.num_chains,
-    )
-    # an unlowered schedule is executed by the simulation itself (the same dependencies
-    # as check's execution); the deadlock report is asked for only if it cannot finish
-    problems = check(schedule, execute=schedule.lowered)
+    compute_only = schedule
+    has_transfers = any(len(a[0]) > 1 for acts in schedule.actions for a in acts)
+    if has_transfers:
+        compute_only = Schedule(
+            schedule.name,
+            schedule.pp,
+            schedule.microbatches,
+            schedule.virtual_stages,
+            schedule.num_stages,
+            schedule.stage_to_rank,
+            [[a for a in acts if not a.is_comm] for acts in schedule.actions],
+            schedule.num_chains,
+        )
+    # a schedule without transfers is executed by the simulation itself (the same
+    # dependencies as check's execution); the deadlock report is asked for only if it
+    # cannot finish. One with transfers is executed under the runtime contract (check.py).
+    problems = check(schedule, execute=has_transfers)
     lowered = schedule if schedule.lowered else None
     if not problems and lowered is None and args.save:  # the lowering written is checked
         lowered = lower(compute_only)

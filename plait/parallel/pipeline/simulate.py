@@ -107,7 +107,7 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
     events, step_ends = _Timeline(schedule, queues, durations, steps,
                                   optimizer_sync == "barrier").run()
     per_step = [sum(1 for a in q if a is not None) for q in queues]
-    first = [ev[:k] for ev, k in zip(events, per_step)]
+    first = events if steps == 1 else [ev[:k] for ev, k in zip(events, per_step)]
     step = max((ev[-1][4] for ev in first if ev), default=0.0)
     busy = [sum(e - s for _, _, _, s, e in ev) for ev in first]
     per_rank = [(step - b) / step if step > 0 else 0.0 for b in busy]
