@@ -19,9 +19,18 @@ runtime's `batch_isend_irecv` call; on gloo under load ~1 ms, mostly blocked, no
 With post = 0 (the default) transfers are skipped and only p2p counts; with post > 0 an
 unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 
+Several steps (`steps=K`): the same lists K times. With `optimizer_sync="barrier"` a rank
+starts step k+1 at the end of the last compute of step k on any rank (the grad-norm
+all-reduce and finiteness check); with "post_validation" (Qi et al. 2023, section 4) as
+soon as its own step k is done. The steady state is steps 2..K.
+
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
-interference, overlap of a forward with a backward chunk (DualPipe's F&B), the optimizer
-step and gradient all-reduce after the flush, and per-micro-batch jitter.
+interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
+optimizer step and of the gradient all-reduce after the flush, and per-micro-batch jitter.
+
+Event-driven (`_Timeline`): each action is started once, a rank resumed once per output it
+waited on, so a lay-out is linear in the actions (tests/test_schedule_oracle.py holds the
+results to the round-robin simulator this replaced, to the last bit).
 """
 
 from __future__ import annotations
