@@ -30,10 +30,11 @@ def check(schedule: Schedule, execute: bool = True) -> list[str]:
     """Every problem with the schedule, as readable sentences; [] if it is valid.
     `execute=False` leaves out 5. (deadlock freedom), for a caller that executes the
     schedule anyway (`simulate` raises DeadlockError; then ask `deadlocks`)."""
-    problems = _placement(schedule)
-    if problems:  # the rest assumes stages and ranks make sense
-        return problems
-    count, order, transfers = _scan(schedule)
+    scanned = _scan(schedule)  # None: some action is misplaced
+    if scanned is None:  # the rest assumes stages and ranks make sense
+        return _placement(schedule)
+    problems: list[str] = []
+    count, order, transfers = scanned
     problems += _completeness(schedule, count)
     problems += order
     if transfers:
@@ -96,19 +97,28 @@ def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
 _NEEDS = {"B": "F", "I": "F", "W": "I"}
 
 
-def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool]:
-    """One pass (placement checked): how many of each compute kind every (stage * m + mb)
-    has; the computes that run before what they need on their rank (F before I/B, I
-    before W); whether there are transfers."""
+def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool] | None:
+    """One pass: None if an action is misplaced (`_placement` says how); else how many
+    of each compute kind every (stage * m + mb) has, the computes that run before what
+    they need on their rank (F before I/B, I before W), and whether there are transfers."""
+    if any(not 0 <= r < s.pp for r in s.stage_to_rank):
+        return None
     m = s.microbatches
     count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
-    # one seen-set for all ranks: placement is checked, so no two ranks run the same stage
+    # one seen-set for all ranks: placement holds, so no two ranks run the same stage
     seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
     order, transfers = [], False
+    chain_mbs = [s.microbatches_of(st) for st in range(s.num_stages)]
     for r, acts in enumerate(s.actions):
+        mine = {st: chain_mbs[st] for st in s.stages_on(r)}
         for a in acts:
-            kind, stage, mb, _ = a
+            kind, stage, mb, peer = a
+            mbs = mine.get(stage)
+            if mbs is None or mb not in mbs:
+                return None
             if len(kind) > 1:
+                if not 0 <= peer < s.pp:
+                    return None
                 transfers = True
                 continue
             k = stage * m + mb

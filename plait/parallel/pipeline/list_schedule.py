@@ -85,15 +85,16 @@ class ListScheduler:
             [(s, [], self.keys[s], limits[s]) for s in shape.stages_on(r)] for r in range(p)]
         self.ready_f_of = {row[0]: row[1] for rows in self.ready_f for row in rows}
         self.todo = [0] * p  # actions each rank has left
-        for mb in range(m):
-            for s in shape.stages_of(mb):
-                self.todo[rank_of[s]] += 3
-                i = s * m + mb
-                self.missing[i] = 0 if shape.prev_stage(s) is None else 1
-                self.missing[n * m + i] = 1 if self.f_to[s][0] < 0 else 2
-                self.missing[2 * n * m + i] = 1
-                if not self.missing[i]:
-                    self.ready_f_of[s].append(mb * n + n - 1 - s)
+        for s in range(n):  # per stage, its chain's micro-batches (a contiguous range)
+            mbs = shape.microbatches_of(s)
+            lo, hi, i = s * m + mbs.start, s * m + mbs.stop, len(mbs)
+            self.todo[rank_of[s]] += 3 * i
+            first = shape.prev_stage(s) is None
+            self.missing[lo:hi] = bytes([0 if first else 1]) * i
+            self.missing[n * m + lo:n * m + hi] = bytes([1 if self.f_to[s][0] < 0 else 2]) * i
+            self.missing[2 * n * m + lo:2 * n * m + hi] = b"\x01" * i
+            if first:  # ready from the start, oldest first (already a heap)
+                self.ready_f_of[s].extend(mb * n + n - 1 - s for mb in mbs)
         self.live = [0] * len(ids)  # per quota key: admitted and not yet freed
         self.free = [0.0] * p
         self.acts: list[list[Action]] = [[] for _ in range(p)]
