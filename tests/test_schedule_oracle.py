@@ -155,3 +155,37 @@ if __name__ == "__main__":
     lines = [f"{json.dumps(k)}: {json.dumps(doc[k])}" for k in sorted(doc)]
     ORACLE.write_text("{\n" + ",\n".join(lines) + "\n}\n")
     print(f"{len(doc)} cases written to {ORACLE}")
+
+
+def test_fast_transfer_verdict_agrees_with_the_full_check():
+    """check() asks the one-pass `_transfers_hold` first and lists the problems only when
+    it says no: both must agree, on valid lowerings and on randomly broken ones."""
+    import random
+
+    from plait.parallel.pipeline import check as checks
+
+    rng = random.Random(11)
+    compared = 0
+    for name, p, m in (("1f1b", 3, 4), ("zb-v", 3, 6), ("dualpipe", 4, 4),
+                       ("interleaved", 2, 4)):
+        v = natural_virtual_stages(name, None)
+        assert checks._transfers_hold(lower(build_schedule(name, p, m, v)))
+        for _ in range(60):
+            s = lower(build_schedule(name, p, m, v))
+            row = s.actions[rng.randrange(p)]
+            i, j = rng.randrange(len(row)), rng.randrange(len(row))
+            op = rng.choice(("swap", "drop", "move", "dup"))
+            if op == "swap":
+                row[i], row[j] = row[j], row[i]
+            elif op == "drop":
+                row.pop(i)
+            elif op == "move":
+                row.insert(j, row.pop(i))
+            else:
+                row.insert(j, row[i])
+            scanned = checks._scan(s)
+            if scanned is None or checks._completeness(s, scanned[0]):
+                continue  # the full transfer check runs there anyway
+            compared += 1
+            assert checks._transfers_hold(s) == (checks._transfers(s) == []), (name, op)
+    assert compared > 100

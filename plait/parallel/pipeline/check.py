@@ -35,10 +35,10 @@ def check(schedule: Schedule, execute: bool = True) -> list[str]:
         return _placement(schedule)
     problems: list[str] = []
     count, order, transfers = scanned
-    problems += _completeness(schedule, count)
-    problems += order
-    if transfers:
-        problems += _transfers(schedule)
+    complete = _completeness(schedule, count)
+    problems += complete + order
+    if transfers and (complete or not _transfers_hold(schedule)):
+        problems += _transfers(schedule)  # says what is wrong
     if not problems and execute:
         problems += deadlocks(schedule)
     return problems
@@ -215,6 +215,53 @@ def _transfers(s: Schedule) -> list[str]:
                 "receives between two ranks must be posted in the same order"
             )
     return out
+
+
+def _transfers_hold(s: Schedule) -> bool:
+    """Whether `_transfers` would find nothing, in one pass over integer arrays, for a
+    complete schedule (each compute once): every send and receive on the edge it names,
+    from / to the right peer, after its producer / before its consumer, exactly one of
+    each per edge, and each channel's receives in its sends' order."""
+    m, rank_of = s.microbatches, s.stage_to_rank
+    size = s.num_stages * m
+    nxt = [s.next_stage(st) for st in range(s.num_stages)]
+    prv = [s.prev_stage(st) for st in range(s.num_stages)]
+    # per kind: the stage a transfer's peer computes (None: no edge), and whether the
+    # compute on this rank that must come first (sends) or must not (receives) is an F
+    peer_stage = {"SEND_F": nxt, "RECV_F": prv, "SEND_B": prv, "RECV_B": nxt}
+    done = {True: bytearray(size), False: bytearray(size)}  # F run; I or B run
+    seen = {k: bytearray(size) for k in peer_stage}  # how many of each transfer
+    channels: dict[tuple[int, int, bool], list[int]] = {}  # (from, to, sends?) -> order
+    for r, acts in enumerate(s.actions):
+        for kind, stage, mb, peer in acts:
+            k = stage * m + mb
+            if len(kind) == 1:
+                if kind != "W":
+                    done[kind == "F"][k] = 1
+                continue
+            other = peer_stage[kind][stage]
+            if other is None or rank_of[other] == r or peer != rank_of[other]:
+                return False
+            is_f, sends = kind[-1] == "F", kind[0] == "S"
+            if done[is_f][k] != sends or seen[kind][k]:  # produced first / consumed after
+                return False
+            seen[kind][k] = 1
+            src_stage = stage if sends else other  # what travels: (kind, mb, src stage)
+            item = (src_stage * m + mb) * 2 + is_f
+            channels.setdefault((r, peer, True) if sends else (peer, r, False),
+                                []).append(item)
+    for st in range(s.num_stages):  # every cross-rank edge has its send and its receive
+        for mb in s.microbatches_of(st):
+            k = st * m + mb
+            if nxt[st] is not None and rank_of[nxt[st]] != rank_of[st] and not (
+                    seen["SEND_F"][k] and seen["RECV_F"][nxt[st] * m + mb]):
+                return False
+            if prv[st] is not None and rank_of[prv[st]] != rank_of[st] and not (
+                    seen["SEND_B"][k] and seen["RECV_B"][prv[st] * m + mb]):
+                return False
+    return all(channels.get((a, b, False)) == items
+               for (a, b, sends), items in channels.items() if sends) and all(
+        (a, b, True) in channels for (a, b, sends) in channels if not sends)
 
 
 def _fmt(item: tuple[str, int, int]) -> str:
