@@ -95,6 +95,27 @@ class Action(_ActionFields):
 
 
 _new_tuple = tuple.__new__
+_ROW_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\.(\d+)(?:([<>])(\d+))?")
+
+
+def _parse_row(tokens: list[str]) -> list[Action]:
+    """`Action.parse` of each non-empty token, in one regex pass over the row when every
+    token is well formed (a million-action schedule loads in seconds); otherwise token by
+    token, so that the first bad one is named as `Action.parse` names it."""
+    tokens = [t for t in tokens if t]
+    out = []
+    for t in tokens:
+        m = _ROW_RE.fullmatch(t)
+        if m is None:
+            break
+        kind, stage, mb, arrow, peer = m.groups()
+        if (arrow == ">") != (kind[0] == "S") or (arrow == "<") != (kind[0] == "R"):
+            break
+        out.append(_new_tuple(Action, (kind, int(stage), int(mb),
+                                       None if peer is None else int(peer))))
+    else:
+        return out
+    return [Action.parse(t) for t in tokens]
 _F = TypeVar("_F", bound=Callable)
 
 
@@ -214,7 +235,7 @@ class Schedule:
             r = int(rank)
             if not 0 <= r < pp:
                 raise ValueError(f"rank {r} out of range for pp={pp}")
-            actions[r] = [Action.parse(a) for a in acts if a]
+            actions[r] = _parse_row(acts)
         return cls(
             name=head[1],
             pp=pp,
