@@ -47,7 +47,7 @@ def list_schedule(
 
 
 class ListScheduler:
-    """One run of `_list_schedule`, event-driven: what lands when (inputs, ranks falling
+    """One run of `list_schedule`, event-driven: what lands when (inputs, ranks falling
     free) keyed by time, a heap of those times, and per rank heaps of the actions whose
     inputs are all there (I, W, and F per stage), so each action costs O(log n).
 
