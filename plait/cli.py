@@ -16,22 +16,27 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from plait.checkpoint.cli import preflight as checkpoint_preflight
-from plait.checkpoint.format import CheckpointError
-from plait.config import ConfigError
-from plait.device import DeviceError
-from plait.elastic import run_elastic
-from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks, run_torchrun
-from plait.multinode import NODE_FLAGS, add_node_args, node_spec, run_node
-from plait.multinode_elastic import run_elastic_nodes
-from plait.train.checks import TrainInputs
-from plait.train.data import DataError
-from plait.train.flags import add_train_args
+if TYPE_CHECKING:
+    from plait.train.checks import TrainInputs
 
 # exit codes (README, "Exit codes"): 0 done, 1 the run failed, 2 bad input, 128 + signal
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
-USER_ERRORS = (ConfigError, DataError, DeviceError)
+# the user's mistakes, by (module, class): the modules that define them import torch, so
+# `plait simulate` / `plait plan` (which never raise them) do not import them; a class
+# counts once its module is loaded (it cannot have been raised before)
+USER_ERROR_CLASSES = (("plait.config", "ConfigError"), ("plait.train.data", "DataError"),
+                      ("plait.device", "DeviceError"))
+# subcommands that need no torch: `plait simulate ...` / `plait plan ...` build only their
+# own parser, so that they start in a fraction of a second
+LIGHT_COMMANDS = ("simulate", "plan")
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exception classes that are the user's mistake, of the modules loaded so far."""
+    return tuple(getattr(sys.modules[mod], name) for mod, name in USER_ERROR_CLASSES
+                 if mod in sys.modules)
 
 
 def _fail(msg: str) -> int:
@@ -40,6 +45,12 @@ def _fail(msg: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from plait.checkpoint.cli import preflight as checkpoint_preflight
+    from plait.checkpoint.format import CheckpointError
+    from plait.elastic import run_elastic
+    from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks
+    from plait.multinode import NODE_FLAGS, node_spec, run_node
+    from plait.multinode_elastic import run_elastic_nodes
     from plait.plan.host_memory import host_memory_problem
     from plait.train.checks import train_inputs
 
@@ -94,6 +105,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _layout_world(args: argparse.Namespace) -> int | None:
     """The layout's world size, where the configuration loads (else validation says why)."""
+    from plait.config import ConfigError
     from plait.train.flags import config_from_args
 
     try:
@@ -162,6 +174,8 @@ def _strip_flag(argv: list[str], flag: str) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from plait.train.flags import add_train_args
+
     argv = ["--model", "tiny", "--dp", str(args.nproc), "--global-batch", "16",
             "--seq-len", "128", "--steps", str(args.steps), "--lr", "3e-3",
             "--set", "train.warmup_steps=5", "--metrics-out", "runs/demo.jsonl"]
@@ -212,6 +226,13 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked (importlib.metadata costs 0.1 s at start-up)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(message=f"plait {_version()}\n")
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -221,13 +242,36 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole `plait` parser; with `only` (one of LIGHT_COMMANDS), just that command's,
+    which imports neither torch nor the other subsystems."""
     parser = argparse.ArgumentParser(
         prog="plait", description=__doc__.splitlines()[0],
         epilog="exit status: 0 done, 1 the run failed, 2 bad input (nothing started, nothing "
         "written), 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP)")
-    parser.add_argument("--version", action="version", version=f"plait {_version()}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    if only == "simulate":
+        from plait.parallel.pipeline import cli as simulate_cli
+
+        simulate_cli.add_parser(sub)
+    elif only == "plan":
+        from plait.plan import cli as plan_cli
+
+        plan_cli.add_parser(sub)
+    else:
+        _add_all_commands(sub)
+    for name, p in sub.choices.items():
+        if name != "data" and not any("--debug" in a.option_strings for a in p._actions):
+            p.add_argument("--debug", action="store_true",
+                           help="show Python tracebacks (by default an error is one line)")
+    return parser
+
+
+def _add_all_commands(sub) -> None:
+    from plait.multinode import add_node_args
+    from plait.train.flags import add_train_args
 
     train = sub.add_parser("train", help="train on N local ranks (torch.distributed.run)",
                            description="Validate every input, then train on --nproc local "
@@ -288,11 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
     calibrate_cli.add_parser(sub)  # plait calibrate (docs/planner.md, Hardware profiles)
     cluster_cli.add_parser(sub)  # plait cluster (docs/multi_node.md, emulated nodes)
-    for p in [*sub.choices.values(), prep]:
-        if p is not data and not any("--debug" in a.option_strings for a in p._actions):
-            p.add_argument("--debug", action="store_true",
-                           help="show Python tracebacks (by default an error is one line)")
-    return parser
+    prep.add_argument("--debug", action="store_true",  # `data` itself takes none
+                      help="show Python tracebacks (by default an error is one line)")
 
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -312,14 +353,14 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0, 1 failed, 2 bad input, 130 interrupted; no traceback without --debug."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in LIGHT_COMMANDS else None).parse_args(argv)
     debug = getattr(args, "debug", False)
     try:
         return _dispatch(args, argv)
     except KeyboardInterrupt:
         print("plait: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except USER_ERRORS as e:
+    except user_errors() as e:
         if debug:
             traceback.print_exc()
         return _fail(str(e))
@@ -332,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [TORCHRUN_COMMAND]:  # the launcher's own child (plait/launch.py)
+    hidden = sys.argv[1:2] and sys.argv[1].startswith("_")  # no command starts with _
+    if hidden:
+        from plait.launch import TORCHRUN_COMMAND, run_torchrun
+    if hidden and sys.argv[1] == TORCHRUN_COMMAND:  # the launcher's child (plait/launch.py)
         code = run_torchrun(sys.argv[2:])
     else:
         code = main()

@@ -32,7 +32,8 @@ _SIM_ACTIONS = 24_000
 # actions (a few seconds); past it, the closed form stands in and says so
 _SIM_ACTIONS_MAX = 400_000
 # list-scheduled schedules (zb-v, dualpipe) have their order searched for the durations
-# when built, which costs ~(p*m)^2: above this p*m the planner uses the closed form
+# when built: above this p*m the planner uses the closed form. (The search cost ~(p*m)^2
+# when this was set; it is O(n log n) now, but the limit stays so that plans do not move.)
 _LIST_BUILD_LIMIT = 400
 
 
@@ -87,10 +88,17 @@ def _build(schedule: str, pp: int, m: int, v: int, ratios: tuple[float, float, f
     return build_schedule(schedule, pp, m, v, durations=Durations(1.0, *ratios))
 
 
+# post-validation: the steady state is read from steps 2..STEADY_STEPS of one timeline
+STEADY_STEPS = 3
+
+
 @lru_cache(maxsize=4096)
 def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
-              i: tuple[float, ...], w: tuple[float, ...], p2p: float) -> tuple[float, float,
-                                                                           tuple[int, ...]]:
+              i: tuple[float, ...], w: tuple[float, ...], p2p: float,
+              optimizer_sync: str = "barrier") -> tuple[float, float, tuple[int, ...]]:
+    """(step, bubble, peaks): one step under the barrier; under post-validation the
+    steady-state step of STEADY_STEPS consecutive ones (a rank starts its next step when
+    its own is done)."""
     from plait.parallel.pipeline.simulate import Durations, simulate
 
     d = Durations(f[0], i[0], w[0], p2p, forward_per_stage=f, backward_input_per_stage=i,
@@ -99,21 +107,40 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
     ratios = (round(sum(i) / len(i) / fm, 1), round(sum(w) / len(w) / fm, 1),
               round(p2p / fm, 2))
     sched = _build(schedule, pp, m, v, ratios)
-    r = simulate(sched, d)
-    return r.step_time, r.bubble_fraction, tuple(r.peak_activations)
+    if optimizer_sync == "barrier":
+        r = simulate(sched, d)
+        return r.step_time, r.bubble_fraction, tuple(r.peak_activations)
+    r = simulate(sched, d, STEADY_STEPS, optimizer_sync)
+    return r.steady_step_time, r.steady_bubble_fraction, tuple(r.peak_activations)
 
 
 class TooLargeToSimulate(Exception):
-    """A list-scheduled schedule whose build cost (about (p*m)^2) is too high here."""
+    """A schedule the planner does not simulate at this size (see the limits above)."""
 
 
 def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i: list[float],
-                      w: list[float], p2p: float) -> dict[str, Any]:
+                      w: list[float], p2p: float, optimizer_sync: str = "barrier"
+                      ) -> dict[str, Any]:
     """Step time, bubble and per-rank peak activations from the shared simulator, with
     per-stage durations. Long runs are simulated at two smaller micro-batch counts and
-    extrapolated linearly in m (exact once the steady state repeats)."""
+    extrapolated linearly in m (exact once the steady state repeats). `optimizer_sync`
+    ("barrier" or "post_validation", as `parallel.optimizer_sync`): the time of one step
+    that waits for every rank, or the steady-state step when each rank starts its next
+    step as soon as its own is done (Qi et al. 2023, section 4); the result says which
+    (`optimizer_sync`, and `source`)."""
+    out = _simulate_pipeline(schedule, pp, m, v, f, i, w, p2p, optimizer_sync)
+    if optimizer_sync != "barrier":
+        out["source"] += (f", steady state of steps 2-{STEADY_STEPS} ({optimizer_sync})"
+                          if out["source"].startswith("simulator")
+                          else f"; {optimizer_sync} not modelled by the closed form")
+    return {**out, "optimizer_sync": optimizer_sync}
+
+
+def _simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float],
+                       i: list[float], w: list[float], p2p: float,
+                       optimizer_sync: str) -> dict[str, Any]:
     spec = schedule_spec(schedule)
-    key = (tuple(f), tuple(i), tuple(w), float(p2p))
+    key = (tuple(f), tuple(i), tuple(w), float(p2p), optimizer_sync)
     actions = pp * m * 2 * spec.stages_per_rank(v)
     try:
         if spec.list_scheduled and pp * m > _LIST_BUILD_LIMIT and \

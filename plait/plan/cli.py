@@ -14,6 +14,7 @@ import numpy as np
 
 from plait.files import atomic_output
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
+from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
 from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
 from plait.plan.emit import emit_plan
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
@@ -82,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention kernel: flash (default: SDPA on GPUs and plait's CPU "
                    f"runtime) {ATTENTION_HELP['flash']}; math {ATTENTION_HELP['math']} "
                    "(Korthikanti et al.'s GPT runs: --arch gpt --attention math)")
+    t.add_argument("--optimizer-sync", default="barrier", choices=OPTIMIZER_SYNCS,
+                   help="between steps (parallel.optimizer_sync): barrier (every pipeline "
+                   "rank waits for the last; default) or post_validation (the simulated "
+                   "pipeline time is the steady state of consecutive steps)")
     lay = p.add_argument_group("one layout (instead of searching)")
     lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
     lay.add_argument("--microbatch", type=int, default=1, metavar="N",
@@ -134,7 +139,7 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
                             f"multiple of the sequence length {shape.seq}")
         batch = args.global_batch_tokens // shape.seq
     return shape, Cluster(gpu, args.gpus), Training(batch, args.precision, args.optimizer,
-                                                    args.mem_limit)
+                                                    args.mem_limit, args.optimizer_sync)
 
 
 def parse_layout(text: str, args: argparse.Namespace) -> Layout:
@@ -185,6 +190,8 @@ def to_dict(e: Estimate) -> dict[str, Any]:
         "memory_total_bytes": _num(e.memory_total), "memory_peak_rank": _num(e.peak_rank),
         "fits": bool(e.fits),
         "pipeline_source": e.extra.get("pipeline", {}).get("source"),
+        # what the pipeline time assumes between steps (parallel.optimizer_sync)
+        "pipeline_optimizer_sync": e.extra.get("pipeline", {}).get("optimizer_sync"),
         "collectives": [
             {"dim": c.dim, "op": c.op, "bytes": _num(c.size), "count": _num(c.count),
              "group": _num(c.group), "link": "nvlink" if bool(c.intra) else "inter-node",
@@ -249,7 +256,13 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
     console.print(flops_line(best))
     src = best.extra.get("pipeline", {}).get("source")
     if src:
-        console.print(f"pipeline time from: {src}")
+        sync = best.extra["pipeline"].get("optimizer_sync")
+        between = {"barrier": "one step, every pipeline rank waiting for the last before "
+                   "the next (optimizer barrier)",
+                   "post_validation": "the steady state of consecutive steps, each rank "
+                   "starting its next as soon as its own is done (post-validation)"}
+        console.print(f"pipeline time from: {src}"
+                      + (f"; assumes {between[sync]}" if sync in between else ""))
     for line in notes:
         console.print(line)
 

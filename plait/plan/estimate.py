@@ -48,6 +48,9 @@ class Training:
     precision: str = "bf16"
     optimizer: str = "adam"
     mem_limit_frac: float = 0.9  # of HBM usable: CUDA context, NCCL, fragmentation
+    # parallel.optimizer_sync: "barrier" (every pipeline rank waits for the last before the
+    # next step) or "post_validation" (the simulated pipeline time is the steady state)
+    optimizer_sync: str = "barrier"
 
 
 @dataclass
@@ -211,13 +214,13 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
                        n * i_layer, n * w_layer)
 
 
-def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num,
-                   simulate: bool) -> tuple[Num, Num, dict[str, Any]]:
+def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num, simulate: bool,
+                   optimizer_sync: str = "barrier") -> tuple[Num, Num, dict[str, Any]]:
     """(pipeline time, bubble fraction, the simulator's result or {})."""
     if simulate:
         res = _simulate_one(shape, b.sched, int(b.pp), int(b.m), int(b.v), float(ct.f_layer),
                             float(ct.i_layer), float(ct.w_layer), float(ct.head_f),
-                            float(ct.head_g), float(t_pp))
+                            float(ct.head_g), float(t_pp), optimizer_sync)
         return res["step"], res["bubble"], res
     # ranking: the last rank's chunks carry the LM head (spread over its chunks)
     cpr = b.cpr
@@ -337,7 +340,7 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     colls = lc.colls
     ct = _chunk_times(shape, cluster, lay, eff, b, lc)
     t_pp = pp_p2p(shape, cluster, eff, b, colls, lay.sp)
-    pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate)
+    pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate, train.optimizer_sync)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over dp x cp, routed experts over the expert-data-parallel
     # ranks (dp x cp / ep) that hold the same experts (plait/parallel/expert.py)
@@ -379,13 +382,15 @@ def busy_of(m: Num, cpr: Num, f_c: Num, i_c: Num, w_c: Num, head_f: Num, head_g:
 
 
 def _simulate_one(shape: Shape, sched: str, pp: int, m: int, v: int, f: float, i: float,
-                  w: float, head_f: float, head_g: float, p2p: float) -> dict[str, Any]:
+                  w: float, head_f: float, head_g: float, p2p: float,
+                  optimizer_sync: str = "barrier") -> dict[str, Any]:
     """Per-stage durations (layers split as evenly as possible, the head on the last stage
     of each chain) through the shared simulator."""
     if pp == 1:
         c = shape.layers
         step = m * (c * (f + i + w) + head_f + 2 * head_g)
-        return {"step": step, "bubble": 0.0, "peaks": [1], "source": "no pipeline"}
+        return {"step": step, "bubble": 0.0, "peaks": [1], "source": "no pipeline",
+                "optimizer_sync": optimizer_sync}
     chains = schedule_spec(sched).chains
     n = bubble.stages_per_chain(sched, pp, v)
     base, extra = divmod(shape.layers, n)
@@ -397,4 +402,4 @@ def _simulate_one(shape: Shape, sched: str, pp: int, m: int, v: int, f: float, i
         fs[last] += head_f
         is_[last] += head_g
         ws[last] += head_g
-    return bubble.simulate_pipeline(sched, pp, m, v, fs, is_, ws, p2p)
+    return bubble.simulate_pipeline(sched, pp, m, v, fs, is_, ws, p2p, optimizer_sync)

@@ -20,21 +20,26 @@ from __future__ import annotations
 
 from collections import Counter
 
-from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import Action, Schedule, without_gc
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
 
-def check(schedule: Schedule) -> list[str]:
-    """Every problem with the schedule, as readable sentences; [] if it is valid."""
-    problems = _placement(schedule)
-    if problems:  # the rest assumes stages and ranks make sense
-        return problems
-    problems += _completeness(schedule)
-    problems += _local_order(schedule)
-    if any(a.is_comm for acts in schedule.actions for a in acts):
-        problems += _transfers(schedule)
-    if not problems:
+@without_gc
+def check(schedule: Schedule, execute: bool = True) -> list[str]:
+    """Every problem with the schedule, as readable sentences; [] if it is valid.
+    `execute=False` leaves out 5. (deadlock freedom), for a caller that executes the
+    schedule anyway (`simulate` raises DeadlockError; then ask `deadlocks`)."""
+    scanned = _scan(schedule)  # None: some action is misplaced
+    if scanned is None:  # the rest assumes stages and ranks make sense
+        return _placement(schedule)
+    problems: list[str] = []
+    count, order, transfers = scanned
+    complete = _completeness(schedule, count)
+    problems += complete + order
+    if transfers and (complete or not _transfers_hold(schedule)):
+        problems += _transfers(schedule)  # says what is wrong
+    if not problems and execute:
         problems += deadlocks(schedule)
     return problems
 
@@ -44,52 +49,85 @@ def _placement(s: Schedule) -> list[str]:
     if any(not 0 <= r < s.pp for r in s.stage_to_rank):
         out.append(f"stage_to_rank {s.stage_to_rank} names a rank outside 0..{s.pp - 1}")
         return out
+    chain_mbs = [s.microbatches_of(st) for st in range(s.num_stages)]
     for r, acts in enumerate(s.actions):
-        for a in acts:
-            if not 0 <= a.stage < s.num_stages:
-                out.append(f"rank {r}: {a} names stage {a.stage} outside 0..{s.num_stages - 1}")
-            elif s.stage_to_rank[a.stage] != r:
+        mine = {st: chain_mbs[st] for st in s.stages_on(r)}
+        for a in acts:  # the common case costs a dict lookup and a range test
+            kind, stage, mb, peer = a
+            mbs = mine.get(stage)
+            if mbs is not None and mb in mbs and (peer is None or 0 <= peer < s.pp):
+                continue
+            if not 0 <= stage < s.num_stages:
+                out.append(f"rank {r}: {a} names stage {stage} outside 0..{s.num_stages - 1}")
+            elif s.stage_to_rank[stage] != r:
                 out.append(
-                    f"rank {r}: {a} runs stage {a.stage}, which lives on rank "
-                    f"{s.stage_to_rank[a.stage]}"
+                    f"rank {r}: {a} runs stage {stage}, which lives on rank "
+                    f"{s.stage_to_rank[stage]}"
                 )
-            elif a.microbatch not in s.microbatches_of(a.stage):
-                out.append(
-                    f"rank {r}: {a}: micro-batch {a.microbatch} does not pass stage {a.stage}"
-                )
-            elif a.is_comm and not 0 <= a.peer < s.pp:
-                out.append(f"rank {r}: {a}: peer {a.peer} is not a rank")
+            elif mb not in chain_mbs[stage]:
+                out.append(f"rank {r}: {a}: micro-batch {mb} does not pass stage {stage}")
+            elif len(kind) > 1:
+                out.append(f"rank {r}: {a}: peer {peer} is not a rank")
     return out
 
 
-def _completeness(s: Schedule) -> list[str]:
-    count = Counter(
-        (a.kind, a.stage, a.microbatch) for acts in s.actions for a in acts if not a.is_comm
-    )
+def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
+    m = s.microbatches
+    expected = [0] * (s.num_stages * m)
+    for stage in range(s.num_stages):
+        for mb in s.microbatches_of(stage):
+            expected[stage * m + mb] = 1
+    f, b, i, w = (count[k] for k in "FBIW")
+    if f == expected and i == w and [x + y for x, y in zip(b, i)] == expected:
+        return []  # every forward once, one B or one I and one W: nothing to say
     out = []
     for stage in range(s.num_stages):
         for mb in s.microbatches_of(stage):
-            f, b, i, w = (count[(k, stage, mb)] for k in "FBIW")
-            if f != 1:
-                out.append(f"stage {stage} micro-batch {mb}: {f} forwards, expected 1")
-            if not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
+            k = stage * m + mb
+            if f[k] != 1:
+                out.append(f"stage {stage} micro-batch {mb}: {f[k]} forwards, expected 1")
+            if not ((b[k] == 1 and i[k] == w[k] == 0) or (b[k] == 0 and i[k] == w[k] == 1)):
                 out.append(
-                    f"stage {stage} micro-batch {mb}: backward is B x{b}, I x{i}, W x{w}; "
-                    "expected one B, or one I and one W"
+                    f"stage {stage} micro-batch {mb}: backward is B x{b[k]}, I x{i[k]}, "
+                    f"W x{w[k]}; expected one B, or one I and one W"
                 )
     return out
 
 
-def _local_order(s: Schedule) -> list[str]:
-    out = []
+_NEEDS = {"B": "F", "I": "F", "W": "I"}
+
+
+def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool] | None:
+    """One pass: None if an action is misplaced (`_placement` says how); else how many
+    of each compute kind every (stage * m + mb) has, the computes that run before what
+    they need on their rank (F before I/B, I before W), and whether there are transfers."""
+    if any(not 0 <= r < s.pp for r in s.stage_to_rank):
+        return None
+    m = s.microbatches
+    count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
+    # one seen-set for all ranks: placement holds, so no two ranks run the same stage
+    seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
+    order, transfers = [], False
+    chain_mbs = [s.microbatches_of(st) for st in range(s.num_stages)]
     for r, acts in enumerate(s.actions):
-        seen: set[Key] = set()
+        mine = {st: chain_mbs[st] for st in s.stages_on(r)}
         for a in acts:
-            need = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
-            if need and (need, a.stage, a.microbatch) not in seen:
-                out.append(f"rank {r}: {a} runs before {need}{a.stage}.{a.microbatch}")
-            seen.add((a.kind, a.stage, a.microbatch))
-    return out
+            kind, stage, mb, peer = a
+            mbs = mine.get(stage)
+            if mbs is None or mb not in mbs:
+                return None
+            if len(kind) > 1:
+                if not 0 <= peer < s.pp:
+                    return None
+                transfers = True
+                continue
+            k = stage * m + mb
+            count[kind][k] += 1
+            need = _NEEDS.get(kind)
+            if need and not seen[need][k]:
+                order.append(f"rank {r}: {a} runs before {need}{stage}.{mb}")
+            seen[kind][k] = 1
+    return count, order, transfers
 
 
 def _edges(s: Schedule) -> dict[tuple[str, int, int], tuple[int, int, str, int]]:
@@ -179,66 +217,149 @@ def _transfers(s: Schedule) -> list[str]:
     return out
 
 
+def _transfers_hold(s: Schedule) -> bool:
+    """Whether `_transfers` would find nothing, in one pass over integer arrays, for a
+    complete schedule (each compute once): every send and receive on the edge it names,
+    from / to the right peer, after its producer / before its consumer, exactly one of
+    each per edge, and each channel's receives in its sends' order."""
+    m, rank_of = s.microbatches, s.stage_to_rank
+    size = s.num_stages * m
+    nxt = [s.next_stage(st) for st in range(s.num_stages)]
+    prv = [s.prev_stage(st) for st in range(s.num_stages)]
+    # per kind: the stage a transfer's peer computes (None: no edge), and whether the
+    # compute on this rank that must come first (sends) or must not (receives) is an F
+    peer_stage = {"SEND_F": nxt, "RECV_F": prv, "SEND_B": prv, "RECV_B": nxt}
+    done = {True: bytearray(size), False: bytearray(size)}  # F run; I or B run
+    seen = {k: bytearray(size) for k in peer_stage}  # how many of each transfer
+    channels: dict[tuple[int, int, bool], list[int]] = {}  # (from, to, sends?) -> order
+    for r, acts in enumerate(s.actions):
+        for kind, stage, mb, peer in acts:
+            k = stage * m + mb
+            if len(kind) == 1:
+                if kind != "W":
+                    done[kind == "F"][k] = 1
+                continue
+            other = peer_stage[kind][stage]
+            if other is None or rank_of[other] == r or peer != rank_of[other]:
+                return False
+            is_f, sends = kind[-1] == "F", kind[0] == "S"
+            if done[is_f][k] != sends or seen[kind][k]:  # produced first / consumed after
+                return False
+            seen[kind][k] = 1
+            src_stage = stage if sends else other  # what travels: (kind, mb, src stage)
+            item = (src_stage * m + mb) * 2 + is_f
+            channels.setdefault((r, peer, True) if sends else (peer, r, False),
+                                []).append(item)
+    for st in range(s.num_stages):  # every cross-rank edge has its send and its receive
+        for mb in s.microbatches_of(st):
+            k = st * m + mb
+            if nxt[st] is not None and rank_of[nxt[st]] != rank_of[st] and not (
+                    seen["SEND_F"][k] and seen["RECV_F"][nxt[st] * m + mb]):
+                return False
+            if prv[st] is not None and rank_of[prv[st]] != rank_of[st] and not (
+                    seen["SEND_B"][k] and seen["RECV_B"][prv[st] * m + mb]):
+                return False
+    return all(channels.get((a, b, False)) == items
+               for (a, b, sends), items in channels.items() if sends) and all(
+        (a, b, True) in channels for (a, b, sends) in channels if not sends)
+
+
 def _fmt(item: tuple[str, int, int]) -> str:
     kind, mb, stage = item
     return f"{'activation' if kind == 'F' else 'gradient'} of stage {stage} mb {mb}"
 
 
+@without_gc
 def deadlocks(s: Schedule) -> list[str]:
-    """Execute the schedule without durations (see module docstring, 5.)."""
-    lowered = any(a.is_comm for acts in s.actions for a in acts)
-    ran: set[Key] = set()  # computes executed, as (kind-family, stage, mb); I and B -> "G"
-    posted: set[Key] = set()  # transfers posted, keyed by their own action
+    """Execute the schedule without durations (see module docstring, 5.), event-driven:
+    a rank runs until an action cannot, then waits on the one thing it lacks (a compute
+    run, a send posted) and is woken when that happens. Whatever order ranks run in, they
+    end in the same state (running an action never stops another), so the report is the
+    one a round-robin execution gives."""
+    lowered = any(len(a[0]) > 1 for acts in s.actions for a in acts)
+    m, size = s.microbatches, s.num_stages * s.microbatches
+    # done[code * size + stage * m + mb], code: F run, G (I or B) run, W run, and each
+    # transfer kind posted
+    done = bytearray(7 * size)
+    F, G, W, SEND_F, RECV_F, SEND_B, RECV_B = (c * size for c in range(7))
+    offset = {"F": F, "G": G, "B": G, "I": G, "W": W, "SEND_F": SEND_F, "RECV_F": RECV_F,
+              "SEND_B": SEND_B, "RECV_B": RECV_B}
+    # per stage: the stage its F (its I/B) reads from, and whether that crosses ranks in
+    # a lowered schedule (then: its own receive posted, the peer's send posted)
+    ends = {"F": [s.prev_stage(st) for st in range(s.num_stages)],
+            "G": [s.next_stage(st) for st in range(s.num_stages)]}
+    rank_of = s.stage_to_rank
+    waiting: dict[int, list[int]] = {}
     pos = [0] * s.pp
-
-    def blocker(r: int, a: Action) -> str | None:
-        """What compute `a` on rank r still waits for; None if it can run."""
-        if a.kind == "W":
-            return None if ("G", a.stage, a.microbatch) in ran else f"I{a.stage}.{a.microbatch}"
-        if a.kind == "F":
-            src, fam, recv_kind = s.prev_stage(a.stage), "F", "RECV_F"
-        else:
-            if ("F", a.stage, a.microbatch) not in ran:
-                return f"F{a.stage}.{a.microbatch}"
-            src, fam, recv_kind = s.next_stage(a.stage), "G", "RECV_B"
-        if src is None:
-            return None
-        need = f"{'F' if fam == 'F' else 'I/B'}{src}.{a.microbatch}"
-        src_rank = s.stage_to_rank[src]
-        if src_rank == r or not lowered:
-            return None if (fam, src, a.microbatch) in ran else need + f" on rank {src_rank}"
-        if (recv_kind, a.stage, a.microbatch) not in posted:
-            return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
-        send_kind = "SEND_F" if fam == "F" else "SEND_B"
-        if (send_kind, src, a.microbatch) not in posted:
-            return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
-        return None
-
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(s.actions):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if a.is_comm:
-                    posted.add((a.kind, a.stage, a.microbatch))
-                elif blocker(r, a) is None:
-                    ran.add(("G" if a.kind in ("I", "B") else a.kind, a.stage, a.microbatch))
+    ready = list(range(s.pp - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        acts, i = s.actions[r], pos[r]
+        while i < len(acts):
+            kind, stage, mb, _ = acts[i]
+            k = stage * m + mb
+            if len(kind) == 1:
+                if kind == "W":
+                    lack = -1 if done[G + k] else G + k
+                elif kind != "F" and not done[F + k]:
+                    lack = F + k
                 else:
+                    fam = "F" if kind == "F" else "G"
+                    src = ends[fam][stage]
+                    if src is None:
+                        lack = -1
+                    else:
+                        j = src * m + mb
+                        if not lowered or rank_of[src] == r:
+                            lack = offset[fam] + j
+                        elif not done[(RECV_F if fam == "F" else RECV_B) + k]:
+                            lack = (RECV_F if fam == "F" else RECV_B) + k  # never: later here
+                        else:
+                            lack = (SEND_F if fam == "F" else SEND_B) + j
+                        if done[lack]:
+                            lack = -1
+                if lack >= 0:
+                    waiting.setdefault(lack, []).append(r)
                     break
-                pos[r] += 1
-                progress = True
+            code = offset[kind] + k
+            done[code] = 1
+            if code in waiting:
+                ready += waiting.pop(code)
+            i += 1
+        pos[r] = i
     stuck = [r for r in range(s.pp) if pos[r] < len(s.actions[r])]
     if not stuck:
         return []
-    return [
-        "deadlock: "
-        + "; ".join(
-            f"rank {r} blocked at {s.actions[r][pos[r]]} (action #{pos[r]}) waiting for "
-            f"{blocker(r, s.actions[r][pos[r]])}"
-            for r in stuck
-        )
-    ]
+    posted = {k: done[c * size:(c + 1) * size] for k, c in (("F", 0), *((x, 3 + n) for n, x
+                                                                     in enumerate(_COMM_KINDS)))}
+    return ["deadlock: " + "; ".join(
+        f"rank {r} blocked at {s.actions[r][pos[r]]} (action #{pos[r]}) waiting for "
+        f"{_blocker(s, lowered, posted, r, s.actions[r][pos[r]])}" for r in stuck)]
+
+
+_COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+def _blocker(s: Schedule, lowered: bool, done: dict[str, bytearray], r: int,
+             a: Action) -> str:
+    """What the stuck compute `a` on rank r waits for, in words."""
+    m = s.microbatches
+    if a.kind == "W":
+        return f"I{a.stage}.{a.microbatch}"
+    if a.kind == "F":
+        src, fam, recv_kind = s.prev_stage(a.stage), "F", "RECV_F"
+    else:
+        if not done["F"][a.stage * m + a.microbatch]:
+            return f"F{a.stage}.{a.microbatch}"
+        src, fam, recv_kind = s.next_stage(a.stage), "G", "RECV_B"
+    need = f"{'F' if fam == 'F' else 'I/B'}{src}.{a.microbatch}"
+    src_rank = s.stage_to_rank[src]
+    if src_rank == r or not lowered:
+        return need + f" on rank {src_rank}"
+    if not done[recv_kind][a.stage * m + a.microbatch]:
+        return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
+    send_kind = "SEND_F" if fam == "F" else "SEND_B"
+    return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
 
 
 def peak_activations(schedule: Schedule) -> list[int]:

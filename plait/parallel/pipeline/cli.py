@@ -2,8 +2,14 @@
 
     plait simulate --schedule zb-v --pp 4 --microbatches 8 [--virtual-stages 2]
         [--forward 1 --backward-input 1 --backward-weight 1 --p2p 0]
+        [--steps K --optimizer-sync barrier|post_validation]
         [--png out.png] [--trace out.json] [--save sched.txt] [--load sched.txt]
         [--show] [--json]
+
+--steps K lays out K consecutive steps: with the barrier (the default) every rank starts a
+step when the last has finished the one before; with post_validation (Qi et al. 2023,
+section 4) each rank starts as soon as its own previous step is done. The steady state is
+steps 2..K.
 
 Exit status: 0 ok, 2 when the request is impossible or the schedule fails a check.
 """
@@ -17,9 +23,8 @@ import sys
 from pathlib import Path
 
 from plait.files import output_problems, write_text_atomic
-from plait.parallel.pipeline.check import check
-from plait.parallel.pipeline.draw import format_table
-from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.check import check, deadlocks
+from plait.parallel.pipeline.ir import Schedule, without_gc
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.registry import (
     SCHEDULE_NAMES,
@@ -29,7 +34,12 @@ from plait.parallel.pipeline.registry import (
     natural_virtual_stages,
     paper_bubble_time,
 )
-from plait.parallel.pipeline.simulate import Durations, simulate
+from plait.parallel.pipeline.simulate import (
+    OPTIMIZER_SYNCS,
+    DeadlockError,
+    Durations,
+    simulate,
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,6 +71,12 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--backward-input", type=float, default=1.0, help="T_I (B = I + W; default 1)")
     sp.add_argument("--backward-weight", type=float, default=1.0, help="T_W (default 1)")
     sp.add_argument("--p2p", type=float, default=0.0, help="one transfer between ranks (default 0)")
+    sp.add_argument("--steps", type=int, default=1,
+                    help="consecutive steps to lay out (default 1); the steady state is "
+                    "steps 2..K")
+    sp.add_argument("--optimizer-sync", choices=OPTIMIZER_SYNCS, default="barrier",
+                    help="between steps: barrier (every rank waits for the last; default) "
+                    "or post_validation (a rank goes on when its own step is done)")
     sp.add_argument("--png", help="draw the timeline to this PNG (needs matplotlib)")
     sp.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     sp.add_argument("--save", help="write the lowered schedule as text")
@@ -79,7 +95,7 @@ def _default_v_help() -> str:
 
 
 # what the simulator lays out in seconds; past these a request is refused at once
-MAX_PP, MAX_MICROBATCHES, MAX_VIRTUAL_STAGES = 512, 20_000, 32
+MAX_PP, MAX_MICROBATCHES, MAX_VIRTUAL_STAGES, MAX_STEPS = 512, 20_000, 32, 1_000
 MAX_ACTIONS = 2_000_000
 
 
@@ -88,17 +104,21 @@ def input_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     for flag, value, hi in (("--pp", args.pp, MAX_PP),
                             ("--microbatches", args.microbatches, MAX_MICROBATCHES),
-                            ("--virtual-stages", args.virtual_stages, MAX_VIRTUAL_STAGES)):
+                            ("--virtual-stages", args.virtual_stages, MAX_VIRTUAL_STAGES),
+                            ("--steps", args.steps, MAX_STEPS)):
         if value is not None and not 1 <= value <= hi:
             problems.append(f"{flag} {value} must be between 1 and {hi:,}"
                             + (" (leave it out for the schedule's own)"
                                if flag == "--virtual-stages" else ""))
     if not problems and args.load is None:
         v = args.virtual_stages or 1
-        if args.pp * args.microbatches * v * 3 > MAX_ACTIONS:
+        k = args.steps
+        if args.pp * args.microbatches * v * 3 * k > MAX_ACTIONS:
+            steps = f" x --steps {k}" if k > 1 else ""
             problems.append(f"--pp {args.pp} x --microbatches {args.microbatches} x "
-                            f"--virtual-stages {v} is past what the simulator lays out (at "
-                            f"most {MAX_ACTIONS:,} actions); use fewer micro-batches")
+                            f"--virtual-stages {v}{steps} is past what the simulator lays "
+                            f"out (at most {MAX_ACTIONS:,} actions); use fewer micro-batches"
+                            + (" or steps" if k > 1 else ""))
     for flag, value in (("--forward", args.forward), ("--backward-input", args.backward_input),
                         ("--backward-weight", args.backward_weight), ("--p2p", args.p2p)):
         if not math.isfinite(value) or value < 0:
@@ -141,7 +161,7 @@ def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
     if args.save:
         written.append(("schedule", write_text_atomic(args.save, lowered.to_text())))
     if args.trace:
-        from plait.parallel.pipeline.draw import to_chrome_trace
+        from plait.parallel.pipeline.draw import to_chrome_trace  # only when asked
 
         written.append(("Chrome trace", to_chrome_trace(res.events, args.trace)))
     if args.png:
@@ -152,6 +172,7 @@ def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
         print(f"{what} written to {path}", file=sys.stderr)
 
 
+@without_gc  # one pause for build, check and simulate (ir.without_gc says why)
 def run(args: argparse.Namespace) -> int:
     problems = input_problems(args)
     if problems:
@@ -167,63 +188,77 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # a text that is not a schedule, too
         print(f"error: {e}", file=sys.stderr)
         return 2
-    compute_only = Schedule(
-        schedule.name,
-        schedule.pp,
-        schedule.microbatches,
-        schedule.virtual_stages,
-        schedule.num_stages,
-        schedule.stage_to_rank,
-        [[a for a in acts if not a.is_comm] for acts in schedule.actions],
-        schedule.num_chains,
-    )
+    compute_only = schedule
+    has_transfers = any(len(a[0]) > 1 for acts in schedule.actions for a in acts)
+    if has_transfers:
+        compute_only = Schedule(
+            schedule.name,
+            schedule.pp,
+            schedule.microbatches,
+            schedule.virtual_stages,
+            schedule.num_stages,
+            schedule.stage_to_rank,
+            [[a for a in acts if not a.is_comm] for acts in schedule.actions],
+            schedule.num_chains,
+        )
+    # a schedule without transfers is executed by the simulation itself (the same
+    # dependencies as check's execution); the deadlock report is asked for only if it
+    # cannot finish. One with transfers is executed under the runtime contract (check.py).
+    problems = check(schedule, execute=has_transfers)
     lowered = schedule if schedule.lowered else None
-    problems = check(schedule)
-    if not problems and lowered is None:
+    if not problems and lowered is None and args.save:  # the lowering written is checked
         lowered = lower(compute_only)
         problems = check(lowered)
+    d = Durations(args.forward, args.backward_input, args.backward_weight, args.p2p)
+    res = None
+    if not problems:
+        try:
+            res = simulate(compute_only, d, args.steps, args.optimizer_sync)
+        except DeadlockError:
+            problems = deadlocks(schedule)
     if problems:
         print(f"error: schedule {schedule.name!r} fails its checks:", file=sys.stderr)
         for p in problems:
             print(f"  - {p}", file=sys.stderr)
         return 2
 
-    d = Durations(args.forward, args.backward_input, args.backward_weight, args.p2p)
-    res = simulate(compute_only, d)
-    closed = closed_form_bubble(
-        schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
-    )
     _write_outputs(args, res, compute_only, lowered)
-
-    summary = {
-        "schedule": schedule.name,
-        "pp": schedule.pp,
-        "microbatches": schedule.microbatches,
-        "virtual_stages": schedule.virtual_stages,
-        "durations": {
-            "forward": d.forward,
-            "backward_input": d.backward_input,
-            "backward_weight": d.backward_weight,
-            "p2p": d.p2p,
-        },
-        "step_time": res.step_time,
-        "bubble_fraction": res.bubble_fraction,
-        "closed_form_bubble": closed,
-        "paper_bubble_time": paper_bubble_time(
-            schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages, d
-        ),
-        "bubble_per_rank": res.bubble_per_rank,
-        "span_idle_per_rank": res.span_idle_per_rank,
-        "busy_per_rank": res.busy_per_rank,
-        "peak_activations": res.peak_activations,
-    }
+    summary = _summary(schedule, res, d)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     _print_table(summary)
     if args.show:
+        from plait.parallel.pipeline.draw import format_table
+
         print(format_table(compute_only))
     return 0
+
+
+def _summary(schedule: Schedule, res, d: Durations) -> dict:
+    """What --json prints (and the table shows)."""
+    name, p, m, v = (schedule.name, schedule.pp, schedule.microbatches,
+                     schedule.virtual_stages)
+    summary = {
+        "schedule": name, "pp": p, "microbatches": m, "virtual_stages": v,
+        "durations": {"forward": d.forward, "backward_input": d.backward_input,
+                      "backward_weight": d.backward_weight, "p2p": d.p2p},
+        "step_time": res.step_time,
+        "bubble_fraction": res.bubble_fraction,
+        "closed_form_bubble": closed_form_bubble(name, p, m, v, d),
+        "paper_bubble_time": paper_bubble_time(name, p, m, v, d),
+        "bubble_per_rank": res.bubble_per_rank,
+        "span_idle_per_rank": res.span_idle_per_rank,
+        "busy_per_rank": res.busy_per_rank,
+        "peak_activations": res.peak_activations,
+    }
+    if res.steps > 1 or res.optimizer_sync != "barrier":  # (one step: as before)
+        summary["steps"] = {
+            "steps": res.steps, "optimizer_sync": res.optimizer_sync,
+            "step_ends": res.step_ends, "steady_step_time": res.steady_step_time,
+            "steady_bubble_fraction": res.steady_bubble_fraction,
+        }
+    return summary
 
 
 def _print_table(s: dict) -> None:
@@ -251,4 +286,12 @@ def _print_table(s: dict) -> None:
     t.add_row("paper's bubble time per rank", "n/a" if pb is None else f"{pb:.4g}")
     t.add_row("idle inside each rank's span", " ".join(f"{x:.3g}" for x in s["span_idle_per_rank"]))
     t.add_row("peak activations per rank", " ".join(map(str, s["peak_activations"])))
+    if "steps" in s:
+        k = s["steps"]
+        t.add_row("steps / between them", f"{k['steps']} / {k['optimizer_sync']}")
+        if k["steady_step_time"] is None:
+            t.add_row("steady state", "needs --steps 2 or more (it is steps 2..K)")
+        else:
+            t.add_row("steady-state step time (steps 2..K)", f"{k['steady_step_time']:.6g}")
+            t.add_row("steady-state bubble fraction", f"{k['steady_bubble_fraction']:.4f}")
     Console().print(t)

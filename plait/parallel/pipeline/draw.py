@@ -59,10 +59,15 @@ def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
-    ax.set_xlim(0, result.step_time or 1.0)
+    end = max((ev[-1][4] for ev in result.events if ev), default=0.0)
+    ax.set_xlim(0, end or result.step_time or 1.0)  # several steps: all of them
+    steady = ""
+    if result.steps > 1:
+        steady = (f"  steady ({result.optimizer_sync}) {result.steady_step_time:.4g}, "
+                  f"bubble {result.steady_bubble_fraction:.1%}")
     ax.set_title(
         f"{schedule.name}  pp={p} m={schedule.microbatches} v={schedule.virtual_stages}  "
-        f"step {result.step_time:.4g}  bubble {result.bubble_fraction:.1%}"
+        f"step {result.step_time:.4g}  bubble {result.bubble_fraction:.1%}{steady}"
     )
     ax.legend(
         handles=[Patch(color=c, label=k) for k, c in COLORS.items()],

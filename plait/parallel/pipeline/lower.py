@@ -22,11 +22,12 @@ channel is held.
 
 from __future__ import annotations
 
-from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import Action, Schedule, trusted, without_gc
 
 LOOKAHEAD = 1  # receives are posted this many computes before the one that needs them
 
 
+@without_gc
 def lower(schedule: Schedule) -> Schedule:
     """A copy of `schedule` with SEND/RECV actions inserted (see module docstring)."""
     if schedule.lowered or any(a.is_comm for acts in schedule.actions for a in acts):
@@ -34,44 +35,39 @@ def lower(schedule: Schedule) -> Schedule:
     rank_of = schedule.stage_to_rank
     p = schedule.pp
     computes = [list(acts) for acts in schedule.actions]
-    # position of each compute in its rank's list
-    where = {(a.kind, a.stage, a.microbatch): i for acts in computes for i, a in enumerate(acts)}
+    # position of each compute in its rank's list, by kind
+    where: dict[str, dict[tuple[int, int], int]] = {"F": {}, "I": {}, "B": {}}
+    for acts in computes:
+        for i, (kind, stage, mb, _) in enumerate(acts):
+            if kind != "W":
+                where[kind][(stage, mb)] = i
+    nxt = [schedule.next_stage(st) for st in range(schedule.num_stages)]
+    prv = [schedule.prev_stage(st) for st in range(schedule.num_stages)]
 
     sends_after: list[dict[int, list[Action]]] = [{} for _ in range(p)]  # rank -> idx -> sends
     channel: dict[tuple[int, int], list[tuple[Action, int]]] = {}  # (a, b) -> [(recv, consumer)]
     for a_rank, acts in enumerate(computes):
         for i, act in enumerate(acts):
-            if act.kind == "F":
-                dst, send_kind, recv_kind, consumer_kinds = (
-                    schedule.next_stage(act.stage),
-                    "SEND_F",
-                    "RECV_F",
-                    ("F",),
-                )
-            elif act.kind in ("I", "B"):
-                dst, send_kind, recv_kind, consumer_kinds = (
-                    schedule.prev_stage(act.stage),
-                    "SEND_B",
-                    "RECV_B",
-                    ("I", "B"),
-                )
+            kind, stage, mb, _ = act
+            if kind == "F":
+                dst, send_kind, recv_kind, fam = nxt[stage], "SEND_F", "RECV_F", "F"
+            elif kind != "W":
+                dst, send_kind, recv_kind, fam = prv[stage], "SEND_B", "RECV_B", "G"
             else:
                 continue
             if dst is None or rank_of[dst] == a_rank:
                 continue
             b_rank = rank_of[dst]
-            mb = act.microbatch
-            sends_after[a_rank].setdefault(i, []).append(Action(send_kind, act.stage, mb, b_rank))
-            consumer = next(
-                (where[(k, dst, mb)] for k in consumer_kinds if (k, dst, mb) in where), None
-            )
+            sends_after[a_rank].setdefault(i, []).append(trusted(send_kind, stage, mb, b_rank))
+            consumer = where[fam].get((dst, mb)) if fam == "F" else where["I"].get(
+                (dst, mb), where["B"].get((dst, mb)))
             if consumer is None:
                 raise ValueError(
                     f"{act} on rank {a_rank} feeds stage {dst} micro-batch {mb}, which has no "
-                    f"{'/'.join(consumer_kinds)} on rank {b_rank}"
+                    f"{'F' if fam == 'F' else 'I/B'} on rank {b_rank}"
                 )
             channel.setdefault((a_rank, b_rank), []).append(
-                (Action(recv_kind, dst, mb, a_rank), consumer)
+                (trusted(recv_kind, dst, mb, a_rank), consumer)
             )
 
     recvs_before: list[dict[int, list[Action]]] = [{} for _ in range(p)]

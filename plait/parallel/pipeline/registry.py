@@ -24,7 +24,7 @@ from typing import Any
 
 from plait.parallel.pipeline import rules as r
 from plait.parallel.pipeline import schedules as b
-from plait.parallel.pipeline.ir import Schedule
+from plait.parallel.pipeline.ir import Schedule, without_gc
 from plait.parallel.pipeline.rules import Rule
 from plait.parallel.pipeline.simulate import Durations
 
@@ -47,7 +47,7 @@ class ScheduleSpec:
     free_virtual_stages: bool = False
     chains: int = 1  # copies of the model, each its own chain of stages (DualPipe: 2)
     split_backward: bool = False  # B split into I and W (recompute: F again before I)
-    list_scheduled: bool = False  # order searched for the durations: costs ~(p*m)^2
+    list_scheduled: bool = False  # order searched for the durations (list_schedule.py)
     # Closed forms, uniform stages and free transfers. `sync_bubble`: the bubble time per
     # rank `simulate` must give under a synchronous step (None where none is known or
     # its conditions fail); `paper_bubble`: the bubble time as the papers state it.
@@ -220,6 +220,7 @@ def _stage_count_problems(spec: ScheduleSpec, pp: int, v: int, n_layers: int) ->
             f"{n_layers}; every stage needs a layer: {fix}, or set model.n_layers>={stages}"]
 
 
+@without_gc
 def build_schedule(
     name: str,
     pp: int,

@@ -13,9 +13,9 @@ registry.py, holds every other fact about each schedule). Placement per schedule
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import trusted as _act
+from plait.parallel.pipeline.list_schedule import list_schedule
 from plait.parallel.pipeline.simulate import Durations
 
 
@@ -29,7 +29,7 @@ def _linear(name: str, p: int, m: int, actions: list[list[Action]]) -> Schedule:
 def build_gpipe(p: int, m: int, v: int) -> Schedule:
     """All forwards, then all backwards (Huang et al. 2019). Peak activations m per rank."""
     acts = [
-        [Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+        [_act("F", r, i) for i in range(m)] + [_act("B", r, i) for i in range(m)]
         for r in range(p)
     ]
     return _linear("gpipe", p, m, acts)
@@ -41,11 +41,11 @@ def build_1f1b(p: int, m: int, v: int) -> Schedule:
     acts = []
     for r in range(p):
         warm = min(p - 1 - r, m)
-        seq = [Action("F", r, i) for i in range(warm)]
+        seq = [_act("F", r, i) for i in range(warm)]
         for k in range(m):
             if warm + k < m:
-                seq.append(Action("F", r, warm + k))
-            seq.append(Action("B", r, k))
+                seq.append(_act("F", r, warm + k))
+            seq.append(_act("B", r, k))
         acts.append(seq)
     return _linear("1f1b", p, m, acts)
 
@@ -71,16 +71,16 @@ def _split_1f1b(name: str, p: int, m: int, warm, w_delay) -> Schedule:
     acts = []
     for r in range(p):
         w = min(warm(r), m)
-        seq = [Action("F", r, i) for i in range(w)]
+        seq = [_act("F", r, i) for i in range(w)]
         next_w = 0
         for k in range(m):
             if w + k < m:
-                seq.append(Action("F", r, w + k))
-            seq.append(Action("I", r, k))
+                seq.append(_act("F", r, w + k))
+            seq.append(_act("I", r, k))
             if k >= w_delay(r):
-                seq.append(Action("W", r, next_w))
+                seq.append(_act("W", r, next_w))
                 next_w += 1
-        seq += [Action("W", r, i) for i in range(next_w, m)]
+        seq += [_act("W", r, i) for i in range(next_w, m)]
         acts.append(seq)
     return _linear(name, p, m, acts)
 
@@ -103,10 +103,10 @@ def build_interleaved(p: int, m: int, v: int) -> Schedule:
     for r in range(p):
 
         def fwd(k: int, r: int = r) -> Action:
-            return Action("F", ((k // p) % v) * p + r, mb_of(k))
+            return _act("F", ((k // p) % v) * p + r, mb_of(k))
 
         def bwd(k: int, r: int = r) -> Action:
-            return Action("B", (v - 1 - (k // p) % v) * p + r, mb_of(k))
+            return _act("B", (v - 1 - (k // p) % v) * p + r, mb_of(k))
 
         warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
         seq = [fwd(k) for k in range(warm)]
@@ -125,14 +125,14 @@ def _v_placement(p: int) -> list[int]:
 def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, about 2p stage
     activations per rank (= 1F1B's peak p, as each stage is half a rank's layers). The
-    order comes from the list scheduler below, run with `durations` (default T_F = T_I =
-    T_W). With equal durations and m >= 2p: peak exactly 2p, and every rank works without
-    a gap between its first and last action. With unequal ones the peak can exceed 2p by
-    a little, as the way up is never held back."""
+    order comes from the list scheduler (list_schedule.py), run with `durations`
+    (default T_F = T_I = T_W). With equal durations and m >= 2p: peak exactly 2p, and
+    every rank works without a gap between its first and last action. With unequal ones
+    the peak can exceed 2p by a little, as the way up is never held back."""
     # both stages of a rank count against 2p, but only the way down (stage r) waits for
     # room: were the way up gated too, rank r full of micro-batches going down and rank
     # r+1 full of ones coming back up would each wait for the other (deadlock)
-    return _list_schedule(
+    return list_schedule(
         "zb-v",
         p,
         m,
@@ -153,7 +153,7 @@ def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -
     # a 1F1B-like quota per chain: p - j micro-batches on the stage computing block j, so
     # rank r holds (p - r) + (r + 1) = p + 1; separate quotas keep the chains from
     # blocking each other
-    return _list_schedule(
+    return list_schedule(
         "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations
     )
 
@@ -176,17 +176,17 @@ def build_dualpipev(p: int, m: int, v: int) -> Schedule:
         seq: list[Action] = []
 
         def f(c: int, seq=seq, nxt=nxt, stage=stage) -> None:
-            seq.append(Action("F", stage[c], nxt["F"][c]))
+            seq.append(_act("F", stage[c], nxt["F"][c]))
             nxt["F"][c] += 1
 
         def b(c: int, split: bool, seq=seq, nxt=nxt, stage=stage, pw=pending_w) -> None:
             mb = nxt["B"][c]
             nxt["B"][c] += 1
             if split:
-                seq.append(Action("I", stage[c], mb))
-                pw.append(Action("W", stage[c], mb))
+                seq.append(_act("I", stage[c], mb))
+                pw.append(_act("W", stage[c], mb))
             else:
-                seq.append(Action("B", stage[c], mb))
+                seq.append(_act("B", stage[c], mb))
 
         for _ in range(2 * (p - 1 - r)):
             f(0)
@@ -216,110 +216,3 @@ def build_dualpipev(p: int, m: int, v: int) -> Schedule:
         seq += pending_w
         acts.append(seq)
     return Schedule("dualpipev", p, m, 2, 2 * p, _v_placement(p), acts)
-
-
-Quota = Callable[[int], tuple[object, int, bool]]  # stage -> (key, limit, gated)
-Item = tuple[int, int, int, str]  # (priority, micro-batch, -stage, kind): min() picks
-
-
-def _list_schedule(
-    name: str,
-    p: int,
-    m: int,
-    v: int,
-    stage_to_rank: list[int],
-    chains: int,
-    quota: Quota,
-    durations: Durations | None = None,
-) -> Schedule:
-    """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
-    form, run on the given durations (default T_F = T_I = T_W = 1, transfers free).
-    Whenever a rank is free it runs, of the actions whose inputs have arrived:
-      1. an I (the backward chain is the critical path; it also frees memory), oldest
-         micro-batch first, then the stage nearer the loss;
-      2. else an F, oldest micro-batch first, if its memory quota allows:
-         `quota(stage)` = (key, limit, gated): stages sharing a key count their
-         activations together (+1 at F, -1 at I); a gated stage's F waits while the count
-         is at `limit`;
-      3. else a W (it fills what would be a bubble), oldest first.
-    The resulting order is the schedule: plain data, valid under any durations, tuned for
-    the ones it was built with."""
-    shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
-    acts = _ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0)).run()
-    return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)
-
-
-class _ListScheduler:
-    """One run of `_list_schedule`: the clock, what each rank has left, what has finished."""
-
-    def __init__(self, shape: Schedule, quota: Quota, d: Durations):
-        self.shape, self.quota, self.d = shape, quota, d
-        self.todo: list[list[Item]] = [[] for _ in range(shape.pp)]
-        for mb in range(shape.microbatches):
-            for s in shape.stages_of(mb):
-                for prio, kind in ((1, "F"), (0, "I"), (2, "W")):
-                    self.todo[shape.stage_to_rank[s]].append((prio, mb, -s, kind))
-        self.end: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish
-        self.live: dict[object, int] = {}  # quota key -> admitted and not yet freed
-        self.free = [0.0] * shape.pp  # when each rank is next free
-        self.acts: list[list[Action]] = [[] for _ in range(shape.pp)]
-
-    def run(self) -> list[list[Action]]:
-        t = 0.0
-        while any(self.todo):
-            for r in range(self.shape.pp):
-                if self.free[r] > t or not self.todo[r]:
-                    continue
-                ready = [item for item in self.todo[r] if self._ready(r, item, t)]
-                if ready:
-                    self._start(r, min(ready), t)
-            later = self._next_moment(t)
-            if later is None:
-                if any(self.todo):  # cannot happen: some action is always ready eventually
-                    raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
-                break
-            t = later
-        return self.acts
-
-    def _arrival(self, kind: str, src: int, mb: int, rank: int) -> float | None:
-        """When the output of (kind, src, mb) is on `rank`; None if not yet computed."""
-        t = self.end.get((kind, src, mb))
-        if t is None:
-            return None
-        return t + (self.d.p2p if self.shape.stage_to_rank[src] != rank else 0.0)
-
-    def _ready(self, r: int, item: Item, t: float) -> bool:
-        _, mb, neg_s, kind = item
-        s, inf = -neg_s, float("inf")
-        if kind == "F":
-            src = self.shape.prev_stage(s)
-            key, limit, gated = self.quota(s)
-            if gated and self.live.get(key, 0) >= limit:
-                return False
-            return src is None or (self._arrival("F", src, mb, r) or inf) <= t
-        if kind == "I":
-            src = self.shape.next_stage(s)
-            return self.end.get(("F", s, mb), inf) <= t and (
-                src is None or (self._arrival("I", src, mb, r) or inf) <= t
-            )
-        return self.end.get(("I", s, mb), inf) <= t
-
-    def _start(self, r: int, item: Item, t: float) -> None:
-        """Run `item` on rank r from time t: its finish, the quota count, the order."""
-        self.todo[r].remove(item)
-        _, mb, neg_s, kind = item
-        self.free[r] = t + self.d.of(kind, -neg_s)
-        self.end[(kind, -neg_s, mb)] = self.free[r]
-        if kind != "W":
-            key = self.quota(-neg_s)[0]
-            self.live[key] = self.live.get(key, 0) + (1 if kind == "F" else -1)
-        self.acts[r].append(Action(kind, -neg_s, mb))
-
-    def _next_moment(self, t: float) -> float | None:
-        """The next time anything can change: a rank frees up or an input arrives."""
-        p2p = self.d.p2p
-        later = [x for x in self.free if x > t]
-        later += [x + p2p for x in self.end.values() if x + p2p > t] + [
-            x for x in self.end.values() if x > t
-        ]
-        return min(later) if later else None

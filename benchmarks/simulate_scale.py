@@ -1,0 +1,91 @@
+"""`plait simulate` at scale: every schedule at 64 stages x 1,024 micro-batches (goal <= 1 s
+wall each, Python start-up and imports included; issue 11, item 3).
+
+    python benchmarks/simulate_scale.py [--pp 64] [--microbatches 1024] [--runs 3]
+        [--schedules 1f1b zb-v ...] [--steps 3 --optimizer-sync post_validation]
+
+Runs the command a user types, `python -m plait.cli simulate --schedule S --pp P
+--microbatches M --json`, in a fresh process `--runs` times per schedule, and prints the
+median wall time and CPU time (user + system) beside the goal, the bubble, and whether
+torch was imported (it must not be). The machine's load average is printed with the
+table: on a shared machine wall time is CPU time stretched by the load. No torch-native
+peer exists for this; the goal is the reference. Tests never assert time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES  # noqa: E402
+
+GOAL_S = 1.0
+# the same command, asked afterwards whether torch (or numpy) was loaded on the way
+PROBE = ("import sys, runpy; sys.argv = ['plait'] + sys.argv[1:]; "
+         "import plait.cli as c; code = c.main(); "
+         "sys.stderr.write('LOADED ' + ' '.join(m for m in ('torch', 'numpy') "
+         "if m in sys.modules) + '\\n'); sys.exit(code)")
+
+
+def run_once(argv: list[str]) -> tuple[float, float, dict]:
+    """(wall s, user+sys CPU s, the JSON printed) of one `plait simulate` process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "plait.cli", *argv], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode:
+        raise SystemExit(f"plait {' '.join(argv)} failed:\n{out.stderr}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, json.loads(out.stdout)
+
+
+def loaded_modules(argv: list[str]) -> str:
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = [x for x in out.stderr.splitlines() if x.startswith("LOADED")]
+    return line[-1][len("LOADED "):] if line else "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=1024)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--schedules", nargs="*", default=list(SCHEDULE_NAMES))
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--optimizer-sync", default="barrier")
+    args = ap.parse_args()
+    print(f"plait simulate --pp {args.pp} --microbatches {args.microbatches} --steps "
+          f"{args.steps} --optimizer-sync {args.optimizer_sync}; median of {args.runs} runs; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'schedule':<12} {'wall s':>7} {'cpu s':>7} {'goal s':>7} {'ratio':>6} "
+          f"{'bubble':>8}  torch/numpy loaded")
+    for name in args.schedules:
+        argv = ["simulate", "--schedule", name, "--pp", str(args.pp), "--microbatches",
+                str(args.microbatches), "--steps", str(args.steps), "--optimizer-sync",
+                args.optimizer_sync, "--json"]
+        runs = [run_once(argv) for _ in range(args.runs)]
+        wall = statistics.median(r[0] for r in runs)
+        cpu = statistics.median(r[1] for r in runs)
+        doc = runs[-1][2]
+        bubble = (doc["steps"]["steady_bubble_fraction"] if "steps" in doc
+                  and doc["steps"]["steady_bubble_fraction"] is not None
+                  else doc["bubble_fraction"])
+        print(f"{name:<12} {wall:7.2f} {cpu:7.2f} {GOAL_S:7.2f} {wall / GOAL_S:6.2f} "
+              f"{bubble:8.4f}  {loaded_modules(argv) or 'neither'}")
+
+
+if __name__ == "__main__":
+    main()

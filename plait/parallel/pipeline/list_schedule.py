@@ -1,0 +1,213 @@
+"""The list scheduler behind zb-v and dualpipe (`schedules.py`): a greedy order searched for
+given durations, the heuristic of Qi et al. 2023 section 3 in its simplest form.
+
+Event-driven (issue 11): what lands when is keyed by time, with a heap of those times, and
+each rank keeps heaps of its ready actions, so a build costs O(n log n) in its n actions
+(the rescanning scheduler it replaced cost about n^2; tests/test_schedule_oracle.py holds
+this one to that one's orders, tests/test_simulate_steps.py counts its work).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.simulate import Durations
+
+_KINDS = ("F", "I", "W")  # the list scheduler's kinds, by index
+Quota = Callable[[int], tuple[object, int, bool]]  # stage -> (key, limit, gated)
+
+
+def list_schedule(
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    stage_to_rank: list[int],
+    chains: int,
+    quota: Quota,
+    durations: Durations | None = None,
+) -> Schedule:
+    """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
+    form, run on the given durations (default T_F = T_I = T_W = 1, transfers free).
+    Whenever a rank is free it runs, of the actions whose inputs have arrived:
+      1. an I (the backward chain is the critical path; it also frees memory), oldest
+         micro-batch first, then the stage nearer the loss;
+      2. else an F, oldest micro-batch first, if its memory quota allows:
+         `quota(stage)` = (key, limit, gated): stages sharing a key count their
+         activations together (+1 at F, -1 at I); a gated stage's F waits while the count
+         is at `limit`;
+      3. else a W (it fills what would be a bubble), oldest first.
+    The resulting order is the schedule: plain data, valid under any durations, tuned for
+    the ones it was built with."""
+    shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
+    acts = ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0)).run()
+    return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)
+
+
+class ListScheduler:
+    """One run of `list_schedule`, event-driven: what lands when (inputs, ranks falling
+    free) keyed by time, a heap of those times, and per rank heaps of the actions whose
+    inputs are all there (I, W, and F per stage), so each action costs O(log n).
+
+    It reproduces a clock that, at every moment (each finish, and each finish + p2p),
+    lets each free rank, lowest first, start its best ready action: a rank starts at most
+    one action per moment, and an input that lands the moment it is produced (a zero
+    duration) is seen by higher ranks at that moment, by lower ones at the next."""
+
+    def __init__(self, shape: Schedule, quota: Quota, d: Durations):
+        p, m, n = shape.pp, shape.microbatches, shape.num_stages
+        self.shape, self.p, self.m, self.n = shape, p, m, n
+        rank_of = self.rank_of = shape.stage_to_rank
+        self.dur = [[d.of(k, s) for s in range(n)] for k in _KINDS]  # [F, I, W][stage]
+        self.p2p = d.p2p
+        # zero durations make inputs land at the moment they are produced: then the
+        # moments with nothing landing (finish + p2p of a W, ...) matter too
+        self.zero = min(min(x) for x in self.dur) <= 0
+
+        def to(stage: int | None, s: int) -> tuple[int, float]:
+            if stage is None:
+                return -1, 0.0
+            return stage, (d.p2p if rank_of[stage] != rank_of[s] else 0.0)
+
+        self.f_to = [to(shape.next_stage(s), s) for s in range(n)]  # F s feeds F (s+1)
+        self.i_to = [to(shape.prev_stage(s), s) for s in range(n)]  # I s feeds I (s-1)
+        quotas = [quota(s) for s in range(n)]
+        ids = {key: k for k, key in enumerate(dict.fromkeys(q[0] for q in quotas))}
+        self.keys = [ids[q[0]] for q in quotas]  # stages sharing a key count together
+        limits = [q[1] if q[2] else float("inf") for q in quotas]  # ungated: no limit
+        # inputs still missing per kind * n * m + stage * m + mb; at 0 the action is ready
+        self.missing = bytearray(3 * n * m)
+        self.ready_i: list[list[int]] = [[] for _ in range(p)]  # codes mb * n + n-1-s
+        self.ready_w: list[list[int]] = [[] for _ in range(p)]
+        self.ready_f: list[list[tuple[int, list[int], int, float]]] = [
+            [(s, [], self.keys[s], limits[s]) for s in shape.stages_on(r)] for r in range(p)]
+        self.ready_f_of = {row[0]: row[1] for rows in self.ready_f for row in rows}
+        self.todo = [0] * p  # actions each rank has left
+        for s in range(n):  # per stage, its chain's micro-batches (a contiguous range)
+            mbs = shape.microbatches_of(s)
+            lo, hi, i = s * m + mbs.start, s * m + mbs.stop, len(mbs)
+            self.todo[rank_of[s]] += 3 * i
+            first = shape.prev_stage(s) is None
+            self.missing[lo:hi] = bytes([0 if first else 1]) * i
+            self.missing[n * m + lo:n * m + hi] = bytes([1 if self.f_to[s][0] < 0 else 2]) * i
+            self.missing[2 * n * m + lo:2 * n * m + hi] = b"\x01" * i
+            if first:  # ready from the start, oldest first (already a heap)
+                self.ready_f_of[s].extend(mb * n + n - 1 - s for mb in mbs)
+        self.live = [0] * len(ids)  # per quota key: admitted and not yet freed
+        self.free = [0.0] * p
+        self.acts: list[list[Action]] = [[] for _ in range(p)]
+        self.landing: dict[float, list[int]] = {}  # time -> inputs (codes), ~rank free
+        self.times: list[float] = []  # heap of the moments ahead
+        self.visits = 0  # (moment, rank) looks: at most one per rank per thing landing
+
+    def run(self) -> list[list[Action]]:
+        n, m, nm = self.n, self.m, self.n * self.m
+        dur, live, free, todo = self.dur, self.live, self.free, self.todo
+        outs = (self.f_to, self.i_to)
+        missing, landing, times, acts = self.missing, self.landing, self.times, self.acts
+        ready_i, ready_w, ready_f = self.ready_i, self.ready_w, self.ready_f
+        keys, names, new = self.keys, _KINDS, tuple.__new__
+        rank_of, ready_f_of = self.rank_of, self.ready_f_of
+        phantom = self.p2p if self.zero else 0.0
+        push, pop = heapq.heappush, heapq.heappop
+        t, due = 0.0, list(range(self.p))  # at 0 every rank looks
+        while True:
+            for code in landing.pop(t, ()):
+                if code < 0:
+                    due.append(~code)  # the rank is free
+                    continue
+                missing[code] -= 1
+                if missing[code]:
+                    continue
+                kind, rest = divmod(code, nm)  # all its inputs are there: ready
+                s, mb = divmod(rest, m)
+                r = rank_of[s]
+                push(ready_f_of[s] if kind == 0 else ready_i[r] if kind == 1 else ready_w[r],
+                     mb * n + n - 1 - s)
+                due.append(r)
+            ranks, due = sorted(set(due)), []
+            self.visits += len(ranks)
+            while ranks:  # lowest rank first; each starts at most one action
+                r = pop(ranks)
+                if free[r] > t or not todo[r]:
+                    continue
+                kind, heap = 1, ready_i[r]  # an I, else the best F its quota admits, else W
+                if not heap:
+                    kind, heap = 0, None
+                    for _stage, h, key, limit in ready_f[r]:
+                        if h and (heap is None or h[0] < heap[0]) and live[key] < limit:
+                            heap = h
+                    if heap is None:
+                        kind, heap = 2, ready_w[r]
+                        if not heap:
+                            continue
+                mb, rest = divmod(pop(heap), n)
+                s = n - 1 - rest
+                end = t + dur[kind][s]
+                free[r] = end
+                todo[r] -= 1
+                acts[r].append(new(Action, (names[kind], s, mb, None)))
+                if end > t:
+                    at = landing.get(end)
+                    if at is None:
+                        landing[end] = at = []
+                        push(times, end)
+                    at.append(~r)  # the rank is free
+                    if kind < 2:
+                        live[keys[s]] += 1 - 2 * kind
+                        at.append((kind + 1) * nm + s * m + mb)  # its own I (W) may run
+                        dst, hop = outs[kind][s]
+                        if dst >= 0:  # the peer's input
+                            at = landing.get(end + hop)
+                            if at is None:
+                                landing[end + hop] = at = []
+                                push(times, end + hop)
+                            at.append(kind * nm + dst * m + mb)
+                else:  # zero duration: higher ranks see it now, lower ones next moment
+                    for r2 in self._zero_duration(r, kind, s, mb, end, t):
+                        (push(ranks, r2) if r2 > r and r2 not in ranks else due.append(r2))
+                if phantom:  # the finish + p2p moments with nothing landing
+                    push(times, end + phantom)
+            while times and times[0] <= t:
+                pop(times)
+            if not times:
+                break
+            t = pop(times)
+        if any(todo):  # cannot happen: some action is always ready eventually
+            raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
+        return acts
+
+    def _zero_duration(self, r: int, kind: int, s: int, mb: int, end: float,
+                       t: float) -> list[int]:
+        """What a zero-duration action lands at t itself; the ranks that may act on it."""
+        nm = self.n * self.m
+        out = [r]
+        if kind < 2:
+            self.live[self.keys[s]] += 1 - 2 * kind
+            lands = [((kind + 1) * nm + s * self.m + mb, end)]
+            dst, hop = (self.f_to, self.i_to)[kind][s]
+            if dst >= 0:
+                lands.append((kind * nm + dst * self.m + mb, end + hop))
+            for code, at in lands:
+                if at > t:
+                    if at not in self.landing:
+                        self.landing[at] = []
+                        heapq.heappush(self.times, at)
+                    self.landing[at].append(code)
+                else:
+                    self.missing[code] -= 1
+                    if not self.missing[code]:
+                        out.append(self._ready(code))
+        return out
+
+    def _ready(self, code: int) -> int:
+        """Put the action `code` (all its inputs there) on its rank's heap; the rank."""
+        kind, rest = divmod(code, self.n * self.m)
+        s, mb = divmod(rest, self.m)
+        r = self.rank_of[s]
+        heap = self.ready_f_of[s] if kind == 0 else (self.ready_i[r] if kind == 1
+                                                        else self.ready_w[r])
+        heapq.heappush(heap, mb * self.n + self.n - 1 - s)
+        return r

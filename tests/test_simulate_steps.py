@@ -1,0 +1,143 @@
+"""Several steps in one timeline (issue 18, item 3), and the simulator's and the list
+scheduler's work growing linearly with the actions (issue 11, item 3). Pure Python.
+
+The multi-step cases are small enough to check by hand; the scaling tests count what the
+event-driven code does (ranks resumed, (moment, rank) looks), never time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.cli import main
+from plait.parallel.pipeline import list_schedule
+from plait.parallel.pipeline import simulate as simulate_mod
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
+from plait.parallel.pipeline.simulate import DeadlockError, Durations, simulate
+
+UNIT = Durations(1.0, 1.0, 1.0)  # T_F = T_I = T_W = 1
+
+
+def test_zb_h2_post_validation_removes_the_fill_between_steps():
+    # zb-h2, p=2, m=3, unit times. Rank 0: F0 F1 F2 I0 W0 I1 W1 I2 W2 runs 0..9 without a
+    # gap; rank 1: F0 I0 F1 I1 F2 I2 W0 W1 W2 runs 1..10 (its F0 needs rank 0's F0).
+    # Step 1 ends at 10: idle 1 per rank of 2 x 10, bubble 0.1.
+    s = build_schedule("zb-h2", 2, 3)
+    one = simulate(s, UNIT)
+    assert one.step_time == 10.0 and one.bubble_fraction == 0.1
+    assert [e[3] for e in one.events[1]] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    # barrier: every step starts at the last rank's end: 10, 20, 30
+    bar = simulate(s, UNIT, steps=3)
+    assert bar.step_ends == [10.0, 20.0, 30.0]
+    assert bar.steady_step_time == 10.0 and bar.steady_bubble_fraction == 0.1
+    # post-validation: rank 0 starts step 2 at 9, its F0 lands on rank 1 at 10, just as
+    # rank 1 is free: each step is the first shifted by 9 = the busy time, bubble 0
+    post = simulate(s, UNIT, steps=3, optimizer_sync="post_validation")
+    assert post.step_ends == [10.0, 19.0, 28.0]
+    assert post.steady_step_time == 9.0 and post.steady_bubble_fraction == 0.0
+    assert post.events[0][9][3] == 9.0 and post.events[1][9][3] == 10.0  # step 2's F0s
+    # the first step's figures are one step's, and every step's events are there
+    assert (post.step_time, post.bubble_fraction, post.busy_per_rank) == (
+        one.step_time, one.bubble_fraction, one.busy_per_rank)
+    assert [len(e) for e in post.events] == [27, 27]
+
+
+def test_1f1b_gains_nothing_from_post_validation():
+    # 1f1b, p=2, m=2 (B = 2): rank 0 F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; rank 1 F0 [1,2]
+    # B0 [2,4] F1 [4,5] B1 [5,7]. Rank 0 ends last, and starts the next step first: the
+    # barrier costs nothing, period 9 either way.
+    s = build_schedule("1f1b", 2, 2)
+    for sync in ("barrier", "post_validation"):
+        r = simulate(s, UNIT, steps=2, optimizer_sync=sync)
+        assert r.step_ends == [9.0, 18.0] and r.steady_step_time == 9.0, sync
+        assert abs(r.steady_bubble_fraction - (1 - 6 / 9)) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["zb-h2", "zb-v"])
+def test_zero_bubble_schedules_reach_zero_in_the_steady_state(name):
+    s = build_schedule(name, 4, 16, natural_virtual_stages(name, None))
+    bar = simulate(s, UNIT, steps=3)
+    post = simulate(s, UNIT, steps=3, optimizer_sync="post_validation")
+    assert bar.steady_bubble_fraction == bar.bubble_fraction > 0
+    assert post.steady_bubble_fraction == 0.0
+
+
+def test_a_deadlock_over_several_steps_and_bad_arguments():
+    s = build_schedule("1f1b", 2, 2)
+    s.actions[1].reverse()  # B1.1 first: it can never run
+    with pytest.raises(DeadlockError, match="rank 1 waits at B1.1"):
+        simulate(s, UNIT, steps=2)
+    with pytest.raises(ValueError, match="optimizer_sync"):
+        simulate(build_schedule("1f1b", 2, 2), UNIT, optimizer_sync="lazy")
+    with pytest.raises(ValueError, match="steps=0"):
+        simulate(build_schedule("1f1b", 2, 2), UNIT, steps=0)
+
+
+def test_cli_steps(capsys):
+    assert main(["simulate", "--schedule", "zb-h2", "--pp", "2", "--microbatches", "3",
+                 "--steps", "3", "--optimizer-sync", "post_validation", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bubble_fraction"] == 0.1  # the first step, as without --steps
+    assert doc["steps"] == {"steps": 3, "optimizer_sync": "post_validation",
+                            "step_ends": [10.0, 19.0, 28.0], "steady_step_time": 9.0,
+                            "steady_bubble_fraction": 0.0}
+    assert main(["simulate", "--steps", "0"]) == 2
+    assert "--steps 0 must be between 1 and 1,000" in capsys.readouterr().err
+
+
+# --- linear work -----------------------------------------------------------------------------
+
+
+def _recorded(monkeypatch, module, cls_name):
+    """Instances of module.cls_name made while the test runs."""
+    made = []
+    base = getattr(module, cls_name)
+
+    class Recording(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(module, cls_name, Recording)
+    return made
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_simulator_resumes_each_rank_at_most_once_per_action(name, monkeypatch):
+    """Event-driven: a rank is run once, then only when the output it waits on appears,
+    so over K steps ranks are resumed at most actions + p x K times (a rescanning
+    simulator's looks grow with actions x rounds)."""
+    made = _recorded(monkeypatch, simulate_mod, "_Timeline")
+    for p, m in ((4, 16), (8, 64)):
+        s = build_schedule(name, p, m, natural_virtual_stages(name, None))
+        actions = sum(map(len, s.actions))
+        for sync in ("barrier", "post_validation"):
+            simulate(s, UNIT, steps=2, optimizer_sync=sync)
+            assert made[-1].resumed <= 2 * actions + 2 * p, (p, m, sync)
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe"])
+def test_list_scheduler_looks_are_linear_in_actions(name, monkeypatch):
+    """Each (moment, rank) look is owed to something landing (an input, the rank itself
+    falling free: at most three per action) or to the first moment, so looks stay within
+    4 x actions + p at every size, with durations that make many distinct moments."""
+    made = _recorded(monkeypatch, list_schedule, "ListScheduler")
+    for p, m in ((4, 16), (8, 64), (16, 128)):
+        for d in (None, Durations(1.0, 1.3, 0.7, 0.11)):
+            s = build_schedule(name, p, m, natural_virtual_stages(name, None), durations=d)
+            actions = sum(map(len, s.actions))
+            assert made[-1].visits <= 4 * actions + p, (p, m, d)
+
+
+def test_planner_uses_the_steady_state_under_post_validation():
+    from plait.plan.bubble import simulate_pipeline
+
+    ones = [1.0] * 4
+    bar = simulate_pipeline("zb-h2", 4, 16, 1, ones, ones, ones, 0.0)
+    post = simulate_pipeline("zb-h2", 4, 16, 1, ones, ones, ones, 0.0, "post_validation")
+    assert (bar["optimizer_sync"], bar["source"]) == ("barrier", "simulator")
+    assert bar["step"] == 16 * 3 + 3 and bar["bubble"] > 0  # the fill triangle (p-1) T_F
+    assert post["optimizer_sync"] == "post_validation" and "steady state" in post["source"]
+    assert (post["step"], post["bubble"]) == (48.0, 0.0)
