@@ -31,6 +31,20 @@ def intra_node(stride: Num, size: Num, gpus_per_node: int) -> Num:
     return np.asarray(stride) * np.asarray(size) <= gpus_per_node
 
 
+def order_strides(order: tuple[str, ...], sizes: dict[str, Num], ep: Num) -> dict[str, Num]:
+    """The rank distance between neighbours along each dim of the mesh `order` (innermost
+    first, parallel.order): with `intra_node`, which groups cross nodes."""
+    if sorted(order) != sorted(sizes):
+        raise ValueError(f"order {','.join(order)}: name each of tp, cp, pp, dp once")
+    if tuple(order) != ("tp", "cp", "pp", "dp") and np.any(np.asarray(ep) > 1):
+        raise ValueError("a mesh order other than tp,cp,pp,dp is modelled for dense "
+                         "layouts only (expert parallel's groups assume the default)")
+    strides, stride = {}, 1.0
+    for d in order:
+        strides[d], stride = stride, stride * sizes[d]
+    return strides
+
+
 def link(gpu: GPU, intra: Num, efficiency: float) -> tuple[Num, Num]:
     """(bandwidth bytes/s, latency s) of the slowest link a group uses."""
     bw = np.where(intra, gpu.nvlink_bw, gpu.internode_bw) * efficiency

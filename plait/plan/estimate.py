@@ -162,14 +162,7 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
     saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e, lay.attention)
-    sizes, strides, stride = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, {}, 1.0
-    if sorted(lay.order) != sorted(sizes):
-        raise ValueError(f"order {','.join(lay.order)}: name each of tp, cp, pp, dp once")
-    if tuple(lay.order) != DEFAULT_ORDER and np.any(ep > 1):
-        raise ValueError("a mesh order other than tp,cp,pp,dp is modelled for dense "
-                         "layouts only (expert parallel's groups assume the default)")
-    for d in lay.order:
-        strides[d], stride = stride, stride * sizes[d]
+    strides = comm.order_strides(lay.order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, ep)
     return _Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
