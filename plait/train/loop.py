@@ -28,6 +28,7 @@ from plait.parallel.optimizer import GradSyncOptimizer
 from plait.parallel.parallelize import DTYPES, ParallelModel, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
+from plait.parallel.post_validation import PostValidation
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
@@ -143,26 +144,33 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
-    streak = 0  # non-finite steps in a row
+    # post-validation: a step's row waits for its check, made inside the next step (at
+    # each rank's cut), or at once where a checkpoint or a stop must see settled weights
+    sync = (PostValidation(opt, mesh, t.grad_clip)
+            if cfg.parallel.optimizer_sync == "post_validation" else None)
+    eager = checkpoint is not None or stop is not None
+    streak = [0]  # non-finite steps in a row
+    waiting: dict | None = None  # the row whose update awaits its check
     for step in range(start_step, t.steps):
         if stop is not None:
             _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
-                          capture_first_grads and step == start_step, result)
-        result.metrics.append(row)
-        if checkpoint is not None:  # outside the step: its collectives are tagged so
-            checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
-        if on_step is not None:
-            on_step(row)
-        streak = streak + 1 if row.get("skipped") else 0
-        if streak >= max(t.max_nonfinite_steps, 1):  # every rank alike: the norm is global
-            if checkpoint is not None:
-                checkpoint.finish()
-            raise NonFiniteError(_nonfinite_message(step, streak, checkpoint))
+                          capture_first_grads and step == start_step, result, sync)
+        if waiting is not None:  # validated at this step's cut
+            _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
+        waiting = row if sync is not None else None
+        if sync is not None and (eager or step == t.steps - 1):
+            sync.validate()
+            row, waiting = _validated(row, sync), None
+        if waiting is None:
+            _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
+    if sync is not None:
+        result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
+                                             "restarts": sum(runtime.steps_restarts)}
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
         result.pipeline = pipeline_report(runtime, par.partition, mesh)
         result.summary["pipeline"] = result.pipeline["summary"]
@@ -170,6 +178,36 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         result.summary["pipeline_timeline"] = [[list(e) for e in evs]
                                                for evs in result.pipeline["events"]]
     return result
+
+
+def _emit(row: dict, result: TrainResult, cfg: Config, par: ParallelModel,
+          mesh: ParallelMesh, checkpoint: Checkpointing | None,
+          on_step: Callable[[dict], None] | None, streak: list[int]) -> None:
+    """A settled step's row: logged, checkpointed, handed to `on_step`; a streak of
+    non-finite steps stops the run."""
+    result.metrics.append(row)
+    step = row["step"]
+    if checkpoint is not None:  # outside the step: its collectives are tagged so
+        checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
+    if on_step is not None:
+        on_step(row)
+    streak[0] = streak[0] + 1 if row.get("skipped") else 0
+    if streak[0] >= max(cfg.train.max_nonfinite_steps, 1):  # every rank alike: global norm
+        if checkpoint is not None:
+            checkpoint.finish()
+        raise NonFiniteError(_nonfinite_message(step, streak[0], checkpoint))
+
+
+def _validated(row: dict, sync: PostValidation) -> dict:
+    """A post-validated step's row completed with its verdict (plait/parallel/
+    post_validation.py): the global loss and grad norm, skipped, rolled back."""
+    out = sync.outcomes.pop(row["step"])
+    row.update(loss=out.loss, grad_norm=out.grad_norm)
+    if out.skipped:
+        row["skipped"] = True
+    if out.rolled_back:
+        row["rolled_back"] = True
+    return row
 
 
 def _progress(cfg: Config, next_step: int, lr: float) -> dict:
@@ -196,9 +234,11 @@ def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
 
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
-                result: TrainResult) -> dict:
+                result: TrainResult, sync: PostValidation | None = None) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
-    update, the logged loss; its metrics row. `capture`: keep the full gradients."""
+    update, the logged loss; its metrics row. `capture`: keep the full gradients.
+    `sync` (post-validation): the previous step is checked at this step's cut, this
+    step's update is optimistic and its row's loss and grad norm wait for its check."""
     t, opt = cfg.train, par.optimizer
     step_tokens = tokens_per_step(t.global_batch, t.seq_len)
     mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
@@ -210,9 +250,10 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     start = timer.mark()
     local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
     loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
-                            step_tokens)
+                            step_tokens,
+                            validate=sync.at_cut if sync is not None and sync.pending else None)
     opt.finish_gradients()
-    norm = opt.grad_norm()
+    norm = opt.grad_norm() if sync is None else float("nan")  # post-validation: later
     if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
     lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
@@ -220,22 +261,11 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if meter is not None:
         memory["pre_optimizer"] = meter.sample("pre_optimizer").bytes
         meter.phase = "optimizer"  # the update's temporaries are optimizer memory
-    # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
-    # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
-    # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
-    skipped = not math.isfinite(norm)
-    if not skipped:
-        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
-    opt.zero_grad()
-    moe = {}
-    if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
-        moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
-                              update_bias=not skipped)
-    # the logged loss is the global-batch mean: sum the partial sums of the last
-    # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
-    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    moe, skipped = {}, False
+    if sync is not None:  # the optimistic update; the loss travels with the check
+        sync.begin(step, lr, loss_sum)
+    else:
+        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_sum)
     if meter is not None:
         meter.__exit__(None, None, None)
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
@@ -255,6 +285,30 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if skipped:
         row["skipped"] = True
     return row
+
+
+def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,
+                    lr: float, loss_sum: torch.Tensor) -> tuple[bool, dict]:
+    """The update after the global norm (the barrier), and the logged loss summed in
+    place; (skipped, MoE metrics)."""
+    opt = par.optimizer
+    # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
+    # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
+    # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        opt.step(lr, grad_scale=clip_coefficient(norm, cfg.train.grad_clip))
+    opt.zero_grad()
+    moe = {}
+    if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
+        moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
+                              update_bias=not skipped)
+    # the logged loss is the global-batch mean: sum the partial sums of the last
+    # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
+    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    return skipped, moe
 
 
 class NonFiniteError(RuntimeError):
