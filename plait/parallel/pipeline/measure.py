@@ -273,9 +273,8 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     }
     steady = steady_state(steps)
     if steady is not None:  # consecutive steps: what post-validation changes
-        summary["steady_bubble"], summary["steady_period_ms"] = steady[0], 1e3 * steady[1]
-        summary["step_overlap_ms"] = 1e3 * steady[2]
-        summary["restarts"] = sum(runtime.steps_restarts)
+        summary.update(steady_bubble=steady[0], steady_period_ms=1e3 * steady[1],
+                       step_overlap_ms=1e3 * steady[2], restarts=sum(runtime.steps_restarts))
     summary["recompute"], spans = _recompute_per_rank(runtime, mesh, len(steps) - len(used))
     redone = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r] for r in spans]
     return {"summary": summary, "events": events, "schedule": sched, "simulated": sim,
