@@ -145,10 +145,12 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     # post-validation: a step's row waits for its check, made inside the next step (at
-    # each rank's cut), or at once where a checkpoint or a stop must see settled weights
+    # each rank's cut), or at once where a checkpoint save or a stop must see settled
+    # weights
     sync = (PostValidation(opt, mesh, t.grad_clip)
             if cfg.parallel.optimizer_sync == "post_validation" else None)
-    eager = checkpoint is not None or stop is not None
+    eager = stop is not None or (checkpoint is not None and checkpoint.dir is not None
+                                 and bool(checkpoint.every))
     streak = [0]  # non-finite steps in a row
     waiting: dict | None = None  # the row whose update awaits its check
     for step in range(start_step, t.steps):
