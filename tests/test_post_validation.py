@@ -34,6 +34,7 @@ from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, nat
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train import loop
 from plait.train.reference import Reference
+from plait.train.stop import StopRequest
 
 LAYERS, STEPS = "model.n_layers=4", "train.steps=2"
 POST = "parallel.optimizer_sync=post_validation"
@@ -48,7 +49,10 @@ def _clip_under_first_norm() -> str:
     return f"train.grad_clip={0.999 * reference(LAYERS, STEPS).grad_norms[0]!r}"
 
 
-def _train(sets: list[str], world: int, inf_step: int | None = None) -> dict:
+def _train(sets: list[str], world: int, inf_step: int | None = None,
+           eager: bool = False) -> dict:
+    """`eager`: a stop request armed (no signal comes), so each step is checked before
+    the next starts, as with checkpoints being saved."""
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     real = loop.parallelize
@@ -62,7 +66,8 @@ def _train(sets: list[str], world: int, inf_step: int | None = None) -> dict:
 
     loop.parallelize = poisoned
     try:
-        result = loop.train(cfg, mesh, batches_for(cfg))
+        result = loop.train(cfg, mesh, batches_for(cfg),
+                            stop=StopRequest() if eager else None)
     finally:
         loop.parallelize = real
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
@@ -71,9 +76,10 @@ def _train(sets: list[str], world: int, inf_step: int | None = None) -> dict:
             "ledger": [r for r in mesh.ledger.to_dicts() if r["step"] >= 0]}
 
 
-def _runs(rank: int, world: int, cases: list[tuple[list[str], int | None]]) -> list[dict]:
-    """Each case trained on these ranks (one fork for all: the suite's time budget)."""
-    return [_train(sets, world, inf) for sets, inf in cases]
+def _runs(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """Each case, (sets, inf step[, eager]), trained on these ranks (one fork for all:
+    the suite's time budget)."""
+    return [_train(*case[:1], world, *case[1:]) for case in cases]
 
 
 def _assert_same(ranks: list[dict], ref: Reference, where: str, precision: str = "fp32"
@@ -121,7 +127,14 @@ def test_post_validation_rolls_back_exactly_on_every_zero_bubble_schedule():
     for s in SCHEDULES:
         sets, inf = [*base, f"parallel.schedule={s}"], 1 if s == "zb-h2" else None
         cases += [(sets, inf), ([*sets, POST], inf)]
+    zbv = 2 * SCHEDULES.index("zb-v")
+    cases.append(([*cases[zbv][0], POST], None, True))  # checked at once, no overlap
     outs = run_ranks(_runs, 2, cases, timeout=600)
+    eager = [runs[-1] for runs in outs]
+    _assert_same(eager, _as_reference([runs[zbv] for runs in outs]), "zb-v eager")
+    for run in eager:
+        assert [bool(r.get("rolled_back")) for r in run["rows"]] == [True, False]
+        assert run["summary"]["post_validation"]["restarts"] == 0  # nothing ran ahead
     for i, s in enumerate(SCHEDULES):
         barrier, post = ([runs[2 * i + k] for runs in outs] for k in (0, 1))
         _assert_same(post, _as_reference(barrier), s)
