@@ -185,21 +185,25 @@ def test_speculative_prefix_is_forwards_only_and_closed(name):
                 assert sends == recvs, (name, pp, a, b)
 
 
-def test_post_validation_restores_optimizer_state_exactly():
-    """snapshot / update / restore: masters, moments and the count back bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_post_validation_restores_optimizer_state_exactly(dtype):
+    """snapshot / update / restore: masters, moments, the count and (bf16: from the fp32
+    master) the parameter back bit for bit."""
     from plait.optim import MixedPrecisionAdamW
 
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(4, 3))
+    w = torch.nn.Parameter(torch.randn(4, 3).to(dtype))
     opt = MixedPrecisionAdamW([("w", w)], (0.9, 0.95), 1e-8, 0.1)
-    w.grad = torch.randn(4, 3)
+    w.grad = torch.randn(4, 3).to(dtype)
     opt.step(1e-2)
-    before = (w.detach().clone(), opt.exp_avg[0].clone(), opt.exp_avg_sq[0].clone())
+    before = [t.detach().clone() for t in (w, opt.master[0], opt.exp_avg[0],
+                                           opt.exp_avg_sq[0])]
     opt.snapshot()
-    w.grad = torch.randn(4, 3)
+    w.grad = torch.randn(4, 3).to(dtype)
     opt.step(1e-2)
     assert opt.steps == 2 and not torch.equal(w, before[0])
     opt.restore()
     assert opt.steps == 1 and opt.snapshot_tensors() == []
-    for now, then in zip((w.detach(), opt.exp_avg[0], opt.exp_avg_sq[0]), before, strict=True):
-        assert torch.equal(now, then)
+    now = (w.detach(), opt.master[0], opt.exp_avg[0], opt.exp_avg_sq[0])
+    for a, b in zip(now, before, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
