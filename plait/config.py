@@ -71,6 +71,11 @@ class ParallelConfig:
     # train.micro_batch_size, or 1 (pp for pipelines) when neither is given.
     microbatches: int | None = None
     data_parallel: str = "bucketed"  # "naive" | "bucketed"
+    # pipelines: "barrier" (the step's grad norm and finiteness check are one all-reduce
+    # over the world before any rank updates) or "post_validation" (each stage updates as
+    # soon as its gradients are ready, the check travels over pp and a failed one rolls
+    # the update back: plait/parallel/post_validation.py, Qi et al. 2024, section 4)
+    optimizer_sync: str = "barrier"
     bucket_mb: float = 25.0
     order: tuple[str, ...] = DEFAULT_ORDER
     gpus_per_node: int = 8

@@ -39,6 +39,9 @@ def parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
         (p.schedule not in SCHEDULES,
          f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}"),
         (p.gpus_per_node < 1, f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1"),
+        (p.optimizer_sync not in OPTIMIZER_SYNCS,
+         f"parallel.optimizer_sync={p.optimizer_sync!r}; use 'barrier' or "
+         "'post_validation'"),
         (p.virtual_stages is not None and p.virtual_stages < 1,
          f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (leave it out for "
          "the schedule's own)"),
@@ -126,7 +129,27 @@ def unbuilt_problems(cfg: Config) -> list[str]:
     if p.zero > 0 and m.tie_embeddings:
         problems.append("ZeRO shards each parameter within one module: set "
                         "model.tie_embeddings=false, or zero=0")
-    return problems + unbuilt_combinations(p.pp, p.zero, p.schedule)
+    return (problems + unbuilt_combinations(p.pp, p.zero, p.schedule)
+            + post_validation_problems(cfg))
+
+
+OPTIMIZER_SYNCS = ("barrier", "post_validation")
+
+
+def post_validation_problems(cfg: Config) -> list[str]:
+    """What the post-validated optimizer step (plait/parallel/post_validation.py) does not
+    cover: refused here, before any rank starts."""
+    m, p = cfg.model, cfg.parallel
+    if p.optimizer_sync != "post_validation":
+        return []
+    checks = [
+        (p.pp == 1, "parallel.optimizer_sync=post_validation removes the barrier between "
+         "pipeline steps, but pp=1; use --pp > 1 or optimizer_sync=barrier"),
+        (bool(m.n_experts), "parallel.optimizer_sync=post_validation with an MoE model: "
+         "the router's balancing bias and statistics are reduced at the step's end, before "
+         "the step is validated; use optimizer_sync=barrier with model.n_experts > 0"),
+    ]
+    return [problem for broken, problem in checks if broken]
 
 
 def unbuilt_combinations(pp: int, zero: int, schedule: str) -> list[str]:

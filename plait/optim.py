@@ -41,6 +41,7 @@ class MixedPrecisionAdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if moments else []
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
+        self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -64,6 +65,33 @@ class MixedPrecisionAdamW:
         for i in live:
             if self.master[i] is not self.params[i].data:
                 self.params[i].data.copy_(self.master[i])
+
+    def snapshot(self) -> None:
+        """Copy the masters, moments and update count, so that `restore` undoes the next
+        updates exactly (a copy, not the update's inverse: bit for bit)."""
+        self._saved = ([t.clone() for t in self.master + self.exp_avg + self.exp_avg_sq],
+                       self.steps)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Back to the `snapshot` (masters, moments, count; the model's parameters from the
+        masters); the copy is dropped."""
+        if self._saved is None:
+            raise RuntimeError("restore() without a snapshot()")
+        copies, self.steps = self._saved
+        for t, c in zip(self.master + self.exp_avg + self.exp_avg_sq, copies, strict=True):
+            t.copy_(c)
+        for m, p in zip(self.master, self.params, strict=True):
+            if m is not p.data:
+                p.data.copy_(m)
+        self._saved = None
+
+    def drop_snapshot(self) -> None:
+        self._saved = None
+
+    def snapshot_tensors(self) -> list[torch.Tensor]:
+        """The snapshot's copies while one is held (what the memory meter counts)."""
+        return list(self._saved[0]) if self._saved is not None else []
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held by the optimizer: fp32 master (when separate) and the two moments."""
@@ -106,6 +134,13 @@ def sgd_update(masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float
         if grad_scale != 1.0:
             g = torch._foreach_mul(g, grad_scale)
         torch._foreach_add_(masters[start:start + 64], g, alpha=-lr)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(max_norm / (total_norm + 1e-6), 1.0)
 
 
 CHUNK = 1 << 16  # elements per foreach chunk: bounds the update's temporaries

@@ -23,6 +23,12 @@ Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/
 6. `zero_grad()`.
 Between steps: `full_state()` (collective over dp for ZeRO) and, on the memory step,
 `memory_sources()` (read by the memory meter, plait/device/memory.py).
+
+With `parallel.optimizer_sync=post_validation` (plait/parallel/post_validation.py) steps
+3 and 5 change: `local_sq_norm()` (this rank's share, no communication) replaces
+`grad_norm()`; `snapshot()` before an optimistic `step(lr)`; once the check is in,
+`drop_snapshot()`, or `restore()` (exactly the state before) and the right `step`; then
+`zero_grad()`.
 """
 
 from __future__ import annotations
@@ -64,6 +70,18 @@ class GradSyncOptimizer(Protocol):
 
     def zero_grad(self) -> None:
         """Drop the step's gradients (or zero the accumulating shards)."""
+
+    def local_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (float64, (1,)); no communication."""
+
+    def snapshot(self) -> None:
+        """Copy what `step` changes (masters, moments, the update count)."""
+
+    def restore(self) -> None:
+        """Back to the snapshot, exactly (compute parameters too); the copy is dropped."""
+
+    def drop_snapshot(self) -> None:
+        """Forget the snapshot: the update it guarded stands."""
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, fp32, by its module's names; dp shards gathered (tp

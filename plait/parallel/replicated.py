@@ -37,12 +37,20 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,
     if not placements.any_sharded([p for p, _ in grads]) or mesh.world_size == 1:
         sq = sum(float(g.float().pow(2).sum()) for _, g in grads)
         return math.sqrt(sq)
-    total = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
-    for p, g in grads:
-        if placements.counts_in_norm(p, mesh):
-            total += g.double().pow(2).sum()
+    total = local_sq_norm(params, mesh, placements)
     comm.all_reduce(total, mesh, "world", tag="grad_norm")
     return math.sqrt(float(total))
+
+
+def local_sq_norm(params: list[nn.Parameter], mesh: ParallelMesh,
+                  placements: PlacementTable) -> torch.Tensor:
+    """This rank's share of the squared global grad norm (float64, shape (1,)), each
+    element counted on one rank only; summed over the world it is the norm squared."""
+    total = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
+    for p in params:
+        if p.grad is not None and placements.counts_in_norm(p, mesh):
+            total += p.grad.double().pow(2).sum()
+    return total
 
 
 class ReplicatedOptimizer:
@@ -83,8 +91,24 @@ class ReplicatedOptimizer:
     def grad_norm(self) -> float:
         return global_grad_norm(self.params, self.mesh, self.placements)
 
+    def local_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the squared grad norm (post-validation sums it over pp)."""
+        return local_sq_norm(self.params, self.mesh, self.placements)
+
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.optim.step(lr, grad_scale)
+
+    def snapshot(self) -> None:
+        """Keep a copy of what `step` changes (masters, moments, the update count), for
+        `restore` (plait/parallel/post_validation.py)."""
+        self.optim.snapshot()
+
+    def restore(self) -> None:
+        """Undo the steps since `snapshot`, exactly; the copy is dropped."""
+        self.optim.restore()
+
+    def drop_snapshot(self) -> None:
+        self.optim.drop_snapshot()
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -103,7 +127,7 @@ class ReplicatedOptimizer:
         masters = [m for m, q in zip(o.master, o.params) if m.data_ptr() != q.data_ptr()]
         return {"params": list(self.params),
                 "grads": [q.grad for q in self.params if q.grad is not None],
-                "optimizer": masters + o.exp_avg + o.exp_avg_sq,
+                "optimizer": masters + o.exp_avg + o.exp_avg_sq + o.snapshot_tensors(),
                 "comm": [b.flat for sync in self.syncs for b in sync.buckets
                          if b.flat is not None]}
 
@@ -128,3 +152,6 @@ class TwoCopyOptimizer(ReplicatedOptimizer):
 
     def grad_norm(self) -> float:
         return global_grad_norm(self.owned, self.mesh, self.placements)
+
+    def local_sq_norm(self) -> torch.Tensor:
+        return local_sq_norm(self.owned, self.mesh, self.placements)

@@ -61,6 +61,7 @@ class ZeroOptimizer:
         if covered != len(list(model.parameters())):
             raise ValueError("ZeRO units must cover every parameter of the model")
         self.steps = 0
+        self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
         self.in_backward = False
         self.max_inflight = 1  # reduce-scatters in flight during backward (memory bound)
         self._last_microbatch = True
@@ -242,6 +243,13 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm: each shard element once (replicas over other dims skipped)."""
+        total = self.local_sq_norm()
+        comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
+        return math.sqrt(float(total))
+
+    def local_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the squared norm (float64, (1,)); summed over the world
+        it is the norm squared."""
         total = torch.zeros(1, dtype=torch.float64, device=self.mesh.device.torch)
         for u in self.units:
             if u.grad_shard is None:
@@ -249,8 +257,29 @@ class ZeroOptimizer:
             for a, b, p in u.segments():
                 if self.placements.counts_in_norm(p, self.mesh, also_sharded=(u.dim,)):
                     total += u.grad_shard[a:b].double().pow(2).sum()
-        comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
-        return math.sqrt(float(total))
+        return total
+
+    # ---- post-validation (plait/parallel/post_validation.py): undo an update exactly ----
+    def _state(self) -> list[torch.Tensor]:
+        return [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)
+                if t is not None]
+
+    def snapshot(self) -> None:
+        """Copy this rank's master and moment shards and the update count."""
+        self._saved = ([t.clone() for t in self._state()], self.steps)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Back to the `snapshot`; the compute parameters gathered again (collective over
+        the shards' dims, like the update)."""
+        copies, self.steps = self._saved
+        for t, c in zip(self._state(), copies, strict=True):
+            t.copy_(c)
+        self._saved = None
+        self._publish()
+
+    def drop_snapshot(self) -> None:
+        self._saved = None
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -325,4 +354,5 @@ class ZeroOptimizer:
         else:
             grads += [u.grad_shard for u in self.units if u.grad_shard is not None]
         optim = [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        optim += list(self._saved[0]) if self._saved is not None else []
         return {"params": params, "grads": grads, "optimizer": optim, "comm": comm_buffers}

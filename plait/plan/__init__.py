@@ -69,5 +69,6 @@ def estimate_config(cfg: Config) -> Estimate:
                  recompute=t.recompute, sp=p.sp, cp_mode=p.cp_mode,
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order))
-    return evaluate(shape, Cluster(_HOST, p.world_size), Training(t.global_batch, precision),
-                    lay, EFFICIENCY, simulate=p.pp > 1)
+    train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync)
+    return evaluate(shape, Cluster(_HOST, p.world_size), train, lay, EFFICIENCY,
+                    simulate=p.pp > 1)

@@ -27,7 +27,7 @@ TRAIN_FLAGS = {
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "cp_mode": "parallel.cp_mode", "cp_layout": "parallel.cp_layout",
-    "init_from": "train.init_from",
+    "init_from": "train.init_from", "optimizer_sync": "parallel.optimizer_sync",
 }
 
 
@@ -50,6 +50,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("recompute"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"),
                    help=_setting_help("data-parallel"))
+    p.add_argument("--optimizer-sync", choices=("barrier", "post_validation"),
+                   help=_setting_help("optimizer-sync"))
     p.add_argument("--cp-mode", choices=("ring", "allgather"),
                    help="context parallel: K/V around a ring (parallel.cp_mode, default ring) "
                    "or all-gathered")
@@ -106,6 +108,8 @@ _SETTING_HELP = {
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
     "init-from": "starting weights: a Hugging Face directory hf:DIR or a plait checkpoint",
+    "optimizer-sync": "pipelines: update after one global grad-norm check, or each stage "
+    "at once, validated and rolled back on failure (docs/pipeline.md)",
 }
 
 

@@ -28,6 +28,7 @@ from plait.parallel.optimizer import GradSyncOptimizer
 from plait.parallel.parallelize import DTYPES, ParallelModel, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
+from plait.parallel.post_validation import PostValidation
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
@@ -149,26 +150,35 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               positions=par.positions)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
-    streak = 0  # non-finite steps in a row
+    # post-validation: a step's row waits for its check, made inside the next step (at
+    # each rank's cut), or at once where a checkpoint save or a stop must see settled
+    # weights
+    sync = (PostValidation(opt, mesh, t.grad_clip)
+            if cfg.parallel.optimizer_sync == "post_validation" else None)
+    eager = stop is not None or (checkpoint is not None and checkpoint.dir is not None
+                                 and bool(checkpoint.every))
+    streak = [0]  # non-finite steps in a row
+    waiting: dict | None = None  # the row whose update awaits its check
     for step in range(start_step, t.steps):
         if stop is not None:
             _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
-                          capture_first_grads and step == start_step, result, marks)
-        result.metrics.append(row)
-        if checkpoint is not None:  # outside the step: its collectives are tagged so
-            checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
-        if on_step is not None:
-            on_step(row)
-        streak = streak + 1 if row.get("skipped") else 0
-        if streak >= max(t.max_nonfinite_steps, 1):  # every rank alike: the norm is global
-            if checkpoint is not None:
-                checkpoint.finish()
-            raise NonFiniteError(_nonfinite_message(step, streak, checkpoint))
+                          capture_first_grads and step == start_step, result, sync, marks)
+        if waiting is not None:  # validated at this step's cut
+            _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
+        waiting = row if sync is not None else None
+        if sync is not None and (eager or step == t.steps - 1):
+            sync.validate()
+            row, waiting = _validated(row, sync), None
+        if waiting is None:
+            _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
+    if sync is not None:
+        result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
+                                             "restarts": sum(runtime.steps_restarts)}
     if isinstance(marks, StepMarks):
         marks.remove()
         if result.metrics:  # every rank alike: the same steps ran
@@ -181,6 +191,36 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         result.summary["pipeline_timeline"] = [[list(e) for e in evs]
                                                for evs in result.pipeline["events"]]
     return result
+
+
+def _emit(row: dict, result: TrainResult, cfg: Config, par: ParallelModel,
+          mesh: ParallelMesh, checkpoint: Checkpointing | None,
+          on_step: Callable[[dict], None] | None, streak: list[int]) -> None:
+    """A settled step's row: logged, checkpointed, handed to `on_step`; a streak of
+    non-finite steps stops the run."""
+    result.metrics.append(row)
+    step = row["step"]
+    if checkpoint is not None:  # outside the step: its collectives are tagged so
+        checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
+    if on_step is not None:
+        on_step(row)
+    streak[0] = streak[0] + 1 if row.get("skipped") else 0
+    if streak[0] >= max(cfg.train.max_nonfinite_steps, 1):  # every rank alike: global norm
+        if checkpoint is not None:
+            checkpoint.finish()
+        raise NonFiniteError(_nonfinite_message(step, streak[0], checkpoint))
+
+
+def _validated(row: dict, sync: PostValidation) -> dict:
+    """A post-validated step's row completed with its verdict (plait/parallel/
+    post_validation.py): the global loss and grad norm, skipped, rolled back."""
+    out = sync.outcomes.pop(row["step"])
+    row.update(loss=out.loss, grad_norm=out.grad_norm)
+    if out.skipped:
+        row["skipped"] = True
+    if out.rolled_back:
+        row["rolled_back"] = True
+    return row
 
 
 def _progress(cfg: Config, next_step: int, lr: float) -> dict:
@@ -207,9 +247,12 @@ def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
 
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
-                result: TrainResult, marks: Marks = NO_MARKS) -> dict:
+                result: TrainResult, sync: PostValidation | None = None,
+                marks: Marks = NO_MARKS) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
     update, the logged loss; its metrics row. `capture`: keep the full gradients.
+    `sync` (post-validation): the previous step is checked at this step's cut, this
+    step's update is optimistic and its row's loss and grad norm wait for its check.
     `marks`: the timeline's markers, a point at the end of each part of the step."""
     t, opt = cfg.train, par.optimizer
     marks.begin_step()
@@ -223,11 +266,12 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     start = timer.mark()
     local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
     loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
-                            step_tokens)
+                            step_tokens,
+                            validate=sync.at_cut if sync is not None and sync.pending else None)
     marks.point("micro-batches")
     opt.finish_gradients()
     marks.point("gradient sync")
-    norm = opt.grad_norm()
+    norm = opt.grad_norm() if sync is None else float("nan")  # post-validation: later
     marks.point("grad norm")
     if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
@@ -236,24 +280,12 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if meter is not None:
         memory["pre_optimizer"] = meter.sample("pre_optimizer").bytes
         meter.phase = "optimizer"  # the update's temporaries are optimizer memory
-    # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
-    # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
-    # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
-    skipped = not math.isfinite(norm)
-    if not skipped:
-        opt.step(lr, grad_scale=clip_coefficient(norm, t.grad_clip))
-    opt.zero_grad()
-    marks.point("optimizer")
-    moe = {}
-    if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
-        moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
-                              update_bias=not skipped)
-    # the logged loss is the global-batch mean: sum the partial sums of the last
-    # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
-    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
-    marks.point("metrics")
+    moe, skipped = {}, False
+    if sync is not None:  # the optimistic update; the loss travels with the check
+        sync.begin(step, lr, loss_sum)
+        marks.point("optimizer")
+    else:
+        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_sum, marks)
     if meter is not None:
         meter.__exit__(None, None, None)
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
@@ -273,6 +305,33 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if skipped:
         row["skipped"] = True
     return row
+
+
+def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,
+                    lr: float, loss_sum: torch.Tensor, marks: Marks = NO_MARKS
+                    ) -> tuple[bool, dict]:
+    """The update after the global norm (the barrier), and the logged loss summed in
+    place; (skipped, MoE metrics)."""
+    opt = par.optimizer
+    # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
+    # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
+    # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        opt.step(lr, grad_scale=clip_coefficient(norm, cfg.train.grad_clip))
+    opt.zero_grad()
+    marks.point("optimizer")
+    moe = {}
+    if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
+        moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
+                              update_bias=not skipped)
+    # the logged loss is the global-batch mean: sum the partial sums of the last
+    # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
+    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    marks.point("metrics")
+    return skipped, moe
 
 
 class NonFiniteError(RuntimeError):

@@ -102,3 +102,32 @@ def lower(schedule: Schedule) -> Schedule:
         schedule.num_chains,
         lowered=True,
     )
+
+
+def speculative_prefix(schedule: Schedule) -> list[int]:
+    """Per rank of a lowered schedule, how many leading actions it may run on weights not
+    yet validated (post-validation, plait/parallel/post_validation.py): only forwards and
+    transfers (no gradient is written), and closed under matching, so that when the
+    validation fails every rank can complete its prefix's transfers and run the step again
+    from the start: on each channel a -> b, a's prefix sends exactly as many as b's prefix
+    receives (transfers on a channel are matched in posting order). Cut at the first
+    backward, then shortened until closed."""
+    if not schedule.lowered:
+        raise ValueError(f"schedule {schedule.name!r} is not lowered")
+    acts = schedule.actions
+    cut = [next((i for i, a in enumerate(seq) if a.kind in ("B", "I", "W")), len(seq))
+           for seq in acts]
+    changed = True
+    while changed:  # each pass only moves cuts earlier: it ends
+        changed = False
+        for a in range(schedule.pp):
+            for b in range(schedule.pp):
+                sends = [i for i, x in enumerate(acts[a][:cut[a]])
+                         if x.kind.startswith("SEND") and x.peer == b]
+                recvs = [i for i, x in enumerate(acts[b][:cut[b]])
+                         if x.kind.startswith("RECV") and x.peer == a]
+                if len(sends) > len(recvs):
+                    cut[a], changed = sends[len(recvs)], True
+                elif len(recvs) > len(sends):
+                    cut[b], changed = recvs[len(sends)], True
+    return cut

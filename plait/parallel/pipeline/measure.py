@@ -94,6 +94,27 @@ def step_bubble(per_rank: list[Rank]) -> tuple[float, float]:
     return 1 - busy / (len(per_rank) * span), span
 
 
+def steady_state(steps: list[list[Rank]]) -> tuple[float, float, float] | None:
+    """(bubble, period, overlap) across consecutive steps: the period is the mean time
+    from one step's last compute (over all ranks) to the next one's, the bubble 1 - busy
+    / (pp x period) with busy the computes of a step summed over ranks; the overlap is
+    the mean of (a step's last compute end - the next step's first compute start): > 0
+    when some rank started the next step's forwards before the last rank had finished
+    (post-validation), < 0 the gap a barrier leaves. Unlike `step_bubble`, whatever runs
+    between the computes of two steps (optimizer, the check, the barrier) is idle here.
+    None with fewer than three steps (the first is warm-up)."""
+    if len(steps) < 3:
+        return None
+    ends = [max(max((e[4] for e in r[2]), default=r[0]) for r in per_rank)
+            for per_rank in steps]
+    starts = [min(min((e[3] for e in r[2]), default=r[1]) for r in per_rank)
+              for per_rank in steps]
+    period = (ends[-1] - ends[0]) / (len(steps) - 1)
+    busy = mean(sum(e[4] - e[3] for r in per_rank for e in r[2]) for per_rank in steps[1:])
+    overlap = mean(ends[j] - starts[j + 1] for j in range(len(steps) - 1))
+    return 1 - busy / (len(steps[0]) * period), period, overlap
+
+
 def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
     `wait` for an input to arrive, `between` computes doing runtime work (posting and
@@ -192,6 +213,11 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
                                         core and transfers were free
       idle                              where the measured idle went (`idle_breakdown`)
       cpu_share                         thread CPU / wall over the computes, per kind
+      steady_bubble, steady_period_ms,  across consecutive steps (`steady_state`; 3
+      step_overlap_ms                   steps or more): with post-validation a step's
+                                        forwards may overlap the previous step's end
+      restarts                          steps whose speculative prefix was run again
+                                        (post-validation's failed checks), this rank
       recompute                         per pp rank, the forwards run again inside its
                                         I actions (recomputation with a split backward):
                                         count and milliseconds per step"""
@@ -245,6 +271,10 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
                       if sum(by_kind[k]) > 0},
         "steps_measured": len(used),
     }
+    steady = steady_state(steps)
+    if steady is not None:  # consecutive steps: what post-validation changes
+        summary.update(steady_bubble=steady[0], steady_period_ms=1e3 * steady[1],
+                       step_overlap_ms=1e3 * steady[2], restarts=sum(runtime.steps_restarts))
     summary["recompute"], spans = _recompute_per_rank(runtime, mesh, len(steps) - len(used))
     redone = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r] for r in spans]
     return {"summary": summary, "events": events, "schedule": sched, "simulated": sim,

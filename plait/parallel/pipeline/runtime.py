@@ -39,7 +39,7 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.parallel.pipeline.ir import Action, Schedule
-from plait.parallel.pipeline.lower import lower
+from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.split import (
     Deferred,
     OutputCapture,
@@ -110,6 +110,9 @@ class PipelineRuntime:
                 last[a.stage] = i
         self.last_grad_action = set(last.values())
         self.final_grad_action = max(last.values(), default=-1)
+        # post-validation: where the previous step's update is checked (see `step`)
+        self.cut = speculative_prefix(self.schedule)[self.me]
+        self.steps_restarts: list[int] = []  # per step: runs of the step's prefix dropped
         self.steps_events: list[list[Event]] = []  # per step: this rank's computes
         self.steps_window: list[tuple[float, float]] = []  # per step: (start, end) on this rank
         self.steps_detail: list[list[Detail]] = []  # per step, per compute: see `Detail`
@@ -119,13 +122,44 @@ class PipelineRuntime:
         self.steps_recompute: list[list[tuple[int, int, float, float]]] = []
 
     # ---- one step ---------------------------------------------------------------------
-    def step(self, micro: Sequence[torch.Tensor], tokens_in_global_batch: int) -> torch.Tensor:
+    def step(self, micro: Sequence[torch.Tensor], tokens_in_global_batch: int,
+             validate: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run every action; `micro[mb]` is (rows, seq+1) tokens. Returns the summed loss of
-        the chains that end on this rank (float64, shape (1,); zero elsewhere)."""
+        the chains that end on this rank (float64, shape (1,); zero elsewhere).
+
+        `validate` (post-validation, plait/parallel/post_validation.py): called once, at
+        the end of this rank's speculative prefix (`lower.speculative_prefix`: forwards
+        only, closed under matching transfers); True means the weights the prefix ran on
+        were wrong: the prefix's transfers are completed, its work dropped, and the step
+        runs again from its first action (every rank alike: the verdict is global)."""
         if len(micro) != self.schedule.microbatches:
             raise ValueError(f"{len(micro)} micro-batches for a schedule of "
                              f"{self.schedule.microbatches}")
         self._micro, self._ntok = micro, tokens_in_global_batch
+        self._posts: list[tuple[float, float, float]] = []
+        self._recomputes: list[tuple[int, int, object, object]] = []
+        start = self.timer.mark()
+        restarts = 0
+        while True:
+            events, detail = self._run(validate)
+            if events is not None:
+                break
+            restarts, validate = restarts + 1, None
+        for h, _ in self._sends + list(self._sends_f.values()):
+            h.wait()
+        self._sends_f.clear()
+        if self._live or self._recvs or self._to_send:
+            raise RuntimeError(f"rank {self.me}: step ended with work left: live "
+                               f"{sorted(self._live)}, receives {sorted(self._recvs)}")
+        self._sends.clear()
+        self.steps_restarts.append(restarts)
+        self._record_step(start, events, detail)
+        return self._loss
+
+    def _run(self, validate: Callable[[], bool] | None
+             ) -> tuple[list[Event] | None, list[Detail]]:
+        """One pass over the action list: its events and details, or (None, []) when
+        `validate` (at the cut) asked for the step to run again."""
         self._live: dict[tuple[int, int], _Live] = {}
         self._recvs: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
         self._local_in: dict[tuple[int, int], torch.Tensor] = {}  # same-rank stage boundary
@@ -137,14 +171,15 @@ class PipelineRuntime:
         self._loss = torch.zeros(1, dtype=torch.float64, device=self.mesh.device.torch)
         events: list[Event] = []
         detail: list[Detail] = []
-        self._posts: list[tuple[float, float, float]] = []
-        self._recomputes: list[tuple[int, int, object, object]] = []
-        start = self.timer.mark()
+        cut = self.cut if validate is not None else -1
         i = 0
         while i < len(self.actions):
+            if i == cut and validate():
+                self._drain()
+                return None, []
             if self.actions[i].is_comm:
-                j = i
-                while j < len(self.actions) and self.actions[j].is_comm:
+                j = i + 1  # a batch of transfers ends at the cut
+                while j < len(self.actions) and self.actions[j].is_comm and j != cut:
                     j += 1
                 self._post(self.actions[i:j])
                 i = j
@@ -156,15 +191,18 @@ class PipelineRuntime:
             detail.append((self._wait_start, time.thread_time() - c0))
             self._reap_sends()
             i += 1
+        return events, detail
+
+    def _drain(self) -> None:
+        """Complete every transfer the speculative prefix posted (its peers posted the
+        matching ones: the prefix is closed) and drop what it computed."""
+        for _, h in self._recvs.values():
+            h.wait()
         for h, _ in self._sends + list(self._sends_f.values()):
             h.wait()
+        self._recvs.clear()
         self._sends_f.clear()
-        if self._live or self._recvs or self._to_send:
-            raise RuntimeError(f"rank {self.me}: step ended with work left: live "
-                               f"{sorted(self._live)}, receives {sorted(self._recvs)}")
         self._sends.clear()
-        self._record_step(start, events, detail)
-        return self._loss
 
     def _record_step(self, start: object, events: list[Event], detail: list[Detail]) -> None:
         """The step's marks on one clock (seconds): each action's (start, end); a detail's

@@ -1,0 +1,116 @@
+"""The optimizer step without a barrier: steady-state bubble, barrier vs post-validation.
+
+    python benchmarks/post_validation.py [--pp 2] [--microbatches 8] [--steps 8]
+        [--dim 256] [--layers 8] [--seq-len 128] [--schedules zb-h2,zb-v,dualpipev]
+        [--repeats 2] [--grad-clip 10]
+
+gloo on CPU, one thread per rank; plait's whole training step (forward, backward, grad
+norm, clip, AdamW, the logged loss) through `plait.train.loop.train`. For each schedule the
+same run is trained with `parallel.optimizer_sync=barrier` and `=post_validation`,
+alternated (`--repeats` times each) so both see the same machine. Printed per run, from
+the runtime's records (plait/parallel/pipeline/measure.py, `steady_state`): the steady
+step period (one step's last compute to the next one's, over the steps after the first),
+the steady bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier
+count as idle), the one-step bubble over the span ("span", which cannot see one step's
+forwards overlapping the previous one's end) and the simulator's synchronous prediction
+("sim", from the same measured durations); how many steps' prefixes were run again
+(failed checks: `--grad-clip` above the norm keeps them at zero, the case
+post-validation is built for). The last column is post-validation's period over the
+barrier's (median over the repeats): below 1 is the bubble it removed.
+
+There is no torch-native peer for this: torch.distributed.pipelining has no optimizer
+step at all, and a loop around it clips with one all-reduce over the world, which is
+plait's barrier (benchmarks/pp_vs_torch.py holds plait's runtime against it). The load
+average before and after is printed: on a shared machine it decides the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plait.config import load_config  # noqa: E402
+from plait.mesh import ParallelMesh  # noqa: E402
+from plait.testing import run_ranks  # noqa: E402
+from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
+from plait.train.loop import train  # noqa: E402
+
+MODES = ("barrier", "post_validation")
+TOKENS = Path("/tmp/plait-bench/post-validation-512.bin")
+
+
+def _cfg(args, schedule: str, mode: str):
+    return load_config(sets=[
+        f"parallel.pp={args.pp}", f"parallel.schedule={schedule}",
+        f"parallel.microbatches={args.microbatches}", f"parallel.optimizer_sync={mode}",
+        f"model.n_layers={args.layers}", f"model.dim={args.dim}",
+        f"model.ffn_dim={args.dim * 11 // 4}", f"model.vocab_size={args.vocab}",
+        f"train.seq_len={args.seq_len}", f"train.global_batch={args.batch}",
+        f"train.steps={args.steps}", f"train.grad_clip={args.grad_clip}"]).check(args.pp)
+
+
+def _rank(rank: int, world: int, args) -> list[dict]:
+    rows = []
+    for schedule in args.schedules.split(","):
+        for _ in range(args.repeats):
+            for mode in MODES:
+                cfg = _cfg(args, schedule, mode)
+                mesh = ParallelMesh.build(cfg.parallel)
+                data = GlobalBatches(TokenFile.open(TOKENS), cfg.train.seq_len,
+                                     cfg.train.global_batch, cfg.train.seed, args.vocab)
+                s = train(cfg, mesh, data).summary["pipeline"]
+                rows.append({"schedule": schedule, "mode": mode,
+                             "period_ms": s["steady_period_ms"], "steady": s["steady_bubble"],
+                             "span": s["measured_bubble"], "sim": s["simulated_bubble"],
+                             "overlap_ms": s["step_overlap_ms"], "restarts": s["restarts"],
+                             "cpu": min(s["cpu_share"].values())})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--grad-clip", type=float, default=10.0)
+    ap.add_argument("--schedules", default="zb-h2,zb-v,dualpipev")
+    args = ap.parse_args()
+    if not TOKENS.exists():
+        synthetic_token_file(TOKENS, 200_000, args.vocab, seed=7)
+    load0 = os.getloadavg()
+    rows = run_ranks(_rank, args.pp, args, timeout=1800, pg_timeout=300)[0]
+    load1 = os.getloadavg()
+    print(f"pp={args.pp} m={args.microbatches} dim={args.dim} layers={args.layers} "
+          f"seq={args.seq_len} batch={args.batch} steps={args.steps} "
+          f"grad_clip={args.grad_clip}; load average {load0[0]:.1f} -> {load1[0]:.1f}")
+    print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'overlap ms':>10} "
+          f"{'steady':>7} {'span':>7} {'sim':>7} {'restarts':>8} {'CPU':>5}")
+    for r in rows:
+        print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} "
+              f"{r['overlap_ms']:10.1f} {100 * r['steady']:6.1f}% {100 * r['span']:6.1f}% "
+              f"{100 * r['sim']:6.1f}% {r['restarts']:8d} {100 * r['cpu']:4.0f}%")
+    print("post_validation period / barrier period (median over repeats):")
+    for schedule in args.schedules.split(","):
+        med = {m: statistics.median(r["period_ms"] for r in rows
+                                    if r["schedule"] == schedule and r["mode"] == m)
+               for m in MODES}
+        steady = {m: statistics.median(r["steady"] for r in rows
+                                       if r["schedule"] == schedule and r["mode"] == m)
+                  for m in MODES}
+        print(f"  {schedule:<10} {med['post_validation'] / med['barrier']:.3f}  (steady "
+              f"bubble {100 * steady['barrier']:.1f}% -> {100 * steady['post_validation']:.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
