@@ -54,10 +54,14 @@ def test_data_prepare_user_files(tmp_path):
     meta = json.loads(out.with_suffix(".json").read_text())
     assert meta["source"] == "user" and meta["files"] == 3 and meta["max_token_id"] < 300
     assert out.with_suffix(".tokenizer.json").is_file()
-    # the prepared file trains (single rank, through torchrun)
-    r = plait("train", "--data", str(out), "--set", "model.vocab_size=300", "--steps", "2",
-              "--global-batch", "2", "--seq-len", "16", "--quiet")
-    assert r.returncode == 0, r.stderr
+    # the prepared file trains: the same inputs checks and data path as a launched run, in
+    # this process (--dry-run: one rank on the fake process group; torchrun launches are
+    # the other tests here)
+    metrics = tmp_path / "dry.json"
+    code = main(["train", "--data", str(out), "--set", "model.vocab_size=300", "--steps", "2",
+                 "--global-batch", "2", "--seq-len", "16", "--dry-run", "--metrics-out",
+                 str(metrics)])
+    assert code == 0 and metrics.is_file()
 
 
 def test_tp_sp_zero_layout_through_torchrun(tmp_path):

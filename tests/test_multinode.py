@@ -60,6 +60,8 @@ def _launchers(tmp_path: Path, *flags: str, steps: int = 4):
     pytest.fail("no free port for the master in 5 tries")
 
 
+@pytest.mark.skipif(capability_problem() is None, reason="tests/test_cluster.py runs the same "
+                    "2 x 2 layout on two emulated nodes against the reference (a superset)")
 def test_two_nodes_match_the_single_process_run(tmp_path):
     ck = tmp_path / "ck"
     procs, marker, metrics = _launchers(tmp_path, "--checkpoint-dir", str(ck),

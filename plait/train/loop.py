@@ -179,7 +179,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
-    if isinstance(marks, StepMarks):
+    if timeline:  # marks are the StepMarks
         marks.remove()
         if result.metrics:  # every rank alike: the same steps ran
             result.timeline = gather_timeline(marks, runtime, mesh, result.metrics[-1]["step"],

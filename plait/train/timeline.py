@@ -224,7 +224,7 @@ def all_gather_json(obj: Any, mesh: ParallelMesh) -> list[Any]:
         comm.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev),
                         mesh, "world", tag="timeline")
         width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
+        mine = torch.zeros(width, dtype=torch.uint8, device="cpu")  # filled from bytes here
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         every = torch.empty(n * width, dtype=torch.uint8, device=dev)
         comm.all_gather(every, mine.to(dev), mesh, "world", tag="timeline")

@@ -140,11 +140,9 @@ class PipelineRuntime:
         self._recomputes: list[tuple[int, int, object, object]] = []
         start = self.timer.mark()
         restarts = 0
-        while True:
-            events, detail = self._run(validate)
-            if events is not None:
-                break
+        while (ran := self._run(validate))[0] is None:  # the check failed: run it again
             restarts, validate = restarts + 1, None
+        events, detail = ran
         for h, _ in self._sends + list(self._sends_f.values()):
             h.wait()
         self._sends_f.clear()
