@@ -18,9 +18,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import token_file
+from helpers import batches_for, token_file
 
+from plait.config import load_config
 from plait.launch import STOP_GRACE_S
+from plait.mesh import ParallelMesh
+from plait.testing import run_ranks
+from plait.train.loop import train
 
 LONG_RUN = ("--nproc", "2", "--dp", "2", "--set", "model.vocab_size=256", "--seq-len", "32",
             "--global-batch", "8", "--steps", "100000", "--quiet")
@@ -133,6 +137,22 @@ def _train(tmp_path: Path, name: str, *args: str) -> Path:
     return metrics
 
 
+# the same job as LONG_RUN + ON_STOP's settings, as config
+STRAIGHT_SETS = ("parallel.dp=2", "parallel.zero=2", "model.vocab_size=256", "train.seq_len=32",
+                 "train.global_batch=8", "train.min_lr_ratio=1")
+
+
+def _straight_rank(rank: int, world: int, steps: int) -> list[float]:
+    cfg = load_config(sets=[*STRAIGHT_SETS, f"train.steps={steps}"]).check(world)
+    return train(cfg, ParallelMesh.build(cfg.parallel), batches_for(cfg)).losses
+
+
+def _straight_losses(steps: int) -> list[float]:
+    """An uninterrupted run of the job on 2 forked ranks: the code a launched rank runs,
+    without a launch (bit for bit the same losses)."""
+    return run_ranks(_straight_rank, 2, steps)[0]
+
+
 def _stopped_at(err: str, sig: signal.Signals, ckpt: Path) -> int:
     found = re.search(rf"plait: stopped by {sig.name} after (\d+) of 100000 steps; final "
                       rf"checkpoint {re.escape(str(ckpt))}/step-(\d+) \(continue with "
@@ -162,7 +182,7 @@ def test_stop_with_a_final_checkpoint_saves_one_step_everywhere(tmp_path):
     assert len(stopped) == k  # the steps done are the steps saved
     resumed = _losses(_train(tmp_path, "resumed", "--steps", str(k + 2), "--resume",
                              str(ckpt / f"step-{k:08d}")))
-    straight = _losses(_train(tmp_path, "straight", "--steps", str(k + 2)))
+    straight = _straight_losses(k + 2)
     assert straight[:k] == stopped
     assert resumed == straight[k:]  # bit for bit: each rank's shard was of step k
 
