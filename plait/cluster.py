@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.launch import die_with_parent
+from plait.launch import die_with_parent, on_stop_signals
 
 SUBNET = "10.231.0"  # inside the run's own namespaces only: no clash with the host's
 FIRST_HOST = 100  # node i is SUBNET.(100 + i): text order = numeric order (module doc)
@@ -62,7 +62,6 @@ CLUSTER_FLAGS = ("--nnodes", "--node-rank", "--master", "--interface")  # set pe
 NETNS_ETC = Path("/etc/netns")  # ip-netns(8): per-namespace files for /etc
 STOP_GRACE_S = 15.0
 FAILED_GRACE_S = 30.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -311,12 +310,8 @@ def _signals_raise() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         raise ClusterStop(signum)
 
-    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
+    with on_stop_signals(handler):
         yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def run_nodes(cluster: EmulatedCluster, command: Callable[[int], list[str]],

@@ -103,6 +103,15 @@ def temp_name(path: Path) -> Path:
                           f"{path.suffix}")
 
 
+def write_png(fig, path: str | Path, dpi: int) -> Path:
+    """A matplotlib figure saved as PNG at `path`, atomically (a failed draw never leaves
+    half a file); the caller closes the figure."""
+    path = Path(path)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | Path) -> Iterator[Path]:
     """Yields a temporary path; renamed to `path` when the block succeeds, removed if not.

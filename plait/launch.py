@@ -139,6 +139,13 @@ def _forwarding(proc: subprocess.Popen, received: list[int]) -> Iterator[None]:
                 proc.send_signal(signum)
         received.append(signum)
 
+    with on_stop_signals(handler):
+        yield
+
+
+@contextlib.contextmanager
+def on_stop_signals(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """`handler` for SIGINT, SIGTERM and SIGHUP inside the block; the previous ones after."""
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield

@@ -142,3 +142,26 @@ def assert_ranks_memory_match(outs: list[dict], cfg: Config, where: str) -> None
         assert_memory_matches(mem["peak"], mem["peak_total"],
                               by_pp[(rank // stride) % cfg.parallel.pp], f"{where} rank {rank}")
 
+
+
+def assert_restarted_run_matches(metrics: Path, ck: Path, steps: int, layout: tuple) -> None:
+    """A launched run restarted once (one step lost): each step logged once, and its losses,
+    grad norms and last checkpoint's parameters within parity of the single-process run."""
+    import json
+
+    import torch
+
+    from plait.checkpoint.format import read_metadata
+    from plait.checkpoint.reader import full_tensor
+    from plait.testing import assert_parity
+
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    body, summary = rows[:-1], rows[-1]
+    assert [r["step"] for r in body] == list(range(steps)), [r["step"] for r in body]
+    assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
+    path = ck / f"step-{steps:08d}"
+    meta = read_metadata(path)
+    params = {n: torch.from_numpy(full_tensor(path, meta, n)) for n in meta["tensors"]}
+    assert_parity({"losses": [r["loss"] for r in body],
+                   "grad_norms": [r["grad_norm"] for r in body], "params": params},
+                  reference(*layout, f"train.steps={steps}"))

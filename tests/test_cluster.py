@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BASE, reference, token_file
+from helpers import BASE, assert_restarted_run_matches, reference, token_file
 from test_clean_stop import assert_all_gone
 
 from plait import cluster
@@ -220,16 +220,7 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
     assert "Warning" not in err and "Traceback" not in err, err
     assert not {n for n in _namespaces() if n.startswith(tag)}
     assert_all_gone(marker)
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    body, summary = rows[:-1], rows[-1]
-    assert [r["step"] for r in body] == list(range(steps)), [r["step"] for r in body]
-    assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
-    path = ck / f"step-{steps:08d}"
-    meta = read_metadata(path)
-    params = {n: torch.from_numpy(full_tensor(path, meta, n)) for n in meta["tensors"]}
-    assert_parity({"losses": [s["loss"] for s in body],
-                   "grad_norms": [s["grad_norm"] for s in body], "params": params},
-                  reference(*LAYOUT, f"train.steps={steps}"))
+    assert_restarted_run_matches(metrics, ck, steps, LAYOUT)
 
 
 @needs_namespaces

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BASE, reference, token_file
+from helpers import BASE, assert_restarted_run_matches, reference, token_file
 from test_clean_stop import assert_all_gone
 
 from plait.checkpoint.format import read_metadata
@@ -126,13 +126,4 @@ def test_a_killed_rank_restarts_every_launcher(tmp_path, monkeypatch):
     assert ("plait: restart 1 of 1: rank 2 died (signal SIGKILL) after step 2; resuming "
             "from step 2") in outs[0][1], outs[0][1]
     assert_all_gone(marker)
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    body, summary = rows[:-1], rows[-1]
-    assert [r["step"] for r in body] == list(range(steps))
-    assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
-    path = ck / f"step-{steps:08d}"
-    meta = read_metadata(path)
-    params = {n: torch.from_numpy(full_tensor(path, meta, n)) for n in meta["tensors"]}
-    assert_parity({"losses": [r["loss"] for r in body],
-                   "grad_norms": [r["grad_norm"] for r in body], "params": params},
-                  reference(*LAYOUT, f"train.steps={steps}"))
+    assert_restarted_run_matches(metrics, ck, steps, LAYOUT)

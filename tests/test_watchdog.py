@@ -86,16 +86,25 @@ def test_watchdog_reports_once_and_exits_1():
     assert "  rank 1: all_reduce@dp #1 (step 0, 8 B, metrics) done" in text
 
 
-def test_a_stopped_rank_ends_the_job_with_a_report(tmp_path):
-    """Rank 1 SIGSTOPs itself after step 2 (the test-only fault, plait/elastic.py): rank 0
-    waits in step 3's first collective until the watchdog reports, and the job ends."""
-    marker = f"plait-hang-{uuid.uuid4().hex[:12]}"
+def _faulted_run(tmp_path, fault: str, timeout_s: int) -> tuple[subprocess.CompletedProcess,
+                                                                  str]:
+    """A long dp=2 run through `plait train` with the test-only fault `fault`; its result
+    and the marker in every one of its command lines."""
+    marker = f"plait-fault-{uuid.uuid4().hex[:12]}"
     sets = [a for s in (*BASE, "train.steps=100000") for a in ("--set", s)]
     r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data",
                         str(token_file()), *sets, "--nproc", "2", "--dp", "2", "--quiet",
-                        "--timeout", "8", "--metrics-out", str(tmp_path / f"{marker}.jsonl")],
-                       env={**os.environ, "PLAIT_TEST_FAULT": "stop:1:2"},
+                        "--timeout", str(timeout_s), "--metrics-out",
+                        str(tmp_path / f"{marker}.jsonl")],
+                       env={**os.environ, "PLAIT_TEST_FAULT": fault},
                        capture_output=True, text=True, timeout=300)
+    return r, marker
+
+
+def test_a_stopped_rank_ends_the_job_with_a_report(tmp_path):
+    """Rank 1 SIGSTOPs itself after step 2 (the test-only fault, plait/elastic.py): rank 0
+    waits in step 3's first collective until the watchdog reports, and the job ends."""
+    r, marker = _faulted_run(tmp_path, "stop:1:2", timeout_s=8)
     assert r.returncode == 1, r.stderr
     assert "plait: hang: rank 0 waited 8 s in all_reduce@dp" in r.stderr, r.stderr
     assert "(step 3, " in r.stderr and "behind: rank 1;" in r.stderr, r.stderr
@@ -126,13 +135,7 @@ def test_a_rank_out_of_step_ends_the_job_with_every_flight_recorder(tmp_path):
     """Rank 1 enters one all-reduce after step 2 that rank 0 never does (the test-only
     fault `extra`, plait/elastic.py): rank 0's next call, step 3's gradients, meets it;
     gloo aborts rank 1 on the size mismatch, and rank 0 says where each rank was."""
-    marker = f"plait-skip-{uuid.uuid4().hex[:12]}"
-    sets = [a for s in (*BASE, "train.steps=100000") for a in ("--set", s)]
-    r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data",
-                        str(token_file()), *sets, "--nproc", "2", "--dp", "2", "--quiet",
-                        "--timeout", "60", "--metrics-out", str(tmp_path / f"{marker}.jsonl")],
-                       env={**os.environ, "PLAIT_TEST_FAULT": "extra:1:2"},
-                       capture_output=True, text=True, timeout=300)
+    r, marker = _faulted_run(tmp_path, "extra:1:2", timeout_s=60)
     err = r.stderr
     assert r.returncode == 1, err
     assert "Is there a distributed collective mismatch" in err, err  # gloo, on rank 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from plait.files import atomic_output, write_text_atomic
+from plait.files import write_png, write_text_atomic
 
 ACTION_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
 UNIT_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "BR": "#f5a623", "R": "#9b59b6"}
@@ -139,9 +139,7 @@ def draw_step_timeline(timeline: dict, path: str | Path) -> Path:
     ax.legend(handles=_legend(ranks), loc="upper left", bbox_to_anchor=(1.0, 1.0),
               fontsize=7, frameon=False)
     fig.tight_layout()
-    path = Path(path)
-    with atomic_output(path) as tmp:  # a failed draw never leaves half a PNG
-        fig.savefig(tmp, dpi=110, format="png")
+    path = write_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 

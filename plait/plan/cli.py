@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.files import atomic_output
+from plait.files import write_png
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
 from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
@@ -293,8 +293,7 @@ def plot_memory(path: str, ests: list[Estimate]) -> None:
     ax.set_ylabel("GB per rank")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_output(path) as tmp:  # never half a PNG
-        fig.savefig(tmp, dpi=120, format="png")
+    write_png(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from plait.files import atomic_output, write_text_atomic
+from plait.files import write_png, write_text_atomic
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.simulate import Durations, Event, SimResult, simulate
 
@@ -77,9 +77,7 @@ def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -
         fontsize=7,
     )
     fig.tight_layout()
-    path = Path(path_png)
-    with atomic_output(path) as tmp:  # a failed draw never leaves half a PNG
-        fig.savefig(tmp, dpi=120, format="png")
+    path = write_png(fig, path_png, dpi=120)
     plt.close(fig)
     return path
 
