@@ -191,8 +191,11 @@ def _outcome(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
                 time.sleep(PEER_REPORT_WAIT_S)
         return 2
     except Exception as e:
-        # the agent's SIGTERM (a peer is gone) waits until this rank has said what it saw
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        # the agent's SIGTERM (a peer is gone) must not cut short what this rank says:
+        # ignored process-wide (a mask would hold only in this thread, and a signal taken
+        # by another thread still reaches the Python handler here)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         if args.debug:
             traceback.print_exc()
         print(f"plait: rank {rank} failed after {run.steps_done} steps: {describe_error(e)}"
