@@ -1,0 +1,134 @@
+"""Ranks that share a host's CPU cores: the step time when a host runs more runnable
+work than it has cores (a CPU cluster, or emulated nodes on one machine).
+
+The planner's step time assumes each rank owns its processor. On a CPU host of C cores
+running R ranks (plus B runnable tasks of other work) that holds only while R + B <= C.
+Past it, the model:
+
+- Each rank's step is D seconds of CPU work (compute, the optimizer, and collectives on
+  the host's own loopback: their copies are CPU work) and W seconds of waiting: the
+  pipeline bubble and the exposed time of collectives over links between nodes (a wire
+  transfer needs no core). Both are the planner's own dedicated-core terms.
+- A waiting rank holds no core: gloo waits without spinning (measured here: a rank blocked
+  2 s in an all-reduce used 5 ms of CPU).
+- The scheduler shares the cores equally among the runnable tasks (processor sharing, as
+  Linux's CFS does for tasks of equal weight): with n runnable, each progresses at
+  s = min(1, C / n) of a core.
+- Mean field: a rank is runnable a fraction (T - W) / T of a step T, so n = B + R (T - W)
+  / T, and its CPU work takes D = s (T - W). Eliminating s gives the step time T as the
+  larger root of
+        C T^2 - (C W + B D + R D) T + R D W = 0,
+  and T >= D + W (a rank never runs faster than a whole core).
+
+Its limits: with B = 0 it is max(D + W, R D / C), the two bounds a work-conserving
+scheduler meets when one rank's waits are filled by another's work (exact for ranks
+that take turns; a lower bound when their waits coincide); with B > 0 the other work
+takes its share of the cores a waiting rank frees. One rank alone (R = 1, W = 0) on a
+host with B other tasks: T = D (B + 1) / C. Nothing else of the host is modelled (caches
+and memory bandwidth shared, the scheduler's latency, SMT).
+
+Applies only where the hardware says how many cores a host has (`plait calibrate`
+records them; GPU presets leave it 0: a GPU's host does not run its compute) and
+R + B > C. R is the ranks per host: `--ranks-per-host`, by default the ranks of a node
+(each node its own host; emulated nodes on one machine share it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from plait.plan.hardware import Cluster
+
+Num = Any
+TERM = "host cores shared"  # the step-time breakdown's line for it
+WAIT_TERMS = {"pipeline bubble + p2p": None, "tp comm (exposed)": ("tp",),
+              "cp/ep comm (exposed)": ("cp", "ep"), "dp comm (exposed)": ("dp",)}
+
+
+def host_ranks(cluster: Cluster) -> int:
+    """Ranks that share one host's cores."""
+    return min(cluster.ranks_per_host or cluster.gpus_per_node, cluster.n_gpus)
+
+
+def applies(cluster: Cluster) -> bool:
+    """Whether the host has fewer cores than runnable tasks (the model changes the step)."""
+    cores = cluster.gpu.host_cores
+    return cores > 0 and host_ranks(cluster) + cluster.host_load > cores
+
+
+def shared_step(cpu: Num, wait: Num, cores: float, ranks: int, load: float = 0.0) -> Num:
+    """Step time of R ranks each doing `cpu` seconds of work and `wait` seconds of
+    waiting per step on a host of `cores` cores with `load` other runnable tasks (the
+    module's equation; arrays broadcast)."""
+    d, w = np.asarray(cpu, dtype=float), np.asarray(wait, dtype=float)
+    a = cores * w + load * d + ranks * d
+    root = (a + np.sqrt(np.maximum(a * a - 4 * cores * ranks * d * w, 0.0))) / (2 * cores)
+    return np.maximum(d + w, root)
+
+
+def waits(time: dict[str, Num], colls: list) -> Num:
+    """Seconds of a step a rank waits without a core: the bubble, and each dimension's
+    exposed communication where that dimension's groups cross nodes."""
+    total = 0.0
+    for term, dims in WAIT_TERMS.items():
+        if term not in time:
+            continue
+        if dims is None:
+            total = total + time[term]
+            continue
+        crossing = [~np.asarray(c.intra, dtype=bool) for c in colls if c.dim in dims]
+        if crossing:
+            total = total + np.where(np.logical_or.reduce(np.broadcast_arrays(*crossing)),
+                                     time[term], 0.0)
+    return total
+
+
+def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num) -> Num:
+    """The step time on shared cores; adds the difference to `time` as TERM. Unchanged
+    (and `time` too) where the model does not apply."""
+    if not applies(cluster):
+        return step
+    wait = np.minimum(waits(time, colls), step)
+    shared = shared_step(step - wait, wait, cluster.gpu.host_cores, host_ranks(cluster),
+                         cluster.host_load)
+    time[TERM] = shared - step
+    return shared
+
+
+def note(cluster: Cluster) -> str | None:
+    """One line for `plait plan`'s output when the model applies."""
+    if not applies(cluster):
+        return None
+    load = f" and {cluster.host_load:g} other runnable tasks" if cluster.host_load else ""
+    return (f"Host cores shared: {host_ranks(cluster)} ranks{load} on {cluster.gpu.host_cores:g} "
+            "cores per host: ranks are time-sliced, a waiting rank (the bubble, links between "
+            f"nodes) frees its core (plait/plan/host_share.py); the step time's '{TERM}' "
+            "line is what that adds to a rank with a core of its own.")
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--host-cores", type=float, metavar="C",
+                       help="CPU cores of a host that runs its ranks' compute (default: "
+                       "the --hardware profile's; 0 for GPU presets: not modelled)")
+    group.add_argument("--ranks-per-host", type=int, metavar="R",
+                       help="ranks sharing one host's cores (default: a node's, each node "
+                       "its own host; emulated nodes on one machine: all of them)")
+    group.add_argument("--host-load", type=float, default=0.0, metavar="B",
+                       help="runnable tasks of other work on each host (default 0)")
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    out = []
+    cores = getattr(args, "host_cores", None)
+    if cores is not None and not (np.isfinite(cores) and cores >= 0):
+        out.append(f"--host-cores {cores}: give a number of cores >= 0")
+    rph = getattr(args, "ranks_per_host", None)
+    if rph is not None and rph < 1:
+        out.append(f"--ranks-per-host {rph} must be >= 1")
+    load = getattr(args, "host_load", 0.0)
+    if not (np.isfinite(load) and load >= 0):
+        out.append(f"--host-load {load}: give a number of tasks >= 0")
+    return out
