@@ -108,9 +108,10 @@ def test_closed_form_matches_simulator_for_1f1b():
 def test_the_search_chooses_the_mesh_order_and_says_so():
     """Two nodes of two GPUs, a model too wide for tp (one head) and of two layers:
     pp=2 x dp=2 is best, and with dp's gradient all-reduce (1.5 B parameters' gradients)
-    far larger than pp's activations (8 x 128 tokens of width 4096), dp inside a node and pp across beats the default order
-    (pp inside, dp across). The search finds it, the shown numbers are that order's, and
-    plait plan names the order; on one node every order is the same and none is tried."""
+    far larger than pp's activations (8 x 128 tokens of width 4096), dp inside a node and
+    pp across beats the default order (pp inside, dp across). The search finds it, the
+    shown numbers are that order's, and plait plan names the order; on one node every
+    order is the same and none is tried."""
     from dataclasses import replace
 
     from plait.config import DEFAULT_ORDER
