@@ -15,11 +15,12 @@ Needs root, ip and tc (plait cluster says what is missing). Measures a profile f
 (`plait calibrate --ranks 2`) unless one is given. Step time: the median of the steps
 after the first (on a shared machine the median resists a disturbed step).
 
-Measured beside it, to tell the planner's terms apart: B, the runnable tasks of other
-work (the mean of the kernel's count of runnable tasks over 3 s just before the run,
-less this sampler), and the CPU seconds each rank used per step (every process in the
-run's namespaces, /proc/PID/stat, between the second step's metrics row and the
-next-to-last one's, over steps and ranks). Columns: "planner, own core": the planner
+Measured beside it, to tell the planner's terms apart: B, the runnable scheduling
+entities of other work (with autogroup, sessions: the cores are shared among sessions
+first; averaged over 3 s just before the run, this benchmark's session left out), and
+the CPU seconds each rank used per step (every process in the run's namespaces,
+/proc/PID/stat, between the second step's metrics row and the next-to-last one's, over
+steps and ranks). Columns: "planner, own core": the planner
 with a core per rank (its step less its "host cores shared" term); "planner": its step
 with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU": the
 same sharing model given the measured CPU per rank-step instead of the planner's (and
@@ -88,16 +89,40 @@ def predict(order: str, profile: Path, mbit: float, out: Path, load: float) -> d
     return {"step": lay["step_time_s"], "own": own, "wait": min(wait, own)}
 
 
+def _runnable_groups(own: str) -> int:
+    """Scheduling entities with a runnable task now: with autogroup (Linux's default here:
+    /proc/sys/kernel/sched_autogroup_enabled) the scheduler shares the cores among
+    sessions first, so a session counts once, whatever its runnable tasks (torchrun starts
+    each rank in a session of its own); without it, each task. `own` (this sampler's
+    group) is left out."""
+    groups = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] != "R":
+                continue
+            group = (stat.parent / "autogroup").read_text().split()[0] if AUTOGROUP \
+                else stat.parent.name
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if group != own:
+            groups.add(group)
+    return len(groups)
+
+
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled").is_file() and \
+    Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+
+
 def background_load(seconds: float = 3.0) -> float:
-    """Runnable tasks of other work: the kernel's count (/proc/stat procs_running), less
-    this sampler, averaged over `seconds`."""
+    """Runnable scheduling entities of other work (`_runnable_groups`), averaged over
+    `seconds` just before a run (this benchmark's own session left out)."""
+    own = Path("/proc/self/autogroup").read_text().split()[0] if AUTOGROUP else str(os.getpid())
     counts = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        stat = Path("/proc/stat").read_text().splitlines()
-        counts.append(next(int(x.split()[1]) for x in stat if x.startswith("procs_running")))
+        counts.append(_runnable_groups(own))
         time.sleep(0.05)
-    return max(statistics.mean(counts) - 1.0, 0.0)
+    return statistics.mean(counts)
 
 
 def _cpu_seconds(prefix: str) -> float:

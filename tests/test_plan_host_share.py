@@ -25,7 +25,7 @@ def test_the_limits_it_must_reach():
     # R D / C and a rank's own chain D + W
     assert host_share.shared_step(d, w, cores=2, ranks=4) == pytest.approx(4 * d / 2)
     assert host_share.shared_step(d, 0.5, cores=2, ranks=4) == pytest.approx(d + 0.5)
-    # one rank that never waits, B other runnable tasks: a 1 / (B + 1) share of C cores
+    # one rank that never waits, B other runnable entities: a 1 / (B + 1) share of C cores
     assert host_share.shared_step(d, 0.0, cores=2, ranks=1, load=3) == pytest.approx(
         d * 4 / 2)
     # more waiting never makes a step shorter, more cores never longer
@@ -75,7 +75,7 @@ def test_plan_says_when_the_cores_are_shared(tmp_path):
     rc, out = plan(*base, "--ranks-per-host", "4", "--host-load", "1")
     assert rc == 0, out
     doc = json.loads(out)
-    assert any(n.startswith("Host cores shared: 4 ranks and 1 other runnable tasks on 2 "
+    assert any(n.startswith("Host cores shared: 4 ranks and 1 other runnable entities on 2 "
                             "cores per host") for n in doc["explanation"]), doc["explanation"]
     assert doc["layouts"][0]["time_breakdown_s"][host_share.TERM] > 0
     rc, out = plan(*base)  # a node's 2 ranks on its 2 cores: a core each

@@ -63,7 +63,7 @@ class Cluster:
     gpu: GPU
     n_gpus: int
     ranks_per_host: int | None = None  # ranks sharing a host's cores; None: a node's
-    host_load: float = 0.0  # runnable tasks of other work per host (host_share.py)
+    host_load: float = 0.0  # other work's runnable entities per host (host_share.py)
 
     @property
     def gpus_per_node(self) -> int:

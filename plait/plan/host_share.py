@@ -2,8 +2,8 @@
 work than it has cores (a CPU cluster, or emulated nodes on one machine).
 
 The planner's step time assumes each rank owns its processor. On a CPU host of C cores
-running R ranks (plus B runnable tasks of other work) that holds only while R + B <= C.
-Past it, the model:
+running R ranks (plus B runnable scheduling entities of other work) that holds only while
+R + B <= C. Past it, the model:
 
 - Each rank's step is D seconds of CPU work (compute, the optimizer, and collectives on
   the host's own loopback: their copies are CPU work) and W seconds of waiting: the
@@ -11,9 +11,12 @@ Past it, the model:
   transfer needs no core). Both are the planner's own dedicated-core terms.
 - A waiting rank holds no core: gloo waits without spinning (measured here: a rank blocked
   2 s in an all-reduce used 5 ms of CPU).
-- The scheduler shares the cores equally among the runnable tasks (processor sharing, as
-  Linux's CFS does for tasks of equal weight): with n runnable, each progresses at
-  s = min(1, C / n) of a core.
+- The scheduler shares the cores equally among the runnable scheduling entities
+  (processor sharing, as Linux's CFS does for entities of equal weight): with n runnable,
+  each progresses at s = min(1, C / n) of a core. An entity is a task, or with autogroup
+  (sched_autogroup_enabled, the default of many distributions) a session: torchrun starts
+  each rank in a session of its own, so a rank is one entity either way, and B counts
+  the other work's runnable sessions, not its tasks.
 - Mean field: a rank is runnable a fraction (T - W) / T of a step T, so n = B + R (T - W)
   / T, and its CPU work takes D = s (T - W). Eliminating s gives the step time T as the
   larger root of
@@ -54,14 +57,14 @@ def host_ranks(cluster: Cluster) -> int:
 
 
 def applies(cluster: Cluster) -> bool:
-    """Whether the host has fewer cores than runnable tasks (the model changes the step)."""
+    """Whether the host has fewer cores than runnable entities (the model changes the step)."""
     cores = cluster.gpu.host_cores
     return cores > 0 and host_ranks(cluster) + cluster.host_load > cores
 
 
 def shared_step(cpu: Num, wait: Num, cores: float, ranks: int, load: float = 0.0) -> Num:
     """Step time of R ranks each doing `cpu` seconds of work and `wait` seconds of
-    waiting per step on a host of `cores` cores with `load` other runnable tasks (the
+    waiting per step on a host of `cores` cores with `load` other runnable entities (the
     module's equation; arrays broadcast)."""
     d, w = np.asarray(cpu, dtype=float), np.asarray(wait, dtype=float)
     a = cores * w + load * d + ranks * d
@@ -102,7 +105,7 @@ def note(cluster: Cluster) -> str | None:
     """One line for `plait plan`'s output when the model applies."""
     if not applies(cluster):
         return None
-    load = f" and {cluster.host_load:g} other runnable tasks" if cluster.host_load else ""
+    load = f" and {cluster.host_load:g} other runnable entities" if cluster.host_load else ""
     return (f"Host cores shared: {host_ranks(cluster)} ranks{load} on {cluster.gpu.host_cores:g} "
             "cores per host: ranks are time-sliced, a waiting rank (the bubble, links between "
             f"nodes) frees its core (plait/plan/host_share.py); the step time's '{TERM}' "
@@ -117,7 +120,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="ranks sharing one host's cores (default: a node's, each node "
                        "its own host; emulated nodes on one machine: all of them)")
     group.add_argument("--host-load", type=float, default=0.0, metavar="B",
-                       help="runnable tasks of other work on each host (default 0)")
+                       help="runnable scheduling entities of other work on each host "
+                       "(tasks; with autogroup, sessions; default 0)")
 
 
 def problems(args: argparse.Namespace) -> list[str]:
