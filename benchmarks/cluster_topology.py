@@ -24,8 +24,9 @@ steps and ranks). Columns: "planner, own core": the planner
 with a core per rank (its step less its "host cores shared" term); "planner": its step
 with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU": the
 same sharing model given the measured CPU per rank-step instead of the planner's (and
-the planner's waits), which separates the sharing model's error from the compute
-model's. The 20 % goal (issue 23) is the planner's ratio against the measured one.
+the planner's waits: the bubble and the in-step link), which separates the sharing
+model's error from the compute model's. The 20 % goal (issue 23) is the planner's
+ratio against the measured one.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def predict(order: str, profile: Path, mbit: float, out: Path, load: float) -> d
     lay = json.loads(r.stdout)["layouts"][0]
     terms = lay["time_breakdown_s"]
     crossing = {c["dim"] for c in lay["collectives"] if c["link"] == "inter-node"}
-    wait = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
-               if dims is None or crossing & set(dims))
+    bubble = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
+                 if dims is None)
+    link = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
+               if dims is not None and crossing & set(dims))
     own = lay["step_time_s"] - terms.get(host_share.TERM, 0.0)
-    return {"step": lay["step_time_s"], "own": own, "wait": min(wait, own)}
+    return {"step": lay["step_time_s"], "own": own, "bubble": bubble, "link": link}
 
 
 def _runnable_groups(own: str) -> int:
@@ -246,8 +249,9 @@ def main() -> int:
             p = predict(order, profile, args.mbit, config, m["load"])
             mod = None
             if m["cpu"] and cores:
-                mod = float(host_share.shared_step(m["cpu"], p["wait"], cores,
-                                                   NODES * RANKS_PER_NODE, m["load"]))
+                mod = float(host_share.shared_cores_step(
+                    m["cpu"], p["bubble"], p["link"], cores, NODES * RANKS_PER_NODE,
+                    m["load"], RANKS_PER_NODE))
             rows.append((name, order, p, m, mod))
     report(rows, args, cores)
     return 0

@@ -5,6 +5,7 @@ where (and only where) a host has fewer cores than runnable tasks. Pure Python."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_plan_profile import _profile, plan
@@ -34,6 +35,21 @@ def test_the_limits_it_must_reach():
     assert host_share.shared_step(d, w, 3, 4, 1.5) < host_share.shared_step(d, w, 2, 4, 1.5)
 
 
+def test_drifting_ranks_share_their_node_link():
+    """link_wait: one rank a node keeps the planner's wait; k ranks that never overlap
+    (a long step) each send at the whole link, 1/k of the in-step wait; in between, the
+    mean-field equation holds, and never more than the in-step wait."""
+    assert host_share.link_wait(0.4, 1, 1.0) == pytest.approx(0.4)
+    assert host_share.link_wait(0.4, 2, 1e9) == pytest.approx(0.2)
+    w = float(host_share.link_wait(0.4, 2, 1.0))
+    assert w == pytest.approx(0.2 * (1 + w / 1.0)) and 0.2 < w < 0.4
+    assert host_share.link_wait(0.4, 4, 0.3) == pytest.approx(0.4)  # capped
+    # solved with the cores: the same step from both equations at the fixed point
+    t = float(host_share.shared_cores_step(0.15, 0.0, 0.5, 2, 4, 1.0, 2))
+    w = float(host_share.link_wait(0.5, 2, t))
+    assert t == pytest.approx(float(host_share.shared_step(0.15, w, 2, 4, 1.0)), rel=1e-6)
+
+
 @pytest.mark.parametrize("d,w,cores,ranks,load", [(0.1, 0.05, 2, 4, 2.5),
                                                   (0.3, 0.6, 2, 4, 6.0), (0.02, 0.0, 8, 16, 1.0)])
 def test_the_step_is_the_fixed_point_of_processor_sharing(d, w, cores, ranks, load):
@@ -54,16 +70,23 @@ def test_gpu_presets_are_untouched_and_a_profile_with_few_cores_is_shared():
                       EFFICIENCY)
     assert gpu.host_cores == 0 and host_share.TERM not in preset.time
     cpu, eff = profile_hardware({**_profile(), "cores": 2})
+    cpu = replace(cpu, internode_bw=1e6)  # a slow link between nodes: dp's wait is exposed
     own = evaluate(shape, Cluster(cpu, 4, ranks_per_host=2), train, lay, eff)  # 2 on 2
     assert host_share.TERM not in own.time
     shared = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay, eff)
     # dp crosses the nodes (2 ranks each): its exposed all-reduce is the rank's wait
-    wait = float(host_share.waits(own.time, own.collectives))
-    assert float(shared.step_time) == pytest.approx(float(host_share.shared_step(
-        float(own.step_time) - wait, wait, 2, 4)))
+    bubble, link = (float(x) for x in host_share.waits(own.time, own.collectives))
+    assert bubble == pytest.approx(0.0, abs=1e-12)  # no pipeline
+    assert link == pytest.approx(float(own.time["dp comm (exposed)"])) and link > 0
+    assert float(shared.step_time) == pytest.approx(float(host_share.shared_cores_step(
+        float(own.step_time) - bubble - link, bubble, link, 2, 4, 0.0, 2)))
     assert float(shared.time[host_share.TERM]) == pytest.approx(
         float(shared.step_time) - float(own.step_time))
-    assert float(shared.step_time) > float(own.step_time)
+    # a fast link (the profile's): no wait, so 4 ranks on 2 cores take twice the CPU time
+    fast, _ = profile_hardware({**_profile(), "cores": 2})
+    alone = evaluate(shape, Cluster(fast, 4, ranks_per_host=2), train, lay, eff)
+    both = evaluate(shape, Cluster(fast, 4, ranks_per_host=4), train, lay, eff)
+    assert float(both.step_time) == pytest.approx(2 * float(alone.step_time))
 
 
 def test_plan_says_when_the_cores_are_shared(tmp_path):

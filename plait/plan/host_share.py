@@ -23,6 +23,16 @@ R + B <= C. Past it, the model:
         C T^2 - (C W + B D + R D) T + R D W = 0,
   and T >= D + W (a rank never runs faster than a whole core).
 
+- The link between nodes (the planner's exposed inter-node communication assumes a
+  node's ranks all send at once, each at 1/k of the node's link for k ranks a node):
+  ranks time-sliced on shared cores drift apart (a node's ranks are in different groups
+  of the dimension that crosses), so a rank sends alone at the whole link except while
+  another of its node's ranks sends too, which (mean field again) it does for the
+  fraction W / T of the step it spends on the link: W = (W_sync / k)(1 + (k - 1) W / T),
+  at most W_sync (`link_wait`). The two mean-field equations are solved together
+  (`shared_cores_step`), so the TERM line may be negative: drifting ranks share a link
+  better than ranks in step.
+
 Its limits: with B = 0 it is max(D + W, R D / C), the two bounds a work-conserving
 scheduler meets when one rank's waits are filled by another's work (exact for ranks
 that take turns; a lower bound when their waits coincide); with B > 0 the other work
@@ -72,21 +82,47 @@ def shared_step(cpu: Num, wait: Num, cores: float, ranks: int, load: float = 0.0
     return np.maximum(d + w, root)
 
 
-def waits(time: dict[str, Num], colls: list) -> Num:
-    """Seconds of a step a rank waits without a core: the bubble, and each dimension's
-    exposed communication where that dimension's groups cross nodes."""
-    total = 0.0
+def waits(time: dict[str, Num], colls: list) -> tuple[Num, Num]:
+    """(bubble, link): seconds of a step a rank waits without a core, the pipeline
+    bubble and each dimension's exposed communication where its groups cross nodes."""
+    bubble, link = 0.0, 0.0
     for term, dims in WAIT_TERMS.items():
         if term not in time:
             continue
         if dims is None:
-            total = total + time[term]
+            bubble = bubble + time[term]
             continue
         crossing = [~np.asarray(c.intra, dtype=bool) for c in colls if c.dim in dims]
         if crossing:
-            total = total + np.where(np.logical_or.reduce(np.broadcast_arrays(*crossing)),
-                                     time[term], 0.0)
-    return total
+            link = link + np.where(np.logical_or.reduce(np.broadcast_arrays(*crossing)),
+                                   time[term], 0.0)
+    return bubble, link
+
+
+def link_wait(link_sync: Num, node_ranks: int, step: Num) -> Num:
+    """A rank's wait on its node's link when the node's ranks do not send in step.
+    `link_sync` is the planner's: every rank of the node sending at once, each at
+    1/node_ranks of the link. Time-sliced ranks drift apart (a node's ranks are in
+    different groups), so each sends alone at the full link, and shares it with another
+    rank of the node for the fraction of time that one is on the link, w / step (mean
+    field, as for the cores): w = link_sync / k * (1 + (k - 1) w / step), at most
+    link_sync."""
+    k = float(node_ranks)
+    alone = np.asarray(link_sync, dtype=float) / k
+    free = np.maximum(1.0 - (k - 1) * alone / np.maximum(step, 1e-30), 1e-12)
+    return np.minimum(link_sync, alone / free)
+
+
+def shared_cores_step(cpu: Num, bubble: Num, link_sync: Num, cores: float, ranks: int,
+                      load: float, node_ranks: int) -> Num:
+    """The step on shared cores with the waits of `link_wait`: the fixed point of the two
+    mean-field equations (each step's waits set the share of the cores, the step sets the
+    share of the link), by iteration from the planner's in-step link."""
+    link = np.asarray(link_sync, dtype=float)
+    for _ in range(50):
+        step = shared_step(cpu, bubble + link, cores, ranks, load)
+        link = link_wait(link_sync, node_ranks, step)
+    return shared_step(cpu, bubble + link, cores, ranks, load)
 
 
 def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num) -> Num:
@@ -94,9 +130,11 @@ def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num) -> Num
     (and `time` too) where the model does not apply."""
     if not applies(cluster):
         return step
-    wait = np.minimum(waits(time, colls), step)
-    shared = shared_step(step - wait, wait, cluster.gpu.host_cores, host_ranks(cluster),
-                         cluster.host_load)
+    bubble, link = waits(time, colls)
+    bubble = np.minimum(bubble, step)
+    link = np.minimum(link, step - bubble)
+    shared = shared_cores_step(step - bubble - link, bubble, link, cluster.gpu.host_cores,
+                               host_ranks(cluster), cluster.host_load, cluster.gpus_per_node)
     time[TERM] = shared - step
     return shared
 
