@@ -147,7 +147,7 @@ def note(cluster: Cluster) -> str | None:
     return (f"Host cores shared: {host_ranks(cluster)} ranks{load} on {cluster.gpu.host_cores:g} "
             "cores per host: ranks are time-sliced, a waiting rank (the bubble, links between "
             f"nodes) frees its core (plait/plan/host_share.py); the step time's '{TERM}' "
-            "line is what that adds to a rank with a core of its own.")
+            "line is the change against ranks with a core each, in step.")
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
