@@ -24,13 +24,14 @@ import math
 
 import pytest
 import torch
-from helpers import batches_for, config, reference, token_file
+from helpers import assert_memory_matches, batches_for, config, data_windows, reference, token_file
 
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
+from plait.plan.eager import eager_memory_by_rank
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train import loop
 from plait.train.reference import Reference
@@ -106,6 +107,22 @@ def _assert_same(ranks: list[dict], ref: Reference, where: str, precision: str =
         assert not [r for r in run["ledger"] if r["dim"] == "world"], where
 
 
+def _assert_memory_as_planned(ranks: list[dict], sets: list[str]) -> None:
+    """Each rank's measured peak of step 1 (the previous update's copy of the optimizer
+    states alive, with its gradients, through the forward prefix up to the check) against
+    the planner's eager model, at test_predict_vs_measured's tolerance; the optimizer
+    states, copy included (12 bytes a parameter), to the byte."""
+    cfg = config(*sets)
+    planned = eager_memory_by_rank(cfg, data_windows(cfg))
+    for rank, run in enumerate(ranks):
+        mem, pred = run["rows"][1]["memory"], planned[rank]
+        assert not run["rows"][1].get("rolled_back")
+        assert pred["moment"] in ("post-validation check (end of the prefix)",
+                                  "loss forward (stage 1, mb 0)"), pred
+        assert_memory_matches(mem["peak"], mem["peak_total"], pred, f"rank {rank}")
+        assert mem["peak"]["optimizer"] == pred["optimizer states"], (mem, pred)
+
+
 def _as_reference(ranks: list[dict]) -> Reference:
     run = merge_ranks(ranks)
     return Reference(losses=run["losses"], params=run["params"], grad_norms=run["grad_norms"])
@@ -128,8 +145,13 @@ def test_post_validation_rolls_back_exactly_on_every_zero_bubble_schedule():
         sets, inf = [*base, f"parallel.schedule={s}"], 1 if s == "zb-h2" else None
         cases += [(sets, inf), ([*sets, POST], inf)]
     zbv = 2 * SCHEDULES.index("zb-v")
+    # no clipping (every check passes), memory measured in step 1: the planner's bytes
+    measured = [*base, "parallel.schedule=1f1b", POST, "train.grad_clip=0",
+                "train.memory_step=1"]
+    cases.append((measured, None))
     cases.append(([*cases[zbv][0], POST], None, True))  # checked at once, no overlap
     outs = run_ranks(_runs, 2, cases, timeout=600)
+    _assert_memory_as_planned([runs[-2] for runs in outs], measured)
     eager = [runs[-1] for runs in outs]
     _assert_same(eager, _as_reference([runs[zbv] for runs in outs]), "zb-v eager")
     for run in eager:
