@@ -64,8 +64,12 @@ def _rank(rank: int, world: int, args) -> list[dict]:
                 data = GlobalBatches(TokenFile.open(TOKENS), cfg.train.seq_len,
                                      cfg.train.global_batch, cfg.train.seed, args.vocab)
                 s = train(cfg, mesh, data).summary["pipeline"]
+                periods = s["step_periods_ms"]
                 rows.append({"schedule": schedule, "mode": mode,
                              "period_ms": s["steady_period_ms"], "steady": s["steady_bubble"],
+                             "sim_steady": s["simulated_steady_bubble"],
+                             "min_ms": min(periods), "median_ms": statistics.median(periods),
+                             "between_ms": s["between_ms"],
                              "span": s["measured_bubble"], "sim": s["simulated_bubble"],
                              "overlap_ms": s["step_overlap_ms"], "restarts": s["restarts"],
                              "cpu": min(s["cpu_share"].values())})
@@ -94,22 +98,26 @@ def main() -> None:
     print(f"pp={args.pp} m={args.microbatches} dim={args.dim} layers={args.layers} "
           f"seq={args.seq_len} batch={args.batch} steps={args.steps} "
           f"grad_clip={args.grad_clip}; load average {load0[0]:.1f} -> {load1[0]:.1f}")
-    print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'overlap ms':>10} "
-          f"{'steady':>7} {'span':>7} {'sim':>7} {'restarts':>8} {'CPU':>5}")
+    print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'min':>7} "
+          f"{'median':>7} {'between':>7} {'overlap':>7} {'steady':>7} {'sim':>6} "
+          f"{'diff':>6} {'span':>6} {'restarts':>8} {'CPU':>4}")
     for r in rows:
-        print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} "
-              f"{r['overlap_ms']:10.1f} {100 * r['steady']:6.1f}% {100 * r['span']:6.1f}% "
-              f"{100 * r['sim']:6.1f}% {r['restarts']:8d} {100 * r['cpu']:4.0f}%")
-    print("post_validation period / barrier period (median over repeats):")
+        print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} {r['min_ms']:7.1f} "
+              f"{r['median_ms']:7.1f} {r['between_ms']:7.1f} {r['overlap_ms']:+7.1f} "
+              f"{100 * r['steady']:6.1f}% {100 * r['sim_steady']:5.1f}% "
+              f"{100 * (r['steady'] - r['sim_steady']):+5.1f} {100 * r['span']:5.1f}% "
+              f"{r['restarts']:8d} {100 * r['cpu']:3.0f}%")
+    print("post_validation / barrier, medians over repeats: period (mean over steps; the "
+          "fastest step), steady bubble measured (simulated)")
     for schedule in args.schedules.split(","):
-        med = {m: statistics.median(r["period_ms"] for r in rows
-                                    if r["schedule"] == schedule and r["mode"] == m)
-               for m in MODES}
-        steady = {m: statistics.median(r["steady"] for r in rows
-                                       if r["schedule"] == schedule and r["mode"] == m)
-                  for m in MODES}
-        print(f"  {schedule:<10} {med['post_validation'] / med['barrier']:.3f}  (steady "
-              f"bubble {100 * steady['barrier']:.1f}% -> {100 * steady['post_validation']:.1f}%)")
+        def med(key: str, mode: str, schedule=schedule) -> float:
+            return statistics.median(r[key] for r in rows
+                                     if r["schedule"] == schedule and r["mode"] == mode)
+        post, bar = "post_validation", "barrier"
+        print(f"  {schedule:<10} {med('period_ms', post) / med('period_ms', bar):.3f} "
+              f"({med('min_ms', post) / med('min_ms', bar):.3f}); steady "
+              f"{100 * med('steady', bar):.1f}% ({100 * med('sim_steady', bar):.1f}%) -> "
+              f"{100 * med('steady', post):.1f}% ({100 * med('sim_steady', post):.1f}%)")
 
 
 if __name__ == "__main__":
