@@ -243,3 +243,20 @@ def test_post_validation_restores_optimizer_state_exactly(dtype):
     now = (w.detach(), opt.master[0], opt.exp_avg[0], opt.exp_avg_sq[0])
     for a, b in zip(now, before, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_time_between_steps_as_measured():
+    """measure.between_steps: from a rank's runtime step's end to its next step's start,
+    over the steps after the first; with the barrier the rank that ended last (the others
+    wait for it: the simulator lays that wait out), with post-validation every rank's."""
+    from plait.parallel.pipeline.measure import between_steps, step_periods
+
+    def rank(t0, t1):  # one compute filling the step's window
+        return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [])
+
+    steps = [[rank(0, 9), rank(1, 10)], [rank(10, 19), rank(11, 20)],
+             [rank(21, 31), rank(23, 32)]]
+    assert between_steps(steps, "barrier") == 3.0  # rank 1: 20 -> 23
+    assert between_steps(steps, "post_validation") == 2.5  # (2 + 3) / 2
+    assert step_periods(steps) == [10.0, 12.0]
+    assert between_steps(steps[:2], "barrier") == 0.0  # no step after the first's next
