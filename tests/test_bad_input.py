@@ -675,3 +675,7 @@ def test_host_memory_check_states_the_numbers():
     assert "the 2 rank(s) on this machine need 0.01 GiB" in text and "only 0.00 GiB" in text
     assert "--zero 3" in text and "a smaller --model" in text
     assert host_memory_problem(cfg, range(2), "cuda", available=1) is None
+    # post-validation holds a copy of the optimizer states (12 bytes a parameter) too
+    post = model_state_bytes(load_config(sets=["parallel.pp=2", "train.global_batch=8",
+                                               "parallel.optimizer_sync=post_validation"]), 0)
+    assert post["optimizer states"] == post["parameters"] / 4 * (8 + 12)

@@ -268,7 +268,9 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
         between = {"barrier": "one step, every pipeline rank waiting for the last before "
                    "the next (optimizer barrier)",
                    "post_validation": "the steady state of consecutive steps, each rank "
-                   "starting its next as soon as its own is done (post-validation)"}
+                   "starting its next as soon as its own is done (post-validation; its "
+                   "optimizer states include the copy held until the check, 12 bytes a "
+                   "parameter of the optimizer's shard)"}
         console.print(f"pipeline time from: {src}"
                       + (f"; assumes {between[sync]}" if sync in between else ""))
     for line in notes:

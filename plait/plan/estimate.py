@@ -271,12 +271,13 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
             in_last = in0
     logits = memory.logits_bytes(shape, b.mbs, tp, b.cp, b.e)
     buffers = memory.comm_buffers(shape, b.mbs, tp, b.cp, b.ep, pp, lay.zero,
-                                  dense_l + expert_l, lay.sp,
-                                  train.precision)
+                                  dense_l + expert_l, lay.sp, train.precision)
+
+    kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
 
     def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
-        st = memory.model_states(dense_p, dshard, lay.zero, train.precision, train.optimizer)
-        ex = memory.model_states(ex_p, eshard, lay.zero, train.precision, train.optimizer)
+        st = memory.model_states(dense_p, dshard, lay.zero, *kinds)
+        ex = memory.model_states(ex_p, eshard, lay.zero, *kinds)
         out = {k: st[k] + ex[k] for k in st}
         out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)
