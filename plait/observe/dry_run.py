@@ -136,6 +136,33 @@ def _child_result(proc: Any, q: Any, rank: int, timeout_s: float | None) -> dict
     return out
 
 
+RANK_NAMES = {"first": lambda world: 0, "last": lambda world: world - 1}
+
+
+def parse_ranks(text: str | None, world_size: int | None) -> tuple[list[int], list[str]]:
+    """`--rank`'s ranks: numbers, `first` (rank 0, the first pipeline stage) or `last`
+    (rank N-1, the last stage), comma-separated; default rank 0. Problems, each naming the
+    fix, instead of ranks where the text is wrong or (`world_size` known) out of range."""
+    ranks, problems = [], []
+    for item in (text or "0").split(","):
+        item = item.strip()
+        if item in RANK_NAMES:
+            if world_size is not None:
+                ranks.append(RANK_NAMES[item](world_size))
+            continue
+        try:
+            rank = int(item)
+        except ValueError:
+            problems.append(f"--rank {item!r}: give rank numbers, first or last, "
+                            "comma-separated (e.g. --rank first,last)")
+            continue
+        if rank < 0 or (world_size is not None and rank >= world_size):
+            problems.append(f"--rank {rank}: choose a rank in 0..{(world_size or 1) - 1} "
+                            f"(the layout's {world_size or 1} ranks, or --world-size)")
+        ranks.append(rank)
+    return list(dict.fromkeys(ranks)), problems
+
+
 def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
     """Payload bytes of the step's collectives by mesh dim (what the planner counts)."""
     out: dict[str, float] = {}
