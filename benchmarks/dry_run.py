@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -58,12 +59,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--json-out", help="also write the ranks' results (a JSON list) here")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="intra-op threads of each rank's process on CPU (default: the cores)")
     args = p.parse_args()
     cfg, world = _config(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "t.bin", 4 * args.seq_len * 64,
                                     cfg.model.vocab_size, seed=1)
-        outs = dry_run_ranks(cfg, world, [0, world - 1], path, resolve_device(args.device))
+        outs = dry_run_ranks(cfg, world, [0, world - 1], path, resolve_device(args.device),
+                             threads=args.threads)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(outs))
         for out in outs:

@@ -154,7 +154,10 @@ def run_dry(args: argparse.Namespace, found: TrainInputs, ranks: list[int]) -> i
                                 cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
         outs = [dry_run(cfg, world, ranks[0], batches, device)]
     else:
-        outs = dry_run_ranks(cfg, world, ranks, found.data, device)
+        import torch  # the children compute with this process's threads
+
+        outs = dry_run_ranks(cfg, world, ranks, found.data, device,
+                             threads=torch.get_num_threads())
     print("\n".join(dry_run_table(out) for out in outs), flush=True)
     if args.metrics_out:  # one rank: its result; several: the list of them
         doc = outs[0] if len(outs) == 1 else outs

@@ -97,7 +97,11 @@ RELEASE_TIMEOUT_S = 5.0
 
 
 def _await_release(aliases: list[_Alias]) -> None:
-    """Yield until the backend holds no reference to the aliases."""
+    """Yield until the backend holds no reference to the aliases (CPU tensors only: NCCL's
+    watchdog thread keeps a work's tensors until the GPU has run it, so waiting for
+    their release would block the host on the device inside the step; the CUDA caching
+    allocator orders a buffer's reuse after the stream that used it, whoever frees it)."""
+    aliases = [a for a in aliases if not a.tensor.is_cuda]
     deadline = None
     while any(a.held_by_backend() for a in aliases):
         now = time.monotonic()

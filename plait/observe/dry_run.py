@@ -70,19 +70,22 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
 
 
 def dry_run_ranks(cfg: Config, world_size: int, ranks: list[int], token_path: Path,
-                  device: Device = CPU, timeout_s: float | None = None) -> list[dict[str, Any]]:
+                  device: Device = CPU, timeout_s: float | None = None,
+                  threads: int = 1) -> list[dict[str, Any]]:
     """`dry_run` of each of `ranks`, one after the other, each in a process of its own: the
     fake process group is per process, and each rank's memory is released before the next
-    starts, so the peak of the host (or GPU) stays one rank's. Forked on CPU (the child
-    takes one intra-op thread: a child forked from a parent that ran a parallel op can
-    hang on its first); spawned on CUDA (a forked child cannot use CUDA once the parent
-    asked the driver about it). A child that fails raises its traceback here."""
-    ctx = mp.get_context("spawn" if device.is_cuda else "fork")
+    starts, so the peak of the host (or GPU) stays one rank's. `threads`: the children's
+    intra-op threads on CPU (what is measured does not depend on it: the tracker counts
+    tensors, not a kernel's scratch). One thread: forked (a child forked from a parent
+    that ran a parallel op hangs on its first unless it keeps to one thread); more, or
+    CUDA: spawned (a forked child cannot use CUDA once the parent asked the driver about
+    it). A child that fails raises its traceback here."""
+    ctx = mp.get_context("spawn" if device.is_cuda or threads > 1 else "fork")
     results = []
     for rank in ranks:
         q = ctx.Queue()
         proc = ctx.Process(target=_dry_run_child, args=(cfg, world_size, rank,
-                                                       str(token_path), device, q))
+                                                       str(token_path), device, threads, q))
         proc.start()
         try:
             results.append(_child_result(proc, q, rank, timeout_s))
@@ -95,7 +98,7 @@ def dry_run_ranks(cfg: Config, world_size: int, ranks: list[int], token_path: Pa
 
 
 def _dry_run_child(cfg: Config, world_size: int, rank: int, token_path: str, device: Device,
-                   q: Any) -> None:
+                   threads: int, q: Any) -> None:
     import time
 
     import torch
@@ -103,7 +106,7 @@ def _dry_run_child(cfg: Config, world_size: int, rank: int, token_path: str, dev
     from plait.train.data import TokenFile
 
     if not device.is_cuda:
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
     try:
         t = cfg.train
         batches = GlobalBatches(TokenFile.open(token_path), t.seq_len, t.global_batch, t.seed,
