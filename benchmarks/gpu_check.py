@@ -130,7 +130,9 @@ def section_throughput(args, tmp: Path) -> list[dict]:
     times = [m["step_time"] for m in result.metrics]
     tps = tokens_per_second(tokens_per_step(cfg.train.global_batch, cfg.train.seq_len), times)
     plan = _planned(cfg, args, gpu)
-    peak = (args.peak_tflops or plan["model_tflops_per_gpu"] / plan["mfu"]) * 1e12
+    from plait.plan.hardware import get_gpu
+
+    peak = get_gpu(gpu, peak_flops=args.peak_tflops and args.peak_tflops * 1e12).peak_flops
     mfu = tps * cfg.model.flops_per_token(cfg.train.seq_len) / peak
     label = (f"{cfg.model.num_params() / 1e9:.2f} B params, seq {cfg.train.seq_len}, "
              f"{cfg.train.precision}, batch {cfg.train.global_batch}, recompute "
