@@ -77,7 +77,7 @@ def _batches(cfg, path: Path):
 
 # ---- section 1: one GPU, tokens/s and MFU beside the planner -----------------------------
 
-def _throughput_config(args):
+def _throughput_config(args, recompute: str):
     from plait.config import load_config
 
     if args.smoke:
@@ -88,7 +88,19 @@ def _throughput_config(args):
     return load_config(overrides={"model_name": "tiny"}, sets=[
         *model, f"train.seq_len={seq}", f"train.global_batch={micro}",
         f"parallel.microbatches={micro}", f"train.steps={steps}", f"train.precision={prec}",
-        f"train.recompute={args.recompute}"]).check(1)
+        f"train.recompute={recompute}"]).check(1)
+
+
+def _fitting_config(args, gpu: str):
+    """The throughput config with the least recompute the planner says fits (`--recompute
+    auto`: none, else selective, else full; the issue's "recompute only if needed")."""
+    modes = ("none", "selective", "full") if args.recompute == "auto" else (args.recompute,)
+    for mode in modes:
+        cfg = _throughput_config(args, mode)
+        plan = _planned(cfg, args, gpu)
+        if plan["fits"]:
+            break
+    return cfg, plan
 
 
 def _planned(cfg, args, gpu: str) -> dict:
@@ -120,16 +132,15 @@ def section_throughput(args, tmp: Path) -> list[dict]:
     from plait.throughput import tokens_per_second, tokens_per_step
     from plait.train.loop import train
 
-    cfg = _throughput_config(args)
     device = resolve_device(args.device, 0)
     device.activate()
     gpu, source = _gpu_preset(args, device)
+    cfg, plan = _fitting_config(args, gpu)
     path = _token_file(tmp, cfg.model.vocab_size, 4 * cfg.train.global_batch *
                        (cfg.train.seq_len + 1) * cfg.train.steps)
     result = train(cfg, ParallelMesh.build(cfg.parallel, device=device), _batches(cfg, path))
     times = [m["step_time"] for m in result.metrics]
     tps = tokens_per_second(tokens_per_step(cfg.train.global_batch, cfg.train.seq_len), times)
-    plan = _planned(cfg, args, gpu)
     from plait.plan.hardware import get_gpu
 
     peak = get_gpu(gpu, peak_flops=args.peak_tflops and args.peak_tflops * 1e12).peak_flops
@@ -329,7 +340,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="an unlisted GPU: dense bf16 TFLOP/s")
     p.add_argument("--hbm-gb", type=float, help="an unlisted GPU: HBM GB")
     p.add_argument("--hbm-bw-gbs", type=float, help="an unlisted GPU: HBM GB/s")
-    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+                   help="throughput: auto (default) is the least the planner says fits")
     p.add_argument("--steps", type=int, default=6, help="throughput steps (first: warm-up)")
     p.add_argument("--microbatches", type=int, default=8, help="throughput: sequences/step")
     p.add_argument("--dry-seq-len", type=int, default=1024)
