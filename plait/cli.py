@@ -154,10 +154,9 @@ def run_dry(args: argparse.Namespace, found: TrainInputs, ranks: list[int]) -> i
                                 cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
         outs = [dry_run(cfg, world, ranks[0], batches, device)]
     else:
-        import torch  # the children compute with this process's threads
-
-        outs = dry_run_ranks(cfg, world, ranks, found.data, device,
-                             threads=torch.get_num_threads())
+        # forked, one thread each (a spawned child re-imports torch: seconds per rank;
+        # benchmarks/dry_run.py gives a large layout's ranks every core)
+        outs = dry_run_ranks(cfg, world, ranks, found.data, device)
     print("\n".join(dry_run_table(out) for out in outs), flush=True)
     if args.metrics_out:  # one rank: its result; several: the list of them
         doc = outs[0] if len(outs) == 1 else outs
