@@ -368,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = [_note(args.section, f"failed: {type(e).__name__}: {last[0]}"[:300])]
         Path(args.result).write_text(json.dumps(rows))
         return 0
+    if args.device == "cuda" and _devices(args) == 0:
+        print("gpu_check: torch sees no CUDA GPU here; on a GPU machine run it there, or "
+              "--device cpu --smoke for the code paths on CPU", file=sys.stderr)
+        return 2
     text = table(drive(args), _header(args))
     print(text, end="")
     if args.out:
