@@ -148,7 +148,7 @@ def section_throughput(args, tmp: Path) -> list[dict]:
     label = (f"{cfg.model.num_params() / 1e9:.2f} B params, seq {cfg.train.seq_len}, "
              f"{cfg.train.precision}, batch {cfg.train.global_batch}, recompute "
              f"{cfg.train.recompute}; planner: {gpu} ({source})")
-    rows = [{"section": "throughput", "check": "tokens/s (1 GPU)", "measured": f"{tps:,.0f}",
+    rows = [{"section": "throughput", "check": "tokens/s (1 device)", "measured": f"{tps:,.0f}",
              "expected": f"{plan['tokens_per_s']:,.0f} planned", "result": label},
             {"section": "throughput", "check": "MFU", "measured": f"{mfu:.1%}",
              "expected": f"{plan['mfu']:.1%} planned; target >= 45 %",

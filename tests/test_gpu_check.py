@@ -19,7 +19,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path, capsys):
     assert out.read_text() == text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
     checks = {(r[0].strip("| "), r[1]) for r in rows}
-    assert ("throughput", "tokens/s (1 GPU)") in checks and ("throughput", "MFU") in checks
+    assert ("throughput", "tokens/s (1 device)") in checks and ("throughput", "MFU") in checks
     dry = [r for r in rows if r[0] == "| dry-run" and "tracker peak" in r[1]]
     assert [("rank 0 (pp 0)" in dry[0][1]), ("rank 1 (pp 1)" in dry[1][1])] == [True, True]
     assert all(r[4].endswith("(ok) |") for r in dry), dry  # the planner's eager peak, 5 %
