@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import token_file
 
 from plait.cli import main
@@ -206,6 +207,15 @@ CASES = [
     train("--dry-run", "--world-size", "8", "--dp", "8", "--rank", "8",
           phrases="--rank 8: choose a rank in 0..7", id="dry-run-rank-past-end"),
     train("--dry-run", "--world-size", "4", phrases="4", id="dry-run-world-mismatch"),
+    train("--dry-run", "--dp", "8", "--rank", "first,9", phrases="--rank 9: choose a rank "
+          "in 0..7", id="dry-run-ranks-past-the-layout"),
+    train("--dry-run", "--rank", "first,middle", phrases="give rank numbers, first or last",
+          id="dry-run-rank-not-a-rank"),
+    train("--dry-run", "--dp", "2", "--pp", "2", "--microbatches", "2", "--world-size", "6",
+          "--rank", "first,last", phrases="6", id="dry-run-first-last-world-mismatch"),
+    *([] if torch.cuda.is_available() else [  # a machine without a GPU only
+        train("--dry-run", "--device", "cuda", "--rank", "first,last",
+              phrases="--device cuda", id="dry-run-cuda-without-a-gpu")]),
     train("--dry-run", "--nproc", "2", phrases="leave out --nproc", id="dry-run-nproc"),
     train("--dry-run", "--checkpoint-dir", "{w}/ck", phrases="leave out --checkpoint-dir",
           id="dry-run-checkpoint"),
