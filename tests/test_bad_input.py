@@ -314,7 +314,7 @@ CASES = [
         "tp=2,dp=2", "--order", "tp,dp", phrases="--order tp,dp: name each of tp, cp, pp, "
         "dp once", id="plan-order-incomplete"),
     cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--order",
-        "dp,tp,cp,pp", phrases="the search keeps the default order; give --layout too",
+        "dp,tp,cp,pp", phrases="the search tries every mesh order itself",
         id="plan-order-without-layout"),
     cmd("cluster", "--inter-node-mbit", "0", "--", "--dp", "2", "--nnodes", "2",
         phrases=("--inter-node-mbit 0.0: give a rate > 0", "--nnodes after --: plait "
