@@ -19,8 +19,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain, compress, count, repeat
+from operator import add, itemgetter, lt, mul
 
 from plait.parallel.pipeline.ir import Action, Schedule, without_gc
+from plait.parallel.pipeline.ir import peak_activations as peak_activations  # (its home)
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
@@ -30,6 +33,8 @@ def check(schedule: Schedule, execute: bool = True) -> list[str]:
     """Every problem with the schedule, as readable sentences; [] if it is valid.
     `execute=False` leaves out 5. (deadlock freedom), for a caller that executes the
     schedule anyway (`simulate` raises DeadlockError; then ask `deadlocks`)."""
+    if _computes_hold(schedule):  # 1.-3. hold and there are no transfers: 5. is left
+        return deadlocks(schedule) if execute else []
     scanned = _scan(schedule)  # None: some action is misplaced
     if scanned is None:  # the rest assumes stages and ranks make sense
         return _placement(schedule)
@@ -60,10 +65,8 @@ def _placement(s: Schedule) -> list[str]:
             if not 0 <= stage < s.num_stages:
                 out.append(f"rank {r}: {a} names stage {stage} outside 0..{s.num_stages - 1}")
             elif s.stage_to_rank[stage] != r:
-                out.append(
-                    f"rank {r}: {a} runs stage {stage}, which lives on rank "
-                    f"{s.stage_to_rank[stage]}"
-                )
+                out.append(f"rank {r}: {a} runs stage {stage}, which lives on rank "
+                           f"{s.stage_to_rank[stage]}")
             elif mb not in chain_mbs[stage]:
                 out.append(f"rank {r}: {a}: micro-batch {mb} does not pass stage {stage}")
             elif len(kind) > 1:
@@ -87,13 +90,48 @@ def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
             if f[k] != 1:
                 out.append(f"stage {stage} micro-batch {mb}: {f[k]} forwards, expected 1")
             if not ((b[k] == 1 and i[k] == w[k] == 0) or (b[k] == 0 and i[k] == w[k] == 1)):
-                out.append(
-                    f"stage {stage} micro-batch {mb}: backward is B x{b[k]}, I x{i[k]}, "
-                    f"W x{w[k]}; expected one B, or one I and one W"
-                )
+                out.append(f"stage {stage} micro-batch {mb}: backward is B x{b[k]}, I x{i[k]}, "
+                           f"W x{w[k]}; expected one B, or one I and one W")
     return out
 
 
+def _computes_hold(s: Schedule) -> bool:
+    """Whether 1.-3. hold for a schedule of computes only, in passes of C builtins (map,
+    compress, sorted; no Python step per action): per rank, the sorted (stage * m + mb)
+    codes of its F's, of its B's and I's together, are its stages' expected ones, its W's
+    codes its I's, and each F comes before its I or B, each I before its W. No: `_scan`
+    and `_completeness` say what is wrong (or that there are transfers)."""
+    m = s.microbatches
+    if not all(0 <= r < s.pp for r in s.stage_to_rank):
+        return False
+    for r, acts in enumerate(s.actions):
+        kinds, stages, mbs = (list(map(itemgetter(k), acts)) for k in range(3))
+        mine = s.stages_on(r)
+        if not acts:
+            if mine and any(s.microbatches_of(st) for st in mine):
+                return False
+            continue
+        if (not set(kinds) <= _COMPUTE or set(map(itemgetter(3), acts)) != {None}
+                or not set(stages) <= set(mine) or min(mbs) < 0 or max(mbs) >= m):
+            return False
+        codes = list(map(add, map(mul, stages, repeat(m)), mbs))
+        masks = {k: list(map(k.__eq__, kinds)) for k in "FBIW"}
+        got = {k: list(compress(codes, masks[k])) for k in "FBIW"}
+        want = sorted(chain.from_iterable(
+            range(st * m + mbs_.start, st * m + mbs_.stop)
+            for st in mine for mbs_ in (s.microbatches_of(st),)))
+        if sorted(got["F"]) != want or sorted(got["B"] + got["I"]) != want or sorted(
+                got["W"]) != sorted(got["I"]):
+            return False
+        at = {k: dict(zip(got[k], compress(count(), masks[k]))) for k in "FI"}
+        for first, then in (("F", "B"), ("F", "I"), ("I", "W")):  # in order on the rank
+            if not all(map(lt, map(at[first].__getitem__, got[then]),
+                           compress(count(), masks[then]))):
+                return False
+    return True
+
+
+_COMPUTE = frozenset("FBIW")
 _NEEDS = {"B": "F", "I": "F", "W": "I"}
 
 
@@ -360,22 +398,3 @@ def _blocker(s: Schedule, lowered: bool, done: dict[str, bytearray], r: int,
         return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
     send_kind = "SEND_F" if fam == "F" else "SEND_B"
     return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
-
-
-def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the most stage-micro-batch activation sets held at once: +1 when an F runs,
-    -1 when its I or B finishes. After I, a W still holds the inputs of its weight-gradient
-    matmuls (layer inputs and output gradients); that smaller residue is not counted. The
-    unit is one stage's activations for one micro-batch: with v stages per rank a unit is
-    1/v of what a 1F1B unit (a whole rank's layers) holds."""
-    peaks = []
-    for acts in schedule.actions:
-        live = peak = 0
-        for a in acts:
-            if a.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif a.kind in ("I", "B"):
-                live -= 1
-        peaks.append(peak)
-    return peaks
