@@ -19,8 +19,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from itertools import chain, compress, count, repeat
-from operator import add, itemgetter, lt, mul
+from operator import add
 
 from plait.parallel.pipeline.ir import Action, Schedule, without_gc
 from plait.parallel.pipeline.ir import peak_activations as peak_activations  # (its home)
@@ -33,8 +32,6 @@ def check(schedule: Schedule, execute: bool = True) -> list[str]:
     """Every problem with the schedule, as readable sentences; [] if it is valid.
     `execute=False` leaves out 5. (deadlock freedom), for a caller that executes the
     schedule anyway (`simulate` raises DeadlockError; then ask `deadlocks`)."""
-    if _computes_hold(schedule):  # 1.-3. hold and there are no transfers: 5. is left
-        return deadlocks(schedule) if execute else []
     scanned = _scan(schedule)  # None: some action is misplaced
     if scanned is None:  # the rest assumes stages and ranks make sense
         return _placement(schedule)
@@ -81,7 +78,7 @@ def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
         for mb in s.microbatches_of(stage):
             expected[stage * m + mb] = 1
     f, b, i, w = (count[k] for k in "FBIW")
-    if f == expected and i == w and [x + y for x, y in zip(b, i)] == expected:
+    if f == expected and i == w and list(map(add, b, i)) == expected:
         return []  # every forward once, one B or one I and one W: nothing to say
     out = []
     for stage in range(s.num_stages):
@@ -95,46 +92,6 @@ def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
     return out
 
 
-def _computes_hold(s: Schedule) -> bool:
-    """Whether 1.-3. hold for a schedule of computes only, in passes of C builtins (map,
-    compress, sorted; no Python step per action): per rank, the sorted (stage * m + mb)
-    codes of its F's, of its B's and I's together, are its stages' expected ones, its W's
-    codes its I's, and each F comes before its I or B, each I before its W. No: `_scan`
-    and `_completeness` say what is wrong (or that there are transfers)."""
-    m = s.microbatches
-    if not all(0 <= r < s.pp for r in s.stage_to_rank):
-        return False
-    for r, acts in enumerate(s.actions):
-        kinds, stages, mbs = (list(map(itemgetter(k), acts)) for k in range(3))
-        mine = s.stages_on(r)
-        if not acts:
-            if mine and any(s.microbatches_of(st) for st in mine):
-                return False
-            continue
-        if (not set(kinds) <= _COMPUTE or set(map(itemgetter(3), acts)) != {None}
-                or not set(stages) <= set(mine) or min(mbs) < 0 or max(mbs) >= m):
-            return False
-        codes = list(map(add, map(mul, stages, repeat(m)), mbs))
-        masks = {k: list(map(k.__eq__, kinds)) for k in "FBIW"}
-        got = {k: list(compress(codes, masks[k])) for k in "FBIW"}
-        want = sorted(chain.from_iterable(
-            range(st * m + mbs_.start, st * m + mbs_.stop)
-            for st in mine for mbs_ in (s.microbatches_of(st),)))
-        if sorted(got["F"]) != want or sorted(got["B"] + got["I"]) != want or sorted(
-                got["W"]) != sorted(got["I"]):
-            return False
-        at = {k: dict(zip(got[k], compress(count(), masks[k]))) for k in "FI"}
-        for first, then in (("F", "B"), ("F", "I"), ("I", "W")):  # in order on the rank
-            if not all(map(lt, map(at[first].__getitem__, got[then]),
-                           compress(count(), masks[then]))):
-                return False
-    return True
-
-
-_COMPUTE = frozenset("FBIW")
-_NEEDS = {"B": "F", "I": "F", "W": "I"}
-
-
 def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool] | None:
     """One pass: None if an action is misplaced (`_placement` says how); else how many
     of each compute kind every (stage * m + mb) has, the computes that run before what
@@ -143,28 +100,33 @@ def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool] | None:
         return None
     m = s.microbatches
     count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
-    # one seen-set for all ranks: placement holds, so no two ranks run the same stage
-    seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
+    f, b, i, w = count.values()  # placement holds: no two ranks run the same stage
     order, transfers = [], False
     chain_mbs = [s.microbatches_of(st) for st in range(s.num_stages)]
     for r, acts in enumerate(s.actions):
         mine = {st: chain_mbs[st] for st in s.stages_on(r)}
-        for a in acts:
+        for a in acts:  # a count seen before is an action run before, on this rank
             kind, stage, mb, peer = a
             mbs = mine.get(stage)
             if mbs is None or mb not in mbs:
                 return None
-            if len(kind) > 1:
+            k = stage * m + mb
+            if kind == "F":
+                f[k] += 1
+                continue
+            if kind == "W":
+                w[k] += 1
+                need = None if i[k] else "I"
+            elif kind == "I" or kind == "B":
+                (i if kind == "I" else b)[k] += 1
+                need = None if f[k] else "F"
+            else:
                 if not 0 <= peer < s.pp:
                     return None
                 transfers = True
                 continue
-            k = stage * m + mb
-            count[kind][k] += 1
-            need = _NEEDS.get(kind)
-            if need and not seen[need][k]:
+            if need:
                 order.append(f"rank {r}: {a} runs before {need}{stage}.{mb}")
-            seen[kind][k] = 1
     return count, order, transfers
 
 
