@@ -38,6 +38,8 @@ from plait.parallel.pipeline.simulate import (
     OPTIMIZER_SYNCS,
     DeadlockError,
     Durations,
+    events_of,
+    result_of,
     simulate,
 )
 
@@ -175,6 +177,7 @@ def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
 @without_gc  # one pause for build, check and simulate (ir.without_gc says why)
 def run(args: argparse.Namespace) -> int:
     problems = input_problems(args)
+    layout: list = []  # a list-scheduled order's own lay-out, for the durations built for
     if problems:
         print("error: invalid input:\n" + "\n".join(f"  - {p}" for p in problems),
               file=sys.stderr)
@@ -184,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
             schedule = _load(Path(args.load))
         else:
             v = natural_virtual_stages(args.schedule, args.virtual_stages)
-            schedule = build_schedule(args.schedule, args.pp, args.microbatches, v)
+            schedule = build_schedule(args.schedule, args.pp, args.microbatches, v,
+                                      layout=layout)
     except (ValueError, OSError) as e:  # a text that is not a schedule, too
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -213,10 +217,13 @@ def run(args: argparse.Namespace) -> int:
         problems = check(lowered)
     d = Durations(args.forward, args.backward_input, args.backward_weight, args.p2p)
     res = None
-    if not problems:
+    draw = bool(args.trace or args.png)  # only drawings read the events
+    if not problems and layout and layout[0] == d and args.steps == 1:
+        res = result_of(schedule, *layout[1:], [len(a) for a in schedule.actions],
+                        events=events_of(schedule.actions, *layout[1:]) if draw else None)
+    elif not problems:
         try:
-            res = simulate(compute_only, d, args.steps, args.optimizer_sync,
-                           events=bool(args.trace or args.png))  # only drawings read them
+            res = simulate(compute_only, d, args.steps, args.optimizer_sync, events=draw)
         except DeadlockError:
             problems = deadlocks(schedule)
     if problems:

@@ -28,6 +28,7 @@ def list_schedule(
     chains: int,
     quota: Quota,
     durations: Durations | None = None,
+    layout: list | None = None,
 ) -> Schedule:
     """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
     form, run on the given durations (default T_F = T_I = T_W = 1, transfers free).
@@ -40,9 +41,16 @@ def list_schedule(
          is at `limit`;
       3. else a W (it fills what would be a bubble), oldest first.
     The resulting order is the schedule: plain data, valid under any durations, tuned for
-    the ones it was built with."""
+    the ones it was built with. `layout`, a list, receives [durations, starts, ends]:
+    per rank when each action starts and ends, which is `simulate`'s lay-out of the order
+    for those durations when all are positive (a rank starts an action the moment it is
+    free and the inputs are there; tests/test_schedules.py), so that a caller simulating
+    the same durations need not lay it out again."""
     shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
-    acts = ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0)).run()
+    scheduler = ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0))
+    acts = scheduler.run()
+    if layout is not None and not scheduler.zero:
+        layout += [scheduler.durations, scheduler.starts, scheduler.ends]
     return Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, acts, chains)
 
 
@@ -61,7 +69,7 @@ class ListScheduler:
         self.shape, self.p, self.m, self.n = shape, p, m, n
         rank_of = self.rank_of = shape.stage_to_rank
         self.dur = [[d.of(k, s) for s in range(n)] for k in _KINDS]  # [F, I, W][stage]
-        self.p2p = d.p2p
+        self.p2p, self.durations = d.p2p, d
         # zero durations make inputs land at the moment they are produced: then the
         # moments with nothing landing (finish + p2p of a W, ...) matter too
         self.zero = min(min(x) for x in self.dur) <= 0
@@ -98,6 +106,8 @@ class ListScheduler:
         self.live = [0] * len(ids)  # per quota key: admitted and not yet freed
         self.free = [0.0] * p
         self.acts: list[list[Action]] = [[] for _ in range(p)]
+        self.starts: list[list[float]] = [[] for _ in range(p)]  # per rank, each action's
+        self.ends: list[list[float]] = [[] for _ in range(p)]
         self.landing: dict[float, list[int]] = {}  # time -> inputs (codes), ~rank free
         self.times: list[float] = []  # heap of the moments ahead
         self.visits = 0  # (moment, rank) looks: at most one per rank per thing landing
@@ -110,6 +120,7 @@ class ListScheduler:
         ready_i, ready_w, ready_f = self.ready_i, self.ready_w, self.ready_f
         keys, names, new = self.keys, _KINDS, tuple.__new__
         rank_of, ready_f_of = self.rank_of, self.ready_f_of
+        starts, ends = self.starts, self.ends
         phantom = self.p2p if self.zero else 0.0
         push, pop = heapq.heappush, heapq.heappop
         t, due = 0.0, list(range(self.p))  # at 0 every rank looks
@@ -149,6 +160,8 @@ class ListScheduler:
                 free[r] = end
                 todo[r] -= 1
                 acts[r].append(new(Action, (names[kind], s, mb, None)))
+                starts[r].append(t)
+                ends[r].append(end)
                 if end > t:
                     at = landing.get(end)
                     if at is None:
@@ -172,8 +185,10 @@ class ListScheduler:
                     push(times, end + phantom)
             while times and times[0] <= t:
                 pop(times)
-            if not times:
-                break
+            if not times:  # nothing lands later: a rank told to look next looks at t
+                if not due:
+                    break
+                continue
             t = pop(times)
         if any(todo):  # cannot happen: some action is always ready eventually
             raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")

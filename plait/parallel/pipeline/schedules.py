@@ -122,7 +122,8 @@ def _v_placement(p: int) -> list[int]:
     return list(range(p)) + list(range(p - 1, -1, -1))
 
 
-def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None,
+               layout: list | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, about 2p stage
     activations per rank (= 1F1B's peak p, as each stage is half a rank's layers). The
     order comes from the list scheduler (list_schedule.py), run with `durations`
@@ -141,10 +142,12 @@ def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Sc
         1,
         lambda s: (min(s, 2 * p - 1 - s), 2 * p, s < p),
         durations,
+        layout,
     )
 
 
-def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None,
+                   layout: list | None = None) -> Schedule:
     """DualPipe (DeepSeek-V3 technical report, 2024, section 3.2.1): two chains over two
     copies of the model, micro-batches 0..m/2-1 enter at rank 0, m/2..m-1 at rank p-1, so
     each end's warm-up fills the other's bubble. Order from the list scheduler with at most
@@ -154,7 +157,7 @@ def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -
     # rank r holds (p - r) + (r + 1) = p + 1; separate quotas keep the chains from
     # blocking each other
     return list_schedule(
-        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations
+        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations, layout
     )
 
 

@@ -119,11 +119,11 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
     step_ends = line.run()
     per_step = [len(q) - q.count(None) for q in queues]
     return result_of(schedule, line.starts, line.ends, per_step, steps, optimizer_sync,
-                     step_ends, events=_events(queues, line.starts, line.ends) if events
+                     step_ends, events=events_of(queues, line.starts, line.ends) if events
                      else [[] for _ in queues])
 
 
-def _events(queues: list[Queue], starts: list[list[float]],
+def events_of(queues: list[Queue], starts: list[list[float]],
             ends: list[list[float]]) -> list[list[Event]]:
     """Per rank (kind, stage, mb, start, end) of every compute, every step in turn."""
     out = []
