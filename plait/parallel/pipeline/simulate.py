@@ -248,13 +248,16 @@ class _Timeline:
         m, size, post = self.m, self.size, self.post
         f_end, g_end, dur, waiting = self.f_end, self.g_end, self.dur, self.waiting
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
-        ready = list(range(self.s.pp - 1, -1, -1))
+        queues, ranks_pos, ranks_free, ranks_step = self.queues, self.pos, self.free, self.step
+        start_ats = [x.append for x in self.starts]
+        end_ats = [x.append for x in self.ends]
+        ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
         while ready:
             r = ready.pop()
-            self.resumed += 1
-            q, n = self.queues[r], len(self.queues[r])
-            start_at, end_at = self.starts[r].append, self.ends[r].append
-            pos, free, step = self.pos[r], self.free[r], self.step[r]
+            resumed += 1
+            q = queues[r]
+            n, start_at, end_at = len(q), start_ats[r], end_ats[r]
+            pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
             while True:  # one step's queue, from pos
                 base = step * size
                 for pos in range(pos, n):  # noqa: B020 (pos is where the rank waits)
@@ -311,7 +314,8 @@ class _Timeline:
                         free = free if free >= opens else opens
                         continue
                 break
-            self.pos[r], self.free[r], self.step[r] = pos, free, step
+            ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
+        self.resumed += resumed
 
     def _step_done(self, r: int, step: int, woke: list[int]) -> float | None:
         """Rank r has finished step `step` - 1: when it may start `step`; None: not yet
