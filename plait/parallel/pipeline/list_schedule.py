@@ -126,7 +126,7 @@ class ListScheduler:
         self.visits = 0  # (moment, rank) looks: at most one per rank per thing landing
 
     def run(self) -> list[list[Action]]:
-        n, n3 = self.n, self.n3
+        n, n3, p = self.n, self.n3, self.p
         dur, live, free, todo = self.dur, self.live, self.free, self.todo
         outs = (self.f_to, self.i_to)
         missing, landing, times, acts = self.missing, self.landing, self.times, self.acts
@@ -139,9 +139,12 @@ class ListScheduler:
         t, due = 0.0, list(range(self.p))  # at 0 every rank looks
         while True:
             for code in landing.pop(t, ()):
-                if code < 0:
-                    due.append(~code)  # the rank is free
-                    continue
+                if code < 0:  # a rank is free: ~r after a W, else -(next code) - p - 1
+                    if code >= -p:
+                        due.append(~code)
+                        continue
+                    code = -code - p - 1  # after an F or I: its own I or W has its input
+                    due.append(rank_of_code[code % n3])
                 missing[code] -= 1
                 if not missing[code]:  # all its inputs are there: ready
                     j = code % n3
@@ -175,10 +178,11 @@ class ListScheduler:
                     if at is None:
                         landing[end] = at = []
                         push(times, end)
-                    at.append(~r)  # the rank is free
-                    if kind < 2:
+                    if kind == 2:
+                        at.append(~r)  # the rank is free
+                    else:  # the rank is free, and its own I (W) has this input
+                        at.append(-(code + 1) - p - 1)
                         live[keys[s]] += 1 - 2 * kind
-                        at.append(code + 1)  # its own I (W) may run
                         dst, hop = outs[kind][s]
                         if dst >= 0:  # the peer's input: F (s+1) is key - 1, I (s-1) + 1
                             at = landing.get(end + hop)
