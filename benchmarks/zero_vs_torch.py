@@ -106,10 +106,13 @@ def main() -> None:
             print(f"{'zero-' + str(stage):10}{peer:8}{p_ms:>10.1f}{t_ms:>10.1f}"
                   f"{p_ms / t_ms:>12.3f}{'≤ ' + format(t_goal, '.2f'):>7}{time_ok:>9}"
                   f"{pm / 2**20:>11.2f} MiB{tm / 2**20:>10.2f} MiB{pm / tm:>11.3f}"
-                  f"{m_text:>9}{mem_ok:>9}{max_loss_gap(mine[0], theirs[0]):>10.1e}")
+                  f"{m_text:>9}{mem_ok:>9}{max_loss_gap(mine[0], theirs[0]):>10.1e}"
+                  + (f"  (peak / ZeRO-1's {m_value:.3f})" if m_text == "≤ ZeRO-1" else ""))
             name = f"zero_vs_torch.py: ZeRO-{stage} / {'FSDP2' if peer == 'fsdp2' else 'DDP'}"
             rows += [(f"{name}, step time", f"{p_ms / t_ms:.3f}", f"≤ {t_goal:.2f}", time_ok),
-                     (f"{name}, peak memory", f"{pm / tm:.3f}", m_text, mem_ok)]
+                     (f"{name}, peak memory", f"{pm / tm:.3f}" + (
+                         f" (ZeRO-2 / ZeRO-1 {m_value:.3f})" if m_text == "≤ ZeRO-1" else ""),
+                      m_text, mem_ok)]
         print(performance_rows(rows))
 
 
