@@ -133,7 +133,8 @@ class ListScheduler:
         ready_i, ready_w, ready_f = self.ready_i, self.ready_w, self.ready_f
         keys, action, heap_of, rank_of_code = self.keys, self.action, self.heap_of, \
             self.rank_of_code
-        starts, ends = self.starts, self.ends
+        act_at, start_at, end_at = ([x.append for x in lists]
+                                    for lists in (acts, self.starts, self.ends))
         phantom = self.p2p if self.zero else 0.0
         push, pop = heapq.heappush, heapq.heappop
         t, due = 0.0, list(range(self.p))  # at 0 every rank looks
@@ -170,9 +171,9 @@ class ListScheduler:
                 end = t + dur[kind][s]
                 free[r] = end
                 todo[r] -= 1
-                acts[r].append(action[code])
-                starts[r].append(t)
-                ends[r].append(end)
+                act_at[r](action[code])
+                start_at[r](t)
+                end_at[r](end)
                 if end > t:
                     at = landing.get(end)
                     if at is None:
@@ -185,10 +186,11 @@ class ListScheduler:
                         live[keys[s]] += 1 - 2 * kind
                         dst, hop = outs[kind][s]
                         if dst >= 0:  # the peer's input: F (s+1) is key - 1, I (s-1) + 1
-                            at = landing.get(end + hop)
-                            if at is None:
-                                landing[end + hop] = at = []
-                                push(times, end + hop)
+                            if hop:  # (free transfers: it lands with the rest at end)
+                                at = landing.get(end + hop)
+                                if at is None:
+                                    landing[end + hop] = at = []
+                                    push(times, end + hop)
                             at.append(code + 6 * kind - 3)
                 else:  # zero duration: higher ranks see it now, lower ones next moment
                     for r2 in self._zero_duration(r, kind, s, code, end, t):
