@@ -126,17 +126,15 @@ class ListScheduler:
         self.visits = 0  # (moment, rank) looks: at most one per rank per thing landing
 
     def run(self) -> list[list[Action]]:
-        n, n3, p = self.n, self.n3, self.p
-        dur, live, free, todo = self.dur, self.live, self.free, self.todo
-        outs = (self.f_to, self.i_to)
-        missing, landing, times, acts = self.missing, self.landing, self.times, self.acts
-        ready_i, ready_w, ready_f = self.ready_i, self.ready_w, self.ready_f
-        keys, action, heap_of, rank_of_code = self.keys, self.action, self.heap_of, \
-            self.rank_of_code
+        n, n3, p, dur, live, free, todo = (self.n, self.n3, self.p, self.dur, self.live,
+                                           self.free, self.todo)
+        outs, missing, landing, times = (self.f_to, self.i_to), self.missing, self.landing, \
+            self.times
+        ready_i, ready_w, ready_f, keys = self.ready_i, self.ready_w, self.ready_f, self.keys
+        action, heap_of, rank_of_code = self.action, self.heap_of, self.rank_of_code
         act_at, start_at, end_at = ([x.append for x in lists]
-                                    for lists in (acts, self.starts, self.ends))
-        phantom = self.p2p if self.zero else 0.0
-        push, pop = heapq.heappush, heapq.heappop
+                                    for lists in (self.acts, self.starts, self.ends))
+        phantom, push, pop = self.p2p if self.zero else 0.0, heapq.heappush, heapq.heappop
         t, due = 0.0, list(range(self.p))  # at 0 every rank looks
         while True:
             for code in landing.pop(t, ()):
@@ -206,7 +204,7 @@ class ListScheduler:
             t = pop(times)
         if any(todo):  # cannot happen: some action is always ready eventually
             raise RuntimeError(f"list scheduler for {self.shape.name} made no progress")
-        return acts
+        return self.acts
 
     def _zero_duration(self, r: int, kind: int, s: int, code: int, end: float,
                        t: float) -> list[int]:
