@@ -245,12 +245,12 @@ class _Timeline:
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
-        m, size, post = self.m, self.size, self.post
-        f_end, g_end, dur, waiting = self.f_end, self.g_end, self.dur, self.waiting
+        m, size, post, dur = self.m, self.size, self.post, self.dur
+        f_end, g_end, waiting, dur_f, dur_w = self.f_end, self.g_end, self.waiting, dur["F"], \
+            dur["W"]
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
         queues, ranks_pos, ranks_free, ranks_step = self.queues, self.pos, self.free, self.step
-        start_ats = [x.append for x in self.starts]
-        end_ats = [x.append for x in self.ends]
+        start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
         ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
         while ready:
             r = ready.pop()
@@ -277,35 +277,42 @@ class _Timeline:
                                 waiting.setdefault(i + off, []).append(r)
                                 break
                             t += hop
-                    elif kind == "W":
+                        if free < t:
+                            free = t
+                        start_at(free)
+                        free += dur_f[st]
+                        end_at(free)
+                        f_end[i] = free
+                        if i in waiting:
+                            ready += waiting.pop(i)
+                        continue
+                    if kind == "W":
                         t = g_end[i]
                         if t is None:
                             waiting.setdefault(gk + i, []).append(r)
                             break
-                    else:  # I or B: its own F, and the gradient from the next stage
-                        off, hop = g_src[st]
-                        t = f_end[i]
-                        if t is not None and off is not None:
-                            t = g_end[i + off]
-                            if t is None:
-                                waiting.setdefault(gk + i + off, []).append(r)
-                                break
-                            t += hop
-                        elif t is None:
-                            waiting.setdefault(i, []).append(r)
-                            break
-                    start = free if free >= t else t
-                    free = start + dur[kind][st]
-                    start_at(start)
+                        if free < t:
+                            free = t
+                        start_at(free)
+                        free += dur_w[st]
+                        end_at(free)
+                        continue
+                    # I or B: the gradient from the next stage (there only after its own
+                    # F, which the next stage's F needs), else (the loss) its own F
+                    off, hop = g_src[st]
+                    t = f_end[i] if off is None else g_end[i + off]
+                    if t is None:
+                        waiting.setdefault(i if off is None else gk + i + off, []).append(r)
+                        break
+                    t += hop
+                    if free < t:
+                        free = t
+                    start_at(free)
+                    free += dur[kind][st]
                     end_at(free)
-                    if kind == "F":
-                        f_end[i] = free
-                        if i in waiting:
-                            ready += waiting.pop(i)
-                    elif kind != "W":
-                        g_end[i] = free
-                        if gk + i in waiting:
-                            ready += waiting.pop(gk + i)
+                    g_end[i] = free
+                    if gk + i in waiting:
+                        ready += waiting.pop(gk + i)
                 else:  # the rank's step is done
                     self.last[step][r] = self.ends[r][-1] if self.computes[r] else free
                     pos, step = 0, step + 1
