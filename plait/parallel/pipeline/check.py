@@ -74,9 +74,9 @@ def _placement(s: Schedule) -> list[str]:
 def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
     m = s.microbatches
     expected = [0] * (s.num_stages * m)
-    for stage in range(s.num_stages):
-        for mb in s.microbatches_of(stage):
-            expected[stage * m + mb] = 1
+    for stage in range(s.num_stages):  # a stage's micro-batches are a contiguous range
+        mbs = s.microbatches_of(stage)
+        expected[stage * m + mbs.start:stage * m + mbs.stop] = [1] * len(mbs)
     f, b, i, w = (count[k] for k in "FBIW")
     if f == expected and i == w and list(map(add, b, i)) == expected:
         return []  # every forward once, one B or one I and one W: nothing to say
