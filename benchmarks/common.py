@@ -6,6 +6,7 @@ batches with torch's AdamW, so step times and losses are comparable with plait's
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -87,3 +88,23 @@ def mean_ms(runs: list[dict]) -> float:
 
 def max_loss_gap(a: dict, b: dict) -> float:
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+
+
+# --- goals (issue 11, item 4): each benchmark prints its goal beside its ratio ------------
+
+
+def met(value: float, goal: float) -> str:
+    """'met' when value <= goal (every goal here is an upper bound), else 'not met'."""
+    return "met" if value <= goal else "not met"
+
+
+def performance_rows(rows: list[tuple[str, str, str, str]]) -> str:
+    """The lines to paste into docs/performance.md's table for (what, measured, goal,
+    met?): the exact command is this process's, the date and load average are now's."""
+    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0]
+    return "\n".join(["for docs/performance.md:"] + [
+        f"| {what} | `{command}` | {measured} | {goal} | {ok} | {when} | {load:.1f} |"
+        for what, measured, goal, ok in rows])
+

@@ -4,7 +4,8 @@
 
 Both train the same model from the same weights on the same global batches with AdamW and
 grad clipping; gloo on CPU, one thread per rank. Prints mean step time (first 2 steps
-skipped as warm-up), the ratio plait/DDP (goal <= 1.0), the losses' agreement, and gradient
+skipped as warm-up), the ratio plait/DDP beside its goal (<= 0.90, issue 11), the losses'
+agreement, and gradient
 bytes per step: plait's from its ledger, DDP's from a comm hook that sizes each bucket in a
 separate counting pass (the hook is not present in the timed run).
 """
@@ -17,7 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import batches, bench_config, max_loss_gap, mean_ms, torch_adamw, torch_loop
+from common import (
+    batches,
+    bench_config,
+    max_loss_gap,
+    mean_ms,
+    met,
+    performance_rows,
+    torch_adamw,
+    torch_loop,
+)
 
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
@@ -59,6 +69,9 @@ def _ddp(rank, world, args, path, count_bytes=False):
     return {**out, "bytes": sum(sent), "calls": len(sent)}
 
 
+GOAL = 0.90  # plait / DDP step time (issue 11, item 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)
@@ -80,8 +93,11 @@ def main() -> None:
     print(f"{'':8}{'step ms':>10}{'grad bytes/step/rank':>24}{'calls':>7}")
     print(f"{'plait':8}{p_ms:>10.1f}{plait_runs[0]['bytes']:>24,.0f}{plait_runs[0]['calls']:>7}")
     print(f"{'DDP':8}{d_ms:>10.1f}{ddp_bytes['bytes']:>24,.0f}{ddp_bytes['calls']:>7}")
-    print(f"ratio plait/DDP step time: {p_ms / d_ms:.3f}  (goal <= 1.0)")
+    ratio = p_ms / d_ms
+    print(f"ratio plait/DDP step time: {ratio:.3f}  goal <= {GOAL:.2f}: {met(ratio, GOAL)}")
     print(f"max |loss difference| over steps: {max_loss_gap(plait_runs[0], ddp_runs[0]):.2e}")
+    print(performance_rows([("dp_vs_ddp.py: bucketed DP / DDP, step time", f"{ratio:.3f}",
+                             f"≤ {GOAL:.2f}", met(ratio, GOAL))]))
 
 
 if __name__ == "__main__":

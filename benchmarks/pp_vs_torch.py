@@ -17,6 +17,8 @@ step to the last compute), "sim" the simulator's prediction for the measured per
 durations, p2p latency and post time, "sim0" the same with free transfers, the p2p and
 post used, and the CPU share of compute wall time (below 100% when ranks are time-sliced).
 The load average before and after is printed: on a shared machine it decides the numbers.
+Goals (issue 11, item 2), printed beside each: plait / torch step time <= 0.90, and plait's
+measured bubble ("span") within 2 points of the simulated one ("sim").
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import met, performance_rows  # noqa: E402
 
 from plait.config import load_config  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
@@ -197,18 +201,29 @@ def main() -> None:
           f"{args.steps} steps (median of the last {args.steps - WARMUP}); "
           f"load average before {load0[0]:.1f}, after {load1[0]:.1f}")
     print(f"  plait partition ({next(iter(res))}): {first['partition']}")
-    print(f"{'schedule':<12}{'plait ms':>9}{'torch ms':>9}{'ratio':>7} | {'bubble: plait':>13}"
-          f"{'torch':>7} | {'plait report: span':>19}{'sim':>7}{'sim0':>7}{'p2p ms':>8}"
-          f"{'post ms':>8}{'CPU':>6}")
+    print(f"{'schedule':<12}{'plait ms':>9}{'torch ms':>9}{'ratio':>7}{'goal':>7}{'':>8} | "
+          f"{'bubble: plait':>13}{'torch':>7} | {'plait report: span':>19}{'sim':>7}"
+          f"{'|span-sim|':>11}{'goal':>7}{'':>8}{'sim0':>7}{'p2p ms':>8}{'post ms':>8}{'CPU':>6}")
+    rows = []
     for ours, r in res.items():
         rep = r["report"]
         d = rep["durations_ms"]
         cpu = min(rep["cpu_share"].values())
+        ratio = r["plait_s"] / r["torch_s"]
+        gap = abs(rep["measured_bubble"] - rep["simulated_bubble"]) * 100  # points
         print(f"{ours:<12}{r['plait_s'] * 1e3:>9.1f}{r['torch_s'] * 1e3:>9.1f}"
-              f"{r['plait_s'] / r['torch_s']:>7.2f} | {r['plait_bubble']:>13.1%}"
-              f"{r['torch_bubble']:>7.1%} | {rep['measured_bubble']:>19.1%}"
-              f"{rep['simulated_bubble']:>7.1%}{rep['simulated_bubble_no_comm']:>7.1%}"
-              f"{d['p2p']:>8.2f}{d['post']:>8.2f}{cpu:>6.0%}")
+              f"{ratio:>7.2f}{'≤ ' + format(TIME_GOAL, '.2f'):>7}{met(ratio, TIME_GOAL):>8} | "
+              f"{r['plait_bubble']:>13.1%}{r['torch_bubble']:>7.1%} | "
+              f"{rep['measured_bubble']:>19.1%}{rep['simulated_bubble']:>7.1%}{gap:>9.1f} pt"
+              f"{'≤ ' + format(BUBBLE_GOAL, 'g'):>7}{met(gap, BUBBLE_GOAL):>8}"
+              f"{rep['simulated_bubble_no_comm']:>7.1%}{d['p2p']:>8.2f}{d['post']:>8.2f}"
+              f"{cpu:>6.0%}")
+        rows += [(f"pp_vs_torch.py: {ours} / {r['theirs']}, step time", f"{ratio:.2f}",
+                  f"≤ {TIME_GOAL:.2f}", met(ratio, TIME_GOAL)),
+                 (f"pp_vs_torch.py: {ours}, measured bubble vs simulated",
+                  f"{rep['measured_bubble']:.1%} vs {rep['simulated_bubble']:.1%} "
+                  f"({gap:.1f} points)", f"within {BUBBLE_GOAL:g} points",
+                  met(gap, BUBBLE_GOAL))]
     if "1f1b" in res:
         base = res["1f1b"]
         for name in ("interleaved", "zb-v", "dualpipev"):
@@ -219,6 +234,10 @@ def main() -> None:
                 print(f"{name} bubble / 1f1b bubble: plait {ratios[0]:.2f}, torch "
                       f"{ratios[1]:.2f}, simulated {sim:.2f} (goal for zb-v and dualpipev "
                       "<= 0.33)")
+    print(performance_rows(rows))
+
+
+TIME_GOAL, BUBBLE_GOAL = 0.90, 2.0  # plait / torch step time; |measured - simulated| points
 
 
 if __name__ == "__main__":

@@ -70,8 +70,9 @@ def main() -> None:
     print(f"plait simulate --pp {args.pp} --microbatches {args.microbatches} --steps "
           f"{args.steps} --optimizer-sync {args.optimizer_sync}; median of {args.runs} runs; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'schedule':<12} {'wall s':>7} {'cpu s':>7} {'goal s':>7} {'ratio':>6} "
+    print(f"{'schedule':<12} {'wall s':>7} {'cpu s':>7} {'goal':>7} {'met':>7} "
           f"{'bubble':>8}  torch/numpy loaded")
+    rows = []
     for name in args.schedules:
         argv = ["simulate", "--schedule", name, "--pp", str(args.pp), "--microbatches",
                 str(args.microbatches), "--steps", str(args.steps), "--optimizer-sync",
@@ -83,8 +84,18 @@ def main() -> None:
         bubble = (doc["steps"]["steady_bubble_fraction"] if "steps" in doc
                   and doc["steps"]["steady_bubble_fraction"] is not None
                   else doc["bubble_fraction"])
-        print(f"{name:<12} {wall:7.2f} {cpu:7.2f} {GOAL_S:7.2f} {wall / GOAL_S:6.2f} "
-              f"{bubble:8.4f}  {loaded_modules(argv) or 'neither'}")
+        met = "met" if wall <= GOAL_S else "not met"
+        print(f"{name:<12} {wall:7.2f} {cpu:7.2f} {'≤ ' + format(GOAL_S, '.1f') + ' s':>7} "
+              f"{met:>7} {bubble:8.4f}  {loaded_modules(argv) or 'neither'}")
+        rows.append((name, wall, cpu, met))
+    # one row per schedule for docs/performance.md (the command, the time, the goal, met?)
+    print("\nfor docs/performance.md:")
+    load = os.getloadavg()
+    for name, wall, cpu, met in rows:
+        print(f"| simulate_scale.py | `plait simulate --schedule {name} --pp {args.pp} "
+              f"--microbatches {args.microbatches}` | {wall:.2f} s wall ({cpu:.2f} s CPU) | "
+              f"≤ {GOAL_S:.1f} s | {met} | {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC "
+              f"| {load[0]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -248,6 +248,26 @@ def test_list_schedules_use_given_durations():
     assert check(lower(build_schedule("dualpipe", 8, 16, durations=Durations(2, 2, 1, 0.3)))) == []
 
 
+def test_a_list_scheduled_order_is_laid_out_as_the_simulator_lays_it_out():
+    """The list scheduler's own clock (its `layout`) is `simulate`'s lay-out of the order
+    for the durations it was built for, when they are positive: `plait simulate` reuses
+    it. Bit for bit, every figure and event."""
+    from plait.parallel.pipeline.simulate import events_of, result_of
+
+    for name, p, m in (("zb-v", 4, 8), ("zb-v", 3, 13), ("dualpipe", 4, 8), ("dualpipe", 6, 6)):
+        for d in (EQUAL, Durations(1.0, 1.25, 0.75, 0.05), Durations(1.0, 2.0, 0.5, 0.3)):
+            layout: list = []
+            s = build_schedule(name, p, m, 2 if name == "zb-v" else 1, d, layout=layout)
+            assert layout[0] == d
+            got = result_of(s, *layout[1:], [len(a) for a in s.actions],
+                            events=events_of(s.actions, *layout[1:]))
+            assert got == simulate(s, d), (name, p, m, d)
+    for d in (Durations(1.0, 1.0, 0.0), Durations(0.0, 1.0, 1.0)):  # a zero duration:
+        layout = []  # the scheduler's moments are not the simulator's times (no layout)
+        s = build_schedule("zb-v", 3, 6, 2, d, layout=layout)
+        assert layout == [] and check(s) == []  # (it used to stop: "made no progress")
+
+
 # --- the simulator itself -------------------------------------------------------------------
 
 

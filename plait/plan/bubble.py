@@ -108,9 +108,9 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
               round(p2p / fm, 2))
     sched = _build(schedule, pp, m, v, ratios)
     if optimizer_sync == "barrier":
-        r = simulate(sched, d)
+        r = simulate(sched, d, events=False)  # the figures only: no per-event tuples
         return r.step_time, r.bubble_fraction, tuple(r.peak_activations)
-    r = simulate(sched, d, STEADY_STEPS, optimizer_sync)
+    r = simulate(sched, d, STEADY_STEPS, optimizer_sync, events=False)
     return r.steady_step_time, r.steady_bubble_fraction, tuple(r.peak_activations)
 
 

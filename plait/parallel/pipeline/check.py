@@ -19,8 +19,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from operator import add
 
 from plait.parallel.pipeline.ir import Action, Schedule, without_gc
+from plait.parallel.pipeline.ir import peak_activations as peak_activations  # (its home)
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
@@ -60,10 +62,8 @@ def _placement(s: Schedule) -> list[str]:
             if not 0 <= stage < s.num_stages:
                 out.append(f"rank {r}: {a} names stage {stage} outside 0..{s.num_stages - 1}")
             elif s.stage_to_rank[stage] != r:
-                out.append(
-                    f"rank {r}: {a} runs stage {stage}, which lives on rank "
-                    f"{s.stage_to_rank[stage]}"
-                )
+                out.append(f"rank {r}: {a} runs stage {stage}, which lives on rank "
+                           f"{s.stage_to_rank[stage]}")
             elif mb not in chain_mbs[stage]:
                 out.append(f"rank {r}: {a}: micro-batch {mb} does not pass stage {stage}")
             elif len(kind) > 1:
@@ -74,11 +74,11 @@ def _placement(s: Schedule) -> list[str]:
 def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
     m = s.microbatches
     expected = [0] * (s.num_stages * m)
-    for stage in range(s.num_stages):
-        for mb in s.microbatches_of(stage):
-            expected[stage * m + mb] = 1
+    for stage in range(s.num_stages):  # a stage's micro-batches are a contiguous range
+        mbs = s.microbatches_of(stage)
+        expected[stage * m + mbs.start:stage * m + mbs.stop] = [1] * len(mbs)
     f, b, i, w = (count[k] for k in "FBIW")
-    if f == expected and i == w and [x + y for x, y in zip(b, i)] == expected:
+    if f == expected and i == w and list(map(add, b, i)) == expected:
         return []  # every forward once, one B or one I and one W: nothing to say
     out = []
     for stage in range(s.num_stages):
@@ -87,14 +87,9 @@ def _completeness(s: Schedule, count: dict[str, list[int]]) -> list[str]:
             if f[k] != 1:
                 out.append(f"stage {stage} micro-batch {mb}: {f[k]} forwards, expected 1")
             if not ((b[k] == 1 and i[k] == w[k] == 0) or (b[k] == 0 and i[k] == w[k] == 1)):
-                out.append(
-                    f"stage {stage} micro-batch {mb}: backward is B x{b[k]}, I x{i[k]}, "
-                    f"W x{w[k]}; expected one B, or one I and one W"
-                )
+                out.append(f"stage {stage} micro-batch {mb}: backward is B x{b[k]}, I x{i[k]}, "
+                           f"W x{w[k]}; expected one B, or one I and one W")
     return out
-
-
-_NEEDS = {"B": "F", "I": "F", "W": "I"}
 
 
 def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool] | None:
@@ -105,28 +100,33 @@ def _scan(s: Schedule) -> tuple[dict[str, list[int]], list[str], bool] | None:
         return None
     m = s.microbatches
     count = {k: [0] * (s.num_stages * m) for k in "FBIW"}
-    # one seen-set for all ranks: placement holds, so no two ranks run the same stage
-    seen = {k: bytearray(s.num_stages * m) for k in "FBIW"}
+    f, b, i, w = count.values()  # placement holds: no two ranks run the same stage
     order, transfers = [], False
     chain_mbs = [s.microbatches_of(st) for st in range(s.num_stages)]
     for r, acts in enumerate(s.actions):
         mine = {st: chain_mbs[st] for st in s.stages_on(r)}
-        for a in acts:
+        for a in acts:  # a count seen before is an action run before, on this rank
             kind, stage, mb, peer = a
             mbs = mine.get(stage)
             if mbs is None or mb not in mbs:
                 return None
-            if len(kind) > 1:
+            k = stage * m + mb
+            if kind == "F":
+                f[k] += 1
+                continue
+            if kind == "W":
+                w[k] += 1
+                need = None if i[k] else "I"
+            elif kind == "I" or kind == "B":
+                (i if kind == "I" else b)[k] += 1
+                need = None if f[k] else "F"
+            else:
                 if not 0 <= peer < s.pp:
                     return None
                 transfers = True
                 continue
-            k = stage * m + mb
-            count[kind][k] += 1
-            need = _NEEDS.get(kind)
-            if need and not seen[need][k]:
+            if need:
                 order.append(f"rank {r}: {a} runs before {need}{stage}.{mb}")
-            seen[kind][k] = 1
     return count, order, transfers
 
 
@@ -360,22 +360,3 @@ def _blocker(s: Schedule, lowered: bool, done: dict[str, bytearray], r: int,
         return f"{recv_kind}{a.stage}.{a.microbatch}<{src_rank} (never posted before it)"
     send_kind = "SEND_F" if fam == "F" else "SEND_B"
     return f"{send_kind}{src}.{a.microbatch} from rank {src_rank}"
-
-
-def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the most stage-micro-batch activation sets held at once: +1 when an F runs,
-    -1 when its I or B finishes. After I, a W still holds the inputs of its weight-gradient
-    matmuls (layer inputs and output gradients); that smaller residue is not counted. The
-    unit is one stage's activations for one micro-batch: with v stages per rank a unit is
-    1/v of what a 1F1B unit (a whole rank's layers) holds."""
-    peaks = []
-    for acts in schedule.actions:
-        live = peak = 0
-        for a in acts:
-            if a.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif a.kind in ("I", "B"):
-                live -= 1
-        peaks.append(peak)
-    return peaks

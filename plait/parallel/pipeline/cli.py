@@ -38,6 +38,8 @@ from plait.parallel.pipeline.simulate import (
     OPTIMIZER_SYNCS,
     DeadlockError,
     Durations,
+    events_of,
+    result_of,
     simulate,
 )
 
@@ -175,6 +177,7 @@ def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
 @without_gc  # one pause for build, check and simulate (ir.without_gc says why)
 def run(args: argparse.Namespace) -> int:
     problems = input_problems(args)
+    layout: list = []  # a list-scheduled order's own lay-out, for the durations built for
     if problems:
         print("error: invalid input:\n" + "\n".join(f"  - {p}" for p in problems),
               file=sys.stderr)
@@ -184,12 +187,15 @@ def run(args: argparse.Namespace) -> int:
             schedule = _load(Path(args.load))
         else:
             v = natural_virtual_stages(args.schedule, args.virtual_stages)
-            schedule = build_schedule(args.schedule, args.pp, args.microbatches, v)
+            schedule = build_schedule(args.schedule, args.pp, args.microbatches, v,
+                                      layout=layout)
     except (ValueError, OSError) as e:  # a text that is not a schedule, too
         print(f"error: {e}", file=sys.stderr)
         return 2
     compute_only = schedule
-    has_transfers = any(len(a[0]) > 1 for acts in schedule.actions for a in acts)
+    # a builder's schedule is compute only; a loaded one may hold transfers
+    has_transfers = bool(args.load) and any(len(a[0]) > 1 for acts in schedule.actions
+                                            for a in acts)
     if has_transfers:
         compute_only = Schedule(
             schedule.name,
@@ -211,9 +217,13 @@ def run(args: argparse.Namespace) -> int:
         problems = check(lowered)
     d = Durations(args.forward, args.backward_input, args.backward_weight, args.p2p)
     res = None
-    if not problems:
+    draw = bool(args.trace or args.png)  # only drawings read the events
+    if not problems and layout and layout[0] == d and args.steps == 1:
+        res = result_of(schedule, *layout[1:], [len(a) for a in schedule.actions],
+                        events=events_of(schedule.actions, *layout[1:]) if draw else None)
+    elif not problems:
         try:
-            res = simulate(compute_only, d, args.steps, args.optimizer_sync)
+            res = simulate(compute_only, d, args.steps, args.optimizer_sync, events=draw)
         except DeadlockError:
             problems = deadlocks(schedule)
     if problems:
@@ -262,36 +272,52 @@ def _summary(schedule: Schedule, res, d: Durations) -> dict:
 
 
 def _print_table(s: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="plait simulate", show_header=True)
-    t.add_column("quantity")
-    t.add_column("value")
-    t.add_row("schedule", s["schedule"])
-    t.add_row(
-        "pp / microbatches / virtual stages",
-        f"{s['pp']} / {s['microbatches']} / {s['virtual_stages']}",
-    )
+    rows = [("schedule", s["schedule"]),
+            ("pp / microbatches / virtual stages",
+             f"{s['pp']} / {s['microbatches']} / {s['virtual_stages']}")]
     dd = s["durations"]
-    t.add_row(
-        "T_F / T_I / T_W / p2p",
-        f"{dd['forward']:g} / {dd['backward_input']:g} / {dd['backward_weight']:g} / {dd['p2p']:g}",
-    )
-    t.add_row("step time", f"{s['step_time']:.6g}")
-    t.add_row("bubble fraction", f"{s['bubble_fraction']:.4f}")
+    rows.append(("T_F / T_I / T_W / p2p", f"{dd['forward']:g} / {dd['backward_input']:g} / "
+                 f"{dd['backward_weight']:g} / {dd['p2p']:g}"))
+    rows.append(("step time", f"{s['step_time']:.6g}"))
+    rows.append(("bubble fraction", f"{s['bubble_fraction']:.4f}"))
     cf = s["closed_form_bubble"]
-    t.add_row("closed form", "n/a (see docs/pipeline.md)" if cf is None else f"{cf:.4f}")
+    rows.append(("closed form", "n/a (see docs/pipeline.md)" if cf is None else f"{cf:.4f}"))
     pb = s["paper_bubble_time"]
-    t.add_row("paper's bubble time per rank", "n/a" if pb is None else f"{pb:.4g}")
-    t.add_row("idle inside each rank's span", " ".join(f"{x:.3g}" for x in s["span_idle_per_rank"]))
-    t.add_row("peak activations per rank", " ".join(map(str, s["peak_activations"])))
+    rows.append(("paper's bubble time per rank", "n/a" if pb is None else f"{pb:.4g}"))
+    rows.append(("idle inside each rank's span",
+                 " ".join(f"{x:.3g}" for x in s["span_idle_per_rank"])))
+    rows.append(("peak activations per rank", " ".join(map(str, s["peak_activations"]))))
     if "steps" in s:
         k = s["steps"]
-        t.add_row("steps / between them", f"{k['steps']} / {k['optimizer_sync']}")
+        rows.append(("steps / between them", f"{k['steps']} / {k['optimizer_sync']}"))
         if k["steady_step_time"] is None:
-            t.add_row("steady state", "needs --steps 2 or more (it is steps 2..K)")
+            rows.append(("steady state", "needs --steps 2 or more (it is steps 2..K)"))
         else:
-            t.add_row("steady-state step time (steps 2..K)", f"{k['steady_step_time']:.6g}")
-            t.add_row("steady-state bubble fraction", f"{k['steady_bubble_fraction']:.4f}")
-    Console().print(t)
+            rows.append(("steady-state step time (steps 2..K)", f"{k['steady_step_time']:.6g}"))
+            rows.append(("steady-state bubble fraction",
+                         f"{k['steady_bubble_fraction']:.4f}"))
+    print(box_table("plait simulate", ("quantity", "value"), rows))
+
+
+def box_table(title: str, header: tuple[str, str], rows: list[tuple[str, str]],
+              width: int | None = None) -> str:
+    """A two-column table in box characters, the value column wrapped at word breaks to
+    fit the terminal (80 columns when it is not one). Plain string formatting: `rich`
+    costs `plait simulate` a tenth of a second to import."""
+    import shutil
+    import textwrap
+
+    width = width or shutil.get_terminal_size((80, 24)).columns
+    left = max(len(header[0]), *(len(k) for k, _ in rows))
+    room = max(width - left - 7, 10)  # borders and padding: "│ k │ v │"
+    cells = [(k, textwrap.wrap(v, room) or [""]) for k, v in rows]
+    right = max(len(header[1]), *(len(x) for _, lines in cells for x in lines))
+    out = [title.center(left + right + 7).rstrip(),
+           f"┏{'━' * (left + 2)}┳{'━' * (right + 2)}┓",
+           f"┃ {header[0]:<{left}} ┃ {header[1]:<{right}} ┃",
+           f"┡{'━' * (left + 2)}╇{'━' * (right + 2)}┩"]
+    for k, lines in cells:
+        for n, line in enumerate(lines):
+            out.append(f"│ {k if n == 0 else '':<{left}} │ {line:<{right}} │")
+    out.append(f"└{'─' * (left + 2)}┴{'─' * (right + 2)}┘")
+    return "\n".join(out)

@@ -37,6 +37,8 @@ import gc
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import itemgetter
 from typing import NamedTuple, TypeVar
 
 COMPUTE = ("F", "B", "I", "W")
@@ -247,3 +249,18 @@ class Schedule:
             num_chains=int(meta.get("num_chains", 1)),
             lowered=bool(int(meta.get("lowered", 0))),
         )
+
+
+def peak_activations(schedule: Schedule) -> list[int]:
+    """Per rank, the most stage-micro-batch activation sets held at once: +1 when an F runs,
+    -1 when its I or B finishes. After I, a W still holds the inputs of its weight-gradient
+    matmuls (layer inputs and output gradients); that smaller residue is not counted. The
+    unit is one stage's activations for one micro-batch: with v stages per rank a unit is
+    1/v of what a 1F1B unit (a whole rank's layers) holds."""
+    # the running count's maximum, in C (map, accumulate, max): no Python step per action
+    return [max(accumulate(map(_LIVE.__getitem__, map(_KIND, acts)), initial=0))
+            for acts in schedule.actions]
+
+
+_LIVE = {k: 1 if k == "F" else -1 if k in ("I", "B") else 0 for k in KINDS}
+_KIND = itemgetter(0)

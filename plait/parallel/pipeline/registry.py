@@ -37,7 +37,8 @@ class ScheduleSpec:
     """One pipeline schedule. Placement and order are the builder's (`schedules.py`)."""
 
     name: str
-    build: Callable[..., Schedule]  # (p, m, v), or (p, m, v, durations) if list_scheduled
+    build: Callable[..., Schedule]  # (p, m, v), or (p, m, v, durations, layout) if
+    # list_scheduled
     rules: tuple[Rule, ...]  # what it needs of (p, m, v), in the order problems are shown
     # the planner scores schedules in this order, and of layouts with equal closed-form
     # step times the earlier wins (1f1b before gpipe: the same time, less memory)
@@ -227,16 +228,18 @@ def build_schedule(
     microbatches: int,
     virtual_stages: int = 1,
     durations: Durations | None = None,
+    layout: list | None = None,
 ) -> Schedule:
     """Build the named schedule; ValueError listing every problem (and its fix) otherwise.
     `durations` only matters for the list-scheduled zb-v and dualpipe, whose order is
-    searched for those durations (default: T_F = T_I = T_W, free transfers)."""
+    searched for those durations (default: T_F = T_I = T_W, free transfers); for them a
+    `layout` list receives the search's own lay-out (`list_schedule.list_schedule`)."""
     problems = validate_schedule_request(name, pp, microbatches, virtual_stages)
     if problems:
         raise ValueError(f"cannot build schedule {name!r}: " + "; ".join(problems))
     spec = SCHEDULES[name]
     if spec.list_scheduled:
-        return spec.build(pp, microbatches, virtual_stages, durations)
+        return spec.build(pp, microbatches, virtual_stages, durations, layout)
     return spec.build(pp, microbatches, virtual_stages)
 
 

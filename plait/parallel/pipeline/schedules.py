@@ -13,6 +13,9 @@ registry.py, holds every other fact about each schedule). Placement per schedule
 
 from __future__ import annotations
 
+from itertools import chain, repeat
+from operator import add
+
 from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.ir import trusted as _act
 from plait.parallel.pipeline.list_schedule import list_schedule
@@ -95,26 +98,24 @@ def build_interleaved(p: int, m: int, v: int) -> Schedule:
     chunks reversed; rank r warms up with 2(p-1-r) + (v-1)p forwards. Bubble time
     (p-1)(T_F+T_B) in per-stage times: 1/v of 1F1B's."""
     total = m * v  # stage-microbatch forwards per rank
-
-    def mb_of(k: int) -> int:
-        return (k // (p * v)) * p + k % p
-
+    mbs = [(k // (p * v)) * p + k % p for k in range(total)]  # the k-th forward's (backward's)
+    chunk = [(k // p) % v for k in range(total)]  # ... chunk, the same on every rank
+    f_stage0 = [c * p for c in chunk]  # stage on rank 0; rank r adds r
+    b_stage0 = [(v - 1 - c) * p for c in chunk]
     acts = []
-    for r in range(p):
-
-        def fwd(k: int, r: int = r) -> Action:
-            return _act("F", ((k // p) % v) * p + r, mb_of(k))
-
-        def bwd(k: int, r: int = r) -> Action:
-            return _act("B", (v - 1 - (k // p) % v) * p + r, mb_of(k))
-
+    for r in range(p):  # each rank's lists made by C builtins, no Python step per action
+        fwd = _actions("F", map(add, f_stage0, repeat(r)), mbs)
+        bwd = _actions("B", map(add, b_stage0, repeat(r)), mbs)
         warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
-        seq = [fwd(k) for k in range(warm)]
-        for k in range(total - warm):
-            seq += [fwd(warm + k), bwd(k)]
-        seq += [bwd(k) for k in range(total - warm, total)]
-        acts.append(seq)
+        acts.append(fwd[:warm] + list(chain.from_iterable(zip(fwd[warm:], bwd)))
+                    + bwd[total - warm:])
     return Schedule("interleaved", p, m, v, p * v, [s % p for s in range(p * v)], acts)
+
+
+def _actions(kind: str, stages, mbs) -> list[Action]:
+    """Actions (kind, stage, mb) for the stages and micro-batches given, made in C."""
+    return list(map(tuple.__new__, repeat(Action), zip(repeat(kind), stages, mbs,
+                                                         repeat(None))))
 
 
 def _v_placement(p: int) -> list[int]:
@@ -122,7 +123,8 @@ def _v_placement(p: int) -> list[int]:
     return list(range(p)) + list(range(p - 1, -1, -1))
 
 
-def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None,
+               layout: list | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, about 2p stage
     activations per rank (= 1F1B's peak p, as each stage is half a rank's layers). The
     order comes from the list scheduler (list_schedule.py), run with `durations`
@@ -141,10 +143,12 @@ def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None) -> Sc
         1,
         lambda s: (min(s, 2 * p - 1 - s), 2 * p, s < p),
         durations,
+        layout,
     )
 
 
-def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -> Schedule:
+def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None,
+                   layout: list | None = None) -> Schedule:
     """DualPipe (DeepSeek-V3 technical report, 2024, section 3.2.1): two chains over two
     copies of the model, micro-batches 0..m/2-1 enter at rank 0, m/2..m-1 at rank p-1, so
     each end's warm-up fills the other's bubble. Order from the list scheduler with at most
@@ -154,7 +158,7 @@ def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None) -
     # rank r holds (p - r) + (r + 1) = p + 1; separate quotas keep the chains from
     # blocking each other
     return list_schedule(
-        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations
+        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations, layout
     )
 
 
@@ -169,50 +173,35 @@ def build_dualpipev(p: int, m: int, v: int) -> Schedule:
          beside it; this model runs them in turn)
     Needs m >= 2p-1 so that phase 4 is not negative on rank 0."""
     acts = []
-    for r in range(p):
+    for r in range(p):  # each phase a zip of slices: C builtins, no Python step per action
         stage = (r, 2 * p - 1 - r)
-        nxt = {"F": [0, 0], "B": [0, 0]}
-        pending_w: list[Action] = []
-        seq: list[Action] = []
+        at = {"F": [0, 0], "B": [0, 0]}  # the next micro-batch of each chunk's F, backward
 
-        def f(c: int, seq=seq, nxt=nxt, stage=stage) -> None:
-            seq.append(_act("F", stage[c], nxt["F"][c]))
-            nxt["F"][c] += 1
+        def take(kind: str, c: int, n: int, stage=stage, at=at) -> list[Action]:
+            """The next n of kind on chunk c (its count is advanced by `run`)."""
+            lo = at["F" if kind == "F" else "B"][c]
+            return _actions(kind, repeat(stage[c]), range(lo, lo + n))
 
-        def b(c: int, split: bool, seq=seq, nxt=nxt, stage=stage, pw=pending_w) -> None:
-            mb = nxt["B"][c]
-            nxt["B"][c] += 1
-            if split:
-                seq.append(_act("I", stage[c], mb))
-                pw.append(_act("W", stage[c], mb))
-            else:
-                seq.append(_act("B", stage[c], mb))
+        def run(*parts: tuple[str, int], n: int, at=at) -> list[Action]:
+            """n rounds of the parts in turn, e.g. run(("F", 0), ("B", 1), n=3)."""
+            cols = [take(kind, c, n) for kind, c in parts]
+            for kind, c in parts:
+                at["F" if kind == "F" else "B"][c] += n if kind != "W" else 0
+            return list(chain.from_iterable(zip(*cols)))
 
-        for _ in range(2 * (p - 1 - r)):
-            f(0)
-        for _ in range(r + 1):
-            f(0)
-            f(1)
-        for _ in range(p - 1 - r):
-            b(1, True)
-            seq.append(pending_w.pop(0))
-            f(1)
-        for _ in range(m - 2 * p + r + 1):
-            f(0)
-            b(1, False)
-            f(1)
-            b(0, False)
-        for _ in range(p - 1 - r):
-            b(1, False)
-            f(1)
-            b(0, False)
-        for i in range(r + 1):
-            b(1, i >= (r + 1) // 2)
-            b(0, i >= (r + 1) // 2)
-        for _ in range(p - 1 - r):
-            if pending_w:
-                seq.append(pending_w.pop(0))
-            b(0, True)
-        seq += pending_w
+        k = p - 1 - r
+        seq = run(("F", 0), n=2 * k) + run(("F", 0), ("F", 1), n=r + 1)
+        seq += run(("I", 1), ("W", 1), ("F", 1), n=k)  # each W right after its I
+        seq += run(("F", 0), ("B", 1), ("F", 1), ("B", 0), n=max(m - 2 * p + r + 1, 0))
+        seq += run(("B", 1), ("F", 1), ("B", 0), n=k)
+        whole = (r + 1) // 2  # of the r+1 (B 1, B 0) pairs, the later ones are split
+        seq += run(("B", 1), ("B", 0), n=whole)
+        split = r + 1 - whole
+        pending = list(chain.from_iterable(zip(take("W", 1, split), take("W", 0, split))))
+        seq += run(("I", 1), ("I", 0), n=split)
+        # then p-1-r x (the oldest deferred W, I 0, whose W is deferred in turn): split >= 1
+        queue = pending + take("W", 0, k)
+        seq += list(chain.from_iterable(zip(queue[:k], take("I", 0, k)))) + queue[k:]
+        at["B"][0] += k
         acts.append(seq)
     return Schedule("dualpipev", p, m, 2, 2 * p, _v_placement(p), acts)

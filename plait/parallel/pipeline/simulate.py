@@ -37,9 +37,10 @@ results to the round-robin simulator this replaced, to the last bit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import cycle
+from operator import itemgetter, sub
 
-from plait.parallel.pipeline.check import peak_activations
-from plait.parallel.pipeline.ir import Action, Schedule, without_gc
+from plait.parallel.pipeline.ir import COMPUTE, Action, Schedule, peak_activations, without_gc
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 
@@ -107,23 +108,49 @@ class DeadlockError(ValueError):
 
 @without_gc
 def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
-             optimizer_sync: str = "barrier") -> SimResult:
+             optimizer_sync: str = "barrier", events: bool = True) -> SimResult:
     """Lay the schedule out in time (see the module docstring for the rules), for `steps`
     consecutive steps: with `optimizer_sync="barrier"` every rank starts step k+1 when the
     last rank has finished step k; with "post_validation" (Qi et al. 2023, section 4) a
-    rank starts its step k+1 as soon as its own step k is done."""
+    rank starts its step k+1 as soon as its own step k is done. `events=False` leaves
+    `SimResult.events` empty (the figures are the same): for a caller that draws nothing."""
     _check_durations(schedule, durations)
     if steps < 1 or optimizer_sync not in OPTIMIZER_SYNCS:
         raise ValueError(f"steps={steps} must be >= 1 and optimizer_sync={optimizer_sync!r} "
                          f"one of {', '.join(OPTIMIZER_SYNCS)}")
     schedule, queues = _queues(schedule, durations)
-    events, step_ends = _Timeline(schedule, queues, durations, steps,
-                                  optimizer_sync == "barrier").run()
-    per_step = [sum(1 for a in q if a is not None) for q in queues]
-    first = events if steps == 1 else [ev[:k] for ev, k in zip(events, per_step)]
-    step = max((ev[-1][4] for ev in first if ev), default=0.0)
-    busy = [sum(e - s for _, _, _, s, e in ev) for ev in first]
+    line = _Timeline(schedule, queues, durations, steps, optimizer_sync == "barrier")
+    step_ends = line.run()
+    per_step = [len(q) - q.count(None) for q in queues]
+    return result_of(schedule, line.starts, line.ends, per_step, steps, optimizer_sync,
+                     step_ends, events=events_of(queues, line.starts, line.ends) if events
+                     else [[] for _ in queues])
+
+
+def events_of(queues: list[Queue], starts: list[list[float]],
+            ends: list[list[float]]) -> list[list[Event]]:
+    """Per rank (kind, stage, mb, start, end) of every compute, every step in turn."""
+    out = []
+    for q, st, en in zip(queues, starts, ends):
+        computes = [a for a in q if a is not None] if None in q else q
+        out.append([(k, s, mb, a, b) for (k, s, mb, _), a, b in
+                    zip(cycle(computes), st, en)] if computes else [])
+    return out
+
+
+def result_of(schedule: Schedule, starts: list[list[float]], ends: list[list[float]],
+              per_step: list[int], steps: int = 1, optimizer_sync: str = "barrier",
+              step_ends: list[float] | None = None,
+              events: list[list[Event]] | None = None) -> SimResult:
+    """The figures of a lay-out: per rank the start and end of each compute, in order,
+    `per_step` of them a step (step 1's first). Sums run in event order, as
+    `sum(end - start for each event)` does, so that every figure is bit-exact."""
+    first_s = starts if steps == 1 else [s[:k] for s, k in zip(starts, per_step)]
+    first_e = ends if steps == 1 else [e[:k] for e, k in zip(ends, per_step)]
+    step = max((e[-1] for e in first_e if e), default=0.0)
+    busy = [sum(map(sub, e, s)) for s, e in zip(first_s, first_e)]
     per_rank = [(step - b) / step if step > 0 else 0.0 for b in busy]
+    step_ends = step_ends or [step]
     steady = steady_bubble = None
     if steps > 1:
         steady = (step_ends[-1] - step_ends[0]) / (steps - 1)
@@ -135,10 +162,9 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
         bubble_per_rank=per_rank,
         busy_per_rank=busy,
         peak_activations=peak_activations(schedule),
-        events=events,
-        span_idle_per_rank=[
-            (ev[-1][4] - ev[0][3]) - b if ev else 0.0 for ev, b in zip(first, busy)
-        ],
+        events=events if events is not None else [[] for _ in starts],
+        span_idle_per_rank=[(e[-1] - s[0]) - b if e else 0.0
+                            for s, e, b in zip(first_s, first_e, busy)],
         steps=steps, optimizer_sync=optimizer_sync, step_ends=step_ends,
         steady_step_time=steady, steady_bubble_fraction=steady_bubble,
     )
@@ -150,8 +176,9 @@ Queue = list[Action | None]  # a rank's compute actions; None: posting a batch o
 def _queues(schedule: Schedule, durations: Durations) -> tuple[Schedule, list[Queue]]:
     """Each rank's work in order: its compute actions, and with post > 0 one None per run
     of consecutive transfers (the schedule lowered first if it is not)."""
-    if durations.post <= 0:
-        return schedule, [[a for a in acts if len(a[0]) == 1] for acts in schedule.actions]
+    if durations.post <= 0:  # a rank's list is its queue when it holds no transfers
+        return schedule, [acts if set(map(_KIND, acts)) <= _COMPUTE else
+                          [a for a in acts if len(a[0]) == 1] for acts in schedule.actions]
     if not schedule.lowered:
         from plait.parallel.pipeline.lower import lower
 
@@ -168,6 +195,9 @@ def _queues(schedule: Schedule, durations: Durations) -> tuple[Schedule, list[Qu
     return schedule, queues
 
 
+_KIND, _COMPUTE = itemgetter(0), frozenset(COMPUTE)
+
+
 class _Timeline:
     """Event-driven lay-out: each rank runs its queue until an input is missing, then
     waits on that one output (stage * m + mb, per kind) and is woken when it is produced;
@@ -182,10 +212,11 @@ class _Timeline:
         rank_of = schedule.stage_to_rank
         self.dur = {k: [d.of(k, st) for st in range(n)] for k in ("F", "I", "W", "B")}
 
-        def src(stage: int | None, st: int) -> tuple[int, float]:
+        def src(stage: int | None, st: int) -> tuple[int | None, float]:
+            """(offset of the input's index from this action's, its transfer time)."""
             if stage is None:
-                return -1, 0.0
-            return stage, (d.p2p if rank_of[stage] != rank_of[st] else 0.0)
+                return None, 0.0
+            return (stage - st) * m, (d.p2p if rank_of[stage] != rank_of[st] else 0.0)
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
@@ -199,11 +230,13 @@ class _Timeline:
         self.last = [[0.0] * p for _ in range(steps)]  # per step, each rank's last compute
         self.done_ranks = [0] * steps  # ranks through each step (the barrier)
         self.at_barrier: set[int] = set()
-        self.computes = [sum(1 for a in q if a is not None) for q in queues]
-        self.events: list[list[Event]] = [[] for _ in range(p)]
+        self.computes = [len(q) - q.count(None) for q in queues]
+        self.starts: list[list[float]] = [[] for _ in range(p)]  # per rank, every compute's
+        self.ends: list[list[float]] = [[] for _ in range(p)]
         self.resumed = 0  # times a rank was run (once, then once per wake-up): O(actions)
 
-    def run(self) -> tuple[list[list[Event]], list[float]]:
+    def run(self) -> list[float]:
+        """Lay out every step; when each step's last compute ends."""
         self._lay_out()
         stuck = [r for r in range(self.s.pp) if self.step[r] < self.steps]
         if stuck:
@@ -212,78 +245,88 @@ class _Timeline:
                 if r not in self.at_barrier else
                 f"rank {r} waits for the others to finish step {self.step[r] + 1}"
                 for r in stuck))
-        return self.events, [max(x) for x in self.last]
+        return [max(x) for x in self.last]
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
-        m, size, steps = self.m, self.size, self.steps
-        f_end, g_end, dur, waiting = self.f_end, self.g_end, self.dur, self.waiting
-        f_src, g_src, gk = self.f_src, self.g_src, size * steps  # gk: G's waiting keys
-        ready = list(range(self.s.pp - 1, -1, -1))
+        m, size, post, dur = self.m, self.size, self.post, self.dur
+        f_end, g_end, waiting, dur_f, dur_w = self.f_end, self.g_end, self.waiting, dur["F"], \
+            dur["W"]
+        f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
+        queues, ranks_pos, ranks_free, ranks_step = self.queues, self.pos, self.free, self.step
+        start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
+        ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
         while ready:
             r = ready.pop()
-            self.resumed += 1
-            q, events = self.queues[r], self.events[r]
-            append, n = events.append, len(q)
-            pos, free, step = self.pos[r], self.free[r], self.step[r]
-            base = step * size
-            while True:
-                if pos == n:  # the rank's step is done
-                    self.last[step][r] = events[-1][4] if self.computes[r] else free
-                    pos, step = 0, step + 1
-                    base = step * size
-                    opens = self._step_done(r, step, ready)
-                    if opens is None:
-                        break
-                    free = max(free + self.between, opens)
-                    continue
-                a = q[pos]
-                if a is None:  # posting a batch of transfers
-                    free += self.post
-                    pos += 1
-                    continue
-                kind, st, mb, _ = a
-                i = base + st * m + mb
-                if kind == "F":
-                    src, hop = f_src[st]
-                    if src < 0:
-                        t = 0.0
-                    else:
-                        t = f_end[i + (src - st) * m]
+            resumed += 1
+            q = queues[r]
+            n, start_at, end_at = len(q), start_ats[r], end_ats[r]
+            pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
+            while True:  # one step's queue, from pos
+                base = step * size
+                for pos in range(pos, n):  # noqa: B020 (pos is where the rank waits)
+                    a = q[pos]
+                    if a is None:  # posting a batch of transfers
+                        free += post
+                        continue
+                    kind, st, mb, _ = a
+                    i = base + st * m + mb
+                    if kind == "F":
+                        off, hop = f_src[st]
+                        if off is None:
+                            t = 0.0
+                        else:
+                            t = f_end[i + off]
+                            if t is None:
+                                waiting.setdefault(i + off, []).append(r)
+                                break
+                            t += hop
+                        if free < t:
+                            free = t
+                        start_at(free)
+                        free += dur_f[st]
+                        end_at(free)
+                        f_end[i] = free
+                        if i in waiting:
+                            ready += waiting.pop(i)
+                        continue
+                    if kind == "W":
+                        t = g_end[i]
                         if t is None:
-                            waiting.setdefault(i + (src - st) * m, []).append(r)
+                            waiting.setdefault(gk + i, []).append(r)
                             break
-                        t += hop
-                elif kind == "W":
-                    t = g_end[i]
+                        if free < t:
+                            free = t
+                        start_at(free)
+                        free += dur_w[st]
+                        end_at(free)
+                        continue
+                    # I or B: the gradient from the next stage (there only after its own
+                    # F, which the next stage's F needs), else (the loss) its own F
+                    off, hop = g_src[st]
+                    t = f_end[i] if off is None else g_end[i + off]
                     if t is None:
-                        waiting.setdefault(gk + i, []).append(r)
+                        waiting.setdefault(i if off is None else gk + i + off, []).append(r)
                         break
-                else:  # I or B: its own F, and the gradient from the next stage
-                    src, hop = g_src[st]
-                    t = f_end[i]
-                    if t is not None and src >= 0:
-                        t = g_end[i + (src - st) * m]
-                        if t is None:
-                            waiting.setdefault(gk + i + (src - st) * m, []).append(r)
-                            break
-                        t += hop
-                    elif t is None:
-                        waiting.setdefault(i, []).append(r)
-                        break
-                start = free if free >= t else t
-                free = start + dur[kind][st]
-                append((kind, st, mb, start, free))
-                if kind == "F":
-                    f_end[i] = free
-                    if i in waiting:
-                        ready += waiting.pop(i)
-                elif kind != "W":
+                    t += hop
+                    if free < t:
+                        free = t
+                    start_at(free)
+                    free += dur[kind][st]
+                    end_at(free)
                     g_end[i] = free
                     if gk + i in waiting:
                         ready += waiting.pop(gk + i)
-                pos += 1
-            self.pos[r], self.free[r], self.step[r] = pos, free, step
+                else:  # the rank's step is done
+                    self.last[step][r] = self.ends[r][-1] if self.computes[r] else free
+                    pos, step = 0, step + 1
+                    opens = self._step_done(r, step, ready)
+                    if opens is not None:
+                        free = max(free + self.between, opens)
+                        continue
+                break
+            ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
+        self.resumed += resumed
 
     def _step_done(self, r: int, step: int, woke: list[int]) -> float | None:
         """Rank r has finished step `step` - 1: when it may start `step`; None: not yet
