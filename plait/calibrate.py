@@ -35,26 +35,34 @@ GEMM_SHAPES = [(64, 64, 64), (128, 64, 192), (256, 64, 176), (256, 128, 128),
                (512, 512, 512)]
 BF16_SHAPES = [(64, 64, 64), (128, 64, 192), (256, 128, 128)]
 QUICK_GEMMS = [(64, 64, 64), (256, 128, 128), (512, 256, 256)]
-ATTENTION = [(4, 64, 16), (4, 256, 16), (4, 512, 32)]  # heads, seq, head dim (batch 1)
-QUICK_ATTENTION = [(4, 64, 16), (4, 256, 16)]
+# batch, heads, seq, head dim: as many (sequence, head) pairs as a training micro-batch
+# has (the tiny models' 8 x 4), laid out as plait's attention passes them ((b, s, h, d)
+# transposed: not contiguous), whose per-call overhead one contiguous head would misstate
+ATTENTION = [(8, 4, 64, 16), (4, 4, 128, 16), (2, 4, 256, 32)]
+QUICK_ATTENTION = [(8, 4, 64, 16), (2, 4, 256, 32)]
+# fp32 elements of an element-wise operation's tensors: 4 KiB (the dispatch floor) and
+# 1 MiB (the size of a small model's activations, inside a core's L2)
+ELEMENTWISE_ELEMENTS = [1 << 10, 1 << 18]
 COLLECTIVE_BYTES = [1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22]
 QUICK_BYTES = [1 << 12, 1 << 16, 1 << 20]
 DEVICE = "cpu"  # this machine's CPU, gloo; a GPU's calibrate is not built yet
 
 
 def _best_seconds(fn: Any, repeats: int, min_time: float) -> float:
-    """The best time of `repeats` runs, each run as many calls as fill `min_time`."""
+    """The best time of `repeats` runs, each run as many calls as fill `min_time`, in this
+    thread's CPU seconds: on one intra-op thread a call's work is this thread's, and its
+    CPU time leaves out the time other processes of a shared machine held the core."""
     fn()  # warm-up
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     fn()
-    one = max(time.perf_counter() - t0, 1e-7)
+    one = max(time.thread_time() - t0, 1e-7)
     calls = max(1, int(min_time / one))
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
+        best = min(best, (time.thread_time() - t0) / calls)
     return best
 
 
@@ -70,17 +78,28 @@ def measure_compute(quick: bool) -> dict[str, Any]:
               torch.bfloat16: QUICK_GEMMS[:2] if quick else BF16_SHAPES}
     for dtype, dtype_shapes in shapes.items():
         for m, k, n in dtype_shapes:
-            a = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-            b = torch.randn(k, n, generator=gen, device=DEVICE).to(dtype)
+            # a linear layer of k inputs and n outputs over m tokens: its forward x w^T, its
+            # input gradient dy w and its weight gradient dy^T x, in the layouts autograd
+            # passes them (transposed views): each 2mkn FLOPs; the shape's time is their mean
+            x, dy, w = (torch.randn(*s, generator=gen, device=DEVICE).to(dtype)
+                        for s in ((m, k), (m, n), (n, k)))
+            calls = (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)
+            sec = sum(_best_seconds(c, reps, min_t) for c in calls) / len(calls)
             out["gemm"].append({"m": m, "k": k, "n": n, "dtype": str(dtype).split(".")[1],
-                                "seconds": _best_seconds(lambda a=a, b=b: a @ b, reps, min_t)})
-    for heads, s, d in (QUICK_ATTENTION if quick else ATTENTION):
-        q, k, v = (torch.randn(1, heads, s, d, generator=gen, device=DEVICE)
-                   for _ in range(3))
+                                "seconds": sec})
+    for batch, heads, s, d in (QUICK_ATTENTION if quick else ATTENTION):
+        q, k, v = (torch.randn(batch, s, heads, d, generator=gen, device=DEVICE)
+                   .transpose(1, 2) for _ in range(3))
         sec = _best_seconds(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
             q, k, v, is_causal=True), reps, min_t)
-        out["attention"].append({"heads": heads, "seq": s, "head_dim": d, "seconds": sec,
-                                 "flops": 4.0 * s * s * heads * d / 2})  # causal: half
+        out["attention"].append({"batch": batch, "heads": heads, "seq": s, "head_dim": d,
+                                 "seconds": sec,  # causal: half the score matrix
+                                 "flops": 4.0 * s * s * batch * heads * d / 2})
+    out["elementwise"] = []  # a product of two tensors (read 2, write 1), cache-sized
+    for n in ELEMENTWISE_ELEMENTS:
+        a, b = torch.ones(n, device=DEVICE), torch.ones(n, device=DEVICE)
+        out["elementwise"].append({"bytes": 3.0 * 4 * n, "seconds": _best_seconds(
+            lambda a=a, b=b: a * b, reps, min_t)})
     src = torch.ones(8 << 20, dtype=torch.float32, device=DEVICE)  # 32 MiB, past the caches
     dst = torch.empty_like(src)
     sec = _best_seconds(lambda: dst.copy_(src), reps, min_t)
@@ -88,33 +107,104 @@ def measure_compute(quick: bool) -> dict[str, Any]:
     return out
 
 
-def _count_ops(fn: Any) -> int:
-    """The aten operations `fn` dispatches (forward and autograd's backward alike)."""
+# operations that move no data (views, allocations) or are priced elsewhere (GEMMs and the
+# attention kernel: their own curves)
+NO_TRAFFIC = {"view", "_unsafe_view", "transpose", "t", "expand", "as_strided", "slice",
+              "select", "unsqueeze", "squeeze", "detach", "alias", "permute", "split",
+              "split_with_sizes", "unbind", "reshape", "lift_fresh", "empty", "empty_like",
+              "empty_strided", "mm", "addmm", "bmm"}
+
+
+def _count_ops(fn: Any) -> tuple[int, int]:
+    """(the aten operations `fn` dispatches, forward and autograd's backward alike; the
+    bytes the element-wise ones among them read and write: every tensor argument and
+    result, views, GEMMs and attention left out)."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
 
     class Count(TorchDispatchMode):
         n = 0
+        traffic = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             self.n += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name not in NO_TRAFFIC and "attention" not in name:
+                self.traffic += sum(t.numel() * t.element_size() for t in
+                                    tree_flatten((args, kwargs, out))[0]
+                                    if isinstance(t, torch.Tensor))
+            return out
 
     with Count() as mode:
         fn()
-    return mode.n
+    return mode.n, mode.traffic
+
+
+def _runtime_steps(layers: int, steps: int, count: bool) -> tuple[int, list[float]]:
+    """plait's own training step (`plait.train.loop.train` on one rank: micro-batches,
+    grad norm, clip, AdamW, zero_grad, the logged loss) of a model so small that its GEMMs
+    cost nothing: (the aten operations of its last step, counted, when `count`; else
+    this thread's CPU seconds of every step, the first with the setup: _best_seconds)."""
+    import tempfile
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plait.config import load_config
+    from plait.mesh import ParallelMesh
+    from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
+    from plait.train.loop import train
+
+    cfg = load_config(sets=["model_name=tiny", "model.vocab_size=64", "model.dim=16",
+                            f"model.n_layers={layers}", "model.n_heads=2",
+                            "model.n_kv_heads=2", "model.ffn_dim=32", "model.max_seq_len=16",
+                            "train.seq_len=16", "train.global_batch=2", f"train.steps={steps}",
+                            "train.warmup_steps=1", "train.precision=fp32"]).check(1)
+    with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
+        data = TokenFile.open(synthetic_token_file(f"{tmp}/tokens.bin", 4096, 64, seed=0))
+        batches = GlobalBatches(data, 16, 2, cfg.train.seed, 64)
+        ops, cpu = [0], [time.thread_time()]
+
+        def cpu_times(row: dict) -> None:  # this thread's CPU seconds per step (docstring)
+            now = time.thread_time()
+            times.append(now - cpu[0])
+            cpu[0] = now
+
+        times: list[float] = []
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                ops[0] += 1
+                return func(*args, **(kwargs or {}))
+
+        def on_step(row: dict) -> None:
+            if row["step"] == steps - 2:
+                ops[0] = 0  # the last step's operations only (its row's emit included)
+
+        if count:
+            with Count():
+                train(cfg, ParallelMesh.build(cfg.parallel), batches, on_step=on_step)
+        else:
+            train(cfg, ParallelMesh.build(cfg.parallel), batches, on_step=cpu_times)
+    return ops[0], times
 
 
 def measure_dispatch(quick: bool) -> dict[str, Any]:
-    """Operations plait's own block and optimizer issue (counted on 1- and 2-layer models:
-    the difference is one layer's) and the seconds per operation of a training step of a
-    model so small that its GEMMs cost nothing (the dispatch floor)."""
+    """Operations plait's own block issues forward and backward (counted on 1- and 2-layer
+    models: the difference is one layer's) and those of the rest of plait's training step
+    (grad norm, clip, optimizer, zero_grad, the logged loss: `optimizer_ops_*`); the
+    seconds per operation of plait's training step of a model so small that its GEMMs cost
+    nothing (the dispatch floor: the fastest of its steps / its operations)."""
     import torch
 
     from plait.model.loss import token_loss
     from plait.model.presets import ModelConfig
     from plait.model.transformer import build_model
-    from plait.optim import MixedPrecisionAdamW
+    from plait.plan.memory import layer_activations
+    from plait.plan.shape import from_model_config
 
+    torch.set_num_threads(1)
     out: dict[str, Any] = {}
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 64, (2, 17), generator=gen, device=DEVICE)
@@ -122,15 +212,20 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
         cfg = ModelConfig(vocab_size=64, dim=16, n_layers=layers, n_heads=2, n_kv_heads=2,
                           ffn_dim=32, max_seq_len=16)
         model = build_model(cfg, seed=0)
-        opt = MixedPrecisionAdamW(list(model.named_parameters()), (0.9, 0.95), 1e-8, 0.1)
 
         def step(model=model) -> None:
             token_loss(model(tokens[:, :-1]), tokens[:, 1:], 32).backward()
 
-        out[f"step_ops_{layers}"] = _count_ops(step)
-        out[f"optimizer_ops_{layers}"] = _count_ops(lambda opt=opt: opt.step(1e-3))
-        if layers == 2:
-            out["step_seconds"] = _best_seconds(step, 3 if quick else 7, 0.005)
+        out[f"step_ops_{layers}"], out[f"elementwise_bytes_{layers}"] = _count_ops(step)
+        whole, _ = _runtime_steps(layers, 3, count=True)
+        out[f"optimizer_ops_{layers}"] = whole - out[f"step_ops_{layers}"]
+    _, times = _runtime_steps(2, 8 if quick else 30, count=False)
+    out["step_seconds"] = min(times[1:])  # the first step warms up
+    out["runtime_step_ops"] = out["step_ops_2"] + out["optimizer_ops_2"]
+    # what the planner's proxy for element-wise traffic says a layer of this model saves
+    # (fp32, flash: SDPA's tensors), the unit of `elementwise_passes`
+    out["layer_saved_bytes"] = float(layer_activations(
+        from_model_config(cfg, seq=16), 2, 1, 1, False, "none", 4, "flash"))
     return out
 
 
@@ -158,7 +253,49 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dic
                 out.setdefault(f"{op}@{g}", []).append(
                     {"payload": recs[0].payload, "sent": recs[0].sent,
                      "seconds": min(r.seconds for r in recs)})
+    out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     return out
+
+
+def _overlap(mesh: Any, reps: int) -> dict[str, float]:
+    """Seconds of a 1 MiB all-reduce alone, of GEMMs about as long alone, and of the two
+    together (the all-reduce issued asynchronously, the GEMMs run, then waited for): how
+    much of a collective compute can hide on this machine (a GPU's copy engines and SMs
+    run both at once; a CPU's gloo threads share the cores with the compute)."""
+    import torch
+
+    from plait.comm import ops
+
+    x = torch.ones(1 << 18, device=DEVICE)
+    a = torch.randn(256, 256, device=DEVICE)
+
+    def sync() -> None:  # every rank starts each call together
+        ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, "tp", tag="calibrate")
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    comm_s = best(lambda: ops.all_reduce(x, mesh, "tp"))
+    one = best(lambda: a @ a)
+    gemms = max(1, round(comm_s / max(one, 1e-7)))
+
+    def compute() -> None:
+        for _ in range(gemms):
+            a @ a
+
+    def both() -> None:
+        handle = ops.all_reduce(x, mesh, "tp", async_op=True)
+        compute()
+        handle.wait()
+
+    return {"comm_seconds": comm_s, "compute_seconds": best(compute),
+            "both_seconds": best(both)}
 
 
 def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
@@ -166,7 +303,7 @@ def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
         return {}
     from plait.testing import run_ranks
 
-    sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 7)
+    sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 15)
     return run_ranks(_collectives_rank, ranks, sizes, reps, timeout=120.0)[0]
 
 
@@ -178,6 +315,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw = measure_compute(quick)
     raw["dispatch"] = measure_dispatch(quick)
     raw["collectives"] = measure_collectives(ranks, quick)
+    raw["overlap"] = raw["collectives"].pop("overlap", [None])[0]
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
             "date": today, "device": "cpu", "threads_per_rank": 1, "ranks": ranks,
