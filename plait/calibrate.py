@@ -83,7 +83,8 @@ def measure_compute(quick: bool) -> dict[str, Any]:
             # passes them (transposed views): each 2mkn FLOPs; the shape's time is their mean
             x, dy, w = (torch.randn(*s, generator=gen, device=DEVICE).to(dtype)
                         for s in ((m, k), (m, n), (n, k)))
-            calls = (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)
+            calls = (lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w,
+                     lambda dy=dy, x=x: dy.t() @ x)
             sec = sum(_best_seconds(c, reps, min_t) for c in calls) / len(calls)
             out["gemm"].append({"m": m, "k": k, "n": n, "dtype": str(dtype).split(".")[1],
                                 "seconds": sec})

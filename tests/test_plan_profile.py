@@ -244,7 +244,7 @@ def test_overlap_and_elementwise_fits():
                         "both_seconds": 4e-3}) == pytest.approx(0.5)
     assert fit_overlap({"comm_seconds": 3e-3, "compute_seconds": 2e-3,
                         "both_seconds": 6e-3}) == 0.0  # slower together: none
-    rows = [{"bytes": 1e4, "seconds": 2e-6 + 1e4 / 40e9}, {"bytes": 3e6, "seconds": 2e-6 + 3e6 / 40e9}]
+    rows = [{"bytes": b, "seconds": 2e-6 + b / 40e9} for b in (1e4, 3e6)]
     d = {"elementwise_bytes_1": 1000, "elementwise_bytes_2": 1600, "layer_saved_bytes": 50.0}
     got = fit_elementwise(rows, d)
     assert got["elementwise_bw_Bps"] == pytest.approx(40e9, rel=1e-9)
