@@ -40,9 +40,9 @@ QUICK_GEMMS = [(64, 64, 64), (256, 128, 128), (512, 256, 256)]
 # transposed: not contiguous), whose per-call overhead one contiguous head would misstate
 ATTENTION = [(8, 4, 64, 16), (4, 4, 128, 16), (2, 4, 256, 32)]
 QUICK_ATTENTION = [(8, 4, 64, 16), (2, 4, 256, 32)]
-# fp32 elements of an element-wise operation's tensors: 4 KiB (the dispatch floor) and
-# 1 MiB (the size of a small model's activations, inside a core's L2)
-ELEMENTWISE_ELEMENTS = [1 << 10, 1 << 18]
+# (hidden, ffn, batch, seq) of two 2-layer models whose block's element-wise operations
+# are replayed one by one: tensors of a few KiB (the floor) and of a few hundred KiB
+ELEMENTWISE_MODELS = [(16, 32, 2, 16), (64, 176, 8, 64)]
 COLLECTIVE_BYTES = [1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22]
 QUICK_BYTES = [1 << 12, 1 << 16, 1 << 20]
 DEVICE = "cpu"  # this machine's CPU, gloo; a GPU's calibrate is not built yet
@@ -96,11 +96,8 @@ def measure_compute(quick: bool) -> dict[str, Any]:
         out["attention"].append({"batch": batch, "heads": heads, "seq": s, "head_dim": d,
                                  "seconds": sec,  # causal: half the score matrix
                                  "flops": 4.0 * s * s * batch * heads * d / 2})
-    out["elementwise"] = []  # a product of two tensors (read 2, write 1), cache-sized
-    for n in ELEMENTWISE_ELEMENTS:
-        a, b = torch.ones(n, device=DEVICE), torch.ones(n, device=DEVICE)
-        out["elementwise"].append({"bytes": 3.0 * 4 * n, "seconds": _best_seconds(
-            lambda a=a, b=b: a * b, reps, min_t)})
+    out["elementwise"] = [_elementwise_replay(*size, reps=3 if quick else 5)
+                          for size in ELEMENTWISE_MODELS]
     src = torch.ones(8 << 20, dtype=torch.float32, device=DEVICE)  # 32 MiB, past the caches
     dst = torch.empty_like(src)
     sec = _best_seconds(lambda: dst.copy_(src), reps, min_t)
@@ -141,6 +138,49 @@ def _count_ops(fn: Any) -> tuple[int, int]:
     with Count() as mode:
         fn()
     return mode.n, mode.traffic
+
+
+def _elementwise_replay(dim: int, ffn: int, batch: int, seq: int, reps: int
+                        ) -> dict[str, float]:
+    """plait's block forward + backward (2 layers, fp32) captured by a dispatch mode; each
+    element-wise operation (NO_TRAFFIC and attention left out) replayed alone on copies of
+    its arguments, best of `reps`: their count, the bytes they read and write, and the
+    sum of their seconds (the real mix: broadcasts, reductions, strided views; what a
+    streaming copy's bandwidth would overstate)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from plait.model.loss import token_loss
+    from plait.model.presets import ModelConfig
+    from plait.model.transformer import build_model
+
+    cfg = ModelConfig(vocab_size=64, dim=dim, n_layers=2, n_heads=2, n_kv_heads=2,
+                      ffn_dim=ffn, max_seq_len=seq)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, 64, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    calls: list[tuple[Any, Any, Any, int]] = []
+
+    def copy(t: Any) -> Any:
+        return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if name not in NO_TRAFFIC and "attention" not in name:
+                nbytes = sum(t.numel() * t.element_size() for t in
+                             tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+                calls.append((func, tree_map(copy, args), tree_map(copy, kwargs), nbytes))
+            return out
+
+    with Capture():
+        token_loss(model(tokens[:, :-1]), tokens[:, 1:], batch * seq).backward()
+    seconds = sum(_best_seconds(lambda f=f, a=a, k=k: f(*a, **k), reps, 2e-4)
+                  for f, a, k, _ in calls)
+    return {"hidden": dim, "ops": len(calls), "bytes": float(sum(c[3] for c in calls)),
+            "seconds": seconds}
 
 
 def _runtime_steps(layers: int, steps: int, count: bool) -> tuple[int, list[float]]:

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from plait.calibrate import ELEMENTWISE_ELEMENTS, QUICK_BYTES, QUICK_GEMMS, calibrate
+from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
 from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
@@ -79,7 +79,9 @@ def test_calibrate_measures_every_term():
     assert d["elementwise_bytes_2"] > d["elementwise_bytes_1"] > 0
     assert d["runtime_step_ops"] == d["step_ops_2"] + d["optimizer_ops_2"]
     assert d["step_seconds"] > 0 and d["layer_saved_bytes"] > 0
-    assert [r["bytes"] for r in raw["elementwise"]] == [12.0 * n for n in ELEMENTWISE_ELEMENTS]
+    small, large = raw["elementwise"]  # the same operations, on larger tensors
+    assert [r["hidden"] for r in raw["elementwise"]] == [m[0] for m in ELEMENTWISE_MODELS]
+    assert small["ops"] == large["ops"] > 0 and large["bytes"] > small["bytes"] > 0
     assert all(raw["overlap"][k] > 0 for k in ("comm_seconds", "compute_seconds",
                                                "both_seconds"))
     fit = prof["fit"]

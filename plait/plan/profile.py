@@ -119,17 +119,18 @@ def fit_dispatch(d: dict[str, Any] | None) -> dict[str, float]:
 
 def fit_elementwise(rows: list[dict[str, float]] | None, d: dict[str, Any] | None
                     ) -> dict[str, float]:
-    """Element-wise traffic: the bandwidth of a cache-sized element-wise operation (the
-    slope between the smallest and the largest measured: the per-operation floor is the
-    dispatch term's) and `elementwise_passes`, the bytes a layer's element-wise operations
-    read and write forward and backward over 3 x the bytes it saves (compute.layer_times
-    runs a forward's share three times). 0 passes when not measured (the GPU presets')."""
+    """Element-wise traffic: the bandwidth of plait's block's own element-wise operations
+    (replayed at two model sizes with the same operations: the extra bytes of the larger
+    over its extra seconds, the per-operation floor cancelling) and `elementwise_passes`,
+    the bytes a layer's element-wise operations read and write forward and backward over
+    3 x the bytes it saves (compute.layer_times runs a forward's share three times). 0
+    passes when not measured (the GPU presets')."""
     if not rows or not d or "elementwise_bytes_2" not in d:
         return {"elementwise_passes": 0.0, "elementwise_bw_Bps": 0.0}
     small, large = min(rows, key=lambda r: r["bytes"]), max(rows, key=lambda r: r["bytes"])
     extra = large["seconds"] - small["seconds"]
     bw = (large["bytes"] - small["bytes"]) / extra if extra > 0 else large["bytes"] / large[
-        "seconds"]  # noise: the larger call's own rate, a lower bound
+        "seconds"]  # noise: the larger replay's own rate, a lower bound
     layer = d["elementwise_bytes_2"] - d["elementwise_bytes_1"]
     return {"elementwise_passes": layer / (3 * d["layer_saved_bytes"]),
             "elementwise_bw_Bps": bw}
