@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plait.config import ParallelConfig
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import comm, memory
 from plait.plan.compute import Efficiency, Num
@@ -181,13 +182,20 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
     t_rs = units * comm.gather_like(g_bytes / units, n, bw, al)
     t_ag = units * comm.gather_like(p_bytes / units, n, bw, al)
+    # the runtime's last gradient collective starts when the backward is done: nothing
+    # hides it (ZeRO-0: the last bucket's all-reduce, plait/parallel/data.py; ZeRO: the
+    # embedding unit's reduce-scatter); Megatron's count hides all behind the backward
+    last_ar, last_rs = 0.0, 0.0
+    if eff.runtime_comm:
+        last_ar = comm.all_reduce(np.minimum(g_bytes, BUCKET_BYTES), n, bw, al)[0]
+        last_rs = t_rs / units
     dp_colls: list[tuple[str, Num, Num, Num, Num, str]] = []
     if lay.zero == 0:
-        exp = np.maximum(t_ar_dp - b_mb, 0)
+        exp = np.maximum(t_ar_dp - b_mb, last_ar)
         dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward"))
     elif lay.zero in (1, 2):
         k = m if lay.zero == 2 else 1
-        exp_rs = k * np.maximum(t_rs - b_mb, 0)
+        exp_rs = k * np.maximum(t_rs - b_mb, last_rs)
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
                          "each backward" if lay.zero == 2 else "last backward"))
         dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
@@ -197,7 +205,7 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
                          m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
                          "the layer before (prefetch)"))
         dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
-                         m * np.maximum(t_rs - b_mb / 2, 0), "the next layer's backward"))
+                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward"))
     dp_exposed = 0.0
     for op, size, count, t_each, exp, how in dp_colls:
         exp = np.where(n > 1, exp, 0.0)
@@ -214,6 +222,7 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     return dp_exposed
 
 
+BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
 STEP_END_BYTES = 8  # the grad norm's partial sum and the logged loss, one float64 each
 
 
