@@ -8,8 +8,9 @@ with SP, pp=2 1F1B and GPipe), `plait plan --hardware ... --layout ... --emit-co
 `plait train --config` on the emitted file, and `plait report --plan`; prints predicted
 and measured step time (mean of the timed steps, the first left out, and the fastest:
 on a shared machine the least disturbed, the estimator the profile's best-of-repeats
-uses) and the errors,
-beside the dp/tp/pp bytes ratio. fp32 (the runtime's default; bf16 is emulated on this
+uses) and the errors, whether each is within the goal (15 %) and the load average,
+beside the dp/tp/pp bytes ratio; then where each planned step goes beside the collectives'
+measured seconds. fp32 (the runtime's default; bf16 is emulated on this
 CPU), the `tiny` model with a 256-token vocabulary, sequence 64, global batch 8.
 """
 
@@ -81,6 +82,7 @@ def main() -> None:
     print("| layout | predicted s | measured s: mean / fastest | error: mean / fastest | "
           f"goal {GOAL:.0%} | bytes planned / ledger | load |")
     print("|---|---|---|---|---|---|---|")
+    parts = []
     for name, (gpus, flags) in LAYOUTS.items():
         cfg = tmp / f"{name.replace(' ', '-')}.toml"
         plait("plan", "--hardware", prof, *MODEL, "--gpus", gpus, *flags,
@@ -95,9 +97,27 @@ def main() -> None:
                            if d["ratio"] is not None) or "-"
         err, err_min = (st["predicted_s"] / st[k] - 1 for k in ("measured_s", "measured_min_s"))
         met = "met" if abs(err_min) <= GOAL else "not met"
+        parts.append((name, json.loads(cfg.with_suffix(".plan.json").read_text())["layout"][
+            "time_breakdown_s"], json.loads(metrics.read_text().splitlines()[-1])["ledger"]))
         print(f"| {name} | {st['predicted_s']:.4f} | {st['measured_s']:.4f} / "
               f"{st['measured_min_s']:.4f} | {100 * err:+.0f} % / {100 * err_min:+.0f} % | "
               f"{met} | {ratios} | {os.getloadavg()[0]:.1f} |", flush=True)
+    print_parts(parts)
+
+
+def print_parts(parts: list) -> None:
+    """Where each planned step goes, beside the collectives' measured seconds a step (the
+    ledger's: issue to completion, and the part the rank waited; on a loaded machine the
+    waits are mostly for a descheduled peer)."""
+    print("\nplanned ms: compute | comm exposed (tp, cp/ep, dp) | bubble + p2p | optimizer "
+          "|| measured ms a step: comm | comm waited")
+    for name, t, ledger in parts:
+        comm_ms = 1e3 * (t["tp comm (exposed)"] + t["cp/ep comm (exposed)"]
+                         + t["dp comm (exposed)"])
+        print(f"  {name}: {1e3 * (t['compute'] + t['recompute']):.1f} | {comm_ms:.1f} | "
+              f"{1e3 * t['pipeline bubble + p2p']:.1f} | {1e3 * t['optimizer step']:.1f} || "
+              f"{1e3 * ledger['comm_seconds_per_step']:.1f} | "
+              f"{1e3 * ledger['comm_exposed_seconds_per_step']:.1f}")
 
 
 if __name__ == "__main__":
