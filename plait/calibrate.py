@@ -58,7 +58,6 @@ DEVICE = "cpu"  # this machine's CPU, gloo; a GPU's calibrate is not built yet
 
 def measure_compute(quick: bool) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     reps, min_t = (3, 0.002) if quick else (7, 0.005)
@@ -79,13 +78,10 @@ def measure_compute(quick: bool) -> dict[str, Any]:
             out["gemm"].append({"m": m, "k": k, "n": n, "dtype": str(dtype).split(".")[1],
                                 "seconds": sec})
     for batch, heads, s, d in (QUICK_ATTENTION if quick else ATTENTION):
-        q, k, v = (torch.randn(batch, s, heads, d, generator=gen, device=DEVICE)
-                   .transpose(1, 2) for _ in range(3))
-        sec = best_seconds(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True), reps, min_t)
+        sec = _attention_seconds(batch, heads, s, d, gen, reps, min_t)
         out["attention"].append({"batch": batch, "heads": heads, "seq": s, "head_dim": d,
                                  "seconds": sec,  # causal: half the score matrix
-                                 "flops": 4.0 * s * s * batch * heads * d / 2})
+                                 "flops": 3 * 4.0 * s * s * batch * heads * d / 2})
     out["elementwise"] = [elementwise_replay(*size, reps=3 if quick else 5)
                           for size in ELEMENTWISE_MODELS]
     src = torch.ones(8 << 20, dtype=torch.float32, device=DEVICE)  # 32 MiB, past the caches
@@ -93,6 +89,29 @@ def measure_compute(quick: bool) -> dict[str, Any]:
     sec = best_seconds(lambda: dst.copy_(src), reps, min_t)
     out["memory"] = {"bytes": 2.0 * src.numel() * 4, "seconds": sec}  # read + write
     return out
+
+
+def _attention_seconds(batch: int, heads: int, s: int, d: int, gen: Any, reps: int,
+                       min_t: float) -> float:
+    """Causal attention's forward + backward kernels on CPU, as plait's block calls them
+    (q and k contiguous after RoPE, v and the output's gradient (b, s, h, d) transposed):
+    the planner runs the core's forward time 3 times, and this kernel's backward costs
+    1.8-2.6 x its forward here, not the GEMMs' 2 (autograd's own work is the dispatch
+    floor's). Without the CPU flash kernel's backward op: 3 x the forward."""
+    import torch
+
+    aten = torch.ops.aten
+    q, k = (torch.randn(batch, heads, s, d, generator=gen, device=DEVICE) for _ in range(2))
+    v, grad = (torch.randn(batch, s, heads, d, generator=gen, device=DEVICE).transpose(1, 2)
+               for _ in range(2))
+    fwd = best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True), reps, min_t)
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return 3 * fwd
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    bwd = best_seconds(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, True), reps, min_t)
+    return fwd + bwd
 
 
 def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, list]:

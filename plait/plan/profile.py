@@ -7,8 +7,9 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   measured, by least squared log error on a fixed grid (deterministic). bf16's best over
   fp32's is `fp32_peak_ratio`'s inverse: the planner's peak is the bf16 one, as a GPU
   datasheet's, and fp32 runs at peak x fp32_peak_ratio. One curve serves both dtypes.
-- attention: causal SDPA forward FLOPs (4 b s^2 h / 2) and seconds -> attention_scale, the
-  median of measured throughput over the GEMM curve's at the same FLOPs.
+- attention: causal SDPA forward + backward FLOPs (3 x 4 b s^2 h / 2) and seconds ->
+  attention_scale, the median of measured throughput over the GEMM curve's at the same
+  FLOPs (the planner runs the core's forward time 3 times: forward, and 2 x in backward).
 - memory bandwidth: a large copy, read + write bytes over seconds -> hbm_bw.
 - dispatch: aten operations of plait's block (forward + backward) and optimizer, counted
   on 1- and 2-layer models, and a tiny model's step seconds per operation -> op_seconds,
