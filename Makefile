@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-repeat mutants lint install clean bench
+.PHONY: demo test test-repeat mutants lint install clean bench gpu-check
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -39,6 +39,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/dp_vs_ddp.py
+
+# on a machine with CUDA GPUs, from the source tree with the system python3 and its torch
+# (no venv, nothing installed): one table, within 8 minutes on one H200 (docs/gpu.md)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=. python3 benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -3,30 +3,44 @@ layout (dp=2 x tp=2) on two emulated nodes of two ranks each (`plait cluster`: n
 namespaces, each node's link shaped to --mbit), once with the default mesh order
 (tp innermost: tp inside a node, dp across) and once with dp innermost (tp across the
 slow link, dp inside). Beside each measured step time, the planner's (`plait plan
---hardware PROFILE --internode-gbs ... --order ...`, this machine's profile and the
-emulated link's bandwidth per rank), and the bytes that crossed each node's link (the
-interface's counters) beside the ledger's inter-node bytes.
+--hardware PROFILE --internode-gbs ... --order ... --ranks-per-host 4 --host-load B`:
+this machine's profile, the emulated link's bandwidth per rank, and the four ranks of
+both emulated nodes sharing this machine's cores with B runnable tasks of other work),
+and the bytes that crossed each node's link (the interface's counters) beside the
+ledger's inter-node bytes.
 
     python benchmarks/cluster_topology.py [--mbit 100] [--steps 8] [--hardware P.json]
 
 Needs root, ip and tc (plait cluster says what is missing). Measures a profile first
 (`plait calibrate --ranks 2`) unless one is given. Step time: the median of the steps
-after the first (on a shared machine the median resists a disturbed step). Two columns
-of prediction: the planner's step time as is, and "measured inside + planner's link
-delta": the default order's measured step plus the planner's difference between the two
-orders (compute predicted on an unloaded core does not cancel in the ratio; the link
-term is what the order changes).
+after the first (on a shared machine the median resists a disturbed step).
+
+Measured beside it, to tell the planner's terms apart: B, the runnable scheduling
+entities of other work (with autogroup, sessions: the cores are shared among sessions
+first; averaged over 3 s just before the run, this benchmark's session left out), and
+the CPU seconds each rank used per step (every process in the run's namespaces,
+/proc/PID/stat, between the second step's metrics row and the next-to-last one's, over
+steps and ranks). Columns: "planner, own core": the planner
+with a core per rank (its step less its "host cores shared" term); "planner": its step
+with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU": the
+same sharing model given the measured CPU per rank-step instead of the planner's (and
+the planner's waits: the bubble and the in-step link), which separates the sharing
+model's error from the compute model's. The 20 % goal (issue 23) is the planner's
+ratio against the measured one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
@@ -35,6 +49,8 @@ sys.path[:0] = [str(root), str(root / "tests")]
 from helpers import token_file  # noqa: E402
 
 from plait.cluster import capability_problem  # noqa: E402
+from plait.files import PARTIAL_SUFFIX  # noqa: E402
+from plait.plan import host_share  # noqa: E402
 
 MODEL = ["--model", "tiny", "--vocab", "256", "--seq", "128", "--global-batch", "16",
          "--precision", "fp32", "--recompute", "selective", "--zero", "0",
@@ -42,6 +58,10 @@ MODEL = ["--model", "tiny", "--vocab", "256", "--seq", "128", "--global-batch", 
 ORDERS = {"tp inside, dp across (default)": "tp,cp,pp,dp",
           "tp across, dp inside": "dp,tp,cp,pp"}
 RANKS_PER_NODE = 2
+
+
+NODES = 2
+GOAL = 0.20  # issue 23: the planner's ratio within 20 % of the measured one
 
 
 def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -52,28 +72,156 @@ def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return r
 
 
-def predict(order: str, profile: Path, mbit: float, out: Path) -> float:
-    """The planner's step time (s) for dp=2 x tp=2 under `order`; writes its config."""
+def predict(order: str, profile: Path, mbit: float, out: Path, load: float) -> dict:
+    """The planner's step time (s) for dp=2 x tp=2 under `order` on shared cores, its
+    own-core step and its waits; writes its config."""
     per_rank_gbs = mbit / 8 / 1000 / RANKS_PER_NODE  # a node's link, shared by its ranks
     r = plait("plan", "--hardware", str(profile), *MODEL, "--gpus", "4", "--gpus-per-node",
               str(RANKS_PER_NODE), "--layout", "tp=2,dp=2", "--order", order,
-              "--internode-gbs", f"{per_rank_gbs:.6g}", "--emit-config", str(out), "--json")
-    return json.loads(r.stdout)["layouts"][0]["step_time_s"]
+              "--internode-gbs", f"{per_rank_gbs:.6g}", "--ranks-per-host",
+              str(NODES * RANKS_PER_NODE), "--host-load", f"{load:.3g}",
+              "--emit-config", str(out), "--json")
+    lay = json.loads(r.stdout)["layouts"][0]
+    terms = lay["time_breakdown_s"]
+    crossing = {c["dim"] for c in lay["collectives"] if c["link"] == "inter-node"}
+    bubble = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
+                 if dims is None)
+    link = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
+               if dims is not None and crossing & set(dims))
+    own = lay["step_time_s"] - terms.get(host_share.TERM, 0.0)
+    return {"step": lay["step_time_s"], "own": own, "bubble": bubble, "link": link}
+
+
+def _runnable_groups(own: str) -> int:
+    """Scheduling entities with a runnable task now: with autogroup (Linux's default here:
+    /proc/sys/kernel/sched_autogroup_enabled) the scheduler shares the cores among
+    sessions first, so a session counts once, whatever its runnable tasks (torchrun starts
+    each rank in a session of its own); without it, each task. `own` (this sampler's
+    group) is left out."""
+    groups = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] != "R":
+                continue
+            group = (stat.parent / "autogroup").read_text().split()[0] if AUTOGROUP \
+                else stat.parent.name
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if group != own:
+            groups.add(group)
+    return len(groups)
+
+
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled").is_file() and \
+    Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+
+
+def background_load(seconds: float = 3.0) -> float:
+    """Runnable scheduling entities of other work (`_runnable_groups`), averaged over
+    `seconds` just before a run (this benchmark's own session left out)."""
+    own = Path("/proc/self/autogroup").read_text().split()[0] if AUTOGROUP else str(os.getpid())
+    counts = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        counts.append(_runnable_groups(own))
+        time.sleep(0.05)
+    return statistics.mean(counts)
+
+
+def _cpu_seconds(prefix: str) -> float:
+    """CPU seconds (user + system) of every process in the namespaces named `prefix`*."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    total = 0.0
+    for name in (x.split()[0] for x in names.splitlines() if x.startswith(prefix)):
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _watch_cpu(proc: subprocess.Popen, partial: Path, steps: int, out: dict) -> None:
+    """CPU seconds of the run's processes when the metrics hold 2 rows and steps - 1."""
+    prefix, marks = f"plaitc-{proc.pid}-", {2: None, steps - 1: None}
+    while proc.poll() is None and any(v is None for v in marks.values()):
+        try:
+            rows = partial.read_text().count("\n")
+        except OSError:
+            rows = 0
+        for k in marks:
+            if marks[k] is None and rows >= k:
+                marks[k] = (rows, _cpu_seconds(prefix))
+        time.sleep(0.02)
+    if all(marks.values()):
+        (r0, c0), (r1, c1) = marks[2], marks[steps - 1]
+        if r1 > r0:
+            out["cpu_per_rank_step"] = (c1 - c0) / (r1 - r0) / (NODES * RANKS_PER_NODE)
 
 
 def measure(config: Path, mbit: float, steps: int, work: Path) -> dict:
     metrics = work / f"{config.stem}.jsonl"
-    r = plait("cluster", "--nnodes", "2", "--inter-node-mbit", str(mbit), "--",
-              "--config", str(config), "--data", str(token_file()), "--steps", str(steps),
-              "--quiet", "--metrics-out", str(metrics), "--timeout", "300")
+    load = background_load()
+    cmd = [sys.executable, "-m", "plait.cli", "cluster", "--nnodes", str(NODES),
+           "--inter-node-mbit", str(mbit), "--", "--config", str(config), "--data",
+           str(token_file()), "--steps", str(steps), "--quiet", "--metrics-out",
+           str(metrics), "--timeout", "300"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=root)
+    cpu: dict = {}
+    watcher = threading.Thread(target=_watch_cpu, daemon=True, args=(
+        proc, metrics.with_name(metrics.name + PARTIAL_SUFFIX), steps, cpu))
+    watcher.start()
+    _, stderr = proc.communicate(timeout=900)
+    watcher.join(timeout=5)
+    if proc.returncode:
+        raise SystemExit(f"plait cluster failed:\n{stderr[-3000:]}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     summary, steps_rows = rows[-1], rows[:-1]
-    sent = [int(b.replace(",", "")) for b in re.findall(r"node \d+ sent ([\d,]+) B", r.stderr)]
+    sent = [int(b.replace(",", "")) for b in re.findall(r"node \d+ sent ([\d,]+) B", stderr)]
     per_step = summary["ledger"]["per_step"]
     ledger_inter = sum(row["sent_inter"] for row in per_step.values())  # rank 0, per step
     return {"step": statistics.median(s["step_time"] for s in steps_rows[1:]),
-            "wire_per_step": max(sent) / steps,
+            "wire_per_step": max(sent) / steps, "load": load,
+            "loadavg": os.getloadavg()[0], "cpu": cpu.get("cpu_per_rank_step"),
             "ledger_inter_per_step": RANKS_PER_NODE * ledger_inter}  # a node's ranks
+
+
+def _ratio_line(name: str, inside: float, across: float, measured: float) -> str:
+    r = across / inside
+    return f"  {name:34} {r:6.2f}  error {r / measured - 1:+.0%}"
+
+
+def report(rows: list, args: argparse.Namespace, cores: float) -> None:
+    world = NODES * RANKS_PER_NODE
+    print(f"dp=2 x tp=2 on {NODES} emulated nodes x {RANKS_PER_NODE} ranks (all {world} on "
+          f"this machine's {cores:g} cores), links {args.mbit:g} Mbit/s; "
+          f"tiny model, seq 128, global batch 16, fp32, {args.steps} steps")
+    print(f"{'layout':32} {'order':12} {'B':>4} {'load':>5} {'own core':>9} {'planner':>8} "
+          f"{'model+CPU':>9} {'measured':>9} {'CPU/rank':>9} {'wire B/step':>12} "
+          f"{'ledger inter':>13}")
+    for name, order, p, m, mod in rows:
+        cpu = f"{m['cpu'] * 1e3:7.0f}ms" if m["cpu"] else "        -"
+        modt = f"{mod * 1e3:7.0f}ms" if mod else "        -"
+        print(f"{name:32} {order:12} {m['load']:4.1f} {m['loadavg']:5.1f} "
+              f"{p['own'] * 1e3:7.0f}ms {p['step'] * 1e3:6.0f}ms {modt} "
+              f"{m['step'] * 1e3:7.0f}ms {cpu} {m['wire_per_step']:12,.0f} "
+              f"{m['ledger_inter_per_step']:13,.0f}")
+    (_, _, p_in, m_in, mod_in), (_, _, p_out, m_out, mod_out) = rows
+    measured = m_out["step"] / m_in["step"]
+    print(f"ratio tp across / tp inside (= dp inside / dp across): measured {measured:.2f}")
+    print(_ratio_line("planner (cores shared)", p_in["step"], p_out["step"], measured))
+    print(_ratio_line("planner, a core per rank", p_in["own"], p_out["own"], measured))
+    if mod_in and mod_out:
+        print(_ratio_line("sharing model, measured CPU", mod_in, mod_out, measured))
+    err = p_out["step"] / p_in["step"] / measured - 1
+    ranking = (p_out["step"] > p_in["step"]) == (m_out["step"] > m_in["step"])
+    print(f"goal (issue 23): the planner's ratio within {GOAL:.0%} of the measured: "
+          f"{'met' if abs(err) <= GOAL else 'NOT met'} ({err:+.0%}); ranking "
+          f"{'agrees' if ranking else 'DISAGREES'}")
 
 
 def main() -> int:
@@ -92,25 +240,20 @@ def main() -> int:
         if profile is None:
             profile = work / "profile.json"
             plait("calibrate", "--out", str(profile), "--ranks", "2")
+        cores = float(json.loads(profile.read_text()).get("cores", 0.0))
         rows = []
         for name, order in ORDERS.items():
             config = work / f"{order.replace(',', '')}.toml"
-            predicted = predict(order, profile, args.mbit, config)
-            rows.append((name, order, predicted, measure(config, args.mbit, args.steps, work)))
-    print(f"dp=2 x tp=2 on 2 emulated nodes x {RANKS_PER_NODE} ranks, links {args.mbit:g} "
-          f"Mbit/s; tiny model, seq 128, global batch 16, fp32, {args.steps} steps")
-    print(f"{'layout':34} {'order':12} {'predicted':>10} {'measured':>10} "
-          f"{'wire B/step':>12} {'ledger inter B/step':>20}")
-    for name, order, pred, m in rows:
-        print(f"{name:34} {order:12} {pred * 1e3:8.0f}ms {m['step'] * 1e3:8.0f}ms "
-              f"{m['wire_per_step']:12,.0f} {m['ledger_inter_per_step']:20,.0f}")
-    (_, _, p_in, m_in), (_, _, p_out, m_out) = rows
-    measured_ratio = m_out["step"] / m_in["step"]
-    delta_pred = (m_in["step"] + p_out - p_in) / m_in["step"]
-    print(f"ratio across / inside: measured {measured_ratio:.2f}, planner {p_out / p_in:.2f} "
-          f"(error {p_out / p_in / measured_ratio - 1:+.0%}), measured inside + planner's link "
-          f"delta {delta_pred:.2f} (error {delta_pred / measured_ratio - 1:+.0%}); ranking "
-          f"{'agrees' if (p_out > p_in) == (m_out['step'] > m_in['step']) else 'DISAGREES'}")
+            predict(order, profile, args.mbit, config, 0.0)  # writes the config
+            m = measure(config, args.mbit, args.steps, work)
+            p = predict(order, profile, args.mbit, config, m["load"])
+            mod = None
+            if m["cpu"] and cores:
+                mod = float(host_share.shared_cores_step(
+                    m["cpu"], p["bubble"], p["link"], cores, NODES * RANKS_PER_NODE,
+                    m["load"], RANKS_PER_NODE))
+            rows.append((name, order, p, m, mod))
+    report(rows, args, cores)
     return 0
 
 

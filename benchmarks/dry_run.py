@@ -14,19 +14,18 @@ beside the planner's, and the wall time. fp32, ZeRO 0, one micro-batch of one se
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import json
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import load_config  # noqa: E402
-from plait.observe.dry_run import dry_run  # noqa: E402
-from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
+from plait.device import resolve_device  # noqa: E402
+from plait.observe.dry_run import dry_run_ranks  # noqa: E402
+from plait.train.data import synthetic_token_file  # noqa: E402
 
 CATS = ("params", "grads", "optimizer", "comm", "activations")
 PLANNER = {"params": ("parameters",), "grads": ("gradients",),
@@ -47,17 +46,6 @@ def _config(args):
         ).check(world), world
 
 
-def _one(args, rank, path, q):
-    torch.set_num_threads(1)
-    cfg, world = _config(args)
-    data = GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
-                         cfg.train.seed, cfg.model.vocab_size)
-    t0 = time.perf_counter()
-    out = dry_run(cfg, world, rank, data)
-    out["seconds"] = time.perf_counter() - t0
-    q.put(out)
-
-
 def _gib(x: float) -> str:
     return f"{x / 2**30:8.3f}"
 
@@ -69,18 +57,21 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--json-out", help="also write the ranks' results (a JSON list) here")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="intra-op threads of each rank's process on CPU (default: the cores)")
     args = p.parse_args()
     cfg, world = _config(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "t.bin", 4 * args.seq_len * 64,
                                     cfg.model.vocab_size, seed=1)
-        for rank in (0, world - 1):
-            ctx = mp.get_context("fork")
-            q = ctx.Queue()
-            proc = ctx.Process(target=_one, args=(args, rank, path, q))
-            proc.start()
-            out = q.get()
-            proc.join()
+        outs = dry_run_ranks(cfg, world, [0, world - 1], path, resolve_device(args.device),
+                             threads=args.threads)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(outs))
+        for out in outs:
+            rank = out["rank"]
             pred = out["predicted_memory"]
             print(f"{args.model} {args.layout} seq {args.seq_len} m {args.microbatches}: "
                   f"rank {rank} {out['coords']}, {out['param_count_local']:,} parameters, "

@@ -1,6 +1,6 @@
 """The optimizer step without a barrier: steady-state bubble, barrier vs post-validation.
 
-    python benchmarks/post_validation.py [--pp 2] [--microbatches 8] [--steps 8]
+    python benchmarks/post_validation.py [--pp 2] [--microbatches 4] [--steps 6]
         [--dim 256] [--layers 8] [--seq-len 128] [--schedules zb-h2,zb-v,dualpipev]
         [--repeats 2] [--grad-clip 10]
 
@@ -9,14 +9,19 @@ norm, clip, AdamW, the logged loss) through `plait.train.loop.train`. For each s
 same run is trained with `parallel.optimizer_sync=barrier` and `=post_validation`,
 alternated (`--repeats` times each) so both see the same machine. Printed per run, from
 the runtime's records (plait/parallel/pipeline/measure.py, `steady_state`): the steady
-step period (one step's last compute to the next one's, over the steps after the first),
-the steady bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier
-count as idle), the one-step bubble over the span ("span", which cannot see one step's
-forwards overlapping the previous one's end) and the simulator's synchronous prediction
-("sim", from the same measured durations); how many steps' prefixes were run again
-(failed checks: `--grad-clip` above the norm keeps them at zero, the case
-post-validation is built for). The last column is post-validation's period over the
-barrier's (median over the repeats): below 1 is the bubble it removed.
+step period (one step's last compute to the next one's, mean over the steps after the
+first) and its fastest and median step (time-slicing makes single steps slow), the time
+between a rank's steps (`between_steps`: update and host work), the overlap, the steady
+bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier count as
+idle) beside the simulator's steady state over as many steps ("sim": the run's
+optimizer_sync, its measured durations and time between steps) and their difference in
+points, the one-step bubble over the span ("span", which cannot see one step's forwards
+overlapping the previous one's end) and its one-step simulation ("sim1"), the measured
+p2p latency the simulator adds to each cross-rank dependency (ms); how many steps'
+prefixes were run again (failed checks: `--grad-clip` above the norm keeps them at zero,
+the case post-validation is built for). Last, post-validation's period over the
+barrier's (medians over the repeats; measured mean, fastest step, simulated): below 1
+is the bubble it removed. The defaults run in about a minute on 2 idle cores.
 
 There is no torch-native peer for this: torch.distributed.pipelining has no optimizer
 step at all, and a loop around it clips with one all-reduce over the world, which is
@@ -64,8 +69,13 @@ def _rank(rank: int, world: int, args) -> list[dict]:
                 data = GlobalBatches(TokenFile.open(TOKENS), cfg.train.seq_len,
                                      cfg.train.global_batch, cfg.train.seed, args.vocab)
                 s = train(cfg, mesh, data).summary["pipeline"]
+                periods = s["step_periods_ms"]
                 rows.append({"schedule": schedule, "mode": mode,
                              "period_ms": s["steady_period_ms"], "steady": s["steady_bubble"],
+                             "sim_steady": s["simulated_steady_bubble"],
+                             "sim_period_ms": s["simulated_steady_period_ms"],
+                             "min_ms": min(periods), "median_ms": statistics.median(periods),
+                             "between_ms": s["between_ms"], "p2p_ms": s["durations_ms"]["p2p"],
                              "span": s["measured_bubble"], "sim": s["simulated_bubble"],
                              "overlap_ms": s["step_overlap_ms"], "restarts": s["restarts"],
                              "cpu": min(s["cpu_share"].values())})
@@ -75,8 +85,8 @@ def _rank(rank: int, world: int, args) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=512)
@@ -94,22 +104,28 @@ def main() -> None:
     print(f"pp={args.pp} m={args.microbatches} dim={args.dim} layers={args.layers} "
           f"seq={args.seq_len} batch={args.batch} steps={args.steps} "
           f"grad_clip={args.grad_clip}; load average {load0[0]:.1f} -> {load1[0]:.1f}")
-    print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'overlap ms':>10} "
-          f"{'steady':>7} {'span':>7} {'sim':>7} {'restarts':>8} {'CPU':>5}")
+    print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'min':>7} "
+          f"{'median':>7} {'between':>7} {'overlap':>7} {'steady':>7} {'sim':>6} "
+          f"{'diff':>6} {'span':>6} {'sim1':>6} {'p2p':>5} {'restarts':>8} {'CPU':>4}")
     for r in rows:
-        print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} "
-              f"{r['overlap_ms']:10.1f} {100 * r['steady']:6.1f}% {100 * r['span']:6.1f}% "
-              f"{100 * r['sim']:6.1f}% {r['restarts']:8d} {100 * r['cpu']:4.0f}%")
-    print("post_validation period / barrier period (median over repeats):")
+        print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} {r['min_ms']:7.1f} "
+              f"{r['median_ms']:7.1f} {r['between_ms']:7.1f} {r['overlap_ms']:+7.1f} "
+              f"{100 * r['steady']:6.1f}% {100 * r['sim_steady']:5.1f}% "
+              f"{100 * (r['steady'] - r['sim_steady']):+5.1f} {100 * r['span']:5.1f}% "
+              f"{100 * r['sim']:5.1f}% {r['p2p_ms']:5.1f} {r['restarts']:8d} "
+              f"{100 * r['cpu']:3.0f}%")
+    print("post_validation / barrier, medians over repeats: period (mean over steps; the "
+          "fastest step; simulated), steady bubble measured (simulated)")
     for schedule in args.schedules.split(","):
-        med = {m: statistics.median(r["period_ms"] for r in rows
-                                    if r["schedule"] == schedule and r["mode"] == m)
-               for m in MODES}
-        steady = {m: statistics.median(r["steady"] for r in rows
-                                       if r["schedule"] == schedule and r["mode"] == m)
-                  for m in MODES}
-        print(f"  {schedule:<10} {med['post_validation'] / med['barrier']:.3f}  (steady "
-              f"bubble {100 * steady['barrier']:.1f}% -> {100 * steady['post_validation']:.1f}%)")
+        def med(key: str, mode: str, schedule=schedule) -> float:
+            return statistics.median(r[key] for r in rows
+                                     if r["schedule"] == schedule and r["mode"] == mode)
+        post, bar = "post_validation", "barrier"
+        print(f"  {schedule:<10} {med('period_ms', post) / med('period_ms', bar):.3f} "
+              f"({med('min_ms', post) / med('min_ms', bar):.3f}; "
+              f"{med('sim_period_ms', post) / med('sim_period_ms', bar):.3f}); steady "
+              f"{100 * med('steady', bar):.1f}% ({100 * med('sim_steady', bar):.1f}%) -> "
+              f"{100 * med('steady', post):.1f}% ({100 * med('sim_steady', post):.1f}%)")
 
 
 if __name__ == "__main__":

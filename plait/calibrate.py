@@ -205,6 +205,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
             "date": today, "device": "cpu", "threads_per_rank": 1, "ranks": ranks,
             "ranks_per_node": max(os.cpu_count() or 1, ranks),
+            "cores": len(os.sched_getaffinity(0)),  # the ranks' cores (plan/host_share.py)
             "memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
             "torch": __import__("torch").__version__, "python": platform.python_version(),
             "load_average": os.getloadavg()[0],  # the machine is shared: how busy it was

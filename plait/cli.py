@@ -63,19 +63,22 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     world = args.world_size if dry else (nodes.world_size if nodes else None)
     found = train_inputs(args, world_size=world, local_rank=0 if dry else None)
     found.problems = problems + node_problems + found.problems
-    if dry and args.world_size is None and (args.rank or 0) >= (found.nproc or 1) > 0:
-        found.problems.append(f"--rank {args.rank}: the layout has {found.nproc} ranks; "
-                              f"choose 0..{found.nproc - 1}")
+    if dry:  # the ranks to build, against the world (the layout's, when not given)
+        from plait.observe.dry_run import parse_ranks
+
+        dry_ranks, rank_problems = parse_ranks(args.rank, args.world_size or found.nproc)
+        found.problems += rank_problems
     if not found.problems:  # model states in this machine's memory, before any rank
-        ranks = [args.rank or 0] if dry else range(found.nproc)
-        problem = host_memory_problem(found.cfg, ranks, found.device_type)
+        at_once = [[r] for r in dry_ranks] if dry else [range(found.nproc)]  # dry: one by one
+        problem = next(filter(None, (host_memory_problem(found.cfg, ranks, found.device_type)
+                                     for ranks in at_once)), None)
         found.problems += [problem] if problem else []
     if found.problems:
         return _fail("cannot start training:\n" + "\n".join(f"  - {p}" for p in found.problems))
     for w in found.warnings:
         print(f"plait: warning: {w}", file=sys.stderr)
     if dry:
-        return run_dry(args, found)
+        return run_dry(args, found, dry_ranks)
     try:
         checkpoint_preflight(args, found.cfg)  # a resume's checkpoint: before any rank
     except CheckpointError as e:
@@ -124,9 +127,6 @@ def dry_run_flag_problems(args: argparse.Namespace) -> list[str]:
     world = args.world_size
     if world is not None and world < 1:
         problems.append(f"--world-size {world}: a layout has at least one rank")
-    if args.rank is not None and (args.rank < 0 or (world is not None and args.rank >= world)):
-        problems.append(f"--rank {args.rank}: choose a rank in 0..{(world or 1) - 1} of the "
-                        "--world-size ranks")
     for flag, value in (("--nproc", args.nproc), ("--checkpoint-dir", args.checkpoint_dir),
                         ("--resume", args.resume), ("--trace", args.trace),
                         ("--timeline", args.timeline), ("--tensorboard", args.tensorboard),
@@ -138,22 +138,29 @@ def dry_run_flag_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def run_dry(args: argparse.Namespace, found: TrainInputs) -> int:
-    """One rank of the layout on torch's fake process group (plait/observe/dry_run.py):
-    its measured memory and collectives beside the planner's prediction."""
+def run_dry(args: argparse.Namespace, found: TrainInputs, ranks: list[int]) -> int:
+    """Ranks of the layout on torch's fake process group (plait/observe/dry_run.py): each
+    one's measured memory and collectives beside the planner's prediction. One rank runs
+    in this process; several run one after the other, each in a process of its own."""
     from plait.device import resolve_device
     from plait.files import write_text_atomic
-    from plait.observe.dry_run import dry_run, dry_run_table
+    from plait.observe.dry_run import dry_run, dry_run_ranks, dry_run_table
     from plait.train.data import GlobalBatches, TokenFile
 
-    cfg = found.cfg
+    cfg, device = found.cfg, resolve_device(args.device, 0)
     world = args.world_size or found.nproc
-    batches = GlobalBatches(TokenFile.open(found.data), cfg.train.seq_len,
-                            cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
-    out = dry_run(cfg, world, args.rank or 0, batches, resolve_device(args.device, 0))
-    print(dry_run_table(out), flush=True)
-    if args.metrics_out:
-        path = write_text_atomic(args.metrics_out, json.dumps(out) + "\n")
+    if len(ranks) == 1:
+        batches = GlobalBatches(TokenFile.open(found.data), cfg.train.seq_len,
+                                cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
+        outs = [dry_run(cfg, world, ranks[0], batches, device)]
+    else:
+        # forked, one thread each (a spawned child re-imports torch: seconds per rank;
+        # benchmarks/dry_run.py gives a large layout's ranks every core)
+        outs = dry_run_ranks(cfg, world, ranks, found.data, device)
+    print("\n".join(dry_run_table(out) for out in outs), flush=True)
+    if args.metrics_out:  # one rank: its result; several: the list of them
+        doc = outs[0] if len(outs) == 1 else outs
+        path = write_text_atomic(args.metrics_out, json.dumps(doc) + "\n")
         print(f"dry run result in {path}")
     return 0
 
@@ -286,8 +293,9 @@ def _add_all_commands(sub) -> None:
                      "collectives beside the planner's prediction")
     dry.add_argument("--world-size", type=int, metavar="N",
                      help="--dry-run: ranks of the layout (default: its dp*pp*cp*tp)")
-    dry.add_argument("--rank", type=int, metavar="R", help="--dry-run: the rank to build "
-                     "(default 0; the last pipeline stage is the last ranks)")
+    dry.add_argument("--rank", metavar="R[,R...]", help="--dry-run: the rank(s) to build: "
+                     "numbers, first, last (default 0; --rank first,last: the two ends of "
+                     "the pipeline, one after the other)")
     train.add_argument("--max-restarts", type=int, metavar="R",
                        help="when a rank dies, stop the others and start every rank again "
                        "from the last committed checkpoint, up to R times (needs "

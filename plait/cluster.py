@@ -19,7 +19,9 @@ Teardown always runs: at the end, on a failure, on Ctrl-C / SIGTERM / SIGHUP (th
 launchers get the signal first, for a clean stop; whatever is left after the grace is
 killed, found by namespace: `ip netns pids`), then every namespace is deleted, which
 deletes its veths and the bridge. A run's names carry the creating process's pid and a
-random tag, so parallel runs do not clash and a leftover says whose it was.
+random tag, so parallel runs do not clash and a leftover says whose it was: a run killed
+by SIGKILL leaves its namespaces, and the next `plait cluster` removes those whose builder
+is gone (plait/cluster_stale.py).
 
 Rank order: torch's c10d rendezvous orders nodes by address as text, so node i's address
 ends in 100 + i (three digits: text order is numeric order) and node i holds global ranks
@@ -51,6 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.cluster_stale import remove_stale_namespaces
 from plait.launch import die_with_parent, on_stop_signals
 
 SUBNET = "10.231.0"  # inside the run's own namespaces only: no clash with the host's
@@ -270,6 +273,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if problem:
         print(f"plait: cluster: {problem}", file=sys.stderr)
         return 2
+    removed = remove_stale_namespaces()  # a run killed by SIGKILL could not tear down
+    if removed:
+        print(f"plait: cluster: removed {len(removed)} namespaces a killed plait cluster "
+              f"left: {', '.join(removed)}", file=sys.stderr, flush=True)
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     command = [sys.executable, "-m", "plait.cli", "train", *train, *restarts]
     cluster = EmulatedCluster(args.nnodes, args.inter_node_mbit)

@@ -58,15 +58,17 @@ def _rendezvous(rank: int, world_size: int, port, port_ready, timeout: datetime.
 
 
 def _child(fn: Callable, rank: int, world_size: int, port, port_ready, pg_timeout: float,
-           results: mp.Queue, args: tuple, kwargs: dict) -> None:
+           results: mp.Queue, args: tuple, kwargs: dict, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":  # one GPU per rank, bound before NCCL sees the group
+            torch.cuda.set_device(rank)
         # gloo takes its interface from the environment only: the loopback one, so that no
         # rank listens on the network (read by init_process_group below, in this child)
         os.environ.update(transport_env(LOOPBACK))
         timeout = datetime.timedelta(seconds=pg_timeout)
         store = _rendezvous(rank, world_size, port, port_ready, timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", pickle.dumps(out)))
@@ -83,20 +85,24 @@ def _child(fn: Callable, rank: int, world_size: int, port, port_ready, pg_timeou
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              pg_timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+              pg_timeout: float = 60.0, backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` ranks; return results by rank.
+
+    `backend="nccl"` (benchmarks/gpu_check.py): rank r on cuda:r, the children spawned, not
+    forked (CUDA cannot be used in a child forked from a process that initialised it), so
+    `fn` must be importable by the child.
 
     `fn` must be importable or defined before the call (the children are forked). Rank 0
     binds the rendezvous store (`_rendezvous`). `pg_timeout` (a collective that waits
     longer fails) allows for 8 ranks time-sliced on 2 busy cores; `timeout` bounds the
     whole run.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
     results: mp.Queue = ctx.Queue()
     port, port_ready = ctx.Value("i", 0), ctx.Event()
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(fn, r, world_size, port, port_ready, pg_timeout, results, args,
-                               kwargs))
+                               kwargs, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import token_file
 
 from plait.cli import main
@@ -206,6 +207,15 @@ CASES = [
     train("--dry-run", "--world-size", "8", "--dp", "8", "--rank", "8",
           phrases="--rank 8: choose a rank in 0..7", id="dry-run-rank-past-end"),
     train("--dry-run", "--world-size", "4", phrases="4", id="dry-run-world-mismatch"),
+    train("--dry-run", "--dp", "8", "--rank", "first,9", phrases="--rank 9: choose a rank "
+          "in 0..7", id="dry-run-ranks-past-the-layout"),
+    train("--dry-run", "--rank", "first,middle", phrases="give rank numbers, first or last",
+          id="dry-run-rank-not-a-rank"),
+    train("--dry-run", "--dp", "2", "--pp", "2", "--microbatches", "2", "--world-size", "6",
+          "--rank", "first,last", phrases="6", id="dry-run-first-last-world-mismatch"),
+    *([] if torch.cuda.is_available() else [  # a machine without a GPU only
+        train("--dry-run", "--device", "cuda", "--rank", "first,last",
+              phrases="--device cuda", id="dry-run-cuda-without-a-gpu")]),
     train("--dry-run", "--nproc", "2", phrases="leave out --nproc", id="dry-run-nproc"),
     train("--dry-run", "--checkpoint-dir", "{w}/ck", phrases="leave out --checkpoint-dir",
           id="dry-run-checkpoint"),
@@ -304,7 +314,7 @@ CASES = [
         "tp=2,dp=2", "--order", "tp,dp", phrases="--order tp,dp: name each of tp, cp, pp, "
         "dp once", id="plan-order-incomplete"),
     cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--order",
-        "dp,tp,cp,pp", phrases="the search keeps the default order; give --layout too",
+        "dp,tp,cp,pp", phrases="the search tries every mesh order itself",
         id="plan-order-without-layout"),
     cmd("cluster", "--inter-node-mbit", "0", "--", "--dp", "2", "--nnodes", "2",
         phrases=("--inter-node-mbit 0.0: give a rate > 0", "--nnodes after --: plait "
@@ -675,3 +685,7 @@ def test_host_memory_check_states_the_numbers():
     assert "the 2 rank(s) on this machine need 0.01 GiB" in text and "only 0.00 GiB" in text
     assert "--zero 3" in text and "a smaller --model" in text
     assert host_memory_problem(cfg, range(2), "cuda", available=1) is None
+    # post-validation holds a copy of the optimizer states (12 bytes a parameter) too
+    post = model_state_bytes(load_config(sets=["parallel.pp=2", "train.global_batch=8",
+                                               "parallel.optimizer_sync=post_validation"]), 0)
+    assert post["optimizer states"] == post["parameters"] / 4 * (8 + 12)

@@ -37,6 +37,10 @@ DP2_Z2 = ("parallel.dp=2", "parallel.zero=2")
 PP2_TP2_SP = ("parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.schedule=1f1b",
               "parallel.microbatches=4")
 DUALPIPE = ("parallel.pp=2", "parallel.schedule=dualpipe", "parallel.microbatches=4")
+# post-validation (plait/parallel/post_validation.py): the saving run checks each step
+# before the next (a checkpoint holds settled weights), the resumed one overlaps them
+ZBH2_POST = ("parallel.pp=2", "parallel.schedule=zb-h2", "parallel.microbatches=4",
+             "parallel.optimizer_sync=post_validation")
 TP2 = ("parallel.tp=2",)
 BF16_DP2_Z1 = ("train.precision=bf16", "parallel.dp=2", "parallel.zero=1")
 SGD = ("train.optimizer=sgd", "train.weight_decay=0")  # plain SGD: masters only, no moments
@@ -156,7 +160,7 @@ def test_runs_of_boxes_and_ranges_cover_the_right_elements():
 
 # ---- item 2: exact resume on the same layout ---------------------------------------------
 @pytest.mark.parametrize("sets", [(), DP2_Z2, ("parallel.dp=2", "parallel.zero=3"),
-                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1, EP2_Z1],
+                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1, EP2_Z1, ZBH2_POST],
                          ids=lambda s: "+".join(s) or "single")
 def test_resume_same_layout_is_bit_identical(sets):
     # bf16 too: the compute parameter is its master cast, after an update and after a load

@@ -12,9 +12,12 @@ and no process of its run is left.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import torch
 from helpers import BASE, assert_restarted_run_matches, reference, token_file
 from test_clean_stop import assert_all_gone
 
-from plait import cluster
+from plait import cluster, cluster_stale
 from plait.checkpoint.format import read_metadata
 from plait.checkpoint.reader import full_tensor
 from plait.cli import build_parser
@@ -254,3 +257,45 @@ def test_a_stop_signal_tears_the_cluster_down(tmp_path):
     assert not {n for n in _namespaces() if n.startswith(tag)}
     assert not list(cluster.NETNS_ETC.glob(f"{tag}*"))
     assert_all_gone(marker)
+
+
+
+@needs_namespaces
+def test_namespaces_a_killed_cluster_left_are_removed_and_no_others(monkeypatch):
+    """What plait cluster removes at start (plait/cluster_stale.py): a plait namespace
+    whose builder is dead (a process inside is killed, its /etc/netns files go) or whose
+    pid now belongs to a process started after the namespace; never a live builder's, nor
+    a namespace of another name."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is free now
+    tag = uuid.uuid4().hex[:6]
+    stale = f"plaitc-{dead.pid}-{tag}-n0"
+    alive = f"plaitc-{os.getpid()}-{tag}-sw"  # this process: started before the namespace
+    reused = f"plaitc-{os.getppid()}-{tag}-n1"  # its pid "restarted" (below)
+    other = f"notplait-{dead.pid}-{tag}-n0"
+    names = (stale, alive, reused, other)
+    inside = None
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        (cluster.NETNS_ETC / stale).mkdir(parents=True, exist_ok=True)
+        inside = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "60"])
+        started = cluster_stale._started_at
+        monkeypatch.setattr(cluster_stale, "_started_at", lambda pid: time.time() + 60
+                            if pid == os.getppid() else started(pid))
+        assert cluster_stale.owner_alive(alive) and not cluster_stale.owner_alive(reused)
+        ours = sorted([stale, reused])  # (another run's leftovers may go too: dead too)
+        assert sorted(n for n in cluster_stale.stale_namespaces() if tag in n) == ours
+        assert sorted(n for n in cluster_stale.remove_stale_namespaces() if tag in n) == ours
+        assert inside.wait(timeout=10) != 0  # killed with its namespace
+        left = _namespaces()
+        assert stale not in left and reused not in left and {alive, other} <= left
+        assert not (cluster.NETNS_ETC / stale).exists()
+        with pytest.raises(ValueError, match="not a plait cluster namespace"):
+            cluster_stale.owner_alive(other)
+    finally:
+        if inside is not None:
+            inside.kill()
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(cluster.NETNS_ETC / name, ignore_errors=True)

@@ -99,8 +99,9 @@ def test_dry_run_of_an_expert_parallel_rank():
 
 
 def test_dry_run_from_the_command_line(tmp_path):
-    """`plait train --dry-run --world-size 8 --rank 7`: the last rank of dp2 x tp2 x pp2,
-    in the plait process itself; its table and its result as JSON."""
+    """`plait train --dry-run --world-size 8 --rank first,last`: the first and the last
+    rank of dp2 x tp2 x pp2, one after the other (each in a process of its own); both
+    tables and both results as JSON."""
     import json
     import subprocess
     import sys
@@ -111,12 +112,16 @@ def test_dry_run_from_the_command_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--data", str(token_file()),
                         "--set", "model.vocab_size=256", "--seq-len", "32", "--global-batch",
                         "8", "--steps", "2", "--dp", "2", "--tp", "2", "--pp", "2",
-                        "--microbatches", "2", "--dry-run", "--world-size", "8", "--rank", "7",
-                        "--metrics-out", str(out)], capture_output=True, text=True, timeout=300)
+                        "--microbatches", "2", "--dry-run", "--world-size", "8", "--rank",
+                        "first,last", "--metrics-out", str(out)], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "dry run: rank 7 of 8" in r.stdout and "peak total" in r.stdout, r.stdout
-    dry = json.loads(out.read_text())
-    assert dry["coords"] == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
-    assert dry["predicted_memory"]["total"] == pytest.approx(dry["memory"]["peak_total"],
-                                                             rel=0.05)
-    assert set(dry["bytes_per_step"]) >= {"dp", "pp", "tp"}
+    assert "dry run: rank 0 of 8" in r.stdout and "dry run: rank 7 of 8" in r.stdout, r.stdout
+    assert r.stdout.count("peak total") == 2, r.stdout
+    first, last = json.loads(out.read_text())
+    assert first["coords"] == {"tp": 0, "cp": 0, "pp": 0, "dp": 0}
+    assert last["coords"] == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
+    for dry in (first, last):
+        assert dry["predicted_memory"]["total"] == pytest.approx(dry["memory"]["peak_total"],
+                                                                 rel=0.05)
+        assert set(dry["bytes_per_step"]) >= {"dp", "pp", "tp"}

@@ -230,6 +230,9 @@ def test_p2p_median_from_exact_values_and_bounds():
     assert p2p_median([(0.1, False)] * 10 + [(9.0, True)] * 3) == 0.1
     # bounds above the exact values say nothing more: the exact ones decide
     assert p2p_median([(9.0, False)] * 10 + [(1.0, True)] * 3) == 1.0
+    # the estimate stays above one half down to the smallest value: more than half the
+    # latencies lie below it, whatever the large bounds (their median would be 5)
+    assert p2p_median([(5.0, False)] * 10 + [(0.3, True)] * 2 + [(0.2, False)] * 5) == 0.2
 
 
 def _trace_rank(rank, world, sets, out_dir):

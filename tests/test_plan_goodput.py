@@ -119,11 +119,11 @@ def test_plan_goodput_of_one_layout():
 
 
 def test_rank_by_goodput_orders_by_useful_tokens():
-    """A slow writer (0.05 GB/s) and failures every hour: ranked by throughput, a pipeline
-    layout whose ranks each write twice the bytes (dp 16, not 32) comes fifth; ranked by
-    goodput, the shown
-    layouts are in order of useful tokens/s and the first is at least as good by that
-    measure as the fastest layout."""
+    """A slow writer (0.05 GB/s) and failures every hour: ranked by throughput, pipeline
+    layouts (pp 8 x dp 8, dp inside a node: the search's mesh order) come first, with a
+    checkpoint slower to write than tp 2 x dp 32's; ranked by goodput, the shown
+    layouts are in order of useful tokens/s and the first has more of them than the
+    fastest layout."""
     base = ("--model", "gpt3-1.3b", "--gpus", "64", "--global-batch", "512", "--mtbf-hours",
             "1", "--mtbf-per", "job", "--ckpt-write-gbs", "0.05", "--top", "5", "--json")
     rc, out = plan(*base, "--rank-by", "goodput")
@@ -136,6 +136,6 @@ def test_rank_by_goodput_orders_by_useful_tokens():
     by_speed = json.loads(out)
     assert "ranked_by" not in by_speed
     useful_by_speed = [d["goodput"]["effective_tokens_per_s"] for d in by_speed["layouts"]]
-    # the ranking matters: the fifth by speed gives way to one with more useful tokens/s
-    assert useful[0] >= useful_by_speed[0] and useful[4] > useful_by_speed[4]
-    assert doc["layouts"][4]["layout"] != by_speed["layouts"][4]["layout"]
+    # the ranking matters: the fastest gives way to one with more useful tokens/s
+    assert useful[0] > useful_by_speed[0] and useful[0] >= max(useful_by_speed)
+    assert doc["layouts"][0]["layout"] != by_speed["layouts"][0]["layout"]

@@ -206,3 +206,25 @@ def test_moe_experts_sharded_by_ep():
     assert any(c.dim == "ep" for c in eight.collectives)
     assert not any(c.dim == "ep" for c in one.collectives)
     assert np.isfinite(float(eight.step_time))
+
+
+@pytest.mark.parametrize("precision,optimizer,copy", [("bf16", "adam", 12), ("fp32", "adam", 12),
+                                                      ("bf16", "sgd", 4)])
+def test_post_validation_holds_a_copy_of_the_optimizer_states(precision, optimizer, copy):
+    """The copy plait/parallel/post_validation.py takes before its optimistic update
+    (masters, cloned even where the fp32 parameter is its own master, and Adam's moments),
+    over the optimizer's shard; in "optimizer states", and in the planner's estimate."""
+    for zero, shard in ((0, 1), (1, 4)):
+        barrier = model_states(1000, 4, zero, precision, optimizer)
+        post = model_states(1000, 4, zero, precision, optimizer, "post_validation")
+        assert post["optimizer states"] - barrier["optimizer states"] == 1000 * copy / shard
+        assert {k: v for k, v in post.items() if k != "optimizer states"} == \
+            {k: v for k, v in barrier.items() if k != "optimizer states"}
+    from plait.plan.estimate import Training
+    from plait.plan.hardware import Cluster, get_gpu
+    sh, cl = from_preset("llama3-8b", seq=4096), Cluster(get_gpu("h100-sxm"), 8)
+    lay = Layout(pp=2, dp=4, zero=1)
+    est = {s: evaluate(sh, cl, Training(32, optimizer_sync=s), lay, EFF).memory
+           for s in ("barrier", "post_validation")}
+    extra = float(est["post_validation"]["optimizer states"] - est["barrier"]["optimizer states"])
+    assert extra / float(est["barrier"]["optimizer states"]) == pytest.approx(1.0)  # 12 vs 12

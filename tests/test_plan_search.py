@@ -103,3 +103,38 @@ def test_closed_form_matches_simulator_for_1f1b():
     assert "extrapolated" in long["source"]
     assert long["step"] == pytest.approx(float(bubble.closed_form("1f1b", 32, 2048, 1, f, i,
                                                                   w, 0)))
+
+
+def test_the_search_chooses_the_mesh_order_and_says_so():
+    """Two nodes of two GPUs, a model too wide for tp (one head) and of two layers:
+    pp=2 x dp=2 is best, and with dp's gradient all-reduce (1.5 B parameters' gradients)
+    far larger than pp's activations (8 x 128 tokens of width 4096), dp inside a node and
+    pp across beats the default order (pp inside, dp across). The search finds it, the
+    shown numbers are that order's, and plait plan names the order; on one node every
+    order is the same and none is tried."""
+    from dataclasses import replace
+
+    from plait.config import DEFAULT_ORDER
+    from plait.plan.search import distinct_orders, order_notes
+
+    shape = replace(from_preset("llama3-8b", 128), heads=1, kv_heads=1, layers=2)
+    cluster, train = Cluster(get_gpu("h100-sxm", gpus_per_node=2), 4), Training(8)
+    best = search(shape, cluster, train, EFFICIENCY, top=2).top[0]
+    lay = best.layout
+    assert (lay.tp, lay.pp, lay.dp) == (1, 2, 2)
+    assert lay.order.index("dp") < lay.order.index("pp")  # dp inside a node
+    assert float(evaluate(shape, cluster, train, lay, EFFICIENCY, simulate=True).step_time) \
+        == pytest.approx(float(best.step_time))
+    default = evaluate(shape, cluster, train, replace(lay, order=DEFAULT_ORDER), EFFICIENCY,
+                       simulate=True)
+    assert float(default.step_time) > 2 * float(best.step_time)
+    assert {c.dim: bool(c.intra) for c in best.collectives}["dp"]
+    note = order_notes(best)
+    assert note and note[0].startswith(f"Mesh order recommended: {','.join(lay.order)}")
+    assert "across nodes: pp" in note[0]
+    assert order_notes(default) == []
+    # orders that build the same groups count once; one node or ep > 1: the default only
+    assert len(distinct_orders(Layout(tp=2, dp=2), 2)) == 2
+    assert len(distinct_orders(Layout(tp=2, pp=2, dp=2), 2)) == 6
+    assert distinct_orders(Layout(tp=2, dp=2), 4) == [DEFAULT_ORDER]
+    assert distinct_orders(Layout(dp=4, ep=2), 2) == [DEFAULT_ORDER]

@@ -24,13 +24,14 @@ import math
 
 import pytest
 import torch
-from helpers import batches_for, config, reference, token_file
+from helpers import assert_memory_matches, batches_for, config, data_windows, reference, token_file
 
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
+from plait.plan.eager import eager_memory_by_rank
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train import loop
 from plait.train.reference import Reference
@@ -82,9 +83,10 @@ def _runs(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return [_train(*case[:1], world, *case[1:]) for case in cases]
 
 
-def _assert_same(ranks: list[dict], ref: Reference, where: str, precision: str = "fp32"
-                 ) -> None:
-    """One run's ranks (merged: a pipeline rank holds its stages) against `ref`."""
+def _assert_same(ranks: list[dict], ref: Reference, where: str, precision: str = "fp32",
+                 peers: int = 1) -> None:
+    """One run's ranks (merged: a pipeline rank holds its stages) against `ref`; `peers`:
+    the other pp ranks each sends its stage's partial to."""
     for post in ranks:  # the logged loss and norm are the global ones on every rank
         assert post["losses"] == ranks[0]["losses"], where
         assert post["grad_norms"] == pytest.approx(ranks[0]["grad_norms"], rel=1e-12,
@@ -100,10 +102,26 @@ def _assert_same(ranks: list[dict], ref: Reference, where: str, precision: str =
         assert_parity({**post, "grad_norms": norms}, ref, precision)
     except AssertionError as e:
         raise AssertionError(f"{where}: {e}") from None
-    for run in ranks:  # the ledger: the check's bytes (one peer, 2 steps), no world
+    for run in ranks:  # the ledger: the check's bytes (to each peer, 2 steps), no world
         sent = [r for r in run["ledger"] if r["tag"] == "post_validation" and r["op"] == "send"]
-        assert sum(r["sent"] for r in sent) == 2 * MSG_BYTES, where
+        assert sum(r["sent"] for r in sent) == 2 * peers * MSG_BYTES, where
         assert not [r for r in run["ledger"] if r["dim"] == "world"], where
+
+
+def _assert_memory_as_planned(ranks: list[dict], sets: list[str]) -> None:
+    """Each rank's measured peak of step 1 (the previous update's copy of the optimizer
+    states alive, with its gradients, through the forward prefix up to the check) against
+    the planner's eager model, at test_predict_vs_measured's tolerance; the optimizer
+    states, copy included (12 bytes a parameter), to the byte."""
+    cfg = config(*sets)
+    planned = eager_memory_by_rank(cfg, data_windows(cfg))
+    for rank, run in enumerate(ranks):
+        mem, pred = run["rows"][1]["memory"], planned[rank]
+        assert not run["rows"][1].get("rolled_back")
+        assert pred["moment"] in ("post-validation check (end of the prefix)",
+                                  "loss forward (stage 1, mb 0)"), pred
+        assert_memory_matches(mem["peak"], mem["peak_total"], pred, f"rank {rank}")
+        assert mem["peak"]["optimizer"] == pred["optimizer states"], (mem, pred)
 
 
 def _as_reference(ranks: list[dict]) -> Reference:
@@ -128,8 +146,13 @@ def test_post_validation_rolls_back_exactly_on_every_zero_bubble_schedule():
         sets, inf = [*base, f"parallel.schedule={s}"], 1 if s == "zb-h2" else None
         cases += [(sets, inf), ([*sets, POST], inf)]
     zbv = 2 * SCHEDULES.index("zb-v")
+    # no clipping (every check passes), memory measured in step 1: the planner's bytes
+    measured = [*base, "parallel.schedule=1f1b", POST, "train.grad_clip=0",
+                "train.memory_step=1"]
+    cases.append((measured, None))
     cases.append(([*cases[zbv][0], POST], None, True))  # checked at once, no overlap
     outs = run_ranks(_runs, 2, cases, timeout=600)
+    _assert_memory_as_planned([runs[-2] for runs in outs], measured)
     eager = [runs[-1] for runs in outs]
     _assert_same(eager, _as_reference([runs[zbv] for runs in outs]), "zb-v eager")
     for run in eager:
@@ -150,17 +173,30 @@ def test_post_validation_rolls_back_exactly_on_every_zero_bubble_schedule():
                 assert skipped == [False, True] and rolled[1] == (rank == 0), (rank, rolled)
 
 
-def test_post_validation_with_zero1_and_tp_inside_each_stage():
-    """pp=2 x dp=2 with ZeRO-1, and pp=2 x tp=2, against their barrier runs."""
+def test_post_validation_with_zero1_tp_cp_bf16_and_pp4():
+    """On 4 ranks, each against its barrier run: pp=2 x dp=2 with ZeRO-1, pp=2 x tp=2,
+    pp=2 x cp=2 in bf16 (the check's loss summed over cp and dp, its norm over dp x cp
+    once per element), and pp=4 (a cut on every rank of a longer pipeline). Step 0
+    rolled back in each (bf16's norm is 1.2e-5 under fp32's there, inside the clip's
+    0.1 % window)."""
     _before_fork()
-    base = [LAYERS, STEPS, "parallel.pp=2", "parallel.microbatches=4", _clip_under_first_norm()]
-    zero1 = [*base, "parallel.dp=2", "parallel.zero=1", "parallel.schedule=zb-v"]
-    tp = [*base, "parallel.tp=2", "parallel.schedule=zb-h2"]
-    cases = [(zero1, None), ([*zero1, POST], None), (tp, None), ([*tp, POST], None)]
+    clip = _clip_under_first_norm()
+    base = [LAYERS, STEPS, "parallel.pp=2", "parallel.microbatches=4", clip]
+    layouts = {
+        "zero1": ([*base, "parallel.dp=2", "parallel.zero=1", "parallel.schedule=zb-v"],
+                  "fp32"),
+        "tp": ([*base, "parallel.tp=2", "parallel.schedule=zb-h2"], "fp32-tp"),
+        "cp bf16": ([*base, "parallel.cp=2", "train.precision=bf16",
+                     "parallel.schedule=zb-h1"], "fp32-cp"),
+        "pp4": ([LAYERS, STEPS, "parallel.pp=4", "parallel.microbatches=4", clip,
+                 "parallel.schedule=zb-h2"], "fp32"),
+    }
+    cases = [c for sets, _ in layouts.values() for c in ((sets, None), ([*sets, POST], None))]
     outs = run_ranks(_runs, 4, cases, timeout=600)
-    for i, (where, precision) in enumerate((("zero1", "fp32"), ("tp", "fp32-tp"))):
+    for i, (where, (_, precision)) in enumerate(layouts.items()):
         barrier, run = ([runs[2 * i + k] for runs in outs] for k in (0, 1))
-        _assert_same(run, _as_reference(barrier), where, precision)
+        _assert_same(run, _as_reference(barrier), where, precision,
+                     peers=3 if where == "pp4" else 1)
         assert all(r["rows"][0].get("rolled_back") for r in run), where
 
 
@@ -207,3 +243,20 @@ def test_post_validation_restores_optimizer_state_exactly(dtype):
     now = (w.detach(), opt.master[0], opt.exp_avg[0], opt.exp_avg_sq[0])
     for a, b in zip(now, before, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_time_between_steps_as_measured():
+    """measure.between_steps: from a rank's runtime step's end to its next step's start,
+    over the steps after the first; with the barrier the rank that ended last (the others
+    wait for it: the simulator lays that wait out), with post-validation every rank's."""
+    from plait.parallel.pipeline.measure import between_steps, step_periods
+
+    def rank(t0, t1):  # one compute filling the step's window
+        return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [])
+
+    steps = [[rank(0, 9), rank(1, 10)], [rank(10, 19), rank(11, 20)],
+             [rank(21, 31), rank(23, 32)]]
+    assert between_steps(steps, "barrier") == 3.0  # rank 1: 20 -> 23
+    assert between_steps(steps, "post_validation") == 2.5  # (2 + 3) / 2
+    assert step_periods(steps) == [10.0, 12.0]
+    assert between_steps(steps[:2], "barrier") == 0.0  # no step after the first's next

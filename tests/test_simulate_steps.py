@@ -8,6 +8,7 @@ event-driven code does (ranks resumed, (moment, rank) looks), never time.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -42,6 +43,21 @@ def test_zb_h2_post_validation_removes_the_fill_between_steps():
     assert (post.step_time, post.bubble_fraction, post.busy_per_rank) == (
         one.step_time, one.bubble_fraction, one.busy_per_rank)
     assert [len(e) for e in post.events] == [27, 27]
+
+
+def test_time_between_steps():
+    """`Durations.between` (the optimizer update and host work, measured by
+    measure.between_steps): after the last rank's end with the barrier, after the rank's
+    own with post-validation. zb-h2, p=2, m=3 as above, between = 2: the barrier's step
+    starts at 10 + 2; rank 0 starts step 2 at 9 + 2, its F0 lands on rank 1 at 12, when
+    rank 1 (free at 10 + 2) may start: period 11, one T_F below the barrier's 12."""
+    s, d = build_schedule("zb-h2", 2, 3), replace(UNIT, between=2.0)
+    bar = simulate(s, d, steps=3)
+    assert bar.step_ends == [10.0, 22.0, 34.0] and bar.events[0][9][3] == 12.0
+    post = simulate(s, d, steps=3, optimizer_sync="post_validation")
+    assert post.step_ends == [10.0, 21.0, 32.0] and post.events[0][9][3] == 11.0
+    assert post.steady_bubble_fraction == pytest.approx(1 - 9 / 11)
+    assert simulate(s, d).step_time == simulate(s, UNIT).step_time  # one step: no effect
 
 
 def test_1f1b_gains_nothing_from_post_validation():

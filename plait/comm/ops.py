@@ -24,6 +24,12 @@ if TYPE_CHECKING:  # the mesh imports the ledger; only types flow this way
     from plait.mesh import ParallelMesh
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+# the single-tensor collectives: torch 2.12 named them all_gather_single and
+# reduce_scatter_single (pytorch/pytorch#186123) and deprecated all_gather_into_tensor and
+# reduce_scatter_tensor; torch 2.11 has only the old names (docs/gpu.md, "torch 2.11")
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
 
 
 class Handle:
@@ -91,7 +97,11 @@ RELEASE_TIMEOUT_S = 5.0
 
 
 def _await_release(aliases: list[_Alias]) -> None:
-    """Yield until the backend holds no reference to the aliases."""
+    """Yield until the backend holds no reference to the aliases (CPU tensors only: NCCL's
+    watchdog thread keeps a work's tensors until the GPU has run it, so waiting for
+    their release would block the host on the device inside the step; the CUDA caching
+    allocator orders a buffer's reuse after the stream that used it, whoever frees it)."""
+    aliases = [a for a in aliases if not a.tensor.is_cuda]
     deadline = None
     while any(a.held_by_backend() for a in aliases):
         now = time.monotonic()
@@ -206,8 +216,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh
         handle.buffers = [chunks]  # in flight: the owner counts them as communication memory
         return handle
     o, i = _Alias(output), _Alias(input)
-    return _run(lambda: dist.reduce_scatter_single(o.tensor, i.tensor, op=_REDUCE_OPS[op],
-                                                   group=group, async_op=True),
+    return _run(lambda: _REDUCE_SCATTER_SINGLE(o.tensor, i.tensor, op=_REDUCE_OPS[op],
+                                               group=group, async_op=True),
                 record, async_op, aliases=(o, i))
 
 
@@ -225,8 +235,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, di
     sent, recv = ring_bytes("all_gather", payload, n)
     record = _recorder(mesh, "all_gather", dim, payload, sent, recv, tag, input.dtype)
     o, i = _Alias(output), _Alias(input)
-    return _run(lambda: dist.all_gather_single(o.tensor, i.tensor, group=mesh.group(dim),
-                                               async_op=True), record, async_op, aliases=(o, i))
+    return _run(lambda: _ALL_GATHER_SINGLE(o.tensor, i.tensor, group=mesh.group(dim),
+                                           async_op=True), record, async_op, aliases=(o, i))
 
 
 def broadcast(tensor: torch.Tensor, mesh: ParallelMesh, dim: str, src: int = 0, *,

@@ -193,13 +193,21 @@ def init_full_param(name: str, shape: torch.Size, cfg: ModelConfig, base_seed: i
     Norm weights start at one; output projections (wo, w2) are scaled by 1/sqrt(2 n_layers)
     as in GPT-2 (Radford et al. 2019) so the residual stream's variance stays bounded.
     """
+    return init_param_into(torch.empty(shape), name, cfg, base_seed)
+
+
+def init_param_into(out: torch.Tensor, name: str, cfg: ModelConfig, base_seed: int
+                    ) -> torch.Tensor:
+    """`init_full_param` written into `out` (a contiguous fp32 host tensor of the full
+    shape), bit for bit the same values, without a second full-size temporary: the dry
+    run of a large layout initialises billions of elements (benchmarks/dry_run.py)."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return out.fill_(1.0)
     gen = torch.Generator().manual_seed(param_seed(base_seed, name))
     std = cfg.init_std
     if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std = std / (2 * cfg.n_layers) ** 0.5
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(out.shape, generator=gen, out=out).mul_(std)
 
 
 def _shared_slots(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -227,7 +235,10 @@ def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
             setattr(m, name, getattr(first, first_name))
     with torch.no_grad():
         for name, p in module.named_parameters():
-            p.copy_(init_full_param(name, p.shape, cfg, seed))
+            if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+                init_param_into(p.data, name, cfg, seed)  # in place: no full-size copy
+            else:
+                p.copy_(init_full_param(name, p.shape, cfg, seed))
     for m in module.modules():
         if isinstance(m, RotaryEmbedding):
             m.warm(device)

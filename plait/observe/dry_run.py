@@ -22,6 +22,10 @@ a real CPU run is absent - as on NCCL, which the dry run of a GPU layout stands 
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
+import queue
+import traceback
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +53,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     cfg = copy.deepcopy(cfg)
     cfg.train.steps = max(cfg.train.steps, MEASURE_STEP + 1)
     cfg.train.memory_step = MEASURE_STEP
+    device.activate()  # on CUDA: this rank's GPU before the group and the mesh
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = ParallelMesh.build(cfg.parallel, device=device)
@@ -62,6 +67,103 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
             "bytes_per_step": payload_by_dim(mesh, MEASURE_STEP),
             "predicted_bytes_per_step": _predicted_bytes(cfg),
             "param_count_local": sum(p.numel() for p in result.model.parameters())}
+
+
+def dry_run_ranks(cfg: Config, world_size: int, ranks: list[int], token_path: Path,
+                  device: Device = CPU, timeout_s: float | None = None,
+                  threads: int = 1) -> list[dict[str, Any]]:
+    """`dry_run` of each of `ranks`, one after the other, each in a process of its own: the
+    fake process group is per process, and each rank's memory is released before the next
+    starts, so the peak of the host (or GPU) stays one rank's. `threads`: the children's
+    intra-op threads on CPU (what is measured does not depend on it: the tracker counts
+    tensors, not a kernel's scratch). One thread: forked (a child forked from a parent
+    that ran a parallel op hangs on its first unless it keeps to one thread); more, or
+    CUDA: spawned (a forked child cannot use CUDA once the parent asked the driver about
+    it). A child that fails raises its traceback here."""
+    ctx = mp.get_context("spawn" if device.is_cuda or threads > 1 else "fork")
+    results = []
+    for rank in ranks:
+        q = ctx.Queue()
+        proc = ctx.Process(target=_dry_run_child, args=(cfg, world_size, rank,
+                                                       str(token_path), device, threads, q))
+        proc.start()
+        try:
+            results.append(_child_result(proc, q, rank, timeout_s))
+        finally:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return results
+
+
+def _dry_run_child(cfg: Config, world_size: int, rank: int, token_path: str, device: Device,
+                   threads: int, q: Any) -> None:
+    import time
+
+    import torch
+
+    from plait.train.data import TokenFile
+
+    if not device.is_cuda:
+        torch.set_num_threads(threads)
+    try:
+        t = cfg.train
+        batches = GlobalBatches(TokenFile.open(token_path), t.seq_len, t.global_batch, t.seed,
+                                cfg.model.vocab_size)
+        start = time.perf_counter()
+        out = dry_run(cfg, world_size, rank, batches, device)
+        out["seconds"] = time.perf_counter() - start
+        q.put(("ok", out))
+    except BaseException:  # noqa: BLE001 - the parent raises it
+        q.put(("error", traceback.format_exc()))
+
+
+def _child_result(proc: Any, q: Any, rank: int, timeout_s: float | None) -> dict[str, Any]:
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            status, out = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not proc.is_alive() and q.empty():  # killed (out of memory?) or crashed
+                raise RuntimeError(f"the dry run of rank {rank} exited (code "
+                                   f"{proc.exitcode}) without a result") from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the dry run of rank {rank} took over {timeout_s:.0f} s"
+                                   ) from None
+    if status != "ok":
+        raise RuntimeError(f"the dry run of rank {rank} failed:\n{out}")
+    return out
+
+
+RANK_NAMES = {"first": lambda world: 0, "last": lambda world: world - 1}
+
+
+def parse_ranks(text: str | None, world_size: int | None) -> tuple[list[int], list[str]]:
+    """`--rank`'s ranks: numbers, `first` (rank 0, the first pipeline stage) or `last`
+    (rank N-1, the last stage), comma-separated; default rank 0. Problems, each naming the
+    fix, instead of ranks where the text is wrong or (`world_size` known) out of range."""
+    ranks, problems = [], []
+    for item in (text or "0").split(","):
+        item = item.strip()
+        if item in RANK_NAMES:
+            if world_size is not None:
+                ranks.append(RANK_NAMES[item](world_size))
+            continue
+        try:
+            rank = int(item)
+        except ValueError:
+            problems.append(f"--rank {item!r}: give rank numbers, first or last, "
+                            "comma-separated (e.g. --rank first,last)")
+            continue
+        if rank < 0 or (world_size is not None and rank >= world_size):
+            problems.append(f"--rank {rank}: choose a rank in 0..{(world_size or 1) - 1} "
+                            f"(the layout's {world_size or 1} ranks, or --world-size)")
+        ranks.append(rank)
+    return list(dict.fromkeys(ranks)), problems
 
 
 def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:

@@ -172,3 +172,28 @@ def _simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float],
         busy /= spec.chains
         return {"step": step, "bubble": max(0.0, 1 - busy / step), "peaks": None,
                 "source": f"closed form ({exc})"}
+
+
+def simulate_layers(layers_total: int, sched: str, pp: int, m: int, v: int, f: float,
+                    i: float, w: float, head_f: float, head_g: float, p2p: float,
+                    optimizer_sync: str = "barrier") -> dict[str, Any]:
+    """A model of `layers_total` layers through the shared simulator (plait/plan/
+    estimate.py's one layout): per-stage durations, layers split as evenly as possible,
+    the head on the last stage of each chain."""
+    if pp == 1:
+        c = layers_total
+        step = m * (c * (f + i + w) + head_f + 2 * head_g)
+        return {"step": step, "bubble": 0.0, "peaks": [1], "source": "no pipeline",
+                "optimizer_sync": optimizer_sync}
+    chains = schedule_spec(sched).chains
+    n = stages_per_chain(sched, pp, v)
+    base, extra = divmod(layers_total, n)
+    layers = [base + (1 if s >= n - extra else 0) for s in range(n)]
+    fs = [x * f for x in layers] * chains
+    is_ = [x * i for x in layers] * chains
+    ws = [x * w for x in layers] * chains
+    for last in range(n - 1, n * chains, n):
+        fs[last] += head_f
+        is_[last] += head_g
+        ws[last] += head_g
+    return simulate_pipeline(sched, pp, m, v, fs, is_, ws, p2p, optimizer_sync)

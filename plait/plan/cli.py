@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from plait.files import write_png
+from plait.config import DEFAULT_ORDER
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
+from plait.plan import host_share
 from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
 from plait.plan.emit import emit_plan
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
@@ -38,8 +39,9 @@ from plait.plan.model_flags import (
     describe,
     shape_from_args,
 )
+from plait.plan.plot import plot_memory
 from plait.plan.profile import base_gpu, hardware_of
-from plait.plan.search import PlanError, layout_problems, search
+from plait.plan.search import PlanError, layout_problems, order_notes, search
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--internode-gbs", type=float, help="per GPU per direction (default: the "
                    "preset's)")
     h.add_argument("--gpus-per-node", type=int, metavar="N", help="default: the preset's")
+    host_share.add_arguments(h)
     t = p.add_argument_group("training")
     t.add_argument("--global-batch", type=int, metavar="N", help="sequences per step")
     t.add_argument("--global-batch-tokens", type=int, metavar="N",
@@ -127,6 +130,8 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
     over: dict[str, Any] = {k: v * f for k, (v, f) in scale.items() if v is not None}
     if args.gpus_per_node:
         over["gpus_per_node"] = args.gpus_per_node
+    if getattr(args, "host_cores", None) is not None:
+        over["host_cores"] = args.host_cores
     gpu = base_gpu(args, over)
     if args.gpus is None or args.gpus < 1:
         raise PlanError("--gpus must be >= 1")
@@ -138,8 +143,10 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
             raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a "
                             f"multiple of the sequence length {shape.seq}")
         batch = args.global_batch_tokens // shape.seq
-    return shape, Cluster(gpu, args.gpus), Training(batch, args.precision, args.optimizer,
-                                                    args.mem_limit, args.optimizer_sync)
+    cluster = Cluster(gpu, args.gpus, getattr(args, "ranks_per_host", None),
+                      getattr(args, "host_load", 0.0))
+    return shape, cluster, Training(batch, args.precision, args.optimizer, args.mem_limit,
+                                    args.optimizer_sync)
 
 
 def parse_layout(text: str, args: argparse.Namespace) -> Layout:
@@ -179,6 +186,7 @@ def to_dict(e: Estimate) -> dict[str, Any]:
         "microbatch": _num(lay.mbs), "microbatches": _num(e.microbatches),
         "schedule": lay.schedule, "virtual_stages": _num(lay.v), "zero": lay.zero,
         "recompute": lay.recompute, "attention": lay.attention, "sequence_parallel": lay.sp,
+        **({} if tuple(lay.order) == DEFAULT_ORDER else {"order": ",".join(lay.order)}),
         "step_time_s": _num(e.step_time), "tokens_per_s": _num(e.tokens_per_s),
         "model_tflops_per_gpu": _num(e.model_tflops),
         "hardware_tflops_per_gpu": _num(e.hardware_tflops), "mfu": _num(e.mfu),
@@ -260,7 +268,9 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
         between = {"barrier": "one step, every pipeline rank waiting for the last before "
                    "the next (optimizer barrier)",
                    "post_validation": "the steady state of consecutive steps, each rank "
-                   "starting its next as soon as its own is done (post-validation)"}
+                   "starting its next as soon as its own is done (post-validation; its "
+                   "optimizer states include the copy held until the check, 12 bytes a "
+                   "parameter of the optimizer's shard)"}
         console.print(f"pipeline time from: {src}"
                       + (f"; assumes {between[sync]}" if sync in between else ""))
     for line in notes:
@@ -273,28 +283,6 @@ def flops_line(e: Estimate) -> str:
             "PaLM appendix B; causal kernels count half the scores), hardware "
             f"{float(e.extra['hardware_flops']):.4g} (what the {e.layout.attention} "
             f"attention kernel executes + what recompute {e.layout.recompute} runs again).")
-
-
-def plot_memory(path: str, ests: list[Estimate]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1.6 * len(ests) + 3, 4))
-    bottom = np.zeros(len(ests))
-    for k in ests[0].memory:
-        vals = np.array([float(e.memory[k]) / GB for e in ests])
-        ax.bar(range(len(ests)), vals, bottom=bottom, label=k)
-        bottom += vals
-    ax.set_xticks(range(len(ests)), [f"{e.layout.label()}\n{e.layout.schedule} "
-                                     f"Z{e.layout.zero} {e.layout.recompute}" for e in ests],
-                  fontsize=7)
-    ax.set_ylabel("GB per rank")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    write_png(fig, path, dpi=120)
-    plt.close(fig)
 
 
 def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Training,
@@ -310,8 +298,9 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
         return [est], notes, {}
     if getattr(args, "order", "tp,cp,pp,dp") != "tp,cp,pp,dp":
-        raise PlanError(f"--order {args.order}: the search keeps the default order; give "
-                        "--layout too to evaluate one layout under another order")
+        raise PlanError(f"--order {args.order}: the search tries every mesh order itself "
+                        "and says which it recommends; give --layout too to evaluate one "
+                        "layout under --order")
     cost = None
     if args.rank_by == "goodput" and fail is not None:
         def cost(e: Estimate) -> Any:  # seconds per useful step under failures
@@ -327,7 +316,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
     notes = [f"{res.considered:,} layouts considered, {res.feasible:,} fit"
              + (", ranked by goodput (useful tokens/s under failures)." if cost else ".")]
     notes += explain(res.top[0], shape, cluster, train, res.extra.get("best_by"),
-                     res.top[1] if len(res.top) > 1 else None)
+                     res.top[1] if len(res.top) > 1 else None) + order_notes(res.top[0])
     return res.top, notes, doc
 
 
@@ -337,7 +326,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     console = Console(file=out or sys.stdout, width=160)
     err = Console(file=out or sys.stderr, width=160)
     try:
-        problems = plan_flag_problems(args) + goodput_flag_problems(args)
+        problems = plan_flag_problems(args) + goodput_flag_problems(args) \
+            + host_share.problems(args)
         if problems:
             raise PlanError("invalid input:\n" + "\n".join(f"  - {p}" for p in problems))
         shape, cluster, train = build_inputs(args)
@@ -361,6 +351,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         print(f"memory plot written to {args.plot}", file=sys.stderr)
     if shape.arch != "llama":
         notes.append(RUNTIME_NOTE)
+    notes += [line for line in [host_share.note(cluster)] if line]  # shared CPU cores
     if gps:
         notes += goodput_lines(gps[0])
         if len(gps) > 1:

@@ -16,7 +16,10 @@ Moments considered, per pipeline rank, walking the rank's action list of the sch
   * ZeRO-2/3: the flat gradient of each unit as its reduce-scatter is launched;
   * the end of backward: data-parallel buckets (flat copies of the gradients) / ZeRO-1's
     reduce-scatter of each unit;
-  * the global grad norm and the optimizer step (chunked foreach temporaries).
+  * the global grad norm and the optimizer step (chunked foreach temporaries);
+  * post-validation (`parallel.optimizer_sync`): the update holds the optimizer states'
+    copy, and the next step's forward-only prefix (`lower.speculative_prefix`) holds it
+    and the step's gradients until the check at its end drops both.
 Every term is derived in docs/planner.md ("The eager runtime"). The per-layer saved
 tensors come from plait/plan/activations.py: one formula for our block.
 """
@@ -26,9 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plait.plan.activations import (
-    FP32,
-)
+from plait.plan.activations import FP32
 from plait.plan.eager_sizes import (
     CATEGORIES,
     Moment,
@@ -43,10 +44,11 @@ if TYPE_CHECKING:
     from plait.config import Config
 
 
-
 def _loss_forward_moment(sz: RankSizes, st: int, mb: int, acc: float,
-                         base: float) -> Moment:
-    mo = Moment(f"loss forward (stage {st}, mb {mb})", sz.states(acc))
+                         base: float, held: float = 0.0) -> Moment:
+    """`held`: post-validation's copy of the optimizer states, in the prefix (`acc` then
+    holds the previous step's gradients)."""
+    mo = Moment(f"loss forward (stage {st}, mb {mb})", sz.states(acc, opt_extra=held))
     mo.bytes["activations"] += base
     mo.bytes["logits"] = sz.loss_fwd
     return mo
@@ -194,14 +196,18 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
 
     `data_windows`: seq_len windows in the token file, when known: the data loader keeps an
     int64 permutation of them for the epoch (8 bytes each), alive through every step."""
-    from plait.parallel.pipeline.lower import lower
+    from plait.parallel.pipeline.lower import lower, speculative_prefix
 
     sz = rank_sizes(cfg, rank, data_windows)
     sched, recv = sz.sched, sz.recv
+    lowered = sched if sched.lowered else lower(sched)
+    # post-validation: up to the cut (the forward-only prefix) the previous step's
+    # gradients and the optimizer states' copy are alive; the check there drops both
+    cut = speculative_prefix(lowered)[rank] if sz.snapshot else -1
     moments: list[Moment] = []
     live: dict[tuple[int, int], float] = {}  # (stage, mb) -> bytes held
     had_b: set[int] = set()  # stages with a backward done this step (grads accumulate)
-    actions = (sched if sched.lowered else lower(sched)).actions[rank]
+    actions = lowered.actions[rank]
     last_b = max((i for i, a in enumerate(actions) if a.kind in ("B", "I")), default=-1)
     pending = 0.0  # receive buffers posted ahead of the compute that consumes them
     # Input gradients sent stay alive until the end of the step: gloo's send work never
@@ -210,6 +216,8 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
     # its gradient comes back, so it lives exactly as long as its backward needs it.
     sending = 0.0
     for i, act in enumerate(actions):
+        if i == cut:
+            moments.append(sz.check_moment(sum(live.values()) + pending + sending))
         if act.kind in ("RECV_F", "RECV_B"):
             pending += recv
             continue
@@ -230,7 +238,9 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
             live[st, mb] = sz.stage_act(st)
             if sz.stages[st][3]:  # the stage holding the head
                 base = sum(live.values()) + pending + sending
-                moments.append(_loss_forward_moment(sz, st, mb, acc, base))
+                held = sz.snapshot if i < cut else 0.0
+                acc += sz.grads_full if i < cut and sz.zero < 2 else 0.0
+                moments.append(_loss_forward_moment(sz, st, mb, acc, base, held))
             continue
         base = sum(live.values()) + pending + sending
         in_flight = pending - (recv if got_b else 0.0) + sending
@@ -241,13 +251,14 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
             pending -= recv
         if i == last_b:
             moments += _end_of_step(cfg, sz.units, sz.k, sz.padded, sz.states, sz.grads_full,
-                                    sz.pb, sz.e)
+                                    sz.pb, sz.e, sz.snapshot)
     return moments
 
 
 def _end_of_step(cfg: Config, units: list[ZeroUnit], k: dict, padded: dict, states, grads_full,
-                 pb: int, e: int) -> list[Moment]:
-    """Gradient synchronisation, grad norm and the optimizer step."""
+                 pb: int, e: int, snapshot: float = 0.0) -> list[Moment]:
+    """Gradient synchronisation, grad norm and the optimizer step (`snapshot`: post-
+    validation's copy of the optimizer states, made just before the update)."""
     p, tr = cfg.parallel, cfg.train
     zero, n_dp = p.zero, p.dp
     out: list[Moment] = []
@@ -291,10 +302,10 @@ def _end_of_step(cfg: Config, units: list[ZeroUnit], k: dict, padded: dict, stat
             biggest, chunk = max(biggest, chunk), 0
     biggest = max(biggest, chunk)
     out.append(Moment("optimizer step", states(grads, comm=shard_comm,
-                                               opt_extra=per_elem * biggest)))
+                                               opt_extra=per_elem * biggest + snapshot)))
     if zero in (1, 2) and pb != FP32:  # every unit's updated shard cast, gathers in flight
-        out.append(Moment("parameter all-gather", states(grads, comm=shard_comm,
-                                                         opt_extra=sum(k.values()) * pb)))
+        out.append(Moment("parameter all-gather", states(
+            grads, comm=shard_comm, opt_extra=sum(k.values()) * pb + snapshot)))
     return out
 
 

@@ -18,6 +18,7 @@ from plait.plan.activations import (
     layer_saved_bytes,
     norm_bytes,
 )
+from plait.plan.memory import snapshot_bytes
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -182,6 +183,9 @@ class RankSizes:
     recv: float  # a pipeline receive buffer: (mbs, seq[/t under SP], dim)
     w2: float  # w2's weight gradient
     layer_numel: int
+    # post-validation: the optimizer state's copy, from the update until the next step's
+    # check (plait/parallel/post_validation.py); 0 with the barrier
+    snapshot: float = 0.0
 
     @property
     def zero(self) -> int:
@@ -193,6 +197,15 @@ class RankSizes:
         return {"parameters": self.params + gathered, "gradients": g,
                 "optimizer states": self.optim + opt_extra, "activations": self.inputs,
                 "logits": 0.0, "communication buffers": comm}
+
+    def check_moment(self, activations: float) -> Moment:
+        """Post-validation's check at the cut: the prefix's activations and transfers, the
+        previous step's gradients and the optimizer states' copy, before it drops both."""
+        mo = Moment("post-validation check (end of the prefix)",
+                    self.states(self.grads_full if self.zero < 2 else 0.0,
+                                opt_extra=self.snapshot))
+        mo.bytes["activations"] += activations
+        return mo
 
     def stage_act(self, st: int, layers_kept: int | None = None) -> float:
         """Bytes (stage, micro-batch) holds after its F (layers_kept: only the first n)."""
@@ -245,4 +258,12 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
         rope=FP32 * s * m_cfg.head_dim, tp_ids=tp_ids, loss_saved=FP32 * tok * v_t + tp_ids,
         loss_fwd=loss_fwd, loss_bwd=loss_bwd, mlp_bwd=e * tok * h + 2 * e * tok * f_t,
         dy=e * tok * h, dprod=e * tok * f_t, recv=e * tok_l * h, w2=h * f_t * pb,
-        layer_numel=sum(sh["layer"]))
+        layer_numel=sum(sh["layer"]), snapshot=_snapshot_bytes(cfg, units, k))
+
+
+def _snapshot_bytes(cfg: Config, units: list[ZeroUnit], k: dict) -> float:
+    """The copy post-validation keeps of the optimizer's (ZeRO: shard of the) states."""
+    if cfg.parallel.optimizer_sync != "post_validation":
+        return 0.0
+    numel = sum(u.numel for u in units) if cfg.parallel.zero == 0 else sum(k.values())
+    return numel * snapshot_bytes("sgd" if cfg.train.optimizer == "sgd" else "adam")

@@ -16,7 +16,7 @@ import numpy as np
 from plait.config import DEFAULT_ORDER
 from plait.model.recompute_settings import DEFAULT_OPS
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, comm, memory
+from plait.plan import bubble, comm, host_share, memory
 from plait.plan.compute import (
     Efficiency,
     LayerTimes,
@@ -95,6 +95,8 @@ class Layout:
             s += f",cp={self.cp}"
         if self.ep != 1:
             s += f",ep={self.ep}"
+        if tuple(self.order) != DEFAULT_ORDER:  # innermost first (parallel.order)
+            s += f" order {','.join(self.order)}"
         return s
 
 
@@ -211,9 +213,10 @@ def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num, simulate
                    optimizer_sync: str = "barrier") -> tuple[Num, Num, dict[str, Any]]:
     """(pipeline time, bubble fraction, the simulator's result or {})."""
     if simulate:
-        res = _simulate_one(shape, b.sched, int(b.pp), int(b.m), int(b.v), float(ct.f_layer),
-                            float(ct.i_layer), float(ct.w_layer), float(ct.head_f),
-                            float(ct.head_g), float(t_pp), optimizer_sync)
+        res = bubble.simulate_layers(shape.layers, b.sched, int(b.pp), int(b.m), int(b.v),
+                                     float(ct.f_layer), float(ct.i_layer), float(ct.w_layer),
+                                     float(ct.head_f), float(ct.head_g), float(t_pp),
+                                     optimizer_sync)
         return res["step"], res["bubble"], res
     # ranking: the last rank's chunks carry the LM head (spread over its chunks)
     cpr = b.cpr
@@ -268,12 +271,13 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
             in_last = in0
     logits = memory.logits_bytes(shape, b.mbs, tp, b.cp, b.e)
     buffers = memory.comm_buffers(shape, b.mbs, tp, b.cp, b.ep, pp, lay.zero,
-                                  dense_l + expert_l, lay.sp,
-                                  train.precision)
+                                  dense_l + expert_l, lay.sp, train.precision)
+
+    kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
 
     def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
-        st = memory.model_states(dense_p, dshard, lay.zero, train.precision, train.optimizer)
-        ex = memory.model_states(ex_p, eshard, lay.zero, train.precision, train.optimizer)
+        st = memory.model_states(dense_p, dshard, lay.zero, *kinds)
+        ex = memory.model_states(ex_p, eshard, lay.zero, *kinds)
         out = {k: st[k] + ex[k] for k in st}
         out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)
@@ -346,8 +350,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params))
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
-    step = pipe + dp_exposed + t_opt
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
+    step = host_share.apply(cluster, time, colls, pipe + dp_exposed + t_opt)  # CPU hosts
     n_gpu = b.tp * b.pp * b.dp * b.cp
     tokens_step = tokens_per_step(train.global_batch, shape.seq)
     model_flops, hw_flops = _step_flops(shape, train, lay, b)
@@ -373,26 +377,3 @@ def busy_of(m: Num, cpr: Num, f_c: Num, i_c: Num, w_c: Num, head_f: Num, head_g:
     per_mb = cpr * (f_c + i_c + w_c) + head_f + 2 * head_g
     return m * per_mb / schedule_spec(sched).chains  # each chain its share of the m
 
-
-def _simulate_one(shape: Shape, sched: str, pp: int, m: int, v: int, f: float, i: float,
-                  w: float, head_f: float, head_g: float, p2p: float,
-                  optimizer_sync: str = "barrier") -> dict[str, Any]:
-    """Per-stage durations (layers split as evenly as possible, the head on the last stage
-    of each chain) through the shared simulator."""
-    if pp == 1:
-        c = shape.layers
-        step = m * (c * (f + i + w) + head_f + 2 * head_g)
-        return {"step": step, "bubble": 0.0, "peaks": [1], "source": "no pipeline",
-                "optimizer_sync": optimizer_sync}
-    chains = schedule_spec(sched).chains
-    n = bubble.stages_per_chain(sched, pp, v)
-    base, extra = divmod(shape.layers, n)
-    layers = [base + (1 if s >= n - extra else 0) for s in range(n)]
-    fs = [x * f for x in layers] * chains
-    is_ = [x * i for x in layers] * chains
-    ws = [x * w for x in layers] * chains
-    for last in range(n - 1, n * chains, n):
-        fs[last] += head_f
-        is_[last] += head_g
-        ws[last] += head_g
-    return bubble.simulate_pipeline(sched, pp, m, v, fs, is_, ws, p2p, optimizer_sync)

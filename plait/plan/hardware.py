@@ -24,6 +24,9 @@ class GPU:
     nvlink_alpha: float = 3e-6  # per ring step, seconds
     internode_alpha: float = 10e-6
     fp32_peak_ratio: float = 0.5  # fp32 GEMMs / bf16 peak: TF32 tensor cores run at half
+    # CPU cores of the host that runs the ranks' compute (a `plait calibrate` profile's);
+    # 0: not modelled (a GPU does the work). plait/plan/host_share.py
+    host_cores: float = 0.0
 
 
 GB = 1e9
@@ -59,6 +62,8 @@ def get_gpu(name: str, **overrides: float | None) -> GPU:
 class Cluster:
     gpu: GPU
     n_gpus: int
+    ranks_per_host: int | None = None  # ranks sharing a host's cores; None: a node's
+    host_load: float = 0.0  # other work's runnable entities per host (host_share.py)
 
     @property
     def gpus_per_node(self) -> int:

@@ -28,7 +28,9 @@ def model_state_bytes(cfg: Config, rank: int) -> dict[str, float]:
     pp_rank = (rank // (p.tp * p.cp)) % p.pp  # mesh order, innermost first: tp, cp, pp, dp
     sz = rank_sizes(cfg, pp_rank, 0)
     grads = sz.grad_shards if p.zero >= 2 else sz.grads_full
-    return {"parameters": sz.params, "gradients": grads, "optimizer states": sz.optim}
+    # post-validation's copy of the optimizer states lives from one update to the next check
+    return {"parameters": sz.params, "gradients": grads,
+            "optimizer states": sz.optim + sz.snapshot}
 
 
 def host_memory_problem(cfg: Config, ranks: Iterable[int], device_type: str = "cpu",

@@ -52,13 +52,27 @@ def state_bytes(precision: str, optimizer: str) -> tuple[int, int, int]:
     return p, g, k
 
 
+def snapshot_bytes(optimizer: str) -> int:
+    """Bytes per parameter of the optimizer's shard that post-validation copies before its
+    optimistic update and holds until the next step's check (plait/parallel/
+    post_validation.py): the fp32 master (cloned even where the fp32 parameter is its own
+    master) and, for Adam, the two fp32 moments; the memory meter counts it as optimizer
+    states."""
+    state_bytes("fp32", optimizer)  # the same names are valid
+    return 4 + (8 if optimizer == "adam" else 0)
+
+
 def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",
-                 optimizer: str = "adam") -> dict[str, Num]:
+                 optimizer: str = "adam", optimizer_sync: str = "barrier") -> dict[str, Num]:
     """Bytes per rank of parameters, gradients, optimizer states for `params` parameters
-    replicated over `shard` data-parallel ranks, at ZeRO stage `zero` (ZeRO paper, sec. 5)."""
+    replicated over `shard` data-parallel ranks, at ZeRO stage `zero` (ZeRO paper, sec. 5).
+    `optimizer_sync="post_validation"`: the optimizer states include the copy of them the
+    update keeps until it is validated (`snapshot_bytes`), alive at the update's peak."""
     pb, gb, kb = state_bytes(precision, optimizer)
     if precision == "fp32" and zero >= 1:
         kb += 4  # ZeRO's fp32 master shard is a copy even in fp32 (plait/parallel/zero.py)
+    if optimizer_sync == "post_validation":
+        kb += snapshot_bytes(optimizer)
     shard = np.asarray(shard, dtype=float)
     return {
         "parameters": params * pb / (shard if zero >= 3 else 1.0),

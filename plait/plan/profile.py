@@ -155,7 +155,8 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
     gpu = GPU(profile["name"], fit["bf16_peak_flops"], profile["memory_bytes"],
               fit["memory_bw_Bps"], link["bandwidth_Bps"], link["bandwidth_Bps"],
               gpus_per_node=profile["ranks_per_node"], nvlink_alpha=link["alpha_s"],
-              internode_alpha=link["alpha_s"], fp32_peak_ratio=fit["fp32_peak_ratio"])
+              internode_alpha=link["alpha_s"], fp32_peak_ratio=fit["fp32_peak_ratio"],
+              host_cores=float(profile.get("cores", 0.0)))  # plait/plan/host_share.py
     g = fit["gemm"]
     # a measured profile prices the collectives plait's runtime issues (the ledger's, per
     # ZeRO unit and outside the layers too), hidden by the overlap the machine showed

@@ -1,5 +1,10 @@
 """Enumerate every valid layout, score them all at once, rank, simulate the best.
 
+Mesh order: the vectorised pass scores every layout in the default order (tp, cp, pp,
+dp innermost first: tp inside a node); each layout the simulator re-ranks is then also
+scored under every other order that places its groups differently (`best_order`), and
+keeps the fastest (the default on a tie).
+
 Speed: the numeric sizes (tp, cp, pp, dp, ep, micro-batch size) become numpy arrays and
 `estimate.evaluate` scores one array per (schedule, virtual stages, ZeRO stage,
 recompute) combination — about a hundred vectorised calls instead of a Python loop over
@@ -9,13 +14,15 @@ layouts are then re-evaluated through the shared simulator, re-ranked, and shown
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from plait.config import DEFAULT_ORDER
 from plait.config_checks import unbuilt_combinations
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 from plait.plan.bubble import stages_per_chain
@@ -161,6 +168,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     m = train.global_batch // (c["dp"] * c["mbs"])
     scored: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict]] = []
     considered = 0
+    orders = search_orders(shape, cluster)
     for sched, v in [("none", 1)] + _schedule_variants():
         mask = (c["pp"] == 1) if sched == "none" else (c["pp"] > 1) & _schedule_ok(
             sched, c["pp"], m, v, shape.layers)
@@ -175,12 +183,13 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
                              cp=c["cp"][idx], ep=c["ep"][idx], mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
                              recompute=rec, sp=True, attention=attention)
-                est = evaluate(shape, cluster, train, lay, eff)
+                est, t, choice = _best_of_orders(shape, cluster, train, eff, lay, seconds,
+                                                 orders)
                 considered += len(idx)
-                scored.append((idx, np.broadcast_to(seconds(est), idx.shape),
+                scored.append((idx, np.broadcast_to(t, idx.shape),
                                np.broadcast_to(est.memory_total, idx.shape),
                                {"schedule": lay.schedule, "v": v, "zero": zero,
-                                "recompute": rec}))
+                                "recompute": rec, "order": np.broadcast_to(choice, idx.shape)}))
     limit = cluster.gpu.hbm_bytes * train.mem_limit_frac
     times = np.concatenate([s[1] for s in scored])
     mems = np.concatenate([s[2] for s in scored])
@@ -188,12 +197,15 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     rows = np.concatenate([s[0] for s in scored])
     fits = mems <= limit
 
+    starts = np.cumsum([0] + [len(s[0]) for s in scored])
+
     def layout_at(j: int) -> Layout:
         r, g = rows[j], scored[group[j]][3]
         return Layout(tp=int(c["tp"][r]), pp=int(c["pp"][r]), dp=int(c["dp"][r]),
                       cp=int(c["cp"][r]), ep=int(c["ep"][r]), mbs=int(c["mbs"][r]),
                       schedule=g["schedule"], v=g["v"], zero=g["zero"],
-                      recompute=g["recompute"], sp=True, attention=attention)
+                      recompute=g["recompute"], sp=True, attention=attention,
+                      order=orders[int(g["order"][j - starts[group[j]]])])
 
     if not fits.any():
         j = int(np.argmin(mems))
@@ -206,7 +218,8 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     sims = []
     for j in order[:10 * n_sim]:
         try:
-            sims.append(evaluate(shape, cluster, train, layout_at(int(j)), eff, simulate=True))
+            lay = best_order(shape, cluster, train, eff, layout_at(int(j)))
+            sims.append(evaluate(shape, cluster, train, lay, eff, simulate=True))
         except ValueError:  # a layout the simulator cannot build: never shown, the next
             continue  # one is (the search asks every rule a build does: registry.py)
         if len(sims) == n_sim:
@@ -242,3 +255,75 @@ def _best_by(c: dict[str, np.ndarray], rows: np.ndarray, group: np.ndarray, scor
     for r in RECOMPUTE:
         out[f"recompute={r}"] = best(rec == r)
     return out
+
+
+def search_orders(shape: Shape, cluster: Cluster) -> list[tuple[str, ...]]:
+    """The mesh orders the vectorised pass scores: the default, and each other dim
+    innermost (the rest in the default's order), on more than one node of a dense model
+    (the orders of one node place every group alike; expert parallelism's groups assume
+    the default: comm.order_strides)."""
+    if shape.moe or cluster.n_gpus <= cluster.gpus_per_node:
+        return [DEFAULT_ORDER]
+    return [DEFAULT_ORDER] + [(d, *(x for x in DEFAULT_ORDER if x != d))
+                              for d in DEFAULT_ORDER[1:]]
+
+
+def _best_of_orders(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
+                    lay: Layout, seconds: Callable[[Estimate], Any],
+                    orders: list[tuple[str, ...]]) -> tuple[Estimate, np.ndarray, np.ndarray]:
+    """(the default order's estimate, each layout's best seconds over `orders`, the index
+    of its order: the first on a tie, so the default wherever no order is faster)."""
+    est = evaluate(shape, cluster, train, lay, eff)
+    best = np.asarray(seconds(est), dtype=float)
+    choice = np.zeros(np.shape(best), dtype=int)
+    for k, order in enumerate(orders[1:], 1):
+        t = np.asarray(seconds(evaluate(shape, cluster, train, replace(lay, order=order),
+                                        eff)), dtype=float)
+        choice = np.where(t < best, k, choice)
+        best = np.minimum(best, t)
+    return est, best, choice
+
+
+def distinct_orders(lay: Layout, gpus_per_node: int) -> list[tuple[str, ...]]:
+    """The mesh orders (innermost first) that place `lay`'s groups differently, the
+    default first: two orders whose dims of size > 1 have the same strides build the same
+    groups. Only the default for expert parallelism (comm.order_strides) or one node."""
+    sizes = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp}
+    if lay.ep > 1 or sizes["tp"] * sizes["cp"] * sizes["pp"] * sizes["dp"] <= gpus_per_node:
+        return [DEFAULT_ORDER]
+    seen, out = set(), []
+    for order in [DEFAULT_ORDER, *itertools.permutations(DEFAULT_ORDER)]:
+        stride, key = 1, []
+        for d in order:
+            if sizes[d] > 1:
+                key.append((d, stride))
+            stride *= sizes[d]
+        if tuple(sorted(key)) not in seen:
+            seen.add(tuple(sorted(key)))
+            out.append(tuple(order))
+    return out
+
+
+def best_order(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
+               lay: Layout) -> Layout:
+    """`lay` under the mesh order with the shortest step (closed forms; the default on a
+    tie): which dims share a node's fast links is a choice the search makes too."""
+    orders = distinct_orders(lay, cluster.gpus_per_node)
+    if len(orders) == 1:
+        return lay
+    cands = [replace(lay, order=o) for o in orders]
+    steps = [float(evaluate(shape, cluster, train, c, eff).step_time) for c in cands]
+    return cands[min(range(len(cands)), key=lambda k: (steps[k], k))]
+
+
+def order_notes(best: Estimate) -> list[str]:
+    """What `plait plan` says of the recommended layout's mesh order when it is not the
+    default (the default needs no word: tp inside a node)."""
+    order = tuple(best.layout.order)
+    if order == DEFAULT_ORDER:
+        return []
+    crossing = [c.dim for c in best.collectives if not bool(c.intra)]
+    return [f"Mesh order recommended: {','.join(order)} (innermost first; parallel.order, "
+            "which --emit-config writes): it beats the default tp,cp,pp,dp for this layout"
+            + (f"; across nodes: {', '.join(dict.fromkeys(crossing))}" if crossing else "")
+            + "."]

@@ -76,7 +76,9 @@ def write_pipeline_outputs(report: dict) -> None:
           + "; CPU share of compute wall time: "
           + ", ".join(f"{k} {v:.0%}" for k, v in s["cpu_share"].items()))
     if "steady_bubble" in s:  # consecutive steps (measure.steady_state)
-        print(f"  across steps: steady bubble {s['steady_bubble']:.1%}, period "
+        print(f"  across steps: steady bubble {s['steady_bubble']:.1%} (simulated "
+              f"{s['simulated_steady_bubble']:.1%}, {s['optimizer_sync']}, "
+              f"{s['between_ms']:.1f} ms between steps), period "
               f"{s['steady_period_ms']:.1f} ms, next step's first compute "
               f"{s['step_overlap_ms']:+.1f} ms before the last one's end; steps run "
               f"again after a failed post-validation check: {s['restarts']}")

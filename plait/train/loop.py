@@ -185,7 +185,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             result.timeline = gather_timeline(marks, runtime, mesh, result.metrics[-1]["step"],
                                               result.summary["layout"])
     if cfg.parallel.pp > 1:  # measured bubble beside the simulator's prediction, the timeline
-        result.pipeline = pipeline_report(runtime, par.partition, mesh)
+        result.pipeline = pipeline_report(runtime, par.partition, mesh,
+                                          cfg.parallel.optimizer_sync)
         result.summary["pipeline"] = result.pipeline["summary"]
         # the last step's measured computes, per rank (plait report draws them)
         result.summary["pipeline_timeline"] = [[list(e) for e in evs]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
-from statistics import mean, median
+from statistics import mean
 
 import torch
 
@@ -115,6 +115,30 @@ def steady_state(steps: list[list[Rank]]) -> tuple[float, float, float] | None:
     return 1 - busy / (len(steps[0]) * period), period, overlap
 
 
+def step_periods(steps: list[list[Rank]]) -> list[float]:
+    """The time from each step's last compute (over all ranks) to the next one's."""
+    ends = [max(max((e[4] for e in r[2]), default=r[0]) for r in per_rank)
+            for per_rank in steps]
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def between_steps(steps: list[list[Rank]], optimizer_sync: str) -> float:
+    """The simulator's `Durations.between`, measured: the mean time from the end of a
+    rank's runtime step to the start of its next (gradient sync, norm, optimizer update,
+    the loop's host work), over the steps after the first. With the barrier, the rank
+    whose step ended last (it waits for nobody: the rest of the others' gap is the barrier
+    the simulator lays out); with post-validation, every rank's own."""
+    gaps: list[float] = []
+    for k in range(1, len(steps) - 1):
+        pairs = [(r[1], nxt[0]) for r, nxt in zip(steps[k], steps[k + 1], strict=True)]
+        if optimizer_sync == "barrier":
+            end, start = max(pairs)
+            gaps.append(start - end)
+        else:
+            gaps += [start - end for end, start in pairs]
+    return max(mean(gaps), 0.0) if gaps else 0.0
+
+
 def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
     `wait` for an input to arrive, `between` computes doing runtime work (posting and
@@ -163,8 +187,10 @@ def p2p_samples(per_rank: list[Rank], schedule: Schedule) -> list[tuple[float, b
 def p2p_median(samples: list[tuple[float, bool]]) -> float:
     """Median latency from exact values and upper bounds (left-censored data): Kaplan-Meier
     on -latency. Averaging only the exact ones would over-estimate, since a consumer waits
-    precisely when a transfer was slow. Where the estimate never falls to one half (most
-    values only bounded, below the exact ones), the median of all values, an upper bound."""
+    precisely when a transfer was slow. Where the estimate never falls to one half, more
+    than half the latencies lie below the smallest value seen (P(latency < it) > 1/2): that
+    smallest value, the tightest upper bound the data give (the median of all values,
+    used before, is a looser one where outputs are produced long before they are used)."""
     if not samples:
         return 0.0
     ys = sorted((-x, not exact) for x, exact in samples)  # exact first on ties
@@ -175,7 +201,7 @@ def p2p_median(samples: list[tuple[float, bool]]) -> float:
             if survive <= 0.5:
                 return max(-y, 0.0)
         at_risk -= 1
-    return max(median(x for x, _ in samples), 0.0)
+    return max(min(x for x, _ in samples), 0.0)
 
 
 def measured_durations(steps: list[list[Rank]], schedule: Schedule,
@@ -199,8 +225,8 @@ def measured_durations(steps: list[list[Rank]], schedule: Schedule,
     return Durations(mean(f), mean(i), mean(w), p2p, tuple(f), tuple(i), tuple(w), post)
 
 
-def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: ParallelMesh
-                    ) -> dict:
+def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: ParallelMesh,
+                    optimizer_sync: str = "barrier") -> dict:
     """Measured vs simulated bubble; `events` (last step, seconds from its start) for the
     pictures. Every pp rank returns the same report. Summary keys:
       measured_bubble, measured_span    mean over the measured steps
@@ -216,6 +242,10 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
       steady_bubble, steady_period_ms,  across consecutive steps (`steady_state`; 3
       step_overlap_ms                   steps or more): with post-validation a step's
                                         forwards may overlap the previous step's end
+      step_periods_ms                   each step's period (`step_periods`)
+      simulated_steady_bubble,          simulate() over as many steps, `optimizer_sync`
+      simulated_steady_period_ms,       as the run's, with the measured durations and
+      between_ms                        `between` (`between_steps`): the prediction
       restarts                          steps whose speculative prefix was run again
                                         (post-validation's failed checks), this rank
       recompute                         per pp rank, the forwards run again inside its
@@ -240,13 +270,7 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     last = steps[-1]
     origin = min(r[0] for r in last)
     events = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r[2]] for r in last]
-    by_kind: dict[str, list[float]] = defaultdict(list)
-    cpu: dict[str, list[float]] = defaultdict(list)
-    for per_rank in used:
-        for _, _, evs, det, _ in per_rank:
-            for (k, _, _, a, b), (_, c) in zip(evs, det, strict=True):
-                by_kind[k].append(b - a)
-                cpu[k].append(c)
+    by_kind, cpu = _wall_and_cpu_by_kind(used)
     breakdowns = [idle_breakdown(s) for s in used]
     ms = [1e3 * x for x in (durations.forward_per_stage or ())]
     summary = {
@@ -271,14 +295,42 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
                       if sum(by_kind[k]) > 0},
         "steps_measured": len(used),
     }
-    steady = steady_state(steps)
-    if steady is not None:  # consecutive steps: what post-validation changes
-        summary.update(steady_bubble=steady[0], steady_period_ms=1e3 * steady[1],
-                       step_overlap_ms=1e3 * steady[2], restarts=sum(runtime.steps_restarts))
+    summary.update(_across_steps(steps, runtime, durations, optimizer_sync))
     summary["recompute"], spans = _recompute_per_rank(runtime, mesh, len(steps) - len(used))
     redone = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r] for r in spans]
     return {"summary": summary, "events": events, "schedule": sched, "simulated": sim,
             "recompute_events": redone}
+
+
+def _wall_and_cpu_by_kind(used: list[list[Rank]]) -> tuple[dict, dict]:
+    """Each compute's wall and thread CPU seconds, by kind."""
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
+    for per_rank in used:
+        for _, _, evs, det, _ in per_rank:
+            for (k, _, _, a, b), (_, c) in zip(evs, det, strict=True):
+                by_kind[k].append(b - a)
+                cpu[k].append(c)
+    return by_kind, cpu
+
+
+def _across_steps(steps: list[list[Rank]], runtime: PipelineRuntime, durations: Durations,
+                  optimizer_sync: str) -> dict:
+    """The summary's keys across consecutive steps (3 or more; else none): measured
+    (`steady_state`, `step_periods`) and simulated for as many steps with the measured
+    durations and `between_steps`."""
+    steady = steady_state(steps)
+    if steady is None:
+        return {}
+    gap = between_steps(steps, optimizer_sync)
+    across = simulate(runtime.schedule, replace(durations, between=gap), len(steps),
+                      optimizer_sync)
+    return {"steady_bubble": steady[0], "steady_period_ms": 1e3 * steady[1],
+            "step_overlap_ms": 1e3 * steady[2], "restarts": sum(runtime.steps_restarts),
+            "step_periods_ms": [1e3 * x for x in step_periods(steps)],
+            "simulated_steady_bubble": across.steady_bubble_fraction,
+            "simulated_steady_period_ms": 1e3 * across.steady_step_time,
+            "between_ms": 1e3 * gap, "optimizer_sync": optimizer_sync}
 
 
 def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int

@@ -26,7 +26,8 @@ soon as its own step k is done. The steady state is steps 2..K.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
-optimizer step and of the gradient all-reduce after the flush, and per-micro-batch jitter.
+optimizer step and of the gradient all-reduce after the flush unless given as `between`,
+and per-micro-batch jitter.
 
 Event-driven (`_Timeline`): each action is started once, a rank resumed once per output it
 waited on, so a lay-out is linear in the actions (tests/test_schedule_oracle.py holds the
@@ -54,6 +55,9 @@ class Durations:
     backward_input_per_stage: tuple[float, ...] | None = None
     backward_weight_per_stage: tuple[float, ...] | None = None
     post: float = 0.0  # a rank's time to post one batch of transfers (lowered schedule)
+    # several steps: a rank's time from the end of one step to the start of its next (its
+    # optimizer update, the host's work); with the barrier, from the last rank's end
+    between: float = 0.0
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -185,7 +189,7 @@ class _Timeline:
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
-        self.post = d.post
+        self.post, self.between = d.post, d.between
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
         self.g_end: list[float | None] = [None] * size  # ... its I or B (the gradient)
@@ -231,7 +235,7 @@ class _Timeline:
                     opens = self._step_done(r, step, ready)
                     if opens is None:
                         break
-                    free = free if free >= opens else opens
+                    free = max(free + self.between, opens)
                     continue
                 a = q[pos]
                 if a is None:  # posting a batch of transfers
@@ -292,7 +296,7 @@ class _Timeline:
         if self.done_ranks[step - 1] < self.s.pp:
             self.at_barrier.add(r)
             return None
-        opens = max(self.last[step - 1])  # the last rank's last compute of the step
+        opens = max(self.last[step - 1]) + self.between  # the last rank's last compute
         for other in sorted(self.at_barrier):
             self.free[other] = max(self.free[other], opens)
             woke.append(other)
@@ -308,5 +312,5 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
                 f"Durations.{name} has {len(v)} entries; the schedule has "
                 f"{schedule.num_stages} stages"
             )
-    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post) < 0:
+    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between) < 0:
         raise ValueError("durations must be >= 0")

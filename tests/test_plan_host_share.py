@@ -1,0 +1,110 @@
+"""Ranks sharing a host's cores (plait/plan/host_share.py): the model's limits, its
+equation as the fixed point it was derived from, and that every planner output uses it
+where (and only where) a host has fewer cores than runnable tasks. Pure Python."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from test_plan_profile import _profile, plan
+
+from plait.plan import host_share
+from plait.plan.calibration import EFFICIENCY
+from plait.plan.estimate import Layout, Training, evaluate
+from plait.plan.hardware import Cluster, get_gpu
+from plait.plan.profile import profile_hardware
+from plait.plan.shape import from_preset
+
+
+def test_the_limits_it_must_reach():
+    d, w = 0.1, 0.05
+    # as many cores as ranks and nothing else runnable: each rank owns a core
+    assert host_share.shared_step(d, w, cores=4, ranks=4) == pytest.approx(d + w)
+    # no other work: a work-conserving scheduler's two bounds, the cores' capacity
+    # R D / C and a rank's own chain D + W
+    assert host_share.shared_step(d, w, cores=2, ranks=4) == pytest.approx(4 * d / 2)
+    assert host_share.shared_step(d, 0.5, cores=2, ranks=4) == pytest.approx(d + 0.5)
+    # one rank that never waits, B other runnable entities: a 1 / (B + 1) share of C cores
+    assert host_share.shared_step(d, 0.0, cores=2, ranks=1, load=3) == pytest.approx(
+        d * 4 / 2)
+    # more waiting never makes a step shorter, more cores never longer
+    steps = [float(host_share.shared_step(d, x, 2, 4, 1.5)) for x in (0.0, 0.1, 0.3, 1.0)]
+    assert steps == sorted(steps)
+    assert host_share.shared_step(d, w, 3, 4, 1.5) < host_share.shared_step(d, w, 2, 4, 1.5)
+
+
+def test_drifting_ranks_share_their_node_link():
+    """link_wait: one rank a node keeps the planner's wait; k ranks that never overlap
+    (a long step) each send at the whole link, 1/k of the in-step wait; in between, the
+    mean-field equation holds, and never more than the in-step wait."""
+    assert host_share.link_wait(0.4, 1, 1.0) == pytest.approx(0.4)
+    assert host_share.link_wait(0.4, 2, 1e9) == pytest.approx(0.2)
+    w = float(host_share.link_wait(0.4, 2, 1.0))
+    assert w == pytest.approx(0.2 * (1 + w / 1.0)) and 0.2 < w < 0.4
+    assert host_share.link_wait(0.4, 4, 0.3) == pytest.approx(0.4)  # capped
+    # solved with the cores: the same step from both equations at the fixed point
+    t = float(host_share.shared_cores_step(0.15, 0.0, 0.5, 2, 4, 1.0, 2))
+    w = float(host_share.link_wait(0.5, 2, t))
+    assert t == pytest.approx(float(host_share.shared_step(0.15, w, 2, 4, 1.0)), rel=1e-6)
+
+
+@pytest.mark.parametrize("d,w,cores,ranks,load", [(0.1, 0.05, 2, 4, 2.5),
+                                                  (0.3, 0.6, 2, 4, 6.0), (0.02, 0.0, 8, 16, 1.0)])
+def test_the_step_is_the_fixed_point_of_processor_sharing(d, w, cores, ranks, load):
+    """With T the model's step: a rank is runnable (T - W) / T of it, so B + R (T - W) / T
+    tasks share the cores; at that share its CPU work D takes exactly T - W."""
+    t = float(host_share.shared_step(d, w, cores, ranks, load))
+    runnable = load + ranks * (t - w) / t
+    share = min(1.0, cores / runnable)
+    assert share < 1.0  # oversubscribed in these cases
+    assert share * (t - w) == pytest.approx(d, rel=1e-9)
+
+
+def test_gpu_presets_are_untouched_and_a_profile_with_few_cores_is_shared():
+    shape, train = from_preset("tiny", 128), Training(16, precision="fp32")
+    lay = Layout(tp=2, dp=2, zero=0)
+    gpu = get_gpu("h100-sxm", gpus_per_node=2)
+    preset = evaluate(shape, Cluster(gpu, 4, ranks_per_host=4, host_load=3.0), train, lay,
+                      EFFICIENCY)
+    assert gpu.host_cores == 0 and host_share.TERM not in preset.time
+    cpu, eff = profile_hardware({**_profile(), "cores": 2})
+    cpu = replace(cpu, internode_bw=1e6)  # a slow link between nodes: dp's wait is exposed
+    own = evaluate(shape, Cluster(cpu, 4, ranks_per_host=2), train, lay, eff)  # 2 on 2
+    assert host_share.TERM not in own.time
+    shared = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay, eff)
+    # dp crosses the nodes (2 ranks each): its exposed all-reduce is the rank's wait
+    bubble, link = (float(x) for x in host_share.waits(own.time, own.collectives))
+    assert bubble == pytest.approx(0.0, abs=1e-12)  # no pipeline
+    assert link == pytest.approx(float(own.time["dp comm (exposed)"])) and link > 0
+    assert float(shared.step_time) == pytest.approx(float(host_share.shared_cores_step(
+        float(own.step_time) - bubble - link, bubble, link, 2, 4, 0.0, 2)))
+    assert float(shared.time[host_share.TERM]) == pytest.approx(
+        float(shared.step_time) - float(own.step_time))
+    # a fast link (the profile's): no wait, so 4 ranks on 2 cores take twice the CPU time
+    fast, _ = profile_hardware({**_profile(), "cores": 2})
+    alone = evaluate(shape, Cluster(fast, 4, ranks_per_host=2), train, lay, eff)
+    both = evaluate(shape, Cluster(fast, 4, ranks_per_host=4), train, lay, eff)
+    assert float(both.step_time) == pytest.approx(2 * float(alone.step_time))
+
+
+def test_plan_says_when_the_cores_are_shared(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**_profile(), "cores": 2}))
+    base = ("--hardware", str(path), "--model", "tiny", "--vocab", "256", "--seq", "32",
+            "--gpus", "4", "--gpus-per-node", "2", "--global-batch", "8", "--precision",
+            "fp32", "--layout", "tp=2,dp=2", "--zero", "0", "--json")
+    rc, out = plan(*base, "--ranks-per-host", "4", "--host-load", "1")
+    assert rc == 0, out
+    doc = json.loads(out)
+    assert any(n.startswith("Host cores shared: 4 ranks and 1 other runnable entities on 2 "
+                            "cores per host") for n in doc["explanation"]), doc["explanation"]
+    assert doc["layouts"][0]["time_breakdown_s"][host_share.TERM] > 0
+    rc, out = plan(*base)  # a node's 2 ranks on its 2 cores: a core each
+    assert not any(n.startswith("Host cores") for n in json.loads(out)["explanation"])
+    rc, out = plan(*base, "--ranks-per-host", "0", "--host-load", "-1", "--host-cores", "-2")
+    assert rc == 2
+    for phrase in ("--ranks-per-host 0 must be >= 1", "--host-load -1.0: give a number",
+                   "--host-cores -2.0: give a number of cores"):
+        assert phrase in out, out
