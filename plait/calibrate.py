@@ -1,18 +1,22 @@
 """`plait calibrate --out profile.json`: measure this machine in the planner's terms.
 
 On one intra-op thread (the runtime's: each rank owns one; docs/architecture.md, Facts):
-GEMM throughput over shapes from skinny to square, fp32 and bf16 (the efficiency curve of
-plait/plan/compute.py); causal attention (SDPA) forward throughput; memory bandwidth (a
-large copy); the operations plait's block and optimizer issue and the seconds each costs
-when its tensors are tiny (the dispatch floor); and, with `--ranks N` >= 2 (gloo, forked
-ranks through plait.testing's harness), every collective through plait.comm.ops for
-each group size dividing N, its seconds and algorithmic bytes read back from the rank's
-ledger. Each measurement is the best of a few repeats (the machine is shared: the best
-is the least disturbed). The fit (plait/plan/profile.py) is written with the raw
-numbers; `plait plan --hardware profile.json` plans with it.
+GEMM throughput over shapes from skinny to square, each as a linear layer's three GEMMs in
+autograd's layouts, fp32 and bf16 (the efficiency curve of plait/plan/compute.py); causal
+attention (SDPA) forward throughput at a training micro-batch's (batch, heads) in plait's
+layout; memory bandwidth (a large copy); plait's own training step (plait/calibrate_steps.py:
+the operations it dispatches, the bytes its element-wise operations move, their bandwidth
+replayed, the dispatch floor); and, with `--ranks N` >= 2 (gloo, forked ranks through
+plait.testing's harness), every collective through plait.comm.ops for each group size
+dividing N, its seconds and algorithmic bytes read back from the rank's ledger, and how
+much of a collective compute beside it hides. Each measurement is the best of a few
+repeats (the machine is shared: the best is the least disturbed), compute in the thread's
+CPU seconds, collectives on the wall clock. The fit (plait/plan/profile.py) is written
+with the raw numbers; `plait plan --hardware profile.json` plans with it.
 
-Measures a few seconds by default; `--quick` (tests) fewer shapes and repeats. CPU only:
-measuring a GPU (CUDA kernels, NCCL) is not built yet.
+Measures 10-25 s (most of it the first training step's setup and the ranks' fork);
+`--quick` (tests) fewer shapes and repeats. CPU only: measuring a GPU (CUDA kernels,
+NCCL) is not built yet.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ import time
 from functools import partial
 from typing import Any
 
+from plait.calibrate_steps import (
+    ELEMENTWISE_MODELS,
+    best_seconds,
+    elementwise_replay,
+    measure_dispatch,
+)
+
 # (m, k, n): the tiny models' GEMMs (tokens x hidden x 3 hidden, x ffn, ...) up to 512^3.
 # Calls stay a few ms long so that the best of several repeats is one the shared machine's
 # scheduler did not interrupt; bf16 (often emulated on a CPU: tens of times slower) gets
@@ -35,32 +46,18 @@ GEMM_SHAPES = [(64, 64, 64), (128, 64, 192), (256, 64, 176), (256, 128, 128),
                (512, 512, 512)]
 BF16_SHAPES = [(64, 64, 64), (128, 64, 192), (256, 128, 128)]
 QUICK_GEMMS = [(64, 64, 64), (256, 128, 128), (512, 256, 256)]
-ATTENTION = [(4, 64, 16), (4, 256, 16), (4, 512, 32)]  # heads, seq, head dim (batch 1)
-QUICK_ATTENTION = [(4, 64, 16), (4, 256, 16)]
+# batch, heads, seq, head dim: as many (sequence, head) pairs as a training micro-batch
+# has (the tiny models' 8 x 4), laid out as plait's attention passes them ((b, s, h, d)
+# transposed: not contiguous), whose per-call overhead one contiguous head would misstate
+ATTENTION = [(8, 4, 64, 16), (4, 4, 128, 16), (2, 4, 256, 32)]
+QUICK_ATTENTION = [(8, 4, 64, 16), (2, 4, 256, 32)]
 COLLECTIVE_BYTES = [1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22]
 QUICK_BYTES = [1 << 12, 1 << 16, 1 << 20]
 DEVICE = "cpu"  # this machine's CPU, gloo; a GPU's calibrate is not built yet
 
 
-def _best_seconds(fn: Any, repeats: int, min_time: float) -> float:
-    """The best time of `repeats` runs, each run as many calls as fill `min_time`."""
-    fn()  # warm-up
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-7)
-    calls = max(1, int(min_time / one))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
-
-
 def measure_compute(quick: bool) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     reps, min_t = (3, 0.002) if quick else (7, 0.005)
@@ -70,68 +67,51 @@ def measure_compute(quick: bool) -> dict[str, Any]:
               torch.bfloat16: QUICK_GEMMS[:2] if quick else BF16_SHAPES}
     for dtype, dtype_shapes in shapes.items():
         for m, k, n in dtype_shapes:
-            a = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-            b = torch.randn(k, n, generator=gen, device=DEVICE).to(dtype)
+            # a linear layer of k inputs and n outputs over m tokens: its forward x w^T, its
+            # input gradient dy w and its weight gradient dy^T x, in the layouts autograd
+            # passes them (transposed views): each 2mkn FLOPs; the shape's time is their mean
+            x, dy, w = (torch.randn(*s, generator=gen, device=DEVICE).to(dtype)
+                        for s in ((m, k), (m, n), (n, k)))
+            calls = (lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w,
+                     lambda dy=dy, x=x: dy.t() @ x)
+            sec = sum(best_seconds(c, reps, min_t) for c in calls) / len(calls)
             out["gemm"].append({"m": m, "k": k, "n": n, "dtype": str(dtype).split(".")[1],
-                                "seconds": _best_seconds(lambda a=a, b=b: a @ b, reps, min_t)})
-    for heads, s, d in (QUICK_ATTENTION if quick else ATTENTION):
-        q, k, v = (torch.randn(1, heads, s, d, generator=gen, device=DEVICE)
-                   for _ in range(3))
-        sec = _best_seconds(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True), reps, min_t)
-        out["attention"].append({"heads": heads, "seq": s, "head_dim": d, "seconds": sec,
-                                 "flops": 4.0 * s * s * heads * d / 2})  # causal: half
+                                "seconds": sec})
+    for batch, heads, s, d in (QUICK_ATTENTION if quick else ATTENTION):
+        sec = _attention_seconds(batch, heads, s, d, gen, reps, min_t)
+        out["attention"].append({"batch": batch, "heads": heads, "seq": s, "head_dim": d,
+                                 "seconds": sec,  # causal: half the score matrix
+                                 "flops": 3 * 4.0 * s * s * batch * heads * d / 2})
+    out["elementwise"] = [elementwise_replay(*size, reps=3 if quick else 5)
+                          for size in ELEMENTWISE_MODELS]
     src = torch.ones(8 << 20, dtype=torch.float32, device=DEVICE)  # 32 MiB, past the caches
     dst = torch.empty_like(src)
-    sec = _best_seconds(lambda: dst.copy_(src), reps, min_t)
+    sec = best_seconds(lambda: dst.copy_(src), reps, min_t)
     out["memory"] = {"bytes": 2.0 * src.numel() * 4, "seconds": sec}  # read + write
     return out
 
 
-def _count_ops(fn: Any) -> int:
-    """The aten operations `fn` dispatches (forward and autograd's backward alike)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as mode:
-        fn()
-    return mode.n
-
-
-def measure_dispatch(quick: bool) -> dict[str, Any]:
-    """Operations plait's own block and optimizer issue (counted on 1- and 2-layer models:
-    the difference is one layer's) and the seconds per operation of a training step of a
-    model so small that its GEMMs cost nothing (the dispatch floor)."""
+def _attention_seconds(batch: int, heads: int, s: int, d: int, gen: Any, reps: int,
+                       min_t: float) -> float:
+    """Causal attention's forward + backward kernels on CPU, as plait's block calls them
+    (q and k contiguous after RoPE, v and the output's gradient (b, s, h, d) transposed):
+    the planner runs the core's forward time 3 times, and this kernel's backward costs
+    1.8-2.6 x its forward here, not the GEMMs' 2 (autograd's own work is the dispatch
+    floor's). Without the CPU flash kernel's backward op: 3 x the forward."""
     import torch
 
-    from plait.model.loss import token_loss
-    from plait.model.presets import ModelConfig
-    from plait.model.transformer import build_model
-    from plait.optim import MixedPrecisionAdamW
-
-    out: dict[str, Any] = {}
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 64, (2, 17), generator=gen, device=DEVICE)
-    for layers in (1, 2):
-        cfg = ModelConfig(vocab_size=64, dim=16, n_layers=layers, n_heads=2, n_kv_heads=2,
-                          ffn_dim=32, max_seq_len=16)
-        model = build_model(cfg, seed=0)
-        opt = MixedPrecisionAdamW(list(model.named_parameters()), (0.9, 0.95), 1e-8, 0.1)
-
-        def step(model=model) -> None:
-            token_loss(model(tokens[:, :-1]), tokens[:, 1:], 32).backward()
-
-        out[f"step_ops_{layers}"] = _count_ops(step)
-        out[f"optimizer_ops_{layers}"] = _count_ops(lambda opt=opt: opt.step(1e-3))
-        if layers == 2:
-            out["step_seconds"] = _best_seconds(step, 3 if quick else 7, 0.005)
-    return out
+    aten = torch.ops.aten
+    q, k = (torch.randn(batch, heads, s, d, generator=gen, device=DEVICE) for _ in range(2))
+    v, grad = (torch.randn(batch, s, heads, d, generator=gen, device=DEVICE).transpose(1, 2)
+               for _ in range(2))
+    fwd = best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True), reps, min_t)
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return 3 * fwd
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    bwd = best_seconds(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, True), reps, min_t)
+    return fwd + bwd
 
 
 def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, list]:
@@ -158,7 +138,49 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dic
                 out.setdefault(f"{op}@{g}", []).append(
                     {"payload": recs[0].payload, "sent": recs[0].sent,
                      "seconds": min(r.seconds for r in recs)})
+    out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     return out
+
+
+def _overlap(mesh: Any, reps: int) -> dict[str, float]:
+    """Seconds of a 1 MiB all-reduce alone, of GEMMs about as long alone, and of the two
+    together (the all-reduce issued asynchronously, the GEMMs run, then waited for): how
+    much of a collective compute can hide on this machine (a GPU's copy engines and SMs
+    run both at once; a CPU's gloo threads share the cores with the compute)."""
+    import torch
+
+    from plait.comm import ops
+
+    x = torch.ones(1 << 18, device=DEVICE)
+    a = torch.randn(256, 256, device=DEVICE)
+
+    def sync() -> None:  # every rank starts each call together
+        ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, "tp", tag="calibrate")
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    comm_s = best(lambda: ops.all_reduce(x, mesh, "tp"))
+    one = best(lambda: a @ a)
+    gemms = max(1, round(comm_s / max(one, 1e-7)))
+
+    def compute() -> None:
+        for _ in range(gemms):
+            a @ a
+
+    def both() -> None:
+        handle = ops.all_reduce(x, mesh, "tp", async_op=True)
+        compute()
+        handle.wait()
+
+    return {"comm_seconds": comm_s, "compute_seconds": best(compute),
+            "both_seconds": best(both)}
 
 
 def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
@@ -166,7 +188,7 @@ def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
         return {}
     from plait.testing import run_ranks
 
-    sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 7)
+    sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 15)
     return run_ranks(_collectives_rank, ranks, sizes, reps, timeout=120.0)[0]
 
 
@@ -178,6 +200,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw = measure_compute(quick)
     raw["dispatch"] = measure_dispatch(quick)
     raw["collectives"] = measure_collectives(ranks, quick)
+    raw["overlap"] = raw["collectives"].pop("overlap", [None])[0]
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
             "date": today, "device": "cpu", "threads_per_rank": 1, "ranks": ranks,

@@ -47,6 +47,7 @@ LAYERS = [
     ("cli", ["plait.cli", "plait.cluster", "plait.cluster_stale", "plait.launch",
              "plait.elastic", "plait.multinode", "plait.multinode_elastic", "plait.watchdog",
              "plait.calibrate",  # measures through plait.testing's fork harness
+             "plait.calibrate_steps",  # and trains through plait.train, for plait calibrate
              "plait.train.__main__", "plait.train.eval_cli"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

@@ -16,13 +16,15 @@ import math
 
 import pytest
 
-from plait.calibrate import QUICK_BYTES, QUICK_GEMMS, calibrate
+from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
 from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
     curve,
     fit_alpha_beta,
+    fit_elementwise,
     fit_gemm_curve,
+    fit_overlap,
     fit_profile,
     profile_hardware,
 )
@@ -74,7 +76,14 @@ def test_calibrate_measures_every_term():
         assert all(r["seconds"] > 0 for r in rows)
     d = raw["dispatch"]  # operation counts: a second layer adds operations, never removes
     assert d["step_ops_2"] > d["step_ops_1"] > 0 and d["optimizer_ops_2"] > d["optimizer_ops_1"]
-    assert d["step_seconds"] > 0
+    assert d["elementwise_bytes_2"] > d["elementwise_bytes_1"] > 0
+    assert d["runtime_step_ops"] == d["step_ops_2"] + d["optimizer_ops_2"]
+    assert d["step_seconds"] > 0 and d["layer_saved_bytes"] > 0
+    small, large = raw["elementwise"]  # the same operations, on larger tensors
+    assert [r["hidden"] for r in raw["elementwise"]] == [m[0] for m in ELEMENTWISE_MODELS]
+    assert small["ops"] == large["ops"] > 0 and large["bytes"] > small["bytes"] > 0
+    assert all(raw["overlap"][k] > 0 for k in ("comm_seconds", "compute_seconds",
+                                               "both_seconds"))
     fit = prof["fit"]
     assert fit == fit_profile(raw)  # the fit is a function of the raw numbers
     assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
@@ -82,6 +91,7 @@ def test_calibrate_measures_every_term():
               fit["memory_bw_Bps"], fit["attention_scale"], fit["link"]["bandwidth_Bps"]):
         assert math.isfinite(v) and v > 0
     assert fit["link"]["alpha_s"] >= 0 and fit["link_group"] == 2
+    assert 0 <= fit["comm_overlap"] <= 1 and fit["elementwise_passes"] > 0
     gpu, eff = profile_hardware(prof)
     assert gpu.hbm_bw == fit["memory_bw_Bps"] and eff.link_efficiency == 1.0
 
@@ -122,9 +132,16 @@ def test_plan_uses_the_profile(tmp_path):
     assert lay["mfu"] == pytest.approx(lay["flops_per_step"]["model"] / lay["step_time_s"] / 2
                                        / 40e9, rel=1e-12)
     # the gradient all-reduce over dp = 2: 2(n-1) alpha + 2(n-1)/n S / B, achieved bandwidth
-    (ar,) = [c for c in lay["collectives"] if c["dim"] == "dp"]
+    (ar,) = [c for c in lay["collectives"] if c["op"] == "all-reduce (grads)"]
     assert ar["link"] == "nvlink"  # both ranks on the profiled machine
     assert ar["time_each_s"] == pytest.approx(2 * 50e-6 + ar["bytes"] / 1e9, rel=1e-12)
+    # the runtime's logged-loss all-reduce over dp (8 bytes) is priced too: a profile
+    # prices plait's own collectives; the gradients fit one 25 MiB bucket, all-reduced
+    # when the backward is done: exposed, whatever the overlap
+    (loss,) = [c for c in lay["collectives"] if c["op"].startswith("all-reduce (logged")]
+    assert loss["bytes"] * loss["count"] == 8
+    assert lay["time_breakdown_s"]["dp comm (exposed)"] == pytest.approx(
+        ar["time_each_s"] + 2 * 50e-6 + 8 / 1e9, rel=1e-12)
     # the optimizer step: fp32 Adam reads and writes (2 x 8 + 4 + 4) bytes per parameter;
     # the operations of its 2 layers and the fixed ones at 10 us each
     assert lay["time_breakdown_s"]["optimizer step"] == pytest.approx(
@@ -157,3 +174,82 @@ def test_bad_profiles_refused(tmp_path, content, phrase):
     rc, out = plan("--hardware", str(path), "--model", "tiny", "--gpus", "2",
                    "--global-batch", "8")
     assert rc == 2 and phrase in out, out
+
+
+def _plan_json(path, prof: dict, *flags: str) -> dict:
+    path.write_text(json.dumps(prof))
+    rc, out = plan("--hardware", str(path), "--model", "tiny", "--vocab", "256", "--seq", "32",
+                   "--global-batch", "8", "--precision", "fp32", "--json", *flags)
+    assert rc == 0, out
+    return json.loads(out)["layouts"][0]
+
+
+def test_measured_overlap_exposes_the_collectives(tmp_path):
+    """comm_overlap 0 (a CPU's gloo threads share the core with the compute): every dp
+    collective on the critical path, and ZeRO-3's as the runtime issues them, one per unit
+    (embedding, 2 blocks, final norm, head) each micro-batch."""
+    path, prof = tmp_path / "p.json", _profile()
+    prof["fit"]["comm_overlap"] = 0.0
+    lay = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "0")
+    exposed = sum(c["count"] * c["time_each_s"] for c in lay["collectives"])
+    assert lay["time_breakdown_s"]["dp comm (exposed)"] == pytest.approx(exposed, rel=1e-12)
+    lay3 = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
+                      "--microbatch", "2")
+    units, m = 2 + 3, 2
+    ag, rs = (next(c for c in lay3["collectives"] if c["op"].startswith(op))
+              for op in ("all-gather (params", "reduce-scatter (grads"))
+    assert (ag["count"], rs["count"]) == (2 * units * m, units * m)
+    assert ag["bytes"] * units == rs["bytes"] * units == pytest.approx(
+        lay3["memory_bytes"]["parameters"] * 2, rel=1e-12)  # fp32 params, dp = 2 shards
+    # each call (n - 1) alpha + (n - 1)/n S / B at n = 2
+    assert ag["time_each_s"] == pytest.approx(50e-6 + ag["bytes"] / 2 / 1e9, rel=1e-12)
+    world = [c for c in lay3["collectives"] if c["dim"] == "world"]  # the grad norm's
+    assert [c["op"] for c in world] == ["all-reduce (grad norm, float64)"]
+    assert lay3["time_breakdown_s"]["dp comm (exposed)"] == pytest.approx(
+        sum(c["count"] * c["time_each_s"] for c in lay3["collectives"]), rel=1e-12)
+
+
+def test_tp_priced_as_the_runtime_issues_it(tmp_path):
+    """Under a profile the tp time is the runtime's list (SP's gathers and scatters, the
+    norm gains' and the loss's all-reduces), not Megatron's 4 all-reduces per layer."""
+    lay = _plan_json(tmp_path / "p.json", _profile(), "--gpus", "2", "--layout", "tp=2",
+                     "--zero", "0")
+    tp = [c for c in lay["collectives"] if c["dim"] == "tp"]
+    assert len(tp) >= 5
+    assert lay["time_breakdown_s"]["tp comm (exposed)"] == pytest.approx(
+        sum(c["count"] * c["time_each_s"] for c in tp), rel=1e-9)
+
+
+def test_elementwise_traffic_priced_per_pass(tmp_path):
+    """elementwise_passes x the bytes a layer saves, three times a micro-batch (forward,
+    backward), at the measured element-wise bandwidth."""
+    from plait.model.presets import PRESETS
+    from plait.plan.memory import layer_activations
+    from plait.plan.shape import from_model_config
+
+    path, prof = tmp_path / "p.json", _profile()
+    base = _plan_json(path, prof, "--gpus", "1", "--layout", "dp=1", "--zero", "0",
+                      "--microbatch", "4")
+    prof["fit"].update(elementwise_passes=4.0, elementwise_bw_Bps=20e9)
+    lay = _plan_json(path, prof, "--gpus", "1", "--layout", "dp=1", "--zero", "0",
+                     "--microbatch", "4")
+    cfg = PRESETS["tiny"]
+    saved = float(layer_activations(from_model_config(cfg, seq=32), 4, 1, 1, False, "none", 4,
+                                    "flash"))
+    assert lay["time_breakdown_s"]["compute"] - base["time_breakdown_s"]["compute"] == \
+        pytest.approx(2 * cfg.n_layers * 3 * 4.0 * saved / 20e9, rel=1e-9)  # 2 micro-batches
+
+
+def test_overlap_and_elementwise_fits():
+    assert fit_overlap(None) == 1.0  # nothing measured: the presets' full overlap
+    # 3 ms alone, 2 ms alone, 4 ms together: 1 ms of the shorter (2 ms) hidden
+    assert fit_overlap({"comm_seconds": 3e-3, "compute_seconds": 2e-3,
+                        "both_seconds": 4e-3}) == pytest.approx(0.5)
+    assert fit_overlap({"comm_seconds": 3e-3, "compute_seconds": 2e-3,
+                        "both_seconds": 6e-3}) == 0.0  # slower together: none
+    rows = [{"bytes": b, "seconds": 2e-6 + b / 40e9} for b in (1e4, 3e6)]
+    d = {"elementwise_bytes_1": 1000, "elementwise_bytes_2": 1600, "layer_saved_bytes": 50.0}
+    got = fit_elementwise(rows, d)
+    assert got["elementwise_bw_Bps"] == pytest.approx(40e9, rel=1e-9)
+    assert got["elementwise_passes"] == pytest.approx(600 / (3 * 50))
+    assert fit_elementwise(None, d) == {"elementwise_passes": 0.0, "elementwise_bw_Bps": 0.0}

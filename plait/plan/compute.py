@@ -48,6 +48,16 @@ class Efficiency:
     outside_ops: float = 0.0
     optimizer_layer_ops: float = 0.0
     optimizer_fixed_ops: float = 0.0
+    # bytes/s of element-wise traffic (a measured profile's cache-sized rate; 0: the
+    # GPU's HBM bandwidth)
+    elementwise_bw: float = 0.0
+    # the share of a collective that compute issued beside it hides (plait calibrate's
+    # measured overlap; 1 for the GPU presets: copy engines and SMs run both at once)
+    comm_overlap: float = 1.0
+    # price the collectives plait's runtime issues (plait/plan/runtime_comm.py's list, one
+    # per ZeRO unit, the step's grad-norm and loss all-reduces) instead of Megatron's count,
+    # on which the calibration set was fitted: a measured profile's (plait's own runtime)
+    runtime_comm: bool = False
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -199,7 +209,8 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     a_flops = attention_core_flops(shape, tokens, tp, attention)
     # batched per-head GEMMs: efficiency of the whole batch's work
     a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
-    elt = eff.elementwise_passes * saved_bytes / gpu.hbm_bw + eff.op_seconds * eff.layer_ops / 3
+    bw = eff.elementwise_bw or gpu.hbm_bw
+    elt = eff.elementwise_passes * saved_bytes / bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)
 
 

@@ -7,8 +7,9 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   measured, by least squared log error on a fixed grid (deterministic). bf16's best over
   fp32's is `fp32_peak_ratio`'s inverse: the planner's peak is the bf16 one, as a GPU
   datasheet's, and fp32 runs at peak x fp32_peak_ratio. One curve serves both dtypes.
-- attention: causal SDPA forward FLOPs (4 b s^2 h / 2) and seconds -> attention_scale, the
-  median of measured throughput over the GEMM curve's at the same FLOPs.
+- attention: causal SDPA forward + backward FLOPs (3 x 4 b s^2 h / 2) and seconds ->
+  attention_scale, the median of measured throughput over the GEMM curve's at the same
+  FLOPs (the planner runs the core's forward time 3 times: forward, and 2 x in backward).
 - memory bandwidth: a large copy, read + write bytes over seconds -> hbm_bw.
 - dispatch: aten operations of plait's block (forward + backward) and optimizer, counted
   on 1- and 2-layer models, and a tiny model's step seconds per operation -> op_seconds,
@@ -95,6 +96,8 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
     ar = links.get(f"all_reduce@{largest}") if largest else None
     return {"gemm": fit, "bf16_peak_flops": best16, "fp32_peak_ratio": fit["peak_flops"] / best16,
             "dispatch": fit_dispatch(raw.get("dispatch")),
+            "comm_overlap": fit_overlap(raw.get("overlap")),
+            **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
             "memory_bw_Bps": raw["memory"]["bytes"] / raw["memory"]["seconds"],
             "links": links, "link": ar, "link_group": largest}
@@ -108,10 +111,41 @@ def fit_dispatch(d: dict[str, Any] | None) -> dict[str, float]:
                 "optimizer_layer_ops": 0.0, "optimizer_fixed_ops": 0.0}
     layer = d["step_ops_2"] - d["step_ops_1"]
     opt_layer = d["optimizer_ops_2"] - d["optimizer_ops_1"]
-    return {"op_seconds": d["step_seconds"] / d["step_ops_2"], "layer_ops": float(layer),
+    ops = d.get("runtime_step_ops", d["step_ops_2"])  # the timed step's operations
+    return {"op_seconds": d["step_seconds"] / ops, "layer_ops": float(layer),
             "outside_ops": float(d["step_ops_1"] - layer),
             "optimizer_layer_ops": float(opt_layer),
             "optimizer_fixed_ops": float(d["optimizer_ops_1"] - opt_layer)}
+
+
+def fit_elementwise(rows: list[dict[str, float]] | None, d: dict[str, Any] | None
+                    ) -> dict[str, float]:
+    """Element-wise traffic: the bandwidth of plait's block's own element-wise operations
+    (replayed at two model sizes with the same operations: the extra bytes of the larger
+    over its extra seconds, the per-operation floor cancelling) and `elementwise_passes`,
+    the bytes a layer's element-wise operations read and write forward and backward over
+    3 x the bytes it saves (compute.layer_times runs a forward's share three times). 0
+    passes when not measured (the GPU presets')."""
+    if not rows or not d or "elementwise_bytes_2" not in d:
+        return {"elementwise_passes": 0.0, "elementwise_bw_Bps": 0.0}
+    small, large = min(rows, key=lambda r: r["bytes"]), max(rows, key=lambda r: r["bytes"])
+    extra = large["seconds"] - small["seconds"]
+    bw = (large["bytes"] - small["bytes"]) / extra if extra > 0 else large["bytes"] / large[
+        "seconds"]  # noise: the larger replay's own rate, a lower bound
+    layer = d["elementwise_bytes_2"] - d["elementwise_bytes_1"]
+    return {"elementwise_passes": layer / (3 * d["layer_saved_bytes"]),
+            "elementwise_bw_Bps": bw}
+
+
+def fit_overlap(o: dict[str, float] | None) -> float:
+    """The share of the shorter of a collective and a compute that runs hidden when both
+    are issued together: (alone + alone - together) / the shorter, in [0, 1]; 1 (a GPU's
+    full overlap, the presets') when nothing was measured (one rank)."""
+    if not o:
+        return 1.0
+    comm_s, comp_s = o["comm_seconds"], o["compute_seconds"]
+    hidden = (comm_s + comp_s - o["both_seconds"]) / min(comm_s, comp_s)
+    return float(min(max(hidden, 0.0), 1.0))
 
 
 def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
@@ -124,9 +158,13 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
               internode_alpha=link["alpha_s"], fp32_peak_ratio=fit["fp32_peak_ratio"],
               host_cores=float(profile.get("cores", 0.0)))  # plait/plan/host_share.py
     g = fit["gemm"]
-    eff = Efficiency(g["gemm_max"], g["gemm_half"], 1.0, 0.0,
+    # a measured profile prices the collectives plait's runtime issues (the ledger's, per
+    # ZeRO unit and outside the layers too), hidden by the overlap the machine showed
+    eff = Efficiency(g["gemm_max"], g["gemm_half"], 1.0, fit.get("elementwise_passes", 0.0),
                      attention_scale=fit["attention_scale"],
-                     **fit.get("dispatch") or fit_dispatch(None))
+                     elementwise_bw=fit.get("elementwise_bw_Bps", 0.0),
+                     **fit.get("dispatch") or fit_dispatch(None),
+                     comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True)
     return gpu, eff
 
 

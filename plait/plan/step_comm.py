@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plait.config import ParallelConfig
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import comm, memory
 from plait.plan.compute import Efficiency, Num
@@ -51,7 +52,11 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
     # the collectives listed are the runtime's (plait/plan/runtime_comm.py); the time above
     # keeps Megatron's count, on which the step-time model was calibrated
-    colls.extend(tp_collectives(shape, cluster, lay, eff, b))
+    tp_list = tp_collectives(shape, cluster, lay, eff, b)
+    colls.extend(tp_list)
+    if eff.runtime_comm and tp_list:  # a measured profile: the runtime's list, its time
+        total = sum(c.count * c.time_each for c in tp_list)  # spread over Megatron's slots
+        t_ar = np.where(tp_count > 0, total / np.maximum(tp_count, 1e-30), t_ar)
     # the recomputed forward's exchanges (plait's full and selective both redo attention
     # and the all-to-alls)
     replay = 0 if lay.runtime_mode() == "none" else 1
@@ -165,18 +170,32 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     dp_intra = span <= cluster.gpus_per_node
     bw, al = comm.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
-    f_mb, b_mb = b.cpr * ct.f_c, b.cpr * (ct.i_c + ct.w_c)  # one micro-batch on this rank
+    # one micro-batch on this rank: the compute that can hide a collective, as much as
+    # the machine overlaps the two (a measured profile's; all of it on a GPU)
+    f_mb = b.cpr * ct.f_c * eff.comm_overlap
+    b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
     n = b.dp * b.cp / (b.ep if over_ep else 1.0)
+    # ZeRO's collectives, one per unit (plait/parallel/zero.py: embedding, each block,
+    # final norm, head; a pipeline stage is one unit) under a measured profile; one
+    # collective of all the bytes in Megatron's count
+    units = np.where(b.pp > 1, 1.0, b.rank_layers + 3) if eff.runtime_comm else 1.0
     t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
-    t_rs = comm.gather_like(g_bytes, n, bw, al)
-    t_ag = comm.gather_like(p_bytes, n, bw, al)
+    t_rs = units * comm.gather_like(g_bytes / units, n, bw, al)
+    t_ag = units * comm.gather_like(p_bytes / units, n, bw, al)
+    # the runtime's last gradient collective starts when the backward is done: nothing
+    # hides it (ZeRO-0: the last bucket's all-reduce, plait/parallel/data.py; ZeRO: the
+    # embedding unit's reduce-scatter); Megatron's count hides all behind the backward
+    last_ar, last_rs = 0.0, 0.0
+    if eff.runtime_comm:
+        last_ar = comm.all_reduce(np.minimum(g_bytes, BUCKET_BYTES), n, bw, al)[0]
+        last_rs = t_rs / units
     dp_colls: list[tuple[str, Num, Num, Num, Num, str]] = []
     if lay.zero == 0:
-        exp = np.maximum(t_ar_dp - b_mb, 0)
+        exp = np.maximum(t_ar_dp - b_mb, last_ar)
         dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward"))
     elif lay.zero in (1, 2):
         k = m if lay.zero == 2 else 1
-        exp_rs = k * np.maximum(t_rs - b_mb, 0)
+        exp_rs = k * np.maximum(t_rs - b_mb, last_rs)
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
                          "each backward" if lay.zero == 2 else "last backward"))
         dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
@@ -186,13 +205,46 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
                          m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
                          "the layer before (prefetch)"))
         dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
-                         m * np.maximum(t_rs - b_mb / 2, 0), "the next layer's backward"))
+                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward"))
     dp_exposed = 0.0
     for op, size, count, t_each, exp, how in dp_colls:
         exp = np.where(n > 1, exp, 0.0)
         dp_exposed = dp_exposed + exp
         if np.any(n > 1):
-            colls.append(comm.Collective("edp" if over_ep else "dp", op, size,
-                                         np.asarray(count, dtype=float), n, dp_intra,
-                                         t_each, exp, how))
+            per_unit = op != "all-reduce (grads)"  # ZeRO's: `units` calls of size / units
+            colls.append(comm.Collective("edp" if over_ep else "dp", op,
+                                         size / units if per_unit else size,
+                                         np.asarray(count, dtype=float)
+                                         * (units if per_unit else 1.0), n, dp_intra,
+                                         t_each / units if per_unit else t_each, exp, how))
+    if eff.runtime_comm and not over_ep:
+        dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
     return dp_exposed
+
+
+BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
+STEP_END_BYTES = 8  # the grad norm's partial sum and the logged loss, one float64 each
+
+
+def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
+                         colls: list[comm.Collective]) -> Num:
+    """Exposed seconds of the runtime's all-reduces after the micro-batches (counted in
+    "dp comm (exposed)"): the grad norm's partial sums over the world when any parameter
+    is sharded (ZeRO, tp, pp, ep: plait/parallel/replicated.py) and the logged loss over
+    pp, cp and dp (plait/train/loop.py); latency-bound, on the critical path."""
+    world = b.tp * b.pp * b.dp * b.cp
+    sharded = (lay.zero >= 1) | (b.tp > 1) | (b.pp > 1) | (b.ep > 1)
+    total = 0.0
+    for dim, n, what in (("world", np.where(sharded, world, 1.0), "grad norm"),
+                         ("pp", b.pp, "logged loss"), ("cp", b.cp, "logged loss"),
+                         ("dp", b.dp, "logged loss")):
+        span = world if dim == "world" else b.span(dim)
+        intra = span <= cluster.gpus_per_node
+        bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)
+        t, _ = comm.all_reduce(STEP_END_BYTES, n, bw, al)
+        total = total + t
+        if np.any(n > 1):
+            colls.append(comm.Collective(dim, f"all-reduce ({what}, float64)", STEP_END_BYTES,
+                                         np.where(n > 1, 1.0, 0.0), n, intra, t, t,
+                                         "none: after the micro-batches"))
+    return total

@@ -1,0 +1,206 @@
+"""`plait calibrate`'s measurements of plait's own training step (plait/calibrate.py
+runs them): the aten operations its block and the rest of its step dispatch, the bytes the
+element-wise ones move, the dispatch floor (the fastest step of a tiny model in CPU
+seconds / its operations), and the block's element-wise operations replayed one by one
+(their bandwidth). Timing helper shared with plait/calibrate.py: `best_seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+DEVICE = "cpu"  # as plait/calibrate.py: this machine's CPU
+
+
+def best_seconds(fn: Any, repeats: int, min_time: float) -> float:
+    """The best time of `repeats` runs, each run as many calls as fill `min_time`, in this
+    thread's CPU seconds: on one intra-op thread a call's work is this thread's, and its
+    CPU time leaves out the time other processes of a shared machine held the core."""
+    fn()  # warm-up
+    t0 = time.thread_time()
+    fn()
+    one = max(time.thread_time() - t0, 1e-7)
+    calls = max(1, int(min_time / one))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - t0) / calls)
+    return best
+
+
+# (hidden, ffn, batch, seq) of two 2-layer models whose block's element-wise operations
+# are replayed one by one: tensors of a few KiB (the floor) and of a few hundred KiB
+ELEMENTWISE_MODELS = [(16, 32, 2, 16), (64, 176, 8, 64)]
+
+# operations that move no data (views, allocations) or are priced elsewhere (GEMMs and the
+# attention kernel: their own curves)
+NO_TRAFFIC = {"view", "_unsafe_view", "transpose", "t", "expand", "as_strided", "slice",
+              "select", "unsqueeze", "squeeze", "detach", "alias", "permute", "split",
+              "split_with_sizes", "unbind", "reshape", "lift_fresh", "empty", "empty_like",
+              "empty_strided", "mm", "addmm", "bmm"}
+
+
+def _count_ops(fn: Any) -> tuple[int, int]:
+    """(the aten operations `fn` dispatches, forward and autograd's backward alike; the
+    bytes the element-wise ones among them read and write: every tensor argument and
+    result, views, GEMMs and attention left out)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):
+        n = 0
+        traffic = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.n += 1
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name not in NO_TRAFFIC and "attention" not in name:
+                self.traffic += sum(t.numel() * t.element_size() for t in
+                                    tree_flatten((args, kwargs, out))[0]
+                                    if isinstance(t, torch.Tensor))
+            return out
+
+    with Count() as mode:
+        fn()
+    return mode.n, mode.traffic
+
+
+def elementwise_replay(dim: int, ffn: int, batch: int, seq: int, reps: int
+                        ) -> dict[str, float]:
+    """plait's block forward + backward (2 layers, fp32) captured by a dispatch mode; each
+    element-wise operation (NO_TRAFFIC and attention left out) replayed on copies of its
+    arguments, all of them in the step's order, best of `reps`: their count, the bytes
+    they read and write, and their seconds (the real mix: broadcasts, reductions, strided
+    views). Every argument is a copy made at capture, so each comes from memory, as a
+    backward's saved tensors do, while a forward's freshly written inputs are in L2 in
+    the real step: an upper bound of the step's element-wise time (replayed one by one,
+    each hot in L2, the same operations ran 1.6-2.7 x faster here: the lower bound)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from plait.model.loss import token_loss
+    from plait.model.presets import ModelConfig
+    from plait.model.transformer import build_model
+
+    cfg = ModelConfig(vocab_size=64, dim=dim, n_layers=2, n_heads=2, n_kv_heads=2,
+                      ffn_dim=ffn, max_seq_len=seq)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, 64, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    calls: list[tuple[Any, Any, Any, int]] = []
+
+    def copy(t: Any) -> Any:
+        return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if name not in NO_TRAFFIC and "attention" not in name:
+                nbytes = sum(t.numel() * t.element_size() for t in
+                             tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+                calls.append((func, tree_map(copy, args), tree_map(copy, kwargs), nbytes))
+            return out
+
+    with Capture():
+        token_loss(model(tokens[:, :-1]), tokens[:, 1:], batch * seq).backward()
+    def in_order() -> None:  # the step's order: its tensors come and go from the caches
+        for f, a, k, _ in calls:
+            f(*a, **k)
+
+    seconds = best_seconds(in_order, reps, 0.0)
+    return {"hidden": dim, "ops": len(calls), "bytes": float(sum(c[3] for c in calls)),
+            "seconds": seconds}
+
+
+def _runtime_steps(layers: int, steps: int, count: bool) -> tuple[int, list[float]]:
+    """plait's own training step (`plait.train.loop.train` on one rank: micro-batches,
+    grad norm, clip, AdamW, zero_grad, the logged loss) of a model so small that its GEMMs
+    cost nothing: (the aten operations of its last step, counted, when `count`; else
+    this thread's CPU seconds of every step, the first with the setup: _best_seconds)."""
+    import tempfile
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plait.config import load_config
+    from plait.mesh import ParallelMesh
+    from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
+    from plait.train.loop import train
+
+    cfg = load_config(sets=["model_name=tiny", "model.vocab_size=64", "model.dim=16",
+                            f"model.n_layers={layers}", "model.n_heads=2",
+                            "model.n_kv_heads=2", "model.ffn_dim=32", "model.max_seq_len=16",
+                            "train.seq_len=16", "train.global_batch=2", f"train.steps={steps}",
+                            "train.warmup_steps=1", "train.precision=fp32"]).check(1)
+    with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
+        data = TokenFile.open(synthetic_token_file(f"{tmp}/tokens.bin", 4096, 64, seed=0))
+        batches = GlobalBatches(data, 16, 2, cfg.train.seed, 64)
+        ops, cpu = [0], [time.thread_time()]
+
+        def cpu_times(row: dict) -> None:  # this thread's CPU seconds per step (docstring)
+            now = time.thread_time()
+            times.append(now - cpu[0])
+            cpu[0] = now
+
+        times: list[float] = []
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                ops[0] += 1
+                return func(*args, **(kwargs or {}))
+
+        def on_step(row: dict) -> None:
+            if row["step"] == steps - 2:
+                ops[0] = 0  # the last step's operations only (its row's emit included)
+
+        if count:
+            with Count():
+                train(cfg, ParallelMesh.build(cfg.parallel), batches, on_step=on_step)
+        else:
+            train(cfg, ParallelMesh.build(cfg.parallel), batches, on_step=cpu_times)
+    return ops[0], times
+
+
+def measure_dispatch(quick: bool) -> dict[str, Any]:
+    """Operations plait's own block issues forward and backward (counted on 1- and 2-layer
+    models: the difference is one layer's) and those of the rest of plait's training step
+    (grad norm, clip, optimizer, zero_grad, the logged loss: `optimizer_ops_*`); the
+    seconds per operation of plait's training step of a model so small that its GEMMs cost
+    nothing (the dispatch floor: the fastest of its steps / its operations)."""
+    import torch
+
+    from plait.model.loss import token_loss
+    from plait.model.presets import ModelConfig
+    from plait.model.transformer import build_model
+    from plait.plan.memory import layer_activations
+    from plait.plan.shape import from_model_config
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 17), generator=gen, device=DEVICE)
+    for layers in (1, 2):
+        cfg = ModelConfig(vocab_size=64, dim=16, n_layers=layers, n_heads=2, n_kv_heads=2,
+                          ffn_dim=32, max_seq_len=16)
+        model = build_model(cfg, seed=0)
+
+        def step(model=model) -> None:
+            token_loss(model(tokens[:, :-1]), tokens[:, 1:], 32).backward()
+
+        out[f"step_ops_{layers}"], out[f"elementwise_bytes_{layers}"] = _count_ops(step)
+        whole, _ = _runtime_steps(layers, 3, count=True)
+        out[f"optimizer_ops_{layers}"] = whole - out[f"step_ops_{layers}"]
+    _, times = _runtime_steps(2, 8 if quick else 30, count=False)
+    out["step_seconds"] = min(times[1:])  # the first step warms up
+    out["runtime_step_ops"] = out["step_ops_2"] + out["optimizer_ops_2"]
+    # what the planner's proxy for element-wise traffic says a layer of this model saves
+    # (fp32, flash: SDPA's tensors), the unit of `elementwise_passes`
+    out["layer_saved_bytes"] = float(layer_activations(
+        from_model_config(cfg, seq=16), 2, 1, 1, False, "none", 4, "flash"))
+    return out
