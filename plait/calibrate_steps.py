@@ -91,7 +91,8 @@ def elementwise_replay(dim: int, ffn: int, batch: int, seq: int, reps: int
     cfg = ModelConfig(vocab_size=64, dim=dim, n_layers=2, n_heads=2, n_kv_heads=2,
                       ffn_dim=ffn, max_seq_len=seq)
     model = build_model(cfg, seed=0)
-    tokens = torch.randint(0, 64, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (batch, seq + 1), generator=torch.Generator().manual_seed(0),
+                           device=DEVICE)
     calls: list[tuple[Any, Any, Any, int]] = []
 
     def copy(t: Any) -> Any:
