@@ -41,6 +41,20 @@ def batches(cfg: Config, path: Path) -> GlobalBatches:
                          cfg.model.vocab_size)
 
 
+def wrap_peer(model: torch.nn.Module, peer: str, bucket_mb: float) -> torch.nn.Module:
+    """The torch-native peer around `model`: FSDP2 (`fully_shard` per block, then the
+    whole) or DDP with plait's bucket size."""
+    if peer == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        return fully_shard(model)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, bucket_cap_mb=bucket_mb)
+
+
 def torch_adamw(named: list, cfg: Config) -> torch.optim.AdamW:
     t = cfg.train
     return torch.optim.AdamW(

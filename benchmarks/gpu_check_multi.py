@@ -152,7 +152,7 @@ def _plait_peer(rank: int, world: int, args, path: str, zero: int):
 
 def _torch_peer(rank: int, world: int, args, path: str, peer: str):
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from common import wrap_peer  # benchmarks/, on the path as the script's folder
 
     from plait.model.transformer import build_model
     from plait.train.step import microbatch_loss
@@ -160,14 +160,7 @@ def _torch_peer(rank: int, world: int, args, path: str, peer: str):
     cfg = _peer_config(args, world)
     device = resolve_device(args.device, rank).torch
     model = build_model(cfg.model, seed=cfg.train.seed).to(device)
-    if peer == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.layers:
-            fully_shard(block)
-        wrapped = fully_shard(model)
-    else:
-        wrapped = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    wrapped = wrap_peer(model, peer, cfg.parallel.bucket_mb)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     data, times = _batches(cfg, path), []
     per, mbs = cfg.train.global_batch // world, cfg.micro_batch_size()

@@ -26,6 +26,7 @@ from common import (
     performance_rows,
     torch_adamw,
     torch_loop,
+    wrap_peer,
 )
 
 from plait.mesh import ParallelMesh
@@ -48,17 +49,9 @@ def _local(t):
 
 
 def _torch(rank, world, args, path, peer, measure):
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     cfg = bench_config(args.model, world, args.steps, args.seq_len, args.vocab)
     model = build_model(cfg.model, seed=cfg.train.seed)
-    if peer == "fsdp2":
-        for block in model.layers:
-            fully_shard(block)
-        wrapped = fully_shard(model)
-    else:
-        wrapped = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    wrapped = wrap_peer(model, peer, cfg.parallel.bucket_mb)
     named = list(model.named_parameters())
     optim = torch_adamw(named, cfg)
 
