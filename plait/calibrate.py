@@ -8,8 +8,10 @@ layout; memory bandwidth (a large copy); plait's own training step (plait/calibr
 the operations it dispatches, the bytes its element-wise operations move, their bandwidth
 replayed, the dispatch floor); and, with `--ranks N` >= 2 (gloo, forked ranks through
 plait.testing's harness), every collective through plait.comm.ops for each group size
-dividing N, its seconds and algorithmic bytes read back from the rank's ledger, and how
-much of a collective compute beside it hides. Each measurement is the best of a few
+dividing N, its seconds and algorithmic bytes read back from the rank's ledger, how
+much of a collective compute beside it hides, and what a collective issued after compute
+costs beyond the fit's price (the ranks' compute jitter and the wait after the last
+rank's arrival: calibrate_steps.measure_sync). Each measurement is the best of a few
 repeats (the machine is shared: the best is the least disturbed), compute in the thread's
 CPU seconds, collectives on the wall clock. The fit (plait/plan/profile.py) is written
 with the raw numbers; `plait plan --hardware profile.json` plans with it.
@@ -35,6 +37,7 @@ from plait.calibrate_steps import (
     best_seconds,
     elementwise_replay,
     measure_dispatch,
+    measure_sync,
 )
 
 # (m, k, n): the tiny models' GEMMs (tokens x hidden x 3 hidden, x ffn, ...) up to 512^3.
@@ -53,6 +56,7 @@ ATTENTION = [(8, 4, 64, 16), (4, 4, 128, 16), (2, 4, 256, 32)]
 QUICK_ATTENTION = [(8, 4, 64, 16), (2, 4, 256, 32)]
 COLLECTIVE_BYTES = [1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22]
 QUICK_BYTES = [1 << 12, 1 << 16, 1 << 20]
+QUICK_REPS = 3  # repeats of each collective under --quick
 DEVICE = "cpu"  # this machine's CPU, gloo; a GPU's calibrate is not built yet
 
 
@@ -139,6 +143,9 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dic
                     {"payload": recs[0].payload, "sent": recs[0].sent,
                      "seconds": min(r.seconds for r in recs)})
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
+    # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
+    quick = reps <= QUICK_REPS
+    out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
     return out
 
 
@@ -188,7 +195,7 @@ def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
         return {}
     from plait.testing import run_ranks
 
-    sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 15)
+    sizes, reps = (QUICK_BYTES, QUICK_REPS) if quick else (COLLECTIVE_BYTES, 15)
     return run_ranks(_collectives_rank, ranks, sizes, reps, timeout=120.0)[0]
 
 
@@ -201,6 +208,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw["dispatch"] = measure_dispatch(quick)
     raw["collectives"] = measure_collectives(ranks, quick)
     raw["overlap"] = raw["collectives"].pop("overlap", [None])[0]
+    raw["sync"] = raw["collectives"].pop("sync", [None])[0]
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
             "date": today, "device": "cpu", "threads_per_rank": 1, "ranks": ranks,

@@ -205,3 +205,67 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
     out["layer_saved_bytes"] = float(layer_activations(
         from_model_config(cfg, seq=16), 2, 1, 1, False, "none", 4, "flash"))
     return out
+
+
+# CPU seconds of compute each rank runs between two collectives (the runtime's range:
+# tp's calls every ~0.5-1 ms of compute, ZeRO-0's gradient all-reduce after a whole
+# backward), and the all-reduce's bytes: latency-bound
+SYNC_SEGMENTS = (0.5e-3, 4e-3)
+SYNC_BYTES = 1 << 10
+
+
+def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
+    """What a collective costs where the runtime issues it, after compute on every rank,
+    beyond the same call issued back to back (the alpha-beta fit's setting). For each
+    segment length L in SYNC_SEGMENTS: `calls` times, L seconds of this thread's CPU in
+    128 x 128 GEMMs, then a SYNC_BYTES all-reduce over `dim`; and `calls` all-reduces
+    back to back. Every rank's arrival and exit times (perf_counter: one clock for the
+    ranks of one host) are all-gathered, and each call split into
+      wait  = the last rank's arrival - this rank's (the ranks' compute jitter: they
+              leave a compute of equal CPU work at different times; the wait for the
+              slower rank),
+      after = exit - the last rank's arrival (the collective itself, with the backend's
+              wake-up once every rank has come).
+    Means over the ranks and calls; the best of `repeats` (the least disturbed: the
+    machine may be shared). Wall clock: both are waits, not work."""
+    import torch
+
+    from plait.comm import ops
+
+    n = mesh.size(dim)
+    x = torch.ones(SYNC_BYTES // 4, device=DEVICE)
+    a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0), device=DEVICE)
+
+    def compute(seconds: float) -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            a @ a
+
+    def run(seconds: float | None) -> tuple[float, float]:
+        times = torch.empty(calls, 2, dtype=torch.float64, device=DEVICE)
+        ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, dim, tag="calibrate")  # together
+        for i in range(calls):
+            if seconds is not None:
+                compute(seconds)
+            times[i, 0] = time.perf_counter()
+            ops.all_reduce(x, mesh, dim, tag="calibrate")
+            times[i, 1] = time.perf_counter()
+        every = torch.empty(n * calls * 2, dtype=torch.float64, device=DEVICE)
+        ops.all_gather(every, times.reshape(-1), mesh, dim, tag="calibrate")
+        every = every.reshape(n, calls, 2)
+        last = every[:, :, 0].max(dim=0).values
+        wait = (last - every[:, :, 0]).mean().item()
+        after = (every[:, :, 1] - last).mean().item()
+        return wait, after
+
+    def best(seconds: float | None) -> tuple[float, float]:
+        return min((run(seconds) for _ in range(repeats)), key=sum)
+
+    _, back_to_back = best(None)
+    rows = []
+    for seconds in SYNC_SEGMENTS:
+        wait, after = best(seconds)
+        rows.append({"compute_seconds": seconds, "wait_seconds": wait,
+                     "after_seconds": after})
+    return {"group": n, "bytes": SYNC_BYTES, "back_to_back_seconds": back_to_back,
+            "segments": rows}

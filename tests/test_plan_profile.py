@@ -17,6 +17,7 @@ import math
 import pytest
 
 from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
+from plait.calibrate_steps import SYNC_SEGMENTS
 from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
@@ -26,6 +27,7 @@ from plait.plan.profile import (
     fit_gemm_curve,
     fit_overlap,
     fit_profile,
+    fit_sync,
     profile_hardware,
 )
 
@@ -84,6 +86,10 @@ def test_calibrate_measures_every_term():
     assert small["ops"] == large["ops"] > 0 and large["bytes"] > small["bytes"] > 0
     assert all(raw["overlap"][k] > 0 for k in ("comm_seconds", "compute_seconds",
                                                "both_seconds"))
+    sync = raw["sync"]  # after compute on both ranks, and back to back
+    assert sync["group"] == 2 and sync["back_to_back_seconds"] > 0
+    assert [r["compute_seconds"] for r in sync["segments"]] == list(SYNC_SEGMENTS)
+    assert all(r["wait_seconds"] >= 0 and r["after_seconds"] > 0 for r in sync["segments"])
     fit = prof["fit"]
     assert fit == fit_profile(raw)  # the fit is a function of the raw numbers
     assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
@@ -253,3 +259,55 @@ def test_overlap_and_elementwise_fits():
     assert got["elementwise_bw_Bps"] == pytest.approx(40e9, rel=1e-9)
     assert got["elementwise_passes"] == pytest.approx(600 / (3 * 50))
     assert fit_elementwise(None, d) == {"elementwise_passes": 0.0, "elementwise_bw_Bps": 0.0}
+
+
+def test_sync_fit_and_the_wait_for_the_last_rank():
+    """sync_extra: the measured mean after the last arrival less the alpha-beta price of
+    that call; the wait for the last rank: a power law through the two measured points."""
+    link = {"alpha_s": 50e-6, "bandwidth_Bps": 1e9}
+    priced = 2 * 50e-6 + 1024 / 1e9  # a 1 KiB ring all-reduce on 2 ranks
+    raw = {"group": 2, "bytes": 1024, "back_to_back_seconds": 1e-4, "segments": [
+        {"compute_seconds": 1e-3, "wait_seconds": 1e-4, "after_seconds": priced + 3e-4},
+        {"compute_seconds": 4e-3, "wait_seconds": 2e-4, "after_seconds": priced + 5e-4}]}
+    got = fit_sync(raw, link)
+    assert got["sync_extra"] == pytest.approx(4e-4, rel=1e-9)
+    assert fit_sync(None, link) == fit_sync(raw, None) == {
+        "sync_extra": 0.0, "desync_compute": (), "desync_wait": ()}
+    from plait.plan.compute import Efficiency
+    from plait.plan.step_comm import desync_wait
+
+    eff = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=got["desync_compute"],
+                     desync_wait=got["desync_wait"])
+    # doubling per 4 x: w = 1e-4 (L / 1e-3)^0.5
+    assert desync_wait(16e-3, eff) == pytest.approx(4e-4, rel=1e-9)
+    assert desync_wait(1e-3, Efficiency(1.0, 1.0, 1.0, 0.0)) == 0.0  # not measured
+
+
+def test_sync_priced_per_collective_call(tmp_path):
+    """Under a profile with sync numbers, every call over a group > 1 (not the pipeline's
+    sends) pays sync_extra plus the wait for the last rank after compute / calls; the
+    step grows by exactly that line. Without them (the presets) there is no such line."""
+    from plait.plan.step_comm import SYNC_TERM
+
+    path, prof = tmp_path / "p.json", _profile()
+    base = _plan_json(path, prof, "--gpus", "2", "--layout", "tp=2", "--zero", "0")
+    assert SYNC_TERM not in base["time_breakdown_s"]
+    prof["fit"]["sync"] = {"sync_extra": 1e-3, "desync_compute": [1e-3, 4e-3],
+                           "desync_wait": [1e-4, 4e-4]}  # proportional to L
+    for layout in ("tp=2", "pp=2"):
+        lay = _plan_json(path, prof, "--gpus", "2", "--layout", layout, "--zero", "0")
+        t = lay["time_breakdown_s"]
+        calls = sum(c["count"] for c in lay["collectives"] if c["group"] > 1
+                    and not (c["dim"] == "pp" and c["op"].startswith("send")))
+        seg = (t["compute"] + t["recompute"]) / calls
+        assert calls > 0 and t[SYNC_TERM] == pytest.approx(
+            calls * (1e-3 + 1e-4 * seg / 1e-3), rel=1e-9)
+    off = _plan_json(path, _profile(), "--gpus", "2", "--layout", "tp=2", "--zero", "0")
+    assert lay_step(base) == lay_step(off)
+    on = _plan_json(path, prof, "--gpus", "2", "--layout", "tp=2", "--zero", "0")
+    assert lay_step(on) == pytest.approx(lay_step(base) + on["time_breakdown_s"][SYNC_TERM],
+                                         rel=1e-9)
+
+
+def lay_step(lay: dict) -> float:
+    return lay["step_time_s"]

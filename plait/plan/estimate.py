@@ -31,11 +31,13 @@ from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import dualpipe_copies
 from plait.plan.shape import Shape
 from plait.plan.step_comm import (
+    SYNC_TERM,
     TP_COLLECTIVES_FWD,
     LayerComm,
     dp_exposed_time,
     layer_comm,
     pp_p2p,
+    sync_seconds,
 )
 from plait.throughput import tokens_per_second, tokens_per_step
 
@@ -351,7 +353,11 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
-    step = host_share.apply(cluster, time, colls, pipe + dp_exposed + t_opt)  # CPU hosts
+    step = pipe + dp_exposed + t_opt
+    if eff.sync_extra or eff.desync_wait:  # a measured profile's (the presets: none)
+        time[SYNC_TERM] = sync_seconds(eff, colls, time["compute"] + time["recompute"])
+        step = step + time[SYNC_TERM]
+    step = host_share.apply(cluster, time, colls, step)  # CPU hosts
     n_gpu = b.tp * b.pp * b.dp * b.cp
     tokens_step = tokens_per_step(train.global_batch, shape.seq)
     model_flops, hw_flops = _step_flops(shape, train, lay, b)

@@ -57,8 +57,9 @@ from plait.plan.hardware import Cluster
 
 Num = Any
 TERM = "host cores shared"  # the step-time breakdown's line for it
-WAIT_TERMS = {"pipeline bubble + p2p": None, "tp comm (exposed)": ("tp",),
-              "cp/ep comm (exposed)": ("cp", "ep"), "dp comm (exposed)": ("dp",)}
+WAIT_TERMS = {"pipeline bubble + p2p": None, "collective sync (waits)": None,
+              "tp comm (exposed)": ("tp",), "cp/ep comm (exposed)": ("cp", "ep"),
+              "dp comm (exposed)": ("dp",)}
 
 
 def host_ranks(cluster: Cluster) -> int:

@@ -21,6 +21,11 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   plait/plan/comm.py. The planner's links take all-reduce's B and alpha of the largest
   group (one machine: intra- and inter-node alike, there being no second node measured),
   and link_efficiency = 1 (B is achieved bandwidth, not a datasheet's).
+- sync: a latency-bound all-reduce issued after compute on every rank (measure_sync in
+  plait/calibrate_steps.py): the mean seconds it took once the last rank arrived, less
+  the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
+  runs) -> sync_extra; the mean wait for the last rank after each segment of compute ->
+  desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
     return {"gemm": fit, "bf16_peak_flops": best16, "fp32_peak_ratio": fit["peak_flops"] / best16,
             "dispatch": fit_dispatch(raw.get("dispatch")),
             "comm_overlap": fit_overlap(raw.get("overlap")),
+            "sync": fit_sync(raw.get("sync"), ar),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
             "memory_bw_Bps": raw["memory"]["bytes"] / raw["memory"]["seconds"],
@@ -137,6 +143,24 @@ def fit_elementwise(rows: list[dict[str, float]] | None, d: dict[str, Any] | Non
             "elementwise_bw_Bps": bw}
 
 
+def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[str, Any]:
+    """The extra seconds of a synchronising collective after compute beyond the alpha-beta
+    price (the mean over the measured segments: the wake-up does not depend on the
+    compute before it), and the wait for the last rank per segment length; none when not
+    measured (one rank)."""
+    if not s or not link:
+        return {"sync_extra": 0.0, "desync_compute": (), "desync_wait": ()}
+    from plait.plan.comm import all_reduce
+
+    priced = float(all_reduce(s["bytes"], s["group"], link["bandwidth_Bps"],
+                              link["alpha_s"])[0])
+    rows = s["segments"]
+    after = float(np.mean([r["after_seconds"] for r in rows]))
+    return {"sync_extra": max(after - priced, 0.0),
+            "desync_compute": tuple(float(r["compute_seconds"]) for r in rows),
+            "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows)}
+
+
 def fit_overlap(o: dict[str, float] | None) -> float:
     """The share of the shorter of a collective and a compute that runs hidden when both
     are issued together: (alone + alone - together) / the shorter, in [0, 1]; 1 (a GPU's
@@ -164,7 +188,9 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      attention_scale=fit["attention_scale"],
                      elementwise_bw=fit.get("elementwise_bw_Bps", 0.0),
                      **fit.get("dispatch") or fit_dispatch(None),
-                     comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True)
+                     comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True,
+                     **{k: tuple(v) if isinstance(v, list) else v
+                        for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff
 
 

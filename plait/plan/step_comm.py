@@ -248,3 +248,37 @@ def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: _Bas
                                          np.where(n > 1, 1.0, 0.0), n, intra, t, t,
                                          "none: after the micro-batches"))
     return total
+
+
+SYNC_TERM = "collective sync (waits)"  # the step-time breakdown's line for sync_seconds
+
+
+def desync_wait(segment: Num, eff: Efficiency) -> Num:
+    """The mean wait for the last rank of a group at a collective after `segment` seconds
+    of compute on each rank since their last one: the power law w = w0 (L / L0)^p through
+    the profile's two measured points (a single point or a flat pair: proportional to L),
+    0 where nothing was measured."""
+    pts = [(c, w) for c, w in zip(eff.desync_compute, eff.desync_wait, strict=True) if c > 0]
+    seg = np.maximum(np.asarray(segment, dtype=float), 0.0)
+    if not pts:
+        return 0.0 * seg
+    (c0, w0), (c1, w1) = pts[0], pts[-1]
+    if w0 <= 0 or w1 <= 0 or c1 == c0:
+        return max(w0, w1) / max(c0, c1) * seg
+    p = np.log(w1 / w0) / np.log(c1 / c0)
+    return w0 * (seg / c0) ** p
+
+
+def sync_seconds(eff: Efficiency, colls: list[comm.Collective], compute: Num) -> Num:
+    """Seconds a step's synchronising collectives cost beyond their alpha-beta time: each
+    of the K calls per step (every listed collective over a group of more than one rank
+    but the pipeline's sends, which the simulated timeline holds) pays the measured extra
+    after the last rank arrives, and waits for the last rank after its share of the
+    step's compute, compute / K (the ranks' jitter; plait calibrate's measure_sync)."""
+    calls = 0.0
+    for c in colls:
+        if c.dim != "pp" or not c.op.startswith("send"):
+            calls = calls + np.where(np.asarray(c.group) > 1, c.count, 0.0)
+    calls = np.asarray(calls, dtype=float)
+    segment = np.asarray(compute, dtype=float) / np.maximum(calls, 1.0)
+    return calls * (eff.sync_extra + desync_wait(segment, eff))
