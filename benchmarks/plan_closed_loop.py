@@ -10,7 +10,8 @@ and measured step time (mean of the timed steps, the first left out, and the fas
 on a shared machine the least disturbed, the estimator the profile's best-of-repeats
 uses) and the errors, whether each is within the goal (15 %) and the load average,
 beside the dp/tp/pp bytes ratio; then where each planned step goes beside the collectives'
-measured seconds. fp32 (the runtime's default; bf16 is emulated on this
+measured seconds (and the planned waits at collectives after compute, the profile's
+measure_sync). fp32 (the runtime's default; bf16 is emulated on this
 CPU), the `tiny` model with a 256-token vocabulary, sequence 64, global batch 8.
 """
 
@@ -30,6 +31,8 @@ root = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(root), str(root / "tests")]
 
 from helpers import token_file  # noqa: E402
+
+from plait.plan.step_comm import SYNC_TERM  # noqa: E402
 
 MODEL = ["--model", "tiny", "--vocab", "256", "--seq", "64", "--global-batch", "8",
          "--precision", "fp32", "--recompute", "none"]  # one meaning in plan and train
@@ -110,12 +113,13 @@ def print_parts(parts: list) -> None:
     ledger's: issue to completion, and the part the rank waited; on a loaded machine the
     waits are mostly for a descheduled peer)."""
     print("\nplanned ms: compute | comm exposed (tp, cp/ep, dp) | bubble + p2p | optimizer "
-          "|| measured ms a step: comm | comm waited")
+          "| collective sync (waits) || measured ms a step: comm | comm waited")
     for name, t, ledger in parts:
         comm_ms = 1e3 * (t["tp comm (exposed)"] + t["cp/ep comm (exposed)"]
                          + t["dp comm (exposed)"])
         print(f"  {name}: {1e3 * (t['compute'] + t['recompute']):.1f} | {comm_ms:.1f} | "
-              f"{1e3 * t['pipeline bubble + p2p']:.1f} | {1e3 * t['optimizer step']:.1f} || "
+              f"{1e3 * t['pipeline bubble + p2p']:.1f} | {1e3 * t['optimizer step']:.1f} | "
+              f"{1e3 * t.get(SYNC_TERM, 0.0):.1f} || "
               f"{1e3 * ledger['comm_seconds_per_step']:.1f} | "
               f"{1e3 * ledger['comm_exposed_seconds_per_step']:.1f}")
 

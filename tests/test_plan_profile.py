@@ -281,6 +281,9 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     # doubling per 4 x: w = 1e-4 (L / 1e-3)^0.5
     assert desync_wait(16e-3, eff) == pytest.approx(4e-4, rel=1e-9)
     assert desync_wait(1e-3, Efficiency(1.0, 1.0, 1.0, 0.0)) == 0.0  # not measured
+    falling = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=(1e-3, 4e-3),
+                         desync_wait=(2e-4, 1e-4))  # noise: held to a constant skew
+    assert desync_wait(16e-3, falling) == pytest.approx(2e-4, rel=1e-9)
 
 
 def test_sync_priced_per_collective_call(tmp_path):

@@ -256,8 +256,10 @@ SYNC_TERM = "collective sync (waits)"  # the step-time breakdown's line for sync
 def desync_wait(segment: Num, eff: Efficiency) -> Num:
     """The mean wait for the last rank of a group at a collective after `segment` seconds
     of compute on each rank since their last one: the power law w = w0 (L / L0)^p through
-    the profile's two measured points (a single point or a flat pair: proportional to L),
-    0 where nothing was measured."""
+    the profile's two measured points (a single point, or one of them 0: proportional to
+    L), 0 where nothing was measured. p is held to [0, 1], between a skew that does not
+    grow with the compute (0) and jitter proportional to it (1; independent disturbances
+    give 1/2): two noisy points can say less, or more, than any of these."""
     pts = [(c, w) for c, w in zip(eff.desync_compute, eff.desync_wait, strict=True) if c > 0]
     seg = np.maximum(np.asarray(segment, dtype=float), 0.0)
     if not pts:
@@ -265,7 +267,7 @@ def desync_wait(segment: Num, eff: Efficiency) -> Num:
     (c0, w0), (c1, w1) = pts[0], pts[-1]
     if w0 <= 0 or w1 <= 0 or c1 == c0:
         return max(w0, w1) / max(c0, c1) * seg
-    p = np.log(w1 / w0) / np.log(c1 / c0)
+    p = min(max(np.log(w1 / w0) / np.log(c1 / c0), 0.0), 1.0)
     return w0 * (seg / c0) ** p
 
 

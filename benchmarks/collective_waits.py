@@ -1,0 +1,115 @@
+"""Where a two-rank step's collectives spend their time (issues 23 and 27): each call
+split into the wait for the other rank to arrive and the time after both have.
+
+    python benchmarks/collective_waits.py [--layouts dp2,dp2z3,tp2sp] [--steps 14]
+
+Trains the closed loop's model (benchmarks/plan_closed_loop.py: `tiny`, vocabulary 256,
+sequence 64, global batch 8, fp32) on two forked gloo ranks (plait.testing's harness),
+one rank's setup first (`single`, `single4`: the same work as one dp rank) for the CPU
+columns. Each rank's ledger records every collective's issue and completion on
+perf_counter, one clock for the ranks of one host; matched call by call across the
+ranks (both issue the same list), a call splits into
+  peer late = the other rank's issue - this rank's (>= 0): the wait for the slower rank,
+              the ranks' compute jitter (hypothesis a);
+  after     = completion - the later issue: the collective itself with the backend's
+              wake-up once both have come (hypothesis b),
+to set beside the profile's alpha (`plait calibrate`: the fastest back-to-back call) and
+its measure_sync (the same split after a compute segment). Per rank and step: wall time,
+the main thread's CPU (time.thread_time) and the process's (time.process_time: gloo's
+threads and the kernel's loopback work too). Steps after the first two; the load average
+beside each layout (the machine is shared: a number is for its load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+root = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(root)]
+
+from plait.testing import run_ranks  # noqa: E402
+
+MODEL = ["model_name=tiny", "model.vocab_size=256", "model.dim=64", "model.n_layers=2",
+         "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=176",
+         "model.max_seq_len=256", "train.seq_len=64", "train.global_batch=8",
+         "train.precision=fp32", "train.recompute=none", "train.optimizer=adamw"]
+LAYOUTS = {"single": (1, ["parallel.dp=1"]),
+           "single4": (1, ["parallel.dp=1", "train.global_batch=4"]),  # one dp rank's work
+           "dp2": (2, ["parallel.dp=2", "parallel.zero=0"]),
+           "dp2z3": (2, ["parallel.dp=2", "parallel.zero=3"]),
+           "tp2sp": (2, ["parallel.tp=2", "parallel.sp=true"])}
+SKIP = 2  # steps left out: the first (setup) and the one after
+
+
+def _rank(rank: int, world: int, sets: list[str], steps: int) -> dict:
+    from plait.config import load_config
+    from plait.mesh import ParallelMesh
+    from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
+    from plait.train.loop import train
+
+    cfg = load_config(sets=sets).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    with tempfile.TemporaryDirectory(prefix="plait-waits-") as tmp:
+        data = TokenFile.open(synthetic_token_file(f"{tmp}/t.bin", 1 << 16, 256, seed=0))
+        batches = GlobalBatches(data, cfg.train.seq_len, cfg.train.global_batch,
+                                cfg.train.seed, 256)
+        marks = [(time.perf_counter(), time.thread_time(), time.process_time())]
+        train(cfg, mesh, batches, on_step=lambda row: marks.append(
+            (time.perf_counter(), time.thread_time(), time.process_time())))
+    recs = [(f"{r.op}@{r.dim}", r.start, r.end, r.step) for r in mesh.ledger.records]
+    return {"marks": marks, "recs": recs}
+
+
+def _split(out: list[dict], steps: int) -> dict[str, np.ndarray]:
+    """Per kind of call: rows of (seconds, peer late, after), both ranks' calls."""
+    mine, theirs = out[0]["recs"], out[1]["recs"]
+    if [r[0] for r in mine] != [r[0] for r in theirs]:
+        raise SystemExit("the ranks' ledgers list different collectives")
+    rows: dict[str, list] = {}
+    for a, b in zip(mine, theirs, strict=True):
+        if a[3] < SKIP:
+            continue
+        both_in = max(a[1], b[1])
+        for me, peer in ((a, b), (b, a)):
+            rows.setdefault(me[0], []).append((me[2] - me[1], max(peer[1] - me[1], 0.0),
+                                               me[2] - both_in))
+    return {k: np.asarray(v) for k, v in rows.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="single,single4,dp2,dp2z3,tp2sp")
+    ap.add_argument("--steps", type=int, default=14)
+    a = ap.parse_args()
+    timed = a.steps - SKIP
+    for name in a.layouts.split(","):
+        world, flags = LAYOUTS[name]
+        sets = [*MODEL, *flags, f"train.steps={a.steps}", "train.warmup_steps=1"]
+        load = os.getloadavg()[0]
+        out = run_ranks(_rank, world, sets, a.steps, timeout=600.0)
+        print(f"== {name} (load average {load:.1f} at the start)")
+        for r, o in enumerate(out):
+            d = np.diff(np.asarray(o["marks"]), axis=0)[SKIP:] * 1e3
+            print(f"  rank {r}: step {d[:, 0].mean():.1f} ms (fastest {d[:, 0].min():.1f}), "
+                  f"main thread CPU {d[:, 1].mean():.1f} ms, process CPU {d[:, 2].mean():.1f}")
+        if world == 1:
+            continue
+        print("  | call | per rank-step | ms each: mean (median) | peer late: mean (median) "
+              "| after both issued: mean (median, p10) | ms a step: total, peer late, after |")
+        for kind, v in _split(out, a.steps).items():
+            ms, per = v * 1e3, len(v) / timed / 2
+            print(f"  | {kind} | {per:.1f} | {ms[:, 0].mean():.3f} ({np.median(ms[:, 0]):.3f}) | "
+                  f"{ms[:, 1].mean():.3f} ({np.median(ms[:, 1]):.3f}) | {ms[:, 2].mean():.3f} "
+                  f"({np.median(ms[:, 2]):.3f}, {np.percentile(ms[:, 2], 10):.3f}) | "
+                  + ", ".join(f"{ms[:, i].sum() / timed / 2:.1f}" for i in range(3)) + " |")
+
+
+if __name__ == "__main__":
+    main()
