@@ -305,6 +305,9 @@ def test_sync_priced_per_collective_call(tmp_path):
         seg = (t["compute"] + t["recompute"]) / calls
         assert calls > 0 and t[SYNC_TERM] == pytest.approx(
             calls * (1e-3 + 1e-4 * seg / 1e-3), rel=1e-9)
+    rc, out = plan("--gpu", "h100-sxm", "--model", "tiny", "--gpus", "2", "--layout", "tp=2",
+                   "--global-batch", "8", "--json")  # a preset: no measured sync, no line
+    assert rc == 0 and SYNC_TERM not in json.loads(out)["layouts"][0]["time_breakdown_s"]
     off = _plan_json(path, _profile(), "--gpus", "2", "--layout", "tp=2", "--zero", "0")
     assert lay_step(base) == lay_step(off)
     on = _plan_json(path, prof, "--gpus", "2", "--layout", "tp=2", "--zero", "0")
