@@ -11,7 +11,8 @@ plait.testing's harness), every collective through plait.comm.ops for each group
 dividing N, its seconds and algorithmic bytes read back from the rank's ledger, how
 much of a collective compute beside it hides, and what a collective issued after compute
 costs beyond the fit's price (the ranks' compute jitter and the wait after the last
-rank's arrival: calibrate_steps.measure_sync). Each measurement is the best of a few
+rank's arrival: calibrate_steps.measure_sync), and a few GEMMs on every rank at once
+(their throughput beside another rank's over alone). Each measurement is the best of a few
 repeats (the machine is shared: the best is the least disturbed), compute in the thread's
 CPU seconds, collectives on the wall clock. The fit (plait/plan/profile.py) is written
 with the raw numbers; `plait plan --hardware profile.json` plans with it.
@@ -49,6 +50,8 @@ GEMM_SHAPES = [(64, 64, 64), (128, 64, 192), (256, 64, 176), (256, 128, 128),
                (512, 512, 512)]
 BF16_SHAPES = [(64, 64, 64), (128, 64, 192), (256, 128, 128)]
 QUICK_GEMMS = [(64, 64, 64), (256, 128, 128), (512, 256, 256)]
+# timed again on every rank at once (_concurrent_gemms): small to the largest
+CONCURRENT_SHAPES = [(128, 64, 192), (256, 128, 128), (512, 256, 256), (512, 512, 512)]
 # batch, heads, seq, head dim: as many (sequence, head) pairs as a training micro-batch
 # has (the tiny models' 8 x 4), laid out as plait's attention passes them ((b, s, h, d)
 # transposed: not contiguous), whose per-call overhead one contiguous head would misstate
@@ -71,16 +74,9 @@ def measure_compute(quick: bool) -> dict[str, Any]:
               torch.bfloat16: QUICK_GEMMS[:2] if quick else BF16_SHAPES}
     for dtype, dtype_shapes in shapes.items():
         for m, k, n in dtype_shapes:
-            # a linear layer of k inputs and n outputs over m tokens: its forward x w^T, its
-            # input gradient dy w and its weight gradient dy^T x, in the layouts autograd
-            # passes them (transposed views): each 2mkn FLOPs; the shape's time is their mean
-            x, dy, w = (torch.randn(*s, generator=gen, device=DEVICE).to(dtype)
-                        for s in ((m, k), (m, n), (n, k)))
-            calls = (lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w,
-                     lambda dy=dy, x=x: dy.t() @ x)
-            sec = sum(best_seconds(c, reps, min_t) for c in calls) / len(calls)
             out["gemm"].append({"m": m, "k": k, "n": n, "dtype": str(dtype).split(".")[1],
-                                "seconds": sec})
+                                "seconds": linear_gemm_seconds(m, k, n, dtype, gen, reps,
+                                                               min_t)})
     for batch, heads, s, d in (QUICK_ATTENTION if quick else ATTENTION):
         sec = _attention_seconds(batch, heads, s, d, gen, reps, min_t)
         out["attention"].append({"batch": batch, "heads": heads, "seq": s, "head_dim": d,
@@ -93,6 +89,37 @@ def measure_compute(quick: bool) -> dict[str, Any]:
     sec = best_seconds(lambda: dst.copy_(src), reps, min_t)
     out["memory"] = {"bytes": 2.0 * src.numel() * 4, "seconds": sec}  # read + write
     return out
+
+
+def linear_gemm_seconds(m: int, k: int, n: int, dtype: Any, gen: Any, reps: int,
+                        min_t: float) -> float:
+    """A linear layer of k inputs and n outputs over m tokens: its forward x w^T, its
+    input gradient dy w and its weight gradient dy^T x, in the layouts autograd passes
+    them (transposed views): each 2mkn FLOPs; the mean of their best thread CPU seconds."""
+    import torch
+
+    x, dy, w = (torch.randn(*s, generator=gen, device=DEVICE).to(dtype)
+                for s in ((m, k), (m, n), (n, k)))
+    calls = (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)
+    return sum(best_seconds(c, reps, min_t) for c in calls) / len(calls)
+
+
+def _concurrent_gemms(mesh: Any, quick: bool) -> list[dict[str, Any]]:
+    """The fp32 GEMMs of CONCURRENT_SHAPES timed as measure_compute times them, on every
+    rank at once (started together): what a rank's GEMMs run at while the host's other
+    cores run another rank's (shared caches, memory bandwidth, clocks), which a one-process
+    calibration never sees. Best of repeats: an upper bound (a repeat the other rank did
+    not overlap counts as well)."""
+    import torch
+
+    from plait.comm import ops
+
+    reps, min_t = (3, 0.002) if quick else (7, 0.005)
+    gen = torch.Generator().manual_seed(0)
+    ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, "tp", tag="calibrate")  # together
+    return [{"m": m, "k": k, "n": n, "dtype": "float32",
+             "seconds": linear_gemm_seconds(m, k, n, torch.float32, gen, reps, min_t)}
+            for m, k, n in (QUICK_GEMMS if quick else CONCURRENT_SHAPES)]
 
 
 def _attention_seconds(batch: int, heads: int, s: int, d: int, gen: Any, reps: int,
@@ -146,6 +173,7 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dic
     # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
     quick = reps <= QUICK_REPS
     out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
+    out["gemm_concurrent"] = _concurrent_gemms(mesh, quick)
     return out
 
 
@@ -209,6 +237,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw["collectives"] = measure_collectives(ranks, quick)
     raw["overlap"] = raw["collectives"].pop("overlap", [None])[0]
     raw["sync"] = raw["collectives"].pop("sync", [None])[0]
+    raw["gemm_concurrent"] = raw["collectives"].pop("gemm_concurrent", [])
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
             "date": today, "device": "cpu", "threads_per_rank": 1, "ranks": ranks,

@@ -23,6 +23,7 @@ from plait.plan.profile import (
     PROFILE_VERSION,
     curve,
     fit_alpha_beta,
+    fit_concurrent,
     fit_elementwise,
     fit_gemm_curve,
     fit_overlap,
@@ -90,8 +91,11 @@ def test_calibrate_measures_every_term():
     assert sync["group"] == 2 and sync["back_to_back_seconds"] > 0
     assert [r["compute_seconds"] for r in sync["segments"]] == list(SYNC_SEGMENTS)
     assert all(r["wait_seconds"] >= 0 and r["after_seconds"] > 0 for r in sync["segments"])
+    assert [(r["m"], r["k"], r["n"]) for r in raw["gemm_concurrent"]] == QUICK_GEMMS
+    assert all(r["seconds"] > 0 for r in raw["gemm_concurrent"])
     fit = prof["fit"]
-    assert fit == fit_profile(raw)  # the fit is a function of the raw numbers
+    assert fit == fit_profile(raw)
+    assert 0 < fit["concurrent_gemm"] <= 1  # the fit is a function of the raw numbers
     assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
     for v in (fit["gemm"]["peak_flops"], fit["gemm"]["gemm_half"], fit["bf16_peak_flops"],
               fit["memory_bw_Bps"], fit["attention_scale"], fit["link"]["bandwidth_Bps"]):
@@ -317,3 +321,26 @@ def test_sync_priced_per_collective_call(tmp_path):
 
 def lay_step(lay: dict) -> float:
     return lay["step_time_s"]
+
+
+def test_concurrent_gemms_fit_and_priced(tmp_path):
+    """concurrent_gemm: the median of alone / together seconds, at most 1; under it a
+    host of two ranks runs its GEMMs (the head's and attention's too) that much slower,
+    one rank alone not at all."""
+    alone = [{"m": 64, "k": 64, "n": 64, "dtype": "float32", "seconds": 1.0},
+             {"m": 256, "k": 128, "n": 128, "dtype": "float32", "seconds": 2.0},
+             {"m": 512, "k": 256, "n": 256, "dtype": "float32", "seconds": 4.0}]
+    together = [dict(r, seconds=r["seconds"] / f) for r, f in zip(alone, (0.9, 0.8, 1.1))]
+    assert fit_concurrent(alone, together) == pytest.approx(0.9)
+    assert fit_concurrent(alone, [dict(r, seconds=r["seconds"] / 2) for r in alone]) == 1.0
+    assert fit_concurrent(alone, None) == 1.0
+    path, prof = tmp_path / "p.json", _profile()
+    flags = ("--layout", "dp=2", "--zero", "0")
+    base2, base1 = (_plan_json(path, prof, "--gpus", g, *flags[:1], f"dp={g}", *flags[2:])
+                    for g in ("2", "1"))
+    prof["fit"]["concurrent_gemm"] = 0.5
+    slow2, slow1 = (_plan_json(path, prof, "--gpus", g, *flags[:1], f"dp={g}", *flags[2:])
+                    for g in ("2", "1"))
+    assert slow1["time_breakdown_s"] == base1["time_breakdown_s"]  # one rank: alone
+    assert slow2["time_breakdown_s"]["compute"] > base2["time_breakdown_s"]["compute"]
+    assert slow2["mfu"] < base2["mfu"]  # slower step, the same peak

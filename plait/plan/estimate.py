@@ -139,6 +139,9 @@ class _Basis:
     sched: str  # the layout's schedule; "1f1b" unless every layout has pp > 1
     e: int  # bytes per activation element
     peak_scale: float  # fp32 GEMMs against the bf16 peak (GPU.fp32_peak_ratio)
+    # the GEMMs' rate against that peak: peak_scale, times the measured concurrent rate
+    # where other ranks share the host (a measured profile's concurrent_gemm)
+    gemm_scale: float
     m: Num  # micro-batches per step
     tokens: Num  # tokens of one micro-batch on one rank (the sequence split over cp)
     cpr: Num  # pipeline chunks per rank
@@ -162,6 +165,8 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     sched = lay.schedule if np.all(pp > 1) else "1f1b"
     e = memory.PRECISIONS[train.precision][3]
     peak_scale = cluster.gpu.fp32_peak_ratio if train.precision == "fp32" else 1.0
+    shared_host = host_share.host_ranks(cluster) > 1
+    gemm_scale = peak_scale * (eff.concurrent_gemm if shared_host else 1.0)
     tokens = mbs * shape.seq / cp
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
@@ -169,11 +174,12 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     strides = comm.order_strides(lay.order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, ep)
     return _Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
-        peak_scale=peak_scale, m=train.global_batch / (dp * mbs), tokens=tokens, cpr=cpr,
+        peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
+        tokens=tokens, cpr=cpr,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
         saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e,
                                        lay.attention, lay.recompute_ops),
-        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, peak_scale,
+        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
                        tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
         strides=strides)
 
@@ -203,7 +209,7 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
     w_layer = lt.gemm_fwd
     i_layer = i_layer + recompute_seconds(lay, lt, f_layer)
     hf = head_flops(shape, b.tokens, b.tp)
-    head_g = gemm_time(hf, gpu, eff, b.peak_scale)
+    head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
     head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
         + eff.op_seconds * eff.outside_ops  # embedding, final norm, head, loss: operations
     n = b.chunk_layers

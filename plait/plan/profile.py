@@ -26,6 +26,9 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
   runs) -> sync_extra; the mean wait for the last rank after each segment of compute ->
   desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds).
+- concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
+  median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
+  whose host runs other ranks too (plait/plan/estimate.py's _basis).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "dispatch": fit_dispatch(raw.get("dispatch")),
             "comm_overlap": fit_overlap(raw.get("overlap")),
             "sync": fit_sync(raw.get("sync"), ar),
+            "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
             "memory_bw_Bps": raw["memory"]["bytes"] / raw["memory"]["seconds"],
@@ -161,6 +165,18 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
             "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows)}
 
 
+def fit_concurrent(alone: list[dict[str, Any]], together: list[dict[str, Any]] | None
+                   ) -> float:
+    """GEMM throughput with every rank of the host computing at once over one alone: the
+    median over the shapes timed both ways of alone seconds / together seconds, at most 1
+    (faster together is noise); 1 when not measured (one rank, the GPU presets)."""
+    seconds = {(r["m"], r["k"], r["n"]): r["seconds"] for r in alone
+               if r["dtype"] == "float32"}
+    ratios = [seconds[key] / r["seconds"] for r in together or []
+              if (key := (r["m"], r["k"], r["n"])) in seconds and r["seconds"] > 0]
+    return float(min(np.median(ratios), 1.0)) if ratios else 1.0
+
+
 def fit_overlap(o: dict[str, float] | None) -> float:
     """The share of the shorter of a collective and a compute that runs hidden when both
     are issued together: (alone + alone - together) / the shorter, in [0, 1]; 1 (a GPU's
@@ -189,6 +205,7 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      elementwise_bw=fit.get("elementwise_bw_Bps", 0.0),
                      **fit.get("dispatch") or fit_dispatch(None),
                      comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True,
+                     concurrent_gemm=fit.get("concurrent_gemm", 1.0),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff
