@@ -59,7 +59,6 @@ ATTENTION = [(8, 4, 64, 16), (4, 4, 128, 16), (2, 4, 256, 32)]
 QUICK_ATTENTION = [(8, 4, 64, 16), (2, 4, 256, 32)]
 COLLECTIVE_BYTES = [1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22]
 QUICK_BYTES = [1 << 12, 1 << 16, 1 << 20]
-QUICK_REPS = 3  # repeats of each collective under --quick
 DEVICE = "cpu"  # this machine's CPU, gloo; a GPU's calibrate is not built yet
 
 
@@ -145,7 +144,8 @@ def _attention_seconds(batch: int, heads: int, s: int, d: int, gen: Any, reps: i
     return fwd + bwd
 
 
-def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, list]:
+def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int, quick: bool
+                      ) -> dict[str, list]:
     import torch
 
     from plait.comm import ops
@@ -171,7 +171,6 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int) -> dic
                      "seconds": min(r.seconds for r in recs)})
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
-    quick = reps <= QUICK_REPS
     out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
     out["gemm_concurrent"] = _concurrent_gemms(mesh, quick)
     return out
@@ -223,8 +222,8 @@ def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
         return {}
     from plait.testing import run_ranks
 
-    sizes, reps = (QUICK_BYTES, QUICK_REPS) if quick else (COLLECTIVE_BYTES, 15)
-    return run_ranks(_collectives_rank, ranks, sizes, reps, timeout=120.0)[0]
+    sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 15)
+    return run_ranks(_collectives_rank, ranks, sizes, reps, quick, timeout=120.0)[0]
 
 
 def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
