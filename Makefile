@@ -21,8 +21,9 @@ demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
 # every failure reported (no -x): CI must show all of them
+# two files at a time (--dist loadfile: a file's tests share its /tmp folders and fixtures)
 test: $(STAMP)
-	$(PY) -m pytest tests --durations=15
+	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
 
 # the suite N times in a row, failures counted per test (LOAD=k: k CPU burners beside it)
 N ?= 20

@@ -42,6 +42,10 @@ def _failures(xml_path: Path) -> dict[str, str]:
     return out
 
 
+# what `make test` runs, two files at a time
+SUITE = ["tests", "-n", "2", "--dist", "loadfile"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=int)
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p",
                                       "no:cacheprovider", f"--junitxml={xml}",
-                                      *(pytest_args or ["tests"])],
+                                      *(pytest_args or SUITE)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 found = _failures(xml) if rc != 0 else {}
                 if rc != 0 and not found:
