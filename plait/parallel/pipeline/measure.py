@@ -129,14 +129,17 @@ def step_periods(steps: list[list[Rank]]) -> list[float]:
 
 
 def between_steps(steps: list[list[Rank]], optimizer_sync: str) -> float:
-    """The simulator's `Durations.between`, measured: the mean time from the end of a
-    rank's runtime step to the start of its next (gradient sync, norm, optimizer update,
-    the loop's host work), over the steps after the first. With the barrier, the rank
-    whose step ended last (it waits for nobody: the rest of the others' gap is the barrier
-    the simulator lays out); with post-validation, every rank's own."""
+    """The simulator's `Durations.between`, measured: the mean time from a rank's last
+    compute of a step to the start of its next runtime step (the step's end: its sends
+    completed; gradient sync, norm, optimizer update, the loop's host work), over the steps
+    after the first; the next step's time to its first compute is `runtime_gap`'s and the
+    posts'. With the barrier, the rank whose last compute ended last (it waits for nobody:
+    the rest of the others' gap is the barrier the simulator lays out); with
+    post-validation, every rank's own."""
     gaps: list[float] = []
     for k in range(1, len(steps) - 1):
-        pairs = [(r[1], nxt[0]) for r, nxt in zip(steps[k], steps[k + 1], strict=True)]
+        pairs = [(r[2][-1][4] if r[2] else r[1], nxt[0])
+                 for r, nxt in zip(steps[k], steps[k + 1], strict=True)]
         if optimizer_sync == "barrier":
             end, start = max(pairs)
             gaps.append(start - end)
@@ -210,9 +213,33 @@ def p2p_median(samples: list[tuple[float, bool]]) -> float:
     return max(min(x for x, _ in samples), 0.0)
 
 
-def measured_durations(steps: list[list[Rank]], schedule: Schedule,
-                       p2p: float = 0.0, post: float = 0.0) -> Durations:
-    """Mean F, I, W per stage (a stage that only ran B gets I = W = B / 2), `p2p`, `post`."""
+def runtime_gap(steps: list[list[Rank]]) -> float:
+    """The simulator's `Durations.gap`, measured: a rank's own time before a compute that
+    did not wait for its input (from its previous compute's end, or the step's start, to
+    its start, less the posts in between): the loop's Python, reaping sends, completing a
+    receive that had already arrived, and the time slices the OS took there. The mean over
+    every such compute of every rank, so that gap x computes is the idle it accounts for.
+    Computes that waited are left out: their runtime work overlapped the wait."""
+    gaps: list[float] = []
+    for per_rank in steps:
+        for t0, _, evs, det, posts in per_rank:
+            k = 0  # posts are in time order, as computes are
+            prev = t0
+            for (_, _, _, a, b), (w, _) in zip(evs, det, strict=True):
+                posted = 0.0
+                while k < len(posts) and posts[k][0] < a:
+                    posted += posts[k][1] - posts[k][0]
+                    k += 1
+                if a - w <= _WAITED:
+                    gaps.append(max(a - prev - posted, 0.0))
+                prev = b
+    return mean(gaps) if gaps else 0.0
+
+
+def measured_durations(steps: list[list[Rank]], schedule: Schedule, p2p: float = 0.0,
+                       post: float = 0.0, gap: float = 0.0) -> Durations:
+    """Mean F, I, W per stage (a stage that only ran B gets I = W = B / 2), `p2p`, `post`,
+    `gap`."""
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for per_rank in steps:
         for r in per_rank:
@@ -228,7 +255,8 @@ def measured_durations(steps: list[list[Rank]], schedule: Schedule,
             b = mean(times["B", s]) if times["B", s] else 0.0
             i.append(b / 2)
             w.append(b / 2)
-    return Durations(mean(f), mean(i), mean(w), p2p, tuple(f), tuple(i), tuple(w), post)
+    return Durations(mean(f), mean(i), mean(w), p2p, tuple(f), tuple(i), tuple(w), post,
+                     gap=gap)
 
 
 def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: ParallelMesh,
@@ -237,9 +265,10 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     pictures. Every pp rank returns the same report. Summary keys:
       measured_bubble, measured_span    mean over the measured steps
       simulated_bubble, simulated_span  simulate() for `durations_ms` (per-stage F, I, W,
-                                        the measured p2p and post): the prediction
-      simulated_bubble_no_comm          the same with p2p = post = 0: the schedule's own
-                                        bubble for these compute durations
+                                        the measured p2p, post and gap): the prediction
+      simulated_bubble_no_gap           the same with gap = 0 (`runtime_gap`'s share)
+      simulated_bubble_no_comm          the same with p2p = post = gap = 0: the
+                                        schedule's own bubble for these compute durations
       simulated_bubble_cpu              each action's thread CPU time instead of its wall
                                         time, p2p = post = 0: as if every rank had its own
                                         core and transfers were free
@@ -266,9 +295,10 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     posts = [b - a for per_rank in used for r in per_rank for a, b, _ in r[4]]
     post_cpu = [c for per_rank in used for r in per_rank for _, _, c in r[4]]
     post = mean(posts) if posts else 0.0
-    durations = measured_durations(used, sched, p2p, post)
+    durations = measured_durations(used, sched, p2p, post, runtime_gap(used))
     sim = simulate(sched, durations)
-    ideal = simulate(sched, replace(durations, p2p=0.0, post=0.0))
+    no_gap = simulate(sched, replace(durations, gap=0.0))
+    ideal = simulate(sched, replace(durations, p2p=0.0, post=0.0, gap=0.0))
     cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
                             zip(evs, det, strict=True)], det, ps)
                   for t0, t1, evs, det, ps in per_rank] for per_rank in used]
@@ -285,6 +315,7 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
         "measured_bubble": mean(b for b, _ in bubbles),
         "simulated_bubble": sim.bubble_fraction,
         "simulated_bubble_no_comm": ideal.bubble_fraction,
+        "simulated_bubble_no_gap": no_gap.bubble_fraction,
         "simulated_bubble_cpu": cpu_sim.bubble_fraction,
         "measured_span": mean(s for _, s in bubbles),
         "simulated_span": sim.step_time,
@@ -295,6 +326,7 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
             "W": [1e3 * x for x in (durations.backward_weight_per_stage or ())],
             "p2p": 1e3 * p2p, "p2p_samples": len(samples),
             "p2p_waited": sum(exact for _, exact in samples), "post": 1e3 * post,
+            "gap": 1e3 * durations.gap,
             "post_cpu": 1e3 * mean(post_cpu) if post_cpu else 0.0},
         "idle": {k: mean(b[k] for b in breakdowns) for k in breakdowns[0]},
         "cpu_share": {k: sum(cpu[k]) / sum(by_kind[k]) for k in sorted(by_kind)

@@ -11,7 +11,10 @@ An action starts when its rank is free *and* its input has arrived:
   I/B s, mb the gradient from I/B (s+1), mb   (+ p2p if on another rank); the last stage
             of a chain needs only its own F (the loss)
   W s, mb   its own I s, mb
-B takes T_I + T_W. A transfer is latency `p2p` on the link, counted from the producer's
+B takes T_I + T_W. Before each compute its rank spends `gap` on its own runtime work (the
+loop's Python, completing a receive that has already arrived; `measure.runtime_gap`), idle,
+overlapping any wait for the input: start = max(rank free + gap, input there). A transfer
+is latency `p2p` on the link, counted from the producer's
 compute end: it does not occupy either rank (the runtime posts sends/receives
 asynchronously). Posting does cost the rank something: `post` is the time one batch of
 consecutive transfer actions of the lowered schedule keeps its rank from computing (the
@@ -59,6 +62,10 @@ class Durations:
     # several steps: a rank's time from the end of one step to the start of its next (its
     # optimizer update, the host's work); with the barrier, from the last rank's end
     between: float = 0.0
+    # a rank's own runtime work before each compute action besides posting (the loop's
+    # Python, completing a receive that is already there, the action's bookkeeping): idle
+    # like post; it overlaps a wait for the input (start = max(free + gap, input there))
+    gap: float = 0.0
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -220,7 +227,7 @@ class _Timeline:
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
-        self.post, self.between = d.post, d.between
+        self.post, self.between, self.gap = d.post, d.between, d.gap
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
         self.g_end: list[float | None] = [None] * size  # ... its I or B (the gradient)
@@ -249,7 +256,7 @@ class _Timeline:
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
-        m, size, post, dur = self.m, self.size, self.post, self.dur
+        m, size, post, dur, gap = self.m, self.size, self.post, self.dur, self.gap
         f_end, g_end, waiting, dur_f, dur_w = self.f_end, self.g_end, self.waiting, dur["F"], \
             dur["W"]
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
@@ -281,6 +288,7 @@ class _Timeline:
                                 waiting.setdefault(i + off, []).append(r)
                                 break
                             t += hop
+                        free += gap  # + 0.0 is exact: gap 0 leaves every time as it was
                         if free < t:
                             free = t
                         start_at(free)
@@ -295,6 +303,7 @@ class _Timeline:
                         if t is None:
                             waiting.setdefault(gk + i, []).append(r)
                             break
+                        free += gap
                         if free < t:
                             free = t
                         start_at(free)
@@ -309,6 +318,7 @@ class _Timeline:
                         waiting.setdefault(i if off is None else gk + i + off, []).append(r)
                         break
                     t += hop
+                    free += gap
                     if free < t:
                         free = t
                     start_at(free)
@@ -355,5 +365,6 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
                 f"Durations.{name} has {len(v)} entries; the schedule has "
                 f"{schedule.num_stages} stages"
             )
-    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between) < 0:
+    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between,
+           d.gap) < 0:
         raise ValueError("durations must be >= 0")
