@@ -266,7 +266,7 @@ def test_time_between_steps_as_measured():
 
     # measure.runtime_gap: a rank's own time before each compute that did not wait, less
     # the posts in between: 1 (step start -> F0) and 1.5 - 0.5 (F0 -> F1, a post) here;
-    # F2 waited 3.5 for its input (over measure._WAITED) and is left out
+    # F2 waited 3.5 for its input (over records._WAITED) and is left out
     computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
     one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)])
     assert runtime_gap([[one]]) == 1.0 and runtime_gap([]) == 0.0

@@ -264,8 +264,7 @@ class _Timeline:
         start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
         ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
         while ready:
-            r = ready.pop()
-            resumed += 1
+            r, resumed = ready.pop(), resumed + 1
             q = queues[r]
             n, start_at, end_at = len(q), start_ats[r], end_ats[r]
             pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
@@ -295,12 +294,10 @@ class _Timeline:
                         free += dur_f[st]
                         end_at(free)
                         f_end[i] = free
-                        if i in waiting:
-                            ready += waiting.pop(i)
+                        ready += waiting.pop(i, ())  # the ranks waiting on it, if any
                         continue
                     if kind == "W":
-                        t = g_end[i]
-                        if t is None:
+                        if (t := g_end[i]) is None:
                             waiting.setdefault(gk + i, []).append(r)
                             break
                         free += gap
@@ -325,8 +322,7 @@ class _Timeline:
                     free += dur[kind][st]
                     end_at(free)
                     g_end[i] = free
-                    if gk + i in waiting:
-                        ready += waiting.pop(gk + i)
+                    ready += waiting.pop(gk + i, ())
                 else:  # the rank's step is done
                     self.last[step][r] = self.ends[r][-1] if self.computes[r] else free
                     pos, step = 0, step + 1
