@@ -250,6 +250,7 @@ def test_time_between_steps_as_measured():
     over the steps after the first; with the barrier the rank that ended last (the others
     wait for it: the simulator lays that wait out), with post-validation every rank's."""
     from plait.parallel.pipeline.measure import between_steps, runtime_gap, step_periods
+    from plait.parallel.pipeline.records import between_per_rank
 
     def rank(t0, t1):  # one compute filling the step's window
         return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [])
@@ -260,6 +261,9 @@ def test_time_between_steps_as_measured():
     assert between_steps(steps, "post_validation") == 2.5  # (2 + 3) / 2
     assert step_periods(steps) == [10.0, 12.0]
     assert between_steps(steps[:2], "barrier") == 0.0  # no step after the first's next
+    # each rank's: from the last rank's last compute with the barrier, its own without
+    assert between_per_rank(steps, "barrier") == (1.0, 3.0)  # 20 -> 21, 20 -> 23
+    assert between_per_rank(steps, "post_validation") == (2.0, 3.0)
     # from the last compute's end, not the runtime step's (its sends' waits are in it)
     late = [rank(0, 9), (1, 12, [("F", 0, 0, 1, 10)], [(1, 0.0)], [])]
     assert between_steps([steps[0], late, steps[2]], "barrier") == 13.0  # 10 -> 23

@@ -39,6 +39,7 @@ from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition
 from plait.parallel.pipeline.records import (
     Rank,
+    between_per_rank,
     between_steps,
     idle_breakdown,
     p2p_median,
@@ -139,7 +140,8 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
       step_periods_ms                   each step's period (`step_periods`)
       simulated_steady_bubble,          simulate() over as many steps, `optimizer_sync`
       simulated_steady_period_ms,       as the run's, with the measured durations and
-      between_ms                        `between` (`between_steps`): the prediction
+      between_ms, between_per_rank_ms   `between` (`between_steps`) and each rank's
+                                        (`between_per_rank`): the prediction
       restarts                          steps whose speculative prefix was run again
                                         (post-validation's failed checks), this rank
       recompute                         per pp rank, the forwards run again inside its
@@ -219,15 +221,17 @@ def _across_steps(steps: list[list[Rank]], runtime: PipelineRuntime, durations: 
     steady = steady_state(steps)
     if steady is None:
         return {}
-    gap = between_steps(steps, optimizer_sync)
-    across = simulate(runtime.schedule, replace(durations, between=gap), len(steps),
+    gap, per_rank = between_steps(steps, optimizer_sync), between_per_rank(steps, optimizer_sync)
+    across = simulate(runtime.schedule, replace(durations, between=gap,
+                                                between_per_rank=per_rank), len(steps),
                       optimizer_sync)
     return {"steady_bubble": steady[0], "steady_period_ms": 1e3 * steady[1],
             "step_overlap_ms": 1e3 * steady[2], "restarts": sum(runtime.steps_restarts),
             "step_periods_ms": [1e3 * x for x in step_periods(steps)],
             "simulated_steady_bubble": across.steady_bubble_fraction,
             "simulated_steady_period_ms": 1e3 * across.steady_step_time,
-            "between_ms": 1e3 * gap, "optimizer_sync": optimizer_sync}
+            "between_ms": 1e3 * gap, "between_per_rank_ms": [1e3 * x for x in per_rank],
+            "optimizer_sync": optimizer_sync}
 
 
 def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int

@@ -84,6 +84,23 @@ def between_steps(steps: list[list[Rank]], optimizer_sync: str) -> float:
     return max(mean(gaps), 0.0) if gaps else 0.0
 
 
+def between_per_rank(steps: list[list[Rank]], optimizer_sync: str) -> tuple[float, ...]:
+    """`Durations.between_per_rank`, measured: per rank, the mean time from the last
+    compute of a step (the last rank's, with the barrier, which every rank waits for; its
+    own, with post-validation) to the start of its next runtime step, over the steps after
+    the first: with the barrier, ranks whose updates differ (the last stage's head) start
+    the next step at different times, which one `between` cannot say."""
+    if len(steps) < 3:
+        return tuple(0.0 for _ in steps[0]) if steps else ()
+    per: list[list[float]] = [[] for _ in steps[0]]
+    for k in range(1, len(steps) - 1):
+        ends = [r[2][-1][4] if r[2] else r[1] for r in steps[k]]
+        last = max(ends)
+        for j, nxt in enumerate(steps[k + 1]):
+            per[j].append(nxt[0] - (last if optimizer_sync == "barrier" else ends[j]))
+    return tuple(max(mean(x), 0.0) for x in per)
+
+
 def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
     `wait` for an input to arrive, `between` computes doing runtime work (posting and

@@ -25,7 +25,8 @@ unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 Several steps (`steps=K`): the same lists K times. With `optimizer_sync="barrier"` a rank
 starts step k+1 at the end of the last compute of step k on any rank (the grad-norm
 all-reduce and finiteness check); with "post_validation" (Qi et al. 2023, section 4) as
-soon as its own step k is done. The steady state is steps 2..K.
+soon as its own step k is done; then, either way, its `between` (`between_per_rank`: each
+rank its own, as measured; the update and host work). The steady state is steps 2..K.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
@@ -62,6 +63,7 @@ class Durations:
     # several steps: a rank's time from the end of one step to the start of its next (its
     # optimizer update, the host's work); with the barrier, from the last rank's end
     between: float = 0.0
+    between_per_rank: tuple[float, ...] | None = None  # per rank (length pp), else between
     # a rank's own runtime work before each compute action besides posting (the loop's
     # Python, completing a receive that is already there, the action's bookkeeping): idle
     # like post; it overlaps a wait for the input (start = max(free + gap, input there))
@@ -227,7 +229,8 @@ class _Timeline:
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
-        self.post, self.between, self.gap = d.post, d.between, d.gap
+        self.post, self.gap = d.post, d.gap
+        self.between = list(d.between_per_rank or [d.between] * schedule.pp)
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
         self.g_end: list[float | None] = [None] * size  # ... its I or B (the gradient)
@@ -328,7 +331,7 @@ class _Timeline:
                     pos, step = 0, step + 1
                     opens = self._step_done(r, step, ready)
                     if opens is not None:
-                        free = max(free + self.between, opens)
+                        free = max(free + self.between[r], opens)
                         continue
                 break
             ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
@@ -345,12 +348,12 @@ class _Timeline:
         if self.done_ranks[step - 1] < self.s.pp:
             self.at_barrier.add(r)
             return None
-        opens = max(self.last[step - 1]) + self.between  # the last rank's last compute
+        opens = max(self.last[step - 1])  # the last rank's last compute, then each its own
         for other in sorted(self.at_barrier):
-            self.free[other] = max(self.free[other], opens)
+            self.free[other] = max(self.free[other], opens + self.between[other])
             woke.append(other)
         self.at_barrier.clear()
-        return opens
+        return opens + self.between[r]
 
 
 def _check_durations(schedule: Schedule, d: Durations) -> None:
@@ -361,6 +364,9 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
                 f"Durations.{name} has {len(v)} entries; the schedule has "
                 f"{schedule.num_stages} stages"
             )
+    if d.between_per_rank is not None and len(d.between_per_rank) != schedule.pp:
+        raise ValueError(f"Durations.between_per_rank has {len(d.between_per_rank)} "
+                         f"entries; the schedule has {schedule.pp} ranks")
     if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between,
-           d.gap) < 0:
+           d.gap, *(d.between_per_rank or ())) < 0:
         raise ValueError("durations must be >= 0")
