@@ -18,7 +18,7 @@ optimizer_sync, its measured durations and time between steps) and their differe
 points, the one-step bubble over the span ("span", which cannot see one step's forwards
 overlapping the previous one's end) and its one-step simulation ("sim1"), the measured
 p2p latency the simulator adds to each cross-rank dependency and the runtime's gap it adds
-before each compute (`measure.runtime_gap`; ms); how many steps'
+before each compute (`records.runtime_gap`; ms); how many steps'
 prefixes were run again (failed checks: `--grad-clip` above the norm keeps them at zero,
 the case post-validation is built for). Last, post-validation's period over the
 barrier's (medians over the repeats; measured mean, fastest step, simulated): below 1

@@ -15,7 +15,7 @@ forward_one_chunk / backward_one_chunk / backward_weight_one_chunk. plait's own 
 printed beside it: "span" (idle / (pp x span), span from the first rank entering the
 step to the last compute), "sim" the simulator's prediction for the measured per-stage
 durations, p2p latency, post time and the runtime's gap before each compute
-(`measure.runtime_gap`), "span-sim" their difference in points, "sim-gap" the prediction
+(`records.runtime_gap`), "span-sim" their difference in points, "sim-gap" the prediction
 without the gap, "sim0" without transfers or gap, the p2p, post and gap used, and the CPU
 share of compute wall time (below 100% when ranks are time-sliced). `--schedules` takes
 any of the eight; one torch does not implement (gpipe, zb-h1, zb-h2, dualpipe) runs

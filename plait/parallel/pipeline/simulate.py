@@ -12,13 +12,13 @@ An action starts when its rank is free *and* its input has arrived:
             of a chain needs only its own F (the loss)
   W s, mb   its own I s, mb
 B takes T_I + T_W. Before each compute its rank spends `gap` on its own runtime work (the
-loop's Python, completing a receive that has already arrived; `measure.runtime_gap`), idle,
+loop's Python, completing a receive that has already arrived; `records.runtime_gap`), idle,
 overlapping any wait for the input: start = max(rank free + gap, input there). A transfer
-is latency `p2p` on the link, counted from the producer's
-compute end: it does not occupy either rank (the runtime posts sends/receives
-asynchronously). Posting does cost the rank something: `post` is the time one batch of
-consecutive transfer actions of the lowered schedule keeps its rank from computing (the
-runtime's `batch_isend_irecv` call; on gloo under load ~1 ms, mostly blocked, not CPU).
+is latency `p2p` on the link, counted from the producer's compute end: it does not occupy
+either rank (the runtime posts sends/receives asynchronously). Posting does cost the rank
+something: `post` is the time one batch of consecutive transfer actions of the lowered
+schedule keeps its rank from computing (the runtime's `batch_isend_irecv` call; on gloo
+under load ~1 ms, mostly blocked, not CPU).
 With post = 0 (the default) transfers are skipped and only p2p counts; with post > 0 an
 unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 
