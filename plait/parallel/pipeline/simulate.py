@@ -268,8 +268,7 @@ class _Timeline:
         ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
         while ready:
             r, resumed = ready.pop(), resumed + 1
-            q = queues[r]
-            n, start_at, end_at = len(q), start_ats[r], end_ats[r]
+            q, n, start_at, end_at = queues[r], len(queues[r]), start_ats[r], end_ats[r]
             pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
             while True:  # one step's queue, from pos
                 base = step * size
@@ -297,7 +296,8 @@ class _Timeline:
                         free += dur_f[st]
                         end_at(free)
                         f_end[i] = free
-                        ready += waiting.pop(i, ())  # the ranks waiting on it, if any
+                        if i in waiting:
+                            ready += waiting.pop(i)
                         continue
                     if kind == "W":
                         if (t := g_end[i]) is None:
@@ -310,8 +310,7 @@ class _Timeline:
                         free += dur_w[st]
                         end_at(free)
                         continue
-                    # I or B: the gradient from the next stage (there only after its own
-                    # F, which the next stage's F needs), else (the loss) its own F
+                    # I or B: the next stage's gradient (after its F), else the loss's F
                     off, hop = g_src[st]
                     t = f_end[i] if off is None else g_end[i + off]
                     if t is None:
@@ -325,7 +324,8 @@ class _Timeline:
                     free += dur[kind][st]
                     end_at(free)
                     g_end[i] = free
-                    ready += waiting.pop(gk + i, ())
+                    if gk + i in waiting:
+                        ready += waiting.pop(gk + i)
                 else:  # the rank's step is done
                     self.last[step][r] = self.ends[r][-1] if self.computes[r] else free
                     pos, step = 0, step + 1
