@@ -178,3 +178,18 @@ def test_timeline_of_a_non_pipeline_layout(tmp_path):
                        and w["ts"] + w["dur"] <= c["ts"] + c["dur"] + 1e-3 for c in comms)
     png = draw_step_timeline(timeline, tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_compares_pipeline_bytes_like_for_like():
+    """plait report's pp row: the planner counts each activation/gradient transfer once, at
+    its sender; the ledger records it on both ends. A rank whose sends move exactly the
+    planned bytes (receiving as many) reads 1.0, not 0.5; its receives stay listed."""
+    cfg = config("parallel.pp=2", "parallel.microbatches=4")
+    sent = next(d for d in compare([], {}, cfg)["communication"] if d["dim"] == "pp")
+    planned = sent["predicted_bytes"]
+    ledger = {"per_step": {"send@pp": {"count": 4, "payload": planned},
+                           "recv@pp": {"count": 4, "payload": planned}}}
+    pp = next(d for d in compare([], {"ledger": ledger}, cfg)["communication"]
+              if d["dim"] == "pp")
+    assert planned > 0 and pp["measured_bytes"] == planned and pp["ratio"] == 1.0
+    assert {x["op"] for x in pp["measured"]} == {"send", "recv"}

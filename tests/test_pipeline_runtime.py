@@ -258,6 +258,8 @@ def test_measured_bubble_trace_and_timeline(tmp_path):
     d = s["durations_ms"]  # what the prediction was fed: per stage, and the transfers
     assert len(d["F"]) == len(d["I"]) == len(d["W"]) == 2 and min(d["F"]) > 0
     assert d["p2p"] >= 0 and d["post"] > 0 and d["p2p_samples"] == 2 * 4 * 2
+    # the runtime's own work before each compute is measured and fed to the prediction
+    assert d["gap"] > 0 and s["simulated_bubble"] > s["simulated_bubble_no_gap"]
     assert 0 <= d["p2p_waited"] <= d["p2p_samples"]
     assert abs(sum(s["idle"].values()) - s["measured_bubble"]) < 1e-9  # idle, accounted
     assert all(0 < v <= 1.05 for v in s["cpu_share"].values())

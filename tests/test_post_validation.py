@@ -249,7 +249,8 @@ def test_time_between_steps_as_measured():
     """measure.between_steps: from a rank's runtime step's end to its next step's start,
     over the steps after the first; with the barrier the rank that ended last (the others
     wait for it: the simulator lays that wait out), with post-validation every rank's."""
-    from plait.parallel.pipeline.measure import between_steps, step_periods
+    from plait.parallel.pipeline.measure import between_steps, runtime_gap, step_periods
+    from plait.parallel.pipeline.records import between_per_rank
 
     def rank(t0, t1):  # one compute filling the step's window
         return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [])
@@ -260,3 +261,16 @@ def test_time_between_steps_as_measured():
     assert between_steps(steps, "post_validation") == 2.5  # (2 + 3) / 2
     assert step_periods(steps) == [10.0, 12.0]
     assert between_steps(steps[:2], "barrier") == 0.0  # no step after the first's next
+    # each rank's: from the last rank's last compute with the barrier, its own without
+    assert between_per_rank(steps, "barrier") == (1.0, 3.0)  # 20 -> 21, 20 -> 23
+    assert between_per_rank(steps, "post_validation") == (2.0, 3.0)
+    # from the last compute's end, not the runtime step's (its sends' waits are in it)
+    late = [rank(0, 9), (1, 12, [("F", 0, 0, 1, 10)], [(1, 0.0)], [])]
+    assert between_steps([steps[0], late, steps[2]], "barrier") == 13.0  # 10 -> 23
+
+    # measure.runtime_gap: a rank's own time before each compute that did not wait, less
+    # the posts in between: 1 (step start -> F0) and 1.5 - 0.5 (F0 -> F1, a post) here;
+    # F2 waited 3.5 for its input (over records._WAITED) and is left out
+    computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
+    one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)])
+    assert runtime_gap([[one]]) == 1.0 and runtime_gap([]) == 0.0

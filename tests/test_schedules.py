@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -293,6 +294,26 @@ def test_post_time_occupies_the_rank():
     assert res.busy_per_rank == simulate(s, EQUAL).busy_per_rank
     assert res.step_time > simulate(s, EQUAL).step_time
     assert closed_form_bubble("gpipe", 2, 2, 1, d) is None
+
+
+def test_runtime_gap_before_each_compute():
+    # gpipe p=2 m=2: `gap` (measure.runtime_gap) keeps a rank from each compute, and
+    # overlaps a wait for the input: rank 1's F1.0 starts when F0.0's output is there
+    s, c = build_schedule("gpipe", 2, 2), 0.25
+    res = simulate(s, Durations(1.0, 1.0, 1.0, gap=c))
+    assert [e[3] for e in res.events[0][:2]] == [c, 1.0 + 2 * c]  # F0.0, F0.1
+    assert res.events[1][0][3] == 1.0 + c  # F1.0: max(0 + c, F0.0's end)
+    assert res.busy_per_rank == simulate(s, EQUAL).busy_per_rank  # idle, not busy
+    assert res.bubble_fraction > simulate(s, EQUAL).bubble_fraction
+    assert closed_form_bubble("gpipe", 2, 2, 1, Durations(1.0, 1.0, 1.0, gap=c)) is None
+    # gap 0 is the golden lay-out to the bit (tests/test_schedule_oracle.py); with p2p and
+    # post too, more gap never shortens a step
+    d = Durations(1.0, 1.3, 0.7, 0.11, post=0.05)
+    for name in ("1f1b", "zb-v", "dualpipev"):
+        sched = build_schedule(name, 4, 8, natural_virtual_stages(name, None))
+        assert simulate(sched, replace(d, gap=0.0)) == simulate(sched, d)
+        assert simulate(sched, replace(d, gap=0.02)).bubble_fraction > \
+            simulate(sched, d).bubble_fraction
 
 
 def test_per_stage_durations():

@@ -58,6 +58,14 @@ def test_time_between_steps():
     assert post.step_ends == [10.0, 21.0, 32.0] and post.events[0][9][3] == 11.0
     assert post.steady_bubble_fraction == pytest.approx(1 - 9 / 11)
     assert simulate(s, d).step_time == simulate(s, UNIT).step_time  # one step: no effect
+    # each rank its own (measure.between_per_rank): rank 1's update takes 4, so after the
+    # barrier (10) it starts at 14, not at 13 when F0's output is there
+    assert bar.events[1][9][3] == 13.0
+    assert simulate(s, replace(d, between_per_rank=(2.0, 2.0)), steps=3) == bar
+    own = simulate(s, replace(d, between_per_rank=(2.0, 4.0)), steps=3)
+    assert own.events[0][9][3] == 12.0 and own.events[1][9][3] == 14.0
+    with pytest.raises(ValueError, match="between_per_rank has 1 entries"):
+        simulate(s, replace(d, between_per_rank=(2.0,)), steps=3)
 
 
 def test_1f1b_gains_nothing_from_post_validation():

@@ -64,14 +64,15 @@ def write_pipeline_outputs(report: dict) -> None:
           f"v={s['virtual_stages']}: {s['partition']}")
     print(f"  measured bubble {s['measured_bubble']:.1%} (span {s['measured_span'] * 1e3:.1f} "
           f"ms); simulated for the measured durations {s['simulated_bubble']:.1%} (span "
-          f"{s['simulated_span'] * 1e3:.1f} ms); without transfer costs "
+          f"{s['simulated_span'] * 1e3:.1f} ms); without the runtime's gap "
+          f"{s['simulated_bubble_no_gap']:.1%}, without transfer costs or gap "
           f"{s['simulated_bubble_no_comm']:.1%}, with CPU times {s['simulated_bubble_cpu']:.1%}")
     d = s["durations_ms"]
     print("  durations used, ms per stage: " + "; ".join(
         f"{k} " + " ".join(f"{x:.2f}" for x in d[k]) for k in ("F", "I", "W"))
         + f"; p2p {d['p2p']:.2f} (median of {d['p2p_samples']} transfers, "
         f"{d['p2p_waited']} waited for); post {d['post']:.2f} (CPU {d['post_cpu']:.2f}) "
-        "per batch of transfers")
+        f"per batch of transfers; gap {d['gap']:.2f} before each compute")
     print("  measured idle: " + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items())
           + "; CPU share of compute wall time: "
           + ", ".join(f"{k} {v:.0%}" for k, v in s["cpu_share"].items()))

@@ -11,18 +11,22 @@ An action starts when its rank is free *and* its input has arrived:
   I/B s, mb the gradient from I/B (s+1), mb   (+ p2p if on another rank); the last stage
             of a chain needs only its own F (the loss)
   W s, mb   its own I s, mb
-B takes T_I + T_W. A transfer is latency `p2p` on the link, counted from the producer's
-compute end: it does not occupy either rank (the runtime posts sends/receives
-asynchronously). Posting does cost the rank something: `post` is the time one batch of
-consecutive transfer actions of the lowered schedule keeps its rank from computing (the
-runtime's `batch_isend_irecv` call; on gloo under load ~1 ms, mostly blocked, not CPU).
+B takes T_I + T_W. Before each compute its rank spends `gap` on its own runtime work (the
+loop's Python, completing a receive that has already arrived; `records.runtime_gap`), idle,
+overlapping any wait for the input: start = max(rank free + gap, input there). A transfer
+is latency `p2p` on the link, counted from the producer's compute end: it does not occupy
+either rank (the runtime posts sends/receives asynchronously). Posting does cost the rank
+something: `post` is the time one batch of consecutive transfer actions of the lowered
+schedule keeps its rank from computing (the runtime's `batch_isend_irecv` call; on gloo
+under load ~1 ms, mostly blocked, not CPU).
 With post = 0 (the default) transfers are skipped and only p2p counts; with post > 0 an
 unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 
 Several steps (`steps=K`): the same lists K times. With `optimizer_sync="barrier"` a rank
 starts step k+1 at the end of the last compute of step k on any rank (the grad-norm
 all-reduce and finiteness check); with "post_validation" (Qi et al. 2023, section 4) as
-soon as its own step k is done. The steady state is steps 2..K.
+soon as its own step k is done; then, either way, its `between` (`between_per_rank`: each
+rank its own, as measured; the update and host work). The steady state is steps 2..K.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
@@ -59,6 +63,11 @@ class Durations:
     # several steps: a rank's time from the end of one step to the start of its next (its
     # optimizer update, the host's work); with the barrier, from the last rank's end
     between: float = 0.0
+    between_per_rank: tuple[float, ...] | None = None  # per rank (length pp), else between
+    # a rank's own runtime work before each compute action besides posting (the loop's
+    # Python, completing a receive that is already there, the action's bookkeeping): idle
+    # like post; it overlaps a wait for the input (start = max(free + gap, input there))
+    gap: float = 0.0
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -220,7 +229,8 @@ class _Timeline:
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
-        self.post, self.between = d.post, d.between
+        self.post, self.gap = d.post, d.gap
+        self.between = list(d.between_per_rank or [d.between] * schedule.pp)
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
         self.g_end: list[float | None] = [None] * size  # ... its I or B (the gradient)
@@ -249,7 +259,7 @@ class _Timeline:
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
-        m, size, post, dur = self.m, self.size, self.post, self.dur
+        m, size, post, dur, gap = self.m, self.size, self.post, self.dur, self.gap
         f_end, g_end, waiting, dur_f, dur_w = self.f_end, self.g_end, self.waiting, dur["F"], \
             dur["W"]
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
@@ -257,10 +267,8 @@ class _Timeline:
         start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
         ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
         while ready:
-            r = ready.pop()
-            resumed += 1
-            q = queues[r]
-            n, start_at, end_at = len(q), start_ats[r], end_ats[r]
+            r, resumed = ready.pop(), resumed + 1
+            q, n, start_at, end_at = queues[r], len(queues[r]), start_ats[r], end_ats[r]
             pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
             while True:  # one step's queue, from pos
                 base = step * size
@@ -281,6 +289,7 @@ class _Timeline:
                                 waiting.setdefault(i + off, []).append(r)
                                 break
                             t += hop
+                        free += gap  # + 0.0 is exact: gap 0 leaves every time as it was
                         if free < t:
                             free = t
                         start_at(free)
@@ -291,24 +300,24 @@ class _Timeline:
                             ready += waiting.pop(i)
                         continue
                     if kind == "W":
-                        t = g_end[i]
-                        if t is None:
+                        if (t := g_end[i]) is None:
                             waiting.setdefault(gk + i, []).append(r)
                             break
+                        free += gap
                         if free < t:
                             free = t
                         start_at(free)
                         free += dur_w[st]
                         end_at(free)
                         continue
-                    # I or B: the gradient from the next stage (there only after its own
-                    # F, which the next stage's F needs), else (the loss) its own F
+                    # I or B: the next stage's gradient (after its F), else the loss's F
                     off, hop = g_src[st]
                     t = f_end[i] if off is None else g_end[i + off]
                     if t is None:
                         waiting.setdefault(i if off is None else gk + i + off, []).append(r)
                         break
                     t += hop
+                    free += gap
                     if free < t:
                         free = t
                     start_at(free)
@@ -322,7 +331,7 @@ class _Timeline:
                     pos, step = 0, step + 1
                     opens = self._step_done(r, step, ready)
                     if opens is not None:
-                        free = max(free + self.between, opens)
+                        free = max(free + self.between[r], opens)
                         continue
                 break
             ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
@@ -339,12 +348,12 @@ class _Timeline:
         if self.done_ranks[step - 1] < self.s.pp:
             self.at_barrier.add(r)
             return None
-        opens = max(self.last[step - 1]) + self.between  # the last rank's last compute
+        opens = max(self.last[step - 1])  # the last rank's last compute, then each its own
         for other in sorted(self.at_barrier):
-            self.free[other] = max(self.free[other], opens)
+            self.free[other] = max(self.free[other], opens + self.between[other])
             woke.append(other)
         self.at_barrier.clear()
-        return opens
+        return opens + self.between[r]
 
 
 def _check_durations(schedule: Schedule, d: Durations) -> None:
@@ -355,5 +364,9 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
                 f"Durations.{name} has {len(v)} entries; the schedule has "
                 f"{schedule.num_stages} stages"
             )
-    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between) < 0:
+    if d.between_per_rank is not None and len(d.between_per_rank) != schedule.pp:
+        raise ValueError(f"Durations.between_per_rank has {len(d.between_per_rank)} "
+                         f"entries; the schedule has {schedule.pp} ranks")
+    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between,
+           d.gap, *(d.between_per_rank or ())) < 0:
         raise ValueError("durations must be >= 0")
