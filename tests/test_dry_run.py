@@ -8,10 +8,11 @@ import pytest
 import torch
 from helpers import batches_for, config, run_layout
 
-from plait.observe.dry_run import MEASURE_STEP, dry_run
+from plait.observe.dry_run import dry_run
 
+STEADY = 1  # the real run's step measured: a later step holds what every later one does
 LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
-          "train.steps=2", f"train.memory_step={MEASURE_STEP}"]
+          "train.steps=2", f"train.memory_step={STEADY}"]
 
 
 def _child(sets, world, rank, q):
@@ -52,10 +53,13 @@ def real():
 def test_dry_run_rank_equals_the_real_rank(real, rank):
     dry = _dry(LAYOUT, 8, rank)
     assert dry["coords"]["pp"] == rank // 4 and dry["world_size"] == 8
-    measured = real[rank]["metrics"][MEASURE_STEP]["memory"]
+    # ZeRO 0: the dry run runs and measures step 0 only (`measure_step`), which holds
+    # what the real rank's later steps hold
+    assert dry["measured_step"] == 0
+    measured = real[rank]["metrics"][STEADY]["memory"]
     assert dry["memory"]["peak"] == measured["peak"]  # every category, to the byte
     assert dry["memory"]["peak_total"] == measured["peak_total"]
-    assert dry["bytes_per_step"] == _payload(real[rank]["ledger"], MEASURE_STEP)
+    assert dry["bytes_per_step"] == _payload(real[rank]["ledger"], STEADY)
     # the eager model covers this layout: its prediction for the rank is within 5 %
     pred = dry["predicted_memory"]
     assert pred["total"] == pytest.approx(dry["memory"]["peak_total"], rel=0.05)

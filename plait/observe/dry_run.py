@@ -36,7 +36,19 @@ from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches
 from plait.train.loop import train
 
-MEASURE_STEP = 1  # the first step warms caches; the second is the measured one
+def measure_step(cfg: Config) -> int:
+    """The step a dry run measures, and runs last: the first that holds what every later
+    step holds. Step 0 where nothing that outlives a step is allocated during one - ZeRO 0
+    and 1 with the barrier update: parameters, moments and buckets exist before step 0 and
+    gradients are dropped after every step, so step 0's live tensors are step 1's (tests/
+    test_dry_run.py checks a dry run's step 0 against a real run's step 1, to the byte).
+    Step 1 otherwise: ZeRO-2/3 allocate their gradient shards during the first step and
+    keep them, and post-validation's snapshot and speculative prefix begin in step 1 - a
+    step 0 measured there misses them (measured on dp=2 tiny runs: ZeRO-2's step 0 peak
+    has no gradients, step 1's has them). Every step repeats the whole schedule, so a step
+    costs the same: one step instead of two halves a large layout's run."""
+    lazy = cfg.parallel.zero >= 2 or cfg.parallel.optimizer_sync != "barrier"
+    return 1 if lazy else 0
 
 
 def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
@@ -51,20 +63,21 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank}: choose 0..{world_size - 1}")
     cfg = copy.deepcopy(cfg)
-    cfg.train.steps = max(cfg.train.steps, MEASURE_STEP + 1)
-    cfg.train.memory_step = MEASURE_STEP
+    step = measure_step(cfg)
+    cfg.train.steps = step + 1  # the measured step is the last: later ones repeat it
+    cfg.train.memory_step = step
     device.activate()  # on CUDA: this rank's GPU before the group and the mesh
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = ParallelMesh.build(cfg.parallel, device=device)
-        result = train(cfg, mesh, batches)
+        result = train(cfg, mesh, batches, shard_init=True)  # only this rank's slices
     finally:
         dist.destroy_process_group()
-    measured = result.metrics[MEASURE_STEP]["memory"]
+    measured = result.metrics[step]["memory"]
     return {"rank": rank, "world_size": world_size, "coords": dict(mesh.coords),
             "layout": mesh.describe(), "memory": measured,
             "predicted_memory": _predicted_memory(cfg, mesh.coord("pp")),
-            "bytes_per_step": payload_by_dim(mesh, MEASURE_STEP),
+            "bytes_per_step": payload_by_dim(mesh, step), "measured_step": step,
             "predicted_bytes_per_step": _predicted_bytes(cfg),
             "param_count_local": sum(p.numel() for p in result.model.parameters())}
 
