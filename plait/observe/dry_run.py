@@ -36,6 +36,7 @@ from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches
 from plait.train.loop import train
 
+
 def measure_step(cfg: Config) -> int:
     """The step a dry run measures, and runs last: the first that holds what every later
     step holds. Step 0 where nothing that outlives a step is allocated during one - ZeRO 0
