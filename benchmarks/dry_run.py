@@ -1,14 +1,17 @@
 """Dry run at scale: the first and last pipeline rank of a 1,024-rank layout, on this CPU.
 
     python benchmarks/dry_run.py [--model llama3-8b] [--layout tp=8,pp=4,dp=32]
-                                 [--seq-len 1024] [--microbatches 4] [--steps 2]
+                                 [--seq-len 1024] [--microbatches 4]
 
 Each rank runs in a process of its own on torch's fake process group (plait/observe/
 dry_run.py): it builds exactly that rank's stages, tensor-parallel slices and optimizer
-state through `parallelize`, trains `--steps` steps on real tensors (the second measured
-by the memory tracker), and prints its measured memory by category beside the planner's
-eager-runtime prediction for the same rank, the ledger's payload bytes per mesh dim
-beside the planner's, and the wall time. fp32, ZeRO 0, one micro-batch of one sequence.
+state through `parallelize` (the stages allocated unwritten and only the kept slices
+filled, so the host never holds a whole stage), trains on real tensors up to the step it
+measures (`measure_step`: step 0 at ZeRO 0, so one step) with the memory tracker on, and
+prints its measured memory by category beside the planner's eager-runtime prediction for
+the same rank, the ledger's payload bytes per mesh dim beside the planner's, and the wall
+time. fp32, ZeRO 0, micro-batches of one sequence. Run it under `/usr/bin/time -v` for
+the peak RSS (the largest rank's) and the CPU time of both ranks.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _config(args):
     dp = int(dims.get("dp", 1))
     return load_config(overrides={"model_name": args.model}, sets=[
         *sets, f"parallel.microbatches={args.microbatches}", f"train.seq_len={args.seq_len}",
-        f"train.global_batch={dp * args.microbatches}", f"train.steps={args.steps}"]
+        f"train.global_batch={dp * args.microbatches}"]
         ).check(world), world
 
 
@@ -56,7 +59,6 @@ def main() -> None:
     p.add_argument("--layout", default="tp=8,pp=4,dp=32")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--json-out", help="also write the ranks' results (a JSON list) here")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -75,7 +77,7 @@ def main() -> None:
             pred = out["predicted_memory"]
             print(f"{args.model} {args.layout} seq {args.seq_len} m {args.microbatches}: "
                   f"rank {rank} {out['coords']}, {out['param_count_local']:,} parameters, "
-                  f"{out['seconds']:.0f} s")
+                  f"{out['seconds']:.0f} s wall, {out['cpu_seconds']:.0f} s CPU")
             print(f"  {'category':<12} {'measured GiB':>12} {'predicted GiB':>14}")
             for c in CATS:
                 pr = "-" if "not_covered" in pred else _gib(sum(pred[n] for n in PLANNER[c]))

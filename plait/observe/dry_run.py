@@ -4,14 +4,18 @@
 backend: every collective returns at once without communicating) as rank `rank` of a
 `world_size`-rank layout, builds exactly what that rank holds - its pipeline stages, its
 tensor-parallel slices, its ZeRO shards, through the same `parallelize` as a real run - and
-trains a few steps on real tensors. What it measures is what the real rank would hold and
+trains on real tensors up to the step it measures (`measure_step`: one step at ZeRO 0/1,
+two at ZeRO-2/3 or with post-validation). The stages are allocated unwritten and only the
+slices this rank keeps are filled (`parallelize(shard_init=True)`), so the host never
+holds or initialises a whole stage. What it measures is what the real rank would hold and
 issue: memory by category (the same tracker, on the measuring step) and the ledger's
 collectives with their bytes (the ledger records calls, not transfers). Beside them: the
 planner's prediction for the same layout and rank (`kernels="eager"` memory, plait's own
 runtime, where that model covers the layout; the planner's collectives per step).
 
-The values computed are meaningless - received tensors are whatever the buffers held - so
-losses are not reported. The process group is the process's own: a dry run runs in a
+The values computed are meaningless - received tensors are whatever the buffers held, and
+a slice is filled from its own name's stream, not cut from the reference's full tensor -
+so losses are not reported. The process group is the process's own: a dry run runs in a
 process of its own (the CLI's `plait train --dry-run`, or a test's child).
 
 On a collective's temporaries: with the fake backend `reduce_scatter` takes torch's own
@@ -125,9 +129,12 @@ def _dry_run_child(cfg: Config, world_size: int, rank: int, token_path: str, dev
         t = cfg.train
         batches = GlobalBatches(TokenFile.open(token_path), t.seq_len, t.global_batch, t.seed,
                                 cfg.model.vocab_size)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = dry_run(cfg, world_size, rank, batches, device)
-        out["seconds"] = time.perf_counter() - start
+        # wall, and the process's CPU (every thread): on a shared machine the wall grows
+        # with the load, the CPU time much less
+        out["seconds"], out["cpu_seconds"] = (time.perf_counter() - start,
+                                              time.process_time() - cpu)
         q.put(("ok", out))
     except BaseException:  # noqa: BLE001 - the parent raises it
         q.put(("error", traceback.format_exc()))
