@@ -1,7 +1,7 @@
 """Dry run at scale: the first and last pipeline rank of a 1,024-rank layout, on this CPU.
 
     python benchmarks/dry_run.py [--model llama3-8b] [--layout tp=8,pp=4,dp=32]
-                                 [--seq-len 1024] [--microbatches 4]
+                                 [--seq-len 1024] [--microbatches 4] [--rank first,last]
 
 Each rank runs in a process of its own on torch's fake process group (plait/observe/
 dry_run.py): it builds exactly that rank's stages, tensor-parallel slices and optimizer
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import load_config  # noqa: E402
 from plait.device import resolve_device  # noqa: E402
-from plait.observe.dry_run import dry_run_ranks  # noqa: E402
+from plait.observe.dry_run import dry_run_ranks, parse_ranks  # noqa: E402
 from plait.train.data import synthetic_token_file  # noqa: E402
 
 CATS = ("params", "grads", "optimizer", "comm", "activations")
@@ -63,32 +63,43 @@ def main() -> None:
     p.add_argument("--json-out", help="also write the ranks' results (a JSON list) here")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="intra-op threads of each rank's process on CPU (default: the cores)")
+    p.add_argument("--rank", default="first,last",
+                   help="ranks, one after the other: numbers, first, last (default first,last)")
     args = p.parse_args()
     cfg, world = _config(args)
+    ranks, problems = parse_ranks(args.rank, world)
+    if problems:
+        p.error("; ".join(problems))
+    outs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "t.bin", 4 * args.seq_len * 64,
                                     cfg.model.vocab_size, seed=1)
-        outs = dry_run_ranks(cfg, world, [0, world - 1], path, resolve_device(args.device),
-                             threads=args.threads)
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(outs))
-        for out in outs:
-            rank = out["rank"]
-            pred = out["predicted_memory"]
-            print(f"{args.model} {args.layout} seq {args.seq_len} m {args.microbatches}: "
-                  f"rank {rank} {out['coords']}, {out['param_count_local']:,} parameters, "
-                  f"{out['seconds']:.0f} s wall, {out['cpu_seconds']:.0f} s CPU")
-            print(f"  {'category':<12} {'measured GiB':>12} {'predicted GiB':>14}")
-            for c in CATS:
-                pr = "-" if "not_covered" in pred else _gib(sum(pred[n] for n in PLANNER[c]))
-                print(f"  {c:<12} {_gib(out['memory']['peak'][c]):>12} {pr:>14}")
-            total = "-" if "not_covered" in pred else _gib(pred["total"])
-            print(f"  {'peak total':<12} {_gib(out['memory']['peak_total']):>12} {total:>14}")
-            for dim, b in sorted(out["bytes_per_step"].items()):
-                pb = out["predicted_bytes_per_step"].get(dim)
-                print(f"  bytes/step {dim:<5} ledger {b:14,.0f}  planner "
-                      f"{'-' if pb is None else f'{pb:14,.0f}'}")
+        for rank in ranks:  # each printed (and saved) as it ends: a rank takes minutes
+            out, = dry_run_ranks(cfg, world, [rank], path, resolve_device(args.device),
+                                 threads=args.threads)
+            outs.append(out)
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps(outs))
+            _print(args, out)
 
+
+def _print(args: argparse.Namespace, out: dict) -> None:
+    pred = out["predicted_memory"]
+    print(f"{args.model} {args.layout} seq {args.seq_len} m {args.microbatches}: "
+          f"rank {out['rank']} {out['coords']}, {out['param_count_local']:,} parameters, "
+          f"{out['seconds']:.0f} s wall, {out['cpu_seconds']:.0f} s CPU")
+    print(f"  {'category':<12} {'measured GiB':>12} {'predicted GiB':>14}")
+    for c in CATS:
+        pr = "-" if "not_covered" in pred else _gib(sum(pred[n] for n in PLANNER[c]))
+        print(f"  {c:<12} {_gib(out['memory']['peak'][c]):>12} {pr:>14}")
+    total = "-" if "not_covered" in pred else _gib(pred["total"])
+    print(f"  {'peak total':<12} {_gib(out['memory']['peak_total']):>12} {total:>14}")
+    if "moment" in pred:
+        print(f"  predicted peak moment: {pred['moment']}")
+    for dim, b in sorted(out["bytes_per_step"].items()):
+        pb = out["predicted_bytes_per_step"].get(dim)
+        print(f"  bytes/step {dim:<5} ledger {b:14,.0f}  planner "
+              f"{'-' if pb is None else f'{pb:14,.0f}'}", flush=True)
 
 if __name__ == "__main__":
     main()

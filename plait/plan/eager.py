@@ -156,29 +156,14 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
     swiglu = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
                     sz.states(g + fresh, comm + chunks, gathered))
     swiglu.bytes["activations"] += bw.others + act_b + sz.mlp_bwd
-    out = [w2, swiglu, _mlp_norm_backward(sz, bw, j, g, act_b, comm + chunks, gathered)]
+    # (c) the MLP's norm backward, after w3's and w1's (RankSizes.mlp_norm_backward)
+    mlp_grads = (3 * sz.w2 + sz.sh["h"] * sz.pb) if (sz.zero >= 2 or bw.first_b) else 0.0
+    out = [w2, swiglu, sz.mlp_norm_backward(f"block {j} MLP norm backward (stage {st}, mb {mb})",
+                                            g + mlp_grads, bw.others + act_b, comm + chunks,
+                                            gathered)]
     if rs_now:
         out += _reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered)
     return out
-
-
-def _mlp_norm_backward(sz: RankSizes, bw: _Backward, j: int, g: float, act_b: float,
-                       comm: float, gathered: float) -> Moment:
-    """(c) the MLP's norm backward, after w3's and w1's: the MLP's three weight gradients
-    (and the norm's) are new where w2's is (the first backward; ZeRO-2/3), the MLP's saved
-    tensors are freed, and the residual gradient, the region's entry gradient (the
-    all-reduced copy under tp) and two fp32 norm-backward temporaries are live. Where
-    weight gradients are big beside a micro-batch's activations (8B at tp=8, sequence
-    1024: 29 MiB each) this, not (a) or (b), is the first backward's peak (measured by
-    the tracker, op by op, on a dry run of the layout scaled down)."""
-    st, mb, e, h, tok_l = bw.st, bw.mb, sz.e, sz.sh["h"], sz.tok_l
-    mlp_grads = (3 * sz.w2 + h * sz.pb) if (sz.zero >= 2 or bw.first_b) else 0.0
-    mo = Moment(f"block {j} MLP norm backward (stage {st}, mb {mb})",
-                sz.states(g + mlp_grads, comm, gathered))
-    mlp_saved = 4 * e * sz.tok * sz.sh["f_t"]  # plait/plan/activations.py's mlp term
-    mo.bytes["activations"] += (bw.others + act_b - mlp_saved + 2 * e * tok_l * h
-                                + 2 * FP32 * tok_l * h)
-    return mo
 
 
 def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm: float,

@@ -122,11 +122,10 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
     `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
-    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once
-    any rank has recorded a signal, every rank saves the steps done into `checkpoint` and
-    raises StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's
-    timeline of every rank (result.timeline; collective at the end). `shard_init`: the
-    dry run's build (`parallelize`): each kept slice filled at its own size."""
+    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once any
+    rank has recorded a signal, every rank saves the steps done into `checkpoint` and raises
+    StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's timeline of
+    every rank (result.timeline; collective at the end). `shard_init`: see `parallelize`."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
