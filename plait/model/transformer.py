@@ -221,24 +221,28 @@ def _shared_slots(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
                 dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> nn.Module:
+                device: torch.device | str = "cpu", fill: bool = True) -> nn.Module:
     """Allocate a meta-built module (the model or a slice of it) on `device` and fill each
     parameter from its name-seeded full init, then cast to `dtype`.
 
     Tied parameters (the LM head sharing the embedding) are tied again: `to_empty` gives
     each slot its own tensor. RoPE caches are built here, before any step runs.
+
+    `fill=False` (a dry run, plait/observe/dry_run.py): the parameters are allocated in
+    `dtype` and left unwritten, for `fill_in_place` to write once tensor parallelism has
+    sliced them. On CPU an unwritten tensor's pages are never touched (reading them maps
+    the kernel's zero page), so a full stage that is about to be sliced costs address
+    space, not resident memory: the 8B dry run's first stage is 9 GiB whole, 1 GiB a slice.
     """
     shared = _shared_slots(module)
+    if not fill:
+        module.to(dtype)  # on meta: free, and no cast copy of the full stage later
     module.to_empty(device=device)
     for (first, first_name), *rest in shared:
         for m, name in rest:
             setattr(m, name, getattr(first, first_name))
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
-                init_param_into(p.data, name, cfg, seed)  # in place: no full-size copy
-            else:
-                p.copy_(init_full_param(name, p.shape, cfg, seed))
+    if fill:
+        fill_in_place(module, cfg, seed)
     for m in module.modules():
         if isinstance(m, RotaryEmbedding):
             m.warm(device)
@@ -248,6 +252,20 @@ def materialise(module: nn.Module, cfg: ModelConfig, seed: int,
             m.bias.data = m.bias.data.float()
             m.reset_state()
     return module
+
+
+def fill_in_place(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Write each parameter of `module` from its name-seeded init, in place, at the shape it
+    has. A whole parameter gets exactly `init_full_param`'s values; a slice (a dry run
+    fills after tensor parallelism cut the stage) gets the first values of its name's
+    stream, which are not the reference's slice: a dry run's values are meaningless (what
+    it receives is whatever the buffers held), only its shapes and its work matter."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+                init_param_into(p.data, name, cfg, seed)  # in place: no full-size copy
+            else:
+                p.copy_(init_full_param(name, p.shape, cfg, seed))
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",

@@ -4,14 +4,18 @@
 backend: every collective returns at once without communicating) as rank `rank` of a
 `world_size`-rank layout, builds exactly what that rank holds - its pipeline stages, its
 tensor-parallel slices, its ZeRO shards, through the same `parallelize` as a real run - and
-trains a few steps on real tensors. What it measures is what the real rank would hold and
+trains on real tensors up to the step it measures (`measure_step`: one step at ZeRO 0/1,
+two at ZeRO-2/3 or with post-validation). The stages are allocated unwritten and only the
+slices this rank keeps are filled (`parallelize(shard_init=True)`), so the host never
+holds or initialises a whole stage. What it measures is what the real rank would hold and
 issue: memory by category (the same tracker, on the measuring step) and the ledger's
 collectives with their bytes (the ledger records calls, not transfers). Beside them: the
 planner's prediction for the same layout and rank (`kernels="eager"` memory, plait's own
 runtime, where that model covers the layout; the planner's collectives per step).
 
-The values computed are meaningless - received tensors are whatever the buffers held - so
-losses are not reported. The process group is the process's own: a dry run runs in a
+The values computed are meaningless - received tensors are whatever the buffers held, and
+a slice is filled from its own name's stream, not cut from the reference's full tensor -
+so losses are not reported. The process group is the process's own: a dry run runs in a
 process of its own (the CLI's `plait train --dry-run`, or a test's child).
 
 On a collective's temporaries: with the fake backend `reduce_scatter` takes torch's own
@@ -36,7 +40,20 @@ from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches
 from plait.train.loop import train
 
-MEASURE_STEP = 1  # the first step warms caches; the second is the measured one
+
+def measure_step(cfg: Config) -> int:
+    """The step a dry run measures, and runs last: the first that holds what every later
+    step holds. Step 0 where nothing that outlives a step is allocated during one - ZeRO 0
+    and 1 with the barrier update: parameters, moments and buckets exist before step 0 and
+    gradients are dropped after every step, so step 0's live tensors are step 1's (tests/
+    test_dry_run.py checks a dry run's step 0 against a real run's step 1, to the byte).
+    Step 1 otherwise: ZeRO-2/3 allocate their gradient shards during the first step and
+    keep them, and post-validation's snapshot and speculative prefix begin in step 1 - a
+    step 0 measured there misses them (measured on dp=2 tiny runs: ZeRO-2's step 0 peak
+    has no gradients, step 1's has them). Every step repeats the whole schedule, so a step
+    costs the same: one step instead of two halves a large layout's run."""
+    lazy = cfg.parallel.zero >= 2 or cfg.parallel.optimizer_sync != "barrier"
+    return 1 if lazy else 0
 
 
 def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
@@ -51,20 +68,21 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank}: choose 0..{world_size - 1}")
     cfg = copy.deepcopy(cfg)
-    cfg.train.steps = max(cfg.train.steps, MEASURE_STEP + 1)
-    cfg.train.memory_step = MEASURE_STEP
+    step = measure_step(cfg)
+    cfg.train.steps = step + 1  # the measured step is the last: later ones repeat it
+    cfg.train.memory_step = step
     device.activate()  # on CUDA: this rank's GPU before the group and the mesh
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = ParallelMesh.build(cfg.parallel, device=device)
-        result = train(cfg, mesh, batches)
+        result = train(cfg, mesh, batches, shard_init=True)  # only this rank's slices
     finally:
         dist.destroy_process_group()
-    measured = result.metrics[MEASURE_STEP]["memory"]
+    measured = result.metrics[step]["memory"]
     return {"rank": rank, "world_size": world_size, "coords": dict(mesh.coords),
             "layout": mesh.describe(), "memory": measured,
             "predicted_memory": _predicted_memory(cfg, mesh.coord("pp")),
-            "bytes_per_step": payload_by_dim(mesh, MEASURE_STEP),
+            "bytes_per_step": payload_by_dim(mesh, step), "measured_step": step,
             "predicted_bytes_per_step": _predicted_bytes(cfg),
             "param_count_local": sum(p.numel() for p in result.model.parameters())}
 
@@ -111,9 +129,12 @@ def _dry_run_child(cfg: Config, world_size: int, rank: int, token_path: str, dev
         t = cfg.train
         batches = GlobalBatches(TokenFile.open(token_path), t.seq_len, t.global_batch, t.seed,
                                 cfg.model.vocab_size)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = dry_run(cfg, world_size, rank, batches, device)
-        out["seconds"] = time.perf_counter() - start
+        # wall, and the process's CPU (every thread): on a shared machine the wall grows
+        # with the load, the CPU time much less
+        out["seconds"], out["cpu_seconds"] = (time.perf_counter() - start,
+                                              time.process_time() - cpu)
         q.put(("ok", out))
     except BaseException:  # noqa: BLE001 - the parent raises it
         q.put(("error", traceback.format_exc()))

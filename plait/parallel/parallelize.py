@@ -51,7 +51,7 @@ from torch import nn
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.recompute import Recompute
-from plait.model.transformer import Transformer
+from plait.model.transformer import Transformer, fill_in_place
 from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
@@ -78,9 +78,16 @@ class ParallelModel:
         return PipelineParts(self.model, self.stages, self.schedule, self.partition)
 
 
-def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config) -> ParallelModel:
+def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
+                shard_init: bool = False) -> ParallelModel:
     """Apply every strategy of `cfg.parallel` to `model` (built on the meta device) for this
-    rank of `mesh`, in the order of this module's docstring."""
+    rank of `mesh`, in the order of this module's docstring.
+
+    `shard_init` (the dry run, plait/observe/dry_run.py): the stages are allocated but not
+    written until ep and tp have cut them, then each kept tensor is filled at its own size
+    (`fill_in_place`): no full stage is ever written, so the host holds one rank's slices
+    and initialises only those. The values are then not the reference's slices (a dry run's
+    values are meaningless); a real run keeps `False`: slices of the full name-seeded init."""
     on_meta = {p.device.type for p in model.parameters()}
     if on_meta != {"meta"}:
         raise ValueError("parallelize takes the model built on the meta device "
@@ -89,9 +96,13 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config) -> Parallel
     placements = PlacementTable()
     model.recompute = Recompute.of(cfg.train.recompute, cfg.train.recompute_ops)  # 1.
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
-                          placements, model=model, device=mesh.device.torch)
+                          placements, model=model, device=mesh.device.torch,
+                          fill=not shard_init)
     _experts(pipe, mesh, cfg, placements)  # 3. ep (before tp: its hooks see the slices)
     _tensor_parallel(pipe, mesh, cfg, placements)  # 4. tp + sp
+    if shard_init:  # in place: the parameter objects the hooks and placements know stay
+        for stage in pipe.stages.values():
+            fill_in_place(stage, cfg.model, cfg.train.seed)
     positions = _context_parallel(pipe, mesh, cfg)  # 5. cp
     optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 6. dp / ZeRO
     return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,

@@ -67,15 +67,18 @@ def _shard(full: torch.Tensor, axis: int, mesh: ParallelMesh, placements: Placem
            replicas: int = 1, padded: int | None = None) -> nn.Parameter:
     """This rank's slice of `full` as a Parameter, recorded in `placements`."""
     t, r = mesh.size(DIM), mesh.coord(DIM)
-    if padded is not None and padded > full.shape[axis]:
+    length = full.shape[axis]
+    size = max(padded or 0, length) // (t // replicas)
+    start = (r // replicas) * size
+    # this rank's rows of the zero-padded tensor, without forming the padded whole (a dry
+    # run's unwritten full stage stays untouched: plait/model/transformer.py `materialise`)
+    kept = max(0, min(size, length - start))
+    part = full.detach().narrow(axis, min(start, length), kept)
+    if kept < size:
         pad = list(full.shape)
-        pad[axis] = padded - full.shape[axis]
-        full_p = torch.cat([full, full.new_zeros(pad)], axis)
-    else:
-        full_p = full
-    slices = t // replicas
-    size = full_p.shape[axis] // slices
-    p = nn.Parameter(full_p.narrow(axis, (r // replicas) * size, size).detach().clone())
+        pad[axis] = size - kept
+        part = torch.cat([part, full.new_zeros(pad)], axis)
+    p = nn.Parameter(part if kept < size else part.clone())
     # a replicated slice (replicas > 1) counts in the grad norm on its first holder only
     placements.mark_split(p, full, Split(DIM, axis, full.shape[axis], replicas), mesh)
     return p

@@ -116,21 +116,22 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
 def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
           capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
-          stop: StopRequest | None = None, timeline: bool = False) -> TrainResult:
+          stop: StopRequest | None = None, timeline: bool = False,
+          shard_init: bool = False) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
     `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
-    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once
-    any rank has recorded a signal, every rank saves the steps done into `checkpoint` and
-    raises StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's
-    timeline of every rank (result.timeline; collective at the end)."""
+    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once any
+    rank has recorded a signal, every rank saves the steps done into `checkpoint` and raises
+    StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's timeline of
+    every rank (result.timeline; collective at the end). `shard_init`: see `parallelize`."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
     # the model's total, whatever the layout; the local count is this rank's share
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
-    par = parallelize(plain, mesh, cfg)
+    par = parallelize(plain, mesh, cfg, shard_init)
     model, opt = par.model, par.optimizer
     if t.init_from is not None and (checkpoint is None or checkpoint.source() is None):
         load_initial(par, mesh, cfg, t.init_from)  # this rank's slices; a resume overrides

@@ -194,12 +194,13 @@ class PipelineParts:
 def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
                    placements: PlacementTable | None = None, *,
                    model: Transformer | None = None,
-                   device: torch.device | str = "cpu") -> PipelineParts:
+                   device: torch.device | str = "cpu", fill: bool = True) -> PipelineParts:
     """Cut the model for cfg's schedule and materialise, on `device`, the stages rank
     `pp_rank` holds. `model`: the plain model built on the meta device (default: built
     here from cfg; its `recompute` flag then follows cfg.train.recompute). With pp == 1
     the one stage is the whole model and the schedule F, B per micro-batch. The stages'
-    parameters are recorded in `placements` as distinct over pp."""
+    parameters are recorded in `placements` as distinct over pp. `fill=False`: allocated,
+    not written (`materialise`; a dry run fills the slices it keeps)."""
     placements = PlacementTable() if placements is None else placements
     p, t = cfg.parallel, cfg.train
     m = cfg.microbatches()
@@ -207,7 +208,7 @@ def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
         model = build_model(cfg.model, seed=t.seed, device="meta")
         model.recompute = Recompute.of(t.recompute, t.recompute_ops)
     if p.pp == 1:
-        model = materialise(model, cfg.model, t.seed, dtype, device)
+        model = materialise(model, cfg.model, t.seed, dtype, device, fill)
         n = cfg.model.n_layers
         part = Partition(((0, n),), (1.0,))
         return PipelineParts(model, {0: Stage(model, (0, n), True, True)},
@@ -219,7 +220,7 @@ def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
     for s in schedule.stages_on(pp_rank):
         j = schedule.model_stage(s)
         stage = Stage(model, part.layers[j], first=j == 0, last=j == part.num_stages - 1)
-        stages[s] = materialise(stage, cfg.model, t.seed, dtype, device)
+        stages[s] = materialise(stage, cfg.model, t.seed, dtype, device, fill)
         for q in stage.parameters():
             placements.mark_distinct(q, "pp")  # other layers on each pp rank
     owned = [s for s in stages if schedule.chain_of_stage(s) == 0]
