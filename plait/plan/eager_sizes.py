@@ -192,11 +192,21 @@ class RankSizes:
         return self.cfg.parallel.zero
 
     def states(self, grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
-               opt_extra: float = 0.0) -> dict[str, float]:
-        g = grads + (self.grad_shards if self.zero >= 2 else 0.0)
+               opt_extra: float = 0.0, shards: float | None = None) -> dict[str, float]:
+        """`shards`: ZeRO-2/3's gradient shards alive (None: every unit's)."""
+        g = grads + ((self.grad_shards if shards is None else shards) if self.zero >= 2
+                     else 0.0)
         return {"parameters": self.params + gathered, "gradients": g,
                 "optimizer states": self.optim + opt_extra, "activations": self.inputs,
                 "logits": 0.0, "communication buffers": comm}
+
+    def shards_posted(self, mb: int, units: list[str]) -> float | None:
+        """ZeRO-2/3's gradient shards alive in micro-batch `mb`: every unit's (None) from
+        the second on; in the first, only those of `units`, whose reduce-scatter is posted
+        (its output becomes the shard: the step starts with none, plait/parallel/zero.py)."""
+        if self.zero < 2 or mb > 0:
+            return None
+        return sum(self.k[x] for x in units) * self.pb
 
     def check_moment(self, activations: float) -> Moment:
         """Post-validation's check at the cut: the prefix's activations and transfers, the
