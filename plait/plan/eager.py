@@ -392,16 +392,3 @@ def eager_memory_by_rank(cfg: Config, data_windows: int = 0) -> list[dict[str, f
         row["total"], row["moment"], row["rank"] = mo.total, mo.name, r
         rows.append(row)
     return rows
-
-
-def token_file_windows(cfg: Config) -> int:
-    """seq_len windows of cfg.train.data (0 when it is not set or not readable): the count
-    `plait.train.data.GlobalBatches` permutes each epoch."""
-    from plait.train.data import DataError, TokenFile
-
-    if not cfg.train.data:
-        return 0
-    try:
-        return (len(TokenFile.open(cfg.train.data)) - 1) // cfg.train.seq_len
-    except (OSError, DataError):
-        return 0

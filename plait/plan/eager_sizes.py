@@ -277,3 +277,16 @@ def _snapshot_bytes(cfg: Config, units: list[ZeroUnit], k: dict) -> float:
         return 0.0
     numel = sum(u.numel for u in units) if cfg.parallel.zero == 0 else sum(k.values())
     return numel * snapshot_bytes("sgd" if cfg.train.optimizer == "sgd" else "adam")
+
+
+def token_file_windows(cfg: Config) -> int:
+    """seq_len windows of cfg.train.data (0 when it is not set or not readable): the count
+    `plait.train.data.GlobalBatches` permutes each epoch."""
+    from plait.train.data import DataError, TokenFile
+
+    if not cfg.train.data:
+        return 0
+    try:
+        return (len(TokenFile.open(cfg.train.data)) - 1) // cfg.train.seq_len
+    except (OSError, DataError):
+        return 0
