@@ -114,6 +114,9 @@ def _block_collective_bytes(sz: RankSizes, bw: _Backward, j: int):
     z = sz.stages[bw.st][1]
     gathered = comm = chunks = 0.0
     shards = None
+    bucket, before = sz.first_bucket()  # bucketed DP's first all-reduce, posted early
+    if before is not None and j < before and bw.mb == sz.n_micro - 1:
+        comm = bucket
     if sz.zero == 3:  # block j and the prefetched unit before it, gathered whole
         gathered = (padded[f"layers.{j}"] + padded.get(
             f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from plait.config import FIRST_BUCKET_MB
 from plait.plan.activations import (
     FP32,
     kv_width_per_rank,
@@ -207,6 +208,25 @@ class RankSizes:
         if self.zero < 2 or mb > 0:
             return None
         return sum(self.k[x] for x in units) * self.pb
+
+    def first_bucket(self) -> tuple[float, int | None]:
+        """Bucketed DP (pp = 1): (bytes, j) of its first bucket (FIRST_BUCKET_MB, in
+        backward order: head, norm, the last block first), all-reduced during the last
+        micro-batch's backward and held until the end of it by the blocks' backward
+        moments below j; j None when there is nothing so early (one bucket, or no DP)."""
+        p = self.cfg.parallel
+        if self.zero or p.dp == 1 or p.pp > 1 or p.data_parallel != "bucketed":
+            return 0.0, None
+        cap = min(FIRST_BUCKET_MB, p.bucket_mb) * 2**20
+        a, z = self.stages[0][:2]
+        groups = [(z, self.sh["head"] + self.sh["norm"])]
+        groups += [(j, self.sh["layer"]) for j in range(z - 1, a, -1)]  # block 0: the end
+        size = 0.0
+        for before, numels in groups:
+            size += sum(numels) * self.pb
+            if size >= cap:
+                return size, before
+        return 0.0, None
 
     def check_moment(self, activations: float) -> Moment:
         """Post-validation's check at the cut: the prefix's activations and transfers, the
