@@ -20,6 +20,9 @@ from plait.model.presets import PRESETS, ModelConfig
 
 DIMS = ("dp", "pp", "cp", "tp")  # the mesh dimensions; ep is laid over dp x cp
 DEFAULT_ORDER = ("tp", "cp", "pp", "dp")  # innermost first: tp stays inside a node
+# bucketed DP's first bucket cap in MB (torch DDP's 1 MiB first bucket): its all-reduce
+# starts early in backward (plait/parallel/data.py; the planner's last bucket, step_comm.py)
+FIRST_BUCKET_MB = 1.0
 
 
 def _model_range_problems(m: ModelConfig) -> list[str]:
@@ -76,7 +79,7 @@ class ParallelConfig:
     # soon as its gradients are ready, the check travels over pp and a failed one rolls
     # the update back: plait/parallel/post_validation.py, Qi et al. 2024, section 4)
     optimizer_sync: str = "barrier"
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # the first bucket is at most FIRST_BUCKET_MB (parallel/data.py)
     order: tuple[str, ...] = DEFAULT_ORDER
     gpus_per_node: int = 8
 

@@ -101,7 +101,8 @@ def _flags_given(args: argparse.Namespace) -> bool:
 def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     """The comparison as data: memory by category, communication by collective and dim."""
     from plait.plan import estimate_config
-    from plait.plan.eager import eager_memory_by_rank, not_covered, token_file_windows
+    from plait.plan.eager import eager_memory_by_rank, not_covered
+    from plait.plan.eager_sizes import token_file_windows
 
     out: dict[str, Any] = {"layout": summary.get("layout"), "memory": None,
                            "communication": None, "notes": []}

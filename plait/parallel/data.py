@@ -6,7 +6,11 @@ across dp, which gives exactly the single-process gradient of the global mean lo
 - naive:    after the last micro-batch's backward, all-reduce each gradient in turn.
 - bucketed: gradients are packed, in the order backward produces them, into buckets of
             about `bucket_mb`; a bucket is all-reduced asynchronously as soon as it is full,
-            overlapping the rest of backward; `finish()` waits and unpacks.
+            overlapping the rest of backward; `finish()` waits and unpacks. The first
+            bucket is capped at FIRST_BUCKET_MB (torch DDP's convention,
+            `dist._DEFAULT_FIRST_BUCKET_BYTES`): the first all-reduce starts with the
+            head's gradient instead of waiting for a whole bucket, so a model smaller than
+            one bucket still overlaps communication with backward.
 Only the last micro-batch of a step communicates (earlier ones just accumulate).
 """
 
@@ -17,6 +21,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.ops import Handle
+from plait.config import FIRST_BUCKET_MB
 from plait.mesh import ParallelMesh
 
 
@@ -51,12 +56,13 @@ class DataParallel:
     def _build_buckets(self, bucket_mb: float) -> None:
         # backward produces gradients roughly in reverse order of registration
         cap = bucket_mb * 2**20
+        first_cap = min(FIRST_BUCKET_MB, bucket_mb) * 2**20
         current: list[nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= cap:
+            if size >= (first_cap if not self.buckets else cap):
                 self.buckets.append(_Bucket(current))
                 current, size = [], 0
         if current:

@@ -211,9 +211,9 @@ class ZeroOptimizer:
 
     def _complete_reduce_scatter(self, u: _Unit) -> None:
         u.rs_handle.wait()
-        if self.stage == 1 or u.grad_shard is None:
+        if u.grad_shard is None:  # the step's first reduce-scatter: its output is the shard
             u.grad_shard = u.rs_out
-        else:
+        else:  # stages 2, 3 from the second micro-batch on: accumulate
             u.grad_shard.add_(u.rs_out)
         u.rs_handle, u.rs_out, u.rs_in = None, None, None
 
@@ -314,13 +314,13 @@ class ZeroOptimizer:
             h.wait()
 
     def zero_grad(self) -> None:
+        """Drop every gradient, the shards too: between steps no stage holds gradient
+        state, so ZeRO-2's peak (at the first backward, before any reduce-scatter) is never
+        above ZeRO-1's by a shard kept zeroed from the last step."""
         for u in self.units:
             for p in u.params:
                 p.grad = None
-            if self.stage == 1:
-                u.grad_shard = None  # the reduce-scatter output, a communication buffer
-            elif u.grad_shard is not None:
-                u.grad_shard.zero_()
+            u.grad_shard = None
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters by name, all-gathered from every rank's master shard."""
@@ -346,13 +346,18 @@ class ZeroOptimizer:
         params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard
                                                  is not None]
         grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
-        comm_buffers = [t for u in self.units for t in (u.rs_in, u.rs_out) if t is not None]
+        comm_buffers = [u.rs_in for u in self.units if u.rs_in is not None]
         comm_buffers += [t for u in self.units if u.rs_handle is not None
                          for t in u.rs_handle.buffers]
-        if self.stage == 1:
-            comm_buffers += [u.grad_shard for u in self.units if u.grad_shard is not None]
-        else:
-            grads += [u.grad_shard for u in self.units if u.grad_shard is not None]
+        # stages 2, 3: the step's first reduce-scatter output becomes the gradient shard
+        # (same storage; the tracker keeps a storage's first category), a later one is a
+        # temporary added into it; stage 1's gradient state is the full gradient
+        for u in self.units:
+            if u.rs_out is not None:
+                shard_to_be = self.stage >= 2 and u.grad_shard is None
+                (grads if shard_to_be else comm_buffers).append(u.rs_out)
+        shards = [u.grad_shard for u in self.units if u.grad_shard is not None]
+        (comm_buffers if self.stage == 1 else grads).extend(shards)
         optim = [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
         optim += list(self._saved[0]) if self._saved is not None else []
         return {"params": params, "grads": grads, "optimizer": optim, "comm": comm_buffers}

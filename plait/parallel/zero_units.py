@@ -58,13 +58,18 @@ class _Unit:
         `free` drops the per-parameter gradients (stages 2 and 3); stage 1 keeps them, they
         are its 2 bytes/parameter of gradient state.
         """
-        # `full` may be freed (stage 3): a new buffer of its shape
-        flat = torch.zeros(self.full.shape, dtype=self.full.dtype, device=self.full.device)
+        # `full` may be freed (stage 3): a new buffer of its shape. Every element is
+        # written once: a gradient copied in, zeros only for the padding and a parameter
+        # that got no gradient (a zero-filled buffer would write the whole unit twice)
+        flat = torch.empty(self.full.shape, dtype=self.full.dtype, device=self.full.device)
         for p, off in zip(self.params, self.offsets, strict=True):
             if p.grad is not None:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 if free:
                     p.grad = None
+            else:
+                flat[off:off + p.numel()].zero_()
+        flat[self.numel:].zero_()
         return flat
 
 

@@ -48,7 +48,8 @@ def _loss_forward_moment(sz: RankSizes, st: int, mb: int, acc: float,
                          base: float, held: float = 0.0) -> Moment:
     """`held`: post-validation's copy of the optimizer states, in the prefix (`acc` then
     holds the previous step's gradients)."""
-    mo = Moment(f"loss forward (stage {st}, mb {mb})", sz.states(acc, opt_extra=held))
+    mo = Moment(f"loss forward (stage {st}, mb {mb})",
+                sz.states(acc, opt_extra=held, shards=sz.shards_posted(mb, [])))
     mo.bytes["activations"] += base
     mo.bytes["logits"] = sz.loss_fwd
     return mo
@@ -57,7 +58,8 @@ def _loss_forward_moment(sz: RankSizes, st: int, mb: int, acc: float,
 def _loss_backward_moments(sz: RankSizes, st: int, mb: int, acc: float, base: float,
                            first_b: bool) -> list[Moment]:
     """The loss's backward, then the head's (first_b: the stage's first B this step)."""
-    mo = Moment(f"loss backward (stage {st}, mb {mb})", sz.states(acc))
+    shards = sz.shards_posted(mb, [])  # no unit's reduce-scatter before the head's
+    mo = Moment(f"loss backward (stage {st}, mb {mb})", sz.states(acc, shards=shards))
     mo.bytes["activations"] += base
     mo.bytes["logits"] = sz.loss_bwd
     # head backward: d(logits) in the compute dtype replaces the kept softmax, the
@@ -66,7 +68,7 @@ def _loss_backward_moments(sz: RankSizes, st: int, mb: int, acc: float, base: fl
     fresh = head_g if (sz.zero >= 2 or first_b) else 0.0
     gathered = (sz.padded["head"] + sz.padded["norm"]) * sz.pb if sz.zero == 3 else 0.0
     head = Moment(f"head backward (stage {st}, mb {mb})",
-                  sz.states(acc + fresh, gathered=gathered))
+                  sz.states(acc + fresh, gathered=gathered, shards=shards))
     e, tok = sz.e, sz.tok
     head.bytes["activations"] += (base - FP32 * tok * sz.sh["v_t"] + e * tok * sz.sh["h"]
                                   + head_g - fresh)
@@ -105,11 +107,16 @@ def _backward_moments(sz: RankSizes, st: int, mb: int, live: dict, first_b: bool
 
 
 def _block_collective_bytes(sz: RankSizes, bw: _Backward, j: int):
-    """(gathered, comm, chunks, rs_now) while block j's backward runs: ZeRO-3's gathered
-    blocks, the previous unit's reduce-scatter in flight and gloo's all-to-all chunks."""
+    """(gathered, comm, chunks, rs_now, shards) while block j's backward runs: ZeRO-3's
+    gathered blocks, the previous unit's reduce-scatter in flight, gloo's all-to-all chunks
+    and ZeRO-2/3's gradient shards (`RankSizes.shards_posted`)."""
     p, pb, padded, k = sz.cfg.parallel, sz.pb, sz.padded, sz.k
     z = sz.stages[bw.st][1]
     gathered = comm = chunks = 0.0
+    shards = None
+    bucket, before = sz.first_bucket()  # bucketed DP's first all-reduce, posted early
+    if before is not None and j < before and bw.mb == sz.n_micro - 1:
+        comm = bucket
     if sz.zero == 3:  # block j and the prefetched unit before it, gathered whole
         gathered = (padded[f"layers.{j}"] + padded.get(
             f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb
@@ -118,11 +125,14 @@ def _block_collective_bytes(sz: RankSizes, bw: _Backward, j: int):
     if rs_now:  # the previous unit's reduce-scatter in flight
         done = [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
         prev = done[0]
-        comm = (padded[prev] + k[prev]) * pb
+        # its flat input and output; ZeRO-2/3's first output is the shard (a gradient)
+        first_shard = sz.zero >= 2 and bw.mb == 0
+        comm = (padded[prev] + (0 if first_shard else k[prev])) * pb
+        shards = sz.shards_posted(bw.mb, done)
         if sz.zero == 1:  # stage 1's finished shards are communication buffers
             comm += sum(k[x] for x in done[1:]) * pb
         chunks = padded[prev] * pb  # gloo's reduce-scatter: all-to-all chunks
-    return gathered, comm, chunks, rs_now
+    return gathered, comm, chunks, rs_now, shards
 
 
 def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment]:
@@ -139,7 +149,7 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
     else:
         act_b = sz.rope + bw.this_first + (kept + 1) * sz.layer_saved
     act_b += bw.in_flight
-    gathered, comm, chunks, rs_now = _block_collective_bytes(sz, bw, j)
+    gathered, comm, chunks, rs_now, shards = _block_collective_bytes(sz, bw, j)
     g = bw.grads_before
     if sz.zero < 2 and bw.first_b:
         g += (z - 1 - j) * sz.layer_numel * pb
@@ -150,11 +160,11 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
     # product is still saved; a gradient to be accumulated is a temporary
     # gloo's direct reduce-scatter receives all-to-all chunks: communication
     w2 = Moment(f"block {j} w2 backward (stage {st}, mb {mb})",
-                sz.states(g + fresh, comm + chunks, gathered))
+                sz.states(g + fresh, comm + chunks, gathered, shards=shards))
     w2.bytes["activations"] += bw.others + act_b + sz.dy + sz.dprod + (sz.w2 - fresh)
     # (b) SwiGLU's product rule: the product freed, d(silu out), d(w3 out) new
     swiglu = Moment(f"block {j} SwiGLU backward (stage {st}, mb {mb})",
-                    sz.states(g + fresh, comm + chunks, gathered))
+                    sz.states(g + fresh, comm + chunks, gathered, shards=shards))
     swiglu.bytes["activations"] += bw.others + act_b + sz.mlp_bwd
     # (c) the MLP's norm backward, after w3's and w1's (RankSizes.mlp_norm_backward)
     mlp_grads = (3 * sz.w2 + sz.sh["h"] * sz.pb) if (sz.zero >= 2 or bw.first_b) else 0.0
@@ -162,14 +172,14 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
                                             g + mlp_grads, bw.others + act_b, comm + chunks,
                                             gathered)]
     if rs_now:
-        out += _reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered)
+        out += _reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered, shards)
     return out
 
 
 def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm: float,
-                           gathered: float) -> list[Moment]:
+                           gathered: float, shards: float | None) -> list[Moment]:
     """Block j's gradients flattened, then its reduce-scatter posted (`comm`: what is
-    already in flight)."""
+    already in flight; `shards`: ZeRO-2/3's gradient shards before it)."""
     u, pb, h, e = f"layers.{j}", sz.pb, sz.sh["h"], sz.e
     kept = j - sz.stages[bw.st][0]
     # the block's last weight gradient (attn_norm's) is done while that norm
@@ -181,8 +191,13 @@ def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm:
         g_rs = g + (sz.layer_numel * pb if bw.first_b else 0.0)
     # ZeRO-3 frees block j before posting: only the prefetched unit is whole
     gathered_rs = gathered - sz.padded[u] * pb if sz.zero == 3 else 0.0
+    out_k = sz.k[u] * pb  # its output: ZeRO-2/3's shard when it is the step's first
+    before = shards
+    if shards is not None:
+        shards, out_k = shards + out_k, 0.0
     mo = Moment(f"block {j} reduce-scatter launch (mb {bw.mb})",
-                sz.states(g_rs, comm + (2 * sz.padded[u] + sz.k[u]) * pb, gathered_rs))
+                sz.states(g_rs, comm + 2 * sz.padded[u] * pb + out_k, gathered_rs,
+                          shards=shards))
     mo.bytes["activations"] += act_rs
     if sz.zero < 2:
         return [mo]
@@ -190,7 +205,8 @@ def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm:
     # itself are still whole: the peak of small micro-batches (one sequence, dp = 4:
     # measured one unit of comm and one of gradients above the launch)
     flat = Moment(f"block {j} gradients flattened (mb {bw.mb})",
-                  sz.states(g + sz.layer_numel * pb, comm + sz.padded[u] * pb, gathered))
+                  sz.states(g + sz.layer_numel * pb, comm + sz.padded[u] * pb, gathered,
+                            shards=before))
     flat.bytes["activations"] += act_rs
     return [flat, mo]
 
@@ -275,8 +291,9 @@ def _end_of_step(cfg: Config, units: list[ZeroUnit], k: dict, padded: dict, stat
     shard_comm = sum(k.values()) * pb if zero == 1 else 0.0  # stage 1's shards: comm
     if zero >= 1 and n_dp > 1 and p.pp == 1:  # the embedding's reduce-scatter, the last
         prev = "layers.0" if "layers.0" in k else "head"
-        comm = (padded["embed"] + padded[prev]) * pb + (shard_comm if zero == 1 else
-                                                        (k["embed"] + k[prev]) * pb)
+        # ZeRO-2/3 with one micro-batch: the outputs are the shards (gradients)
+        outputs = 0.0 if cfg.microbatches() == 1 else (k["embed"] + k[prev]) * pb
+        comm = (padded["embed"] + padded[prev]) * pb + (shard_comm if zero == 1 else outputs)
         comm += (padded["embed"] + padded[prev]) * pb  # the direct reduce-scatter's chunks
         out.append(Moment("embedding reduce-scatter (end of backward)",
                           states(grads, comm=comm)))
@@ -382,16 +399,3 @@ def eager_memory_by_rank(cfg: Config, data_windows: int = 0) -> list[dict[str, f
         row["total"], row["moment"], row["rank"] = mo.total, mo.name, r
         rows.append(row)
     return rows
-
-
-def token_file_windows(cfg: Config) -> int:
-    """seq_len windows of cfg.train.data (0 when it is not set or not readable): the count
-    `plait.train.data.GlobalBatches` permutes each epoch."""
-    from plait.train.data import DataError, TokenFile
-
-    if not cfg.train.data:
-        return 0
-    try:
-        return (len(TokenFile.open(cfg.train.data)) - 1) // cfg.train.seq_len
-    except (OSError, DataError):
-        return 0

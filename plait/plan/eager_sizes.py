@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from plait.config import FIRST_BUCKET_MB
 from plait.plan.activations import (
     FP32,
     kv_width_per_rank,
@@ -192,11 +193,40 @@ class RankSizes:
         return self.cfg.parallel.zero
 
     def states(self, grads: float = 0.0, comm: float = 0.0, gathered: float = 0.0,
-               opt_extra: float = 0.0) -> dict[str, float]:
-        g = grads + (self.grad_shards if self.zero >= 2 else 0.0)
+               opt_extra: float = 0.0, shards: float | None = None) -> dict[str, float]:
+        """`shards`: ZeRO-2/3's gradient shards alive (None: every unit's)."""
+        g = grads + ((self.grad_shards if shards is None else shards) if self.zero >= 2
+                     else 0.0)
         return {"parameters": self.params + gathered, "gradients": g,
                 "optimizer states": self.optim + opt_extra, "activations": self.inputs,
                 "logits": 0.0, "communication buffers": comm}
+
+    def shards_posted(self, mb: int, units: list[str]) -> float | None:
+        """ZeRO-2/3's gradient shards alive in micro-batch `mb`: every unit's (None) from
+        the second on; in the first, only those of `units`, whose reduce-scatter is posted
+        (its output becomes the shard: the step starts with none, plait/parallel/zero.py)."""
+        if self.zero < 2 or mb > 0:
+            return None
+        return sum(self.k[x] for x in units) * self.pb
+
+    def first_bucket(self) -> tuple[float, int | None]:
+        """Bucketed DP (pp = 1): (bytes, j) of its first bucket (FIRST_BUCKET_MB, in
+        backward order: head, norm, the last block first), all-reduced during the last
+        micro-batch's backward and held until the end of it by the blocks' backward
+        moments below j; j None when there is nothing so early (one bucket, or no DP)."""
+        p = self.cfg.parallel
+        if self.zero or p.dp == 1 or p.pp > 1 or p.data_parallel != "bucketed":
+            return 0.0, None
+        cap = min(FIRST_BUCKET_MB, p.bucket_mb) * 2**20
+        a, z = self.stages[0][:2]
+        groups = [(z, self.sh["head"] + self.sh["norm"])]
+        groups += [(j, self.sh["layer"]) for j in range(z - 1, a, -1)]  # block 0: the end
+        size = 0.0
+        for before, numels in groups:
+            size += sum(numels) * self.pb
+            if size >= cap:
+                return size, before
+        return 0.0, None
 
     def check_moment(self, activations: float) -> Moment:
         """Post-validation's check at the cut: the prefix's activations and transfers, the
@@ -283,3 +313,16 @@ def _snapshot_bytes(cfg: Config, units: list[ZeroUnit], k: dict) -> float:
         return 0.0
     numel = sum(u.numel for u in units) if cfg.parallel.zero == 0 else sum(k.values())
     return numel * snapshot_bytes("sgd" if cfg.train.optimizer == "sgd" else "adam")
+
+
+def token_file_windows(cfg: Config) -> int:
+    """seq_len windows of cfg.train.data (0 when it is not set or not readable): the count
+    `plait.train.data.GlobalBatches` permutes each epoch."""
+    from plait.train.data import DataError, TokenFile
+
+    if not cfg.train.data:
+        return 0
+    try:
+        return (len(TokenFile.open(cfg.train.data)) - 1) // cfg.train.seq_len
+    except (OSError, DataError):
+        return 0

@@ -23,7 +23,7 @@ GIB = 2**30
 
 def model_state_bytes(cfg: Config, rank: int) -> dict[str, float]:
     """Parameters, gradients and optimizer states of global rank `rank` (its pipeline
-    stage's shards), in bytes. Gradients: ZeRO-2/3 keep only their shard between steps."""
+    stage's shards), in bytes. Gradients: ZeRO-2/3 hold at most their shard."""
     p = cfg.parallel
     pp_rank = (rank // (p.tp * p.cp)) % p.pp  # mesh order, innermost first: tp, cp, pp, dp
     sz = rank_sizes(cfg, pp_rank, 0)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from plait.config import ParallelConfig
+from plait.config import FIRST_BUCKET_MB, ParallelConfig
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import comm, memory
 from plait.plan.compute import Efficiency, Num
@@ -187,7 +187,7 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     # embedding unit's reduce-scatter); Megatron's count hides all behind the backward
     last_ar, last_rs = 0.0, 0.0
     if eff.runtime_comm:
-        last_ar = comm.all_reduce(np.minimum(g_bytes, BUCKET_BYTES), n, bw, al)[0]
+        last_ar = comm.all_reduce(last_bucket_bytes(g_bytes), n, bw, al)[0]
         last_rs = t_rs / units
     dp_colls: list[tuple[str, Num, Num, Num, Num, str]] = []
     if lay.zero == 0:
@@ -223,6 +223,15 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
 
 
 BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
+FIRST_BUCKET_BYTES = FIRST_BUCKET_MB * 2**20  # its smaller first bucket (data.py)
+
+
+def last_bucket_bytes(g_bytes: Num) -> Num:
+    """About the bytes of bucketed DP's last bucket, the one nothing hides: after the
+    first bucket (FIRST_BUCKET_BYTES) every bucket holds BUCKET_BYTES; a gradient within
+    the first bucket is one bucket."""
+    return np.where(g_bytes <= FIRST_BUCKET_BYTES, g_bytes,
+                    np.minimum(g_bytes - FIRST_BUCKET_BYTES, BUCKET_BYTES))
 STEP_END_BYTES = 8  # the grad norm's partial sum and the logged loss, one float64 each
 
 
