@@ -27,8 +27,8 @@ def _rank(rank: int, world: int, nan_steps: tuple[int, ...], ck: dict, limit: in
     mesh = ParallelMesh.build(cfg.parallel)
     real = loop.parallelize
 
-    def poisoned(model, mesh_, cfg_):
-        par = real(model, mesh_, cfg_)
+    def poisoned(model, mesh_, cfg_, **kwargs):
+        par = real(model, mesh_, cfg_, **kwargs)
         if rank == 1:  # one rank's gradient of one tensor, at the chosen steps
             p = next(iter(par.model.parameters()))
             p.register_hook(lambda g: g * float("nan") if mesh.ledger.step in nan_steps

@@ -58,8 +58,8 @@ def _train(sets: list[str], world: int, inf_step: int | None = None,
     mesh = ParallelMesh.build(cfg.parallel)
     real = loop.parallelize
 
-    def poisoned(model, mesh_, cfg_):
-        par = real(model, mesh_, cfg_)
+    def poisoned(model, mesh_, cfg_, **kwargs):
+        par = real(model, mesh_, cfg_, **kwargs)
         if mesh.coord("pp") == 1:  # one stage's gradient of one tensor, at inf_step
             p = next(iter(par.model.parameters()))
             p.register_hook(lambda g: g * float("inf") if mesh.ledger.step == inf_step else g)

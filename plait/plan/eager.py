@@ -167,10 +167,9 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
                     sz.states(g + fresh, comm + chunks, gathered, shards=shards))
     swiglu.bytes["activations"] += bw.others + act_b + sz.mlp_bwd
     # (c) the MLP's norm backward, after w3's and w1's (RankSizes.mlp_norm_backward)
-    mlp_grads = (3 * sz.w2 + sz.sh["h"] * sz.pb) if (sz.zero >= 2 or bw.first_b) else 0.0
     out = [w2, swiglu, sz.mlp_norm_backward(f"block {j} MLP norm backward (stage {st}, mb {mb})",
-                                            g + mlp_grads, bw.others + act_b, comm + chunks,
-                                            gathered)]
+                                            g, bw.first_b, bw.others + act_b, comm + chunks,
+                                            gathered, shards)]
     if rs_now:
         out += _reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered, shards)
     return out

@@ -237,16 +237,18 @@ class RankSizes:
         mo.bytes["activations"] += activations
         return mo
 
-    def mlp_norm_backward(self, name: str, grads: float, kept: float, comm: float,
-                          gathered: float) -> Moment:
+    def mlp_norm_backward(self, name: str, grads: float, first_b: bool, kept: float,
+                          comm: float, gathered: float, shards: float | None = None) -> Moment:
         """A block's MLP norm backward, after w3's and w1's: `kept` (what the in-flight
         micro-batches and this block keep) less the MLP's saved tensors, plus the residual
         gradient, the region's entry gradient (the all-reduced copy under tp) and two fp32
-        norm-backward temporaries; `grads` has the MLP's new weight gradients. Where tp-cut
+        norm-backward temporaries; to `grads` it adds the MLP's three weight gradients and the
+        norm's, new on the first backward (ZeRO-2/3: every one). Where tp-cut
         weight gradients are big beside a micro-batch's activations (8B at tp=8, sequence
         1024: 29 MiB each) this is the first backward's peak (found op by op with the
         tracker on that layout scaled down: tests/test_dry_run.py)."""
-        mo = Moment(name, self.states(grads, comm, gathered))
+        fresh = (3 * self.w2 + self.sh["h"] * self.pb) if (self.zero >= 2 or first_b) else 0.0
+        mo = Moment(name, self.states(grads + fresh, comm, gathered, shards=shards))
         h, tok_l = self.sh["h"], self.tok_l
         mlp_saved = 4 * self.e * self.tok * self.sh["f_t"]  # activations.py's mlp term
         mo.bytes["activations"] += (kept - mlp_saved + 2 * self.e * tok_l * h

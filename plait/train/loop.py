@@ -131,7 +131,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     plain = build_model(cfg.model, seed=t.seed, device="meta")
     # the model's total, whatever the layout; the local count is this rank's share
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
-    par = parallelize(plain, mesh, cfg, shard_init)
+    par = parallelize(plain, mesh, cfg, shard_init=shard_init)
     model, opt = par.model, par.optimizer
     if t.init_from is not None and (checkpoint is None or checkpoint.source() is None):
         load_initial(par, mesh, cfg, t.init_from)  # this rank's slices; a resume overrides
