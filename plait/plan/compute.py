@@ -58,14 +58,14 @@ class Efficiency:
     # per ZeRO unit, the step's grad-norm and loss all-reduces) instead of Megatron's count,
     # on which the calibration set was fitted: a measured profile's (plait's own runtime)
     runtime_comm: bool = False
+    # GEMM throughput of a rank while the host's other ranks run theirs, over one alone
+    # (plait calibrate's concurrent GEMMs; 1 for the presets: a GPU's rank owns its chip)
+    concurrent_gemm: float = 1.0
     # a synchronising collective issued after compute, as the runtime issues it (plait
     # calibrate's measure_sync; none for the GPU presets, whose calibration set has them
     # inside its fit): the mean seconds past the alpha-beta price once every rank has
     # arrived, and the mean wait for the last rank to arrive after `desync_compute`
     # seconds of compute on each (two points of a power law: plait/plan/step_comm.py)
-    # GEMM throughput of a rank while the host's other ranks run theirs, over one alone
-    # (plait calibrate's concurrent GEMMs; 1 for the presets: a GPU's rank owns its chip)
-    concurrent_gemm: float = 1.0
     sync_extra: float = 0.0
     desync_compute: tuple[float, ...] = ()
     desync_wait: tuple[float, ...] = ()

@@ -232,6 +232,8 @@ def last_bucket_bytes(g_bytes: Num) -> Num:
     the first bucket is one bucket."""
     return np.where(g_bytes <= FIRST_BUCKET_BYTES, g_bytes,
                     np.minimum(g_bytes - FIRST_BUCKET_BYTES, BUCKET_BYTES))
+
+
 STEP_END_BYTES = 8  # the grad norm's partial sum and the logged loss, one float64 each
 
 
