@@ -96,7 +96,7 @@ def _print(args: argparse.Namespace, out: dict) -> None:
     print(f"  {'peak total':<12} {_gib(out['memory']['peak_total']):>12} {total:>14}")
     if "moment" in pred:
         print(f"  predicted peak moment: {pred['moment']}")
-    for dim, b in sorted(out["bytes_per_step"].items()):
+    for dim, b in sorted(out["data_bytes_per_step"].items()):
         pb = out["predicted_bytes_per_step"].get(dim)
         print(f"  bytes/step {dim:<5} ledger {b:14,.0f}  planner "
               f"{'-' if pb is None else f'{pb:14,.0f}'}", flush=True)

@@ -275,48 +275,6 @@ def _levels_world(lv: dict[str, str]) -> int:
 
 
 
-# ---- the ledger against the planner ----------------------------------------------------
-# Collectives that carry no model data: step metrics, the grad-norm sum, MoE's load counts
-# and the all-to-all split sizes. The planner models the data collectives; these are a few
-# bytes (bounded in the test) and are left out of the comparison.
-CONTROL_TAGS = ("metrics", "grad_norm", "moe.load", ".counts")
-
-
-def data_bytes_by_dim(records: list[dict]) -> dict[str, float]:
-    """One rank's payload bytes per mesh dim in one step, as the planner names the dims:
-    a collective's payload, a send's bytes (a receive is the other end's send), control
-    collectives left out; ZeRO and gradient syncs over dp x cp are the planner's "dp";
-    DualPipe's copy swap is its own line ("pp_copies": its busiest rank is an end rank,
-    the sends' a middle one)."""
-    out: dict[str, float] = {}
-    for r in records:
-        if r["op"] == "recv" or is_control(r["tag"]):
-            continue
-        dim = "dp" if r["dim"] == "dp_cp" else r["dim"]
-        dim = "pp_copies" if r["tag"] == "pp_copies" else dim  # DualPipe's gradient swap
-        out[dim] = out.get(dim, 0.0) + r["payload"]
-    return out
-
-
-def planned_bytes_by_dim(collectives: list, ep: int) -> dict[str, float]:
-    """The planner's bytes per dim (size x count); with ep = 1 the routed experts'
-    gradients sync with the rest (one group: the runtime's one bucketed sync)."""
-    out: dict[str, float] = {}
-    for c in collectives:
-        dim = "dp" if c.dim == "edp" and ep == 1 else c.dim
-        dim = "pp_copies" if "copies" in c.op else dim
-        out[dim] = out.get(dim, 0.0) + float(c.size * c.count)
-    return out
-
-
-def is_control(tag: str) -> bool:
-    return any(tag == t or tag.endswith(t) for t in CONTROL_TAGS)
-
-
-def control_bytes(records: list[dict]) -> float:
-    return sum(r["payload"] for r in records if r["op"] != "recv" and is_control(r["tag"]))
-
-
 if __name__ == "__main__":
     sys.path.insert(0, "tests")
     cands = valid_rows()

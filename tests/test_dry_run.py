@@ -60,6 +60,9 @@ def test_dry_run_rank_equals_the_real_rank(real, rank):
     assert dry["memory"]["peak"] == measured["peak"]  # every category, to the byte
     assert dry["memory"]["peak_total"] == measured["peak_total"]
     assert dry["bytes_per_step"] == _payload(real[rank]["ledger"], STEADY)
+    # the data collectives' bytes are this pipeline rank's own in the planner, exactly
+    assert dry["data_bytes_per_step"] == pytest.approx(dry["predicted_bytes_per_step"],
+                                                       rel=1e-12, abs=0.5)
     # the eager model covers this layout: its prediction for the rank is within 5 %
     pred = dry["predicted_memory"]
     assert pred["total"] == pytest.approx(dry["memory"]["peak_total"], rel=0.05)
@@ -82,6 +85,10 @@ def test_dry_run_of_a_1024_rank_layout_builds_one_rank(rank):
               else {"tp": 0, "cp": 0, "pp": 0, "dp": 0})
     assert dry["coords"] == coords
     assert set(dry["bytes_per_step"]) >= {"tp", "pp", "dp"}
+    # every dim's bytes are the planner's for this rank's own stages (rank 1023: the
+    # last stage, fewer layers than the first, the head and the loss, sends one way)
+    assert dry["data_bytes_per_step"] == pytest.approx(dry["predicted_bytes_per_step"],
+                                                       rel=1e-12, abs=0.5)
     full = sum(p.numel() for p in __import__("plait.model.transformer", fromlist=["x"])
                .build_model(config(*SCALED_8B).model, 0, device="meta").parameters())
     assert dry["param_count_local"] < full / 8  # one pp stage's tp slice
@@ -101,7 +108,8 @@ def test_dry_run_refuses_a_wrong_world_size():
 def test_dry_run_of_an_expert_parallel_rank():
     """An MoE rank of a 64-rank dp x ep layout: its experts only, and all-to-all bytes as
     the planner's (the fake group leaves the exchanged counts at this rank's own, a
-    symmetric load; the counts' own small all-to-all is the difference)."""
+    symmetric load; the counts' own small all-to-all is the difference, a control
+    collective the data bytes leave out)."""
     moe = ["model.n_experts=16", "model.top_k=2", "model.expert_ffn_dim=64",
            "model.n_layers=2", "parallel.dp=64", "parallel.ep=16", "train.global_batch=64",
            "train.steps=2"]
@@ -109,6 +117,7 @@ def test_dry_run_of_an_expert_parallel_rank():
     ep, pred = dry["bytes_per_step"]["ep"], dry["predicted_bytes_per_step"]["ep"]
     counts = 2 * 16 * 8  # one exchange per layer and micro-batch (forward): 16 int64
     assert ep - pred == counts
+    assert dry["data_bytes_per_step"]["ep"] == pred
     assert dry["bytes_per_step"]["dp"] == pytest.approx(
         dry["predicted_bytes_per_step"]["dp"], rel=1e-3)
     model = config(*moe).model

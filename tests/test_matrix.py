@@ -26,19 +26,18 @@ from matrix import (
     ROWS,
     SCHEDULES,
     STEPS,
-    control_bytes,
     coverable_pairs,
-    data_bytes_by_dim,
     parse,
-    planned_bytes_by_dim,
     valid_rows,
 )
 
 from plait.checkpoint import Checkpointing
+from plait.comm.ledger import control_bytes, data_bytes_by_dim
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.plan import estimate_config
+from plait.plan import estimate_config, rank_collectives
 from plait.plan.eager import not_covered
+from plait.plan.rank_comm import bytes_by_dim
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train.loop import full_state, train
 
@@ -95,7 +94,8 @@ def _rank(rank: int, world: int, sets: list[str], ck: dict | None) -> dict:
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             "params": full_state(result.model, result.optimizer, mesh, result.placements),
             "first_grads": result.first_grads, "metrics": result.metrics,
-            "ledger": [r for r in mesh.ledger.to_dicts() if r["step"] == 1]}
+            "ledger": [r for r in mesh.ledger.to_dicts() if r["step"] == 1],
+            "pp_rank": mesh.coord("pp")}
 
 
 def run_row(sets: tuple[str, ...], ck: dict | None = None) -> list[dict]:
@@ -174,18 +174,30 @@ def test_round_trip_continues_within_parity(src, dst):
 @pytest.mark.parametrize("row", ROWS)
 def test_row_ledger_equals_the_planner(row):
     """Every mesh dim's bytes in one step equal the planner's collectives (size x count),
-    exactly: the busiest rank's (the planner describes it), and for ep the mean over ranks
-    (routing decides who sends what; all-to-all conserves the total). The control
-    collectives the planner leaves out (tests/matrix.py CONTROL_TAGS) stay under 2 % of a
-    rank's data bytes."""
+    exactly: the busiest rank's (`evaluate` describes it), and every rank's its own pipeline
+    rank's (`rank_collectives`: the runtime's partition, ends and sends); for ep the mean
+    over ranks (routing decides who sends what; all-to-all conserves the total). The
+    control collectives the planner leaves out (plait/comm/ledger.py CONTROL_TAGS) stay
+    under 2 % of a rank's data bytes."""
     outs = row_run(row)
     cfg = config(*row_sets(row))
-    planned = planned_bytes_by_dim(estimate_config(cfg).collectives, cfg.parallel.ep)
+    ep = cfg.parallel.ep
+    planned = bytes_by_dim(estimate_config(cfg).collectives, ep)
     per_rank = [data_bytes_by_dim(o["ledger"]) for o in outs]
     for dim in sorted(set(planned) | {d for p in per_rank for d in p}):
         got = [p.get(dim, 0.0) for p in per_rank]
         measured = sum(got) / len(got) if dim == "ep" else max(got)
         assert planned.get(dim, 0.0) == pytest.approx(measured, rel=1e-12, abs=0.5), (
             f"{dim}: planner {planned.get(dim, 0.0):.0f} B, ledger {measured:.0f} B")
+    for pp_rank in sorted({o["pp_rank"] for o in outs}):
+        own = bytes_by_dim(rank_collectives(cfg, pp_rank), ep)
+        ranks = [p for o, p in zip(outs, per_rank, strict=True) if o["pp_rank"] == pp_rank]
+        for dim in sorted(set(own) | {d for p in ranks for d in p}):
+            got = [p.get(dim, 0.0) for p in ranks]
+            measured = sum(got) / len(got) if dim == "ep" else max(got)
+            assert min(got) == max(got) or dim == "ep", f"pp rank {pp_rank} {dim}: {got}"
+            assert own.get(dim, 0.0) == pytest.approx(measured, rel=1e-12, abs=0.5), (
+                f"pp rank {pp_rank} {dim}: planner {own.get(dim, 0.0):.0f} B, "
+                f"ledger {measured:.0f} B")
     for o, p in zip(outs, per_rank, strict=True):
         assert control_bytes(o["ledger"]) <= max(0.02 * sum(p.values()), 64)

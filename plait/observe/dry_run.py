@@ -11,7 +11,8 @@ holds or initialises a whole stage. What it measures is what the real rank would
 issue: memory by category (the same tracker, on the measuring step) and the ledger's
 collectives with their bytes (the ledger records calls, not transfers). Beside them: the
 planner's prediction for the same layout and rank (`kernels="eager"` memory, plait's own
-runtime, where that model covers the layout; the planner's collectives per step).
+runtime, where that model covers the layout; the rank's own collectives per step,
+`rank_collectives`, from the runtime's partition).
 
 The values computed are meaningless - received tensors are whatever the buffers held, and
 a slice is filled from its own name's stream, not cut from the reference's full tensor -
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait.comm.ledger import data_bytes_by_dim
 from plait.config import Config
 from plait.device import CPU, Device
 from plait.mesh import ParallelMesh
@@ -83,7 +85,8 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
             "layout": mesh.describe(), "memory": measured,
             "predicted_memory": _predicted_memory(cfg, mesh.coord("pp")),
             "bytes_per_step": payload_by_dim(mesh, step), "measured_step": step,
-            "predicted_bytes_per_step": _predicted_bytes(cfg),
+            "data_bytes_per_step": data_bytes_by_dim(mesh.ledger.to_dicts(step)),
+            "predicted_bytes_per_step": _predicted_bytes(cfg, mesh.coord("pp")),
             "param_count_local": sum(p.numel() for p in result.model.parameters())}
 
 
@@ -188,7 +191,8 @@ def parse_ranks(text: str | None, world_size: int | None) -> tuple[list[int], li
 
 
 def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
-    """Payload bytes of the step's collectives by mesh dim (what the planner counts)."""
+    """Payload bytes of every record of the step by mesh dim (receives and control
+    collectives too: all a real rank's ledger holds)."""
     out: dict[str, float] = {}
     for r in mesh.ledger.for_step(step):
         out[r.dim] = out.get(r.dim, 0.0) + r.payload
@@ -206,14 +210,13 @@ def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
     return eager_memory_by_rank(cfg, token_file_windows(cfg))[pp_rank]
 
 
-def _predicted_bytes(cfg: Config) -> dict[str, float]:
-    """The planner's payload bytes per step by mesh dim (its collectives, the model's data)."""
-    from plait.plan import estimate_config
+def _predicted_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """The planner's payload bytes per step by mesh dim for this pipeline rank: its own
+    collectives, from the runtime's partition (plait/plan/rank_comm.py)."""
+    from plait.plan import rank_collectives
+    from plait.plan.rank_comm import bytes_by_dim
 
-    out: dict[str, float] = {}
-    for c in estimate_config(cfg).collectives:
-        out[c.dim] = out.get(c.dim, 0.0) + float(c.size * c.count)
-    return out
+    return bytes_by_dim(rank_collectives(cfg, pp_rank), cfg.parallel.ep)
 
 
 # measured category -> the planner's categories it stands beside
@@ -242,9 +245,12 @@ def dry_run_table(out: dict[str, Any]) -> str:
     lines.append(f"  {'peak total':<14} {gib(out['memory']['peak_total'])} {total}")
     if not covered:
         lines.append(f"  (no memory prediction: {pred['not_covered']})")
+    # the data collectives' payloads (a send counted at its sender; the few control bytes
+    # - metrics, grad norm, MoE counts - left out, as the planner does)
     lines.append(f"  {'bytes/step':<14} {'ledger':>16} {'planner':>16}")
-    for dim in sorted(set(out["bytes_per_step"]) | set(out["predicted_bytes_per_step"])):
-        m, p = out["bytes_per_step"].get(dim), out["predicted_bytes_per_step"].get(dim)
+    data, planned = out["data_bytes_per_step"], out["predicted_bytes_per_step"]
+    for dim in sorted(set(data) | set(planned)):
+        m, p = data.get(dim), planned.get(dim)
         lines.append(f"  {dim:<14} {'-' if m is None else f'{m:,.0f}':>16} "
                      f"{'-' if p is None else f'{p:,.0f}':>16}")
     return "\n".join(lines)

@@ -6,10 +6,11 @@ Config, for the runtime-side test that compares the prediction with the ledger).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import GPU, Cluster
+from plait.plan.rank_comm import rank_collectives
 from plait.plan.search import search
 from plait.plan.shape import Shape, from_model_config
 
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
     from plait.config import Config
 
 __all__ = ["Estimate", "Layout", "Training", "evaluate", "search", "predict_memory",
-           "estimate_config", "Shape", "Cluster"]
+           "estimate_config", "config_inputs", "rank_collectives", "Shape",
+           "Cluster"]
 
 # memory does not depend on speed: a placeholder device large enough to hold anything
 _HOST = GPU("host", 1e12, 1e15, 1e11, 1e10, 1e10, gpus_per_node=1 << 20)
@@ -54,8 +56,9 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
     return out
 
 
-def estimate_config(cfg: Config) -> Estimate:
-    """The planner's `evaluate` for the layout of a plait Config (memory, collectives)."""
+def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
+    """(shape, cluster, training, layout, efficiency) `evaluate` takes for a plait Config's
+    layout: the runtime's attention (SDPA, planned as flash), its recompute and order."""
     from plait.parallel.pipeline.registry import natural_virtual_stages
     from plait.plan.activations import RUNTIME_ATTENTION
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
@@ -70,5 +73,9 @@ def estimate_config(cfg: Config) -> Estimate:
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order))
     train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync)
-    return evaluate(shape, Cluster(_HOST, p.world_size), train, lay, EFFICIENCY,
-                    simulate=p.pp > 1)
+    return shape, Cluster(_HOST, p.world_size), train, lay, EFFICIENCY
+
+
+def estimate_config(cfg: Config) -> Estimate:
+    """The planner's `evaluate` for the layout of a plait Config (memory, collectives)."""
+    return evaluate(*config_inputs(cfg), simulate=cfg.parallel.pp > 1)

@@ -249,24 +249,14 @@ class _RankMemory:
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
                  info: dict[str, Any], simulate: bool) -> _RankMemory:
     tp, pp, m, cpr = b.tp, b.pp, b.m, b.cpr
-    # plait replicates an MoE block over tp (plait/parallel/expert.py): its router and
-    # shared experts are whole on every tp rank, its routed experts split over ep only
-    # norm gains are whole on every tp rank too (plait/parallel/tensor.py replicates them)
-    mlp_tp = 1.0 if shape.moe else tp
-    norms = shape.norm_params()
-    dense_l = ((shape.attn_params() - norms) / tp + norms
-               + shape.dense_mlp_params() / mlp_tp)
-    expert_l = shape.expert_params() / b.ep
+    terms = memory.param_terms(shape, tp, b.ep)
+    dense_l, expert_l, emb, head = terms.layer, terms.expert, terms.embedding, terms.head
     dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
     both_ends = schedule_spec(b.sched).head_on_first_rank
-    final_norm = shape.hidden
-    emb, head = shape.embedding_params() / tp, (shape.head_params() - final_norm) / tp \
-        + final_norm
     # an MoE model's leading dense layers sit on the first stage (counted there only:
     # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
     nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0
-    dense_layer = (shape.dense_layer_params() - norms) / tp + norms
-    dense_extra = nd * (dense_layer - dense_l)
+    dense_extra = nd * (terms.dense_layer - dense_l)
     first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
         + dense_extra
     last_p = b.rank_layers * dense_l + head + np.where(pp == 1, dense_extra, 0.0)

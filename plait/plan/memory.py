@@ -20,7 +20,7 @@ log-sum-exp per head instead), and selective is plait's operator policy (docs/re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,6 +60,31 @@ def snapshot_bytes(optimizer: str) -> int:
     states."""
     state_bytes("fp32", optimizer)  # the same names are valid
     return 4 + (8 if optimizer == "adam" else 0)
+
+
+class ParamTerms(NamedTuple):
+    """Parameters a rank holds per piece of the model under tp x ep (numbers or arrays)."""
+
+    layer: Num  # a (MoE: its dense part; dense model: whole) layer
+    expert: Num  # a MoE layer's routed experts on this ep rank
+    dense_layer: Num  # an MoE model's leading dense layer
+    embedding: Num
+    head: Num  # the output projection and the final norm
+
+
+def param_terms(shape: Shape, tp: Num, ep: Num) -> ParamTerms:
+    """plait replicates an MoE block over tp (plait/parallel/expert.py): its router and
+    shared experts are whole on every tp rank, its routed experts split over ep only;
+    norm gains are whole on every tp rank too (plait/parallel/tensor.py replicates them)."""
+    mlp_tp = 1.0 if shape.moe else tp
+    norms = shape.norm_params()
+    final_norm = shape.hidden
+    return ParamTerms(
+        layer=(shape.attn_params() - norms) / tp + norms + shape.dense_mlp_params() / mlp_tp,
+        expert=shape.expert_params() / ep,
+        dense_layer=(shape.dense_layer_params() - norms) / tp + norms,
+        embedding=shape.embedding_params() / tp,
+        head=(shape.head_params() - final_norm) / tp + final_norm)
 
 
 def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",

@@ -76,7 +76,10 @@ def _per_layer(moe: bool, sp: bool, recomputed: bool, split: bool) -> dict[str, 
 
 
 def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
-                   b: _Basis) -> list[comm.Collective]:
+                   b: _Basis, ends: tuple[Num, Num] | None = None) -> list[comm.Collective]:
+    """The rank's tp collectives in a step. `ends`: the micro-batches per step through the
+    embedding and through the head on this rank (plait/plan/rank_comm.py, one pipeline
+    rank); None: the most loaded rank's, the head's."""
     if not np.any(b.tp > 1):
         return []
     intra = comm.intra_node(b.strides["tp"], b.tp, cluster.gpus_per_node)
@@ -95,6 +98,7 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     # the head (and the loss) sit on the last rank, or on rank 0 with the embedding (V
     # shapes), or everything on the one rank without a pipeline: the most loaded rank
     embed = np.where((b.pp == 1) | spec.head_on_first_rank, 1.0, 0.0)
+    emb_m, head_m = (embed * m, m) if ends is None else ends
     out: list[comm.Collective] = []
 
     def add(op: str, size: Num, count: Num, t_each: Num, what: str) -> None:
@@ -104,24 +108,25 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     for op, k in per.items():
         add(f"{op} (layers)", s, k * visits, t_ar if op == "all-reduce" else t_g,
             "none: on the critical path")
+    # forward collectives are rerun: the head input's gather (SP) and the embedding's out
     if sp:
-        add("all-gather (head input, embedding grad)", s, (1 + rerun + embed) * m, t_g,
+        add("all-gather (head input, embedding grad)", s, (1 + rerun) * head_m + emb_m, t_g,
             "none: on the critical path")
-        add("reduce-scatter (embedding out, head grad)", s, (1 + embed * (1 + rerun)) * m,
+        add("reduce-scatter (embedding out, head grad)", s, head_m + (1 + rerun) * emb_m,
             t_g, "none: on the critical path")
         g = shape.hidden * b.e  # two norms a layer, the final one on the head rank
-        add("all-reduce (SP norm gains' grads)", g, 2 * visits + m,
+        add("all-reduce (SP norm gains' grads)", g, 2 * visits + head_m,
             comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
         if shape.moe:  # one call per MoE weight; size: all of a layer's on this rank
             g = (shape.dense_mlp_params() + shape.expert_params() / b.ep) * b.e
             add("all-reduce (SP MoE weights' grads)", g, visits,
                 comm.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
     else:
-        add("all-reduce (embedding out, head grad)", s, (1 + embed * (1 + rerun)) * m,
+        add("all-reduce (embedding out, head grad)", s, head_m + (1 + rerun) * emb_m,
             t_ar, "none: on the critical path")
     for what, nbytes in (("max", 4), ("sums", 8)):
         size = b.tokens * nbytes
-        add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, (1 + rerun) * m,
+        add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, (1 + rerun) * head_m,
             comm.all_reduce(size, b.tp, bw, al)[0], "none: on the critical path")
     return out
 

@@ -39,7 +39,8 @@ class LayerComm:
 
 
 def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
-                b: _Basis) -> LayerComm:
+                b: _Basis, ends: tuple[Num, Num] | None = None) -> LayerComm:
+    """`ends`: tp_collectives' (one pipeline rank's embedding and head micro-batches)."""
     colls: list[comm.Collective] = []
     gpu, gpn = cluster.gpu, cluster.gpus_per_node
     tp_intra = comm.intra_node(b.strides["tp"], b.tp, gpn)
@@ -52,7 +53,7 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     tp_count = (TP_COLLECTIVES_FWD + n_tp_bwd) * b.rank_layers * b.m
     # the collectives listed are the runtime's (plait/plan/runtime_comm.py); the time above
     # keeps Megatron's count, on which the step-time model was calibrated
-    tp_list = tp_collectives(shape, cluster, lay, eff, b)
+    tp_list = tp_collectives(shape, cluster, lay, eff, b, ends)
     colls.extend(tp_list)
     if eff.runtime_comm and tp_list:  # a measured profile: the runtime's list, its time
         total = sum(c.count * c.time_each for c in tp_list)  # spread over Megatron's slots
@@ -139,8 +140,9 @@ def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
 
 
 def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
-           colls: list[comm.Collective], sp: bool = False) -> Num:
-    """One pipeline send's time (0 without a pipeline); appends pp's collective."""
+           colls: list[comm.Collective], sp: bool = False, sends: Num | None = None) -> Num:
+    """One pipeline send's time (0 without a pipeline); appends pp's collective. `sends`:
+    one pipeline rank's per step (its lowered schedule's); None: the busiest rank's."""
     pp_intra = comm.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
     bw, al = comm.link(cluster.gpu, pp_intra, eff.link_efficiency)
     # the time: Megatron's scatter/gather optimisation sends 1/tp of the activation per
@@ -150,7 +152,7 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
     t_pp = np.where(b.pp > 1, comm.p2p(b.tokens * shape.hidden * b.e / b.tp, bw, al), 0.0)
     if np.any(b.pp > 1):
         s_pp = b.tokens * shape.hidden * b.e / (b.tp if sp else 1.0)
-        n = pp_sends_per_microbatch(b.sched, b.pp, b.v) * b.m
+        n = pp_sends_per_microbatch(b.sched, b.pp, b.v) * b.m if sends is None else sends
         colls.append(comm.Collective("pp", "send (activations, gradients)", s_pp, n, 2,
                                      pp_intra, comm.p2p(s_pp, bw, al), 0.0,
                                      "inside the pipeline timeline (simulated)"))

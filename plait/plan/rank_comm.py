@@ -1,0 +1,112 @@
+"""The collectives one pipeline rank issues in a step, from the runtime's own partition.
+
+`evaluate` (plait/plan/estimate.py) describes a layout's most loaded rank with L / (pp v)
+layers a chunk: the closed forms the search scores thousands of layouts with. The
+runtime's partitioner balances stages by cost (plait/parallel/pipeline/partition.py), so
+the rank that holds the head and the loss holds fewer layers (llama3-8b at pp = 4: 6 of
+32 on the last stage), and the ends differ from the middle: only the first stage's rank
+runs the embedding, only the last's the head and the loss, an end rank sends one way.
+A dry run (plait/observe/dry_run.py) compares one rank's ledger with that rank's own
+collectives: the same formulas (plait/plan/step_comm.py, runtime_comm.py) fed what the
+rank holds in the runtime (`RankPart`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from plait.parallel.pipeline.lower import lower
+from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan import comm, memory
+from plait.plan.eager_sizes import rank_stages
+from plait.plan.estimate import _basis, _chunk_times
+from plait.plan.runtime_comm import dualpipe_copies
+from plait.plan.step_comm import dp_exposed_time, layer_comm, pp_p2p
+
+if TYPE_CHECKING:
+    from plait.config import Config
+    from plait.plan.shape import Shape
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one pipeline rank holds and runs in a step, as the runtime builds it."""
+
+    pp_rank: int
+    layers: tuple[int, ...]  # the model layers of the rank's stages (both copies: DualPipe)
+    embedding_microbatches: int  # micro-batches per step through the embedding here
+    head_microbatches: int  # ... through the head and the loss here
+    sends: int  # pipeline sends per step (SEND_F / SEND_B of the lowered schedule)
+
+
+def rank_part(cfg: Config, pp_rank: int) -> RankPart:
+    """The runtime's partition and schedule seen from pipeline rank `pp_rank`."""
+    if not 0 <= pp_rank < cfg.parallel.pp:
+        raise ValueError(f"pipeline rank {pp_rank}: the layout has pp={cfg.parallel.pp}")
+    sched, stages = rank_stages(cfg, pp_rank)
+    layers: list[int] = []
+    emb = head = 0
+    for s, (a, z, first, last) in sorted(stages.items()):
+        layers.extend(range(a, z))
+        n = len(sched.microbatches_of(s))
+        emb += n if first else 0
+        head += n if last else 0
+    sends = 0
+    if cfg.parallel.pp > 1:
+        sends = sum(1 for a in lower(sched).actions[pp_rank] if a.kind.startswith("SEND"))
+    return RankPart(pp_rank, tuple(layers), emb, head, sends)
+
+
+def rank_params(shape: Shape, tp: float, ep: float, part: RankPart) -> tuple[float, float]:
+    """(dense, routed-expert) parameters on the rank: its layers (an MoE model's leading
+    `dense_layers` dense), the embedding and the head where its stages hold them."""
+    t = memory.param_terms(shape, tp, ep)
+    dense = expert = 0.0
+    for layer in part.layers:
+        if shape.moe and layer < shape.dense_layers:
+            dense += t.dense_layer
+        else:
+            dense += t.layer
+            expert += t.expert if shape.moe else 0.0
+    dense += t.embedding if part.embedding_microbatches else 0.0
+    dense += t.head if part.head_microbatches else 0.0
+    return float(dense), float(expert)
+
+
+def rank_collectives(cfg: Config, pp_rank: int) -> list[comm.Collective]:
+    """Pipeline rank `pp_rank`'s collectives per step (every tp, cp, dp rank of it issues
+    the same; ep's all-to-alls at a balanced routing): `evaluate`'s list, for that rank."""
+    from plait.plan import config_inputs
+
+    shape, cluster, train, lay, eff = config_inputs(cfg)
+    part = rank_part(cfg, pp_rank)
+    b = replace(_basis(shape, cluster, train, lay, eff), rank_layers=float(len(part.layers)))
+    ends = (float(part.embedding_microbatches), float(part.head_microbatches))
+    lc = layer_comm(shape, cluster, lay, eff, b, ends)
+    colls = lc.colls
+    ct = _chunk_times(shape, cluster, lay, eff, b, lc)
+    pp_p2p(shape, cluster, eff, b, colls, lay.sp, sends=float(part.sends))
+    dense, expert = rank_params(shape, b.tp, b.ep, part)
+    # as in `evaluate`: dense parameters sync over dp x cp, routed experts over edp
+    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls)
+    if shape.moe:
+        dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, over_ep=True)
+    if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
+        colls.append(dualpipe_copies(cluster, train, eff, b, dense + expert))
+    return colls
+
+
+def bytes_by_dim(collectives: list[comm.Collective], ep: int) -> dict[str, float]:
+    """The planner's payload bytes per step per dim (size x count), named as
+    plait.comm.ledger.data_bytes_by_dim names the ledger's: with ep = 1 the routed experts'
+    gradients sync with the rest (one group: the runtime's one bucketed sync); DualPipe's
+    copy swap is "pp_copies"."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        dim = "dp" if c.dim == "edp" and ep == 1 else c.dim
+        dim = "pp_copies" if "copies" in c.op else dim
+        out[dim] = out.get(dim, 0.0) + float(c.size * c.count)
+    return out
