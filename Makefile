@@ -21,7 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/plait demo
 
 # every failure reported (no -x): CI must show all of them
-# two files at a time (--dist loadfile: a file's tests share its /tmp folders and fixtures)
+# two files at a time (--dist loadfile, tests/conftest.py: a file's tests, which share its
+# /tmp folders and fixtures, on one worker; the two files sharing one session fixture too)
 test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
 
