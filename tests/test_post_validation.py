@@ -253,7 +253,7 @@ def test_time_between_steps_as_measured():
     from plait.parallel.pipeline.records import between_per_rank
 
     def rank(t0, t1):  # one compute filling the step's window
-        return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [])
+        return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [], [])
 
     steps = [[rank(0, 9), rank(1, 10)], [rank(10, 19), rank(11, 20)],
              [rank(21, 31), rank(23, 32)]]
@@ -265,12 +265,43 @@ def test_time_between_steps_as_measured():
     assert between_per_rank(steps, "barrier") == (1.0, 3.0)  # 20 -> 21, 20 -> 23
     assert between_per_rank(steps, "post_validation") == (2.0, 3.0)
     # from the last compute's end, not the runtime step's (its sends' waits are in it)
-    late = [rank(0, 9), (1, 12, [("F", 0, 0, 1, 10)], [(1, 0.0)], [])]
+    late = [rank(0, 9), (1, 12, [("F", 0, 0, 1, 10)], [(1, 0.0)], [], [])]
     assert between_steps([steps[0], late, steps[2]], "barrier") == 13.0  # 10 -> 23
 
     # measure.runtime_gap: a rank's own time before each compute that did not wait, less
     # the posts in between: 1 (step start -> F0) and 1.5 - 0.5 (F0 -> F1, a post) here;
     # F2 waited 3.5 for its input (over records._WAITED) and is left out
     computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
-    one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)])
+    one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)], [])
     assert runtime_gap([[one]]) == 1.0 and runtime_gap([]) == 0.0
+
+
+def test_the_check_window_in_the_records():
+    """records: the post-validation check's window at the cut is the simulator's
+    `check` (`check_per_rank`), not runtime work: `runtime_gap` leaves it out as it does
+    the posts, and `idle_breakdown` counts it apart (out of `between`, or `lead` when it
+    came before the first compute)."""
+    from plait.parallel.pipeline.records import check_per_rank, idle_breakdown, runtime_gap
+
+    computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
+    detail = [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)]
+    posts = [(4.2, 4.4, 0.1)]
+    # F0 -> F1: 1.5, less the post 0.2 and the check 0.8 (4.5 -> 5.3): 0.5; with 1 before
+    # F0, the gap is 0.75 (it was 1.15 with the check counted as runtime work)
+    checked = (0.0, 14.0, computes, detail, posts, [(4.5, 5.3)])
+    unchecked = (0.0, 14.0, computes, detail, posts, [])
+    assert runtime_gap([[checked]]) == pytest.approx(0.75)
+    assert runtime_gap([[unchecked]]) == pytest.approx(1.15)
+    # a check before the first compute (a cut at 0) comes out of the lead
+    early = (0.0, 14.0, computes, detail, posts, [(0.2, 0.7)])
+    assert runtime_gap([[early]]) == pytest.approx((0.5 + 1.3) / 2)
+    idle = idle_breakdown([checked])
+    assert idle["check"] == pytest.approx(0.8 / 13) and idle["between"] == pytest.approx(
+        idle_breakdown([unchecked])["between"] - 0.8 / 13)
+    assert sum(idle.values()) == pytest.approx(sum(idle_breakdown([unchecked]).values()))
+    lead = idle_breakdown([early])
+    assert lead["check"] == pytest.approx(0.5 / 13) and lead["lead"] == pytest.approx(0.5 / 13)
+    # per rank, the mean over the steps that had one; 0 for a rank that never checked
+    assert check_per_rank([[checked, unchecked], [early, unchecked]]) == pytest.approx(
+        (0.65, 0.0))
+    assert check_per_rank([]) == ()

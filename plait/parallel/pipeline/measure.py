@@ -15,7 +15,9 @@ input; and its thread CPU time. After training the records are gathered over the
     waited and a bound where it did not (`p2p_median`): what the simulator adds to a
     cross-rank dependency; `post`, the mean time a rank spent posting one batch of
     transfers; `gap`, the mean time a rank spent before a compute that did not wait for
-    its input, less the posts (`runtime_gap`): the runtime's own work between computes;
+    its input, less the posts and the check (`runtime_gap`): the runtime's own work
+    between computes; `check`, per rank the mean window of post-validation's check at
+    its cut (`check_per_rank`), which the simulator lays out there from the second step;
   * the CPU share of compute wall time (thread CPU / wall): below 1 when ranks outnumber
     cores and the OS time-slices them, which inflates every duration;
   * a Chrome trace and a PNG timeline of the last step, one row per rank.
@@ -41,6 +43,7 @@ from plait.parallel.pipeline.records import (
     Rank,
     between_per_rank,
     between_steps,
+    check_per_rank,
     idle_breakdown,
     p2p_median,
     p2p_samples,
@@ -56,13 +59,15 @@ _KINDS = ("F", "B", "I", "W")
 
 
 def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Rank]]:
-    """Per step, per pp rank: (step start, step end, compute events, their details, posts)."""
+    """Per step, per pp rank: (step start, step end, compute events, their details, posts,
+    the check's window)."""
     rows = []
-    for step, (events, detail, posts, (t0, t1)) in enumerate(zip(
+    for step, (events, detail, posts, (t0, t1), checks) in enumerate(zip(
             runtime.steps_events, runtime.steps_detail, runtime.steps_posts,
-            runtime.steps_window, strict=True)):
+            runtime.steps_window, runtime.steps_check, strict=True)):
         rows.append([step, -1, -1, -1, t0, t1, 0.0, 0.0])  # kind -1 marks the step window
         rows += [[step, -2, -1, -1, a, b, 0.0, c] for a, b, c in posts]  # -2: a post
+        rows += [[step, -3, -1, -1, a, b, 0.0, 0.0] for a, b in checks]  # -3: the check
         rows += [[step, _KINDS.index(k), s, mb, a, b, w, c]
                  for (k, s, mb, a, b), (w, c) in zip(events, detail, strict=True)]
     dev = mesh.device.torch  # NCCL gathers device tensors
@@ -78,18 +83,20 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
         every = torch.empty(n * width, 8, dtype=torch.float64, device=dev)
         comm.all_gather(every, padded, mesh, "pp", tag="timeline")
     steps = len(runtime.steps_events)
-    out: list[list[Rank]] = [[(0.0, 0.0, [], [], []) for _ in range(n)]
+    out: list[list[Rank]] = [[(0.0, 0.0, [], [], [], []) for _ in range(n)]
                              for _ in range(steps)]
     for r in range(n):
         for row in every[r * width:(r + 1) * width].tolist():
             if row[0] != row[0]:  # padding (nan)
                 continue
             step, kind, s, mb, a, b, w, c = row
-            t0, t1, evs, det, posts = out[int(step)][r]
+            t0, t1, evs, det, posts, checks = out[int(step)][r]
             if kind == -1:
-                out[int(step)][r] = (a, b, evs, det, posts)
+                out[int(step)][r] = (a, b, evs, det, posts, checks)
             elif kind == -2:
                 posts.append((a, b, c))
+            elif kind == -3:
+                checks.append((a, b))
             else:
                 evs.append((_KINDS[int(kind)], int(s), int(mb), a, b))
                 det.append((w, c))
@@ -141,7 +148,8 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
       simulated_steady_bubble,          simulate() over as many steps, `optimizer_sync`
       simulated_steady_period_ms,       as the run's, with the measured durations and
       between_ms, between_per_rank_ms   `between` (`between_steps`) and each rank's
-                                        (`between_per_rank`): the prediction
+                                        (`between_per_rank`), and each rank's check at
+      check_per_rank_ms                 its cut (`check_per_rank`): the prediction
       restarts                          steps whose speculative prefix was run again
                                         (post-validation's failed checks), this rank
       recompute                         per pp rank, the forwards run again inside its
@@ -161,8 +169,8 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     no_gap = simulate(sched, replace(durations, gap=0.0))
     ideal = simulate(sched, replace(durations, p2p=0.0, post=0.0, gap=0.0))
     cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
-                            zip(evs, det, strict=True)], det, ps)
-                  for t0, t1, evs, det, ps in per_rank] for per_rank in used]
+                            zip(evs, det, strict=True)], det, ps, cs)
+                  for t0, t1, evs, det, ps, cs in per_rank] for per_rank in used]
     cpu_sim = simulate(sched, measured_durations(cpu_steps, sched))
     last = steps[-1]
     origin = min(r[0] for r in last)
@@ -206,7 +214,7 @@ def _wall_and_cpu_by_kind(used: list[list[Rank]]) -> tuple[dict, dict]:
     by_kind: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
     for per_rank in used:
-        for _, _, evs, det, _ in per_rank:
+        for _, _, evs, det, *_ in per_rank:
             for (k, _, _, a, b), (_, c) in zip(evs, det, strict=True):
                 by_kind[k].append(b - a)
                 cpu[k].append(c)
@@ -222,16 +230,17 @@ def _across_steps(steps: list[list[Rank]], runtime: PipelineRuntime, durations: 
     if steady is None:
         return {}
     gap, per_rank = between_steps(steps, optimizer_sync), between_per_rank(steps, optimizer_sync)
-    across = simulate(runtime.schedule, replace(durations, between=gap,
-                                                between_per_rank=per_rank), len(steps),
-                      optimizer_sync)
+    checks = check_per_rank(steps)
+    across = simulate(runtime.schedule, replace(
+        durations, between=gap, between_per_rank=per_rank, check=mean(checks),
+        check_per_rank=checks), len(steps), optimizer_sync)
     return {"steady_bubble": steady[0], "steady_period_ms": 1e3 * steady[1],
             "step_overlap_ms": 1e3 * steady[2], "restarts": sum(runtime.steps_restarts),
             "step_periods_ms": [1e3 * x for x in step_periods(steps)],
             "simulated_steady_bubble": across.steady_bubble_fraction,
             "simulated_steady_period_ms": 1e3 * across.steady_step_time,
             "between_ms": 1e3 * gap, "between_per_rank_ms": [1e3 * x for x in per_rank],
-            "optimizer_sync": optimizer_sync}
+            "check_per_rank_ms": [1e3 * x for x in checks], "optimizer_sync": optimizer_sync}
 
 
 def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int

@@ -26,12 +26,15 @@ Several steps (`steps=K`): the same lists K times. With `optimizer_sync="barrier
 starts step k+1 at the end of the last compute of step k on any rank (the grad-norm
 all-reduce and finiteness check); with "post_validation" (Qi et al. 2023, section 4) as
 soon as its own step k is done; then, either way, its `between` (`between_per_rank`: each
-rank its own, as measured; the update and host work). The steady state is steps 2..K.
+rank its own, as measured; the update and host work). With post-validation, from the
+second step on, a rank also spends `check` (idle) at its cut, where the runtime checks the
+previous step's update (`lower.cut_positions`). The steady state is steps 2..K.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
 optimizer step and of the gradient all-reduce after the flush unless given as `between`,
-and per-micro-batch jitter.
+the check's wait for a late stage's partial other than through the measured `check`, and
+per-micro-batch jitter.
 
 Event-driven (`_Timeline`): each action is started once, a rank resumed once per output it
 waited on, so a lay-out is linear in the actions (tests/test_schedule_oracle.py holds the
@@ -68,20 +71,19 @@ class Durations:
     # Python, completing a receive that is already there, the action's bookkeeping): idle
     # like post; it overlaps a wait for the input (start = max(free + gap, input there))
     gap: float = 0.0
+    # post-validation, from the second step on: a rank's time at its cut (the end of its
+    # speculative prefix, lower.speculative_prefix) checking the previous step's update
+    # (waiting for the other stages' partials, dropping the copy, zeroing the gradients);
+    # idle, like post. Measured: records.check_per_rank
+    check: float = 0.0
+    check_per_rank: tuple[float, ...] | None = None  # per rank (length pp), else check
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
-        f = self.forward_per_stage[stage] if self.forward_per_stage else self.forward
-        i = (
-            self.backward_input_per_stage[stage]
-            if self.backward_input_per_stage
-            else self.backward_input
-        )
-        w = (
-            self.backward_weight_per_stage[stage]
-            if self.backward_weight_per_stage
-            else self.backward_weight
-        )
+        f, i, w = (per[stage] if per else one for per, one in (
+            (self.forward_per_stage, self.forward),
+            (self.backward_input_per_stage, self.backward_input),
+            (self.backward_weight_per_stage, self.backward_weight)))
         return {"F": f, "I": i, "W": w, "B": i + w}[kind]
 
 
@@ -128,9 +130,12 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
         raise ValueError(f"steps={steps} must be >= 1 and optimizer_sync={optimizer_sync!r} "
                          f"one of {', '.join(OPTIMIZER_SYNCS)}")
     schedule, queues = _queues(schedule, durations)
+    if steps > 1 and optimizer_sync == "post_validation" and max(
+            (durations.check, *(durations.check_per_rank or ()))) > 0:
+        queues = _with_checks(schedule, queues)
     line = _Timeline(schedule, queues, durations, steps, optimizer_sync == "barrier")
     step_ends = line.run()
-    per_step = [len(q) - q.count(None) for q in queues]
+    per_step = line.computes
     return result_of(schedule, line.starts, line.ends, per_step, steps, optimizer_sync,
                      step_ends, events=events_of(queues, line.starts, line.ends) if events
                      else [[] for _ in queues])
@@ -141,7 +146,7 @@ def events_of(queues: list[Queue], starts: list[list[float]],
     """Per rank (kind, stage, mb, start, end) of every compute, every step in turn."""
     out = []
     for q, st, en in zip(queues, starts, ends):
-        computes = [a for a in q if a is not None] if None in q else q
+        computes = [a for a in q if a is not None and a[0] != "C"]
         out.append([(k, s, mb, a, b) for (k, s, mb, _), a, b in
                     zip(cycle(computes), st, en)] if computes else [])
     return out
@@ -205,6 +210,25 @@ def _queues(schedule: Schedule, durations: Durations) -> tuple[Schedule, list[Qu
 
 
 _KIND, _COMPUTE = itemgetter(0), frozenset(COMPUTE)
+# a queue's post-validation check at the rank's cut (from the second step on); the split
+# one falls inside a run of transfers, which the runtime then posts as two batches
+_CHECK, _CHECK_SPLIT = ("C", -1, -1, False), ("C", -1, -1, True)
+
+
+
+def _with_checks(schedule: Schedule, queues: list[Queue]) -> list[Queue]:
+    """Each rank's queue with its check where the runtime makes it (`lower.cut_positions`)."""
+    from plait.parallel.pipeline.lower import cut_positions
+
+    out = []
+    for q, at in zip(queues, cut_positions(schedule)):
+        if at is None:
+            out.append(q)
+            continue
+        n, runs, split = at  # computes and runs of transfers before the cut
+        n, split = (n + runs, split) if None in q else (n, False)
+        out.append(q[:n] + [_CHECK_SPLIT if split else _CHECK] + q[n:])
+    return out
 
 
 class _Timeline:
@@ -231,6 +255,7 @@ class _Timeline:
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
         self.post, self.gap = d.post, d.gap
         self.between = list(d.between_per_rank or [d.between] * schedule.pp)
+        self.check = list(d.check_per_rank or [d.check] * schedule.pp)
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
         self.g_end: list[float | None] = [None] * size  # ... its I or B (the gradient)
@@ -240,7 +265,8 @@ class _Timeline:
         self.last = [[0.0] * p for _ in range(steps)]  # per step, each rank's last compute
         self.done_ranks = [0] * steps  # ranks through each step (the barrier)
         self.at_barrier: set[int] = set()
-        self.computes = [len(q) - q.count(None) for q in queues]
+        self.computes = [len(q) - q.count(None) - q.count(_CHECK) - q.count(_CHECK_SPLIT)
+                         for q in queues]
         self.starts: list[list[float]] = [[] for _ in range(p)]  # per rank, every compute's
         self.ends: list[list[float]] = [[] for _ in range(p)]
         self.resumed = 0  # times a rank was run (once, then once per wake-up): O(actions)
@@ -310,6 +336,10 @@ class _Timeline:
                         free += dur_w[st]
                         end_at(free)
                         continue
+                    if kind == "C":  # the check at the cut, from the second step on
+                        if step:
+                            free += self.check[r] + (post if a[3] else 0.0)
+                        continue
                     # I or B: the next stage's gradient (after its F), else the loss's F
                     off, hop = g_src[st]
                     t = f_end[i] if off is None else g_end[i + off]
@@ -357,16 +387,14 @@ class _Timeline:
 
 
 def _check_durations(schedule: Schedule, d: Durations) -> None:
-    for name in ("forward_per_stage", "backward_input_per_stage", "backward_weight_per_stage"):
+    n, p = (schedule.num_stages, "stages"), (schedule.pp, "ranks")
+    for name, (size, what) in (("forward_per_stage", n), ("backward_input_per_stage", n),
+                               ("backward_weight_per_stage", n), ("between_per_rank", p),
+                               ("check_per_rank", p)):
         v = getattr(d, name)
-        if v is not None and len(v) != schedule.num_stages:
-            raise ValueError(
-                f"Durations.{name} has {len(v)} entries; the schedule has "
-                f"{schedule.num_stages} stages"
-            )
-    if d.between_per_rank is not None and len(d.between_per_rank) != schedule.pp:
-        raise ValueError(f"Durations.between_per_rank has {len(d.between_per_rank)} "
-                         f"entries; the schedule has {schedule.pp} ranks")
+        if v is not None and len(v) != size:
+            raise ValueError(f"Durations.{name} has {len(v)} entries; the schedule has "
+                             f"{size} {what}")
     if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between,
-           d.gap, *(d.between_per_rank or ())) < 0:
+           d.gap, d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ())) < 0:
         raise ValueError("durations must be >= 0")
