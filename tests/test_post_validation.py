@@ -21,6 +21,7 @@ ranks (the suite's time budget): 2 steps, pp=2, the tiny model.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -30,7 +31,10 @@ from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.lower import lower, speculative_prefix
+from plait.parallel.pipeline.measure import pipeline_report
+from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
+from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.plan.eager import eager_memory_by_rank
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train import loop
@@ -305,3 +309,58 @@ def test_the_check_window_in_the_records():
     assert check_per_rank([[checked, unchecked], [early, unchecked]]) == pytest.approx(
         (0.65, 0.0))
     assert check_per_rank([]) == ()
+
+
+def _check_windows(rank: int, world: int) -> dict:
+    """zb-v at pp=2 run by the runtime alone for four steps: no check in the first, then
+    a check that passes, one that fails (the step runs again), one that passes."""
+    cfg = config(LAYERS, "parallel.pp=2", "parallel.schedule=zb-v",
+                 "parallel.microbatches=4").check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    pipe = build_pipeline(cfg, mesh.coord("pp"), torch.float32)
+    mbs, t = cfg.micro_batch_size(), cfg.train
+    rt = PipelineRuntime(pipe.schedule, pipe.stages, mesh, (mbs, t.seq_len, cfg.model.dim),
+                         torch.float32)
+    tokens = batches_for(cfg).local_batch(0, 0, 1)
+    micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(cfg.microbatches())]
+    called: list[float] = []
+
+    def check(fails: bool):
+        def at_cut() -> bool:
+            time.sleep(0.002)  # the check's own time, so that its window is not empty
+            called.append(time.perf_counter())
+            return fails
+        return at_cut
+
+    for verdict in (None, False, True, False):
+        rt.step(micro, t.global_batch * t.seq_len, None if verdict is None else check(verdict))
+    report = pipeline_report(rt, pipe.partition, mesh, "post_validation")["summary"]
+    before = sum(not a.is_comm for a in rt.actions[:rt.cut])  # computes before the cut
+    return {"checks": rt.steps_check, "events": rt.steps_events, "before": before,
+            "restarts": rt.steps_restarts, "called": called, "report": report}
+
+
+def test_the_runtime_records_the_check_window_at_the_cut():
+    """`PipelineRuntime.steps_check`: each step's check, [(start, end)] around the
+    validate call, between the computes before the rank's cut and those after it; a step
+    whose check failed ran again after it; no window without a check. The pipeline
+    report measures it per rank (`check_per_rank_ms`) and counts it as idle apart."""
+    _before_fork()
+    outs = run_ranks(_check_windows, 2)
+    for rank, out in enumerate(outs):
+        checks, events, n, called = out["checks"], out["events"], out["before"], out["called"]
+        assert checks[0] == [] and [len(c) for c in checks[1:]] == [1, 1, 1]
+        assert out["restarts"] == [0, 0, 1, 0]
+        for step, at in zip((1, 2, 3), called, strict=True):
+            (a, b), = checks[step]
+            assert a < at <= b
+            if step == 2:  # failed: the step ran again from its first action
+                assert events[step][0][3] >= b
+            else:
+                assert n > 0 and events[step][n - 1][4] <= a and b <= events[step][n][3]
+        rep = out["report"]
+        assert rep == outs[0]["report"]  # gathered: the same on every rank
+        windows = [b - a for c in checks for a, b in c]
+        assert rep["check_per_rank_ms"][rank] == pytest.approx(1e3 * sum(windows) / 3)
+        assert rep["idle"]["check"] > 0
+        assert abs(sum(rep["idle"].values()) - rep["measured_bubble"]) < 1e-9
