@@ -79,7 +79,8 @@ def write_pipeline_outputs(report: dict) -> None:
     if "steady_bubble" in s:  # consecutive steps (measure.steady_state)
         print(f"  across steps: steady bubble {s['steady_bubble']:.1%} (simulated "
               f"{s['simulated_steady_bubble']:.1%}, {s['optimizer_sync']}, "
-              f"{s['between_ms']:.1f} ms between steps), period "
+              f"{s['between_ms']:.1f} ms between steps, the check at each rank's cut "
+              + "/".join(f"{x:.1f}" for x in s["check_per_rank_ms"]) + " ms), period "
               f"{s['steady_period_ms']:.1f} ms, next step's first compute "
               f"{s['step_overlap_ms']:+.1f} ms before the last one's end; steps run "
               f"again after a failed post-validation check: {s['restarts']}")
