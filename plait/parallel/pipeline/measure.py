@@ -105,25 +105,27 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
 
 def measured_durations(steps: list[list[Rank]], schedule: Schedule, p2p: float = 0.0,
                        post: float = 0.0, gap: float = 0.0) -> Durations:
-    """Mean F, I, W per stage (a stage that only ran B gets I = W = B / 2), `p2p`, `post`,
-    `gap`."""
+    """Mean F, I, W and B per stage (a stage that only ran B gets I = W = B / 2; one that
+    never ran B, B = I + W: dualpipev runs both, and one autograd pass costs less than
+    the split's two), `p2p`, `post`, `gap`."""
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for per_rank in steps:
         for r in per_rank:
             for k, s, _, a, b in r[2]:
                 times[k, s].append(b - a)
-    f, i, w = [], [], []
+    f, i, w, whole = [], [], [], []
     for s in range(schedule.num_stages):
         f.append(mean(times["F", s]) if times["F", s] else 0.0)
+        b = mean(times["B", s]) if times["B", s] else None
         if times["I", s] and times["W", s]:
             i.append(mean(times["I", s]))
             w.append(mean(times["W", s]))
         else:
-            b = mean(times["B", s]) if times["B", s] else 0.0
-            i.append(b / 2)
-            w.append(b / 2)
+            i.append((b or 0.0) / 2)
+            w.append((b or 0.0) / 2)
+        whole.append(i[-1] + w[-1] if b is None else b)
     return Durations(mean(f), mean(i), mean(w), p2p, tuple(f), tuple(i), tuple(w), post,
-                     gap=gap)
+                     gap=gap, backward_per_stage=tuple(whole))
 
 
 def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: ParallelMesh,
@@ -193,6 +195,7 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
             "F": ms,
             "I": [1e3 * x for x in (durations.backward_input_per_stage or ())],
             "W": [1e3 * x for x in (durations.backward_weight_per_stage or ())],
+            "B": [1e3 * x for x in (durations.backward_per_stage or ())],
             "p2p": 1e3 * p2p, "p2p_samples": len(samples),
             "p2p_waited": sum(exact for _, exact in samples), "post": 1e3 * post,
             "gap": 1e3 * durations.gap,

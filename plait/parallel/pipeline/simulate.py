@@ -11,14 +11,14 @@ An action starts when its rank is free *and* its input has arrived:
   I/B s, mb the gradient from I/B (s+1), mb   (+ p2p if on another rank); the last stage
             of a chain needs only its own F (the loss)
   W s, mb   its own I s, mb
-B takes T_I + T_W. Before each compute its rank spends `gap` on its own runtime work (the
-loop's Python, completing a receive that has already arrived; `records.runtime_gap`), idle,
-overlapping any wait for the input: start = max(rank free + gap, input there). A transfer
-is latency `p2p` on the link, counted from the producer's compute end: it does not occupy
-either rank (the runtime posts sends/receives asynchronously). Posting does cost the rank
-something: `post` is the time one batch of consecutive transfer actions of the lowered
-schedule keeps its rank from computing (the runtime's `batch_isend_irecv` call; on gloo
-under load ~1 ms, mostly blocked, not CPU).
+B takes T_I + T_W (or `backward_per_stage`). Before each compute its rank spends `gap` on
+its own runtime work (the loop's Python, completing a receive that has already arrived;
+`records.runtime_gap`), idle, overlapping any wait for the input: start = max(rank free +
+gap, input there). A transfer is latency `p2p` on the link, counted from the producer's
+compute end: it does not occupy either rank (the runtime posts sends/receives
+asynchronously). Posting does cost the rank something: `post` is the time one batch of
+consecutive transfer actions of the lowered schedule keeps its rank from computing (the
+runtime's `batch_isend_irecv` call; on gloo under load ~1 ms, mostly blocked, not CPU).
 With post = 0 (the default) transfers are skipped and only p2p counts; with post > 0 an
 unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 
@@ -55,7 +55,7 @@ Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, e
 @dataclass(frozen=True)
 class Durations:
     forward: float  # T_F per stage per micro-batch (seconds, or any unit)
-    backward_input: float  # T_I  (B = I + W)
+    backward_input: float  # T_I  (B = I + W, unless backward_per_stage)
     backward_weight: float  # T_W
     p2p: float = 0.0  # one activation/grad transfer between ranks
     # optional per-stage overrides: tuple of length num_stages, else None
@@ -71,12 +71,14 @@ class Durations:
     # Python, completing a receive that is already there, the action's bookkeeping): idle
     # like post; it overlaps a wait for the input (start = max(free + gap, input there))
     gap: float = 0.0
-    # post-validation, from the second step on: a rank's time at its cut (the end of its
-    # speculative prefix, lower.speculative_prefix) checking the previous step's update
-    # (waiting for the other stages' partials, dropping the copy, zeroing the gradients);
-    # idle, like post. Measured: records.check_per_rank
+    # post-validation, from the second step on: a rank's time at its cut checking the
+    # previous step's update (waiting for the other stages' partials, dropping the copy,
+    # zeroing the gradients); idle, like post. Measured: records.check_per_rank
     check: float = 0.0
     check_per_rank: tuple[float, ...] | None = None  # per rank (length pp), else check
+    # a whole B per stage where it is not I + W (measured: one autograd pass is cheaper
+    # than the split's two, dualpipev runs both); None: B = I + W
+    backward_per_stage: tuple[float, ...] | None = None
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -84,7 +86,8 @@ class Durations:
             (self.forward_per_stage, self.forward),
             (self.backward_input_per_stage, self.backward_input),
             (self.backward_weight_per_stage, self.backward_weight)))
-        return {"F": f, "I": i, "W": w, "B": i + w}[kind]
+        b = self.backward_per_stage[stage] if self.backward_per_stage else i + w
+        return {"F": f, "I": i, "W": w, "B": b}[kind]
 
 
 OPTIMIZER_SYNCS = ("barrier", "post_validation")  # `parallel.optimizer_sync`'s values
@@ -98,10 +101,9 @@ class SimResult:
     busy_per_rank: list[float]  # compute time per rank
     peak_activations: list[int]  # micro-batch activations in flight per rank
     events: list[list[Event]]  # per rank: (kind, stage, mb, start, end), every step's
-    # idle time between each rank's first and last action. The zero-bubble paper and the
-    # DeepSeek-V3 report count this ("parallelogram") bubble: it is what a step costs when
-    # the optimizer's synchronisation is removed (Qi et al. 2023, section 4, post-update
-    # validation) and the next step's forwards start as soon as a rank is done.
+    # idle time between each rank's first and last action: the zero-bubble paper's and
+    # the DeepSeek-V3 report's ("parallelogram") bubble, what a step costs when the next
+    # step's forwards start as soon as a rank is done (Qi et al. 2023, section 4)
     span_idle_per_rank: list[float] = field(default_factory=list)
     # --- several steps (`simulate(..., steps=K)`); the fields above are the first step's
     steps: int = 1
@@ -120,10 +122,8 @@ class DeadlockError(ValueError):
 @without_gc
 def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
              optimizer_sync: str = "barrier", events: bool = True) -> SimResult:
-    """Lay the schedule out in time (see the module docstring for the rules), for `steps`
-    consecutive steps: with `optimizer_sync="barrier"` every rank starts step k+1 when the
-    last rank has finished step k; with "post_validation" (Qi et al. 2023, section 4) a
-    rank starts its step k+1 as soon as its own step k is done. `events=False` leaves
+    """Lay the schedule out in time for `steps` consecutive steps, `optimizer_sync`
+    between them (the module docstring has the rules). `events=False` leaves
     `SimResult.events` empty (the figures are the same): for a caller that draws nothing."""
     _check_durations(schedule, durations)
     if steps < 1 or optimizer_sync not in OPTIMIZER_SYNCS:
@@ -135,8 +135,7 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
         queues = _with_checks(schedule, queues)
     line = _Timeline(schedule, queues, durations, steps, optimizer_sync == "barrier")
     step_ends = line.run()
-    per_step = line.computes
-    return result_of(schedule, line.starts, line.ends, per_step, steps, optimizer_sync,
+    return result_of(schedule, line.starts, line.ends, line.computes, steps, optimizer_sync,
                      step_ends, events=events_of(queues, line.starts, line.ends) if events
                      else [[] for _ in queues])
 
@@ -222,12 +221,11 @@ def _with_checks(schedule: Schedule, queues: list[Queue]) -> list[Queue]:
 
     out = []
     for q, at in zip(queues, cut_positions(schedule)):
-        if at is None:
-            out.append(q)
-            continue
-        n, runs, split = at  # computes and runs of transfers before the cut
-        n, split = (n + runs, split) if None in q else (n, False)
-        out.append(q[:n] + [_CHECK_SPLIT if split else _CHECK] + q[n:])
+        if at is not None:  # computes and runs of transfers before the cut; a split run?
+            posts = None in q  # with posts, a None stands for each run of transfers
+            n = at[0] + at[1] if posts else at[0]
+            q = q[:n] + [_CHECK_SPLIT if posts and at[2] else _CHECK] + q[n:]
+        out.append(q)
     return out
 
 
@@ -389,12 +387,14 @@ class _Timeline:
 def _check_durations(schedule: Schedule, d: Durations) -> None:
     n, p = (schedule.num_stages, "stages"), (schedule.pp, "ranks")
     for name, (size, what) in (("forward_per_stage", n), ("backward_input_per_stage", n),
-                               ("backward_weight_per_stage", n), ("between_per_rank", p),
+                               ("backward_weight_per_stage", n), ("backward_per_stage", n),
+                               ("between_per_rank", p),
                                ("check_per_rank", p)):
         v = getattr(d, name)
         if v is not None and len(v) != size:
             raise ValueError(f"Durations.{name} has {len(v)} entries; the schedule has "
                              f"{size} {what}")
-    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between,
-           d.gap, d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ())) < 0:
+    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between, d.gap,
+           d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ()),
+           *(d.backward_per_stage or ())) < 0:
         raise ValueError("durations must be >= 0")
