@@ -133,14 +133,17 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     """Measured vs simulated bubble; `events` (last step, seconds from its start) for the
     pictures. Every pp rank returns the same report. Summary keys:
       measured_bubble, measured_span    mean over the measured steps
-      simulated_bubble, simulated_span  simulate() for `durations_ms` (per-stage F, I, W,
-                                        the measured p2p, post and gap): the prediction
-      simulated_bubble_no_gap           the same with gap = 0 (`runtime_gap`'s share)
+      simulated_bubble, simulated_span  simulate() of each step's own per-stage F, I, W, B,
+                                        the measured p2p, post, gap; mean over the steps
+      simulated_bubble_pooled           one simulate() of `durations_ms` (all steps' means)
+      simulated_bubble_no_gap           the same per step with gap = 0 (`runtime_gap`'s)
       simulated_bubble_no_comm          the same with p2p = post = gap = 0: the
                                         schedule's own bubble for these compute durations
       simulated_bubble_cpu              each action's thread CPU time instead of its wall
                                         time, p2p = post = 0: as if every rank had its own
                                         core and transfers were free
+      simulated_bubble_replay           each action its own measured duration: nothing
+                                        averaged, the model's rules alone
       idle                              where the measured idle went (`idle_breakdown`)
       cpu_share                         thread CPU / wall over the computes, per kind
       steady_bubble, steady_period_ms,  across consecutive steps (`steady_state`; 3
@@ -166,14 +169,9 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     posts = [b - a for per_rank in used for r in per_rank for a, b, _ in r[4]]
     post_cpu = [c for per_rank in used for r in per_rank for _, _, c in r[4]]
     post = mean(posts) if posts else 0.0
-    durations = measured_durations(used, sched, p2p, post, runtime_gap(used))
-    sim = simulate(sched, durations)
-    no_gap = simulate(sched, replace(durations, gap=0.0))
-    ideal = simulate(sched, replace(durations, p2p=0.0, post=0.0, gap=0.0))
-    cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
-                            zip(evs, det, strict=True)], det, ps, cs)
-                  for t0, t1, evs, det, ps, cs in per_rank] for per_rank in used]
-    cpu_sim = simulate(sched, measured_durations(cpu_steps, sched))
+    gap = runtime_gap(used)
+    durations = measured_durations(used, sched, p2p, post, gap)
+    sim = simulate(sched, durations)  # the pooled durations: the timeline drawn
     last = steps[-1]
     origin = min(r[0] for r in last)
     events = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r[2]] for r in last]
@@ -184,12 +182,9 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
         "schedule": sched.name, "pp": sched.pp, "microbatches": sched.microbatches,
         "virtual_stages": sched.virtual_stages, "partition": partition.describe(),
         "measured_bubble": mean(b for b, _ in bubbles),
-        "simulated_bubble": sim.bubble_fraction,
-        "simulated_bubble_no_comm": ideal.bubble_fraction,
-        "simulated_bubble_no_gap": no_gap.bubble_fraction,
-        "simulated_bubble_cpu": cpu_sim.bubble_fraction,
         "measured_span": mean(s for _, s in bubbles),
-        "simulated_span": sim.step_time,
+        **_simulated(used, sched, p2p, post, gap),
+        "simulated_bubble_pooled": sim.bubble_fraction,
         "mean_ms": {k: 1e3 * mean(v) for k, v in sorted(by_kind.items())},
         "durations_ms": {
             "F": ms,
@@ -210,6 +205,34 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     redone = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r] for r in spans]
     return {"summary": summary, "events": events, "schedule": sched, "simulated": sim,
             "recompute_events": redone}
+
+
+def _simulated(used: list[list[Rank]], schedule: Schedule, p2p: float, post: float,
+               gap: float) -> dict[str, float]:
+    """The summary's one-step predictions, like for like with the measured bubble, a mean
+    over the steps: each step simulated from its own per-stage mean durations (a step
+    slowed by load is not averaged into the others), with and without the gap, the
+    transfers, from CPU times; and replayed, each action its own measured duration."""
+    cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
+                            zip(evs, det, strict=True)], det, ps, cs)
+                  for t0, t1, evs, det, ps, cs in per_rank] for per_rank in used]
+
+    def per_step(steps: list[list[Rank]], p2p: float, post: float, gap: float,
+                 replay: bool = False) -> list[SimResult]:
+        return [simulate(schedule, replace(
+            measured_durations([s], schedule, p2p, post, gap), per_action={
+                (k, st, mb): b - a for r in s for k, st, mb, a, b in r[2]} if replay
+            else None), events=False) for s in steps]
+
+    sims = per_step(used, p2p, post, gap)
+    out = {"simulated_bubble": mean(x.bubble_fraction for x in sims),
+           "simulated_span": mean(x.step_time for x in sims)}
+    for key, runs in (("no_gap", per_step(used, p2p, post, 0.0)),
+                      ("no_comm", per_step(used, 0.0, 0.0, 0.0)),
+                      ("cpu", per_step(cpu_steps, 0.0, 0.0, 0.0)),
+                      ("replay", per_step(used, p2p, post, gap, replay=True))):
+        out[f"simulated_bubble_{key}"] = mean(x.bubble_fraction for x in runs)
+    return out
 
 
 def _wall_and_cpu_by_kind(used: list[list[Rank]]) -> tuple[dict, dict]:

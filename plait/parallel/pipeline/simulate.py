@@ -44,12 +44,13 @@ results to the round-robin simulator this replaced, to the last bit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import cycle
-from operator import itemgetter, sub
+from operator import itemgetter
 
-from plait.parallel.pipeline.ir import COMPUTE, Action, Schedule, peak_activations, without_gc
+from plait.parallel.pipeline.ir import COMPUTE, Action, Schedule, without_gc
+from plait.parallel.pipeline.results import Event, SimResult, events_of, result_of
 
-Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
+__all__ = ["OPTIMIZER_SYNCS", "DeadlockError", "Durations", "Event", "SimResult", "events_of",
+           "result_of", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class Durations:
     # a whole B per stage where it is not I + W (measured: one autograd pass is cheaper
     # than the split's two, dualpipev runs both); None: B = I + W
     backward_per_stage: tuple[float, ...] | None = None
+    # each action's own time, {(kind, stage, mb): seconds}, over the per-stage ones (a
+    # measured step replayed: measure.pipeline_report's simulated_bubble_replay)
+    per_action: dict[tuple[str, int, int], float] | None = field(default=None, hash=False)
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -91,28 +95,6 @@ class Durations:
 
 
 OPTIMIZER_SYNCS = ("barrier", "post_validation")  # `parallel.optimizer_sync`'s values
-
-
-@dataclass
-class SimResult:
-    step_time: float
-    bubble_fraction: float  # idle / (pp * step_time) over all ranks (mean idle fraction)
-    bubble_per_rank: list[float]  # idle fraction of step_time, per rank
-    busy_per_rank: list[float]  # compute time per rank
-    peak_activations: list[int]  # micro-batch activations in flight per rank
-    events: list[list[Event]]  # per rank: (kind, stage, mb, start, end), every step's
-    # idle time between each rank's first and last action: the zero-bubble paper's and
-    # the DeepSeek-V3 report's ("parallelogram") bubble, what a step costs when the next
-    # step's forwards start as soon as a rank is done (Qi et al. 2023, section 4)
-    span_idle_per_rank: list[float] = field(default_factory=list)
-    # --- several steps (`simulate(..., steps=K)`); the fields above are the first step's
-    steps: int = 1
-    optimizer_sync: str = "barrier"
-    step_ends: list[float] = field(default_factory=list)  # when each step's last compute ends
-    # the steady state, steps 2..K: (step_ends[-1] - step_ends[0]) / (K - 1), and the
-    # bubble of that per-step time (None for one step)
-    steady_step_time: float | None = None
-    steady_bubble_fraction: float | None = None
 
 
 class DeadlockError(ValueError):
@@ -138,49 +120,6 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
     return result_of(schedule, line.starts, line.ends, line.computes, steps, optimizer_sync,
                      step_ends, events=events_of(queues, line.starts, line.ends) if events
                      else [[] for _ in queues])
-
-
-def events_of(queues: list[Queue], starts: list[list[float]],
-            ends: list[list[float]]) -> list[list[Event]]:
-    """Per rank (kind, stage, mb, start, end) of every compute, every step in turn."""
-    out = []
-    for q, st, en in zip(queues, starts, ends):
-        computes = [a for a in q if a is not None and a[0] != "C"]
-        out.append([(k, s, mb, a, b) for (k, s, mb, _), a, b in
-                    zip(cycle(computes), st, en)] if computes else [])
-    return out
-
-
-def result_of(schedule: Schedule, starts: list[list[float]], ends: list[list[float]],
-              per_step: list[int], steps: int = 1, optimizer_sync: str = "barrier",
-              step_ends: list[float] | None = None,
-              events: list[list[Event]] | None = None) -> SimResult:
-    """The figures of a lay-out: per rank the start and end of each compute, in order,
-    `per_step` of them a step (step 1's first). Sums run in event order, as
-    `sum(end - start for each event)` does, so that every figure is bit-exact."""
-    first_s = starts if steps == 1 else [s[:k] for s, k in zip(starts, per_step)]
-    first_e = ends if steps == 1 else [e[:k] for e, k in zip(ends, per_step)]
-    step = max((e[-1] for e in first_e if e), default=0.0)
-    busy = [sum(map(sub, e, s)) for s, e in zip(first_s, first_e)]
-    per_rank = [(step - b) / step if step > 0 else 0.0 for b in busy]
-    step_ends = step_ends or [step]
-    steady = steady_bubble = None
-    if steps > 1:
-        steady = (step_ends[-1] - step_ends[0]) / (steps - 1)
-        steady_bubble = sum((steady - b) / steady if steady > 0 else 0.0
-                            for b in busy) / schedule.pp
-    return SimResult(
-        step_time=step,
-        bubble_fraction=sum(per_rank) / schedule.pp,
-        bubble_per_rank=per_rank,
-        busy_per_rank=busy,
-        peak_activations=peak_activations(schedule),
-        events=events if events is not None else [[] for _ in starts],
-        span_idle_per_rank=[(e[-1] - s[0]) - b if e else 0.0
-                            for s, e, b in zip(first_s, first_e, busy)],
-        steps=steps, optimizer_sync=optimizer_sync, step_ends=step_ends,
-        steady_step_time=steady, steady_bubble_fraction=steady_bubble,
-    )
 
 
 Queue = list[Action | None]  # a rank's compute actions; None: posting a batch of transfers
@@ -214,7 +153,6 @@ _KIND, _COMPUTE = itemgetter(0), frozenset(COMPUTE)
 _CHECK, _CHECK_SPLIT = ("C", -1, -1, False), ("C", -1, -1, True)
 
 
-
 def _with_checks(schedule: Schedule, queues: list[Queue]) -> list[Queue]:
     """Each rank's queue with its check where the runtime makes it (`lower.cut_positions`)."""
     from plait.parallel.pipeline.lower import cut_positions
@@ -241,7 +179,10 @@ class _Timeline:
         n, m = schedule.num_stages, schedule.microbatches
         self.m, self.size = m, n * m  # outputs per kind per step
         rank_of = schedule.stage_to_rank
-        self.dur = {k: [d.of(k, st) for st in range(n)] for k in ("F", "I", "W", "B")}
+        # per action, index stage * m + mb within a step
+        self.dur = {k: [x for st in range(n) for x in [d.of(k, st)] * m] for k in "FIWB"}
+        for (k, st, mb), x in (d.per_action or {}).items():
+            self.dur[k][st * m + mb] = x
 
         def src(stage: int | None, st: int) -> tuple[int | None, float]:
             """(offset of the input's index from this action's, its transfer time)."""
@@ -302,7 +243,7 @@ class _Timeline:
                         free += post
                         continue
                     kind, st, mb, _ = a
-                    i = base + st * m + mb
+                    i = base + (j := st * m + mb)  # j: the action's index within a step
                     if kind == "F":
                         off, hop = f_src[st]
                         if off is None:
@@ -317,7 +258,7 @@ class _Timeline:
                         if free < t:
                             free = t
                         start_at(free)
-                        free += dur_f[st]
+                        free += dur_f[j]
                         end_at(free)
                         f_end[i] = free
                         if i in waiting:
@@ -328,15 +269,13 @@ class _Timeline:
                             waiting.setdefault(gk + i, []).append(r)
                             break
                         free += gap
-                        if free < t:
-                            free = t
+                        free = t if free < t else free
                         start_at(free)
-                        free += dur_w[st]
+                        free += dur_w[j]
                         end_at(free)
                         continue
                     if kind == "C":  # the check at the cut, from the second step on
-                        if step:
-                            free += self.check[r] + (post if a[3] else 0.0)
+                        free += (self.check[r] + (post if a[3] else 0.0)) if step else 0.0
                         continue
                     # I or B: the next stage's gradient (after its F), else the loss's F
                     off, hop = g_src[st]
@@ -346,10 +285,9 @@ class _Timeline:
                         break
                     t += hop
                     free += gap
-                    if free < t:
-                        free = t
+                    free = t if free < t else free
                     start_at(free)
-                    free += dur[kind][st]
+                    free += dur[kind][j]
                     end_at(free)
                     g_end[i] = free
                     if gk + i in waiting:
@@ -396,5 +334,5 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
                              f"{size} {what}")
     if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between, d.gap,
            d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ()),
-           *(d.backward_per_stage or ())) < 0:
+           *(d.backward_per_stage or ()), *(d.per_action or {}).values()) < 0:
         raise ValueError("durations must be >= 0")
