@@ -332,6 +332,21 @@ def test_a_whole_backward_of_its_own():
         simulate(s, replace(EQUAL, backward_per_stage=(1.5,)))
 
 
+def test_each_action_its_own_duration():
+    """`Durations.per_action` (the report's replay of a measured step): the named actions
+    take their own time, the rest the per-stage one. gpipe p=2 m=2, F0.1 takes 3: rank 0
+    F0.0 [0,1] F0.1 [1,4]; rank 1's F1.1 waits for it, [4,5]; B1.1 [5,7]."""
+    s = build_schedule("gpipe", 2, 2)
+    res = simulate(s, replace(EQUAL, per_action={("F", 0, 1): 3.0}))
+    assert [e[3:] for e in res.events[0][:2]] == [(0.0, 1.0), (1.0, 4.0)]
+    assert [e[3:] for e in res.events[1][1:3]] == [(4.0, 5.0), (5.0, 7.0)]
+    assert simulate(s, replace(EQUAL, per_action={("F", 0, 1): 1.0})) == simulate(s, EQUAL)
+    two = simulate(s, replace(EQUAL, per_action={("F", 0, 1): 3.0}), steps=2)
+    assert [e[4] - e[3] for e in two.events[0][4:6]] == [1.0, 3.0]  # every step alike
+    with pytest.raises(ValueError, match=">= 0"):
+        simulate(s, replace(EQUAL, per_action={("F", 0, 1): -1.0}))
+
+
 def test_measured_durations_keep_a_whole_backward_apart():
     """measure.measured_durations: a stage that ran B and I + W (dualpipev) gets each its
     own mean; one that ran only B, I = W = B / 2; one that never ran B, B = I + W."""
