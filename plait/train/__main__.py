@@ -66,7 +66,8 @@ def write_pipeline_outputs(report: dict) -> None:
           f"ms); simulated for the measured durations {s['simulated_bubble']:.1%} (span "
           f"{s['simulated_span'] * 1e3:.1f} ms); without the runtime's gap "
           f"{s['simulated_bubble_no_gap']:.1%}, without transfer costs or gap "
-          f"{s['simulated_bubble_no_comm']:.1%}, with CPU times {s['simulated_bubble_cpu']:.1%}")
+          f"{s['simulated_bubble_no_comm']:.1%}, with CPU times {s['simulated_bubble_cpu']:.1%}"
+          f", replayed (each action its own duration) {s['simulated_bubble_replay']:.1%}")
     d = s["durations_ms"]
     print("  durations used, ms per stage: " + "; ".join(
         f"{k} " + " ".join(f"{x:.2f}" for x in d[k]) for k in ("F", "I", "W"))
