@@ -115,7 +115,8 @@ class PipelineRuntime:
         self.steps_events: list[list[Event]] = []  # per step: this rank's computes
         self.steps_window: list[tuple[float, float]] = []  # per step: (start, end) on this rank
         # per step: the post-validation check at the cut, [(start, end)] (perf_counter
-        # seconds), or [] where the step had none (its first, the barrier, a checked step)
+        # seconds, as the posts), or [] where the step had none (the first, the barrier,
+        # or its predecessor checked before it began)
         self.steps_check: list[list[tuple[float, float]]] = []
         self.steps_detail: list[list[Detail]] = []  # per step, per compute: see `Detail`
         # per step: each post of a batch of transfers, (start, end, thread CPU seconds)
