@@ -34,7 +34,7 @@ Not modelled: bandwidth contention between concurrent transfers, compute/communi
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
 optimizer step and of the gradient all-reduce after the flush unless given as `between`,
 the check's wait for a late stage's partial other than through the measured `check`, and
-per-micro-batch jitter.
+per-micro-batch jitter unless each action is given its own time (`per_action`).
 
 Event-driven (`_Timeline`): each action is started once, a rank resumed once per output it
 waited on, so a lay-out is linear in the actions (tests/test_schedule_oracle.py holds the
