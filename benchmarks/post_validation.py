@@ -18,7 +18,9 @@ optimizer_sync, its measured durations and time between steps) and their differe
 points, the one-step bubble over the span ("span", which cannot see one step's forwards
 overlapping the previous one's end) and its one-step simulation ("sim1"), the measured
 p2p latency the simulator adds to each cross-rank dependency and the runtime's gap it adds
-before each compute (`records.runtime_gap`; ms); how many steps'
+before each compute (`records.runtime_gap`; ms), the check's window at each rank's cut
+(`records.check_per_rank`, mean over the ranks; ms), which the simulator lays out there
+from the second step (and `runtime_gap` leaves out); how many steps'
 prefixes were run again (failed checks: `--grad-clip` above the norm keeps them at zero,
 the case post-validation is built for). Last, post-validation's period over the
 barrier's (medians over the repeats; measured mean, fastest step, simulated): below 1
@@ -78,6 +80,7 @@ def _rank(rank: int, world: int, args) -> list[dict]:
                              "min_ms": min(periods), "median_ms": statistics.median(periods),
                              "between_ms": s["between_ms"], "p2p_ms": s["durations_ms"]["p2p"],
                              "gap_ms": s["durations_ms"]["gap"],
+                             "check_ms": statistics.mean(s["check_per_rank_ms"]),
                              "span": s["measured_bubble"], "sim": s["simulated_bubble"],
                              "overlap_ms": s["step_overlap_ms"], "restarts": s["restarts"],
                              "cpu": min(s["cpu_share"].values())})
@@ -108,13 +111,15 @@ def main() -> None:
           f"grad_clip={args.grad_clip}; load average {load0[0]:.1f} -> {load1[0]:.1f}")
     print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'min':>7} "
           f"{'median':>7} {'between':>7} {'overlap':>7} {'steady':>7} {'sim':>6} "
-          f"{'diff':>6} {'span':>6} {'sim1':>6} {'p2p':>5} {'gap':>5} {'restarts':>8} {'CPU':>4}")
+          f"{'diff':>6} {'span':>6} {'sim1':>6} {'p2p':>5} {'gap':>5} {'check':>5} {'restarts':>8} "
+          f"{'CPU':>4}")
     for r in rows:
         print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} {r['min_ms']:7.1f} "
               f"{r['median_ms']:7.1f} {r['between_ms']:7.1f} {r['overlap_ms']:+7.1f} "
               f"{100 * r['steady']:6.1f}% {100 * r['sim_steady']:5.1f}% "
               f"{100 * (r['steady'] - r['sim_steady']):+5.1f} {100 * r['span']:5.1f}% "
-              f"{100 * r['sim']:5.1f}% {r['p2p_ms']:5.1f} {r['gap_ms']:5.2f} {r['restarts']:8d} "
+              f"{100 * r['sim']:5.1f}% {r['p2p_ms']:5.1f} {r['gap_ms']:5.2f} {r['check_ms']:5.2f} "
+              f"{r['restarts']:8d} "
               f"{100 * r['cpu']:3.0f}%")
     print("post_validation / barrier, medians over repeats: period (mean over steps; the "
           "fastest step; simulated), steady bubble measured (simulated)")

@@ -14,12 +14,17 @@ from its runtime's records; torch's from timing wrappers on each stage's
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk. plait's own report is
 printed beside it: "span" (idle / (pp x span), span from the first rank entering the
 step to the last compute), "sim" the simulator's prediction for the measured per-stage
-durations, p2p latency, post time and the runtime's gap before each compute
-(`records.runtime_gap`), "span-sim" their difference in points, "sim-gap" the prediction
-without the gap, "sim0" without transfers or gap, the p2p, post and gap used, and the CPU
-share of compute wall time (below 100% when ranks are time-sliced). `--schedules` takes
-any of the eight; one torch does not implement (gpipe, zb-h1, zb-h2, dualpipe) runs
-plait's runtime alone, so `--schedules all` prints measured vs simulated for every one.
+durations (F, I, W and a whole B each their own), p2p latency, post time and the runtime's
+gap before each compute (`records.runtime_gap`), each step simulated from its own
+durations and averaged as "span" is, "span-sim" their difference in points, "sim-gap"
+the prediction without the gap, "sim0" without transfers or gap, "pooled" one simulation
+of all steps' mean durations (the prediction before 2026-12-03), "replay" each action its
+own measured duration (nothing averaged: the simulator's rules alone; where it meets "span"
+and "sim" does not, the spread of the durations is the difference), the p2p, post and gap
+used, and the CPU share of compute wall time (below 100% when ranks are time-sliced).
+`--schedules` takes any of the eight; one torch does not implement (gpipe, zb-h1, zb-h2,
+dualpipe) runs plait's runtime alone, so `--schedules all` prints measured vs simulated
+for every one.
 The load average before and after is printed: on a shared machine it decides the numbers.
 Goals (issue 11, item 2), printed beside each: plait / torch step time <= 0.90, and plait's
 measured bubble ("span") within 2 points of the simulated one ("sim").
@@ -215,7 +220,8 @@ def main() -> None:
     print(f"  plait partition ({next(iter(res))}): {first['partition']}")
     print(f"{'schedule':<12}{'plait ms':>9}{'torch ms':>9}{'ratio':>7}{'goal':>7}{'':>8} | "
           f"{'bubble: plait':>13}{'torch':>7} | {'plait report: span':>19}{'sim':>7}"
-          f"{'span-sim':>11}{'goal':>7}{'':>8}{'sim-gap':>8}{'sim0':>7}{'p2p ms':>8}"
+          f"{'span-sim':>11}{'goal':>7}{'':>8}{'sim-gap':>8}{'sim0':>7}{'pooled':>7}{'replay':>7}"
+          f"{'p2p ms':>8}"
           f"{'post ms':>8}{'gap ms':>7}{'CPU':>6}")
     rows = []
     for ours, r in res.items():
@@ -236,6 +242,7 @@ def main() -> None:
               f"{rep['measured_bubble']:>19.1%}{rep['simulated_bubble']:>7.1%}{diff:>+8.1f} pt"
               f"{'≤ ' + format(BUBBLE_GOAL, 'g'):>7}{met(abs(diff), BUBBLE_GOAL):>8}"
               f"{rep['simulated_bubble_no_gap']:>8.1%}{rep['simulated_bubble_no_comm']:>7.1%}"
+              f"{rep['simulated_bubble_pooled']:>7.1%}{rep['simulated_bubble_replay']:>7.1%}"
               f"{d['p2p']:>8.2f}{d['post']:>8.2f}{d['gap']:>7.2f}{cpu:>6.0%}")
         rows.append((f"pp_vs_torch.py: {ours}, measured bubble vs simulated",
                      f"{rep['measured_bubble']:.1%} vs {rep['simulated_bubble']:.1%} "

@@ -23,8 +23,8 @@ from pathlib import Path
 PLAIT = Path(__file__).resolve().parent.parent / "plait"
 
 # the schedule layer's modules, in plait/parallel/pipeline/
-SCHEDULE_MODULES = ("ir", "schedules", "list_schedule", "lower", "check", "simulate", "rules",
-                    "registry")
+SCHEDULE_MODULES = ("ir", "schedules", "list_schedule", "lower", "check", "simulate", "results",
+                    "rules", "registry")
 
 # innermost first; a module belongs to the layer of its longest matching prefix
 LAYERS = [

@@ -262,6 +262,12 @@ def test_measured_bubble_trace_and_timeline(tmp_path):
     assert d["gap"] > 0 and s["simulated_bubble"] > s["simulated_bubble_no_gap"]
     assert 0 <= d["p2p_waited"] <= d["p2p_samples"]
     assert abs(sum(s["idle"].values()) - s["measured_bubble"]) < 1e-9  # idle, accounted
+    assert s["idle"]["check"] == 0.0  # the barrier: no post-validation check
+    # zb-h1 splits every backward: no whole B was measured, so B = I + W
+    assert d["B"] == pytest.approx([i + w for i, w in zip(d["I"], d["W"], strict=True)])
+    # the per-step prediction, the pooled one and the replay (each action its own time)
+    for key in ("simulated_bubble_pooled", "simulated_bubble_replay"):
+        assert 0 < s[key] < 1, key
     assert all(0 < v <= 1.05 for v in s["cpu_share"].values())
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     computes = [e for e in trace if e["ph"] == "X"]

@@ -21,6 +21,7 @@ ranks (the suite's time budget): 2 steps, pp=2, the tiny model.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -30,7 +31,10 @@ from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.pipeline.check import check
 from plait.parallel.pipeline.lower import lower, speculative_prefix
+from plait.parallel.pipeline.measure import pipeline_report
+from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
+from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.plan.eager import eager_memory_by_rank
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train import loop
@@ -253,7 +257,7 @@ def test_time_between_steps_as_measured():
     from plait.parallel.pipeline.records import between_per_rank
 
     def rank(t0, t1):  # one compute filling the step's window
-        return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [])
+        return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [], [])
 
     steps = [[rank(0, 9), rank(1, 10)], [rank(10, 19), rank(11, 20)],
              [rank(21, 31), rank(23, 32)]]
@@ -265,12 +269,97 @@ def test_time_between_steps_as_measured():
     assert between_per_rank(steps, "barrier") == (1.0, 3.0)  # 20 -> 21, 20 -> 23
     assert between_per_rank(steps, "post_validation") == (2.0, 3.0)
     # from the last compute's end, not the runtime step's (its sends' waits are in it)
-    late = [rank(0, 9), (1, 12, [("F", 0, 0, 1, 10)], [(1, 0.0)], [])]
+    late = [rank(0, 9), (1, 12, [("F", 0, 0, 1, 10)], [(1, 0.0)], [], [])]
     assert between_steps([steps[0], late, steps[2]], "barrier") == 13.0  # 10 -> 23
 
     # measure.runtime_gap: a rank's own time before each compute that did not wait, less
     # the posts in between: 1 (step start -> F0) and 1.5 - 0.5 (F0 -> F1, a post) here;
     # F2 waited 3.5 for its input (over records._WAITED) and is left out
     computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
-    one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)])
+    one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)], [])
     assert runtime_gap([[one]]) == 1.0 and runtime_gap([]) == 0.0
+
+
+def test_the_check_window_in_the_records():
+    """records: the post-validation check's window at the cut is the simulator's
+    `check` (`check_per_rank`), not runtime work: `runtime_gap` leaves it out as it does
+    the posts, and `idle_breakdown` counts it apart (out of `between`, or `lead` when it
+    came before the first compute)."""
+    from plait.parallel.pipeline.records import check_per_rank, idle_breakdown, runtime_gap
+
+    computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
+    detail = [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)]
+    posts = [(4.2, 4.4, 0.1)]
+    # F0 -> F1: 1.5, less the post 0.2 and the check 0.8 (4.5 -> 5.3): 0.5; with 1 before
+    # F0, the gap is 0.75 (it was 1.15 with the check counted as runtime work)
+    checked = (0.0, 14.0, computes, detail, posts, [(4.5, 5.3)])
+    unchecked = (0.0, 14.0, computes, detail, posts, [])
+    assert runtime_gap([[checked]]) == pytest.approx(0.75)
+    assert runtime_gap([[unchecked]]) == pytest.approx(1.15)
+    # a check before the first compute (a cut at 0) comes out of the lead
+    early = (0.0, 14.0, computes, detail, posts, [(0.2, 0.7)])
+    assert runtime_gap([[early]]) == pytest.approx((0.5 + 1.3) / 2)
+    idle = idle_breakdown([checked])
+    assert idle["check"] == pytest.approx(0.8 / 13) and idle["between"] == pytest.approx(
+        idle_breakdown([unchecked])["between"] - 0.8 / 13)
+    assert sum(idle.values()) == pytest.approx(sum(idle_breakdown([unchecked]).values()))
+    lead = idle_breakdown([early])
+    assert lead["check"] == pytest.approx(0.5 / 13) and lead["lead"] == pytest.approx(0.5 / 13)
+    # per rank, the mean over the steps that had one; 0 for a rank that never checked
+    assert check_per_rank([[checked, unchecked], [early, unchecked]]) == pytest.approx(
+        (0.65, 0.0))
+    assert check_per_rank([]) == ()
+
+
+def _check_windows(rank: int, world: int) -> dict:
+    """zb-v at pp=2 run by the runtime alone for four steps: no check in the first, then
+    a check that passes, one that fails (the step runs again), one that passes."""
+    cfg = config(LAYERS, "parallel.pp=2", "parallel.schedule=zb-v",
+                 "parallel.microbatches=4").check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    pipe = build_pipeline(cfg, mesh.coord("pp"), torch.float32)
+    mbs, t = cfg.micro_batch_size(), cfg.train
+    rt = PipelineRuntime(pipe.schedule, pipe.stages, mesh, (mbs, t.seq_len, cfg.model.dim),
+                         torch.float32)
+    tokens = batches_for(cfg).local_batch(0, 0, 1)
+    micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(cfg.microbatches())]
+    called: list[float] = []
+
+    def check(fails: bool):
+        def at_cut() -> bool:
+            called.append(time.perf_counter())  # inside the window the runtime records
+            return fails
+        return at_cut
+
+    for verdict in (None, False, True, False):
+        rt.step(micro, t.global_batch * t.seq_len, None if verdict is None else check(verdict))
+    report = pipeline_report(rt, pipe.partition, mesh, "post_validation")["summary"]
+    before = sum(not a.is_comm for a in rt.actions[:rt.cut])  # computes before the cut
+    return {"checks": rt.steps_check, "events": rt.steps_events, "before": before,
+            "restarts": rt.steps_restarts, "called": called, "report": report}
+
+
+def test_the_runtime_records_the_check_window_at_the_cut():
+    """`PipelineRuntime.steps_check`: each step's check, [(start, end)] around the
+    validate call, between the computes before the rank's cut and those after it; a step
+    whose check failed ran again after it; no window without a check. The pipeline
+    report measures it per rank (`check_per_rank_ms`) and counts it as idle apart."""
+    _before_fork()
+    outs = run_ranks(_check_windows, 2)
+    for rank, out in enumerate(outs):
+        checks, events, n, called = out["checks"], out["events"], out["before"], out["called"]
+        assert checks[0] == [] and [len(c) for c in checks[1:]] == [1, 1, 1]
+        assert out["restarts"] == [0, 0, 1, 0]
+        for step, at in zip((1, 2, 3), called, strict=True):
+            (a, b), = checks[step]
+            assert a <= at <= b
+            if step == 2:  # failed: the step ran again from its first action
+                assert events[step][0][3] >= b
+            else:
+                assert n > 0 and events[step][n - 1][4] <= a and b <= events[step][n][3]
+        rep = out["report"]
+        assert rep == outs[0]["report"]  # gathered: the same on every rank
+        windows = [b - a for c in checks for a, b in c]
+        assert rep["check_per_rank_ms"][rank] == pytest.approx(1e3 * sum(windows) / 3)
+        assert rep["idle"]["check"] > 0
+        assert abs(sum(rep["idle"].values()) - rep["measured_bubble"]) < 1e-9

@@ -316,6 +316,54 @@ def test_runtime_gap_before_each_compute():
             simulate(sched, d).bubble_fraction
 
 
+def test_a_whole_backward_of_its_own():
+    """`Durations.backward_per_stage`: B takes its own time, not I + W (one autograd pass
+    costs less than the split's two; dualpipev runs both). 1f1b p=2 m=1: F0 [0,1], F1
+    [1,2], B1 [2,3.5], B0 [3.5,5] with B = 1.5 instead of I + W = 2; I and W unchanged."""
+    s = build_schedule("1f1b", 2, 1)
+    res = simulate(s, replace(EQUAL, backward_per_stage=(1.5, 1.5)))
+    assert [e[3:] for e in res.events[1]] == [(1.0, 2.0), (2.0, 3.5)]
+    assert res.events[0][1][3:] == (3.5, 5.0) and res.busy_per_rank == [2.5, 2.5]
+    assert replace(EQUAL, backward_per_stage=(1.5, 1.5)).of("I", 0) == 1.0
+    assert simulate(s, replace(EQUAL, backward_per_stage=(2.0, 2.0))) == simulate(s, EQUAL)
+    assert closed_form_bubble("1f1b", 2, 1, 1, replace(EQUAL, backward_per_stage=(1.5,) * 2)) \
+        is None
+    with pytest.raises(ValueError, match="backward_per_stage has 1 entries"):
+        simulate(s, replace(EQUAL, backward_per_stage=(1.5,)))
+
+
+def test_each_action_its_own_duration():
+    """`Durations.per_action` (the report's replay of a measured step): the named actions
+    take their own time, the rest the per-stage one. gpipe p=2 m=2, F0.1 takes 3: rank 0
+    F0.0 [0,1] F0.1 [1,4]; rank 1's F1.1 waits for it, [4,5]; B1.1 [5,7]."""
+    s = build_schedule("gpipe", 2, 2)
+    res = simulate(s, replace(EQUAL, per_action={("F", 0, 1): 3.0}))
+    assert [e[3:] for e in res.events[0][:2]] == [(0.0, 1.0), (1.0, 4.0)]
+    assert [e[3:] for e in res.events[1][1:3]] == [(4.0, 5.0), (5.0, 7.0)]
+    assert simulate(s, replace(EQUAL, per_action={("F", 0, 1): 1.0})) == simulate(s, EQUAL)
+    two = simulate(s, replace(EQUAL, per_action={("F", 0, 1): 3.0}), steps=2)
+    assert [e[4] - e[3] for e in two.events[0][4:6]] == [1.0, 3.0]  # every step alike
+    with pytest.raises(ValueError, match=">= 0"):
+        simulate(s, replace(EQUAL, per_action={("F", 0, 1): -1.0}))
+
+
+def test_measured_durations_keep_a_whole_backward_apart():
+    """measure.measured_durations: a stage that ran B and I + W (dualpipev) gets each its
+    own mean; one that ran only B, I = W = B / 2; one that never ran B, B = I + W."""
+    from plait.parallel.pipeline.measure import measured_durations
+
+    evs = [("F", 0, 0, 0.0, 1.0), ("B", 0, 0, 1.0, 2.5), ("F", 0, 1, 2.5, 3.5),
+           ("I", 0, 1, 3.5, 4.5), ("W", 0, 1, 4.5, 5.5),
+           ("F", 1, 0, 0.0, 1.0), ("B", 1, 0, 1.0, 2.0),
+           ("F", 2, 0, 0.0, 1.0), ("I", 2, 0, 1.0, 2.25), ("W", 2, 0, 2.25, 3.0)]
+    step = [(0.0, 6.0, evs, [(e[3], 0.0) for e in evs], [], [])]
+    sched = Schedule("x", 1, 2, 3, 3, [0, 0, 0], [[]])
+    d = measured_durations([step], sched)
+    assert d.backward_input_per_stage == (1.0, 0.5, 1.25)
+    assert d.backward_weight_per_stage == (1.0, 0.5, 0.75)
+    assert d.backward_per_stage == (1.5, 1.0, 2.0)
+
+
 def test_per_stage_durations():
     s = build_schedule("gpipe", 3, 4)
     same = Durations(

@@ -165,3 +165,62 @@ def test_planner_uses_the_steady_state_under_post_validation():
     assert bar["step"] == 16 * 3 + 3 and bar["bubble"] > 0  # the fill triangle (p-1) T_F
     assert post["optimizer_sync"] == "post_validation" and "steady state" in post["source"]
     assert (post["step"], post["bubble"]) == (48.0, 0.0)
+
+
+def test_the_check_at_each_rank_cut():
+    """Post-validation's check (`Durations.check`, measured by records.check_per_rank) is
+    laid out at each rank's cut (lower.speculative_prefix), from the second step on, idle.
+    zb-h2, p=2, m=3 as above: rank 0's cut follows its two forwards (F0.2's receive of
+    the first gradient is past it), rank 1's its first forward. Check 0.5: rank 0 runs
+    step 2's F0 at 9, F1 at 10, checks at 11, F2 at 11.5; rank 1 runs F0 at 10 (rank 0's
+    F0 ends then), checks at 11, I0 at 11.5, F1 at 12.5 (its input was there at 11)."""
+    s = build_schedule("zb-h2", 2, 3)
+    plain = simulate(s, UNIT, steps=3, optimizer_sync="post_validation")
+    post = simulate(s, replace(UNIT, check=0.5), steps=3, optimizer_sync="post_validation")
+    assert post.events[0][:9] == plain.events[0][:9]  # step 1 has no check
+    assert [e[3] for e in post.events[0][9:12]] == [9.0, 10.0, 11.5]
+    assert [e[3] for e in post.events[1][9:12]] == [10.0, 11.5, 12.5]
+    assert post.busy_per_rank == plain.busy_per_rank  # idle, not busy
+    assert post.step_ends == [10.0, 19.5, 29.0] and post.steady_step_time == 9.5
+    # per rank: only rank 1 checks for long, only its actions after the cut move
+    own = simulate(s, replace(UNIT, check_per_rank=(0.0, 0.5)), steps=3,
+                   optimizer_sync="post_validation")
+    assert [e[3] for e in own.events[0][9:12]] == [9.0, 10.0, 11.0]
+    assert [e[3] for e in own.events[1][9:12]] == [10.0, 11.5, 12.5]
+    # the barrier has no check; one step neither
+    assert simulate(s, replace(UNIT, check=0.5), steps=3) == simulate(s, UNIT, steps=3)
+    assert simulate(s, replace(UNIT, check=0.5)) == simulate(s, UNIT)
+    # with posts: rank 0's cut falls inside the run (SEND_F0.1, RECV_B0.0), which the
+    # runtime then posts as two batches: F0.1 ends at 12.5, post, check, post: F2 at 13.5
+    posted = simulate(s, replace(UNIT, check=0.5, post=0.25), steps=3,
+                      optimizer_sync="post_validation")
+    assert [e[3] for e in posted.events[0][9:12]] == [10.25, 11.5, 13.5]
+    with pytest.raises(ValueError, match="check_per_rank has 3 entries"):
+        simulate(s, replace(UNIT, check_per_rank=(0.0, 0.1, 0.2)), steps=3)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_check_time_zero_is_the_lay_out_without_it(name):
+    """check = 0 inserts nothing: every figure and event to the bit; a positive check
+    never shortens a step, and the first step is unchanged."""
+    s = build_schedule(name, 4, 8, natural_virtual_stages(name, None))
+    d = Durations(1.0, 1.3, 0.7, 0.11, post=0.05, gap=0.02, between=0.3)
+    base = simulate(s, d, steps=3, optimizer_sync="post_validation")
+    assert simulate(s, replace(d, check=0.0, check_per_rank=(0.0,) * 4), steps=3,
+                    optimizer_sync="post_validation") == base
+    more = simulate(s, replace(d, check=0.4), steps=3, optimizer_sync="post_validation")
+    assert more.step_ends[0] == base.step_ends[0] and more.steady_step_time >= \
+        base.steady_step_time
+    assert [len(e) for e in more.events] == [len(e) for e in base.events]
+
+
+def test_cli_check(capsys):
+    assert main(["simulate", "--schedule", "zb-h2", "--pp", "2", "--microbatches", "3",
+                 "--steps", "3", "--optimizer-sync", "post_validation", "--check", "0.5",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["durations"]["check"] == 0.5
+    assert doc["steps"]["step_ends"] == [10.0, 19.5, 29.0]
+    assert doc["steps"]["steady_step_time"] == 9.5
+    assert main(["simulate", "--check", "-1"]) == 2
+    assert "--check -1.0 is a duration" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 `ReplicatedOptimizer` is the GradSyncOptimizer (plait/parallel/optimizer.py) for zero = 0;
 `TwoCopyOptimizer` is its DualPipe variant, where each rank holds two copies of some
-blocks whose gradients must be summed before the norm and the update. Also here: the
+blocks whose gradients must be summed (`sum_copy_gradients`, a swap with the mirror rank)
+before the norm and the update. Also here: the
 global grad norm over whole (or tp-split) parameters, which both use.
 """
 
@@ -20,8 +21,32 @@ from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import reduce_dim
 from plait.parallel.pipeline.ir import Schedule
-from plait.parallel.pipeline.runtime import sum_copy_gradients
 from plait.placement import PlacementTable
+
+
+def sum_copy_gradients(stages: dict[int, nn.Module], schedule: Schedule, mesh: ParallelMesh,
+                       dim: str = "pp") -> None:
+    """DualPipe holds block j on rank j (copy 0) and on rank p-1-j (copy 1); both copies
+    must step with the sum of their gradients. Each rank swaps its flat gradients with its
+    mirror rank (ledgered send/recv) and adds: the blocks line up once sorted by block."""
+    if schedule.num_chains == 1:
+        return
+    me = mesh.coord(dim)
+    mirror = mesh.group_ranks[dim][schedule.pp - 1 - me]
+    order = sorted(stages, key=schedule.model_stage)
+    params = [p for s in order for p in stages[s].parameters()]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    theirs = torch.empty_like(flat)
+    for h in comm.batch_send_recv([(flat, mirror)], [(theirs, mirror)], mesh, dim,
+                                  tag="pp_copies"):
+        h.wait()
+    flat += theirs
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
 
 
 def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,

@@ -66,7 +66,8 @@ def write_pipeline_outputs(report: dict) -> None:
           f"ms); simulated for the measured durations {s['simulated_bubble']:.1%} (span "
           f"{s['simulated_span'] * 1e3:.1f} ms); without the runtime's gap "
           f"{s['simulated_bubble_no_gap']:.1%}, without transfer costs or gap "
-          f"{s['simulated_bubble_no_comm']:.1%}, with CPU times {s['simulated_bubble_cpu']:.1%}")
+          f"{s['simulated_bubble_no_comm']:.1%}, with CPU times {s['simulated_bubble_cpu']:.1%}"
+          f", replayed (each action its own duration) {s['simulated_bubble_replay']:.1%}")
     d = s["durations_ms"]
     print("  durations used, ms per stage: " + "; ".join(
         f"{k} " + " ".join(f"{x:.2f}" for x in d[k]) for k in ("F", "I", "W"))
@@ -79,7 +80,8 @@ def write_pipeline_outputs(report: dict) -> None:
     if "steady_bubble" in s:  # consecutive steps (measure.steady_state)
         print(f"  across steps: steady bubble {s['steady_bubble']:.1%} (simulated "
               f"{s['simulated_steady_bubble']:.1%}, {s['optimizer_sync']}, "
-              f"{s['between_ms']:.1f} ms between steps), period "
+              f"{s['between_ms']:.1f} ms between steps, the check at each rank's cut "
+              + "/".join(f"{x:.1f}" for x in s["check_per_rank_ms"]) + " ms), period "
               f"{s['steady_period_ms']:.1f} ms, next step's first compute "
               f"{s['step_overlap_ms']:+.1f} ms before the last one's end; steps run "
               f"again after a failed post-validation check: {s['restarts']}")

@@ -2,14 +2,15 @@
 
     plait simulate --schedule zb-v --pp 4 --microbatches 8 [--virtual-stages 2]
         [--forward 1 --backward-input 1 --backward-weight 1 --p2p 0]
-        [--steps K --optimizer-sync barrier|post_validation]
+        [--steps K --optimizer-sync barrier|post_validation [--check T]]
         [--png out.png] [--trace out.json] [--save sched.txt] [--load sched.txt]
         [--show] [--json]
 
 --steps K lays out K consecutive steps: with the barrier (the default) every rank starts a
 step when the last has finished the one before; with post_validation (Qi et al. 2023,
-section 4) each rank starts as soon as its own previous step is done. The steady state is
-steps 2..K.
+section 4) each rank starts as soon as its own previous step is done, and from the second step on
+spends --check (default 0) at its cut, the end of its forward-only prefix, where the
+previous step's update is checked. The steady state is steps 2..K.
 
 Exit status: 0 ok, 2 when the request is impossible or the schedule fails a check.
 """
@@ -79,6 +80,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--optimizer-sync", choices=OPTIMIZER_SYNCS, default="barrier",
                     help="between steps: barrier (every rank waits for the last; default) "
                     "or post_validation (a rank goes on when its own step is done)")
+    sp.add_argument("--check", type=float, default=0.0,
+                    help="post_validation: a rank's time checking the previous step's "
+                    "update at its cut, from the second step on (default 0)")
     sp.add_argument("--png", help="draw the timeline to this PNG (needs matplotlib)")
     sp.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     sp.add_argument("--save", help="write the lowered schedule as text")
@@ -122,7 +126,8 @@ def input_problems(args: argparse.Namespace) -> list[str]:
                             f"out (at most {MAX_ACTIONS:,} actions); use fewer micro-batches"
                             + (" or steps" if k > 1 else ""))
     for flag, value in (("--forward", args.forward), ("--backward-input", args.backward_input),
-                        ("--backward-weight", args.backward_weight), ("--p2p", args.p2p)):
+                        ("--backward-weight", args.backward_weight), ("--p2p", args.p2p),
+                        ("--check", args.check)):
         if not math.isfinite(value) or value < 0:
             problems.append(f"{flag} {value} is a duration: use a finite number >= 0")
     if args.forward == 0 and args.backward_input == 0 and args.backward_weight == 0:
@@ -215,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     if not problems and lowered is None and args.save:  # the lowering written is checked
         lowered = lower(compute_only)
         problems = check(lowered)
-    d = Durations(args.forward, args.backward_input, args.backward_weight, args.p2p)
+    d = Durations(args.forward, args.backward_input, args.backward_weight, args.p2p,
+                  check=args.check)
     res = None
     draw = bool(args.trace or args.png)  # only drawings read the events
     if not problems and layout and layout[0] == d and args.steps == 1:
@@ -252,7 +258,8 @@ def _summary(schedule: Schedule, res, d: Durations) -> dict:
     summary = {
         "schedule": name, "pp": p, "microbatches": m, "virtual_stages": v,
         "durations": {"forward": d.forward, "backward_input": d.backward_input,
-                      "backward_weight": d.backward_weight, "p2p": d.p2p},
+                      "backward_weight": d.backward_weight, "p2p": d.p2p,
+                      "check": d.check},
         "step_time": res.step_time,
         "bubble_fraction": res.bubble_fraction,
         "closed_form_bubble": closed_form_bubble(name, p, m, v, d),
@@ -290,6 +297,8 @@ def _print_table(s: dict) -> None:
     if "steps" in s:
         k = s["steps"]
         rows.append(("steps / between them", f"{k['steps']} / {k['optimizer_sync']}"))
+        if dd["check"] and k["optimizer_sync"] == "post_validation":
+            rows.append(("check at each rank's cut (steps 2..K)", f"{dd['check']:g}"))
         if k["steady_step_time"] is None:
             rows.append(("steady state", "needs --steps 2 or more (it is steps 2..K)"))
         else:

@@ -131,3 +131,21 @@ def speculative_prefix(schedule: Schedule) -> list[int]:
                 elif len(recvs) > len(sends):
                     cut[b], changed = recvs[len(sends)], True
     return cut
+
+
+def cut_positions(schedule: Schedule) -> list[tuple[int, int, bool] | None]:
+    """Per rank, where the runtime checks post-validation (at its `speculative_prefix`
+    cut, from the second step on): (compute actions before the cut, runs of consecutive
+    transfers that start before it, whether the cut splits a run: the runtime then posts
+    it as two batches); None where the cut is the list's end (never reached). For the
+    simulator's queues; `schedule` is lowered first if it is not."""
+    lowered = schedule if schedule.lowered else lower(schedule)
+    out: list[tuple[int, int, bool] | None] = []
+    for acts, cut in zip(lowered.actions, speculative_prefix(lowered), strict=True):
+        if cut >= len(acts):
+            out.append(None)
+            continue
+        comm = [a.is_comm for a in acts[:cut + 1]]
+        runs = sum(c and (k == 0 or not comm[k - 1]) for k, c in enumerate(comm[:cut]))
+        out.append((comm[:cut].count(False), runs, cut > 0 and comm[cut - 1] and comm[cut]))
+    return out

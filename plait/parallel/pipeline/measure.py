@@ -15,7 +15,9 @@ input; and its thread CPU time. After training the records are gathered over the
     waited and a bound where it did not (`p2p_median`): what the simulator adds to a
     cross-rank dependency; `post`, the mean time a rank spent posting one batch of
     transfers; `gap`, the mean time a rank spent before a compute that did not wait for
-    its input, less the posts (`runtime_gap`): the runtime's own work between computes;
+    its input, less the posts and the check (`runtime_gap`): the runtime's own work
+    between computes; `check`, per rank the mean window of post-validation's check at
+    its cut (`check_per_rank`), which the simulator lays out there from the second step;
   * the CPU share of compute wall time (thread CPU / wall): below 1 when ranks outnumber
     cores and the OS time-slices them, which inflates every duration;
   * a Chrome trace and a PNG timeline of the last step, one row per rank.
@@ -41,6 +43,7 @@ from plait.parallel.pipeline.records import (
     Rank,
     between_per_rank,
     between_steps,
+    check_per_rank,
     idle_breakdown,
     p2p_median,
     p2p_samples,
@@ -56,13 +59,15 @@ _KINDS = ("F", "B", "I", "W")
 
 
 def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Rank]]:
-    """Per step, per pp rank: (step start, step end, compute events, their details, posts)."""
+    """Per step, per pp rank: (step start, step end, compute events, their details, posts,
+    the check's window)."""
     rows = []
-    for step, (events, detail, posts, (t0, t1)) in enumerate(zip(
+    for step, (events, detail, posts, (t0, t1), checks) in enumerate(zip(
             runtime.steps_events, runtime.steps_detail, runtime.steps_posts,
-            runtime.steps_window, strict=True)):
+            runtime.steps_window, runtime.steps_check, strict=True)):
         rows.append([step, -1, -1, -1, t0, t1, 0.0, 0.0])  # kind -1 marks the step window
         rows += [[step, -2, -1, -1, a, b, 0.0, c] for a, b, c in posts]  # -2: a post
+        rows += [[step, -3, -1, -1, a, b, 0.0, 0.0] for a, b in checks]  # -3: the check
         rows += [[step, _KINDS.index(k), s, mb, a, b, w, c]
                  for (k, s, mb, a, b), (w, c) in zip(events, detail, strict=True)]
     dev = mesh.device.torch  # NCCL gathers device tensors
@@ -78,18 +83,20 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
         every = torch.empty(n * width, 8, dtype=torch.float64, device=dev)
         comm.all_gather(every, padded, mesh, "pp", tag="timeline")
     steps = len(runtime.steps_events)
-    out: list[list[Rank]] = [[(0.0, 0.0, [], [], []) for _ in range(n)]
+    out: list[list[Rank]] = [[(0.0, 0.0, [], [], [], []) for _ in range(n)]
                              for _ in range(steps)]
     for r in range(n):
         for row in every[r * width:(r + 1) * width].tolist():
             if row[0] != row[0]:  # padding (nan)
                 continue
             step, kind, s, mb, a, b, w, c = row
-            t0, t1, evs, det, posts = out[int(step)][r]
+            t0, t1, evs, det, posts, checks = out[int(step)][r]
             if kind == -1:
-                out[int(step)][r] = (a, b, evs, det, posts)
+                out[int(step)][r] = (a, b, evs, det, posts, checks)
             elif kind == -2:
                 posts.append((a, b, c))
+            elif kind == -3:
+                checks.append((a, b))
             else:
                 evs.append((_KINDS[int(kind)], int(s), int(mb), a, b))
                 det.append((w, c))
@@ -98,25 +105,27 @@ def gather_events(runtime: PipelineRuntime, mesh: ParallelMesh) -> list[list[Ran
 
 def measured_durations(steps: list[list[Rank]], schedule: Schedule, p2p: float = 0.0,
                        post: float = 0.0, gap: float = 0.0) -> Durations:
-    """Mean F, I, W per stage (a stage that only ran B gets I = W = B / 2), `p2p`, `post`,
-    `gap`."""
+    """Mean F, I, W and B per stage (a stage that only ran B gets I = W = B / 2; one that
+    never ran B, B = I + W: dualpipev runs both, and one autograd pass costs less than
+    the split's two), `p2p`, `post`, `gap`."""
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for per_rank in steps:
         for r in per_rank:
             for k, s, _, a, b in r[2]:
                 times[k, s].append(b - a)
-    f, i, w = [], [], []
+    f, i, w, whole = [], [], [], []
     for s in range(schedule.num_stages):
         f.append(mean(times["F", s]) if times["F", s] else 0.0)
+        b = mean(times["B", s]) if times["B", s] else None
         if times["I", s] and times["W", s]:
             i.append(mean(times["I", s]))
             w.append(mean(times["W", s]))
         else:
-            b = mean(times["B", s]) if times["B", s] else 0.0
-            i.append(b / 2)
-            w.append(b / 2)
+            i.append((b or 0.0) / 2)
+            w.append((b or 0.0) / 2)
+        whole.append(i[-1] + w[-1] if b is None else b)
     return Durations(mean(f), mean(i), mean(w), p2p, tuple(f), tuple(i), tuple(w), post,
-                     gap=gap)
+                     gap=gap, backward_per_stage=tuple(whole))
 
 
 def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: ParallelMesh,
@@ -124,14 +133,17 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     """Measured vs simulated bubble; `events` (last step, seconds from its start) for the
     pictures. Every pp rank returns the same report. Summary keys:
       measured_bubble, measured_span    mean over the measured steps
-      simulated_bubble, simulated_span  simulate() for `durations_ms` (per-stage F, I, W,
-                                        the measured p2p, post and gap): the prediction
-      simulated_bubble_no_gap           the same with gap = 0 (`runtime_gap`'s share)
+      simulated_bubble, simulated_span  simulate() of each step's own per-stage F, I, W, B,
+                                        the measured p2p, post, gap; mean over the steps
+      simulated_bubble_pooled           one simulate() of `durations_ms` (all steps' means)
+      simulated_bubble_no_gap           the same per step with gap = 0 (`runtime_gap`'s)
       simulated_bubble_no_comm          the same with p2p = post = gap = 0: the
                                         schedule's own bubble for these compute durations
       simulated_bubble_cpu              each action's thread CPU time instead of its wall
                                         time, p2p = post = 0: as if every rank had its own
                                         core and transfers were free
+      simulated_bubble_replay           each action its own measured duration: nothing
+                                        averaged, the model's rules alone
       idle                              where the measured idle went (`idle_breakdown`)
       cpu_share                         thread CPU / wall over the computes, per kind
       steady_bubble, steady_period_ms,  across consecutive steps (`steady_state`; 3
@@ -141,7 +153,8 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
       simulated_steady_bubble,          simulate() over as many steps, `optimizer_sync`
       simulated_steady_period_ms,       as the run's, with the measured durations and
       between_ms, between_per_rank_ms   `between` (`between_steps`) and each rank's
-                                        (`between_per_rank`): the prediction
+                                        (`between_per_rank`), and each rank's check at
+      check_per_rank_ms                 its cut (`check_per_rank`): the prediction
       restarts                          steps whose speculative prefix was run again
                                         (post-validation's failed checks), this rank
       recompute                         per pp rank, the forwards run again inside its
@@ -156,14 +169,9 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
     posts = [b - a for per_rank in used for r in per_rank for a, b, _ in r[4]]
     post_cpu = [c for per_rank in used for r in per_rank for _, _, c in r[4]]
     post = mean(posts) if posts else 0.0
-    durations = measured_durations(used, sched, p2p, post, runtime_gap(used))
-    sim = simulate(sched, durations)
-    no_gap = simulate(sched, replace(durations, gap=0.0))
-    ideal = simulate(sched, replace(durations, p2p=0.0, post=0.0, gap=0.0))
-    cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
-                            zip(evs, det, strict=True)], det, ps)
-                  for t0, t1, evs, det, ps in per_rank] for per_rank in used]
-    cpu_sim = simulate(sched, measured_durations(cpu_steps, sched))
+    gap = runtime_gap(used)
+    durations = measured_durations(used, sched, p2p, post, gap)
+    sim = simulate(sched, durations)  # the pooled durations: the timeline drawn
     last = steps[-1]
     origin = min(r[0] for r in last)
     events = [[(k, s, mb, a - origin, b - origin) for k, s, mb, a, b in r[2]] for r in last]
@@ -174,17 +182,15 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
         "schedule": sched.name, "pp": sched.pp, "microbatches": sched.microbatches,
         "virtual_stages": sched.virtual_stages, "partition": partition.describe(),
         "measured_bubble": mean(b for b, _ in bubbles),
-        "simulated_bubble": sim.bubble_fraction,
-        "simulated_bubble_no_comm": ideal.bubble_fraction,
-        "simulated_bubble_no_gap": no_gap.bubble_fraction,
-        "simulated_bubble_cpu": cpu_sim.bubble_fraction,
         "measured_span": mean(s for _, s in bubbles),
-        "simulated_span": sim.step_time,
+        **_simulated(used, sched, p2p, post, gap),
+        "simulated_bubble_pooled": sim.bubble_fraction,
         "mean_ms": {k: 1e3 * mean(v) for k, v in sorted(by_kind.items())},
         "durations_ms": {
             "F": ms,
             "I": [1e3 * x for x in (durations.backward_input_per_stage or ())],
             "W": [1e3 * x for x in (durations.backward_weight_per_stage or ())],
+            "B": [1e3 * x for x in (durations.backward_per_stage or ())],
             "p2p": 1e3 * p2p, "p2p_samples": len(samples),
             "p2p_waited": sum(exact for _, exact in samples), "post": 1e3 * post,
             "gap": 1e3 * durations.gap,
@@ -201,12 +207,40 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
             "recompute_events": redone}
 
 
+def _simulated(used: list[list[Rank]], schedule: Schedule, p2p: float, post: float,
+               gap: float) -> dict[str, float]:
+    """The summary's one-step predictions, like for like with the measured bubble, a mean
+    over the steps: each step simulated from its own per-stage mean durations (a step
+    slowed by load is not averaged into the others), with and without the gap, the
+    transfers, from CPU times; and replayed, each action its own measured duration."""
+    cpu_steps = [[(t0, t1, [(k, s, mb, a, a + c) for (k, s, mb, a, _), (_, c) in
+                            zip(evs, det, strict=True)], det, ps, cs)
+                  for t0, t1, evs, det, ps, cs in per_rank] for per_rank in used]
+
+    def per_step(steps: list[list[Rank]], p2p: float, post: float, gap: float,
+                 replay: bool = False) -> list[SimResult]:
+        return [simulate(schedule, replace(
+            measured_durations([s], schedule, p2p, post, gap), per_action={
+                (k, st, mb): b - a for r in s for k, st, mb, a, b in r[2]} if replay
+            else None), events=False) for s in steps]
+
+    sims = per_step(used, p2p, post, gap)
+    out = {"simulated_bubble": mean(x.bubble_fraction for x in sims),
+           "simulated_span": mean(x.step_time for x in sims)}
+    for key, runs in (("no_gap", per_step(used, p2p, post, 0.0)),
+                      ("no_comm", per_step(used, 0.0, 0.0, 0.0)),
+                      ("cpu", per_step(cpu_steps, 0.0, 0.0, 0.0)),
+                      ("replay", per_step(used, p2p, post, gap, replay=True))):
+        out[f"simulated_bubble_{key}"] = mean(x.bubble_fraction for x in runs)
+    return out
+
+
 def _wall_and_cpu_by_kind(used: list[list[Rank]]) -> tuple[dict, dict]:
     """Each compute's wall and thread CPU seconds, by kind."""
     by_kind: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
     for per_rank in used:
-        for _, _, evs, det, _ in per_rank:
+        for _, _, evs, det, *_ in per_rank:
             for (k, _, _, a, b), (_, c) in zip(evs, det, strict=True):
                 by_kind[k].append(b - a)
                 cpu[k].append(c)
@@ -222,16 +256,17 @@ def _across_steps(steps: list[list[Rank]], runtime: PipelineRuntime, durations: 
     if steady is None:
         return {}
     gap, per_rank = between_steps(steps, optimizer_sync), between_per_rank(steps, optimizer_sync)
-    across = simulate(runtime.schedule, replace(durations, between=gap,
-                                                between_per_rank=per_rank), len(steps),
-                      optimizer_sync)
+    checks = check_per_rank(steps)
+    across = simulate(runtime.schedule, replace(
+        durations, between=gap, between_per_rank=per_rank, check=mean(checks),
+        check_per_rank=checks), len(steps), optimizer_sync)
     return {"steady_bubble": steady[0], "steady_period_ms": 1e3 * steady[1],
             "step_overlap_ms": 1e3 * steady[2], "restarts": sum(runtime.steps_restarts),
             "step_periods_ms": [1e3 * x for x in step_periods(steps)],
             "simulated_steady_bubble": across.steady_bubble_fraction,
             "simulated_steady_period_ms": 1e3 * across.steady_step_time,
             "between_ms": 1e3 * gap, "between_per_rank_ms": [1e3 * x for x in per_rank],
-            "optimizer_sync": optimizer_sync}
+            "check_per_rank_ms": [1e3 * x for x in checks], "optimizer_sync": optimizer_sync}
 
 
 def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int

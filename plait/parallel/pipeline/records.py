@@ -5,7 +5,8 @@ compute: what `measure.pipeline_report` compares with, and feeds to, `simulate()
 
 A rank's record of one step (`Rank`): its runtime step's start and end, its compute events
 (kind, stage, micro-batch, start, end), per compute (when it began waiting for its input,
-thread CPU seconds), and each post of a batch of transfers (start, end, thread CPU), all
+thread CPU seconds), each post of a batch of transfers (start, end, thread CPU), and the
+window (start, end) of the post-validation check at its cut, where the step had one, all
 seconds on the ranks' one clock.
 """
 
@@ -23,8 +24,10 @@ from plait.parallel.pipeline.runtime import Detail, Event
 # p2p read 61 ms against a true 1 ms; docs/performance.md). A real wait at pp = 2 there
 # was 9-244 ms. One millisecond between the two; a shorter real wait is then a bound.
 _WAITED = 1e-3
-# step start, step end, compute events, their details, (start, end, CPU) of each post
-Rank = tuple[float, float, list[Event], list[Detail], list[tuple[float, float, float]]]
+# step start, step end, compute events, their details, (start, end, CPU) of each post,
+# (start, end) of the check at the cut (post-validation; none, or one)
+Rank = tuple[float, float, list[Event], list[Detail], list[tuple[float, float, float]],
+             list[tuple[float, float]]]
 
 
 def step_bubble(per_rank: list[Rank]) -> tuple[float, float]:
@@ -104,13 +107,14 @@ def between_per_rank(steps: list[list[Rank]], optimizer_sync: str) -> tuple[floa
 def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
     `wait` for an input to arrive, `between` computes doing runtime work (posting and
-    reaping transfers, hooks, Python), `lead` before a rank's first compute, `tail` after
-    its last, until the step's last compute ends."""
+    reaping transfers, hooks, Python), `check`, post-validation's at the cut (out of
+    `lead` or `between`, wherever it fell), `lead` before a rank's first compute, `tail`
+    after its last, until the step's last compute ends."""
     start = min(r[0] for r in per_rank)
     end = max(max((e[4] for e in r[2]), default=r[0]) for r in per_rank)
     total = len(per_rank) * (end - start)
-    out = dict.fromkeys(("wait", "between", "lead", "tail"), 0.0)
-    for _, _, evs, det, _ in per_rank:
+    out = dict.fromkeys(("wait", "between", "check", "lead", "tail"), 0.0)
+    for _, _, evs, det, _, checks in per_rank:
         if not evs:
             out["lead"] += end - start
             continue
@@ -120,6 +124,9 @@ def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
         out["between"] += sum(evs[k + 1][3] - waits[k + 1] - evs[k][4]
                               for k in range(len(evs) - 1))
         out["tail"] += end - evs[-1][4]
+        for a, b in checks:  # before the first compute's wait began: in the lead
+            out["check"] += b - a
+            out["lead" if b <= evs[0][3] - waits[0] else "between"] -= b - a
     return {k: v / total for k, v in out.items()}
 
 
@@ -129,11 +136,11 @@ def p2p_samples(per_rank: list[Rank], schedule: Schedule) -> list[tuple[float, b
     consumer waited for it; otherwise only a bound: it arrived before the consumer began to
     wait (latency <= wait start - producer end)."""
     rank_of, end_of = schedule.stage_to_rank, {}
-    for _, _, evs, _, _ in per_rank:
+    for _, _, evs, *_ in per_rank:
         for k, s, mb, _, b in evs:
             end_of["G" if k in ("I", "B") else k, s, mb] = b
     out = []
-    for _, _, evs, det, _ in per_rank:
+    for _, _, evs, det, *_ in per_rank:
         for (k, s, mb, a, _), (w, _) in zip(evs, det, strict=True):
             src = (schedule.prev_stage(s) if k == "F" else
                    schedule.next_stage(s) if k in ("I", "B") else None)
@@ -169,21 +176,35 @@ def p2p_median(samples: list[tuple[float, bool]]) -> float:
 def runtime_gap(steps: list[list[Rank]]) -> float:
     """The simulator's `Durations.gap`, measured: a rank's own time before a compute that
     did not wait for its input (from its previous compute's end, or the step's start, to
-    its start, less the posts in between): the loop's Python, reaping sends, completing a
-    receive that had already arrived, and the time slices the OS took there. The mean over
-    every such compute of every rank, so that gap x computes is the idle it accounts for.
-    Computes that waited are left out: their runtime work overlapped the wait."""
+    its start, less the posts and the post-validation check in between: the simulator
+    lays those out itself, `Durations.post` and `.check`): the loop's Python, reaping
+    sends, completing a receive that had already arrived, and the time slices the OS took
+    there. The mean over every such compute of every rank, so that gap x computes is the
+    idle it accounts for. Computes that waited are left out: their runtime work
+    overlapped the wait."""
     gaps: list[float] = []
     for per_rank in steps:
-        for t0, _, evs, det, posts in per_rank:
-            k = 0  # posts are in time order, as computes are
+        for t0, _, evs, det, posts, checks in per_rank:
+            marks = sorted([(a, b) for a, b, _ in posts] + checks)  # in time order, as
+            k = 0  # computes are
             prev = t0
             for (_, _, _, a, b), (w, _) in zip(evs, det, strict=True):
-                posted = 0.0
-                while k < len(posts) and posts[k][0] < a:
-                    posted += posts[k][1] - posts[k][0]
+                own = 0.0
+                while k < len(marks) and marks[k][0] < a:
+                    own += marks[k][1] - marks[k][0]
                     k += 1
                 if a - w <= _WAITED:
-                    gaps.append(max(a - prev - posted, 0.0))
+                    gaps.append(max(a - prev - own, 0.0))
                 prev = b
     return mean(gaps) if gaps else 0.0
+
+
+def check_per_rank(steps: list[list[Rank]]) -> tuple[float, ...]:
+    """`Durations.check_per_rank`, measured: per rank, the mean window of the
+    post-validation check at its cut (the wait for the other stages' partials, dropping
+    the update's copy, zeroing the gradients) over the steps that had one; 0 for none."""
+    out = []
+    for r in range(len(steps[0]) if steps else 0):
+        windows = [b - a for per_rank in steps for a, b in per_rank[r][5]]
+        out.append(mean(windows) if windows else 0.0)
+    return tuple(out)

@@ -248,7 +248,7 @@ def build_schedule(
 
 def _uniform_and_free(d: Durations) -> bool:
     return not (d.p2p or d.post or d.gap or d.forward_per_stage or d.backward_input_per_stage
-                or d.backward_weight_per_stage)
+                or d.backward_weight_per_stage or d.backward_per_stage or d.per_action)
 
 
 def closed_form_bubble(

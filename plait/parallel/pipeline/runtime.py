@@ -48,8 +48,7 @@ from plait.parallel.pipeline.split import (
     backward_weight,
 )
 
-__all__ = ["OutputCapture", "PipelineRuntime", "backward_input", "backward_weight",
-           "sum_copy_gradients"]
+__all__ = ["OutputCapture", "PipelineRuntime", "backward_input", "backward_weight"]
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 # per compute, beside its Event: (when it began waiting for its input, thread CPU seconds).
@@ -115,6 +114,10 @@ class PipelineRuntime:
         self.steps_restarts: list[int] = []  # per step: runs of the step's prefix dropped
         self.steps_events: list[list[Event]] = []  # per step: this rank's computes
         self.steps_window: list[tuple[float, float]] = []  # per step: (start, end) on this rank
+        # per step: the post-validation check at the cut, [(start, end)] (perf_counter
+        # seconds, as the posts), or [] where the step had none (the first, the barrier,
+        # or its predecessor checked before it began)
+        self.steps_check: list[list[tuple[float, float]]] = []
         self.steps_detail: list[list[Detail]] = []  # per step, per compute: see `Detail`
         # per step: each post of a batch of transfers, (start, end, thread CPU seconds)
         self.steps_posts: list[list[tuple[float, float, float]]] = []
@@ -138,6 +141,7 @@ class PipelineRuntime:
         self._micro, self._ntok = micro, tokens_in_global_batch
         self._posts: list[tuple[float, float, float]] = []
         self._recomputes: list[tuple[int, int, object, object]] = []
+        self._check: list[tuple[float, float]] = []
         start = self.timer.mark()
         restarts = 0
         while (ran := self._run(validate))[0] is None:  # the check failed: run it again
@@ -172,9 +176,13 @@ class PipelineRuntime:
         cut = self.cut if validate is not None else -1
         i = 0
         while i < len(self.actions):
-            if i == cut and validate():
-                self._drain()
-                return None, []
+            if i == cut:  # the check: its window is idle time the runtime_gap leaves out
+                t0 = time.perf_counter()
+                failed = validate()
+                self._check.append((t0, time.perf_counter()))
+                if failed:
+                    self._drain()
+                    return None, []
             if self.actions[i].is_comm:
                 j = i + 1  # a batch of transfers ends at the cut
                 while j < len(self.actions) and self.actions[j].is_comm and j != cut:
@@ -214,6 +222,7 @@ class PipelineRuntime:
         self.steps_posts.append(self._posts)
         self.steps_recompute.append([(s, mb, sec(a), sec(b)) for s, mb, a, b in self._recomputes])
         self.steps_window.append((sec(start), end))
+        self.steps_check.append(self._check)
 
     def _post(self, actions: Sequence[Action]) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -371,30 +380,3 @@ class PipelineRuntime:
             stage.recompute = setting
         live.redo = None
         self._recomputes.append((s, mb, t0, self.timer.mark()))
-
-
-# ---- DualPipe: two copies of every block ----------------------------------------------
-
-def sum_copy_gradients(stages: dict[int, nn.Module], schedule: Schedule, mesh: ParallelMesh,
-                       dim: str = "pp") -> None:
-    """DualPipe holds block j on rank j (copy 0) and on rank p-1-j (copy 1); both copies
-    must step with the sum of their gradients. Each rank swaps its flat gradients with its
-    mirror rank (ledgered send/recv) and adds: the blocks line up once sorted by block."""
-    if schedule.num_chains == 1:
-        return
-    me = mesh.coord(dim)
-    mirror = mesh.group_ranks[dim][schedule.pp - 1 - me]
-    order = sorted(stages, key=schedule.model_stage)
-    params = [p for s in order for p in stages[s].parameters()]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    theirs = torch.empty_like(flat)
-    for h in comm.batch_send_recv([(flat, mirror)], [(theirs, mirror)], mesh, dim,
-                                  tag="pp_copies"):
-        h.wait()
-    flat += theirs
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n

@@ -11,14 +11,14 @@ An action starts when its rank is free *and* its input has arrived:
   I/B s, mb the gradient from I/B (s+1), mb   (+ p2p if on another rank); the last stage
             of a chain needs only its own F (the loss)
   W s, mb   its own I s, mb
-B takes T_I + T_W. Before each compute its rank spends `gap` on its own runtime work (the
-loop's Python, completing a receive that has already arrived; `records.runtime_gap`), idle,
-overlapping any wait for the input: start = max(rank free + gap, input there). A transfer
-is latency `p2p` on the link, counted from the producer's compute end: it does not occupy
-either rank (the runtime posts sends/receives asynchronously). Posting does cost the rank
-something: `post` is the time one batch of consecutive transfer actions of the lowered
-schedule keeps its rank from computing (the runtime's `batch_isend_irecv` call; on gloo
-under load ~1 ms, mostly blocked, not CPU).
+B takes T_I + T_W (or `backward_per_stage`). Before each compute its rank spends `gap` on
+its own runtime work (the loop's Python, completing a receive that has already arrived;
+`records.runtime_gap`), idle, overlapping any wait for the input: start = max(rank free +
+gap, input there). A transfer is latency `p2p` on the link, counted from the producer's
+compute end: it does not occupy either rank (the runtime posts sends/receives
+asynchronously). Posting does cost the rank something: `post` is the time one batch of
+consecutive transfer actions of the lowered schedule keeps its rank from computing (the
+runtime's `batch_isend_irecv` call; on gloo under load ~1 ms, mostly blocked, not CPU).
 With post = 0 (the default) transfers are skipped and only p2p counts; with post > 0 an
 unlowered schedule is lowered first. Post time is idle, not busy, in the bubble.
 
@@ -26,12 +26,15 @@ Several steps (`steps=K`): the same lists K times. With `optimizer_sync="barrier
 starts step k+1 at the end of the last compute of step k on any rank (the grad-norm
 all-reduce and finiteness check); with "post_validation" (Qi et al. 2023, section 4) as
 soon as its own step k is done; then, either way, its `between` (`between_per_rank`: each
-rank its own, as measured; the update and host work). The steady state is steps 2..K.
+rank its own, as measured; the update and host work). With post-validation, from the
+second step on, a rank also spends `check` (idle) at its cut, where the runtime checks the
+previous step's update (`lower.cut_positions`). The steady state is steps 2..K.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
 optimizer step and of the gradient all-reduce after the flush unless given as `between`,
-and per-micro-batch jitter.
+the check's wait for a late stage's partial other than through the measured `check`, and
+per-micro-batch jitter unless each action is given its own time (`per_action`).
 
 Event-driven (`_Timeline`): each action is started once, a rank resumed once per output it
 waited on, so a lay-out is linear in the actions (tests/test_schedule_oracle.py holds the
@@ -41,18 +44,19 @@ results to the round-robin simulator this replaced, to the last bit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import cycle
-from operator import itemgetter, sub
+from operator import itemgetter
 
-from plait.parallel.pipeline.ir import COMPUTE, Action, Schedule, peak_activations, without_gc
+from plait.parallel.pipeline.ir import COMPUTE, Action, Schedule, without_gc
+from plait.parallel.pipeline.results import Event, SimResult, events_of, result_of
 
-Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
+__all__ = ["OPTIMIZER_SYNCS", "DeadlockError", "Durations", "Event", "SimResult", "events_of",
+           "result_of", "simulate"]
 
 
 @dataclass(frozen=True)
 class Durations:
     forward: float  # T_F per stage per micro-batch (seconds, or any unit)
-    backward_input: float  # T_I  (B = I + W)
+    backward_input: float  # T_I  (B = I + W, unless backward_per_stage)
     backward_weight: float  # T_W
     p2p: float = 0.0  # one activation/grad transfer between ranks
     # optional per-stage overrides: tuple of length num_stages, else None
@@ -68,47 +72,29 @@ class Durations:
     # Python, completing a receive that is already there, the action's bookkeeping): idle
     # like post; it overlaps a wait for the input (start = max(free + gap, input there))
     gap: float = 0.0
+    # post-validation, from the second step on: a rank's time at its cut checking the
+    # previous step's update (waiting for the other stages' partials, dropping the copy,
+    # zeroing the gradients); idle, like post. Measured: records.check_per_rank
+    check: float = 0.0
+    check_per_rank: tuple[float, ...] | None = None  # per rank (length pp), else check
+    # a whole B per stage where it is not I + W (measured: one autograd pass is cheaper
+    # than the split's two, dualpipev runs both); None: B = I + W
+    backward_per_stage: tuple[float, ...] | None = None
+    # each action's own time, {(kind, stage, mb): seconds}, over the per-stage ones (a
+    # measured step replayed: measure.pipeline_report's simulated_bubble_replay)
+    per_action: dict[tuple[str, int, int], float] | None = field(default=None, hash=False)
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
-        f = self.forward_per_stage[stage] if self.forward_per_stage else self.forward
-        i = (
-            self.backward_input_per_stage[stage]
-            if self.backward_input_per_stage
-            else self.backward_input
-        )
-        w = (
-            self.backward_weight_per_stage[stage]
-            if self.backward_weight_per_stage
-            else self.backward_weight
-        )
-        return {"F": f, "I": i, "W": w, "B": i + w}[kind]
+        f, i, w = (per[stage] if per else one for per, one in (
+            (self.forward_per_stage, self.forward),
+            (self.backward_input_per_stage, self.backward_input),
+            (self.backward_weight_per_stage, self.backward_weight)))
+        b = self.backward_per_stage[stage] if self.backward_per_stage else i + w
+        return {"F": f, "I": i, "W": w, "B": b}[kind]
 
 
 OPTIMIZER_SYNCS = ("barrier", "post_validation")  # `parallel.optimizer_sync`'s values
-
-
-@dataclass
-class SimResult:
-    step_time: float
-    bubble_fraction: float  # idle / (pp * step_time) over all ranks (mean idle fraction)
-    bubble_per_rank: list[float]  # idle fraction of step_time, per rank
-    busy_per_rank: list[float]  # compute time per rank
-    peak_activations: list[int]  # micro-batch activations in flight per rank
-    events: list[list[Event]]  # per rank: (kind, stage, mb, start, end), every step's
-    # idle time between each rank's first and last action. The zero-bubble paper and the
-    # DeepSeek-V3 report count this ("parallelogram") bubble: it is what a step costs when
-    # the optimizer's synchronisation is removed (Qi et al. 2023, section 4, post-update
-    # validation) and the next step's forwards start as soon as a rank is done.
-    span_idle_per_rank: list[float] = field(default_factory=list)
-    # --- several steps (`simulate(..., steps=K)`); the fields above are the first step's
-    steps: int = 1
-    optimizer_sync: str = "barrier"
-    step_ends: list[float] = field(default_factory=list)  # when each step's last compute ends
-    # the steady state, steps 2..K: (step_ends[-1] - step_ends[0]) / (K - 1), and the
-    # bubble of that per-step time (None for one step)
-    steady_step_time: float | None = None
-    steady_bubble_fraction: float | None = None
 
 
 class DeadlockError(ValueError):
@@ -118,65 +104,22 @@ class DeadlockError(ValueError):
 @without_gc
 def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
              optimizer_sync: str = "barrier", events: bool = True) -> SimResult:
-    """Lay the schedule out in time (see the module docstring for the rules), for `steps`
-    consecutive steps: with `optimizer_sync="barrier"` every rank starts step k+1 when the
-    last rank has finished step k; with "post_validation" (Qi et al. 2023, section 4) a
-    rank starts its step k+1 as soon as its own step k is done. `events=False` leaves
+    """Lay the schedule out in time for `steps` consecutive steps, `optimizer_sync`
+    between them (the module docstring has the rules). `events=False` leaves
     `SimResult.events` empty (the figures are the same): for a caller that draws nothing."""
     _check_durations(schedule, durations)
     if steps < 1 or optimizer_sync not in OPTIMIZER_SYNCS:
         raise ValueError(f"steps={steps} must be >= 1 and optimizer_sync={optimizer_sync!r} "
                          f"one of {', '.join(OPTIMIZER_SYNCS)}")
     schedule, queues = _queues(schedule, durations)
+    if steps > 1 and optimizer_sync == "post_validation" and max(
+            (durations.check, *(durations.check_per_rank or ()))) > 0:
+        queues = _with_checks(schedule, queues)
     line = _Timeline(schedule, queues, durations, steps, optimizer_sync == "barrier")
     step_ends = line.run()
-    per_step = [len(q) - q.count(None) for q in queues]
-    return result_of(schedule, line.starts, line.ends, per_step, steps, optimizer_sync,
+    return result_of(schedule, line.starts, line.ends, line.computes, steps, optimizer_sync,
                      step_ends, events=events_of(queues, line.starts, line.ends) if events
                      else [[] for _ in queues])
-
-
-def events_of(queues: list[Queue], starts: list[list[float]],
-            ends: list[list[float]]) -> list[list[Event]]:
-    """Per rank (kind, stage, mb, start, end) of every compute, every step in turn."""
-    out = []
-    for q, st, en in zip(queues, starts, ends):
-        computes = [a for a in q if a is not None] if None in q else q
-        out.append([(k, s, mb, a, b) for (k, s, mb, _), a, b in
-                    zip(cycle(computes), st, en)] if computes else [])
-    return out
-
-
-def result_of(schedule: Schedule, starts: list[list[float]], ends: list[list[float]],
-              per_step: list[int], steps: int = 1, optimizer_sync: str = "barrier",
-              step_ends: list[float] | None = None,
-              events: list[list[Event]] | None = None) -> SimResult:
-    """The figures of a lay-out: per rank the start and end of each compute, in order,
-    `per_step` of them a step (step 1's first). Sums run in event order, as
-    `sum(end - start for each event)` does, so that every figure is bit-exact."""
-    first_s = starts if steps == 1 else [s[:k] for s, k in zip(starts, per_step)]
-    first_e = ends if steps == 1 else [e[:k] for e, k in zip(ends, per_step)]
-    step = max((e[-1] for e in first_e if e), default=0.0)
-    busy = [sum(map(sub, e, s)) for s, e in zip(first_s, first_e)]
-    per_rank = [(step - b) / step if step > 0 else 0.0 for b in busy]
-    step_ends = step_ends or [step]
-    steady = steady_bubble = None
-    if steps > 1:
-        steady = (step_ends[-1] - step_ends[0]) / (steps - 1)
-        steady_bubble = sum((steady - b) / steady if steady > 0 else 0.0
-                            for b in busy) / schedule.pp
-    return SimResult(
-        step_time=step,
-        bubble_fraction=sum(per_rank) / schedule.pp,
-        bubble_per_rank=per_rank,
-        busy_per_rank=busy,
-        peak_activations=peak_activations(schedule),
-        events=events if events is not None else [[] for _ in starts],
-        span_idle_per_rank=[(e[-1] - s[0]) - b if e else 0.0
-                            for s, e, b in zip(first_s, first_e, busy)],
-        steps=steps, optimizer_sync=optimizer_sync, step_ends=step_ends,
-        steady_step_time=steady, steady_bubble_fraction=steady_bubble,
-    )
 
 
 Queue = list[Action | None]  # a rank's compute actions; None: posting a batch of transfers
@@ -205,6 +148,23 @@ def _queues(schedule: Schedule, durations: Durations) -> tuple[Schedule, list[Qu
 
 
 _KIND, _COMPUTE = itemgetter(0), frozenset(COMPUTE)
+# a queue's post-validation check at the rank's cut (from the second step on); the split
+# one falls inside a run of transfers, which the runtime then posts as two batches
+_CHECK, _CHECK_SPLIT = ("C", -1, -1, False), ("C", -1, -1, True)
+
+
+def _with_checks(schedule: Schedule, queues: list[Queue]) -> list[Queue]:
+    """Each rank's queue with its check where the runtime makes it (`lower.cut_positions`)."""
+    from plait.parallel.pipeline.lower import cut_positions
+
+    out = []
+    for q, at in zip(queues, cut_positions(schedule)):
+        if at is not None:  # computes and runs of transfers before the cut; a split run?
+            posts = None in q  # with posts, a None stands for each run of transfers
+            n = at[0] + at[1] if posts else at[0]
+            q = q[:n] + [_CHECK_SPLIT if posts and at[2] else _CHECK] + q[n:]
+        out.append(q)
+    return out
 
 
 class _Timeline:
@@ -219,7 +179,10 @@ class _Timeline:
         n, m = schedule.num_stages, schedule.microbatches
         self.m, self.size = m, n * m  # outputs per kind per step
         rank_of = schedule.stage_to_rank
-        self.dur = {k: [d.of(k, st) for st in range(n)] for k in ("F", "I", "W", "B")}
+        # per action, index stage * m + mb within a step
+        self.dur = {k: [x for st in range(n) for x in [d.of(k, st)] * m] for k in "FIWB"}
+        for (k, st, mb), x in (d.per_action or {}).items():
+            self.dur[k][st * m + mb] = x
 
         def src(stage: int | None, st: int) -> tuple[int | None, float]:
             """(offset of the input's index from this action's, its transfer time)."""
@@ -231,6 +194,7 @@ class _Timeline:
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
         self.post, self.gap = d.post, d.gap
         self.between = list(d.between_per_rank or [d.between] * schedule.pp)
+        self.check = list(d.check_per_rank or [d.check] * schedule.pp)
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
         self.g_end: list[float | None] = [None] * size  # ... its I or B (the gradient)
@@ -240,7 +204,8 @@ class _Timeline:
         self.last = [[0.0] * p for _ in range(steps)]  # per step, each rank's last compute
         self.done_ranks = [0] * steps  # ranks through each step (the barrier)
         self.at_barrier: set[int] = set()
-        self.computes = [len(q) - q.count(None) for q in queues]
+        self.computes = [len(q) - q.count(None) - q.count(_CHECK) - q.count(_CHECK_SPLIT)
+                         for q in queues]
         self.starts: list[list[float]] = [[] for _ in range(p)]  # per rank, every compute's
         self.ends: list[list[float]] = [[] for _ in range(p)]
         self.resumed = 0  # times a rank was run (once, then once per wake-up): O(actions)
@@ -278,7 +243,7 @@ class _Timeline:
                         free += post
                         continue
                     kind, st, mb, _ = a
-                    i = base + st * m + mb
+                    i = base + (j := st * m + mb)  # j: the action's index within a step
                     if kind == "F":
                         off, hop = f_src[st]
                         if off is None:
@@ -293,7 +258,7 @@ class _Timeline:
                         if free < t:
                             free = t
                         start_at(free)
-                        free += dur_f[st]
+                        free += dur_f[j]
                         end_at(free)
                         f_end[i] = free
                         if i in waiting:
@@ -304,11 +269,13 @@ class _Timeline:
                             waiting.setdefault(gk + i, []).append(r)
                             break
                         free += gap
-                        if free < t:
-                            free = t
+                        free = t if free < t else free
                         start_at(free)
-                        free += dur_w[st]
+                        free += dur_w[j]
                         end_at(free)
+                        continue
+                    if kind == "C":  # the check at the cut, from the second step on
+                        free += (self.check[r] + (post if a[3] else 0.0)) if step else 0.0
                         continue
                     # I or B: the next stage's gradient (after its F), else the loss's F
                     off, hop = g_src[st]
@@ -318,10 +285,9 @@ class _Timeline:
                         break
                     t += hop
                     free += gap
-                    if free < t:
-                        free = t
+                    free = t if free < t else free
                     start_at(free)
-                    free += dur[kind][st]
+                    free += dur[kind][j]
                     end_at(free)
                     g_end[i] = free
                     if gk + i in waiting:
@@ -357,16 +323,16 @@ class _Timeline:
 
 
 def _check_durations(schedule: Schedule, d: Durations) -> None:
-    for name in ("forward_per_stage", "backward_input_per_stage", "backward_weight_per_stage"):
+    n, p = (schedule.num_stages, "stages"), (schedule.pp, "ranks")
+    for name, (size, what) in (("forward_per_stage", n), ("backward_input_per_stage", n),
+                               ("backward_weight_per_stage", n), ("backward_per_stage", n),
+                               ("between_per_rank", p),
+                               ("check_per_rank", p)):
         v = getattr(d, name)
-        if v is not None and len(v) != schedule.num_stages:
-            raise ValueError(
-                f"Durations.{name} has {len(v)} entries; the schedule has "
-                f"{schedule.num_stages} stages"
-            )
-    if d.between_per_rank is not None and len(d.between_per_rank) != schedule.pp:
-        raise ValueError(f"Durations.between_per_rank has {len(d.between_per_rank)} "
-                         f"entries; the schedule has {schedule.pp} ranks")
-    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between,
-           d.gap, *(d.between_per_rank or ())) < 0:
+        if v is not None and len(v) != size:
+            raise ValueError(f"Durations.{name} has {len(v)} entries; the schedule has "
+                             f"{size} {what}")
+    if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between, d.gap,
+           d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ()),
+           *(d.backward_per_stage or ()), *(d.per_action or {}).values()) < 0:
         raise ValueError("durations must be >= 0")
