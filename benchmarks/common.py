@@ -100,6 +100,12 @@ def mean_ms(runs: list[dict]) -> float:
     return statistics.mean(mean_step_time(r["times"], warmup=WARMUP) for r in runs) * 1e3
 
 
+def median_ms(runs: list[dict]) -> float:
+    """The median over runs of each run's mean step time (as `mean_ms`, warm-up left out):
+    one slow run on a shared machine moves it less than the mean."""
+    return statistics.median(mean_step_time(r["times"], warmup=WARMUP) for r in runs) * 1e3
+
+
 def max_loss_gap(a: dict, b: dict) -> float:
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 

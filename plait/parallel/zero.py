@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel.expert import reduce_dim
@@ -63,7 +64,8 @@ class ZeroOptimizer:
         self.steps = 0
         self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
         self.in_backward = False
-        self.max_inflight = 1  # reduce-scatters in flight during backward (memory bound)
+        # reduce-scatters in flight during backward: each holds a unit's flat gradient
+        self.max_inflight = ZERO_REDUCE_SCATTERS_IN_FLIGHT
         self._last_microbatch = True
         self._inflight: list[_Unit] = []
         # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
