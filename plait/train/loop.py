@@ -144,8 +144,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     boundary = {st.boundary_shape(mbs, t.seq_len) for st in par.stages.values()}
     if len(boundary) != 1:
         raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
-    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(),
-                              DTYPES[t.precision],
+    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(), DTYPES[t.precision],
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
