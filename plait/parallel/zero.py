@@ -301,6 +301,7 @@ class ZeroOptimizer:
     def restore(self) -> None:
         """Back to the `snapshot`; the compute parameters gathered again (collective over
         the shards' dims, like the update)."""
+        self.settle()  # fp32: an update's gathers in flight read the masters
         copies, self.steps = self._saved
         for t, c in zip(self._state(), copies, strict=True):
             t.copy_(c)
@@ -336,7 +337,7 @@ class ZeroOptimizer:
             for u in self.units:
                 u.shard.copy_(u.master)
             return
-        self.settle()  # a restore after an update: one gather at a time into `full`
+        self.settle()  # one gather at a time into `full`
         for u in self.units:  # all in flight at once; fp32: the input is the master itself
             u.gather_in = u.master.to(u.full.dtype)
             u.gather_handle = comm.all_gather(u.full, u.gather_in, self.mesh, u.dim,
