@@ -103,6 +103,21 @@ def _prefetch_probe(rank, world):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_backward_keeps_two_reduce_scatters_in_flight(stage):
+    """Each unit's reduce-scatter is posted while the two before it are still in flight
+    (ZERO_REDUCE_SCATTERS_IN_FLIGHT; the oldest is completed just after): three records
+    overlap at each launch from the third unit on, never more."""
+    from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT as in_flight
+
+    outs = run_layout("parallel.dp=2", f"parallel.zero={stage}")
+    grads = [r for r in outs[0]["ledger"] if r["tag"] == "grads" and r["step"] == 1]
+    overlap = [sum(1 for o in grads if o["start"] <= r["start"] <= o["end"]) for r in grads]
+    assert len(grads) > in_flight + 1
+    assert overlap[:in_flight + 1] == list(range(1, in_flight + 2))
+    assert set(overlap[in_flight:]) == {in_flight + 1}, overlap
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_update_gathers_are_waited_on_unit_by_unit_in_the_next_forward(stage):
     """Stages 1, 2: after an update every unit's all-gather is still in flight; in the next
     forward each unit waits on its own just before it runs, so the later units' gathers
