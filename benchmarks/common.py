@@ -94,10 +94,11 @@ def torch_loop(wrapped: torch.nn.Module, params: list, optim, cfg: Config, data:
     return {"times": times, "losses": losses, "peak": peak}
 
 
-def mean_ms(runs: list[dict]) -> float:
-    """Mean step time over runs of equal length, the first WARMUP steps of each left out
-    (plait/throughput.py)."""
-    return statistics.mean(mean_step_time(r["times"], warmup=WARMUP) for r in runs) * 1e3
+def median_ms(runs: list[dict]) -> float:
+    """The median over runs of each run's mean step time, the first WARMUP steps of each
+    left out (plait/throughput.py): one slow run on a shared machine moves it less than a
+    mean over runs would."""
+    return statistics.median(mean_step_time(r["times"], warmup=WARMUP) for r in runs) * 1e3
 
 
 def max_loss_gap(a: dict, b: dict) -> float:

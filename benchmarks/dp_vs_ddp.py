@@ -1,13 +1,19 @@
-"""Bucketed data parallel (plait) vs torch DDP: same model, data, world size, one run.
+"""Bucketed data parallel (plait) vs torch DDP: same model, data, world size.
 
-    python benchmarks/dp_vs_ddp.py [--world 4] [--steps 12] [--model small]
+    python benchmarks/dp_vs_ddp.py [--world 4] [--steps 12] [--model small] [--runs 3]
+    python benchmarks/dp_vs_ddp.py --first-bucket-ab [--runs 5]
 
 Both train the same model from the same weights on the same global batches with AdamW and
-grad clipping; gloo on CPU, one thread per rank. Prints mean step time (first 2 steps
-skipped as warm-up), the ratio plait/DDP beside its goal (<= 0.90, issue 11), the losses'
-agreement, and gradient
-bytes per step: plait's from its ledger, DDP's from a comm hook that sizes each bucket in a
-separate counting pass (the hook is not present in the timed run).
+grad clipping; gloo on CPU, one thread per rank. Prints the step time (each run's mean,
+first 2 steps skipped as warm-up; the median of `--runs` runs, plait's and DDP's
+alternated), the ratio plait/DDP beside its goal (<= 0.90, issue 11), the losses'
+agreement, and gradient bytes per step: plait's from its ledger, DDP's from a comm hook
+that sizes each bucket in a separate counting pass (the hook is not present in the timed
+run).
+
+`--first-bucket-ab`: the A/B of bucketed DP's first-bucket cap (FIRST_BUCKET_MB, DDP's
+1 MB convention) against no cap (the first bucket as big as the others, `bucket_mb`),
+alternated with DDP run by run; it prints the medians of the three and both ratios.
 """
 
 from __future__ import annotations
@@ -19,19 +25,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import (
+    WARMUP,
     batches,
     bench_config,
     max_loss_gap,
-    mean_ms,
+    median_ms,
     met,
     performance_rows,
     torch_adamw,
     torch_loop,
 )
 
+from plait.config import FIRST_BUCKET_MB
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.testing import run_ranks
+from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
 from plait.train.loop import train
 
@@ -41,7 +50,11 @@ def _cfg(args, world):
                         "parallel.data_parallel=bucketed")
 
 
-def _plait(rank, world, args, path):
+def _plait(rank, world, args, path, first_cap=True):
+    if not first_cap:  # the A/B's other arm: the first bucket as big as the others
+        import plait.parallel.data as data
+
+        data.FIRST_BUCKET_MB = float("inf")
     cfg = _cfg(args, world)
     mesh = ParallelMesh.build(cfg.parallel)
     res = train(cfg, mesh, batches(cfg, path))
@@ -79,17 +92,24 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of each, alternated")
+    ap.add_argument("--first-bucket-ab", action="store_true",
+                    help="A/B the first-bucket cap against one size for every bucket")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "bench.bin", 400_000, args.vocab)
+        if args.first_bucket_ab:
+            _first_bucket_ab(args, path)
+            return
         ddp_bytes = run_ranks(_ddp, args.world, args, path, count_bytes=True, timeout=600)[0]
         plait_runs, ddp_runs = [], []
-        for _ in range(2):  # alternate the two so that machine noise hits both alike
+        for _ in range(args.runs):  # alternate the two so that machine noise hits both alike
             plait_runs.append(run_ranks(_plait, args.world, args, path, timeout=600)[0])
             ddp_runs.append(run_ranks(_ddp, args.world, args, path, timeout=600)[0])
-    p_ms, d_ms = mean_ms(plait_runs), mean_ms(ddp_runs)
-    print(f"model {args.model}, world {args.world} (gloo, CPU), {args.steps} steps x 2 runs")
+    p_ms, d_ms = median_ms(plait_runs), median_ms(ddp_runs)
+    print(f"model {args.model}, world {args.world} (gloo, CPU), {args.steps} steps, "
+          f"median of {args.runs} runs")
     print(f"{'':8}{'step ms':>10}{'grad bytes/step/rank':>24}{'calls':>7}")
     print(f"{'plait':8}{p_ms:>10.1f}{plait_runs[0]['bytes']:>24,.0f}{plait_runs[0]['calls']:>7}")
     print(f"{'DDP':8}{d_ms:>10.1f}{ddp_bytes['bytes']:>24,.0f}{ddp_bytes['calls']:>7}")
@@ -98,6 +118,28 @@ def main() -> None:
     print(f"max |loss difference| over steps: {max_loss_gap(plait_runs[0], ddp_runs[0]):.2e}")
     print(performance_rows([("dp_vs_ddp.py: bucketed DP / DDP, step time", f"{ratio:.3f}",
                              f"≤ {GOAL:.2f}", met(ratio, GOAL))]))
+
+
+def _first_bucket_ab(args, path) -> None:
+    """Capped first bucket (A), no cap (B) and DDP, in turn `args.runs` times; medians."""
+    runs: dict[str, list[dict]] = {"capped": [], "uncapped": [], "DDP": []}
+    for _ in range(args.runs):
+        runs["capped"].append(run_ranks(_plait, args.world, args, path, timeout=600)[0])
+        runs["uncapped"].append(run_ranks(_plait, args.world, args, path, False,
+                                          timeout=600)[0])
+        runs["DDP"].append(run_ranks(_ddp, args.world, args, path, timeout=600)[0])
+    ms = {k: median_ms(v) for k, v in runs.items()}
+    print(f"model {args.model}, world {args.world} (gloo, CPU), {args.steps} steps, "
+          f"median of {args.runs} runs, alternated")
+    for name, value in ms.items():
+        each = " ".join(f"{mean_step_time(r['times'], warmup=WARMUP) * 1e3:.1f}"
+                        for r in runs[name])
+        calls = (f"   gradient all-reduces/step: {runs[name][0]['calls']}"
+                 if name != "DDP" else "")
+        print(f"{name:10}{value:>10.1f} ms   runs: {each}{calls}")
+    print(f"first bucket capped at {FIRST_BUCKET_MB:g} MB / DDP: {ms['capped'] / ms['DDP']:.3f}"
+          f"   one bucket size / DDP: {ms['uncapped'] / ms['DDP']:.3f}   goal <= {GOAL:.2f}")
+    print("keep the cap" if ms["capped"] <= ms["uncapped"] else "drop the cap")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""plait ZeRO-3 vs torch FSDP2 (fully_shard); plait ZeRO-1/2 vs torch DDP. One run.
+"""plait ZeRO-3 vs torch FSDP2 (fully_shard); plait ZeRO-1/2 vs torch DDP.
 
     python benchmarks/zero_vs_torch.py [--world 4] [--steps 10] [--model small]
+        [--runs 3] [--stages 3,1,2]
 
 Same model, weights, data, AdamW and clipping; gloo on CPU, one thread per rank, fp32.
-Step time: mean over steps after warm-up, runs alternated. Peak memory: exact peak of live
-tensor bytes on rank 0 during step 1 (plait.device.memory.MemoryTracker, the same
+Step time: each run's mean over its steps after warm-up; the median of `--runs` runs,
+plait's and the peer's alternated so that machine noise hits both alike. Peak memory: exact
+peak of live tensor bytes on rank 0 during step 1 (plait.device.memory.MemoryTracker, the same
 measurement for every contender). Ratios are plait / torch, each printed beside its goal
 (issue 11: ZeRO-3 / FSDP2 time <= 0.75 and memory <= 1.0; ZeRO-1 and ZeRO-2 / DDP time <=
 0.90, ZeRO-2's memory <= ZeRO-1's).
@@ -18,10 +20,11 @@ from pathlib import Path
 
 import torch
 from common import (
+    WARMUP,
     batches,
     bench_config,
     max_loss_gap,
-    mean_ms,
+    median_ms,
     met,
     performance_rows,
     torch_adamw,
@@ -32,6 +35,7 @@ from common import (
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.testing import run_ranks
+from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
 from plait.train.loop import train
 
@@ -73,26 +77,30 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of each, alternated")
+    ap.add_argument("--stages", default="3,1,2", help="ZeRO stages to run, in this order")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    pairs = [(3, "fsdp2"), (1, "ddp"), (2, "ddp")]
+    peer_of = {3: "fsdp2", 1: "ddp", 2: "ddp"}
+    pairs = [(int(s), peer_of[int(s)]) for s in args.stages.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "bench.bin", 400_000, args.vocab)
-        print(f"model {args.model}, dp={args.world} (gloo, CPU), fp32, {args.steps} steps x 2")
+        print(f"model {args.model}, dp={args.world} (gloo, CPU), fp32, {args.steps} steps, "
+              f"median of {args.runs} runs")
         print(f"{'plait':10}{'peer':8}{'plait ms':>10}{'peer ms':>10}{'time ratio':>12}"
               f"{'goal':>7}{'':>9}{'plait peak':>14}{'peer peak':>14}{'mem ratio':>11}"
               f"{'goal':>9}{'':>9}{'loss gap':>10}")
         rows, peaks = [], {}
         for stage, peer in pairs:
             mine, theirs = [], []
-            for _ in range(2):  # alternate, so machine noise hits both alike
+            for _ in range(args.runs):  # alternate, so machine noise hits both alike
                 mine.append(run_ranks(_plait, args.world, args, path, stage, False,
                                       timeout=900)[0])
                 theirs.append(run_ranks(_torch, args.world, args, path, peer, False,
                                         timeout=900)[0])
             pm = run_ranks(_plait, args.world, args, path, stage, True, timeout=900)[0]["peak"]
             tm = run_ranks(_torch, args.world, args, path, peer, True, timeout=900)[0]["peak"]
-            p_ms, t_ms = mean_ms(mine), mean_ms(theirs)
+            p_ms, t_ms = median_ms(mine), median_ms(theirs)
             peaks[stage] = pm
             t_goal, m_goal, m_value, m_text = _goals(stage, pm, tm, peaks)
             time_ok, mem_ok = met(p_ms / t_ms, t_goal), met(m_value, m_goal)
@@ -101,12 +109,17 @@ def main() -> None:
                   f"{pm / 2**20:>11.2f} MiB{tm / 2**20:>10.2f} MiB{pm / tm:>11.3f}"
                   f"{m_text:>9}{mem_ok:>9}{max_loss_gap(mine[0], theirs[0]):>10.1e}"
                   + (f"  (peak / ZeRO-1's {m_value:.3f})" if m_text == "≤ ZeRO-1" else ""))
+            print(f"{'':18}runs (ms): plait {_each_ms(mine)}, peer {_each_ms(theirs)}")
             name = f"zero_vs_torch.py: ZeRO-{stage} / {'FSDP2' if peer == 'fsdp2' else 'DDP'}"
             rows += [(f"{name}, step time", f"{p_ms / t_ms:.3f}", f"≤ {t_goal:.2f}", time_ok),
                      (f"{name}, peak memory", f"{pm / tm:.3f}" + (
                          f" (ZeRO-2 / ZeRO-1 {m_value:.3f})" if m_text == "≤ ZeRO-1" else ""),
                       m_text, mem_ok)]
         print(performance_rows(rows))
+
+
+def _each_ms(runs: list[dict]) -> str:
+    return " ".join(f"{mean_step_time(r['times'], warmup=WARMUP) * 1e3:.1f}" for r in runs)
 
 
 def _goals(stage: int, pm: float, tm: float, peaks: dict) -> tuple[float, float, float, str]:

@@ -102,6 +102,70 @@ def _prefetch_probe(rank, world):
     return overlapped, len(fwd)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_backward_keeps_two_reduce_scatters_in_flight(stage):
+    """Each unit's reduce-scatter is posted while the two before it are still in flight
+    (ZERO_REDUCE_SCATTERS_IN_FLIGHT; the oldest is completed just after): three records
+    overlap at each launch from the third unit on, never more."""
+    from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT as in_flight
+
+    outs = run_layout("parallel.dp=2", f"parallel.zero={stage}")
+    grads = [r for r in outs[0]["ledger"] if r["tag"] == "grads" and r["step"] == 1]
+    overlap = [sum(1 for o in grads if o["start"] <= r["start"] <= o["end"]) for r in grads]
+    assert len(grads) > in_flight + 1
+    assert overlap[:in_flight + 1] == list(range(1, in_flight + 2))
+    assert set(overlap[in_flight:]) == {in_flight + 1}, overlap
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_update_gathers_are_waited_on_unit_by_unit_in_the_next_forward(stage):
+    """Stages 1, 2: after an update every unit's all-gather is still in flight; in the next
+    forward each unit waits on its own just before it runs, so the later units' gathers
+    stay in flight behind the earlier units' forwards; the loop settles after its last
+    step. The gathers count in the step that issued them (the ledger test above)."""
+    for seen in run_ranks(_gather_probe, 2, stage):
+        assert seen["after_update"] and all(seen["after_update"]), seen
+        for pending in seen["at_forward"]:  # units 0..j settled, j+1.. still in flight
+            j = pending.index(True)
+            assert not any(pending[:j]) and all(pending[j:]), pending
+        assert seen["at_forward"] and not any(seen["after_train"]), seen
+
+
+def _gather_probe(rank, world, stage):
+    from helpers import batches_for, config
+
+    from plait.mesh import ParallelMesh
+    from plait.train import loop
+
+    cfg = config("parallel.dp=2", f"parallel.zero={stage}").check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    real, seen = loop.parallelize, {"after_update": [], "at_forward": []}
+    made = []
+
+    def pending():
+        return [u.gather_handle is not None for u in made[0].optimizer.units]
+
+    def probed(model, mesh_, cfg_, **kwargs):
+        par = real(model, mesh_, cfg_, **kwargs)
+        made.append(par)
+        for block in par.model.layers:  # after ZeRO's own pre-hook: this unit settled
+            block.register_forward_pre_hook(
+                lambda m, a: seen["at_forward"].append(pending()) if mesh.ledger.step else None)
+        return par
+
+    def on_step(row):
+        if row["step"] == 0:
+            seen["after_update"] = pending()
+
+    loop.parallelize = probed
+    try:
+        loop.train(cfg, mesh, batches_for(cfg), on_step=on_step)
+    finally:
+        loop.parallelize = real
+    seen["after_train"] = pending()
+    return seen
+
+
 # ---- measured memory ----------------------------------------------------------------------
 
 MEM = ["model.dim=128", "model.n_layers=4", "model.ffn_dim=352", "train.precision=bf16",

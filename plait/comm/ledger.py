@@ -71,9 +71,10 @@ FLIGHT_RECORDS = 16  # the flight recorder's length: the last collectives entere
 @dataclass
 class FlightEntry:
     """A collective as it is entered, for the flight recorder: `done` once it completed
-    (its ledger record is written then). `seq`: this rank's count of collectives entered;
-    `dim_seq`: its count on this mesh dim, which the ranks of one group share while they
-    are in step (the rank with the lowest `dim_seq` on a dim is the one behind)."""
+    (its ledger record, written at issue, is timed then). `seq`: this rank's count of
+    collectives entered; `dim_seq`: its count on this mesh dim, which the ranks of one
+    group share while they are in step (the rank with the lowest `dim_seq` on a dim is
+    the one behind)."""
 
     seq: int
     dim_seq: int

@@ -4,8 +4,9 @@ Each call names the mesh dim it runs on; the ledger gets op, dim, group size, pa
 the ring-algorithm bytes this rank sends and receives, the link, the wall time and the
 part of it the caller was blocked (exposed: all of a synchronous call; for an async one,
 its time inside `Handle.wait()`). A dim of size 1 is a no-op with no record. Async calls
-return a `Handle`; the record is written when it is waited on, so its time spans issue
-to completion, and what is not exposed was hidden behind the caller's other work.
+return a `Handle`; the record is written at issue, in the issuing step, and timed when it
+is waited on, so its time spans issue to completion, and what is not exposed was hidden
+behind the caller's other work.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _REDUCE_SCATTER_SINGLE = (getattr(dist, "reduce_scatter_single", None)
 
 
 class Handle:
-    """An in-flight collective. `wait()` completes it and writes its ledger record.
+    """An in-flight collective. `wait()` completes it and times its ledger record.
 
     `aliases`: the tensor objects handed to the backend (fresh aliases of the caller's
     tensors, see `_Alias`). On gloo the worker thread keeps its references to a finished
@@ -124,15 +125,18 @@ def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
     start = time.perf_counter()
     n = mesh.size(dim)
     entry = mesh.ledger.enter(op, dim, payload, tag)  # the flight recorder
+    # the record is the issuing step's, written at issue (its bytes are known then) and
+    # timed at completion: a collective waited on in a later step (ZeRO-1/2's parameter
+    # all-gathers, completed before each unit's next forward) counts in the step it serves
+    rec = mesh.ledger.add(op, dim, n, payload, sent, received, link or mesh.link(dim), start,
+                          tag=tag, dtype=str(dtype).removeprefix("torch."), end=start,
+                          blocked=0.0, sent_inter=sent_inter)
 
     def record(end: float, blocked: float | None = None) -> None:
         """`blocked`: seconds the caller waited in `wait()`; None: a synchronous call,
         blocked from issue to completion."""
         entry.done = True
-        mesh.ledger.add(op, dim, n, payload, sent, received, link or mesh.link(dim), start,
-                        tag=tag, dtype=str(dtype).removeprefix("torch."), end=end,
-                        blocked=end - start if blocked is None else blocked,
-                        sent_inter=sent_inter)
+        rec.end, rec.blocked = end, end - start if blocked is None else blocked
 
     return record
 

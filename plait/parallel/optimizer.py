@@ -21,6 +21,8 @@ Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/
 4. optionally `full_grads()` (the parity check's first-step gradients, collective over dp);
 5. `step(lr, grad_scale)`: the update with gradients x grad_scale (the clip coefficient);
 6. `zero_grad()`.
+After the last step: `settle()` (ZeRO-1/2 complete their parameters' all-gathers; every
+read of the parameters outside a forward settles first).
 Between steps: `full_state()` (collective over dp for ZeRO) and, on the memory step,
 `memory_sources()` (read by the memory meter, plait/device/memory.py).
 
@@ -70,6 +72,10 @@ class GradSyncOptimizer(Protocol):
 
     def zero_grad(self) -> None:
         """Drop the step's gradients (or zero the accumulating shards)."""
+
+    def settle(self) -> None:
+        """Complete what the update left in flight (ZeRO-1/2's parameter all-gathers, which
+        each unit's next forward waits on): the parameters are the updated ones after it."""
 
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared global norm (float64, (1,)); no communication."""

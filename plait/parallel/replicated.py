@@ -138,6 +138,9 @@ class ReplicatedOptimizer:
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
+    def settle(self) -> None:
+        """Nothing: the update writes the parameters in place."""
+
     def full_state(self) -> dict[str, torch.Tensor]:
         return {n: q.detach().float().clone() for n, q in self.model.named_parameters()}
 

@@ -6,10 +6,13 @@ elements [r*k, (r+1)*k) of it (k = padded / N) and keeps the fp32 master, Adam m
 variance of that shard only: 12 bytes a parameter / N.
 
 - stage 1: during the last micro-batch's backward, each unit's full gradient is
-  reduce-scattered as soon as it is complete (overlapping the rest of backward); each rank
-  updates its shard; the updated shards are all-gathered into the full parameters.
+  reduce-scattered as soon as it is complete (overlapping the rest of backward; two in
+  flight); each rank updates its shard; the updated shards are all-gathered into the full
+  parameters, each unit's waited on just before its next forward (overlapping the forward
+  of the units before it).
 - stage 2: as soon as backward completes a unit's gradients (every micro-batch) they are
-  reduce-scattered asynchronously and the full gradient is freed; the shard accumulates.
+  reduce-scattered asynchronously and the full gradient is freed; the shard accumulates;
+  the all-gather as in stage 1.
 - stage 3: the full parameters exist only around use: a unit is all-gathered before its
   forward and again before its backward, and its storage freed after each; the next unit's
   all-gather is issued (prefetch) as soon as the current one is in place, so it overlaps
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel.expert import reduce_dim
@@ -63,7 +67,8 @@ class ZeroOptimizer:
         self.steps = 0
         self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
         self.in_backward = False
-        self.max_inflight = 1  # reduce-scatters in flight during backward (memory bound)
+        # reduce-scatters in flight during backward: each holds a unit's flat gradient
+        self.max_inflight = ZERO_REDUCE_SCATTERS_IN_FLIGHT
         self._last_microbatch = True
         self._inflight: list[_Unit] = []
         # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
@@ -73,6 +78,15 @@ class ZeroOptimizer:
         self._next_rs = 0
         self._where = {id(p): u for u in self.units for p in u.params}
         self._index_shards(model)
+        if stage < 3:  # the update's all-gather is waited on before each unit's forward
+            by_module: dict[int, list[_Unit]] = {}
+            for u in self.units:  # a module with no forward of its own (a pipeline
+                # rank's ModuleDict of stages) never runs one: `_publish` waits at once
+                u.deferred = type(u.module).forward is not nn.Module.forward
+                by_module.setdefault(id(u.module), []).append(u)
+            for units in by_module.values():
+                if units[0].deferred:
+                    units[0].module.register_forward_pre_hook(partial(self._published, units))
         for u in self.units:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -124,6 +138,7 @@ class ZeroOptimizer:
             raise KeyError(f"state {state!r}; this optimizer keeps {self.states}")
         u = self.units[unit]
         if state == "param":
+            self.settle()
             return u.shard if self.stage == 3 else u.full[u.lo:u.hi]
         return getattr(u, state)  # master, exp_avg, exp_avg_sq
 
@@ -182,6 +197,19 @@ class ZeroOptimizer:
         if u.index > 0:
             self._issue_gather(self.units[u.index - 1])  # prefetch in backward order
 
+    # ---- stages 1, 2: the update's all-gather, completed where it is needed ------------
+    def _published(self, units: list[_Unit], module=None, args=None) -> None:
+        for u in units:
+            if u.gather_handle is not None:
+                u.gather_handle.wait()
+                u.gather_handle, u.gather_in = None, None
+
+    def settle(self) -> None:
+        """Complete the update's all-gathers still in flight (stages 1, 2 wait on each
+        before its unit's next forward): the compute parameters are the updated ones."""
+        if self.stage < 3:
+            self._published(self.units)
+
     # ---- gradients: reduce-scatter as units complete (stage >= 2) ---------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if self.stage == 1 and not self._last_microbatch:
@@ -219,6 +247,7 @@ class ZeroOptimizer:
 
     # ---- the step's protocol (GradSyncOptimizer, plait/parallel/optimizer.py) -----------
     def before_backward(self, last_microbatch: bool) -> None:
+        self.settle()  # a unit whose forward did not run: its parameters are read now
         self.in_backward = False
         self._last_microbatch = last_microbatch
 
@@ -272,6 +301,7 @@ class ZeroOptimizer:
     def restore(self) -> None:
         """Back to the `snapshot`; the compute parameters gathered again (collective over
         the shards' dims, like the update)."""
+        self.settle()  # fp32: an update's gathers in flight read the masters
         copies, self.steps = self._saved
         for t, c in zip(self._state(), copies, strict=True):
             t.copy_(c)
@@ -307,11 +337,12 @@ class ZeroOptimizer:
             for u in self.units:
                 u.shard.copy_(u.master)
             return
-        # all units' gathers in flight at once: one wait instead of one per unit
-        handles = [comm.all_gather(u.full, u.master.to(u.full.dtype), self.mesh, u.dim,
-                                   async_op=True, tag="params") for u in self.units]
-        for h in handles:
-            h.wait()
+        self.settle()  # one gather at a time into `full`
+        for u in self.units:  # all in flight at once; fp32: the input is the master itself
+            u.gather_in = u.master.to(u.full.dtype)
+            u.gather_handle = comm.all_gather(u.full, u.gather_in, self.mesh, u.dim,
+                                              async_op=True, tag="params")
+        self._published([u for u in self.units if not u.deferred])
 
     def zero_grad(self) -> None:
         """Drop every gradient, the shards too: between steps no stage holds gradient
@@ -359,5 +390,7 @@ class ZeroOptimizer:
         shards = [u.grad_shard for u in self.units if u.grad_shard is not None]
         (comm_buffers if self.stage == 1 else grads).extend(shards)
         optim = [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        # the updated shards cast for their all-gather (bf16), until the next forward
+        optim += [u.gather_in for u in self.units if u.gather_in is not None]
         optim += list(self._saved[0]) if self._saved is not None else []
         return {"params": params, "grads": grads, "optimizer": optim, "comm": comm_buffers}

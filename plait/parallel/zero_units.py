@@ -38,6 +38,10 @@ class _Unit:
         self.grad_shard: torch.Tensor | None = None
         self.gathered = True
         self.gather_handle: Handle | None = None
+        # stages 1, 2: the update's all-gather input (the cast shard) while in flight, and
+        # whether the unit's forward waits for it (else the update does)
+        self.gather_in: torch.Tensor | None = None
+        self.deferred = False
         self.ready: set[int] = set()
         self.rs_handle: Handle | None = None
         self.rs_out: torch.Tensor | None = None

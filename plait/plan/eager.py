@@ -34,7 +34,6 @@ from plait.plan.eager_sizes import (
     CATEGORIES,
     Moment,
     RankSizes,
-    ZeroUnit,
     rank_sizes,
     rank_stages,
 )
@@ -108,9 +107,9 @@ def _backward_moments(sz: RankSizes, st: int, mb: int, live: dict, first_b: bool
 
 def _block_collective_bytes(sz: RankSizes, bw: _Backward, j: int):
     """(gathered, comm, chunks, rs_now, shards) while block j's backward runs: ZeRO-3's
-    gathered blocks, the previous unit's reduce-scatter in flight, gloo's all-to-all chunks
+    gathered blocks, the reduce-scatters in flight (their buffers and gloo's all-to-all chunks)
     and ZeRO-2/3's gradient shards (`RankSizes.shards_posted`)."""
-    p, pb, padded, k = sz.cfg.parallel, sz.pb, sz.padded, sz.k
+    p, pb, padded = sz.cfg.parallel, sz.pb, sz.padded
     z = sz.stages[bw.st][1]
     gathered = comm = chunks = 0.0
     shards = None
@@ -122,16 +121,10 @@ def _block_collective_bytes(sz: RankSizes, bw: _Backward, j: int):
             f"layers.{j - 1}" if j > 0 else "embed", 0)) * pb
     rs_now = p.pp == 1 and p.dp > 1 and (sz.zero >= 2 or (sz.zero == 1
                                                            and bw.mb == sz.n_micro - 1))
-    if rs_now:  # the previous unit's reduce-scatter in flight
-        done = [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
-        prev = done[0]
-        # its flat input and output; ZeRO-2/3's first output is the shard (a gradient)
-        first_shard = sz.zero >= 2 and bw.mb == 0
-        comm = (padded[prev] + (0 if first_shard else k[prev])) * pb
+    if rs_now:  # the units' reduce-scatters in flight, the last posted first
+        done = sz.posted_before(z, j)
+        comm, chunks = sz.reduce_scatters_in_flight(done, bw.mb)
         shards = sz.shards_posted(bw.mb, done)
-        if sz.zero == 1:  # stage 1's finished shards are communication buffers
-            comm += sum(k[x] for x in done[1:]) * pb
-        chunks = padded[prev] * pb  # gloo's reduce-scatter: all-to-all chunks
     return gathered, comm, chunks, rs_now, shards
 
 
@@ -179,12 +172,10 @@ def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm:
                            gathered: float, shards: float | None) -> list[Moment]:
     """Block j's gradients flattened, then its reduce-scatter posted (`comm`: what is
     already in flight; `shards`: ZeRO-2/3's gradient shards before it)."""
-    u, pb, h, e = f"layers.{j}", sz.pb, sz.sh["h"], sz.e
+    u, pb = f"layers.{j}", sz.pb
     kept = j - sz.stages[bw.st][0]
-    # the block's last weight gradient (attn_norm's) is done while that norm
-    # still keeps its fp32 input and rsqrt; d(x) and d(x·rsqrt) are in flight
-    act_rs = (bw.others + bw.this_first + kept * (sz.ckpt if sz.recompute else sz.layer_saved)
-              + FP32 * sz.tok_l * (h + 1) + 2 * e * sz.tok * h)
+    act = bw.others + bw.this_first + kept * (sz.ckpt if sz.recompute else sz.layer_saved)
+    act_rs = act + sz.attn_norm_weight_grad()  # the block's last weight gradient
     g_rs = 0.0  # 2/3: .grad freed into the flat gradient
     if sz.zero == 1:
         g_rs = g + (sz.layer_numel * pb if bw.first_b else 0.0)
@@ -198,8 +189,14 @@ def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm:
                 sz.states(g_rs, comm + 2 * sz.padded[u] * pb + out_k, gathered_rs,
                           shards=shards))
     mo.bytes["activations"] += act_rs
+    # then the oldest in flight completes, and the norm's input gradient runs beside the
+    # rest (the peak where the one completed is small: the final norm's)
+    posted = [u, *sz.posted_before(sz.stages[bw.st][1], j)]
+    after = Moment(f"block {j} attention norm input gradient (mb {bw.mb})", sz.states(
+        g_rs, sum(sz.reduce_scatters_in_flight(posted, bw.mb)), gathered_rs, shards=shards))
+    after.bytes["activations"] += act + sz.attn_norm_input_grad()
     if sz.zero < 2:
-        return [mo]
+        return [mo, after]
     # ZeRO-2/3: the flat copy is made while the block's .grad tensors and (3) the block
     # itself are still whole: the peak of small micro-batches (one sequence, dp = 4:
     # measured one unit of comm and one of gradients above the launch)
@@ -207,7 +204,7 @@ def _reduce_scatter_launch(sz: RankSizes, bw: _Backward, j: int, g: float, comm:
                   sz.states(g + sz.layer_numel * pb, comm + sz.padded[u] * pb, gathered,
                             shards=before))
     flat.bytes["activations"] += act_rs
-    return [flat, mo]
+    return [flat, mo, after]
 
 
 def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Moment]:
@@ -269,15 +266,15 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
         if got_b:
             pending -= recv
         if i == last_b:
-            moments += _end_of_step(cfg, sz.units, sz.k, sz.padded, sz.states, sz.grads_full,
-                                    sz.pb, sz.e, sz.snapshot)
+            moments += _end_of_step(cfg, sz)
     return moments
 
 
-def _end_of_step(cfg: Config, units: list[ZeroUnit], k: dict, padded: dict, states, grads_full,
-                 pb: int, e: int, snapshot: float = 0.0) -> list[Moment]:
-    """Gradient synchronisation, grad norm and the optimizer step (`snapshot`: post-
+def _end_of_step(cfg: Config, sz: RankSizes) -> list[Moment]:
+    """Gradient synchronisation, grad norm and the optimizer step (`sz.snapshot`: post-
     validation's copy of the optimizer states, made just before the update)."""
+    units, k, padded, states, pb = sz.units, sz.k, sz.padded, sz.states, sz.pb
+    grads_full, e, snapshot = sz.grads_full, sz.e, sz.snapshot
     p, tr = cfg.parallel, cfg.train
     zero, n_dp = p.zero, p.dp
     out: list[Moment] = []
@@ -289,13 +286,10 @@ def _end_of_step(cfg: Config, units: list[ZeroUnit], k: dict, padded: dict, stat
                           states(grads, comm=grads_full)))
     shard_comm = sum(k.values()) * pb if zero == 1 else 0.0  # stage 1's shards: comm
     if zero >= 1 and n_dp > 1 and p.pp == 1:  # the embedding's reduce-scatter, the last
-        prev = "layers.0" if "layers.0" in k else "head"
-        # ZeRO-2/3 with one micro-batch: the outputs are the shards (gradients)
-        outputs = 0.0 if cfg.microbatches() == 1 else (k["embed"] + k[prev]) * pb
-        comm = (padded["embed"] + padded[prev]) * pb + (shard_comm if zero == 1 else outputs)
-        comm += (padded["embed"] + padded[prev]) * pb  # the direct reduce-scatter's chunks
+        comm, chunks = sz.reduce_scatters_in_flight(
+            ["embed", *(u.name for u in units[1:])], cfg.microbatches() - 1, extra=1)
         out.append(Moment("embedding reduce-scatter (end of backward)",
-                          states(grads, comm=comm)))
+                          states(grads, comm=comm + chunks)))
     elif zero >= 1 and n_dp > 1:  # pp > 1: one unit, reduce-scattered after the last B
         u = units[0].name
         comm = (2 * padded[u] + k[u]) * pb + (shard_comm if zero == 1 else 0.0)

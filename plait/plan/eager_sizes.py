@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plait.config import FIRST_BUCKET_MB
+from plait.config import FIRST_BUCKET_MB, ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.plan.activations import (
     FP32,
     kv_width_per_rank,
@@ -208,6 +208,41 @@ class RankSizes:
         if self.zero < 2 or mb > 0:
             return None
         return sum(self.k[x] for x in units) * self.pb
+
+    def reduce_scatters_in_flight(self, posted: list[str], mb: int, extra: int = 0
+                                  ) -> tuple[float, float]:
+        """(communication, gloo's chunks) bytes of ZeRO's reduce-scatters in micro-batch
+        `mb` once the units `posted` (the last posted first) are: the last
+        ZERO_REDUCE_SCATTERS_IN_FLIGHT of them (+ `extra` just posted, before the oldest is
+        completed: plait/parallel/zero.py) hold their flat input, their output (ZeRO-2/3's
+        first micro-batch's output is the shard, a gradient) and the direct
+        reduce-scatter's all-to-all chunks; ZeRO-1's completed shards are communication."""
+        flying = posted[:ZERO_REDUCE_SCATTERS_IN_FLIGHT + extra]
+        first_shard = self.zero >= 2 and mb == 0
+        comm = sum(self.padded[x] + (0 if first_shard else self.k[x]) for x in flying)
+        if self.zero == 1:
+            comm += sum(self.k[x] for x in posted[len(flying):])
+        return comm * self.pb, sum(self.padded[x] for x in flying) * self.pb
+
+    @staticmethod
+    def posted_before(z: int, j: int) -> list[str]:
+        """pp = 1 (blocks up to z): the units whose reduce-scatters backward posts before
+        block j's, the last posted first."""
+        return [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
+
+    def attn_norm_weight_grad(self) -> float:
+        """A block's attention norm backward at its weight's gradient (the block's last):
+        the norm still keeps its fp32 input and rsqrt; d(x) and d(x·rsqrt) are in flight."""
+        h = self.sh["h"]
+        return FP32 * self.tok_l * (h + 1) + 2 * self.e * self.tok * h
+
+    def attn_norm_input_grad(self) -> float:
+        """A block's attention norm backward after its weight's gradient (the block's last,
+        whose reduce-scatter is then posted): the fp32 input it saved, d(input) through
+        x·rsqrt, the mean's expanded gradient and the power rule's three fp32 temporaries
+        (six fp32 (tokens, h) at its peak: the tracker's live tensors there, dp = 4, bf16),
+        and the residual gradient waiting to be summed with it."""
+        return (6 * FP32 + self.e) * self.tok_l * self.sh["h"]
 
     def first_bucket(self) -> tuple[float, int | None]:
         """Bucketed DP (pp = 1): (bytes, j) of its first bucket (FIRST_BUCKET_MB, in

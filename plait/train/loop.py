@@ -144,8 +144,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     boundary = {st.boundary_shape(mbs, t.seq_len) for st in par.stages.values()}
     if len(boundary) != 1:
         raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
-    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(),
-                              DTYPES[t.precision],
+    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(), DTYPES[t.precision],
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
@@ -173,6 +172,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             row, waiting = _validated(row, sync), None
         if waiting is None:
             _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak)
+    par.optimizer.settle()  # the last update's collectives (ZeRO-1/2's all-gathers)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
@@ -315,6 +315,14 @@ def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: f
     """The update after the global norm (the barrier), and the logged loss summed in
     place; (skipped, MoE metrics)."""
     opt = par.optimizer
+    # the logged loss is the global-batch mean: sum the partial sums of the last
+    # stages (pp), of the sequence's slices (cp) and of the replicas (dp). Before the
+    # update: ZeRO-1/2 leave its all-gathers in flight into the next forward, and a
+    # collective issued after them would queue behind them on the group
+    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
+    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    marks.point("metrics")
     # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
     # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
     # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
@@ -327,12 +335,6 @@ def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: f
     if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
         moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
                               update_bias=not skipped)
-    # the logged loss is the global-batch mean: sum the partial sums of the last
-    # stages (pp), of the sequence's slices (cp) and of the replicas (dp)
-    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
-    marks.point("metrics")
     return skipped, moe
 
 
