@@ -208,9 +208,10 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
 
 
 # CPU seconds of compute each rank runs between two collectives (the runtime's range:
-# tp's calls every ~0.5-1 ms of compute, ZeRO-0's gradient all-reduce after a whole
-# backward), and the all-reduce's bytes: latency-bound
-SYNC_SEGMENTS = (0.5e-3, 4e-3)
+# tp's calls every ~0.5-1 ms of compute, ZeRO-3's blocking gathers every ~3 ms, ZeRO-0's
+# gradient all-reduce and the step's all-reduces after a whole backward or pipeline, 7-20
+# ms of the closed loop's), and the all-reduce's bytes: latency-bound
+SYNC_SEGMENTS = (0.5e-3, 4e-3, 16e-3)
 SYNC_BYTES = 1 << 10
 
 

@@ -275,8 +275,9 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
         {"compute_seconds": 4e-3, "wait_seconds": 2e-4, "after_seconds": priced + 5e-4}]}
     got = fit_sync(raw, link)
     assert got["sync_extra"] == pytest.approx(4e-4, rel=1e-9)
+    assert got["sync_after"] == pytest.approx((3e-4, 5e-4), rel=1e-9)  # per segment
     assert fit_sync(None, link) == fit_sync(raw, None) == {
-        "sync_extra": 0.0, "desync_compute": (), "desync_wait": ()}
+        "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": ()}
     from plait.plan.compute import Efficiency
     from plait.plan.step_comm import desync_wait
 
@@ -288,6 +289,33 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     falling = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=(1e-3, 4e-3),
                          desync_wait=(2e-4, 1e-4))  # noise: held to a constant skew
     assert desync_wait(16e-3, falling) == pytest.approx(2e-4, rel=1e-9)
+    # three points: piecewise, each piece through its two neighbours, the ends' beyond
+    three = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=(1e-3, 4e-3, 16e-3),
+                       desync_wait=(1e-4, 4e-4, 8e-4))  # p = 1, then 1/2
+    assert [desync_wait(x, three) for x in (0.5e-3, 2e-3, 4e-3, 8e-3, 64e-3)] == \
+        pytest.approx([0.5e-4, 2e-4, 4e-4, 4e-4 * 2 ** 0.5, 16e-4], rel=1e-9)
+
+
+def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
+    """Only the calls a rank waits on at once pay the sync line: ZeRO-3 at dp 2 with two
+    micro-batches waits on 2 of its 10 all-gathers a micro-batch (each forward's and
+    backward's first unit; the rest were prefetched), 1 of its 5 reduce-scatters (the
+    last, after the backward) and the step's grad-norm and logged-loss all-reduces: K =
+    2m + m + 2 = 8 of its 32 calls. Each pays the extra after the last arrival measured
+    at its segment of compute (sync_after) and the wait, both power laws in L = C/K."""
+    from plait.plan.step_comm import SYNC_TERM
+
+    path, prof = tmp_path / "p.json", _profile()
+    prof["fit"]["sync"] = {"sync_extra": 1.5e-3, "desync_compute": [1e-3, 4e-3],
+                           "desync_wait": [1e-4, 4e-4], "sync_after": [1e-3, 2e-3]}
+    lay = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
+                     "--microbatch", "2")
+    t, m = lay["time_breakdown_s"], 2
+    assert sum(c["count"] for c in lay["collectives"]) == 2 * 5 * m + 5 * m + 2
+    k = 2 * m + m + 2
+    seg = (t["compute"] + t["recompute"]) / k
+    extra, wait = 1e-3 * (seg / 1e-3) ** 0.5, 1e-4 * seg / 1e-3
+    assert t[SYNC_TERM] == pytest.approx(k * (extra + wait), rel=1e-9)
 
 
 def test_sync_priced_per_collective_call(tmp_path):

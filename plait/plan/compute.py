@@ -69,6 +69,9 @@ class Efficiency:
     sync_extra: float = 0.0
     desync_compute: tuple[float, ...] = ()
     desync_wait: tuple[float, ...] = ()
+    # the seconds past the alpha-beta price after each of `desync_compute`'s segments
+    # (sync_extra is their mean; empty in a profile that predates them)
+    sync_after: tuple[float, ...] = ()
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
