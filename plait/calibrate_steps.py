@@ -270,3 +270,46 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
                      "after_seconds": after})
     return {"group": n, "bytes": SYNC_BYTES, "back_to_back_seconds": back_to_back,
             "segments": rows}
+
+
+# a pipeline transfer's bytes here: the closed loop's activation (2 x 64 tokens x 64 fp32)
+POST_BYTES = 32 << 10
+
+
+def measure_post(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
+    """What posting one batch of pipeline transfers costs the rank, as the pipeline
+    runtime posts them (plait/parallel/pipeline/runtime.py's `_post`: one
+    `batch_send_recv`, here a POST_BYTES send to the group's next rank and a receive from
+    its previous one) after SYNC_SEGMENTS[0] of compute on every rank: the wall seconds
+    of the call alone (gloo's posting, blocked or descheduled, not only its CPU), the
+    transfers then waited for. The mean over `calls`, the best of `repeats`."""
+    import torch
+
+    from plait.comm import ops
+
+    group = mesh.group_ranks[dim]
+    me = group.index(mesh.rank)
+    nxt, prev = group[(me + 1) % len(group)], group[(me - 1) % len(group)]
+    x = torch.ones(POST_BYTES // 4, device=DEVICE)
+    buf = torch.empty_like(x)
+    a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0), device=DEVICE)
+
+    def run() -> tuple[float, float]:
+        ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, dim, tag="calibrate")  # together
+        wall = cpu = 0.0
+        for _ in range(calls):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < SYNC_SEGMENTS[0]:
+                a @ a
+            w0, c0 = time.perf_counter(), time.thread_time()
+            handles = ops.batch_send_recv([(x, nxt)], [(buf, prev)], mesh, dim,
+                                          tag="calibrate")
+            wall += time.perf_counter() - w0
+            cpu += time.thread_time() - c0
+            for h in handles:
+                h.wait()
+        return wall / calls, cpu / calls
+
+    wall, cpu = min(run() for _ in range(repeats))
+    return {"group": len(group), "bytes": POST_BYTES, "compute_seconds": SYNC_SEGMENTS[0],
+            "post_seconds": wall, "post_cpu_seconds": cpu}

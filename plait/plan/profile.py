@@ -26,6 +26,9 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
   runs) -> sync_extra; the mean wait for the last rank after each segment of compute ->
   desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds).
+- posts: a batch of pipeline transfers posted after compute (measure_post): its mean wall
+  seconds -> p2p_post, the shared simulator's `post` (a rank's time per batch of
+  transfers, idle: in the bubble line).
 - concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
   median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
   whose host runs other ranks too (plait/plan/estimate.py's _basis).
@@ -106,6 +109,7 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "dispatch": fit_dispatch(raw.get("dispatch")),
             "comm_overlap": fit_overlap(raw.get("overlap")),
             "sync": fit_sync(raw.get("sync"), ar),
+            "p2p_post": float((raw.get("post") or {}).get("post_seconds", 0.0)),
             "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
@@ -208,6 +212,7 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      **fit.get("dispatch") or fit_dispatch(None),
                      comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True,
                      concurrent_gemm=fit.get("concurrent_gemm", 1.0),
+                     p2p_post=fit.get("p2p_post", 0.0),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff

@@ -273,22 +273,22 @@ SYNC_TERM = "collective sync (waits)"  # the step-time breakdown's line for sync
 
 
 def _power_law(segment: Num, xs: tuple[float, ...], ys: tuple[float, ...]) -> Num:
-    """y through the measured points (x > 0), piecewise y = y0 (L / L0)^p between
-    neighbours, the end pieces' laws beyond the ends; a single point, or a y of 0:
-    proportional to L through the largest; 0 where nothing was measured. Each p is held
-    to [0, 1], between a value that does not grow with the compute (0) and one
-    proportional to it (1): two noisy points can say less, or more, than either."""
-    pts = sorted((c, w) for c, w in zip(xs, ys, strict=True) if c > 0)
+    """y = y0 (L / L0)^p through the measured points (x > 0; two: exactly, more: least
+    squares in log-log, so one noisy point moves the law, not a piece of it); a single
+    point, or a y of 0: proportional to L through the largest; 0 where nothing was
+    measured. p is held to [0, 1], between a value that does not grow with the compute
+    (0) and one proportional to it (1), y0 then refitted: noisy points can say less, or
+    more, than either."""
+    pts = [(c, w) for c, w in zip(xs, ys, strict=True) if c > 0]
     seg = np.maximum(np.asarray(segment, dtype=float), 0.0)
     if not pts:
         return 0.0 * seg
-    if len(pts) == 1 or min(w for _, w in pts) <= 0:
-        return max(w for _, w in pts) / pts[-1][0] * seg
-    out = 0.0 * seg
-    for (c0, w0), (c1, w1) in zip(pts, pts[1:]):
-        p = min(max(np.log(w1 / w0) / np.log(c1 / c0), 0.0), 1.0)
-        out = np.where((seg > c0) | (c0 == pts[0][0]), w0 * (seg / c0) ** p, out)
-    return out
+    if len(pts) == 1 or min(w for _, w in pts) <= 0 or len({c for c, _ in pts}) == 1:
+        c1, w1 = max(pts)
+        return max(w for _, w in pts) / c1 * seg
+    lx, ly = np.log([c for c, _ in pts]), np.log([w for _, w in pts])
+    p = float(np.clip(np.polyfit(lx, ly, 1)[0], 0.0, 1.0))
+    return np.exp(np.mean(ly - p * lx)) * seg ** p
 
 
 def desync_wait(segment: Num, eff: Efficiency) -> Num:
