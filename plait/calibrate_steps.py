@@ -213,6 +213,9 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
 # ms of the closed loop's), and the all-reduce's bytes: latency-bound
 SYNC_SEGMENTS = (0.5e-3, 4e-3, 16e-3)
 SYNC_BYTES = 1 << 10
+# a larger call after SYNC_SEGMENTS[0], in the closed loop's range (tp's and ZeRO-3's 104-128
+# KiB, ZeRO-0's 521 KiB): whether the extra grows with the bytes (cold buffers)
+SYNC_LARGE_BYTES = 128 << 10
 
 
 def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
@@ -220,8 +223,9 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     beyond the same call issued back to back (the alpha-beta fit's setting). For each
     segment length L in SYNC_SEGMENTS: `calls` times, L seconds of this thread's CPU in
     128 x 128 GEMMs, then a SYNC_BYTES all-reduce over `dim`; and `calls` all-reduces
-    back to back. Every rank's arrival and exit times (perf_counter: one clock for the
-    ranks of one host) are all-gathered, and each call split into
+    back to back; and after SYNC_SEGMENTS[0], a SYNC_LARGE_BYTES all-reduce (`sizes`).
+    Every rank's arrival and exit times (perf_counter: one clock for the ranks of one
+    host) are all-gathered, and each call split into
       wait  = the last rank's arrival - this rank's (the ranks' compute jitter: they
               leave a compute of equal CPU work at different times; the wait for the
               slower rank),
@@ -234,7 +238,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     from plait.comm import ops
 
     n = mesh.size(dim)
-    x = torch.ones(SYNC_BYTES // 4, device=DEVICE)
+    small = torch.ones(SYNC_BYTES // 4, device=DEVICE)
     a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0), device=DEVICE)
 
     def compute(seconds: float) -> None:
@@ -242,7 +246,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         while time.thread_time() - t0 < seconds:
             a @ a
 
-    def run(seconds: float | None) -> tuple[float, float]:
+    def run(seconds: float | None, x: Any) -> tuple[float, float]:
         times = torch.empty(calls, 2, dtype=torch.float64, device=DEVICE)
         ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, dim, tag="calibrate")  # together
         for i in range(calls):
@@ -259,8 +263,8 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         after = (every[:, :, 1] - last).mean().item()
         return wait, after
 
-    def best(seconds: float | None) -> tuple[float, float]:
-        return min((run(seconds) for _ in range(repeats)), key=sum)
+    def best(seconds: float | None, x: Any = small) -> tuple[float, float]:
+        return min((run(seconds, x) for _ in range(repeats)), key=sum)
 
     _, back_to_back = best(None)
     rows = []
@@ -268,8 +272,11 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         wait, after = best(seconds)
         rows.append({"compute_seconds": seconds, "wait_seconds": wait,
                      "after_seconds": after})
+    wait, after = best(SYNC_SEGMENTS[0], torch.ones(SYNC_LARGE_BYTES // 4, device=DEVICE))
     return {"group": n, "bytes": SYNC_BYTES, "back_to_back_seconds": back_to_back,
-            "segments": rows}
+            "segments": rows, "sizes": [{"bytes": SYNC_LARGE_BYTES, "wait_seconds": wait,
+                                         "compute_seconds": SYNC_SEGMENTS[0],
+                                         "after_seconds": after}]}
 
 
 # a pipeline transfer's bytes here: the closed loop's activation (2 x 64 tokens x 64 fp32)

@@ -17,7 +17,7 @@ import math
 import pytest
 
 from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
-from plait.calibrate_steps import POST_BYTES, SYNC_SEGMENTS
+from plait.calibrate_steps import POST_BYTES, SYNC_LARGE_BYTES, SYNC_SEGMENTS
 from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
@@ -90,6 +90,8 @@ def test_calibrate_measures_every_term():
     sync = raw["sync"]  # after compute on both ranks, and back to back
     assert sync["group"] == 2 and sync["back_to_back_seconds"] > 0
     assert [r["compute_seconds"] for r in sync["segments"]] == list(SYNC_SEGMENTS)
+    assert [(r["bytes"], r["compute_seconds"]) for r in sync["sizes"]] == [
+        (SYNC_LARGE_BYTES, SYNC_SEGMENTS[0])] and sync["sizes"][0]["after_seconds"] > 0
     assert all(r["wait_seconds"] >= 0 and r["after_seconds"] > 0 for r in sync["segments"])
     assert [(r["m"], r["k"], r["n"]) for r in raw["gemm_concurrent"]] == QUICK_GEMMS
     assert all(r["seconds"] > 0 for r in raw["gemm_concurrent"])
@@ -278,12 +280,17 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     priced = 2 * 50e-6 + 1024 / 1e9  # a 1 KiB ring all-reduce on 2 ranks
     raw = {"group": 2, "bytes": 1024, "back_to_back_seconds": 1e-4, "segments": [
         {"compute_seconds": 1e-3, "wait_seconds": 1e-4, "after_seconds": priced + 3e-4},
-        {"compute_seconds": 4e-3, "wait_seconds": 2e-4, "after_seconds": priced + 5e-4}]}
+        {"compute_seconds": 4e-3, "wait_seconds": 2e-4, "after_seconds": priced + 5e-4}],
+        # 64 KiB after 1 ms: its own alpha-beta price, plus 2e-4 s more than 1 KiB's extra
+        "sizes": [{"bytes": 65536, "compute_seconds": 1e-3, "wait_seconds": 1e-4,
+                   "after_seconds": 2 * 50e-6 + 65536 / 1e9 + 3e-4 + 2e-4}]}
     got = fit_sync(raw, link)
     assert got["sync_extra"] == pytest.approx(4e-4, rel=1e-9)
     assert got["sync_after"] == pytest.approx((3e-4, 5e-4), rel=1e-9)  # per segment
+    assert got["sync_per_byte"] == pytest.approx(2e-4 / (65536 - 1024), rel=1e-9)
     assert fit_sync(None, link) == fit_sync(raw, None) == {
-        "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": ()}
+        "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
+        "sync_per_byte": 0.0}
     from plait.plan.compute import Efficiency
     from plait.plan.step_comm import desync_wait
 
@@ -319,7 +326,8 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
 
     path, prof = tmp_path / "p.json", _profile()
     prof["fit"]["sync"] = {"sync_extra": 1.5e-3, "desync_compute": [1e-3, 4e-3],
-                           "desync_wait": [1e-4, 4e-4], "sync_after": [1e-3, 2e-3]}
+                           "desync_wait": [1e-4, 4e-4], "sync_after": [1e-3, 2e-3],
+                           "sync_per_byte": 1e-9}
     lay = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
                      "--microbatch", "2")
     t, m = lay["time_breakdown_s"], 2
@@ -327,7 +335,11 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     k = 2 * m + m + 2
     seg = (t["compute"] + t["recompute"]) / k
     extra, wait = 1e-3 * (seg / 1e-3) ** 0.5, 1e-4 * seg / 1e-3
-    assert t[SYNC_TERM] == pytest.approx(k * (extra + wait), rel=1e-9)
+    ag, rs = (next(c for c in lay["collectives"] if c["op"].startswith(op))
+              for op in ("all-gather (params", "reduce-scatter (grads"))
+    blocking_bytes = 2 * m * ag["bytes"] + m * rs["bytes"] + 2 * 8
+    assert t[SYNC_TERM] == pytest.approx(k * (extra + wait) + 1e-9 * blocking_bytes,
+                                         rel=1e-9)
 
 
 def test_sync_priced_per_collective_call(tmp_path):

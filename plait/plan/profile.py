@@ -157,20 +157,30 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
     """The extra seconds of a synchronising collective after compute beyond the alpha-beta
     price, per measured segment length (`sync_after`: on this machine it grew with the
     compute before the call, 1.0 to 2.5 ms after 0.5 and 4 ms, quiet) and their mean
-    (`sync_extra`), and the wait for the last rank per segment length; none when not
-    measured (one rank)."""
+    (`sync_extra`), per byte of a larger call after the same compute (`sync_per_byte`),
+    and the wait for the last rank per segment length; none when not measured (one
+    rank)."""
     if not s or not link:
-        return {"sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": ()}
+        return {"sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
+                "sync_per_byte": 0.0}
     from plait.plan.comm import all_reduce
 
-    priced = float(all_reduce(s["bytes"], s["group"], link["bandwidth_Bps"],
-                              link["alpha_s"])[0])
+    def extra(row: dict[str, Any], size: float) -> float:  # past the alpha-beta price
+        return float(row["after_seconds"]) - float(all_reduce(
+            size, s["group"], link["bandwidth_Bps"], link["alpha_s"])[0])
+
     rows = s["segments"]
-    after = float(np.mean([r["after_seconds"] for r in rows]))
-    return {"sync_extra": max(after - priced, 0.0),
+    small = [extra(r, s["bytes"]) for r in rows]
+    at = dict(zip((r["compute_seconds"] for r in rows), small, strict=True))
+    # a larger call's extra over the small one's after the same compute, per byte more
+    # (cold buffers copied slower than the back-to-back fit's); 0 if it is not larger
+    per_byte = [(extra(r, r["bytes"]) - at[r["compute_seconds"]]) / (r["bytes"] - s["bytes"])
+                for r in s.get("sizes", []) if r["compute_seconds"] in at]
+    return {"sync_extra": max(float(np.mean(small)), 0.0),
             "desync_compute": tuple(float(r["compute_seconds"]) for r in rows),
             "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows),
-            "sync_after": tuple(max(float(r["after_seconds"]) - priced, 0.0) for r in rows)}
+            "sync_after": tuple(max(v, 0.0) for v in small),
+            "sync_per_byte": max(float(np.mean(per_byte)), 0.0) if per_byte else 0.0}
 
 
 def fit_concurrent(alone: list[dict[str, Any]], together: list[dict[str, Any]] | None

@@ -309,24 +309,27 @@ def sync_after(segment: Num, eff: Efficiency) -> Num:
     return _power_law(segment, eff.desync_compute, eff.sync_after)
 
 
-def blocking_calls(colls: list[comm.Collective]) -> Num:
-    """Calls a step the rank waits on at once, over groups of more than one rank: every
-    listed call but the pipeline's sends (the simulated timeline holds them) and those a
-    collective says overlap compute (`Collective.blocking`: ZeRO's prefetched gathers,
-    reduce-scatters completed behind later layers)."""
-    calls = 0.0
+def blocking_calls(colls: list[comm.Collective]) -> tuple[Num, Num]:
+    """(calls, their bytes) a step the rank waits on at once, over groups of more than
+    one rank: every listed call but the pipeline's sends (the simulated timeline holds
+    them) and those a collective says overlap compute (`Collective.blocking`: ZeRO's
+    prefetched gathers, reduce-scatters completed behind later layers)."""
+    calls, nbytes = 0.0, 0.0
     for c in colls:
         if c.dim != "pp" or not c.op.startswith("send"):
-            n = c.count if c.blocking is None else c.blocking
-            calls = calls + np.where(np.asarray(c.group) > 1, n, 0.0)
-    return np.asarray(calls, dtype=float)
+            n = np.where(np.asarray(c.group) > 1, c.count if c.blocking is None
+                         else c.blocking, 0.0)
+            calls, nbytes = calls + n, nbytes + n * c.size
+    return np.asarray(calls, dtype=float), np.asarray(nbytes, dtype=float)
 
 
 def sync_seconds(eff: Efficiency, colls: list[comm.Collective], compute: Num) -> Num:
     """Seconds a step's synchronising collectives cost beyond their alpha-beta time: each
     of the K blocking calls per step (`blocking_calls`) waits for the last rank after its
     share of the step's compute, L = compute / K (the ranks' jitter), and then pays the
-    measured extra after that arrival at that L (plait calibrate's measure_sync)."""
-    calls = blocking_calls(colls)
+    measured extra after that arrival at that L, and sync_per_byte for each byte of its
+    message (plait calibrate's measure_sync)."""
+    calls, nbytes = blocking_calls(colls)
     segment = np.asarray(compute, dtype=float) / np.maximum(calls, 1.0)
-    return calls * (sync_after(segment, eff) + desync_wait(segment, eff))
+    return calls * (sync_after(segment, eff) + desync_wait(segment, eff)) \
+        + eff.sync_per_byte * nbytes
