@@ -18,7 +18,7 @@ repeats (the machine is shared: the best is the least disturbed), compute in the
 CPU seconds, collectives on the wall clock. The fit (plait/plan/profile.py) is written
 with the raw numbers; `plait plan --hardware profile.json` plans with it.
 
-Measures 10-25 s (most of it the first training step's setup and the ranks' fork);
+Measures 10-35 s (most of it the first training step's setup and the ranks' fork);
 `--quick` (tests) fewer shapes and repeats. CPU only: measuring a GPU (CUDA kernels,
 NCCL) is not built yet.
 """
