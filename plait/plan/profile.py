@@ -24,8 +24,10 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
 - sync: a latency-bound all-reduce issued after compute on every rank (measure_sync in
   plait/calibrate_steps.py): the mean seconds it took once the last rank arrived, less
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
-  runs) -> sync_extra; the mean wait for the last rank after each segment of compute ->
-  desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds).
+  runs), per segment of compute -> sync_after (their mean: sync_extra), a larger call's
+  more per byte -> sync_per_byte; the mean wait for the last rank after each segment ->
+  desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds: the blocking
+  calls only).
 - posts: a batch of pipeline transfers posted after compute (measure_post): its mean wall
   seconds -> p2p_post, the shared simulator's `post` (a rank's time per batch of
   transfers, idle: in the bubble line); completing a receive already there ->
