@@ -289,9 +289,9 @@ def measure_post(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     `batch_send_recv`, here a POST_BYTES send to the group's next rank and a receive from
     its previous one) after SYNC_SEGMENTS[0] of compute on every rank: the wall seconds
     of the call alone (gloo's posting, blocked or descheduled, not only its CPU); then as
-    much compute again, in which the transfers arrive, and the wall seconds of completing
-    them (the wait on a receive already there: the runtime's `gap` before a compute, its
-    transfer's part). Means over `calls`, the best of `repeats` (by their sum)."""
+    much compute again, and the wall seconds of completing the transfers (recorded, not
+    priced: it holds the wake-up latency a pipeline transfer's latency already carries).
+    Means over `calls`, the best of `repeats` (by the post and completion together)."""
     import torch
 
     from plait.comm import ops

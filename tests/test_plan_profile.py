@@ -101,7 +101,6 @@ def test_calibrate_measures_every_term():
     assert post["complete_seconds"] >= 0
     fit = prof["fit"]
     assert fit["p2p_post"] == post["post_seconds"] and eff_of(prof).p2p_post == fit["p2p_post"]
-    assert eff_of(prof).p2p_complete == fit["p2p_complete"] == post["complete_seconds"]
     assert fit == fit_profile(raw)
     assert 0 < fit["concurrent_gemm"] <= 1  # the fit is a function of the raw numbers
     assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
@@ -380,32 +379,29 @@ def eff_of(prof: dict):  # noqa: ANN201
 
 
 def test_posting_transfers_priced_in_the_pipeline(tmp_path):
-    """p2p_post: each batch of transfers a pipeline rank posts holds it that long, and
-    p2p_complete before each compute, idle (the shared simulator's `post` and `gap`): a
-    pipelined step grows by them, inside "pipeline bubble + p2p", by at most every
-    rank's posts and computes; a layout without a pipeline does not change."""
+    """p2p_post: each batch of transfers a pipeline rank posts holds it that long, idle
+    (the shared simulator's `post`): a pipelined step grows by it, inside "pipeline
+    bubble + p2p", by at most every rank's posts; a layout without a pipeline does not
+    change."""
     from plait.parallel.pipeline.lower import lower
     from plait.parallel.pipeline.registry import build_schedule
 
     path, prof = tmp_path / "p.json", _profile()
     flags = ("--gpus", "2", "--zero", "0", "--microbatch", "2")
     base = {lay: _plan_json(path, prof, "--layout", lay, *flags) for lay in ("pp=2", "dp=2")}
-    prof["fit"]["p2p_post"], prof["fit"]["p2p_complete"] = 1e-3, 2e-4
+    prof["fit"]["p2p_post"] = 1e-3
     posted = {lay: _plan_json(path, prof, "--layout", lay, *flags) for lay in ("pp=2", "dp=2")}
     assert posted["dp=2"] == base["dp=2"]
     grew = lay_step(posted["pp=2"]) - lay_step(base["pp=2"])
     bubble = "pipeline bubble + p2p"
     assert grew == pytest.approx(posted["pp=2"]["time_breakdown_s"][bubble]
                                  - base["pp=2"]["time_breakdown_s"][bubble], rel=1e-9)
-    # each post or gap delays a path through the timeline by at most its own time: no
-    # more than every rank's posts (runs of transfers in the lowered 1F1B lists, m = 4)
-    # and computes together
+    # each post delays a path through the timeline by at most its own time: no more than
+    # every rank's posts (runs of transfers in the lowered 1F1B lists, m = 4) together
     lists = lower(build_schedule("1f1b", 2, 4, 1)).actions
     runs = sum(1 for acts in lists for k, a in enumerate(acts)
                if len(a[0]) > 1 and (k == 0 or len(acts[k - 1][0]) == 1))
-    computes = sum(1 for acts in lists for a in acts if len(a[0]) == 1)
-    assert runs >= 2 * 4 and computes == 2 * 2 * 4
-    assert 0 < grew <= runs * 1e-3 + computes * 2e-4 + 1e-12
+    assert runs >= 2 * 4 and 0 < grew <= runs * 1e-3 + 1e-12
 
 
 def test_concurrent_gemms_fit_and_priced(tmp_path):

@@ -78,9 +78,6 @@ class Efficiency:
     # measure_post; the shared simulator's `post`); 0 for the GPU presets, whose
     # calibration set has the pipeline's sends inside its fit
     p2p_post: float = 0.0
-    # seconds completing a pipeline receive that has already arrived takes (the same
-    # measurement; the simulator's `gap` before each compute); 0 for the GPU presets
-    p2p_complete: float = 0.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:

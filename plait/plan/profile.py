@@ -30,8 +30,9 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   calls only).
 - posts: a batch of pipeline transfers posted after compute (measure_post): its mean wall
   seconds -> p2p_post, the shared simulator's `post` (a rank's time per batch of
-  transfers, idle: in the bubble line); completing a receive already there ->
-  p2p_complete, the simulator's `gap` before each compute.
+  transfers, idle: in the bubble line). Completing the transfers after more compute is
+  recorded (`complete_seconds`), not priced: 0.1-4.7 ms in repeats minutes apart here, it
+  holds the wake-up latency the pipeline's p2p latency already carries.
 - concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
   median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
   whose host runs other ranks too (plait/plan/estimate.py's _basis).
@@ -113,7 +114,6 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "comm_overlap": fit_overlap(raw.get("overlap")),
             "sync": fit_sync(raw.get("sync"), ar),
             "p2p_post": float((raw.get("post") or {}).get("post_seconds", 0.0)),
-            "p2p_complete": float((raw.get("post") or {}).get("complete_seconds", 0.0)),
             "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
@@ -227,7 +227,6 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True,
                      concurrent_gemm=fit.get("concurrent_gemm", 1.0),
                      p2p_post=fit.get("p2p_post", 0.0),
-                     p2p_complete=fit.get("p2p_complete", 0.0),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff
