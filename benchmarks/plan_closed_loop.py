@@ -1,6 +1,7 @@
 """The planner's step time on this machine, predicted vs measured (issue 27, item 2).
 
     python benchmarks/plan_closed_loop.py [--hardware profile.json] [--steps 12]
+                                          [--measured DIR]
 
 Measures a profile first (`plait calibrate`) unless one is given; then, for each small
 layout (world <= 2, so ranks do not share cores: one rank, dp=2 ZeRO-0 and ZeRO-3, tp=2
@@ -13,6 +14,9 @@ beside the dp/tp/pp bytes ratio; then where each planned step goes beside the co
 measured seconds (and the planned waits at collectives after compute, the profile's
 measure_sync). fp32 (the runtime's default; bf16 is emulated on this
 CPU), the `tiny` model with a 256-token vocabulary, sequence 64, global batch 8.
+It prints the folder it writes the runs to; `--measured DIR` plans again against the
+runs kept there (nothing is trained): a changed model or profile beside the same
+measurements.
 """
 
 from __future__ import annotations
@@ -74,8 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hardware", help="a profile (default: measure one now)")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--measured", help="a folder of an earlier run: plan again, train nothing")
     a = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="plait-closed-loop-"))
+    tmp = Path(a.measured or tempfile.mkdtemp(prefix="plait-closed-loop-"))
+    print(f"runs in {tmp}")
     prof = a.hardware or str(tmp / "profile.json")
     if not a.hardware:
         print(plait("calibrate", "--out", prof).strip())
@@ -91,8 +97,9 @@ def main() -> None:
         plait("plan", "--hardware", prof, *MODEL, "--gpus", gpus, *flags,
               "--emit-config", str(cfg))
         metrics = cfg.with_suffix(".jsonl")
-        plait("train", "--config", str(cfg), "--nproc", gpus, "--data", data, "--steps",
-              str(a.steps), "--metrics-out", str(metrics), "--quiet")
+        if not a.measured:
+            plait("train", "--config", str(cfg), "--nproc", gpus, "--data", data, "--steps",
+                  str(a.steps), "--metrics-out", str(metrics), "--quiet")
         rep = json.loads(plait("report", "--metrics", str(metrics), "--plan",
                                str(cfg.with_suffix(".plan.json")), "--json"))["plan"]
         st = rep["step_time"]
@@ -104,7 +111,8 @@ def main() -> None:
             "time_breakdown_s"], json.loads(metrics.read_text().splitlines()[-1])["ledger"]))
         print(f"| {name} | {st['predicted_s']:.4f} | {st['measured_s']:.4f} / "
               f"{st['measured_min_s']:.4f} | {100 * err:+.0f} % / {100 * err_min:+.0f} % | "
-              f"{met} | {ratios} | {os.getloadavg()[0]:.1f} |", flush=True)
+              f"{met} | {ratios} | {'-' if a.measured else f'{os.getloadavg()[0]:.1f}'} |",
+              flush=True)
     print_parts(parts)
 
 

@@ -11,13 +11,14 @@ plait.testing's harness), every collective through plait.comm.ops for each group
 dividing N, its seconds and algorithmic bytes read back from the rank's ledger, how
 much of a collective compute beside it hides, and what a collective issued after compute
 costs beyond the fit's price (the ranks' compute jitter and the wait after the last
-rank's arrival: calibrate_steps.measure_sync), and a few GEMMs on every rank at once
+rank's arrival: calibrate_steps.measure_sync), what posting a batch of pipeline
+transfers holds a rank (calibrate_steps.measure_post), and a few GEMMs on every rank at once
 (their throughput beside another rank's over alone). Each measurement is the best of a few
 repeats (the machine is shared: the best is the least disturbed), compute in the thread's
 CPU seconds, collectives on the wall clock. The fit (plait/plan/profile.py) is written
 with the raw numbers; `plait plan --hardware profile.json` plans with it.
 
-Measures 10-25 s (most of it the first training step's setup and the ranks' fork);
+Measures 10-35 s (most of it the first training step's setup and the ranks' fork);
 `--quick` (tests) fewer shapes and repeats. CPU only: measuring a GPU (CUDA kernels,
 NCCL) is not built yet.
 """
@@ -38,6 +39,7 @@ from plait.calibrate_steps import (
     best_seconds,
     elementwise_replay,
     measure_dispatch,
+    measure_post,
     measure_sync,
 )
 
@@ -172,6 +174,7 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int, quick:
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
     out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
+    out["post"] = [measure_post(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
     out["gemm_concurrent"] = _concurrent_gemms(mesh, quick)
     return out
 
@@ -236,6 +239,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw["collectives"] = measure_collectives(ranks, quick)
     raw["overlap"] = raw["collectives"].pop("overlap", [None])[0]
     raw["sync"] = raw["collectives"].pop("sync", [None])[0]
+    raw["post"] = raw["collectives"].pop("post", [None])[0]
     raw["gemm_concurrent"] = raw["collectives"].pop("gemm_concurrent", [])
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",

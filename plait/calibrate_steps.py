@@ -208,10 +208,14 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
 
 
 # CPU seconds of compute each rank runs between two collectives (the runtime's range:
-# tp's calls every ~0.5-1 ms of compute, ZeRO-0's gradient all-reduce after a whole
-# backward), and the all-reduce's bytes: latency-bound
-SYNC_SEGMENTS = (0.5e-3, 4e-3)
+# tp's calls every ~0.5-1 ms of compute, ZeRO-3's blocking gathers every ~3 ms, ZeRO-0's
+# gradient all-reduce and the step's all-reduces after a whole backward or pipeline, 7-20
+# ms of the closed loop's), and the all-reduce's bytes: latency-bound
+SYNC_SEGMENTS = (0.5e-3, 4e-3, 16e-3)
 SYNC_BYTES = 1 << 10
+# a larger call after SYNC_SEGMENTS[0], in the closed loop's range (tp's and ZeRO-3's 104-128
+# KiB, ZeRO-0's 521 KiB): whether the extra grows with the bytes (cold buffers)
+SYNC_LARGE_BYTES = 128 << 10
 
 
 def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
@@ -219,8 +223,9 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     beyond the same call issued back to back (the alpha-beta fit's setting). For each
     segment length L in SYNC_SEGMENTS: `calls` times, L seconds of this thread's CPU in
     128 x 128 GEMMs, then a SYNC_BYTES all-reduce over `dim`; and `calls` all-reduces
-    back to back. Every rank's arrival and exit times (perf_counter: one clock for the
-    ranks of one host) are all-gathered, and each call split into
+    back to back; and after SYNC_SEGMENTS[0], a SYNC_LARGE_BYTES all-reduce (`sizes`).
+    Every rank's arrival and exit times (perf_counter: one clock for the ranks of one
+    host) are all-gathered, and each call split into
       wait  = the last rank's arrival - this rank's (the ranks' compute jitter: they
               leave a compute of equal CPU work at different times; the wait for the
               slower rank),
@@ -233,7 +238,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     from plait.comm import ops
 
     n = mesh.size(dim)
-    x = torch.ones(SYNC_BYTES // 4, device=DEVICE)
+    small = torch.ones(SYNC_BYTES // 4, device=DEVICE)
     a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0), device=DEVICE)
 
     def compute(seconds: float) -> None:
@@ -241,7 +246,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         while time.thread_time() - t0 < seconds:
             a @ a
 
-    def run(seconds: float | None) -> tuple[float, float]:
+    def run(seconds: float | None, x: Any) -> tuple[float, float]:
         times = torch.empty(calls, 2, dtype=torch.float64, device=DEVICE)
         ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, dim, tag="calibrate")  # together
         for i in range(calls):
@@ -258,8 +263,8 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         after = (every[:, :, 1] - last).mean().item()
         return wait, after
 
-    def best(seconds: float | None) -> tuple[float, float]:
-        return min((run(seconds) for _ in range(repeats)), key=sum)
+    def best(seconds: float | None, x: Any = small) -> tuple[float, float]:
+        return min((run(seconds, x) for _ in range(repeats)), key=sum)
 
     _, back_to_back = best(None)
     rows = []
@@ -267,5 +272,59 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         wait, after = best(seconds)
         rows.append({"compute_seconds": seconds, "wait_seconds": wait,
                      "after_seconds": after})
+    wait, after = best(SYNC_SEGMENTS[0], torch.ones(SYNC_LARGE_BYTES // 4, device=DEVICE))
     return {"group": n, "bytes": SYNC_BYTES, "back_to_back_seconds": back_to_back,
-            "segments": rows}
+            "segments": rows, "sizes": [{"bytes": SYNC_LARGE_BYTES, "wait_seconds": wait,
+                                         "compute_seconds": SYNC_SEGMENTS[0],
+                                         "after_seconds": after}]}
+
+
+# a pipeline transfer's bytes here: the closed loop's activation (2 x 64 tokens x 64 fp32)
+POST_BYTES = 32 << 10
+
+
+def measure_post(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
+    """What posting one batch of pipeline transfers costs the rank, as the pipeline
+    runtime posts them (plait/parallel/pipeline/runtime.py's `_post`: one
+    `batch_send_recv`, here a POST_BYTES send to the group's next rank and a receive from
+    its previous one) after SYNC_SEGMENTS[0] of compute on every rank: the wall seconds
+    of the call alone (gloo's posting, blocked or descheduled, not only its CPU); then as
+    much compute again, and the wall seconds of completing the transfers (recorded, not
+    priced: it holds the wake-up latency a pipeline transfer's latency already carries).
+    Means over `calls`, the best of `repeats` (by the post and completion together)."""
+    import torch
+
+    from plait.comm import ops
+
+    group = mesh.group_ranks[dim]
+    me = group.index(mesh.rank)
+    nxt, prev = group[(me + 1) % len(group)], group[(me - 1) % len(group)]
+    x = torch.ones(POST_BYTES // 4, device=DEVICE)
+    buf = torch.empty_like(x)
+    a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0), device=DEVICE)
+
+    def spin() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < SYNC_SEGMENTS[0]:
+            a @ a
+
+    def run() -> tuple[float, float, float]:
+        ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, dim, tag="calibrate")  # together
+        wall = cpu = done = 0.0
+        for _ in range(calls):
+            spin()
+            w0, c0 = time.perf_counter(), time.thread_time()
+            handles = ops.batch_send_recv([(x, nxt)], [(buf, prev)], mesh, dim,
+                                          tag="calibrate")
+            wall += time.perf_counter() - w0
+            cpu += time.thread_time() - c0
+            spin()
+            w0 = time.perf_counter()
+            for h in handles:
+                h.wait()
+            done += time.perf_counter() - w0
+        return wall / calls, cpu / calls, done / calls
+
+    wall, cpu, done = min((run() for _ in range(repeats)), key=lambda r: r[0] + r[2])
+    return {"group": len(group), "bytes": POST_BYTES, "compute_seconds": SYNC_SEGMENTS[0],
+            "post_seconds": wall, "post_cpu_seconds": cpu, "complete_seconds": done}

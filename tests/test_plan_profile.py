@@ -17,7 +17,7 @@ import math
 import pytest
 
 from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
-from plait.calibrate_steps import SYNC_SEGMENTS
+from plait.calibrate_steps import POST_BYTES, SYNC_LARGE_BYTES, SYNC_SEGMENTS
 from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
@@ -90,10 +90,17 @@ def test_calibrate_measures_every_term():
     sync = raw["sync"]  # after compute on both ranks, and back to back
     assert sync["group"] == 2 and sync["back_to_back_seconds"] > 0
     assert [r["compute_seconds"] for r in sync["segments"]] == list(SYNC_SEGMENTS)
+    assert [(r["bytes"], r["compute_seconds"]) for r in sync["sizes"]] == [
+        (SYNC_LARGE_BYTES, SYNC_SEGMENTS[0])] and sync["sizes"][0]["after_seconds"] > 0
     assert all(r["wait_seconds"] >= 0 and r["after_seconds"] > 0 for r in sync["segments"])
     assert [(r["m"], r["k"], r["n"]) for r in raw["gemm_concurrent"]] == QUICK_GEMMS
     assert all(r["seconds"] > 0 for r in raw["gemm_concurrent"])
+    post = raw["post"]  # a batch of pipeline transfers posted after compute
+    assert post["group"] == 2 and post["bytes"] == POST_BYTES
+    assert post["post_seconds"] > 0 and post["post_cpu_seconds"] >= 0
+    assert post["complete_seconds"] >= 0
     fit = prof["fit"]
+    assert fit["p2p_post"] == post["post_seconds"] and eff_of(prof).p2p_post == fit["p2p_post"]
     assert fit == fit_profile(raw)
     assert 0 < fit["concurrent_gemm"] <= 1  # the fit is a function of the raw numbers
     assert fit["dispatch"]["layer_ops"] + fit["dispatch"]["outside_ops"] == d["step_ops_1"]
@@ -272,11 +279,17 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     priced = 2 * 50e-6 + 1024 / 1e9  # a 1 KiB ring all-reduce on 2 ranks
     raw = {"group": 2, "bytes": 1024, "back_to_back_seconds": 1e-4, "segments": [
         {"compute_seconds": 1e-3, "wait_seconds": 1e-4, "after_seconds": priced + 3e-4},
-        {"compute_seconds": 4e-3, "wait_seconds": 2e-4, "after_seconds": priced + 5e-4}]}
+        {"compute_seconds": 4e-3, "wait_seconds": 2e-4, "after_seconds": priced + 5e-4}],
+        # 64 KiB after 1 ms: its own alpha-beta price, plus 2e-4 s more than 1 KiB's extra
+        "sizes": [{"bytes": 65536, "compute_seconds": 1e-3, "wait_seconds": 1e-4,
+                   "after_seconds": 2 * 50e-6 + 65536 / 1e9 + 3e-4 + 2e-4}]}
     got = fit_sync(raw, link)
     assert got["sync_extra"] == pytest.approx(4e-4, rel=1e-9)
+    assert got["sync_after"] == pytest.approx((3e-4, 5e-4), rel=1e-9)  # per segment
+    assert got["sync_per_byte"] == pytest.approx(2e-4 / (65536 - 1024), rel=1e-9)
     assert fit_sync(None, link) == fit_sync(raw, None) == {
-        "sync_extra": 0.0, "desync_compute": (), "desync_wait": ()}
+        "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
+        "sync_per_byte": 0.0}
     from plait.plan.compute import Efficiency
     from plait.plan.step_comm import desync_wait
 
@@ -287,7 +300,45 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     assert desync_wait(1e-3, Efficiency(1.0, 1.0, 1.0, 0.0)) == 0.0  # not measured
     falling = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=(1e-3, 4e-3),
                          desync_wait=(2e-4, 1e-4))  # noise: held to a constant skew
-    assert desync_wait(16e-3, falling) == pytest.approx(2e-4, rel=1e-9)
+    assert desync_wait(16e-3, falling) == pytest.approx(2 ** 0.5 * 1e-4, rel=1e-9)
+    # three points on one law: that law; a noisy middle point: the least-squares law
+    three = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=(1e-3, 4e-3, 16e-3),
+                       desync_wait=(1e-4, 2e-4, 4e-4))
+    assert [desync_wait(x, three) for x in (0.5e-3, 8e-3, 64e-3)] == \
+        pytest.approx([2 ** -0.5 * 1e-4, 8 ** 0.5 * 1e-4, 8e-4], rel=1e-9)
+    bent = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=(1e-3, 4e-3, 16e-3),
+                      desync_wait=(1e-4, 8e-4, 4e-4))
+    p = 0.5  # the least-squares slope through (0, 0), (1, 1.5), (2, 1) in log base 4
+    y1 = math.exp((math.log(1e-4) + math.log(8e-4) + math.log(4e-4)) / 3
+                  - p * (math.log(1e-3) + math.log(4e-3) + math.log(16e-3)) / 3)
+    assert desync_wait(2e-3, bent) == pytest.approx(y1 * 2e-3 ** p, rel=1e-9)
+
+
+def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
+    """Only the calls a rank waits on at once pay the sync line: ZeRO-3 at dp 2 with two
+    micro-batches waits on 2 of its 10 all-gathers a micro-batch (each forward's and
+    backward's first unit; the rest were prefetched), 1 of its 5 reduce-scatters (the
+    last, after the backward) and the step's grad-norm and logged-loss all-reduces: K =
+    2m + m + 2 = 8 of its 32 calls. Each pays the extra after the last arrival measured
+    at its segment of compute (sync_after) and the wait, both power laws in L = C/K."""
+    from plait.plan.step_comm import SYNC_TERM
+
+    path, prof = tmp_path / "p.json", _profile()
+    prof["fit"]["sync"] = {"sync_extra": 1.5e-3, "desync_compute": [1e-3, 4e-3],
+                           "desync_wait": [1e-4, 4e-4], "sync_after": [1e-3, 2e-3],
+                           "sync_per_byte": 1e-9}
+    lay = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
+                     "--microbatch", "2")
+    t, m = lay["time_breakdown_s"], 2
+    assert sum(c["count"] for c in lay["collectives"]) == 2 * 5 * m + 5 * m + 2
+    k = 2 * m + m + 2
+    seg = (t["compute"] + t["recompute"]) / k
+    extra, wait = 1e-3 * (seg / 1e-3) ** 0.5, 1e-4 * seg / 1e-3
+    ag, rs = (next(c for c in lay["collectives"] if c["op"].startswith(op))
+              for op in ("all-gather (params", "reduce-scatter (grads"))
+    blocking_bytes = 2 * m * ag["bytes"] + m * rs["bytes"] + 2 * 8
+    assert t[SYNC_TERM] == pytest.approx(k * (extra + wait) + 1e-9 * blocking_bytes,
+                                         rel=1e-9)
 
 
 def test_sync_priced_per_collective_call(tmp_path):
@@ -321,6 +372,36 @@ def test_sync_priced_per_collective_call(tmp_path):
 
 def lay_step(lay: dict) -> float:
     return lay["step_time_s"]
+
+
+def eff_of(prof: dict):  # noqa: ANN201
+    return profile_hardware(prof)[1]
+
+
+def test_posting_transfers_priced_in_the_pipeline(tmp_path):
+    """p2p_post: each batch of transfers a pipeline rank posts holds it that long, idle
+    (the shared simulator's `post`): a pipelined step grows by it, inside "pipeline
+    bubble + p2p", by at most every rank's posts; a layout without a pipeline does not
+    change."""
+    from plait.parallel.pipeline.lower import lower
+    from plait.parallel.pipeline.registry import build_schedule
+
+    path, prof = tmp_path / "p.json", _profile()
+    flags = ("--gpus", "2", "--zero", "0", "--microbatch", "2")
+    base = {lay: _plan_json(path, prof, "--layout", lay, *flags) for lay in ("pp=2", "dp=2")}
+    prof["fit"]["p2p_post"] = 1e-3
+    posted = {lay: _plan_json(path, prof, "--layout", lay, *flags) for lay in ("pp=2", "dp=2")}
+    assert posted["dp=2"] == base["dp=2"]
+    grew = lay_step(posted["pp=2"]) - lay_step(base["pp=2"])
+    bubble = "pipeline bubble + p2p"
+    assert grew == pytest.approx(posted["pp=2"]["time_breakdown_s"][bubble]
+                                 - base["pp=2"]["time_breakdown_s"][bubble], rel=1e-9)
+    # each post delays a path through the timeline by at most its own time: no more than
+    # every rank's posts (runs of transfers in the lowered 1F1B lists, m = 4) together
+    lists = lower(build_schedule("1f1b", 2, 4, 1)).actions
+    runs = sum(1 for acts in lists for k, a in enumerate(acts)
+               if len(a[0]) > 1 and (k == 0 or len(acts[k - 1][0]) == 1))
+    assert runs >= 2 * 4 and 0 < grew <= runs * 1e-3 + 1e-12
 
 
 def test_concurrent_gemms_fit_and_priced(tmp_path):

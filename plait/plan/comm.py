@@ -85,6 +85,10 @@ class Collective:
     exposed: Num  # seconds per step not hidden behind compute
     overlap: str  # what it overlaps with, in words
     algorithm: str = "ring"
+    # of `count`, the calls per step the issuing rank waits on at once (a synchronous call,
+    # or an async one waited before any compute runs beside it): those pay a measured
+    # profile's collective sync (plait/plan/step_comm.py's sync_seconds). None: every call
+    blocking: Num = None
 
     @property
     def total(self) -> Num:

@@ -69,6 +69,15 @@ class Efficiency:
     sync_extra: float = 0.0
     desync_compute: tuple[float, ...] = ()
     desync_wait: tuple[float, ...] = ()
+    # the seconds past the alpha-beta price after each of `desync_compute`'s segments
+    # (sync_extra is their mean; empty in a profile that predates them)
+    sync_after: tuple[float, ...] = ()
+    # and the extra's growth per byte of a larger call (measured at one larger size)
+    sync_per_byte: float = 0.0
+    # seconds posting one batch of pipeline transfers holds a rank (plait calibrate's
+    # measure_post; the shared simulator's `post`); 0 for the GPU presets, whose
+    # calibration set has the pipeline's sends inside its fit
+    p2p_post: float = 0.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:

@@ -24,8 +24,15 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
 - sync: a latency-bound all-reduce issued after compute on every rank (measure_sync in
   plait/calibrate_steps.py): the mean seconds it took once the last rank arrived, less
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
-  runs) -> sync_extra; the mean wait for the last rank after each segment of compute ->
-  desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds).
+  runs), per segment of compute -> sync_after (their mean: sync_extra), a larger call's
+  more per byte -> sync_per_byte; the mean wait for the last rank after each segment ->
+  desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds: the blocking
+  calls only).
+- posts: a batch of pipeline transfers posted after compute (measure_post): its mean wall
+  seconds -> p2p_post, the shared simulator's `post` (a rank's time per batch of
+  transfers, idle: in the bubble line). Completing the transfers after more compute is
+  recorded (`complete_seconds`), not priced: 0.1-4.7 ms in repeats minutes apart here, it
+  holds the wake-up latency the pipeline's p2p latency already carries.
 - concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
   median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
   whose host runs other ranks too (plait/plan/estimate.py's _basis).
@@ -106,6 +113,7 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "dispatch": fit_dispatch(raw.get("dispatch")),
             "comm_overlap": fit_overlap(raw.get("overlap")),
             "sync": fit_sync(raw.get("sync"), ar),
+            "p2p_post": float((raw.get("post") or {}).get("post_seconds", 0.0)),
             "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
@@ -149,20 +157,32 @@ def fit_elementwise(rows: list[dict[str, float]] | None, d: dict[str, Any] | Non
 
 def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[str, Any]:
     """The extra seconds of a synchronising collective after compute beyond the alpha-beta
-    price (the mean over the measured segments: the wake-up does not depend on the
-    compute before it), and the wait for the last rank per segment length; none when not
-    measured (one rank)."""
+    price, per measured segment length (`sync_after`: on this machine it grew with the
+    compute before the call, 1.0 to 2.5 ms after 0.5 and 4 ms, quiet) and their mean
+    (`sync_extra`), per byte of a larger call after the same compute (`sync_per_byte`),
+    and the wait for the last rank per segment length; none when not measured (one
+    rank)."""
     if not s or not link:
-        return {"sync_extra": 0.0, "desync_compute": (), "desync_wait": ()}
+        return {"sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
+                "sync_per_byte": 0.0}
     from plait.plan.comm import all_reduce
 
-    priced = float(all_reduce(s["bytes"], s["group"], link["bandwidth_Bps"],
-                              link["alpha_s"])[0])
+    def extra(row: dict[str, Any], size: float) -> float:  # past the alpha-beta price
+        return float(row["after_seconds"]) - float(all_reduce(
+            size, s["group"], link["bandwidth_Bps"], link["alpha_s"])[0])
+
     rows = s["segments"]
-    after = float(np.mean([r["after_seconds"] for r in rows]))
-    return {"sync_extra": max(after - priced, 0.0),
+    small = [extra(r, s["bytes"]) for r in rows]
+    at = dict(zip((r["compute_seconds"] for r in rows), small, strict=True))
+    # a larger call's extra over the small one's after the same compute, per byte more
+    # (cold buffers copied slower than the back-to-back fit's); 0 if it is not larger
+    per_byte = [(extra(r, r["bytes"]) - at[r["compute_seconds"]]) / (r["bytes"] - s["bytes"])
+                for r in s.get("sizes", []) if r["compute_seconds"] in at]
+    return {"sync_extra": max(float(np.mean(small)), 0.0),
             "desync_compute": tuple(float(r["compute_seconds"]) for r in rows),
-            "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows)}
+            "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows),
+            "sync_after": tuple(max(v, 0.0) for v in small),
+            "sync_per_byte": max(float(np.mean(per_byte)), 0.0) if per_byte else 0.0}
 
 
 def fit_concurrent(alone: list[dict[str, Any]], together: list[dict[str, Any]] | None
@@ -206,6 +226,7 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      **fit.get("dispatch") or fit_dispatch(None),
                      comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True,
                      concurrent_gemm=fit.get("concurrent_gemm", 1.0),
+                     p2p_post=fit.get("p2p_post", 0.0),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff

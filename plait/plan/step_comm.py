@@ -191,25 +191,32 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     if eff.runtime_comm:
         last_ar = comm.all_reduce(last_bucket_bytes(g_bytes), n, bw, al)[0]
         last_rs = t_rs / units
-    dp_colls: list[tuple[str, Num, Num, Num, Num, str]] = []
+    # the last value: calls a step the rank waits on at once (`Collective.blocking`): of
+    # bucketed DP's all-reduces the last bucket's, issued when the backward ends; of ZeRO's
+    # reduce-scatters the last unit's of each round (the others complete behind the rest
+    # of the backward, plait/parallel/zero.py); ZeRO-1/2's parameter all-gathers are issued
+    # together and waited together; of ZeRO-3's all-gathers the first unit's of each
+    # forward and each backward (every later unit's was prefetched behind the one before)
+    dp_colls: list[tuple[str, Num, Num, Num, Num, str, Num]] = []
     if lay.zero == 0:
         exp = np.maximum(t_ar_dp - b_mb, last_ar)
-        dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward"))
+        dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward", 1))
     elif lay.zero in (1, 2):
         k = m if lay.zero == 2 else 1
         exp_rs = k * np.maximum(t_rs - b_mb, last_rs)
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
-                         "each backward" if lay.zero == 2 else "last backward"))
+                         "each backward" if lay.zero == 2 else "last backward", k))
         dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
-                         np.maximum(t_ag - f_mb, 0), "first forward"))
+                         np.maximum(t_ag - f_mb, 0), "first forward", 1))
     else:
         dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, 2 * m, t_ag,
                          m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
-                         "the layer before (prefetch)"))
+                         "the layer before (prefetch)", 2 * m))
         dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
-                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward"))
+                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
+                         m))
     dp_exposed = 0.0
-    for op, size, count, t_each, exp, how in dp_colls:
+    for op, size, count, t_each, exp, how, blocking in dp_colls:
         exp = np.where(n > 1, exp, 0.0)
         dp_exposed = dp_exposed + exp
         if np.any(n > 1):
@@ -218,7 +225,8 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
                                          size / units if per_unit else size,
                                          np.asarray(count, dtype=float)
                                          * (units if per_unit else 1.0), n, dp_intra,
-                                         t_each / units if per_unit else t_each, exp, how))
+                                         t_each / units if per_unit else t_each, exp, how,
+                                         blocking=np.asarray(blocking, dtype=float)))
     if eff.runtime_comm and not over_ep:
         dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
     return dp_exposed
@@ -266,34 +274,64 @@ def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: _Bas
 SYNC_TERM = "collective sync (waits)"  # the step-time breakdown's line for sync_seconds
 
 
-def desync_wait(segment: Num, eff: Efficiency) -> Num:
-    """The mean wait for the last rank of a group at a collective after `segment` seconds
-    of compute on each rank since their last one: the power law w = w0 (L / L0)^p through
-    the profile's two measured points (a single point, or one of them 0: proportional to
-    L), 0 where nothing was measured. p is held to [0, 1], between a skew that does not
-    grow with the compute (0) and jitter proportional to it (1; independent disturbances
-    give 1/2): two noisy points can say less, or more, than any of these."""
-    pts = [(c, w) for c, w in zip(eff.desync_compute, eff.desync_wait, strict=True) if c > 0]
+def _power_law(segment: Num, xs: tuple[float, ...], ys: tuple[float, ...]) -> Num:
+    """y = y0 (L / L0)^p through the measured points (x > 0; two: exactly, more: least
+    squares in log-log, so one noisy point moves the law, not a piece of it); a single
+    point, or a y of 0: proportional to L through the largest; 0 where nothing was
+    measured. p is held to [0, 1], between a value that does not grow with the compute
+    (0) and one proportional to it (1), y0 then refitted: noisy points can say less, or
+    more, than either."""
+    pts = [(c, w) for c, w in zip(xs, ys, strict=True) if c > 0]
     seg = np.maximum(np.asarray(segment, dtype=float), 0.0)
     if not pts:
         return 0.0 * seg
-    (c0, w0), (c1, w1) = pts[0], pts[-1]
-    if w0 <= 0 or w1 <= 0 or c1 == c0:
-        return max(w0, w1) / max(c0, c1) * seg
-    p = min(max(np.log(w1 / w0) / np.log(c1 / c0), 0.0), 1.0)
-    return w0 * (seg / c0) ** p
+    if len(pts) == 1 or min(w for _, w in pts) <= 0 or len({c for c, _ in pts}) == 1:
+        c1, w1 = max(pts)
+        return max(w for _, w in pts) / c1 * seg
+    lx, ly = np.log([c for c, _ in pts]), np.log([w for _, w in pts])
+    p = float(np.clip(np.polyfit(lx, ly, 1)[0], 0.0, 1.0))
+    return np.exp(np.mean(ly - p * lx)) * seg ** p
+
+
+def desync_wait(segment: Num, eff: Efficiency) -> Num:
+    """The mean wait for the last rank of a group at a collective after `segment` seconds
+    of compute on each rank since their last one: a power law (`_power_law`) through the
+    profile's measured points (independent disturbances would give p = 1/2)."""
+    return _power_law(segment, eff.desync_compute, eff.desync_wait)
+
+
+def sync_after(segment: Num, eff: Efficiency) -> Num:
+    """The mean seconds a blocking collective takes past its alpha-beta price once the
+    last rank has arrived, after `segment` seconds of compute: the profile's per-segment
+    measurements through the same power law (measured here: it grows with the compute
+    before the call, as the waiting rank's core has idled longer), or its one mean
+    `sync_extra` where those are not in the profile."""
+    if len(eff.sync_after) != len(eff.desync_compute) or not eff.sync_after:
+        return eff.sync_extra + 0.0 * np.asarray(segment, dtype=float)
+    return _power_law(segment, eff.desync_compute, eff.sync_after)
+
+
+def blocking_calls(colls: list[comm.Collective]) -> tuple[Num, Num]:
+    """(calls, their bytes) a step the rank waits on at once, over groups of more than
+    one rank: every listed call but the pipeline's sends (the simulated timeline holds
+    them) and those a collective says overlap compute (`Collective.blocking`: ZeRO's
+    prefetched gathers, reduce-scatters completed behind later layers)."""
+    calls, nbytes = 0.0, 0.0
+    for c in colls:
+        if c.dim != "pp" or not c.op.startswith("send"):
+            n = np.where(np.asarray(c.group) > 1, c.count if c.blocking is None
+                         else c.blocking, 0.0)
+            calls, nbytes = calls + n, nbytes + n * c.size
+    return np.asarray(calls, dtype=float), np.asarray(nbytes, dtype=float)
 
 
 def sync_seconds(eff: Efficiency, colls: list[comm.Collective], compute: Num) -> Num:
     """Seconds a step's synchronising collectives cost beyond their alpha-beta time: each
-    of the K calls per step (every listed collective over a group of more than one rank
-    but the pipeline's sends, which the simulated timeline holds) pays the measured extra
-    after the last rank arrives, and waits for the last rank after its share of the
-    step's compute, compute / K (the ranks' jitter; plait calibrate's measure_sync)."""
-    calls = 0.0
-    for c in colls:
-        if c.dim != "pp" or not c.op.startswith("send"):
-            calls = calls + np.where(np.asarray(c.group) > 1, c.count, 0.0)
-    calls = np.asarray(calls, dtype=float)
+    of the K blocking calls per step (`blocking_calls`) waits for the last rank after its
+    share of the step's compute, L = compute / K (the ranks' jitter), and then pays the
+    measured extra after that arrival at that L, and sync_per_byte for each byte of its
+    message (plait calibrate's measure_sync)."""
+    calls, nbytes = blocking_calls(colls)
     segment = np.asarray(compute, dtype=float) / np.maximum(calls, 1.0)
-    return calls * (eff.sync_extra + desync_wait(segment, eff))
+    return calls * (sync_after(segment, eff) + desync_wait(segment, eff)) \
+        + eff.sync_per_byte * nbytes
