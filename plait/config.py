@@ -23,10 +23,13 @@ DEFAULT_ORDER = ("tp", "cp", "pp", "dp")  # innermost first: tp stays inside a n
 # bucketed DP's first bucket cap in MB (torch DDP's 1 MiB first bucket): its all-reduce
 # starts early in backward (plait/parallel/data.py; the planner's last bucket, step_comm.py)
 FIRST_BUCKET_MB = 1.0
-# ZeRO's gradient reduce-scatters in flight during backward (plait/parallel/zero.py): one
-# made backward wait on each unit's collective in turn; each more holds one more unit's
-# flat gradient, its output and gloo's chunks (the eager memory model, plan/eager.py)
-ZERO_REDUCE_SCATTERS_IN_FLIGHT = 2
+# ZeRO's gradient reduce-scatters in flight during backward (plait/parallel/zero.py): each
+# more holds one more unit's flat gradient, its output and gloo's chunks (the eager memory
+# model, plan/eager_sizes.py). One: with 4 ranks on 2 cores a second in flight was slower
+# (zero_vs_torch.py --stages 1,3 A/B, 2026-12-03: ZeRO-1 / DDP 1.034 with two, 0.935 and
+# 0.948 with one; docs/performance.md); on a GPU, where the collective runs beside the
+# compute, two may pay (a setting to measure there)
+ZERO_REDUCE_SCATTERS_IN_FLIGHT = 1
 
 
 def _model_range_problems(m: ModelConfig) -> list[str]:

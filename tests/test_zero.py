@@ -103,10 +103,10 @@ def _prefetch_probe(rank, world):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_backward_keeps_two_reduce_scatters_in_flight(stage):
-    """Each unit's reduce-scatter is posted while the two before it are still in flight
-    (ZERO_REDUCE_SCATTERS_IN_FLIGHT; the oldest is completed just after): three records
-    overlap at each launch from the third unit on, never more."""
+def test_backward_keeps_the_set_reduce_scatters_in_flight(stage):
+    """Each unit's reduce-scatter is posted while the k = ZERO_REDUCE_SCATTERS_IN_FLIGHT
+    before it are still in flight (the oldest is completed just after): k + 1 records
+    overlap at each launch from unit k + 1 on, never more."""
     from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT as in_flight
 
     outs = run_layout("parallel.dp=2", f"parallel.zero={stage}")
