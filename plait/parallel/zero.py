@@ -6,10 +6,10 @@ elements [r*k, (r+1)*k) of it (k = padded / N) and keeps the fp32 master, Adam m
 variance of that shard only: 12 bytes a parameter / N.
 
 - stage 1: during the last micro-batch's backward, each unit's full gradient is
-  reduce-scattered as soon as it is complete (overlapping the rest of backward; two in
-  flight); each rank updates its shard; the updated shards are all-gathered into the full
-  parameters, each unit's waited on just before its next forward (overlapping the forward
-  of the units before it).
+  reduce-scattered as soon as it is complete (overlapping the rest of backward;
+  ZERO_REDUCE_SCATTERS_IN_FLIGHT of them in flight); each rank updates its shard; the
+  updated shards are all-gathered into the full parameters, each unit's waited on just
+  before its next forward (overlapping the forward of the units before it).
 - stage 2: as soon as backward completes a unit's gradients (every micro-batch) they are
   reduce-scattered asynchronously and the full gradient is freed; the shard accumulates;
   the all-gather as in stage 1.
