@@ -194,9 +194,10 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     # the last value: calls a step the rank waits on at once (`Collective.blocking`): of
     # bucketed DP's all-reduces the last bucket's, issued when the backward ends; of ZeRO's
     # reduce-scatters the last unit's of each round (the others complete behind the rest
-    # of the backward, plait/parallel/zero.py); ZeRO-1/2's parameter all-gathers are issued
-    # together and waited together; of ZeRO-3's all-gathers the first unit's of each
-    # forward and each backward (every later unit's was prefetched behind the one before)
+    # of the backward, plait/parallel/zero.py); of ZeRO-1/2's parameter all-gathers, issued
+    # together after the update, the first unit's (each later one is waited on before its
+    # unit's forward, behind the units before it); of ZeRO-3's all-gathers the first
+    # unit's of each forward and each backward (every later unit's was prefetched)
     dp_colls: list[tuple[str, Num, Num, Num, Num, str, Num]] = []
     if lay.zero == 0:
         exp = np.maximum(t_ar_dp - b_mb, last_ar)
