@@ -12,10 +12,12 @@ dividing N, its seconds and algorithmic bytes read back from the rank's ledger, 
 much of a collective compute beside it hides, and what a collective issued after compute
 costs beyond the fit's price (the ranks' compute jitter and the wait after the last
 rank's arrival: calibrate_steps.measure_sync), what posting a batch of pipeline
-transfers holds a rank (calibrate_steps.measure_post), and a few GEMMs on every rank at once
-(their throughput beside another rank's over alone). Each measurement is the best of a few
-repeats (the machine is shared: the best is the least disturbed), compute in the thread's
-CPU seconds, collectives on the wall clock. The fit (plait/plan/profile.py) is written
+transfers holds a rank (calibrate_steps.measure_post), the pipeline runtime's own time
+before each compute action (calibrate_steps.measure_gap: plait's runtime trained at pp = 2),
+and a few GEMMs on every rank at once (their throughput beside another rank's over alone).
+Each measurement is the best of a few repeats (the machine is shared: the best is the least
+disturbed; the sync numbers and the gap: medians), compute in the thread's CPU seconds,
+collectives on the wall clock. The fit (plait/plan/profile.py) is written
 with the raw numbers; `plait plan --hardware profile.json` plans with it.
 
 Measures 10-35 s (most of it the first training step's setup and the ranks' fork);
@@ -39,6 +41,7 @@ from plait.calibrate_steps import (
     best_seconds,
     elementwise_replay,
     measure_dispatch,
+    measure_gap,
     measure_post,
     measure_sync,
 )
@@ -173,9 +176,11 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int, quick:
                      "seconds": min(r.seconds for r in recs)})
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
-    out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
+    out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 3 if quick else 5)]
     out["post"] = [measure_post(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
     out["gemm_concurrent"] = _concurrent_gemms(mesh, quick)
+    if world % 2 == 0:  # the pipeline runtime's own time before each compute, at pp = 2
+        out["pipeline_gap"] = [measure_gap(world, 4 if quick else 8, 2 if quick else 3)]
     return out
 
 
@@ -240,6 +245,7 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw["overlap"] = raw["collectives"].pop("overlap", [None])[0]
     raw["sync"] = raw["collectives"].pop("sync", [None])[0]
     raw["post"] = raw["collectives"].pop("post", [None])[0]
+    raw["pipeline_gap"] = raw["collectives"].pop("pipeline_gap", [None])[0]
     raw["gemm_concurrent"] = raw["collectives"].pop("gemm_concurrent", [])
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
@@ -287,5 +293,16 @@ def run(args: argparse.Namespace) -> int:
           f"the GEMM curve, memory {fit['memory_bw_Bps'] / 1e9:.1f} GB/s"
           + (f", all-reduce over {fit['link_group']}: {link['bandwidth_Bps'] / 1e9:.2f} GB/s, "
              f"alpha {link['alpha_s'] * 1e6:.0f} us" if link else "")
-          + f"; {prof['measure_seconds']:.1f} s; written to {args.out}")
+          + _sync_words(fit) + f"; {prof['measure_seconds']:.1f} s; written to {args.out}")
     return 0
+
+
+def _sync_words(fit: dict[str, Any]) -> str:
+    """The sync extra per segment with its repeats' spread, and the pipeline's gap."""
+    spread = fit.get("sync_spread") or []
+    words = ", ".join(f"{r['median'] * 1e3:.2f} ({r['low'] * 1e3:.2f} to {r['high'] * 1e3:.2f})"
+                      f" after {r['compute_seconds'] * 1e3:g}" for r in spread)
+    out = f"; sync extra ms {words} ms of compute" if words else ""
+    if fit.get("pipeline_gap"):
+        out += f"; pipeline gap {fit['pipeline_gap'] * 1e6:.0f} us a compute"
+    return out

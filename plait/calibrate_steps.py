@@ -7,6 +7,7 @@ seconds / its operations), and the block's element-wise operations replayed one 
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -216,6 +217,9 @@ SYNC_BYTES = 1 << 10
 # a larger call after SYNC_SEGMENTS[0], in the closed loop's range (tp's and ZeRO-3's 104-128
 # KiB, ZeRO-0's 521 KiB): whether the extra grows with the bytes (cold buffers)
 SYNC_LARGE_BYTES = 128 << 10
+# what measure_sync's numbers are (written into the profile with them)
+SYNC_STATISTIC = ("median over the calls of a repeat (each the mean over the ranks), median of "
+                  "the repeats")
 
 
 def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
@@ -231,8 +235,11 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
               slower rank),
       after = exit - the last rank's arrival (the collective itself, with the backend's
               wake-up once every rank has come).
-    Means over the ranks and calls; the best of `repeats` (the least disturbed: the
-    machine may be shared). Wall clock: both are waits, not work."""
+    Both are means over the ranks, per call; of a repeat's calls the median (`_robust`:
+    a call another process's time slice delays reads 3-4 ms here against 0.3-0.5, and a
+    few of them moved a repeat's mean from 1.0 to 5.9 ms), and of the `repeats` the
+    median, each repeat's kept beside it (its spread). Wall clock: both are waits, not
+    work."""
     import torch
 
     from plait.comm import ops
@@ -259,24 +266,24 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         ops.all_gather(every, times.reshape(-1), mesh, dim, tag="calibrate")
         every = every.reshape(n, calls, 2)
         last = every[:, :, 0].max(dim=0).values
-        wait = (last - every[:, :, 0]).mean().item()
-        after = (every[:, :, 1] - last).mean().item()
-        return wait, after
+        wait = (last - every[:, :, 0]).mean(dim=0)  # per call, over the ranks
+        after = (every[:, :, 1] - last).mean(dim=0)
+        return statistics.median(wait.tolist()), statistics.median(after.tolist())
 
-    def best(seconds: float | None, x: Any = small) -> tuple[float, float]:
-        return min((run(seconds, x) for _ in range(repeats)), key=sum)
+    def row(seconds: float | None, x: Any = small) -> dict[str, Any]:
+        waits, afters = zip(*(run(seconds, x) for _ in range(repeats)), strict=True)
+        return {"wait_seconds": statistics.median(waits),
+                "after_seconds": statistics.median(afters),
+                "wait_repeats": list(waits), "after_repeats": list(afters)}
 
-    _, back_to_back = best(None)
-    rows = []
-    for seconds in SYNC_SEGMENTS:
-        wait, after = best(seconds)
-        rows.append({"compute_seconds": seconds, "wait_seconds": wait,
-                     "after_seconds": after})
-    wait, after = best(SYNC_SEGMENTS[0], torch.ones(SYNC_LARGE_BYTES // 4, device=DEVICE))
-    return {"group": n, "bytes": SYNC_BYTES, "back_to_back_seconds": back_to_back,
-            "segments": rows, "sizes": [{"bytes": SYNC_LARGE_BYTES, "wait_seconds": wait,
-                                         "compute_seconds": SYNC_SEGMENTS[0],
-                                         "after_seconds": after}]}
+    back = row(None)
+    rows = [{"compute_seconds": seconds, **row(seconds)} for seconds in SYNC_SEGMENTS]
+    large = row(SYNC_SEGMENTS[0], torch.ones(SYNC_LARGE_BYTES // 4, device=DEVICE))
+    return {"group": n, "bytes": SYNC_BYTES, "statistic": SYNC_STATISTIC,
+            "back_to_back_seconds": back["after_seconds"],
+            "back_to_back_repeats": back["after_repeats"], "segments": rows,
+            "sizes": [{"bytes": SYNC_LARGE_BYTES, "compute_seconds": SYNC_SEGMENTS[0],
+                       **large}]}
 
 
 # a pipeline transfer's bytes here: the closed loop's activation (2 x 64 tokens x 64 fp32)
@@ -328,3 +335,37 @@ def measure_post(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     wall, cpu, done = min((run() for _ in range(repeats)), key=lambda r: r[0] + r[2])
     return {"group": len(group), "bytes": POST_BYTES, "compute_seconds": SYNC_SEGMENTS[0],
             "post_seconds": wall, "post_cpu_seconds": cpu, "complete_seconds": done}
+
+
+def measure_gap(world: int, steps: int, repeats: int) -> dict[str, Any]:
+    """plait's pipeline runtime's own time before each compute action that did not wait
+    for its input (`records.runtime_gap`, the simulator's `Durations.gap`: the loop's
+    Python, completing a receive already there, reaping sends; posts and waits left out),
+    measured by training: a 2-layer model of hidden 16 (the dispatch floor's) at pp = 2,
+    1F1B over 4 micro-batches, dp = world / 2, `steps` steps (the first left out), on
+    every rank of `world` (even). Seconds per compute, each repeat's mean over its steps
+    and computes; the median of `repeats` and each repeat's kept (its spread)."""
+    import tempfile
+
+    from plait.config import load_config
+    from plait.mesh import ParallelMesh
+    from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
+    from plait.train.loop import train
+
+    dp = world // 2
+    cfg = load_config(sets=["model_name=tiny", "model.vocab_size=64", "model.dim=16",
+                            "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
+                            "model.ffn_dim=32", "model.max_seq_len=16", "train.seq_len=16",
+                            f"train.global_batch={8 * dp}", f"train.steps={steps}",
+                            "train.warmup_steps=1", "train.precision=fp32",
+                            "parallel.pp=2", f"parallel.dp={dp}", "parallel.microbatches=4",
+                            "parallel.schedule=1f1b"]).check(world)
+    gaps = []
+    with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
+        data = TokenFile.open(synthetic_token_file(f"{tmp}/tokens.bin", 4096, 64, seed=0))
+        for _ in range(repeats):
+            batches = GlobalBatches(data, 16, 8 * dp, cfg.train.seed, 64)
+            result = train(cfg, ParallelMesh.build(cfg.parallel), batches)
+            gaps.append(result.pipeline["summary"]["durations_ms"]["gap"] / 1e3)
+    return {"pp": 2, "microbatches": 4, "schedule": "1f1b", "steps": steps,
+            "gap_seconds": statistics.median(gaps), "gap_repeats": gaps}

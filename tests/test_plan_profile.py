@@ -17,7 +17,12 @@ import math
 import pytest
 
 from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
-from plait.calibrate_steps import POST_BYTES, SYNC_LARGE_BYTES, SYNC_SEGMENTS
+from plait.calibrate_steps import (
+    POST_BYTES,
+    SYNC_LARGE_BYTES,
+    SYNC_SEGMENTS,
+    SYNC_STATISTIC,
+)
 from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
@@ -95,6 +100,17 @@ def test_calibrate_measures_every_term():
     assert all(r["wait_seconds"] >= 0 and r["after_seconds"] > 0 for r in sync["segments"])
     assert [(r["m"], r["k"], r["n"]) for r in raw["gemm_concurrent"]] == QUICK_GEMMS
     assert all(r["seconds"] > 0 for r in raw["gemm_concurrent"])
+    assert sync["statistic"] == SYNC_STATISTIC and len(sync["back_to_back_repeats"]) == 3
+    for r in sync["segments"] + sync["sizes"]:  # the median of the repeats, each kept
+        assert len(r["after_repeats"]) == len(r["wait_repeats"]) == 3
+        assert r["after_seconds"] == sorted(r["after_repeats"])[1]
+    gap = raw["pipeline_gap"]  # plait's runtime trained at pp = 2: its gap per compute
+    assert (gap["pp"], gap["schedule"], len(gap["gap_repeats"])) == (2, "1f1b", 2)
+    assert gap["gap_seconds"] > 0 and prof["fit"]["pipeline_gap"] == gap["gap_seconds"]
+    assert eff_of(prof).pipeline_gap == gap["gap_seconds"]
+    spread = prof["fit"]["sync_spread"]
+    assert [r["compute_seconds"] for r in spread] == list(SYNC_SEGMENTS)
+    assert all(r["low"] <= r["median"] <= r["high"] for r in spread)
     post = raw["post"]  # a batch of pipeline transfers posted after compute
     assert post["group"] == 2 and post["bytes"] == POST_BYTES
     assert post["post_seconds"] > 0 and post["post_cpu_seconds"] >= 0

@@ -95,7 +95,7 @@ STEADY_STEPS = 3
 @lru_cache(maxsize=4096)
 def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
               i: tuple[float, ...], w: tuple[float, ...], p2p: float,
-              optimizer_sync: str = "barrier", post: float = 0.0
+              optimizer_sync: str = "barrier", post: float = 0.0, gap: float = 0.0
               ) -> tuple[float, float, tuple[int, ...]]:
     """(step, bubble, peaks): one step under the barrier; under post-validation the
     steady-state step of STEADY_STEPS consecutive ones (a rank starts its next step when
@@ -103,7 +103,7 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
     from plait.parallel.pipeline.simulate import Durations, simulate
 
     d = Durations(f[0], i[0], w[0], p2p, forward_per_stage=f, backward_input_per_stage=i,
-                  backward_weight_per_stage=w, post=post)
+                  backward_weight_per_stage=w, post=post, gap=gap)
     fm = max(sum(f) / len(f), 1e-30)
     ratios = (round(sum(i) / len(i) / fm, 1), round(sum(w) / len(w) / fm, 1),
               round(p2p / fm, 2))
@@ -121,7 +121,7 @@ class TooLargeToSimulate(Exception):
 
 def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i: list[float],
                       w: list[float], p2p: float, optimizer_sync: str = "barrier",
-                      post: float = 0.0) -> dict[str, Any]:
+                      post: float = 0.0, gap: float = 0.0) -> dict[str, Any]:
     """Step time, bubble and per-rank peak activations from the shared simulator, with
     per-stage durations. Long runs are simulated at two smaller micro-batch counts and
     extrapolated linearly in m (exact once the steady state repeats). `optimizer_sync`
@@ -129,8 +129,9 @@ def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i:
     that waits for every rank, or the steady-state step when each rank starts its next
     step as soon as its own is done (Qi et al. 2023, section 4); the result says which
     (`optimizer_sync`, and `source`). `post`: a rank's time to post one batch of
-    transfers (the simulator's; a measured profile's p2p_post)."""
-    out = _simulate_pipeline(schedule, pp, m, v, f, i, w, p2p, optimizer_sync, post)
+    transfers (the simulator's; a measured profile's p2p_post); `gap`: a rank's own
+    runtime work before each compute action (the simulator's; a profile's pipeline_gap)."""
+    out = _simulate_pipeline(schedule, pp, m, v, f, i, w, p2p, optimizer_sync, post, gap)
     if optimizer_sync != "barrier":
         out["source"] += (f", steady state of steps 2-{STEADY_STEPS} ({optimizer_sync})"
                           if out["source"].startswith("simulator")
@@ -140,9 +141,10 @@ def simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float], i:
 
 def _simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float],
                        i: list[float], w: list[float], p2p: float,
-                       optimizer_sync: str, post: float = 0.0) -> dict[str, Any]:
+                       optimizer_sync: str, post: float = 0.0, gap: float = 0.0
+                       ) -> dict[str, Any]:
     spec = schedule_spec(schedule)
-    key = (tuple(f), tuple(i), tuple(w), float(p2p), optimizer_sync, float(post))
+    key = (tuple(f), tuple(i), tuple(w), float(p2p), optimizer_sync, float(post), float(gap))
     actions = pp * m * 2 * spec.stages_per_rank(v)
     try:
         if spec.list_scheduled and pp * m > _LIST_BUILD_LIMIT and \
@@ -178,7 +180,8 @@ def _simulate_pipeline(schedule: str, pp: int, m: int, v: int, f: list[float],
 
 def simulate_layers(layers_total: int, sched: str, pp: int, m: int, v: int, f: float,
                     i: float, w: float, head_f: float, head_g: float, p2p: float,
-                    optimizer_sync: str = "barrier", post: float = 0.0) -> dict[str, Any]:
+                    optimizer_sync: str = "barrier", post: float = 0.0, gap: float = 0.0
+                    ) -> dict[str, Any]:
     """A model of `layers_total` layers through the shared simulator (plait/plan/
     estimate.py's one layout): per-stage durations, layers split as evenly as possible,
     the head on the last stage of each chain."""
@@ -198,4 +201,4 @@ def simulate_layers(layers_total: int, sched: str, pp: int, m: int, v: int, f: f
         fs[last] += head_f
         is_[last] += head_g
         ws[last] += head_g
-    return simulate_pipeline(sched, pp, m, v, fs, is_, ws, p2p, optimizer_sync, post)
+    return simulate_pipeline(sched, pp, m, v, fs, is_, ws, p2p, optimizer_sync, post, gap)

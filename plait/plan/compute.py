@@ -78,6 +78,10 @@ class Efficiency:
     # measure_post; the shared simulator's `post`); 0 for the GPU presets, whose
     # calibration set has the pipeline's sends inside its fit
     p2p_post: float = 0.0
+    # seconds of the pipeline runtime's own work before each compute action of a
+    # pipelined rank (plait calibrate's measure_gap; the shared simulator's `gap`); 0 for
+    # the GPU presets, whose calibration set has it inside its fit
+    pipeline_gap: float = 0.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:

@@ -218,21 +218,25 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
 
 
 def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num, simulate: bool,
-                   optimizer_sync: str = "barrier", post: float = 0.0
+                   optimizer_sync: str = "barrier", post: float = 0.0, gap: float = 0.0
                    ) -> tuple[Num, Num, dict[str, Any]]:
     """(pipeline time, bubble fraction, the simulator's result or {}); `post`: a rank's
-    time per batch of transfers posted (a measured profile's p2p_post)."""
+    time per batch of transfers posted (a measured profile's p2p_post); `gap`: its own
+    runtime work before each compute action (a measured profile's pipeline_gap)."""
     if simulate:
         res = bubble.simulate_layers(shape.layers, b.sched, int(b.pp), int(b.m), int(b.v),
                                      float(ct.f_layer), float(ct.i_layer), float(ct.w_layer),
                                      float(ct.head_f), float(ct.head_g), float(t_pp),
-                                     optimizer_sync, post)
+                                     optimizer_sync, post, gap)
         return res["step"], res["bubble"], res
     # ranking: the last rank's chunks carry the LM head (spread over its chunks); a post
-    # of transfers before each chunk's F and B (rank time, idle: not in busy_of)
-    cpr, po = b.cpr, np.where(b.pp > 1, post, 0.0)
-    pipe = bubble.closed_form(b.sched, b.pp, b.m, b.v, ct.f_c + ct.head_f / cpr + po,
-                              ct.i_c + ct.head_g / cpr + po, ct.w_c + ct.head_g / cpr, t_pp)
+    # of transfers and the runtime's gap before each chunk's F and B, the gap before a
+    # split schedule's W too (rank time, idle: not in busy_of)
+    cpr, po, ga = b.cpr, np.where(b.pp > 1, post, 0.0), np.where(b.pp > 1, gap, 0.0)
+    ga_w = ga if schedule_spec(b.sched).split_backward else 0.0
+    pipe = bubble.closed_form(b.sched, b.pp, b.m, b.v, ct.f_c + ct.head_f / cpr + po + ga,
+                              ct.i_c + ct.head_g / cpr + po + ga,
+                              ct.w_c + ct.head_g / cpr + ga_w, t_pp)
     bub = np.where(b.pp > 1, 1 - busy_of(b.m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f,
                                          ct.head_g, b.sched) / pipe, 0.0)
     return pipe, bub, {}
@@ -339,7 +343,7 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     ct = _chunk_times(shape, cluster, lay, eff, b, lc)
     t_pp = pp_p2p(shape, cluster, eff, b, colls, lay.sp)
     pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate, train.optimizer_sync,
-                                     eff.p2p_post)
+                                     eff.p2p_post, eff.pipeline_gap)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over dp x cp, routed experts over the expert-data-parallel
     # ranks (dp x cp / ep) that hold the same experts (plait/parallel/expert.py)

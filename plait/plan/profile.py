@@ -28,11 +28,18 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   more per byte -> sync_per_byte; the mean wait for the last rank after each segment ->
   desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds: the blocking
   calls only).
+  The sync numbers are medians (over a repeat's calls, then over the repeats: a call
+  delayed by another process's time slice moved a mean by several times); each repeat's
+  extra is kept -> sync_spread (lowest, median, highest per segment; reported only).
 - posts: a batch of pipeline transfers posted after compute (measure_post): its mean wall
   seconds -> p2p_post, the shared simulator's `post` (a rank's time per batch of
   transfers, idle: in the bubble line). Completing the transfers after more compute is
   recorded (`complete_seconds`), not priced: 0.1-4.7 ms in repeats minutes apart here, it
   holds the wake-up latency the pipeline's p2p latency already carries.
+- the pipeline runtime's gap: plait's runtime trained at pp = 2 (measure_gap), its mean
+  time before a compute action that did not wait (the loop's Python, completing a
+  receive already there), the median of repeats -> pipeline_gap, the shared simulator's
+  `gap` per compute action (idle, overlapping any wait for the input).
 - concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
   median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
   whose host runs other ranks too (plait/plan/estimate.py's _basis).
@@ -113,7 +120,9 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "dispatch": fit_dispatch(raw.get("dispatch")),
             "comm_overlap": fit_overlap(raw.get("overlap")),
             "sync": fit_sync(raw.get("sync"), ar),
+            "sync_spread": fit_sync_spread(raw.get("sync"), ar),
             "p2p_post": float((raw.get("post") or {}).get("post_seconds", 0.0)),
+            "pipeline_gap": float((raw.get("pipeline_gap") or {}).get("gap_seconds", 0.0)),
             "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
@@ -185,6 +194,26 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
             "sync_per_byte": max(float(np.mean(per_byte)), 0.0) if per_byte else 0.0}
 
 
+def fit_sync_spread(s: dict[str, Any] | None, link: dict[str, float] | None
+                    ) -> list[dict[str, float]]:
+    """How far the repeats of each segment's extra (after the last arrival, less the
+    alpha-beta price) lie apart: their lowest, median and highest, per segment (a profile
+    from before the repeats were kept: none). Reported, not priced: the planner takes the
+    median (`fit_sync`)."""
+    if not s or not link or not all("after_repeats" in r for r in s["segments"]):
+        return []
+    from plait.plan.comm import all_reduce
+
+    price = float(all_reduce(s["bytes"], s["group"], link["bandwidth_Bps"],
+                             link["alpha_s"])[0])
+    out = []
+    for r in s["segments"]:
+        extra = sorted(float(a) - price for a in r["after_repeats"])
+        out.append({"compute_seconds": float(r["compute_seconds"]), "low": extra[0],
+                    "median": float(np.median(extra)), "high": extra[-1]})
+    return out
+
+
 def fit_concurrent(alone: list[dict[str, Any]], together: list[dict[str, Any]] | None
                    ) -> float:
     """GEMM throughput with every rank of the host computing at once over one alone: the
@@ -227,6 +256,7 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      comm_overlap=fit.get("comm_overlap", 1.0), runtime_comm=True,
                      concurrent_gemm=fit.get("concurrent_gemm", 1.0),
                      p2p_post=fit.get("p2p_post", 0.0),
+                     pipeline_gap=fit.get("pipeline_gap", 0.0),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff

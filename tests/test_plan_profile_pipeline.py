@@ -1,0 +1,100 @@
+"""A measured profile's pipeline gap and the sync measurement's spread (issue 27, item 2):
+`plait calibrate` times the pipeline runtime's own work before each compute action
+(measure_gap) and keeps each repeat of the sync extra; the planner prices the gap through
+the shared simulator's `gap` and reports the spread without pricing it. No wall time is
+asserted: the plans use chosen numbers."""
+
+from __future__ import annotations
+
+import pytest
+from test_plan_profile import _plan_json, _profile, lay_step
+
+from plait.parallel.pipeline.simulate import Durations, simulate
+from plait.plan import bubble
+from plait.plan.profile import fit_profile, fit_sync, fit_sync_spread
+
+BUBBLE = "pipeline bubble + p2p"
+
+
+def test_runtime_gap_priced_in_the_pipeline(tmp_path):
+    """pipeline_gap: a pipelined rank spends it before each compute action, idle (the
+    simulator's `gap`): a pp = 2 step grows by it, all of the growth in the bubble line,
+    at least one gap (the first forward waits for it) and at most one per compute action
+    of every rank; a layout without a pipeline does not move."""
+    path, prof = tmp_path / "p.json", _profile()
+    flags = ("--gpus", "2", "--zero", "0", "--microbatch", "2")  # m = 4
+    base = {lay: _plan_json(path, prof, "--layout", lay, *flags) for lay in ("pp=2", "dp=2")}
+    prof["fit"]["pipeline_gap"] = 1e-3
+    gapped = {lay: _plan_json(path, prof, "--layout", lay, *flags) for lay in ("pp=2", "dp=2")}
+    assert gapped["dp=2"] == base["dp=2"]
+    grew = lay_step(gapped["pp=2"]) - lay_step(base["pp=2"])
+    assert grew == pytest.approx(gapped["pp=2"]["time_breakdown_s"][BUBBLE]
+                                 - base["pp=2"]["time_breakdown_s"][BUBBLE], rel=1e-9)
+    computes = 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 ranks
+    assert 1e-3 - 1e-12 <= grew <= computes * 1e-3 + 1e-12
+
+
+def test_planner_gap_is_the_simulators():
+    """The planner hands the gap to the shared simulator unchanged: its pipeline step is
+    simulate()'s with Durations.gap, and 0 leaves it as before, bit for bit."""
+    f, i, w = [2e-3, 3e-3], [2e-3, 3e-3], [1e-3, 2e-3]
+    got = bubble.simulate_pipeline("1f1b", 2, 4, 1, f, i, w, 1e-4, gap=5e-4)["step"]
+    sched = bubble._build("1f1b", 2, 4, 1, (1.2, 0.6, 0.04))
+    want = simulate(sched, Durations(f[0], i[0], w[0], 1e-4, forward_per_stage=tuple(f),
+                                     backward_input_per_stage=tuple(i),
+                                     backward_weight_per_stage=tuple(w), gap=5e-4)).step_time
+    assert got == pytest.approx(want, rel=1e-12)
+    assert bubble.simulate_pipeline("1f1b", 2, 4, 1, f, i, w, 1e-4, gap=0.0) == \
+        bubble.simulate_pipeline("1f1b", 2, 4, 1, f, i, w, 1e-4)
+
+
+def test_ranking_closed_form_prices_the_gap_too():
+    """The search's closed form (many layouts at once) adds the gap to each F and B: for
+    1F1B, (m + p - 1) slots of F + B, so 2 (m + p - 1) gaps; the simulator, where a gap
+    can overlap a wait for the input, adds more than nothing and no more than that."""
+    from plait.plan.estimate import Layout, Training, evaluate
+    from plait.plan.hardware import Cluster
+    from plait.plan.profile import profile_hardware
+    from plait.plan.shape import from_preset
+
+    def steps(gap: float) -> tuple[float, float]:
+        prof = _profile()
+        prof["fit"]["pipeline_gap"] = gap
+        gpu, eff = profile_hardware(prof)
+        args = (from_preset("tiny", 32), Cluster(gpu, 2), Training(8, precision="fp32"),
+                Layout(pp=2, zero=0, mbs=2), eff)  # m = 4
+        return float(evaluate(*args).step_time), float(evaluate(*args, simulate=True).step_time)
+
+    (r0, s0), (r1, s1) = steps(0.0), steps(2e-4)
+    assert r1 - r0 == pytest.approx(2 * (4 + 2 - 1) * 2e-4, rel=1e-9)
+    assert 0 < s1 - s0 <= r1 - r0 + 1e-12
+
+
+def test_sync_spread_reports_each_repeat_and_the_fit_takes_the_median():
+    link = {"alpha_s": 50e-6, "bandwidth_Bps": 1e9}
+    price = 2 * 50e-6 + 1024 / 1e9
+    rows = [{"compute_seconds": c, "wait_seconds": 1e-4, "after_seconds": price + med,
+             "after_repeats": [price + x for x in reps], "wait_repeats": [1e-4] * 3}
+            for c, med, reps in ((5e-4, 3e-4, (5e-3, 3e-4, 2e-4)),
+                                 (4e-3, 6e-4, (6e-4, 7e-4, 1e-4)))]
+    raw = {"group": 2, "bytes": 1024, "segments": rows, "sizes": []}
+    spread = fit_sync_spread(raw, link)
+    assert [x for r in spread for x in (r["low"], r["median"], r["high"])] == pytest.approx(
+        [2e-4, 3e-4, 5e-3, 1e-4, 6e-4, 7e-4], rel=1e-6)
+    assert fit_sync(raw, link)["sync_after"] == pytest.approx((3e-4, 6e-4), rel=1e-9)
+    old = {**raw, "segments": [{k: v for k, v in r.items() if not k.endswith("repeats")}
+                               for r in rows]}  # a profile from before the repeats
+    assert fit_sync_spread(old, link) == [] and fit_sync_spread(None, link) == []
+
+
+def test_a_profile_without_the_gap_plans_as_before():
+    """An older profile (no pipeline_gap measured) fits to gap 0."""
+    from test_plan_profile import DISPATCH
+
+    raw = {"gemm": [{"m": 64, "k": 64, "n": 64, "dtype": "float32", "seconds": 1e-4},
+                    {"m": 256, "k": 256, "n": 256, "dtype": "float32", "seconds": 2e-3}],
+           "attention": [], "collectives": {}, "memory": {"bytes": 1e9, "seconds": 0.1},
+           "dispatch": None}
+    fit = fit_profile(raw)
+    assert fit["pipeline_gap"] == 0.0 and fit["sync_spread"] == []
+    assert DISPATCH  # the shared fixture module imports
