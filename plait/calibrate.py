@@ -8,7 +8,8 @@ layout; memory bandwidth (a large copy); plait's own training step (plait/calibr
 the operations it dispatches, the bytes its element-wise operations move, their bandwidth
 replayed, the dispatch floor); and, with `--ranks N` >= 2 (gloo, forked ranks through
 plait.testing's harness), every collective through plait.comm.ops for each group size
-dividing N, its seconds and algorithmic bytes read back from the rank's ledger, how
+dividing N, its seconds and algorithmic bytes read back from the rank's ledger (and the
+CPU seconds the rank's threads spent per call: the caller's and the backend's), how
 much of a collective compute beside it hides, and what a collective issued after compute
 costs beyond the fit's price (the ranks' compute jitter and the wait after the last
 rank's arrival: calibrate_steps.measure_sync), what posting a batch of pipeline
@@ -31,6 +32,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 import time
 from functools import partial
@@ -167,13 +169,18 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int, quick:
                      "all_gather": partial(ops.all_gather, x, shard, mesh, "tp"),
                      "reduce_scatter": partial(ops.reduce_scatter, shard, x, mesh, "tp")}
             for op, call in calls.items():
+                call()  # a warm-up
                 start = len(mesh.ledger.records)
-                for _ in range(reps + 1):
+                cpu = []  # every thread of the rank's, per call: the caller's, gloo's
+                for _ in range(reps):
+                    c0 = time.process_time()
                     call()
-                recs = mesh.ledger.records[start + 1:]  # the first is a warm-up
+                    cpu.append(time.process_time() - c0)
+                recs = mesh.ledger.records[start:]
                 out.setdefault(f"{op}@{g}", []).append(
                     {"payload": recs[0].payload, "sent": recs[0].sent,
-                     "seconds": min(r.seconds for r in recs)})
+                     "seconds": min(r.seconds for r in recs),
+                     "cpu_seconds": statistics.median(cpu)})  # a disturbed call's polls
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
     out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 3 if quick else 5)]

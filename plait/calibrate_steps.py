@@ -121,7 +121,8 @@ def elementwise_replay(dim: int, ffn: int, batch: int, seq: int, reps: int
             "seconds": seconds}
 
 
-def _runtime_steps(layers: int, steps: int, count: bool) -> tuple[int, list[float]]:
+def _runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none"
+                   ) -> tuple[int, list[float]]:
     """plait's own training step (`plait.train.loop.train` on one rank: micro-batches,
     grad norm, clip, AdamW, zero_grad, the logged loss) of a model so small that its GEMMs
     cost nothing: (the aten operations of its last step, counted, when `count`; else
@@ -139,7 +140,8 @@ def _runtime_steps(layers: int, steps: int, count: bool) -> tuple[int, list[floa
                             f"model.n_layers={layers}", "model.n_heads=2",
                             "model.n_kv_heads=2", "model.ffn_dim=32", "model.max_seq_len=16",
                             "train.seq_len=16", "train.global_batch=2", f"train.steps={steps}",
-                            "train.warmup_steps=1", "train.precision=fp32"]).check(1)
+                            "train.warmup_steps=1", "train.precision=fp32",
+                            f"train.recompute={recompute}"]).check(1)
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
         data = TokenFile.open(synthetic_token_file(f"{tmp}/tokens.bin", 4096, 64, seed=0))
         batches = GlobalBatches(data, 16, 2, cfg.train.seed, 64)
@@ -174,7 +176,8 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
     models: the difference is one layer's) and those of the rest of plait's training step
     (grad norm, clip, optimizer, zero_grad, the logged loss: `optimizer_ops_*`); the
     seconds per operation of plait's training step of a model so small that its GEMMs cost
-    nothing (the dispatch floor: the fastest of its steps / its operations)."""
+    nothing (the dispatch floor: the fastest of its steps / its operations), and that
+    step's fastest under train.recompute = selective (`step_seconds_selective`)."""
     import torch
 
     from plait.model.loss import token_loss
@@ -200,6 +203,10 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
         out[f"optimizer_ops_{layers}"] = whole - out[f"step_ops_{layers}"]
     _, times = _runtime_steps(2, 8 if quick else 30, count=False)
     out["step_seconds"] = min(times[1:])  # the first step warms up
+    # the same step under plait's selective policy (a dispatch mode sees every operation
+    # of the blocks: Python per operation, which the floor's GEMM-free step shows alone)
+    _, times = _runtime_steps(2, 8 if quick else 30, count=False, recompute="selective")
+    out["step_seconds_selective"] = min(times[1:])
     out["runtime_step_ops"] = out["step_ops_2"] + out["optimizer_ops_2"]
     # what the planner's proxy for element-wise traffic says a layer of this model saves
     # (fp32, flash: SDPA's tensors), the unit of `elementwise_passes`

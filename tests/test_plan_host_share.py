@@ -114,3 +114,31 @@ def test_plan_says_when_the_cores_are_shared(tmp_path):
     for phrase in ("--ranks-per-host 0 must be >= 1", "--host-load -1.0: give a number",
                    "--host-cores -2.0: give a number of cores"):
         assert phrase in out, out
+
+
+def test_measured_collective_cpu_is_work_and_the_rest_a_wait():
+    """With a profile's comm_cpu, each collective's CPU (count x (per call + per byte x
+    size), hidden calls too) needs a core and the rest of each dimension's exposed time is
+    a wait (on the link where its groups cross nodes): the step is the sharing model's
+    for exactly that split; without it, the old split (inside a node: work)."""
+    shape, train = from_preset("tiny", 128), Training(16, precision="fp32")
+    lay = Layout(tp=2, dp=2, zero=0)
+    prof = {**_profile(), "cores": 2}
+    prof["fit"]["comm_cpu"] = {"call_s": 1e-4, "byte_s": 1e-10}
+    cpu, eff = profile_hardware(prof)
+    cpu = replace(cpu, internode_bw=1e6)
+    assert (eff.comm_cpu_call, eff.comm_cpu_byte) == (1e-4, 1e-10)
+    own = evaluate(shape, Cluster(cpu, 4, ranks_per_host=2), train, lay, eff)
+    shared = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay, eff)
+    t, colls = own.time, own.collectives
+    used = {d: sum(float(c.count) * (1e-4 + 1e-10 * float(c.size)) for c in colls
+                   if c.dim == d and c.group > 1) for d in ("tp", "dp")}
+    tp_wait = max(float(t["tp comm (exposed)"]) - used["tp"], 0.0)  # tp inside a node
+    dp_link = max(float(t["dp comm (exposed)"]) - used["dp"], 0.0)  # dp crosses
+    work = float(own.step_time) - float(t["tp comm (exposed)"]) - float(
+        t["dp comm (exposed)"]) + used["tp"] + used["dp"]
+    assert float(shared.step_time) == pytest.approx(float(host_share.shared_cores_step(
+        work, tp_wait, dp_link, 2, 4, 0.0, 2)), rel=1e-9)
+    old = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay,
+                   replace(eff, comm_cpu_call=0.0, comm_cpu_byte=0.0))
+    assert float(old.step_time) != pytest.approx(float(shared.step_time), rel=1e-6)

@@ -81,12 +81,15 @@ def test_calibrate_measures_every_term():
         # gathers (n-1)/n S of the full tensor, n = 2
         share = 1.0 if key.startswith("all_reduce") else 0.5
         assert [r["sent"] for r in rows] == [share * b for b in QUICK_BYTES], key
-        assert all(r["seconds"] > 0 for r in rows)
+        assert all(r["seconds"] > 0 and r["cpu_seconds"] >= 0 for r in rows)
+    assert set(prof["fit"]["comm_cpu"]) == {"call_s", "byte_s"}
+    assert min(prof["fit"]["comm_cpu"].values()) >= 0
     d = raw["dispatch"]  # operation counts: a second layer adds operations, never removes
     assert d["step_ops_2"] > d["step_ops_1"] > 0 and d["optimizer_ops_2"] > d["optimizer_ops_1"]
     assert d["elementwise_bytes_2"] > d["elementwise_bytes_1"] > 0
     assert d["runtime_step_ops"] == d["step_ops_2"] + d["optimizer_ops_2"]
     assert d["step_seconds"] > 0 and d["layer_saved_bytes"] > 0
+    assert d["step_seconds_selective"] > 0 and prof["fit"]["dispatch"]["policy_layer_seconds"] >= 0
     small, large = raw["elementwise"]  # the same operations, on larger tensors
     assert [r["hidden"] for r in raw["elementwise"]] == [m[0] for m in ELEMENTWISE_MODELS]
     assert small["ops"] == large["ops"] > 0 and large["bytes"] > small["bytes"] > 0

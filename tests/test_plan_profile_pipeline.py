@@ -98,3 +98,31 @@ def test_a_profile_without_the_gap_plans_as_before():
     fit = fit_profile(raw)
     assert fit["pipeline_gap"] == 0.0 and fit["sync_spread"] == []
     assert DISPATCH  # the shared fixture module imports
+
+
+def test_selective_policy_priced_per_layer(tmp_path):
+    """policy_layer_seconds: plait's selective policy (a dispatch mode) costs that much per
+    layer and micro-batch, in the recompute line; recompute none does not pay it."""
+    path, prof = tmp_path / "p.json", _profile()
+    flags = ("--gpus", "1", "--layout", "dp=1", "--zero", "0", "--microbatch", "4")
+    base = {r: _plan_json(path, prof, *flags, "--recompute", r) for r in ("selective", "none")}
+    prof["fit"]["dispatch"] = {**prof["fit"]["dispatch"], "policy_layer_seconds": 1e-3}
+    got = {r: _plan_json(path, prof, *flags, "--recompute", r) for r in ("selective", "none")}
+    assert got["none"] == base["none"]
+    grew = got["selective"]["time_breakdown_s"]["recompute"] \
+        - base["selective"]["time_breakdown_s"]["recompute"]
+    assert grew == pytest.approx(2 * 2 * 1e-3, rel=1e-9)  # 2 micro-batches x 2 layers
+    assert lay_step(got["selective"]) - lay_step(base["selective"]) == pytest.approx(grew,
+                                                                                     rel=1e-9)
+
+
+def test_comm_cpu_fit_is_a_line_in_the_payload():
+    from plait.plan.profile import fit_comm_cpu
+
+    rows = {f"{op}@2": [{"payload": b, "cpu_seconds": 1e-4 + 2e-10 * b} for b in (4096, 1 << 20)]
+            for op in ("all_reduce", "all_gather")}
+    got = fit_comm_cpu(rows, 2)
+    assert got["call_s"] == pytest.approx(1e-4, rel=1e-6)
+    assert got["byte_s"] == pytest.approx(2e-10, rel=1e-6)
+    assert fit_comm_cpu({"all_reduce@2": [{"payload": 4096, "seconds": 1.0}]}, 2) == {
+        "call_s": 0.0, "byte_s": 0.0}  # an older profile: not measured

@@ -48,6 +48,10 @@ class Efficiency:
     outside_ops: float = 0.0
     optimizer_layer_ops: float = 0.0
     optimizer_fixed_ops: float = 0.0
+    # seconds per layer and micro-batch (forward + backward) plait's selective recompute
+    # policy adds on its own (a dispatch mode: Python per operation; a measured profile's,
+    # 0 for the presets)
+    policy_layer_seconds: float = 0.0
     # bytes/s of element-wise traffic (a measured profile's cache-sized rate; 0: the
     # GPU's HBM bandwidth)
     elementwise_bw: float = 0.0
@@ -82,6 +86,11 @@ class Efficiency:
     # pipelined rank (plait calibrate's measure_gap; the shared simulator's `gap`); 0 for
     # the GPU presets, whose calibration set has it inside its fit
     pipeline_gap: float = 0.0
+    # CPU seconds (every thread of a rank: the caller's and gloo's) a collective costs per
+    # call and per payload byte (plait calibrate's collectives; 0 for the presets): the
+    # part of a call that needs a core when ranks share a host's cores (host_share.py)
+    comm_cpu_call: float = 0.0
+    comm_cpu_byte: float = 0.0
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:

@@ -198,6 +198,7 @@ class _ChunkTimes:
     f_c: Num
     i_c: Num
     w_c: Num
+    policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
 
 
 def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
@@ -207,14 +208,15 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
     i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
         + lc.cp_exp_b + lc.ep_exp_b
     w_layer = lt.gemm_fwd
-    i_layer = i_layer + recompute_seconds(lay, lt, f_layer)
+    policy = eff.policy_layer_seconds if lay.runtime_mode() == "selective" else 0.0
+    i_layer = i_layer + recompute_seconds(lay, lt, f_layer) + policy
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
     head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
         + eff.op_seconds * eff.outside_ops  # embedding, final norm, head, loss: operations
     n = b.chunk_layers
     return _ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
-                       n * i_layer, n * w_layer)
+                       n * i_layer, n * w_layer, policy)
 
 
 def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num, simulate: bool,
@@ -318,7 +320,8 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
         "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
         * b.rank_layers * m,
         # the replayed tp collectives are in "tp comm" (its count has them): not twice
-        "recompute": m * cpr * b.chunk_layers * (recompute_seconds(lay, lt, ct.f_layer) - (
+        "recompute": m * cpr * b.chunk_layers * (recompute_seconds(lay, lt, ct.f_layer)
+                                                 + ct.policy - (
             0.0 if lay.runtime_mode() == "none" else TP_COLLECTIVES_FWD * lc.t_ar)),
         "pipeline bubble + p2p": np.maximum(pipe - busy, 0.0),
         "dp comm (exposed)": dp_exposed,
@@ -361,7 +364,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     if eff.sync_extra or eff.desync_wait:  # a measured profile's (the presets: none)
         time[SYNC_TERM] = sync_seconds(eff, colls, time["compute"] + time["recompute"])
         step = step + time[SYNC_TERM]
-    step = host_share.apply(cluster, time, colls, step)  # CPU hosts
+    step = host_share.apply(cluster, time, colls, step, eff.comm_cpu_call,  # CPU hosts
+                            eff.comm_cpu_byte)
     n_gpu = b.tp * b.pp * b.dp * b.cp
     tokens_step = tokens_per_step(train.global_batch, shape.seq)
     model_flops, hw_flops = _step_flops(shape, train, lay, b)

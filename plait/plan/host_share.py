@@ -126,14 +126,50 @@ def shared_cores_step(cpu: Num, bubble: Num, link_sync: Num, cores: float, ranks
     return shared_step(cpu, bubble + link, cores, ranks, load)
 
 
-def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num) -> Num:
+def comm_split(time: dict[str, Num], colls: list, cpu_call: float, cpu_byte: float
+               ) -> tuple[Num, Num, Num]:
+    """(CPU, link wait, local wait) of a step's collectives where their CPU is measured
+    (a profile's comm_cpu): every call's CPU (count x (per call + per byte x size), its
+    threads' work, hidden calls too) needs a core; of each dimension's exposed time the
+    rest is waiting, on the link where the dimension's groups cross nodes (`waits`),
+    else for the peer."""
+    cpu, link, local = 0.0, 0.0, 0.0
+    for term, dims in WAIT_TERMS.items():
+        if dims is None or term not in time:
+            continue
+        mine = [c for c in colls if c.dim in dims]
+        used = sum((np.where(np.asarray(c.group) > 1, c.count, 0.0)
+                    * (cpu_call + cpu_byte * np.asarray(c.size, dtype=float)) for c in mine),
+                   0.0)
+        crossing = [~np.asarray(c.intra, dtype=bool) for c in mine]
+        crosses = np.logical_or.reduce(np.broadcast_arrays(*crossing)) if crossing else False
+        rest = np.maximum(time[term] - used, 0.0)
+        cpu, link = cpu + used, link + np.where(crosses, rest, 0.0)
+        local = local + np.where(crosses, 0.0, rest)
+    return cpu, link, local
+
+
+def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num,
+          cpu_call: float = 0.0, cpu_byte: float = 0.0) -> Num:
     """The step time on shared cores; adds the difference to `time` as TERM. Unchanged
-    (and `time` too) where the model does not apply."""
+    (and `time` too) where the model does not apply. With the collectives' CPU measured
+    (`cpu_call`, `cpu_byte`: a profile's comm_cpu) a collective's CPU is work and the
+    rest of its exposed time a wait (`comm_split`); without, a collective inside a node
+    is work, one over a link between nodes a wait."""
     if not applies(cluster):
         return step
     bubble, link = waits(time, colls)
     bubble = np.minimum(bubble, step)
     link = np.minimum(link, step - bubble)
+    if cpu_call or cpu_byte:
+        used, link, local = comm_split(time, colls, cpu_call, cpu_byte)
+        exposed = sum(time.get(term, 0.0) for term, dims in WAIT_TERMS.items() if dims)
+        cpu = np.maximum(step - bubble - exposed, 0.0) + used
+        shared = shared_cores_step(cpu, bubble + local, link, cluster.gpu.host_cores,
+                                   host_ranks(cluster), cluster.host_load,
+                                   cluster.gpus_per_node)
+        time[TERM] = shared - step
+        return shared
     shared = shared_cores_step(step - bubble - link, bubble, link, cluster.gpu.host_cores,
                                host_ranks(cluster), cluster.host_load, cluster.gpus_per_node)
     time[TERM] = shared - step

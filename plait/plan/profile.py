@@ -14,13 +14,16 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
 - dispatch: aten operations of plait's block (forward + backward) and optimizer, counted
   on 1- and 2-layer models, and a tiny model's step seconds per operation -> op_seconds,
   layer_ops / outside_ops / optimizer ops (Efficiency's per-operation terms; a GPU stack's
-  fused kernels make these 0 for the presets).
+  fused kernels make these 0 for the presets); the same step under selective recompute
+  -> policy_layer_seconds (its dispatch-mode policy per layer and micro-batch).
 - collectives, per op and group size n: the ledger's algorithmic bytes per rank and
   seconds -> t = steps x alpha + bytes / B by least squares (steps: 2(n-1) ring steps for
   all-reduce, n-1 for all-gather / reduce-scatter), the alpha-beta terms of
   plait/plan/comm.py. The planner's links take all-reduce's B and alpha of the largest
   group (one machine: intra- and inter-node alike, there being no second node measured),
   and link_efficiency = 1 (B is achieved bandwidth, not a datasheet's).
+  The CPU seconds per call of every thread of the rank (the caller's, gloo's) -> comm_cpu,
+  a line in the payload bytes over the three ops (host_share.py: what needs a core).
 - sync: a latency-bound all-reduce issued after compute on every rank (measure_sync in
   plait/calibrate_steps.py): the mean seconds it took once the last rank arrived, less
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
@@ -123,6 +126,7 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "sync_spread": fit_sync_spread(raw.get("sync"), ar),
             "p2p_post": float((raw.get("post") or {}).get("post_seconds", 0.0)),
             "pipeline_gap": float((raw.get("pipeline_gap") or {}).get("gap_seconds", 0.0)),
+            "comm_cpu": fit_comm_cpu(raw["collectives"], largest),
             "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
@@ -135,14 +139,22 @@ def fit_dispatch(d: dict[str, Any] | None) -> dict[str, float]:
     (per layer and fixed), from the 1- and 2-layer counts; seconds per operation."""
     if not d:
         return {"op_seconds": 0.0, "layer_ops": 0.0, "outside_ops": 0.0,
-                "optimizer_layer_ops": 0.0, "optimizer_fixed_ops": 0.0}
+                "optimizer_layer_ops": 0.0, "optimizer_fixed_ops": 0.0,
+                "policy_layer_seconds": 0.0}
     layer = d["step_ops_2"] - d["step_ops_1"]
     opt_layer = d["optimizer_ops_2"] - d["optimizer_ops_1"]
     ops = d.get("runtime_step_ops", d["step_ops_2"])  # the timed step's operations
-    return {"op_seconds": d["step_seconds"] / ops, "layer_ops": float(layer),
+    op_s = d["step_seconds"] / ops
+    # selective's policy per layer (the 2-layer floor step, one micro-batch): the step's
+    # extra, less the recomputed operations' dispatch the planner prices already (a third
+    # of a layer's: compute.recompute_seconds' element-wise forward)
+    policy = (d["step_seconds_selective"] - d["step_seconds"]) / 2 - op_s * layer / 3 \
+        if "step_seconds_selective" in d else 0.0
+    return {"op_seconds": op_s, "layer_ops": float(layer),
             "outside_ops": float(d["step_ops_1"] - layer),
             "optimizer_layer_ops": float(opt_layer),
-            "optimizer_fixed_ops": float(d["optimizer_ops_1"] - opt_layer)}
+            "optimizer_fixed_ops": float(d["optimizer_ops_1"] - opt_layer),
+            "policy_layer_seconds": max(policy, 0.0)}
 
 
 def fit_elementwise(rows: list[dict[str, float]] | None, d: dict[str, Any] | None
@@ -192,6 +204,20 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
             "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows),
             "sync_after": tuple(max(v, 0.0) for v in small),
             "sync_per_byte": max(float(np.mean(per_byte)), 0.0) if per_byte else 0.0}
+
+
+def fit_comm_cpu(collectives: dict[str, list], group: int | None) -> dict[str, float]:
+    """CPU seconds of a collective per call and per payload byte (every thread of the
+    rank: the caller's Python and wait, gloo's threads), a least-squares line through the
+    three ops' calls over the largest group, each term at least 0; zeros when not
+    measured (older profiles, one rank)."""
+    rows = [r for key, rs in collectives.items() if group and key.endswith(f"@{group}")
+            for r in rs if "cpu_seconds" in r]
+    if len({r["payload"] for r in rows}) < 2:
+        return {"call_s": 0.0, "byte_s": 0.0}
+    slope, intercept = np.polyfit([float(r["payload"]) for r in rows],
+                                  [float(r["cpu_seconds"]) for r in rows], 1)
+    return {"call_s": max(float(intercept), 0.0), "byte_s": max(float(slope), 0.0)}
 
 
 def fit_sync_spread(s: dict[str, Any] | None, link: dict[str, float] | None
@@ -257,6 +283,8 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      concurrent_gemm=fit.get("concurrent_gemm", 1.0),
                      p2p_post=fit.get("p2p_post", 0.0),
                      pipeline_gap=fit.get("pipeline_gap", 0.0),
+                     comm_cpu_call=(fit.get("comm_cpu") or {}).get("call_s", 0.0),
+                     comm_cpu_byte=(fit.get("comm_cpu") or {}).get("byte_s", 0.0),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff
