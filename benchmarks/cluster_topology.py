@@ -24,9 +24,9 @@ steps and ranks). Columns: "planner, own core": the planner
 with a core per rank (its step less its "host cores shared" term); "planner": its step
 with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU": the
 same sharing model given the measured CPU per rank-step instead of the planner's (and
-the planner's waits: the bubble and the in-step link), which separates the sharing
-model's error from the compute model's. The 20 % goal (issue 23) is the planner's
-ratio against the measured one.
+the planner's waits: the bubble and the link, the node's ranks in step or not as the
+planner has them), which separates the sharing model's error from the compute model's.
+The 20 % goal (issue 23) is the planner's ratio against the measured one.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 root = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(root), str(root / "tests")]
@@ -89,7 +90,10 @@ def predict(order: str, profile: Path, mbit: float, out: Path, load: float) -> d
     link = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
                if dims is not None and crossing & set(dims))
     own = lay["step_time_s"] - terms.get(host_share.TERM, 0.0)
-    return {"step": lay["step_time_s"], "own": own, "bubble": bubble, "link": link}
+    colls = [SimpleNamespace(dim=c["dim"], intra=c["link"] != "inter-node", group=c["group"],
+                             count=c["count"]) for c in lay["collectives"]]
+    return {"step": lay["step_time_s"], "own": own, "bubble": bubble, "link": link,
+            "in_step": bool(host_share.in_step(colls, RANKS_PER_NODE))}
 
 
 def _runnable_groups(own: str) -> int:
@@ -249,9 +253,9 @@ def main() -> int:
             p = predict(order, profile, args.mbit, config, m["load"])
             mod = None
             if m["cpu"] and cores:
-                mod = float(host_share.shared_cores_step(
+                mod = float(host_share.step_on_shared_cores(
                     m["cpu"], p["bubble"], p["link"], cores, NODES * RANKS_PER_NODE,
-                    m["load"], RANKS_PER_NODE))
+                    m["load"], RANKS_PER_NODE, p["in_step"]))
             rows.append((name, order, p, m, mod))
     report(rows, args, cores)
     return 0

@@ -74,23 +74,35 @@ def test_gpu_presets_are_untouched_and_a_profile_with_few_cores_is_shared():
     own = evaluate(shape, Cluster(cpu, 4, ranks_per_host=2), train, lay, eff)  # 2 on 2
     assert host_share.TERM not in own.time
     shared = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay, eff)
-    # dp crosses the nodes (2 ranks each): its exposed all-reduce is the rank's wait
+    # dp crosses the nodes (2 ranks each): its exposed all-reduce is the rank's wait; tp
+    # inside keeps a node's 2 ranks in step, so they wait on the link together, no rank
+    # of the host computing meanwhile
     bubble, link = (float(x) for x in host_share.waits(own.time, own.collectives))
     assert bubble == pytest.approx(0.0, abs=1e-12)  # no pipeline
     assert link == pytest.approx(float(own.time["dp comm (exposed)"])) and link > 0
-    assert float(shared.step_time) == pytest.approx(float(host_share.shared_cores_step(
-        float(own.step_time) - bubble - link, bubble, link, 2, 4, 0.0, 2)))
+    assert host_share.in_step(own.collectives, 2)
+    assert float(shared.step_time) == pytest.approx(link + float(host_share.shared_cores_step(
+        float(own.step_time) - bubble - link, bubble, 0.0, 2, 4, 0.0, 2)))
+    # tp across the nodes, dp inside: a node's ranks are in different tp groups and drift
+    # apart (the mean-field link share, `link_wait`)
+    across = Layout(tp=2, dp=2, zero=0, order=("dp", "tp", "cp", "pp"))
+    own_x = evaluate(shape, Cluster(cpu, 4, ranks_per_host=2), train, across, eff)
+    shared_x = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, across, eff)
+    bubble, link = (float(x) for x in host_share.waits(own_x.time, own_x.collectives))
+    assert not host_share.in_step(own_x.collectives, 2) and link > 0
+    assert float(shared_x.step_time) == pytest.approx(float(host_share.shared_cores_step(
+        float(own_x.step_time) - bubble - link, bubble, link, 2, 4, 0.0, 2)))
     assert float(shared.time[host_share.TERM]) == pytest.approx(
         float(shared.step_time) - float(own.step_time))
     # a fast link (the profile's): the only wait is the last gradient all-reduce's (a
     # profile prices it exposed: it starts when the backward is done), so 4 ranks on 2
-    # cores take about twice the CPU time, the fixed point exactly
+    # cores take about twice the CPU time, plus that wait, every rank's at once (in step)
     fast, _ = profile_hardware({**_profile(), "cores": 2})
     alone = evaluate(shape, Cluster(fast, 4, ranks_per_host=2), train, lay, eff)
     both = evaluate(shape, Cluster(fast, 4, ranks_per_host=4), train, lay, eff)
     bubble, link = (float(x) for x in host_share.waits(alone.time, alone.collectives))
-    assert float(both.step_time) == pytest.approx(float(host_share.shared_cores_step(
-        float(alone.step_time) - bubble - link, bubble, link, 2, 4, 0.0, 2)))
+    assert float(both.step_time) == pytest.approx(link + float(host_share.shared_cores_step(
+        float(alone.step_time) - bubble - link, bubble, 0.0, 2, 4, 0.0, 2)))
     assert link < 0.05 * float(alone.step_time)
     assert float(both.step_time) == pytest.approx(2 * float(alone.step_time), rel=0.02)
 
@@ -137,8 +149,27 @@ def test_measured_collective_cpu_is_work_and_the_rest_a_wait():
     dp_link = max(float(t["dp comm (exposed)"]) - used["dp"], 0.0)  # dp crosses
     work = float(own.step_time) - float(t["tp comm (exposed)"]) - float(
         t["dp comm (exposed)"]) + used["tp"] + used["dp"]
-    assert float(shared.step_time) == pytest.approx(float(host_share.shared_cores_step(
-        work, tp_wait, dp_link, 2, 4, 0.0, 2)), rel=1e-9)
+    assert host_share.in_step(colls, 2)  # tp inside: the dp link wait is everyone's at once
+    assert float(shared.step_time) == pytest.approx(dp_link + float(
+        host_share.shared_cores_step(work, tp_wait, 0.0, 2, 4, 0.0, 2)), rel=1e-9)
     old = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay,
                    replace(eff, comm_cpu_call=0.0, comm_cpu_byte=0.0))
     assert float(old.step_time) != pytest.approx(float(shared.step_time), rel=1e-6)
+
+
+def test_node_ranks_in_step_only_as_one_group_of_a_per_layer_dimension():
+    from plait.plan.comm import Collective
+
+    def coll(dim: str, group: int, intra: bool) -> Collective:
+        return Collective(dim, "all-gather", 1.0, 2.0, group, intra, 0.0, 0.0, "")
+
+    assert host_share.in_step([coll("tp", 2, True), coll("dp", 2, False)], 2)
+    assert not host_share.in_step([coll("tp", 2, True)], 4)  # two tp groups a node: drift
+    assert host_share.in_step([coll("tp", 2, True), coll("cp", 2, True)], 4)
+    assert not host_share.in_step([coll("tp", 2, False), coll("dp", 2, True)], 2)
+    assert not host_share.in_step([coll("dp", 2, True)], 2)  # dp: once a step
+    assert not host_share.in_step([coll("tp", 2, True)], 1)  # one rank a node: alone
+    # with the measured CPU the in-step step is the link wait plus the rest shared
+    got = float(host_share.step_on_shared_cores(0.046, 0.03, 0.044, 2, 4, 1.0, 2, True))
+    assert got == pytest.approx(0.044 + float(host_share.shared_cores_step(
+        0.046, 0.03, 0.0, 2, 4, 1.0, 2)), rel=1e-12)
