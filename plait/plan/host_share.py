@@ -41,6 +41,9 @@ R + B <= C. Past it, the model:
   the shared step of the rest. Measured on the emulated cluster (tp inside, dp across):
   given the measured CPU, the drifting model read 132 ms against 181 measured, this one
   166 (docs/multi_node.md).
+- Collectives' CPU, where a profile measured it (comm_cpu: every thread of a rank per
+  call, the caller's and gloo's): a call's CPU is D and the rest of its exposed time W,
+  on the link or waiting for the peer (`comm_split`); without it, as in the first item.
 
 Its limits: with B = 0 it is max(D + W, R D / C), the two bounds a work-conserving
 scheduler meets when one rank's waits are filled by another's work (exact for ranks
