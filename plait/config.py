@@ -86,7 +86,9 @@ class ParallelConfig:
     # soon as its gradients are ready, the check travels over pp and a failed one rolls
     # the update back: plait/parallel/post_validation.py, Qi et al. 2024, section 4)
     optimizer_sync: str = "barrier"
-    bucket_mb: float = 25.0  # the first bucket is at most FIRST_BUCKET_MB (parallel/data.py)
+    # bucketed DP's bucket, the first at most FIRST_BUCKET_MB (parallel/data.py); ZeRO-1/2's
+    # units of consecutive modules (parallel/zero_units.py)
+    bucket_mb: float = 25.0
     order: tuple[str, ...] = DEFAULT_ORDER
     gpus_per_node: int = 8
 

@@ -24,6 +24,12 @@ LAYOUTS = {
     "dp4 zero2 fp32": ["parallel.dp=4", "parallel.zero=2"],
     "dp2 zero2 bf16 m2": ["parallel.dp=2", "parallel.zero=2", "train.precision=bf16",
                           "parallel.microbatches=2"],
+    # ZeRO-1/2 units of several modules (parallel.bucket_mb): [embed, block 0], [blocks 1,
+    # 2], [block 3, norm, head]; above, the tiny model is one unit
+    "dp2 zero2 fp32 m2 units": ["parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2",
+                                "model.n_layers=4", "parallel.bucket_mb=0.25"],
+    "dp2 zero1 bf16 units": ["parallel.dp=2", "parallel.zero=1", "train.precision=bf16",
+                             "model.n_layers=4", "parallel.bucket_mb=0.125"],
     "dp4 zero3 fp32": ["parallel.dp=4", "parallel.zero=3"],
     "dp2 zero3 bf16 m2 recompute": ["parallel.dp=2", "parallel.zero=3", "train.precision=bf16",
                                     "parallel.microbatches=2", "train.recompute=full"],

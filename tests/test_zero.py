@@ -38,16 +38,19 @@ def test_stage3_with_recompute():
 
 # ---- communication ledger ---------------------------------------------------------------
 
-def _grad_bytes(outs, n):
-    """Gradient bytes of one all-reduce: each unit padded to a multiple of n, fp32."""
+def _grad_bytes(n, stage):
+    """Gradient bytes of one all-reduce: each unit padded to a multiple of n, fp32 (stages
+    1, 2: units of consecutive modules up to parallel.bucket_mb; 3: one per module)."""
     from helpers import config
 
     from plait.model.transformer import build_model
-    from plait.parallel.zero import zero_units
+    from plait.parallel.zero_units import zero_unit_groups
 
-    model = build_model(config().model, seed=0, device="meta")
-    return sum(-(-sum(p.numel() for p in m.parameters()) // n) * n * 4
-               for _, m in zero_units(model))
+    cfg = config()
+    model = build_model(cfg.model, seed=0, device="meta")
+    cap = None if stage == 3 else cfg.parallel.bucket_mb * 2**20
+    return sum(-(-sum(p.numel() for _, m in group for p in m.parameters()) // n) * n * 4
+               for group in zero_unit_groups(model, cap))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -56,7 +59,7 @@ def test_ledger_bytes_per_step(stage, micro):
     n = 4
     outs = run_layout(f"parallel.dp={n}", f"parallel.zero={stage}",
                       f"parallel.microbatches={micro}")
-    S = _grad_bytes(outs, n)
+    S = _grad_bytes(n, stage)
     one_all_reduce = 2 * (n - 1) / n * S
     half = (n - 1) / n * S  # one reduce-scatter or one all-gather of everything
     if stage == 1:  # reduce-scatter once + all-gather once == one all-reduce
@@ -102,6 +105,10 @@ def _prefetch_probe(rank, world):
     return overlapped, len(fwd)
 
 
+# stages 1, 2: a bucket smaller than any module makes each module its own unit, as stage 3
+ONE_MODULE_UNITS = "parallel.bucket_mb=0.0001"
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_backward_keeps_the_set_reduce_scatters_in_flight(stage):
     """Each unit's reduce-scatter is posted while the k = ZERO_REDUCE_SCATTERS_IN_FLIGHT
@@ -109,7 +116,7 @@ def test_backward_keeps_the_set_reduce_scatters_in_flight(stage):
     overlap at each launch from unit k + 1 on, never more."""
     from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT as in_flight
 
-    outs = run_layout("parallel.dp=2", f"parallel.zero={stage}")
+    outs = run_layout("parallel.dp=2", f"parallel.zero={stage}", ONE_MODULE_UNITS)
     grads = [r for r in outs[0]["ledger"] if r["tag"] == "grads" and r["step"] == 1]
     overlap = [sum(1 for o in grads if o["start"] <= r["start"] <= o["end"]) for r in grads]
     assert len(grads) > in_flight + 1
@@ -137,7 +144,7 @@ def _gather_probe(rank, world, stage):
     from plait.mesh import ParallelMesh
     from plait.train import loop
 
-    cfg = config("parallel.dp=2", f"parallel.zero={stage}").check(world)
+    cfg = config("parallel.dp=2", f"parallel.zero={stage}", ONE_MODULE_UNITS).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     real, seen = loop.parallelize, {"after_update": [], "at_forward": []}
     made = []

@@ -117,4 +117,5 @@ def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
     if two_copies:  # config validation refuses it; a direct caller gets the reason too
         raise ValueError("ZeRO with DualPipe's two model copies is not supported")
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
-                         t.weight_decay, dim=dim, kind=t.optimizer, placements=placements)
+                         t.weight_decay, dim=dim, kind=t.optimizer, placements=placements,
+                         bucket_mb=cfg.parallel.bucket_mb)

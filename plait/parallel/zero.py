@@ -1,6 +1,9 @@
 """ZeRO stages 1, 2 and 3 over the data-parallel dim, as one setting (Rajbhandari et al. 2020).
 
-The model is cut into units (each top-level module; each block of a ModuleList). A unit's
+The model is cut into units: stage 3, each top-level module and each block of a
+ModuleList; stages 1 and 2, runs of consecutive such modules of about `parallel.bucket_mb`
+(zero_units.py: on gloo a collective's fixed cost outweighs the overlap of per-block
+ones, docs/zero.md, "Units"). A unit's
 parameters are views into one flat buffer, padded to a multiple of N = dp; rank r owns
 elements [r*k, (r+1)*k) of it (k = padded / N) and keeps the fp32 master, Adam momentum and
 variance of that shard only: 12 bytes a parameter / N.
@@ -35,9 +38,8 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
-from plait.parallel.expert import reduce_dim
 from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
-from plait.parallel.zero_units import _Unit, zero_units
+from plait.parallel.zero_units import _Unit, make_units
 from plait.placement import FlatShard, PlacementTable
 
 
@@ -47,7 +49,9 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int,
                  betas: tuple[float, float], eps: float, weight_decay: float,
                  dim: str = "dp", kind: str = "adamw",
-                 placements: PlacementTable | None = None):
+                 placements: PlacementTable | None = None, bucket_mb: float | None = None):
+        """`bucket_mb` (stages 1, 2): consecutive modules share a unit up to about this
+        many MB of parameters (`zero_unit_groups`); None: a unit per module, as stage 3."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; use 1, 2 or 3")
         seen: set[int] = set()
@@ -60,7 +64,8 @@ class ZeroOptimizer:
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.kind = kind
-        self.units = self._make_units(model, kind == "adamw")
+        cap = None if stage == 3 or bucket_mb is None else bucket_mb * 2**20
+        self.units = make_units(model, mesh, self.placements, dim, kind == "adamw", cap)
         covered = sum(len(u.params) for u in self.units)
         if covered != len(list(model.parameters())):
             raise ValueError("ZeRO units must cover every parameter of the model")
@@ -95,20 +100,6 @@ class ZeroOptimizer:
                 self._free(u)
                 u.module.register_forward_pre_hook(partial(self._pre_forward, u))
                 u.module.register_forward_hook(partial(self._post_forward, u))
-
-    def _make_units(self, model: nn.Module, moments: bool) -> list[_Unit]:
-        """One unit per module of `zero_units` and reduction dim: expert-parallel slices
-        are sharded over "edp" (the ranks holding the same experts), the rest over `dim`."""
-        units: list[_Unit] = []
-        for prefix, module in zero_units(model):
-            by_dim: dict[str, list[tuple[str, nn.Parameter]]] = {}
-            for name, p in module.named_parameters():
-                d = reduce_dim(self.placements, p, self.dim)
-                by_dim.setdefault(d, []).append((f"{prefix}{name}", p))
-            for d, named in by_dim.items():
-                units.append(_Unit(len(units), module, named, d, self.mesh.size(d),
-                                   self.mesh.coord(d), moments))
-        return units
 
     # ---- the shard index (zero_index.py): built once, read by checkpoints ---------------
     def _index_shards(self, model: nn.Module) -> None:

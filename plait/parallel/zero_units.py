@@ -1,5 +1,6 @@
-"""ZeRO's units (plait/parallel/zero.py): one module's parameters, of one reduction dim, as a
-flat padded buffer and this rank's shard of it; which modules become units."""
+"""ZeRO's units (plait/parallel/zero.py): the parameters of one module (ZeRO-3) or of a run
+of consecutive modules up to a bucket's bytes (ZeRO-1/2), of one reduction dim, as a flat
+padded buffer and this rank's shard of it; which modules become units."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import torch
 from torch import nn
 
 from plait.comm.ops import Handle
+from plait.mesh import ParallelMesh
+from plait.parallel.expert import reduce_dim
+from plait.placement import PlacementTable
 
 
 class _Unit:
-    """One module's parameters as a flat, padded buffer and this rank's shard of it."""
+    """One or more modules' parameters as a flat, padded buffer and this rank's shard of it."""
 
     def __init__(self, index: int, module: nn.Module, named: list[tuple[str, nn.Parameter]],
                  dim: str, n: int, rank: int, moments: bool = True):
-        """`named`: the unit's parameters (of `module`) by name; sharded over mesh dim
-        `dim` (n ranks, this one at `rank`)."""
+        """`named`: the unit's parameters by name, `module` the first of the unit's modules
+        to run forward (its hooks are the unit's); sharded over mesh dim `dim` (n ranks,
+        this one at `rank`)."""
         self.index, self.module = index, module
         self.dim, self.n, self.rank = dim, n, rank
         self.names = [name for name, _ in named]
@@ -93,3 +98,44 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
         elif any(True for _ in child.parameters()):
             out.append((f"{name}.", child))
     return out
+
+
+def zero_unit_groups(model: nn.Module, cap_bytes: float | None
+                     ) -> list[list[tuple[str, nn.Module]]]:
+    """The modules of each unit, in forward order. `cap_bytes` None: one module a unit
+    (ZeRO-3 gathers each around its use). Else (ZeRO-1/2) consecutive modules share a
+    unit, grouped in backward order as torch DDP buckets its gradients: a unit is closed
+    once its parameters reach `cap_bytes`. Fewer, larger reduce-scatters and all-gathers;
+    on gloo each collective has a fixed cost (docs/zero.md, "Units")."""
+    modules = zero_units(model)
+    if cap_bytes is None:
+        return [[m] for m in modules]
+    groups: list[list[tuple[str, nn.Module]]] = []
+    current: list[tuple[str, nn.Module]] = []
+    size = 0
+    for prefix, module in reversed(modules):
+        current.insert(0, (prefix, module))
+        size += sum(p.numel() * p.element_size() for p in module.parameters())
+        if size >= cap_bytes:
+            groups.insert(0, current)
+            current, size = [], 0
+    if current:
+        groups.insert(0, current)
+    return groups
+
+
+def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable, dim: str,
+               moments: bool, cap_bytes: float | None) -> list[_Unit]:
+    """One unit per group of `zero_unit_groups` and reduction dim: expert-parallel slices
+    are sharded over "edp" (the ranks holding the same experts), the rest over `dim`."""
+    units: list[_Unit] = []
+    for group in zero_unit_groups(model, cap_bytes):
+        by_dim: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for prefix, module in group:
+            for name, p in module.named_parameters():
+                d = reduce_dim(placements, p, dim)
+                by_dim.setdefault(d, []).append((f"{prefix}{name}", p))
+        for d, named in by_dim.items():
+            units.append(_Unit(len(units), group[0][1], named, d, mesh.size(d),
+                               mesh.coord(d), moments))
+    return units

@@ -143,7 +143,7 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
         act_b = sz.rope + bw.this_first + (kept + 1) * sz.layer_saved
     act_b += bw.in_flight
     gathered, comm, chunks, rs_now, shards = _block_collective_bytes(sz, bw, j)
-    g = bw.grads_before
+    g = bw.grads_before + sz.unit_grads_after(z, j)
     if sz.zero < 2 and bw.first_b:
         g += (z - 1 - j) * sz.layer_numel * pb
     # w2's gradient is new (0/1: the first backward; 2/3: since the last
@@ -163,7 +163,7 @@ def _block_backward_moments(sz: RankSizes, bw: _Backward, j: int) -> list[Moment
     out = [w2, swiglu, sz.mlp_norm_backward(f"block {j} MLP norm backward (stage {st}, mb {mb})",
                                             g, bw.first_b, bw.others + act_b, comm + chunks,
                                             gathered, shards)]
-    if rs_now:
+    if rs_now and f"layers.{j}" in sz.k:  # block j is its unit's first module
         out += _reduce_scatter_launch(sz, bw, j, g, comm + chunks, gathered, shards)
     return out
 

@@ -101,17 +101,39 @@ def _stage_params(sh: dict, a: int, z: int, first: bool, last: bool) -> list[tup
     return [(n, ps) for n, ps in out if ps]
 
 
-def _rank_units(sh: dict, stages: dict, pp: int, n_dp: int):
-    """This rank's ZeRO units, their shard elements and their padded (to dp) elements."""
+def _rank_units(sh: dict, stages: dict, pp: int, n_dp: int, cap_bytes: float | None,
+                pb: int):
+    """This rank's ZeRO units, their shard elements and their padded (to dp) elements.
+    `cap_bytes` (ZeRO-1/2): consecutive groups share a unit up to about that many bytes,
+    grouped in backward order and named by their first (plait/parallel/zero_units.py)."""
     groups = [g for st in sorted(stages) for g in _stage_params(sh, *stages[st])]
     if pp > 1:  # a PipelineModule's one child (a ModuleDict) is one ZeRO unit
         flat = [x for _, ps in groups for x in ps]
         units = [ZeroUnit("stages", sum(flat), max(flat), flat)]
     else:
-        units = [ZeroUnit(n, sum(ps), max(ps), ps) for n, ps in groups]
+        runs = [(r[0][0], [x for _, ps in r for x in ps]) for r in _runs(groups, cap_bytes, pb)]
+        units = [ZeroUnit(name, sum(ps), max(ps), ps) for name, ps in runs]
     k = {u.name: -(-u.numel // n_dp) for u in units}  # shard elements per unit
     padded = {u.name: k[u.name] * n_dp for u in units}
     return units, k, padded
+
+
+def _modules_after(z: int, j: int) -> list[str]:
+    return [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
+
+
+def _runs(groups: list, cap_bytes: float | None, pb: int) -> list[list]:
+    """`groups` in runs, each closed in backward order at `cap_bytes` (zero_unit_groups)."""
+    if cap_bytes is None:
+        return [[g] for g in groups]
+    runs, current, size = [], [], 0
+    for g in reversed(groups):
+        current.insert(0, g)
+        size += sum(g[1]) * pb
+        if size >= cap_bytes:
+            runs.insert(0, current)
+            current, size = [], 0
+    return [current, *runs] if current else runs
 
 
 def _model_state_bytes(units: list[ZeroUnit], k: dict, padded: dict, zero: int, e: int,
@@ -224,11 +246,23 @@ class RankSizes:
             comm += sum(self.k[x] for x in posted[len(flying):])
         return comm * self.pb, sum(self.padded[x] for x in flying) * self.pb
 
-    @staticmethod
-    def posted_before(z: int, j: int) -> list[str]:
+    def posted_before(self, z: int, j: int) -> list[str]:
         """pp = 1 (blocks up to z): the units whose reduce-scatters backward posts before
-        block j's, the last posted first."""
-        return [f"layers.{i}" for i in range(j + 1, z)] + ["norm", "head"]
+        block j's, the last posted first (a unit is named by its first module)."""
+        return [m for m in _modules_after(z, j) if m in self.k]
+
+    def unit_grads_after(self, z: int, j: int) -> float:
+        """ZeRO-2, pp = 1: the gradients of block j's unit's later modules while block j's
+        backward runs, not yet reduce-scattered (posted once its first module's are done)."""
+        if self.zero != 2:
+            return 0.0
+        sizes = {"norm": sum(self.sh["norm"]), "head": sum(self.sh["head"])}
+        total = 0.0
+        for m in _modules_after(z, j):
+            if m in self.k:  # the next unit's first module: block j's unit ends before it
+                break
+            total += sizes.get(m, self.layer_numel)
+        return total * self.pb
 
     def attn_norm_weight_grad(self) -> float:
         """A block's attention norm backward at its weight's gradient (the block's last):
@@ -322,7 +356,8 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
     tok = b * s
     tok_l = tok // t if sp else tok
     sched, stages = rank_stages(cfg, rank)
-    units, k, padded = _rank_units(sh, stages, p.pp, p.dp)
+    cap = p.bucket_mb * 2**20 if p.zero in (1, 2) else None
+    units, k, padded = _rank_units(sh, stages, p.pp, p.dp, cap, pb)
     params, optim, grads_full, grad_shards = _model_state_bytes(units, k, padded, p.zero, e,
                                                                 pb)
     tp_ids = (8 * tok + tok) if t > 1 else 0

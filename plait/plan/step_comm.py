@@ -177,10 +177,14 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     f_mb = b.cpr * ct.f_c * eff.comm_overlap
     b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
     n = b.dp * b.cp / (b.ep if over_ep else 1.0)
-    # ZeRO's collectives, one per unit (plait/parallel/zero.py: embedding, each block,
-    # final norm, head; a pipeline stage is one unit) under a measured profile; one
-    # collective of all the bytes in Megatron's count
-    units = np.where(b.pp > 1, 1.0, b.rank_layers + 3) if eff.runtime_comm else 1.0
+    # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
+    # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES; a
+    # pipeline stage is one unit) under a measured profile; one collective of all the
+    # bytes in Megatron's count
+    modules = b.rank_layers + 3
+    if lay.zero in (1, 2):
+        modules = np.minimum(modules, np.maximum(np.ceil(p_bytes / BUCKET_BYTES), 1.0))
+    units = np.where(b.pp > 1, 1.0, modules) if eff.runtime_comm else 1.0
     t_ar_dp, _ = comm.all_reduce(g_bytes, n, bw, al)
     t_rs = units * comm.gather_like(g_bytes / units, n, bw, al)
     t_ag = units * comm.gather_like(p_bytes / units, n, bw, al)
