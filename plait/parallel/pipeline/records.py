@@ -104,6 +104,20 @@ def between_per_rank(steps: list[list[Rank]], optimizer_sync: str) -> tuple[floa
     return tuple(max(mean(x), 0.0) for x in per)
 
 
+def between_each_step(steps: list[list[Rank]], optimizer_sync: str
+                      ) -> tuple[tuple[float, ...], ...]:
+    """`Durations.between_steps`, measured: `between_per_rank`'s time for each step but the
+    last on its own (the first included), not averaged: what a replay of the steps lays
+    out between each step and the next."""
+    out = []
+    for k in range(len(steps) - 1):
+        ends = [r[2][-1][4] if r[2] else r[1] for r in steps[k]]
+        last = max(ends)
+        out.append(tuple(max(nxt[0] - (last if optimizer_sync == "barrier" else ends[j]), 0.0)
+                         for j, nxt in enumerate(steps[k + 1])))
+    return tuple(out)
+
+
 def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
     `wait` for an input to arrive, `between` computes doing runtime work (posting and

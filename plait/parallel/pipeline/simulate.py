@@ -30,6 +30,11 @@ rank its own, as measured; the update and host work). With post-validation, from
 second step on, a rank also spends `check` (idle) at its cut, where the runtime checks the
 previous step's update (`lower.cut_positions`). The steady state is steps 2..K.
 
+Replaying measured steps: `per_action` gives each action its own duration (the same in
+every step), `per_action_steps` each step's actions theirs, `between_steps` each step's
+time to the next per rank: with every one measured, what is left between the lay-out and
+the measurement is these rules.
+
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
 optimizer step and of the gradient all-reduce after the flush unless given as `between`,
@@ -83,6 +88,12 @@ class Durations:
     # each action's own time, {(kind, stage, mb): seconds}, over the per-stage ones (a
     # measured step replayed: measure.pipeline_report's simulated_bubble_replay)
     per_action: dict[tuple[str, int, int], float] | None = field(default=None, hash=False)
+    # several steps replayed: step k's own {(kind, stage, mb): seconds} (over per_action),
+    # one dict a step; and the time between step k and k + 1 per rank (over between and
+    # between_per_rank), one tuple for each step but the last
+    per_action_steps: tuple[dict[tuple[str, int, int], float], ...] | None = field(
+        default=None, hash=False)
+    between_steps: tuple[tuple[float, ...], ...] | None = None
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -111,6 +122,7 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
     if steps < 1 or optimizer_sync not in OPTIMIZER_SYNCS:
         raise ValueError(f"steps={steps} must be >= 1 and optimizer_sync={optimizer_sync!r} "
                          f"one of {', '.join(OPTIMIZER_SYNCS)}")
+    _check_steps(schedule, durations, steps)
     schedule, queues = _queues(schedule, durations)
     if steps > 1 and optimizer_sync == "post_validation" and max(
             (durations.check, *(durations.check_per_rank or ()))) > 0:
@@ -179,10 +191,14 @@ class _Timeline:
         n, m = schedule.num_stages, schedule.microbatches
         self.m, self.size = m, n * m  # outputs per kind per step
         rank_of = schedule.stage_to_rank
-        # per action, index stage * m + mb within a step
+        # per action, index step * n * m + stage * m + mb
         self.dur = {k: [x for st in range(n) for x in [d.of(k, st)] * m] for k in "FIWB"}
         for (k, st, mb), x in (d.per_action or {}).items():
             self.dur[k][st * m + mb] = x
+        self.dur = {k: v * steps for k, v in self.dur.items()}
+        for step, own in enumerate(d.per_action_steps or ()):
+            for (k, st, mb), x in own.items():
+                self.dur[k][step * n * m + st * m + mb] = x
 
         def src(stage: int | None, st: int) -> tuple[int | None, float]:
             """(offset of the input's index from this action's, its transfer time)."""
@@ -193,7 +209,9 @@ class _Timeline:
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
         self.post, self.gap = d.post, d.gap
-        self.between = list(d.between_per_rank or [d.between] * schedule.pp)
+        # per step, each rank's time from its end (the barrier's opening) to its next step
+        one = list(d.between_per_rank or [d.between] * schedule.pp)
+        self.between = [list(b) for b in d.between_steps or ()] + [one] * steps
         self.check = list(d.check_per_rank or [d.check] * schedule.pp)
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
@@ -243,7 +261,7 @@ class _Timeline:
                         free += post
                         continue
                     kind, st, mb, _ = a
-                    i = base + (j := st * m + mb)  # j: the action's index within a step
+                    i = base + st * m + mb
                     if kind == "F":
                         off, hop = f_src[st]
                         if off is None:
@@ -258,7 +276,7 @@ class _Timeline:
                         if free < t:
                             free = t
                         start_at(free)
-                        free += dur_f[j]
+                        free += dur_f[i]
                         end_at(free)
                         f_end[i] = free
                         if i in waiting:
@@ -271,7 +289,7 @@ class _Timeline:
                         free += gap
                         free = t if free < t else free
                         start_at(free)
-                        free += dur_w[j]
+                        free += dur_w[i]
                         end_at(free)
                         continue
                     if kind == "C":  # the check at the cut, from the second step on
@@ -287,7 +305,7 @@ class _Timeline:
                     free += gap
                     free = t if free < t else free
                     start_at(free)
-                    free += dur[kind][j]
+                    free += dur[kind][i]
                     end_at(free)
                     g_end[i] = free
                     if gk + i in waiting:
@@ -297,7 +315,7 @@ class _Timeline:
                     pos, step = 0, step + 1
                     opens = self._step_done(r, step, ready)
                     if opens is not None:
-                        free = max(free + self.between[r], opens)
+                        free = max(free + self.between[step - 1][r], opens)
                         continue
                 break
             ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
@@ -315,11 +333,12 @@ class _Timeline:
             self.at_barrier.add(r)
             return None
         opens = max(self.last[step - 1])  # the last rank's last compute, then each its own
+        between = self.between[step - 1]
         for other in sorted(self.at_barrier):
-            self.free[other] = max(self.free[other], opens + self.between[other])
+            self.free[other] = max(self.free[other], opens + between[other])
             woke.append(other)
         self.at_barrier.clear()
-        return opens + self.between[r]
+        return opens + between[r]
 
 
 def _check_durations(schedule: Schedule, d: Durations) -> None:
@@ -335,4 +354,18 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
     if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between, d.gap,
            d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ()),
            *(d.backward_per_stage or ()), *(d.per_action or {}).values()) < 0:
+        raise ValueError("durations must be >= 0")
+
+
+def _check_steps(schedule: Schedule, d: Durations, steps: int) -> None:
+    """A replay's per-step durations: at most one dict a step, one tuple of pp times
+    between each step and the next, none negative."""
+    own, between = d.per_action_steps or (), d.between_steps or ()
+    if len(own) > steps or len(between) > steps - 1:
+        raise ValueError(f"Durations.per_action_steps has {len(own)} steps and "
+                         f"between_steps {len(between)}, for {steps} steps")
+    if any(len(b) != schedule.pp for b in between):
+        raise ValueError(f"Durations.between_steps: each entry needs {schedule.pp} ranks")
+    if min((x for o in own for x in o.values()), default=0.0) < 0 or min(
+            (x for b in between for x in b), default=0.0) < 0:
         raise ValueError("durations must be >= 0")
