@@ -5,29 +5,30 @@
         [--repeats 2] [--grad-clip 10]
 
 gloo on CPU, one thread per rank; plait's whole training step (forward, backward, grad
-norm, clip, AdamW, the logged loss) through `plait.train.loop.train`. For each schedule the
-same run is trained with `parallel.optimizer_sync=barrier` and `=post_validation`,
+norm, clip, AdamW, the logged loss) through `plait.train.loop.train`. For each schedule
+the same run is trained with `parallel.optimizer_sync=barrier` and `=post_validation`,
 alternated (`--repeats` times each) so both see the same machine. Printed per run, from
 the runtime's records (plait/parallel/pipeline/measure.py, `steady_state`): the steady
 step period (one step's last compute to the next one's, mean over the steps after the
 first) and its fastest and median step (time-slicing makes single steps slow), the time
 between a rank's steps (`between_steps`: update and host work), the overlap, the steady
-bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier count as
-idle) beside the simulator's steady state over as many steps ("sim": the run's
-optimizer_sync, its measured durations and time between steps) and their difference in
-points; the same steps simulated with each step's own per-stage means and its own time
-between steps ("step"), and replayed, each action of each step its own measured duration
-("replay"; "m-rep" the measured bubble minus it: what the simulator's rules miss, where
-"diff" also holds the spread of the durations); the one-step bubble over the span
-("span", which cannot see one step's forwards overlapping the previous one's end) and
-its one-step simulation ("sim1"), the measured p2p latency the simulator adds to each
-cross-rank dependency and the runtime's gap it adds before each compute (`records.runtime_gap`; ms), the check's window at each rank's cut
-(`records.check_per_rank`, mean over the ranks; ms), which the simulator lays out there
-from the second step (and `runtime_gap` leaves out); how many steps'
-prefixes were run again (failed checks: `--grad-clip` above the norm keeps them at zero,
-the case post-validation is built for). Last, post-validation's period over the
-barrier's (medians over the repeats; measured mean, fastest step, simulated): below 1
-is the bubble it removed. The defaults run in about a minute on 2 idle cores.
+bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier count as idle)
+beside the simulator's steady state over as many steps ("sim": the run's optimizer_sync,
+its measured durations and time between steps) and their difference in points; the same
+steps simulated with each step's own per-stage means and its own time between steps
+("step"), and replayed, each action of each step its own measured duration ("replay";
+"m-rep" the measured bubble minus it: what the simulator's rules miss, where "diff" also
+holds the spread of the durations); the one-step bubble over the span ("span", which
+cannot see one step's forwards overlapping the previous one's end) and its one-step
+simulation ("sim1"), the measured p2p latency the simulator adds to each cross-rank
+dependency and the runtime's gap it adds before each compute (`records.runtime_gap`;
+ms), the check's window at each rank's cut (`records.check_per_rank`, mean over the
+ranks; ms), which the simulator lays out there from the second step (and `runtime_gap`
+leaves out); how many steps' prefixes were run again (failed checks: `--grad-clip` above
+the norm keeps them at zero, the case post-validation is built for). Last, post-
+validation's period over the barrier's (medians over the repeats; measured mean, fastest
+step, simulated): below 1 is the bubble it removed. The defaults run in about a minute
+on 2 idle cores.
 
 There is no torch-native peer for this: torch.distributed.pipelining has no optimizer
 step at all, and a loop around it clips with one all-reduce over the world, which is
