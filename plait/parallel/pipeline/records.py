@@ -213,6 +213,26 @@ def runtime_gap(steps: list[list[Rank]]) -> float:
     return mean(gaps) if gaps else 0.0
 
 
+def gap_each_compute(per_rank: list[Rank]) -> dict[tuple[str, int, int], float]:
+    """`Durations.gap_steps` for one step, measured: each compute's own `runtime_gap`
+    (from the previous compute's end, or the step's start, to its start, less the posts
+    and the check between), where it waited for its input up to that wait's start: the
+    runtime's work before it, which a replay lays out as the compute's own gap."""
+    out = {}
+    for t0, _, evs, det, posts, checks in per_rank:
+        marks = sorted([(a, b) for a, b, _ in posts] + checks)
+        k, prev = 0, t0
+        for (kind, s, mb, a, b), (w, _) in zip(evs, det, strict=True):
+            ready = a if a - w <= _WAITED else w
+            own = 0.0
+            while k < len(marks) and marks[k][0] < ready:
+                own += marks[k][1] - marks[k][0]
+                k += 1
+            out[kind, s, mb] = max(ready - prev - own, 0.0)
+            prev = b
+    return out
+
+
 def check_per_rank(steps: list[list[Rank]]) -> tuple[float, ...]:
     """`Durations.check_per_rank`, measured: per rank, the mean window of the
     post-validation check at its cut (the wait for the other stages' partials, dropping

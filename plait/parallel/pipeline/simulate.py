@@ -31,9 +31,10 @@ second step on, a rank also spends `check` (idle) at its cut, where the runtime 
 previous step's update (`lower.cut_positions`). The steady state is steps 2..K.
 
 Replaying measured steps: `per_action` gives each action its own duration (the same in
-every step), `per_action_steps` each step's actions theirs, `between_steps` each step's
-time to the next per rank: with every one measured, what is left between the lay-out and
-the measurement is these rules.
+every step), `per_action_steps` each step's actions theirs, `gap_steps` each compute its
+own gap before it, `post_steps` each post its own time, `between_steps` each step's time
+to the next per rank: with every one measured, what is left between the lay-out and the
+measurement is these rules.
 
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
@@ -94,6 +95,12 @@ class Durations:
     per_action_steps: tuple[dict[tuple[str, int, int], float], ...] | None = field(
         default=None, hash=False)
     between_steps: tuple[tuple[float, ...], ...] | None = None
+    # and step k's own gap before each compute, {(kind, stage, mb): seconds} (over gap)
+    gap_steps: tuple[dict[tuple[str, int, int], float], ...] | None = field(
+        default=None, hash=False)
+    # and step k's own time of each post per rank, in the rank's order (over post; a rank
+    # whose count differs from its runs of transfers keeps post)
+    post_steps: tuple[tuple[tuple[float, ...], ...], ...] | None = None
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -199,6 +206,10 @@ class _Timeline:
         for step, own in enumerate(d.per_action_steps or ()):
             for (k, st, mb), x in own.items():
                 self.dur[k][step * n * m + st * m + mb] = x
+        self.gaps = {k: [d.gap] * (n * m * steps) for k in "FIWB"}  # the same, indexed
+        for step, own in enumerate(d.gap_steps or ()):
+            for (k, st, mb), x in own.items():
+                self.gaps[k][step * n * m + st * m + mb] = x
 
         def src(stage: int | None, st: int) -> tuple[int | None, float]:
             """(offset of the input's index from this action's, its transfer time)."""
@@ -208,7 +219,16 @@ class _Timeline:
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
-        self.post, self.gap = d.post, d.gap
+        self.post = d.post
+        # per rank, per step, per queue position: the time of the post there (None's)
+        self.post_at = [[[d.post] * len(q)] * steps for q in queues]
+        for step, per_rank in enumerate(d.post_steps or ()):
+            for r, own in enumerate(per_rank):
+                at = [k for k, a in enumerate(queues[r]) if a is None]
+                if len(at) == len(own):
+                    self.post_at[r][step] = [d.post] * len(queues[r])
+                    for k, x in zip(at, own):
+                        self.post_at[r][step][k] = x
         # per step, each rank's time from its end (the barrier's opening) to its next step
         one = list(d.between_per_rank or [d.between] * schedule.pp)
         self.between = [list(b) for b in d.between_steps or ()] + [one] * steps
@@ -242,9 +262,9 @@ class _Timeline:
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
-        m, size, post, dur, gap = self.m, self.size, self.post, self.dur, self.gap
-        f_end, g_end, waiting, dur_f, dur_w = self.f_end, self.g_end, self.waiting, dur["F"], \
-            dur["W"]
+        m, size, post, dur, gaps = self.m, self.size, self.post, self.dur, self.gaps
+        (f_end, g_end, waiting), (dur_f, dur_w), (gap_f, gap_w) = (
+            (self.f_end, self.g_end, self.waiting), (dur["F"], dur["W"]), (gaps["F"], gaps["W"]))
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
         queues, ranks_pos, ranks_free, ranks_step = self.queues, self.pos, self.free, self.step
         start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
@@ -254,11 +274,11 @@ class _Timeline:
             q, n, start_at, end_at = queues[r], len(queues[r]), start_ats[r], end_ats[r]
             pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
             while True:  # one step's queue, from pos
-                base = step * size
+                base, post_of = step * size, self.post_at[r][step]
                 for pos in range(pos, n):  # noqa: B020 (pos is where the rank waits)
                     a = q[pos]
                     if a is None:  # posting a batch of transfers
-                        free += post
+                        free += post_of[pos]
                         continue
                     kind, st, mb, _ = a
                     i = base + st * m + mb
@@ -272,7 +292,7 @@ class _Timeline:
                                 waiting.setdefault(i + off, []).append(r)
                                 break
                             t += hop
-                        free += gap  # + 0.0 is exact: gap 0 leaves every time as it was
+                        free += gap_f[i]  # + 0.0 is exact: gap 0 leaves every time as it was
                         if free < t:
                             free = t
                         start_at(free)
@@ -286,7 +306,7 @@ class _Timeline:
                         if (t := g_end[i]) is None:
                             waiting.setdefault(gk + i, []).append(r)
                             break
-                        free += gap
+                        free += gap_w[i]
                         free = t if free < t else free
                         start_at(free)
                         free += dur_w[i]
@@ -302,7 +322,7 @@ class _Timeline:
                         waiting.setdefault(i if off is None else gk + i + off, []).append(r)
                         break
                     t += hop
-                    free += gap
+                    free += gaps[kind][i]
                     free = t if free < t else free
                     start_at(free)
                     free += dur[kind][i]
@@ -360,10 +380,12 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
 def _check_steps(schedule: Schedule, d: Durations, steps: int) -> None:
     """A replay's per-step durations: at most one dict a step, one tuple of pp times
     between each step and the next, none negative."""
-    own, between = d.per_action_steps or (), d.between_steps or ()
-    if len(own) > steps or len(between) > steps - 1:
-        raise ValueError(f"Durations.per_action_steps has {len(own)} steps and "
-                         f"between_steps {len(between)}, for {steps} steps")
+    own, between = (d.per_action_steps or ()) + (d.gap_steps or ()), d.between_steps or ()
+    if max(len(d.per_action_steps or ()), len(d.gap_steps or ())) > steps or len(
+            between) > steps - 1:
+        raise ValueError(f"Durations.per_action_steps has {len(d.per_action_steps or ())} "
+                         f"steps, gap_steps {len(d.gap_steps or ())} and between_steps "
+                         f"{len(between)}, for {steps} steps")
     if any(len(b) != schedule.pp for b in between):
         raise ValueError(f"Durations.between_steps: each entry needs {schedule.pp} ranks")
     if min((x for o in own for x in o.values()), default=0.0) < 0 or min(
