@@ -121,7 +121,7 @@ def _weight_branch(deferred: Deferred) -> list[Any] | None:
         wanted = {id(p) for p in params if p.requires_grad}
         found: set[int] = set()
         memo: dict[Any, bool] = dict.fromkeys(outputs, False)
-        memo.pop(y.grad_fn)
+        memo.pop(y.grad_fn, None)
 
         def reaches(node: Any, depth: int, wanted=wanted, found=found, memo=memo) -> bool:
             if node is None or depth > _DEPTH:
