@@ -5,26 +5,30 @@
         [--repeats 2] [--grad-clip 10]
 
 gloo on CPU, one thread per rank; plait's whole training step (forward, backward, grad
-norm, clip, AdamW, the logged loss) through `plait.train.loop.train`. For each schedule the
-same run is trained with `parallel.optimizer_sync=barrier` and `=post_validation`,
+norm, clip, AdamW, the logged loss) through `plait.train.loop.train`. For each schedule
+the same run is trained with `parallel.optimizer_sync=barrier` and `=post_validation`,
 alternated (`--repeats` times each) so both see the same machine. Printed per run, from
 the runtime's records (plait/parallel/pipeline/measure.py, `steady_state`): the steady
 step period (one step's last compute to the next one's, mean over the steps after the
 first) and its fastest and median step (time-slicing makes single steps slow), the time
 between a rank's steps (`between_steps`: update and host work), the overlap, the steady
-bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier count as
-idle) beside the simulator's steady state over as many steps ("sim": the run's
-optimizer_sync, its measured durations and time between steps) and their difference in
-points, the one-step bubble over the span ("span", which cannot see one step's forwards
-overlapping the previous one's end) and its one-step simulation ("sim1"), the measured
-p2p latency the simulator adds to each cross-rank dependency and the runtime's gap it adds
-before each compute (`records.runtime_gap`; ms), the check's window at each rank's cut
-(`records.check_per_rank`, mean over the ranks; ms), which the simulator lays out there
-from the second step (and `runtime_gap` leaves out); how many steps'
-prefixes were run again (failed checks: `--grad-clip` above the norm keeps them at zero,
-the case post-validation is built for). Last, post-validation's period over the
-barrier's (medians over the repeats; measured mean, fastest step, simulated): below 1
-is the bubble it removed. The defaults run in about a minute on 2 idle cores.
+bubble 1 - busy / (pp x period) (the optimizer, the check and any barrier count as idle)
+beside the simulator's steady state over as many steps ("sim": the run's optimizer_sync,
+its measured durations and time between steps) and their difference in points; the same
+steps simulated with each step's own per-stage means and its own time between steps
+("step"), and replayed, each action of each step its own measured duration ("replay";
+"m-rep" the measured bubble minus it: what the simulator's rules miss, where "diff" also
+holds the spread of the durations); the one-step bubble over the span ("span", which
+cannot see one step's forwards overlapping the previous one's end) and its one-step
+simulation ("sim1"), the measured p2p latency the simulator adds to each cross-rank
+dependency and the runtime's gap it adds before each compute (`records.runtime_gap`;
+ms), the check's window at each rank's cut (`records.check_per_rank`, mean over the
+ranks; ms), which the simulator lays out there from the second step (and `runtime_gap`
+leaves out); how many steps' prefixes were run again (failed checks: `--grad-clip` above
+the norm keeps them at zero, the case post-validation is built for). Last, post-
+validation's period over the barrier's (medians over the repeats; measured mean, fastest
+step, simulated): below 1 is the bubble it removed. The defaults run in about a minute
+on 2 idle cores.
 
 There is no torch-native peer for this: torch.distributed.pipelining has no optimizer
 step at all, and a loop around it clips with one all-reduce over the world, which is
@@ -77,6 +81,8 @@ def _rank(rank: int, world: int, args) -> list[dict]:
                              "period_ms": s["steady_period_ms"], "steady": s["steady_bubble"],
                              "sim_steady": s["simulated_steady_bubble"],
                              "sim_period_ms": s["simulated_steady_period_ms"],
+                             "per_step": s["simulated_steady_bubble_per_step"],
+                             "replay": s["simulated_steady_bubble_replay"],
                              "min_ms": min(periods), "median_ms": statistics.median(periods),
                              "between_ms": s["between_ms"], "p2p_ms": s["durations_ms"]["p2p"],
                              "gap_ms": s["durations_ms"]["gap"],
@@ -111,18 +117,21 @@ def main() -> None:
           f"grad_clip={args.grad_clip}; load average {load0[0]:.1f} -> {load1[0]:.1f}")
     print(f"{'schedule':<10} {'optimizer_sync':<16} {'period ms':>9} {'min':>7} "
           f"{'median':>7} {'between':>7} {'overlap':>7} {'steady':>7} {'sim':>6} "
-          f"{'diff':>6} {'span':>6} {'sim1':>6} {'p2p':>5} {'gap':>5} {'check':>5} {'restarts':>8} "
+          f"{'diff':>6} {'step':>6} {'replay':>6} {'m-rep':>6} {'span':>6} {'sim1':>6} {'p2p':>5} "
+          f"{'gap':>5} {'check':>5} {'restarts':>8} "
           f"{'CPU':>4}")
     for r in rows:
         print(f"{r['schedule']:<10} {r['mode']:<16} {r['period_ms']:9.1f} {r['min_ms']:7.1f} "
               f"{r['median_ms']:7.1f} {r['between_ms']:7.1f} {r['overlap_ms']:+7.1f} "
               f"{100 * r['steady']:6.1f}% {100 * r['sim_steady']:5.1f}% "
-              f"{100 * (r['steady'] - r['sim_steady']):+5.1f} {100 * r['span']:5.1f}% "
+              f"{100 * (r['steady'] - r['sim_steady']):+5.1f} {100 * r['per_step']:5.1f}% "
+              f"{100 * r['replay']:5.1f}% {100 * (r['steady'] - r['replay']):+6.1f} "
+              f"{100 * r['span']:5.1f}% "
               f"{100 * r['sim']:5.1f}% {r['p2p_ms']:5.1f} {r['gap_ms']:5.2f} {r['check_ms']:5.2f} "
               f"{r['restarts']:8d} "
               f"{100 * r['cpu']:3.0f}%")
     print("post_validation / barrier, medians over repeats: period (mean over steps; the "
-          "fastest step; simulated), steady bubble measured (simulated)")
+          "fastest step; simulated), steady bubble measured (simulated; replayed)")
     for schedule in args.schedules.split(","):
         def med(key: str, mode: str, schedule=schedule) -> float:
             return statistics.median(r[key] for r in rows
@@ -131,8 +140,9 @@ def main() -> None:
         print(f"  {schedule:<10} {med('period_ms', post) / med('period_ms', bar):.3f} "
               f"({med('min_ms', post) / med('min_ms', bar):.3f}; "
               f"{med('sim_period_ms', post) / med('sim_period_ms', bar):.3f}); steady "
-              f"{100 * med('steady', bar):.1f}% ({100 * med('sim_steady', bar):.1f}%) -> "
-              f"{100 * med('steady', post):.1f}% ({100 * med('sim_steady', post):.1f}%)")
+              f"{100 * med('steady', bar):.1f}% ({100 * med('sim_steady', bar):.1f}%; "
+              f"{100 * med('replay', bar):.1f}%) -> {100 * med('steady', post):.1f}% "
+              f"({100 * med('sim_steady', post):.1f}%; {100 * med('replay', post):.1f}%)")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ gap before each compute (`records.runtime_gap`), each step simulated from its ow
 durations and averaged as "span" is, "span-sim" their difference in points, "sim-gap"
 the prediction without the gap, "sim0" without transfers or gap, "pooled" one simulation
 of all steps' mean durations (the prediction before 2026-12-03), "replay" each action its
-own measured duration (nothing averaged: the simulator's rules alone; where it meets "span"
-and "sim" does not, the spread of the durations is the difference), the p2p, post and gap
+own measured duration, gap before it and post (nothing averaged but the p2p latency: the
+simulator's rules; where it meets "span" and "sim" does not, the spread of the durations
+is the difference), the p2p, post and gap
 used, and the CPU share of compute wall time (below 100% when ranks are time-sliced).
 `--schedules` takes any of the eight; one torch does not implement (gpipe, zb-h1, zb-h2,
 dualpipe) runs plait's runtime alone, so `--schedules all` prints measured vs simulated

@@ -68,6 +68,42 @@ def test_time_between_steps():
         simulate(s, replace(d, between_per_rank=(2.0,)), steps=3)
 
 
+def test_steps_replayed_each_with_its_own_times():
+    """`per_action_steps`, `gap_steps`, `post_steps` and `between_steps` (a measured run
+    replayed, measure.py's simulated_steady_bubble_replay): zb-h2, p=2, m=3 as above.
+    The same times in every step are the plain lay-out; rank 1's last W of the second
+    step taking 3 ends that step 2 later (22), and the barrier opens the third then; a
+    rank's own time between the second and third step (rank 0: 5) delays only that step."""
+    s = build_schedule("zb-h2", 2, 3)
+    same = {(k, st, mb): 1.0 for k in "FIW" for st in (0, 1) for mb in range(3)}
+    plain = simulate(s, replace(UNIT, between=2.0), steps=3)
+    assert simulate(s, replace(UNIT, per_action_steps=(same,) * 3,
+                               between_steps=((2.0, 2.0),) * 2), steps=3) == plain
+    slow = replace(UNIT, per_action_steps=(same, {**same, ("W", 1, 2): 3.0}))
+    assert simulate(s, slow, steps=3).step_ends == [10.0, 22.0, 32.0]
+    late = simulate(s, replace(UNIT, between_steps=((0.0, 0.0), (5.0, 0.0))), steps=3)
+    assert late.step_ends == [10.0, 20.0, 35.0]
+    # each compute's own gap, each post its own time: a gap of 2 before rank 0's F1 of
+    # the first step starts it at 3 and ends rank 0 at 11; rank 1, whose I0 fills the
+    # wait, also ends at 11 (its F1 at 4, then without a gap); the next steps as before
+    gap = simulate(s, replace(UNIT, gap_steps=({("F", 0, 1): 2.0},)), steps=3)
+    assert gap.step_ends == [11.0, 21.0, 31.0] and gap.events[0][1][3] == 3.0
+    assert gap.events[1][2][3] == 4.0
+    lowered = replace(UNIT, post=0.5)
+    posts = [len([a for a in q if a is None])
+             for q in simulate_mod._queues(s, lowered)[1]]
+    own = tuple(tuple([0.5] * k) for k in posts)
+    assert simulate(s, replace(lowered, post_steps=(own,) * 3), steps=3) == simulate(
+        s, lowered, steps=3)
+    first_late = ((2.5, *own[0][1:]), own[1])  # rank 0's first post (its F0's send)
+    late_post = simulate(s, replace(lowered, post_steps=(first_late,)), steps=3)
+    assert late_post.events[0][1][3] == simulate(s, lowered).events[0][1][3] + 2.0  # F1
+    with pytest.raises(ValueError, match="per_action_steps has 4 steps"):
+        simulate(s, replace(UNIT, per_action_steps=(same,) * 4), steps=3)
+    with pytest.raises(ValueError, match="each entry needs 2 ranks"):
+        simulate(s, replace(UNIT, between_steps=((1.0,),)), steps=3)
+
+
 def test_1f1b_gains_nothing_from_post_validation():
     # 1f1b, p=2, m=2 (B = 2): rank 0 F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; rank 1 F0 [1,2]
     # B0 [2,4] F1 [4,5] B1 [5,7]. Rank 0 ends last, and starts the next step first: the

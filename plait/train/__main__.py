@@ -79,7 +79,9 @@ def write_pipeline_outputs(report: dict) -> None:
           + ", ".join(f"{k} {v:.0%}" for k, v in s["cpu_share"].items()))
     if "steady_bubble" in s:  # consecutive steps (measure.steady_state)
         print(f"  across steps: steady bubble {s['steady_bubble']:.1%} (simulated "
-              f"{s['simulated_steady_bubble']:.1%}, {s['optimizer_sync']}, "
+              f"{s['simulated_steady_bubble']:.1%}; each step its own means "
+              f"{s['simulated_steady_bubble_per_step']:.1%}, replayed "
+              f"{s['simulated_steady_bubble_replay']:.1%}; {s['optimizer_sync']}, "
               f"{s['between_ms']:.1f} ms between steps, the check at each rank's cut "
               + "/".join(f"{x:.1f}" for x in s["check_per_rank_ms"]) + " ms), period "
               f"{s['steady_period_ms']:.1f} ms, next step's first compute "

@@ -41,9 +41,11 @@ from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition
 from plait.parallel.pipeline.records import (
     Rank,
+    between_each_step,
     between_per_rank,
     between_steps,
     check_per_rank,
+    gap_each_compute,
     idle_breakdown,
     p2p_median,
     p2p_samples,
@@ -142,14 +144,17 @@ def pipeline_report(runtime: PipelineRuntime, partition: Partition, mesh: Parall
       simulated_bubble_cpu              each action's thread CPU time instead of its wall
                                         time, p2p = post = 0: as if every rank had its own
                                         core and transfers were free
-      simulated_bubble_replay           each action its own measured duration: nothing
-                                        averaged, the model's rules alone
+      simulated_bubble_replay           each action its own measured duration and gap
+                                        before it, each post its own time: nothing
+                                        averaged but the p2p latency, the model's rules
       idle                              where the measured idle went (`idle_breakdown`)
       cpu_share                         thread CPU / wall over the computes, per kind
       steady_bubble, steady_period_ms,  across consecutive steps (`steady_state`; 3
       step_overlap_ms                   steps or more): with post-validation a step's
                                         forwards may overlap the previous step's end
       step_periods_ms                   each step's period (`step_periods`)
+      simulated_steady_bubble_per_step, the same steps, each its own between and means,
+      simulated_steady_bubble_replay    or each action, gap, post its own (`_steady_replays`)
       simulated_steady_bubble,          simulate() over as many steps, `optimizer_sync`
       simulated_steady_period_ms,       as the run's, with the measured durations and
       between_ms, between_per_rank_ms   `between` (`between_steps`) and each rank's
@@ -222,7 +227,8 @@ def _simulated(used: list[list[Rank]], schedule: Schedule, p2p: float, post: flo
         return [simulate(schedule, replace(
             measured_durations([s], schedule, p2p, post, gap), per_action={
                 (k, st, mb): b - a for r in s for k, st, mb, a, b in r[2]} if replay
-            else None), events=False) for s in steps]
+            else None, gap_steps=(gap_each_compute(s),) if replay else None,
+            post_steps=(_posts(s),) if replay else None), events=False) for s in steps]
 
     sims = per_step(used, p2p, post, gap)
     out = {"simulated_bubble": mean(x.bubble_fraction for x in sims),
@@ -257,16 +263,52 @@ def _across_steps(steps: list[list[Rank]], runtime: PipelineRuntime, durations: 
         return {}
     gap, per_rank = between_steps(steps, optimizer_sync), between_per_rank(steps, optimizer_sync)
     checks = check_per_rank(steps)
-    across = simulate(runtime.schedule, replace(
-        durations, between=gap, between_per_rank=per_rank, check=mean(checks),
-        check_per_rank=checks), len(steps), optimizer_sync)
-    return {"steady_bubble": steady[0], "steady_period_ms": 1e3 * steady[1],
+    base = replace(durations, between=gap, between_per_rank=per_rank, check=mean(checks),
+                   check_per_rank=checks)
+    across = simulate(runtime.schedule, base, len(steps), optimizer_sync)
+    return {**_steady_replays(steps, runtime.schedule, base, optimizer_sync),
+            "steady_bubble": steady[0], "steady_period_ms": 1e3 * steady[1],
             "step_overlap_ms": 1e3 * steady[2], "restarts": sum(runtime.steps_restarts),
             "step_periods_ms": [1e3 * x for x in step_periods(steps)],
             "simulated_steady_bubble": across.steady_bubble_fraction,
             "simulated_steady_period_ms": 1e3 * across.steady_step_time,
             "between_ms": 1e3 * gap, "between_per_rank_ms": [1e3 * x for x in per_rank],
             "check_per_rank_ms": [1e3 * x for x in checks], "optimizer_sync": optimizer_sync}
+
+
+def _steady_replays(steps: list[list[Rank]], schedule: Schedule, base: Durations,
+                    optimizer_sync: str) -> dict[str, float]:
+    """The steady state simulated with every step's own times between steps
+    (`between_each_step`) and each step's own per-stage means ("per_step"), or each of
+    its actions its own measured duration, gap before it and posts ("replay"); p2p, the
+    check (and gap and post, per_step) as measured. Pooled -> per_step is what the steps'
+    differences cost, per_step -> replay the spread inside a step, replay -> measured the
+    simulator's rules."""
+    own = [{(k, st, mb): b - a for r in per_rank for k, st, mb, a, b in r[2]}
+           for per_rank in steps]
+    means = [measured_durations([per_rank], schedule) for per_rank in steps]
+    each_mean = tuple({key: d.of(key[0], key[1]) for key in times}
+                      for d, times in zip(means, own, strict=True))
+    between = between_each_step(steps, optimizer_sync)
+    # the steps' busy time is the measured one (SimResult's steady bubble takes the first
+    # step's, which is every step's only when they are alike)
+    busy = mean(sum(own[k].values()) for k in range(1, len(steps)))
+    out = {}
+    gaps = tuple(gap_each_compute(per_rank) for per_rank in steps)
+    posts = tuple(_posts(per_rank) for per_rank in steps)
+    for key, per_action, gap, post in (("per_step", each_mean, None, None),
+                                       ("replay", tuple(own), gaps, posts)):
+        sim = simulate(schedule, replace(base, per_action_steps=per_action, gap_steps=gap,
+                                         post_steps=post, between_steps=between), len(steps),
+                       optimizer_sync, events=False)
+        out[f"simulated_steady_bubble_{key}"] = 1 - busy / (schedule.pp * sim.steady_step_time)
+        out[f"simulated_steady_period_{key}_ms"] = 1e3 * sim.steady_step_time
+    return out
+
+
+def _posts(per_rank: list[Rank]) -> tuple[tuple[float, ...], ...]:
+    """Each rank's posts of one step, their wall times in order (`Durations.post_steps`)."""
+    return tuple(tuple(b - a for a, b, _ in r[4]) for r in per_rank)
 
 
 def _recompute_per_rank(runtime: PipelineRuntime, mesh: ParallelMesh, skip: int

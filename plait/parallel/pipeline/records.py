@@ -104,6 +104,20 @@ def between_per_rank(steps: list[list[Rank]], optimizer_sync: str) -> tuple[floa
     return tuple(max(mean(x), 0.0) for x in per)
 
 
+def between_each_step(steps: list[list[Rank]], optimizer_sync: str
+                      ) -> tuple[tuple[float, ...], ...]:
+    """`Durations.between_steps`, measured: `between_per_rank`'s time for each step but the
+    last on its own (the first included), not averaged: what a replay of the steps lays
+    out between each step and the next."""
+    out = []
+    for k in range(len(steps) - 1):
+        ends = [r[2][-1][4] if r[2] else r[1] for r in steps[k]]
+        last = max(ends)
+        out.append(tuple(max(nxt[0] - (last if optimizer_sync == "barrier" else ends[j]), 0.0)
+                         for j, nxt in enumerate(steps[k + 1])))
+    return tuple(out)
+
+
 def idle_breakdown(per_rank: list[Rank]) -> dict[str, float]:
     """Where one step's idle went, each as a fraction of pp x span (they sum to the bubble):
     `wait` for an input to arrive, `between` computes doing runtime work (posting and
@@ -197,6 +211,26 @@ def runtime_gap(steps: list[list[Rank]]) -> float:
                     gaps.append(max(a - prev - own, 0.0))
                 prev = b
     return mean(gaps) if gaps else 0.0
+
+
+def gap_each_compute(per_rank: list[Rank]) -> dict[tuple[str, int, int], float]:
+    """`Durations.gap_steps` for one step, measured: each compute's own `runtime_gap`
+    (from the previous compute's end, or the step's start, to its start, less the posts
+    and the check between), where it waited for its input up to that wait's start: the
+    runtime's work before it, which a replay lays out as the compute's own gap."""
+    out = {}
+    for t0, _, evs, det, posts, checks in per_rank:
+        marks = sorted([(a, b) for a, b, _ in posts] + checks)
+        k, prev = 0, t0
+        for (kind, s, mb, a, b), (w, _) in zip(evs, det, strict=True):
+            ready = a if a - w <= _WAITED else w
+            own = 0.0
+            while k < len(marks) and marks[k][0] < ready:
+                own += marks[k][1] - marks[k][0]
+                k += 1
+            out[kind, s, mb] = max(ready - prev - own, 0.0)
+            prev = b
+    return out
 
 
 def check_per_rank(steps: list[list[Rank]]) -> tuple[float, ...]:

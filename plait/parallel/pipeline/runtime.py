@@ -11,7 +11,11 @@ on one rank and no transfers.
 The I/W split is generic, through autograd (plait/parallel/pipeline/split.py): F keeps
 each parameter-owning module's output, I takes the gradients of the stage input and of
 those outputs, W each module's weight gradient from its output's; between I and W only
-the saved tensors W reads are held.
+the saved tensors W reads are held. A chain's first stage has no input gradient to send:
+where its W directly follows its I (zb-h1's and zb-h2's rank 0), I only keeps the output
+gradient and W runs the whole backward, one autograd pass instead of the split's two
+(which cost about 10 % more), in the same place; not with recomputation. Elsewhere the
+split stays: moving I's work into a later W leaves gaps in an order built for both.
 
 Recomputation with the split (plait/model/recompute.py, docs/recompute.md): torch's
 checkpoint recomputes once per backward call, and I and W are two calls that read the
@@ -69,6 +73,7 @@ class _Live:
     # recomputation with the I/W split: the policy's recompute context; I runs F again
     redo: AbstractContextManager | None = None
     store: SavedStore | None = None  # a split backward's saved tensors (split.py)
+    grad: torch.Tensor | None = None  # a first stage's output gradient, from I to its W
 
 
 class PipelineRuntime:
@@ -96,12 +101,20 @@ class PipelineRuntime:
         self.stages, self.positions = stages, positions
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
-        kinds = {(a.kind, a.stage) for a in self.actions}
-        # capture hooks only where the schedule splits I from W
-        self.capture = {s: OutputCapture(m) for s, m in stages.items() if ("I", s) in kinds}
+        computes = [a for a in self.actions if not a.is_comm]
+        # a first stage's I sends nothing: where its W follows at once, that I keeps the
+        # output gradient and the W runs the whole backward (see the module docstring)
+        self.whole_at_w = {(a.stage, a.microbatch) for a, b in zip(computes, computes[1:])
+                           if a.kind == "I" and b[:3] == ("W", a.stage, a.microbatch)
+                           and self.schedule.prev_stage(a.stage) is None
+                           and stages[a.stage].recompute is None}
         # the (stage, micro-batch) pairs whose backward is split: with recomputation, I
         # runs their forward again (once, for I and W)
-        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind == "I"}
+        self.split = {(a.stage, a.microbatch) for a in computes
+                      if a.kind == "I" and (a.stage, a.microbatch) not in self.whole_at_w}
+        # capture hooks only where the schedule splits I from W
+        self.capture = {s: OutputCapture(m) for s, m in stages.items()
+                        if any(k == s for k, _ in self.split)}
         # the last gradient-writing action of each stage: data parallel syncs after it
         last: dict[int, int] = {}
         for i, a in enumerate(self.actions):
@@ -303,8 +316,11 @@ class PipelineRuntime:
             if self.before_weight_grad is not None:
                 self.before_weight_grad(index in self.last_grad_action)
             live = self._live.pop((s, mb))
-            backward_weight(live.deferred)
-            live.store.release()
+            if (s, mb) in self.whole_at_w:
+                torch.autograd.backward(live.out, live.grad)
+            else:
+                backward_weight(live.deferred)
+                live.store.release()
             if self.after_weight_grad is not None:
                 self.after_weight_grad(index == self.final_grad_action)
             return ("W", s, mb, t0, self.timer.mark())
@@ -328,6 +344,8 @@ class PipelineRuntime:
             del self._live[s, mb]  # activations of this micro-batch are free now
             if self.after_weight_grad is not None:
                 self.after_weight_grad(index == self.final_grad_action)
+        elif (s, mb) in self.whole_at_w:
+            live.grad, grad_x = grad_out, None
         else:
             inputs = [] if first else [live.x]
             grads, live.deferred = backward_input(live.out, grad_out, inputs, live.kept)

@@ -30,6 +30,12 @@ rank its own, as measured; the update and host work). With post-validation, from
 second step on, a rank also spends `check` (idle) at its cut, where the runtime checks the
 previous step's update (`lower.cut_positions`). The steady state is steps 2..K.
 
+Replaying measured steps: `per_action` gives each action its own duration (the same in
+every step), `per_action_steps` each step's actions theirs, `gap_steps` each compute its
+own gap before it, `post_steps` each post its own time, `between_steps` each step's time
+to the next per rank: with every one measured, what is left between the lay-out and the
+measurement is these rules.
+
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
 interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
 optimizer step and of the gradient all-reduce after the flush unless given as `between`,
@@ -83,6 +89,18 @@ class Durations:
     # each action's own time, {(kind, stage, mb): seconds}, over the per-stage ones (a
     # measured step replayed: measure.pipeline_report's simulated_bubble_replay)
     per_action: dict[tuple[str, int, int], float] | None = field(default=None, hash=False)
+    # several steps replayed: step k's own {(kind, stage, mb): seconds} (over per_action),
+    # one dict a step; and the time between step k and k + 1 per rank (over between and
+    # between_per_rank), one tuple for each step but the last
+    per_action_steps: tuple[dict[tuple[str, int, int], float], ...] | None = field(
+        default=None, hash=False)
+    between_steps: tuple[tuple[float, ...], ...] | None = None
+    # and step k's own gap before each compute, {(kind, stage, mb): seconds} (over gap)
+    gap_steps: tuple[dict[tuple[str, int, int], float], ...] | None = field(
+        default=None, hash=False)
+    # and step k's own time of each post per rank, in the rank's order (over post; a rank
+    # whose count differs from its runs of transfers keeps post)
+    post_steps: tuple[tuple[tuple[float, ...], ...], ...] | None = None
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one compute action on `stage`."""
@@ -111,6 +129,7 @@ def simulate(schedule: Schedule, durations: Durations, steps: int = 1,
     if steps < 1 or optimizer_sync not in OPTIMIZER_SYNCS:
         raise ValueError(f"steps={steps} must be >= 1 and optimizer_sync={optimizer_sync!r} "
                          f"one of {', '.join(OPTIMIZER_SYNCS)}")
+    _check_steps(schedule, durations, steps)
     schedule, queues = _queues(schedule, durations)
     if steps > 1 and optimizer_sync == "post_validation" and max(
             (durations.check, *(durations.check_per_rank or ()))) > 0:
@@ -179,10 +198,18 @@ class _Timeline:
         n, m = schedule.num_stages, schedule.microbatches
         self.m, self.size = m, n * m  # outputs per kind per step
         rank_of = schedule.stage_to_rank
-        # per action, index stage * m + mb within a step
+        # per action, index step * n * m + stage * m + mb
         self.dur = {k: [x for st in range(n) for x in [d.of(k, st)] * m] for k in "FIWB"}
         for (k, st, mb), x in (d.per_action or {}).items():
             self.dur[k][st * m + mb] = x
+        self.dur = {k: v * steps for k, v in self.dur.items()}
+        for step, own in enumerate(d.per_action_steps or ()):
+            for (k, st, mb), x in own.items():
+                self.dur[k][step * n * m + st * m + mb] = x
+        self.gaps = {k: [d.gap] * (n * m * steps) for k in "FIWB"}  # the same, indexed
+        for step, own in enumerate(d.gap_steps or ()):
+            for (k, st, mb), x in own.items():
+                self.gaps[k][step * n * m + st * m + mb] = x
 
         def src(stage: int | None, st: int) -> tuple[int | None, float]:
             """(offset of the input's index from this action's, its transfer time)."""
@@ -192,8 +219,19 @@ class _Timeline:
 
         self.f_src = [src(schedule.prev_stage(st), st) for st in range(n)]
         self.g_src = [src(schedule.next_stage(st), st) for st in range(n)]
-        self.post, self.gap = d.post, d.gap
-        self.between = list(d.between_per_rank or [d.between] * schedule.pp)
+        self.post = d.post
+        # per rank, per step, per queue position: the time of the post there (None's)
+        self.post_at = [[[d.post] * len(q)] * steps for q in queues]
+        for step, per_rank in enumerate(d.post_steps or ()):
+            for r, own in enumerate(per_rank):
+                at = [k for k, a in enumerate(queues[r]) if a is None]
+                if len(at) == len(own):
+                    self.post_at[r][step] = [d.post] * len(queues[r])
+                    for k, x in zip(at, own):
+                        self.post_at[r][step][k] = x
+        # per step, each rank's time from its end (the barrier's opening) to its next step
+        one = list(d.between_per_rank or [d.between] * schedule.pp)
+        self.between = [list(b) for b in d.between_steps or ()] + [one] * steps
         self.check = list(d.check_per_rank or [d.check] * schedule.pp)
         size = self.size * steps
         self.f_end: list[float | None] = [None] * size  # when F (stage, mb) of a step ends
@@ -224,9 +262,9 @@ class _Timeline:
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
-        m, size, post, dur, gap = self.m, self.size, self.post, self.dur, self.gap
-        f_end, g_end, waiting, dur_f, dur_w = self.f_end, self.g_end, self.waiting, dur["F"], \
-            dur["W"]
+        m, size, post, dur, gaps = self.m, self.size, self.post, self.dur, self.gaps
+        (f_end, g_end, waiting), (dur_f, dur_w), (gap_f, gap_w) = (
+            (self.f_end, self.g_end, self.waiting), (dur["F"], dur["W"]), (gaps["F"], gaps["W"]))
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
         queues, ranks_pos, ranks_free, ranks_step = self.queues, self.pos, self.free, self.step
         start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
@@ -236,14 +274,14 @@ class _Timeline:
             q, n, start_at, end_at = queues[r], len(queues[r]), start_ats[r], end_ats[r]
             pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
             while True:  # one step's queue, from pos
-                base = step * size
+                base, post_of = step * size, self.post_at[r][step]
                 for pos in range(pos, n):  # noqa: B020 (pos is where the rank waits)
                     a = q[pos]
                     if a is None:  # posting a batch of transfers
-                        free += post
+                        free += post_of[pos]
                         continue
                     kind, st, mb, _ = a
-                    i = base + (j := st * m + mb)  # j: the action's index within a step
+                    i = base + st * m + mb
                     if kind == "F":
                         off, hop = f_src[st]
                         if off is None:
@@ -254,11 +292,11 @@ class _Timeline:
                                 waiting.setdefault(i + off, []).append(r)
                                 break
                             t += hop
-                        free += gap  # + 0.0 is exact: gap 0 leaves every time as it was
+                        free += gap_f[i]  # + 0.0 is exact: gap 0 leaves every time as it was
                         if free < t:
                             free = t
                         start_at(free)
-                        free += dur_f[j]
+                        free += dur_f[i]
                         end_at(free)
                         f_end[i] = free
                         if i in waiting:
@@ -268,10 +306,10 @@ class _Timeline:
                         if (t := g_end[i]) is None:
                             waiting.setdefault(gk + i, []).append(r)
                             break
-                        free += gap
+                        free += gap_w[i]
                         free = t if free < t else free
                         start_at(free)
-                        free += dur_w[j]
+                        free += dur_w[i]
                         end_at(free)
                         continue
                     if kind == "C":  # the check at the cut, from the second step on
@@ -284,10 +322,10 @@ class _Timeline:
                         waiting.setdefault(i if off is None else gk + i + off, []).append(r)
                         break
                     t += hop
-                    free += gap
+                    free += gaps[kind][i]
                     free = t if free < t else free
                     start_at(free)
-                    free += dur[kind][j]
+                    free += dur[kind][i]
                     end_at(free)
                     g_end[i] = free
                     if gk + i in waiting:
@@ -297,7 +335,7 @@ class _Timeline:
                     pos, step = 0, step + 1
                     opens = self._step_done(r, step, ready)
                     if opens is not None:
-                        free = max(free + self.between[r], opens)
+                        free = max(free + self.between[step - 1][r], opens)
                         continue
                 break
             ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
@@ -315,11 +353,12 @@ class _Timeline:
             self.at_barrier.add(r)
             return None
         opens = max(self.last[step - 1])  # the last rank's last compute, then each its own
+        between = self.between[step - 1]
         for other in sorted(self.at_barrier):
-            self.free[other] = max(self.free[other], opens + self.between[other])
+            self.free[other] = max(self.free[other], opens + between[other])
             woke.append(other)
         self.at_barrier.clear()
-        return opens + self.between[r]
+        return opens + between[r]
 
 
 def _check_durations(schedule: Schedule, d: Durations) -> None:
@@ -335,4 +374,20 @@ def _check_durations(schedule: Schedule, d: Durations) -> None:
     if min(d.forward, d.backward_input, d.backward_weight, d.p2p, d.post, d.between, d.gap,
            d.check, *(d.between_per_rank or ()), *(d.check_per_rank or ()),
            *(d.backward_per_stage or ()), *(d.per_action or {}).values()) < 0:
+        raise ValueError("durations must be >= 0")
+
+
+def _check_steps(schedule: Schedule, d: Durations, steps: int) -> None:
+    """A replay's per-step durations: at most one dict a step, one tuple of pp times
+    between each step and the next, none negative."""
+    own, between = (d.per_action_steps or ()) + (d.gap_steps or ()), d.between_steps or ()
+    if max(len(d.per_action_steps or ()), len(d.gap_steps or ())) > steps or len(
+            between) > steps - 1:
+        raise ValueError(f"Durations.per_action_steps has {len(d.per_action_steps or ())} "
+                         f"steps, gap_steps {len(d.gap_steps or ())} and between_steps "
+                         f"{len(between)}, for {steps} steps")
+    if any(len(b) != schedule.pp for b in between):
+        raise ValueError(f"Durations.between_steps: each entry needs {schedule.pp} ranks")
+    if min((x for o in own for x in o.values()), default=0.0) < 0 or min(
+            (x for b in between for x in b), default=0.0) < 0:
         raise ValueError("durations must be >= 0")

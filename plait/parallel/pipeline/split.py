@@ -22,6 +22,7 @@ is never read silently: W raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
 import torch
@@ -81,17 +82,27 @@ def _key(t: torch.Tensor) -> tuple:
             tuple(t.stride()), t.dtype)
 
 
+@cache
+def _saved_fields(node_type: type) -> tuple[str, ...] | None:
+    """A node type's `_saved_*` fields (the same for every node of the type: looked up
+    once, not with `dir` per node and I); None for a Python Function's node, whose saved
+    tensors are not listed that way."""
+    if hasattr(node_type, "saved_tensors"):
+        return None
+    return tuple(name for name in dir(node_type) if name.startswith("_saved_"))
+
+
 def _saved_tensors(node: Any) -> list[torch.Tensor] | None:
     """The tensors an autograd node saved (its `_saved_*` fields); None for a Python
-    Function's node, whose saved tensors are not listed that way."""
-    if hasattr(node, "saved_tensors"):
+    Function's node."""
+    fields = _saved_fields(type(node))
+    if fields is None:
         return None
     out: list[torch.Tensor] = []
-    for name in dir(node):
-        if name.startswith("_saved_"):
-            value = getattr(node, name)
-            values = value if isinstance(value, list | tuple) else [value]
-            out += [v for v in values if isinstance(v, torch.Tensor)]
+    for name in fields:
+        value = getattr(node, name)
+        values = value if isinstance(value, list | tuple) else [value]
+        out += [v for v in values if isinstance(v, torch.Tensor)]
     return out
 
 
@@ -100,12 +111,17 @@ _DEPTH = 24  # a module's parameters sit a few nodes below its output (views, ca
 
 def _weight_branch(deferred: Deferred) -> list[Any] | None:
     """The nodes on the paths from each y to its module's parameters (what W runs), looked
-    for within _DEPTH nodes of y; None if some parameter was not found there."""
+    for within _DEPTH nodes of y and not past another module's output (a parameter is
+    reached from its own module's output; the graph below the others is theirs to search:
+    searching it from every y cost each I a millisecond); None if some parameter was not
+    found so (nothing is released then)."""
     nodes: set[Any] = set()
+    outputs = [y.grad_fn for _, y, _ in deferred]
     for params, y, _ in deferred:
         wanted = {id(p) for p in params if p.requires_grad}
         found: set[int] = set()
-        memo: dict[Any, bool] = {}
+        memo: dict[Any, bool] = dict.fromkeys(outputs, False)
+        memo.pop(y.grad_fn, None)
 
         def reaches(node: Any, depth: int, wanted=wanted, found=found, memo=memo) -> bool:
             if node is None or depth > _DEPTH:
