@@ -306,6 +306,7 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     assert got["sync_extra"] == pytest.approx(4e-4, rel=1e-9)
     assert got["sync_after"] == pytest.approx((3e-4, 5e-4), rel=1e-9)  # per segment
     assert got["sync_per_byte"] == pytest.approx(2e-4 / (65536 - 1024), rel=1e-9)
+    assert got["sync_bytes_measured"] == 65536  # the growth is held beyond it
     assert fit_sync(None, link) == fit_sync(raw, None) == {
         "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
         "sync_per_byte": 0.0}
@@ -339,7 +340,9 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     backward's first unit; the rest were prefetched), 1 of its 5 reduce-scatters (the
     last, after the backward) and the step's grad-norm and logged-loss all-reduces: K =
     2m + m + 2 = 8 of its 32 calls. Each pays the extra after the last arrival measured
-    at its segment of compute (sync_after) and the wait, both power laws in L = C/K."""
+    at its segment of compute (sync_after) and the wait, both power laws in L = C/K,
+    and the extra's growth per byte up to the largest call measured (128 KiB in a profile
+    without `sync_bytes_measured`), held there beyond it."""
     from plait.plan.step_comm import SYNC_TERM
 
     path, prof = tmp_path / "p.json", _profile()
@@ -355,9 +358,15 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     extra, wait = 1e-3 * (seg / 1e-3) ** 0.5, 1e-4 * seg / 1e-3
     ag, rs = (next(c for c in lay["collectives"] if c["op"].startswith(op))
               for op in ("all-gather (params", "reduce-scatter (grads"))
-    blocking_bytes = 2 * m * ag["bytes"] + m * rs["bytes"] + 2 * 8
-    assert t[SYNC_TERM] == pytest.approx(k * (extra + wait) + 1e-9 * blocking_bytes,
-                                         rel=1e-9)
+    assert ag["bytes"] > 4096 and rs["bytes"] > 4096
+    for cap in (128 * 1024, 4096):
+        if cap == 4096:
+            prof["fit"]["sync"]["sync_bytes_measured"] = cap
+            t = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
+                           "--microbatch", "2")["time_breakdown_s"]
+        blocking_bytes = 2 * m * min(ag["bytes"], cap) + m * min(rs["bytes"], cap) + 2 * 8
+        assert t[SYNC_TERM] == pytest.approx(k * (extra + wait) + 1e-9 * blocking_bytes,
+                                             rel=1e-9)
 
 
 def test_sync_priced_per_collective_call(tmp_path):

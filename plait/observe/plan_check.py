@@ -4,7 +4,7 @@
 Three things are compared: that the run is the planned layout (sizes, ZeRO, schedule,
 micro-batches, batch, sequence, model shape); the step time the plan predicted for its
 hardware against the run's (mean of the timed steps: the first, warm-up, left out when
-there are others, as plait/throughput.py does); and per mesh dim the plan's collective
+there are others, as plait/throughput.py does; their median and the fastest beside it); and per mesh dim the plan's collective
 payload bytes per step against the run's ledger (the comparison `plait report` already
 makes from the run's config, here from the plan file itself). The plan's memory is the
 fused-kernel GPU model; beside a CPU run's measured peak it is shown, not judged: the
@@ -14,6 +14,7 @@ eager prediction above is the one to hold a CPU run to.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,9 @@ def compare_plan(plan: dict[str, Any], cfg: Config, rows: list[dict],
             # estimator plait calibrate's profile uses (best of repeats)
             "step_time": {"predicted_s": predicted, "measured_s": measured,
                           "measured_min_s": min(_timed(rows), default=None),
+                          # the median: robust to a few disturbed steps either way
+                          "measured_median_s": statistics.median(_timed(rows))
+                          if _timed(rows) else None,
                           "ratio": predicted / measured if measured else None},
             "communication": dims,
             "memory": {"planned_total_bytes": lay["memory_total_bytes"],
@@ -104,9 +108,11 @@ def print_plan_check(console: Any, pc: dict[str, Any]) -> None:
     t.add_row("step time s (run: mean of the timed steps)", f"{st['predicted_s']:.4g}",
               "-" if st["measured_s"] is None else f"{st['measured_s']:.4g}",
               ratio(st["ratio"]))
-    if st["measured_min_s"]:
-        t.add_row("step time s (run: the fastest step)", f"{st['predicted_s']:.4g}",
-                  f"{st['measured_min_s']:.4g}", ratio(st["predicted_s"] / st["measured_min_s"]))
+    for key, what in (("measured_median_s", "the median step"),
+                      ("measured_min_s", "the fastest step")):
+        if st.get(key):
+            t.add_row(f"step time s (run: {what})", f"{st['predicted_s']:.4g}",
+                      f"{st[key]:.4g}", ratio(st["predicted_s"] / st[key]))
     for d in pc["communication"]:
         t.add_row(f"{d['dim']} bytes/step", f"{d['planned_bytes'] or 0:,.0f}",
                   f"{d['measured_bytes'] or 0:,.0f}", ratio(d["ratio"]))

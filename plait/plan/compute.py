@@ -76,8 +76,11 @@ class Efficiency:
     # the seconds past the alpha-beta price after each of `desync_compute`'s segments
     # (sync_extra is their mean; empty in a profile that predates them)
     sync_after: tuple[float, ...] = ()
-    # and the extra's growth per byte of a larger call (measured at one larger size)
+    # and the extra's growth per byte of a larger call (measured at one larger size,
+    # `sync_bytes_measured`: a call's growth is held there, not extrapolated beyond; the
+    # size measure_sync has always timed for profiles that predate the field)
     sync_per_byte: float = 0.0
+    sync_bytes_measured: float = 128 * 1024
     # seconds posting one batch of pipeline transfers holds a rank (plait calibrate's
     # measure_post; the shared simulator's `post`); 0 for the GPU presets, whose
     # calibration set has the pipeline's sends inside its fit

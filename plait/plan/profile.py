@@ -199,11 +199,13 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
     # (cold buffers copied slower than the back-to-back fit's); 0 if it is not larger
     per_byte = [(extra(r, r["bytes"]) - at[r["compute_seconds"]]) / (r["bytes"] - s["bytes"])
                 for r in s.get("sizes", []) if r["compute_seconds"] in at]
+    larger = [float(r["bytes"]) for r in s.get("sizes", []) if r["compute_seconds"] in at]
     return {"sync_extra": max(float(np.mean(small)), 0.0),
             "desync_compute": tuple(float(r["compute_seconds"]) for r in rows),
             "desync_wait": tuple(max(float(r["wait_seconds"]), 0.0) for r in rows),
             "sync_after": tuple(max(v, 0.0) for v in small),
-            "sync_per_byte": max(float(np.mean(per_byte)), 0.0) if per_byte else 0.0}
+            "sync_per_byte": max(float(np.mean(per_byte)), 0.0) if per_byte else 0.0,
+            "sync_bytes_measured": max(larger, default=float(s["bytes"]))}
 
 
 def fit_comm_cpu(collectives: dict[str, list], group: int | None) -> dict[str, float]:

@@ -316,17 +316,19 @@ def sync_after(segment: Num, eff: Efficiency) -> Num:
     return _power_law(segment, eff.desync_compute, eff.sync_after)
 
 
-def blocking_calls(colls: list[comm.Collective]) -> tuple[Num, Num]:
-    """(calls, their bytes) a step the rank waits on at once, over groups of more than
-    one rank: every listed call but the pipeline's sends (the simulated timeline holds
-    them) and those a collective says overlap compute (`Collective.blocking`: ZeRO's
-    prefetched gathers, reduce-scatters completed behind later layers)."""
+def blocking_calls(colls: list[comm.Collective],
+                   bytes_cap: float = float("inf")) -> tuple[Num, Num]:
+    """(calls, their bytes, each call's held at `bytes_cap`) a step the rank waits on at
+    once, over groups of more than one rank: every listed call but the pipeline's sends
+    (the simulated timeline holds them) and those a collective says overlap compute
+    (`Collective.blocking`: ZeRO's prefetched gathers, reduce-scatters completed behind
+    later layers)."""
     calls, nbytes = 0.0, 0.0
     for c in colls:
         if c.dim != "pp" or not c.op.startswith("send"):
             n = np.where(np.asarray(c.group) > 1, c.count if c.blocking is None
                          else c.blocking, 0.0)
-            calls, nbytes = calls + n, nbytes + n * c.size
+            calls, nbytes = calls + n, nbytes + n * np.minimum(c.size, bytes_cap)
     return np.asarray(calls, dtype=float), np.asarray(nbytes, dtype=float)
 
 
@@ -335,8 +337,10 @@ def sync_seconds(eff: Efficiency, colls: list[comm.Collective], compute: Num) ->
     of the K blocking calls per step (`blocking_calls`) waits for the last rank after its
     share of the step's compute, L = compute / K (the ranks' jitter), and then pays the
     measured extra after that arrival at that L, and sync_per_byte for each byte of its
-    message (plait calibrate's measure_sync)."""
-    calls, nbytes = blocking_calls(colls)
+    message up to the largest size measured (plait calibrate's measure_sync; held beyond
+    it: the closed loop's tp 2 calls of 2 KB and 1 MB, 2026-12-04, paid the same extra,
+    1.4-2.1 ms, where the line from 1 to 128 KiB gave the 1 MB ones 6 ms more)."""
+    calls, nbytes = blocking_calls(colls, eff.sync_bytes_measured)
     segment = np.asarray(compute, dtype=float) / np.maximum(calls, 1.0)
     return calls * (sync_after(segment, eff) + desync_wait(segment, eff)) \
         + eff.sync_per_byte * nbytes
