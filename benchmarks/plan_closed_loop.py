@@ -36,6 +36,7 @@ sys.path[:0] = [str(root), str(root / "tests")]
 
 from helpers import token_file  # noqa: E402
 
+from plait.plan.host_share import HIDDEN_TERM  # noqa: E402
 from plait.plan.step_comm import SYNC_TERM  # noqa: E402
 
 # the model: `tiny` with these fields replaced (vocabulary 256: the test token file's).
@@ -174,13 +175,14 @@ def print_parts(parts: list) -> None:
     ledger's: issue to completion, and the part the rank waited; on a loaded machine the
     waits are mostly for a descheduled peer)."""
     print("\nplanned ms: compute | comm exposed (tp, cp/ep, dp) | bubble + p2p | optimizer "
-          "| collective sync (waits) || measured ms a step: comm | comm waited")
+          "| collective sync (waits) | hidden comm CPU || measured ms a step: comm | comm "
+          "waited")
     for name, t, ledger in parts:
         comm_ms = 1e3 * (t["tp comm (exposed)"] + t["cp/ep comm (exposed)"]
                          + t["dp comm (exposed)"])
         print(f"  {name}: {1e3 * (t['compute'] + t['recompute']):.1f} | {comm_ms:.1f} | "
               f"{1e3 * t['pipeline bubble + p2p']:.1f} | {1e3 * t['optimizer step']:.1f} | "
-              f"{1e3 * t.get(SYNC_TERM, 0.0):.1f} || "
+              f"{1e3 * t.get(SYNC_TERM, 0.0):.1f} | {1e3 * t.get(HIDDEN_TERM, 0.0):.1f} || "
               f"{1e3 * ledger['comm_seconds_per_step']:.1f} | "
               f"{1e3 * ledger['comm_exposed_seconds_per_step']:.1f}")
 

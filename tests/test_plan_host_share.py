@@ -173,3 +173,32 @@ def test_node_ranks_in_step_only_as_one_group_of_a_per_layer_dimension():
     got = float(host_share.step_on_shared_cores(0.046, 0.03, 0.044, 2, 4, 1.0, 2, True))
     assert got == pytest.approx(0.044 + float(host_share.shared_cores_step(
         0.046, 0.03, 0.0, 2, 4, 1.0, 2)), rel=1e-12)
+
+
+def test_hidden_collectives_cpu_stretches_a_rank_that_has_no_free_core():
+    """Ranks holding every core of their host (R = C, nothing else running): the CPU of
+    the calls a rank does not wait on (ZeRO-3's prefetched gathers, its reduce-scatters
+    behind the backward: count - blocking) is a line of the step, count x (per call + per
+    byte x size); none where a core is free, without comm_cpu, or for a GPU preset; and
+    none for calls all waited on (ZeRO-0's gradient all-reduce, tp's)."""
+    shape, train = from_preset("tiny", 128), Training(16, precision="fp32")
+    prof = {**_profile(), "cores": 2}
+    prof["fit"]["comm_cpu"] = {"call_s": 1e-4, "byte_s": 1e-10}
+    cpu, eff = profile_hardware(prof)
+    z3 = Layout(dp=2, zero=3)
+    est = evaluate(shape, Cluster(cpu, 2, ranks_per_host=2), train, z3, eff)
+    hidden = [(float(c.count) - float(c.blocking)) * (1e-4 + 1e-10 * float(c.size))
+              for c in est.collectives if c.blocking is not None and c.group > 1]
+    assert sum(hidden) > 0
+    assert float(est.time[host_share.HIDDEN_TERM]) == pytest.approx(sum(hidden), rel=1e-9)
+    off = [evaluate(shape, Cluster(cpu, 2, ranks_per_host=2), train, z3,
+                    replace(eff, comm_cpu_call=0.0, comm_cpu_byte=0.0)),
+           evaluate(shape, Cluster(replace(cpu, host_cores=4.0), 2, ranks_per_host=2),
+                    train, z3, eff),
+           evaluate(shape, Cluster(get_gpu("h100-sxm", gpus_per_node=2), 2), train, z3,
+                    EFFICIENCY)]
+    for other in (Layout(dp=2, zero=0), Layout(tp=2, zero=0)):
+        off.append(evaluate(shape, Cluster(cpu, 2, ranks_per_host=2), train, other, eff))
+    assert all(host_share.HIDDEN_TERM not in e.time for e in off)
+    assert float(est.step_time) == pytest.approx(float(off[0].step_time) + sum(hidden),
+                                                 rel=1e-9)

@@ -4,9 +4,10 @@
 Three things are compared: that the run is the planned layout (sizes, ZeRO, schedule,
 micro-batches, batch, sequence, model shape); the step time the plan predicted for its
 hardware against the run's (mean of the timed steps: the first, warm-up, left out when
-there are others, as plait/throughput.py does; their median and the fastest beside it); and per mesh dim the plan's collective
-payload bytes per step against the run's ledger (the comparison `plait report` already
-makes from the run's config, here from the plan file itself). The plan's memory is the
+there are others, as plait/throughput.py does; their median and the fastest beside it);
+and per mesh dim the plan's collective payload bytes per step against the run's ledger
+(the comparison `plait report` already makes from the run's config, here from the plan
+file itself). The plan's memory is the
 fused-kernel GPU model; beside a CPU run's measured peak it is shown, not judged: the
 eager prediction above is the one to hold a CPU run to.
 """

@@ -364,6 +364,9 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     if eff.sync_extra or eff.desync_wait:  # a measured profile's (the presets: none)
         time[SYNC_TERM] = sync_seconds(eff, colls, time["compute"] + time["recompute"])
         step = step + time[SYNC_TERM]
+    hidden = host_share.hidden_comm_cpu(cluster, colls, eff.comm_cpu_call, eff.comm_cpu_byte)
+    if np.any(np.asarray(hidden) > 0):  # a CPU host whose ranks hold every core
+        time[host_share.HIDDEN_TERM], step = hidden, step + hidden
     step = host_share.apply(cluster, time, colls, step, eff.comm_cpu_call,  # CPU hosts
                             eff.comm_cpu_byte)
     n_gpu = b.tp * b.pp * b.dp * b.cp

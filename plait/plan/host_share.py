@@ -220,6 +220,29 @@ def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num,
     return shared
 
 
+HIDDEN_TERM = "hidden comm CPU"  # the step-time breakdown's line for hidden_comm_cpu
+
+
+def hidden_comm_cpu(cluster: Cluster, colls: list, cpu_call: float, cpu_byte: float) -> Num:
+    """CPU seconds a step of the collectives a rank does not wait on (`Collective.blocking`
+    below the count: ZeRO's prefetched gathers, its reduce-scatters behind the backward)
+    where the host's ranks hold every core and nothing else runs (R = C: past it `apply`
+    counts them as work): gloo's threads copy and reduce on the cores the ranks compute
+    on, so the compute that hides the call is stretched by its CPU (a profile's
+    comm_cpu). 0 where a core is free, or the CPU is not measured (the GPU presets)."""
+    cores = cluster.gpu.host_cores
+    if not (cpu_call or cpu_byte) or cores <= 0 or applies(cluster) \
+            or host_ranks(cluster) < cores:
+        return 0.0
+    total = 0.0
+    for c in colls:
+        if c.blocking is not None and not (c.dim == "pp" and c.op.startswith("send")):
+            hidden = np.where(np.asarray(c.group) > 1,
+                              np.maximum(np.asarray(c.count) - c.blocking, 0.0), 0.0)
+            total = total + hidden * (cpu_call + cpu_byte * np.asarray(c.size, dtype=float))
+    return total
+
+
 def note(cluster: Cluster) -> str | None:
     """One line for `plait plan`'s output when the model applies."""
     if not applies(cluster):
