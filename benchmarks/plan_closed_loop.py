@@ -1,22 +1,24 @@
 """The planner's step time on this machine, predicted vs measured (issue 27, item 2).
 
-    python benchmarks/plan_closed_loop.py [--hardware profile.json] [--steps 12]
-                                          [--measured DIR]
+    python benchmarks/plan_closed_loop.py [--hardware profile.json] [--steps 20]
+        [--hidden 256] [--layers 4] [--heads 4] [--ffn 688] [--seq 128]
+        [--global-batch 8] [--measured DIR]
 
 Measures a profile first (`plait calibrate`) unless one is given; then, for each small
 layout (world <= 2, so ranks do not share cores: one rank, dp=2 ZeRO-0 and ZeRO-3, tp=2
 with SP, pp=2 1F1B and GPipe), `plait plan --hardware ... --layout ... --emit-config`,
 `plait train --config` on the emitted file, and `plait report --plan`; prints predicted
-and measured step time (mean of the timed steps, the first left out, and the fastest:
-on a shared machine the least disturbed, the estimator the profile's best-of-repeats
-uses) and the errors, whether each is within the goal (15 %) and the load average,
-beside the dp/tp/pp bytes ratio; then where each planned step goes beside the collectives'
-measured seconds (and the planned waits at collectives after compute, the profile's
-measure_sync). fp32 (the runtime's default; bf16 is emulated on this
-CPU), the `tiny` model with a 256-token vocabulary, sequence 64, global batch 8.
-It prints the folder it writes the runs to; `--measured DIR` plans again against the
-runs kept there (nothing is trained): a changed model or profile beside the same
-measurements.
+and measured step time (mean, median and fastest of the timed steps, the first left
+out; the goal is judged on the fastest: on a shared machine the least disturbed, the
+estimator the profile's best-of-repeats uses) and the errors, whether the fastest is
+within the goal (15 %) and the load average, beside the dp/tp/pp bytes ratio; then where
+each planned step goes beside the collectives' measured seconds (and the planned waits
+at collectives after compute, the profile's measure_sync, and the hidden collectives'
+CPU). fp32 (the runtime's default; bf16 is emulated on this CPU), `tiny` with the size
+flags replacing its fields and a 256-token vocabulary (the test token file's). It
+prints the folder it writes the runs to and records the size and steps there;
+`--measured DIR` plans again against the runs kept there at that size (nothing is
+trained): a changed model or profile beside the same measurements.
 """
 
 from __future__ import annotations
