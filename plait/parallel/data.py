@@ -23,6 +23,7 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.config import FIRST_BUCKET_MB
 from plait.mesh import ParallelMesh
+from plait.parallel.buckets import backward_runs
 
 
 class _Bucket:
@@ -55,18 +56,9 @@ class DataParallel:
 
     def _build_buckets(self, bucket_mb: float) -> None:
         # backward produces gradients roughly in reverse order of registration
-        cap = bucket_mb * 2**20
-        first_cap = min(FIRST_BUCKET_MB, bucket_mb) * 2**20
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(self.params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= (first_cap if not self.buckets else cap):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        self.buckets = [_Bucket([self.params[i] for i in run]) for run in backward_runs(
+            sizes, bucket_mb * 2**20, min(FIRST_BUCKET_MB, bucket_mb) * 2**20)]
         self._where = {id(p): (i, j) for i, b in enumerate(self.buckets)
                        for j, p in enumerate(b.params)}
         self._next_launch = 0

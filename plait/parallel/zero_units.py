@@ -9,6 +9,7 @@ from torch import nn
 
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
+from plait.parallel.buckets import backward_runs
 from plait.parallel.expert import reduce_dim
 from plait.placement import PlacementTable
 
@@ -110,18 +111,9 @@ def zero_unit_groups(model: nn.Module, cap_bytes: float | None
     modules = zero_units(model)
     if cap_bytes is None:
         return [[m] for m in modules]
-    groups: list[list[tuple[str, nn.Module]]] = []
-    current: list[tuple[str, nn.Module]] = []
-    size = 0
-    for prefix, module in reversed(modules):
-        current.insert(0, (prefix, module))
-        size += sum(p.numel() * p.element_size() for p in module.parameters())
-        if size >= cap_bytes:
-            groups.insert(0, current)
-            current, size = [], 0
-    if current:
-        groups.insert(0, current)
-    return groups
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in modules]
+    return [[modules[i] for i in reversed(run)]
+            for run in reversed(backward_runs(sizes, cap_bytes))]
 
 
 def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable, dim: str,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from plait.config import FIRST_BUCKET_MB, ZERO_REDUCE_SCATTERS_IN_FLIGHT
+from plait.parallel.buckets import backward_runs
 from plait.plan.activations import (
     FP32,
     kv_width_per_rank,
@@ -123,17 +124,12 @@ def _modules_after(z: int, j: int) -> list[str]:
 
 
 def _runs(groups: list, cap_bytes: float | None, pb: int) -> list[list]:
-    """`groups` in runs, each closed in backward order at `cap_bytes` (zero_unit_groups)."""
+    """`groups` in runs, each closed in backward order at `cap_bytes` (zero_unit_groups),
+    in forward order."""
     if cap_bytes is None:
         return [[g] for g in groups]
-    runs, current, size = [], [], 0
-    for g in reversed(groups):
-        current.insert(0, g)
-        size += sum(g[1]) * pb
-        if size >= cap_bytes:
-            runs.insert(0, current)
-            current, size = [], 0
-    return [current, *runs] if current else runs
+    runs = backward_runs([sum(ps) * pb for _, ps in groups], cap_bytes)
+    return [[groups[i] for i in reversed(run)] for run in reversed(runs)]
 
 
 def _model_state_bytes(units: list[ZeroUnit], k: dict, padded: dict, zero: int, e: int,
