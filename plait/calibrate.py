@@ -17,7 +17,8 @@ transfers holds a rank (calibrate_steps.measure_post), the pipeline runtime's ow
 before each compute action (calibrate_steps.measure_gap: plait's runtime trained at pp = 2),
 and a few GEMMs on every rank at once (their throughput beside another rank's over alone).
 Each measurement is the best of a few repeats (the machine is shared: the best is the least
-disturbed; the sync numbers and the gap: medians), compute in the thread's CPU seconds,
+disturbed; the gap: a median; the sync numbers: means over every call, a heavy-tailed
+wait a step pays in full), compute in the thread's CPU seconds,
 collectives on the wall clock. The fit (plait/plan/profile.py) is written
 with the raw numbers; `plait plan --hardware profile.json` plans with it.
 
@@ -183,7 +184,7 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int, quick:
                      "cpu_seconds": statistics.median(cpu)})  # a disturbed call's polls
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
     # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
-    out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 30, 3 if quick else 5)]
+    out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 40, 3 if quick else 6)]
     out["post"] = [measure_post(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
     out["gemm_concurrent"] = _concurrent_gemms(mesh, quick)
     if world % 2 == 0:  # the pipeline runtime's own time before each compute, at pp = 2

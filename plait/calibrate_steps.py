@@ -216,37 +216,40 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
 
 
 # CPU seconds of compute each rank runs between two collectives (the runtime's range:
-# tp's calls every ~0.5-1 ms of compute, ZeRO-3's blocking gathers every ~3 ms, ZeRO-0's
-# gradient all-reduce and the step's all-reduces after a whole backward or pipeline, 7-20
-# ms of the closed loop's), and the all-reduce's bytes: latency-bound
-SYNC_SEGMENTS = (0.5e-3, 4e-3, 16e-3)
+# tp's blocking calls every ~2.4 ms of the closed loop's compute, ZeRO-3's every ~3 ms,
+# ZeRO-0's gradient all-reduce and the step's all-reduces after a whole backward or
+# pipeline, 7-20 ms of the closed loop's), and the all-reduce's bytes: latency-bound
+SYNC_SEGMENTS = (0.5e-3, 2e-3, 4e-3, 16e-3)
 SYNC_BYTES = 1 << 10
 # a larger call after SYNC_SEGMENTS[0], in the closed loop's range (tp's and ZeRO-3's 104-128
 # KiB, ZeRO-0's 521 KiB): whether the extra grows with the bytes (cold buffers)
 SYNC_LARGE_BYTES = 128 << 10
 # what measure_sync's numbers are (written into the profile with them)
-SYNC_STATISTIC = ("median over the calls of a repeat (each the mean over the ranks), median of "
-                  "the repeats")
+SYNC_STATISTIC = ("mean over every call of the repeats (each call the mean over the ranks); "
+                  "*_median_seconds: their median; *_repeats: each repeat's mean")
 
 
 def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any]:
     """What a collective costs where the runtime issues it, after compute on every rank,
     beyond the same call issued back to back (the alpha-beta fit's setting). For each
-    segment length L in SYNC_SEGMENTS: `calls` times, L seconds of this thread's CPU in
-    128 x 128 GEMMs, then a SYNC_BYTES all-reduce over `dim`; and `calls` all-reduces
-    back to back; and after SYNC_SEGMENTS[0], a SYNC_LARGE_BYTES all-reduce (`sizes`).
-    Every rank's arrival and exit times (perf_counter: one clock for the ranks of one
-    host) are all-gathered, and each call split into
+    segment length L in SYNC_SEGMENTS: `repeats` x `calls` times, L seconds of this
+    thread's CPU in 128 x 128 GEMMs, then a SYNC_BYTES all-reduce over `dim`; and as many
+    all-reduces back to back; and after SYNC_SEGMENTS[0], a SYNC_LARGE_BYTES all-reduce
+    (`sizes`). Every rank's arrival and exit times (perf_counter: one clock for the ranks
+    of one host) are all-gathered, and each call split into
       wait  = the last rank's arrival - this rank's (the ranks' compute jitter: they
               leave a compute of equal CPU work at different times; the wait for the
               slower rank),
       after = exit - the last rank's arrival (the collective itself, with the backend's
               wake-up once every rank has come).
-    Both are means over the ranks, per call; of a repeat's calls the median (`_robust`:
-    a call another process's time slice delays reads 3-4 ms here against 0.3-0.5, and a
-    few of them moved a repeat's mean from 1.0 to 5.9 ms), and of the `repeats` the
-    median, each repeat's kept beside it (its spread). Wall clock: both are waits, not
-    work."""
+    Both are means over the ranks, per call. Of the calls the mean (what a step of such
+    calls pays) and the median (`*_median_seconds`: the body without the tail), each
+    repeat's mean kept (its spread). Measured on this machine (2026-12-04, quiet): a
+    call's extra after 2.4 ms is heavy-tailed, 0.3 ms at the 10th percentile and 3-5.5
+    ms at the 90th (about the kernel's 4 ms scheduler tick: a woken gloo thread queued
+    behind a computing one), so the median of 30 calls flips between the modes (0.03-2.3
+    ms of extra across calibrates) where the mean of 180 read 1.4-1.8 ms after the last
+    arrival in six runs. Wall clock: both are waits, not work."""
     import torch
 
     from plait.comm import ops
@@ -260,7 +263,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         while time.thread_time() - t0 < seconds:
             a @ a
 
-    def run(seconds: float | None, x: Any) -> tuple[float, float]:
+    def run(seconds: float | None, x: Any) -> tuple[list[float], list[float]]:
         times = torch.empty(calls, 2, dtype=torch.float64, device=DEVICE)
         ops.all_reduce(torch.zeros(1, device=DEVICE), mesh, dim, tag="calibrate")  # together
         for i in range(calls):
@@ -274,24 +277,26 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
         every = every.reshape(n, calls, 2)
         last = every[:, :, 0].max(dim=0).values
         wait = (last - every[:, :, 0]).mean(dim=0)  # per call, over the ranks
-        after = (every[:, :, 1] - last).mean(dim=0)
-        return statistics.median(wait.tolist()), statistics.median(after.tolist())
+        return wait.tolist(), (every[:, :, 1] - last).mean(dim=0).tolist()
 
     def row(seconds: float | None, x: Any = small) -> dict[str, Any]:
         waits, afters = zip(*(run(seconds, x) for _ in range(repeats)), strict=True)
-        return {"wait_seconds": statistics.median(waits),
-                "after_seconds": statistics.median(afters),
-                "wait_repeats": list(waits), "after_repeats": list(afters)}
+        every_wait, every_after = sum(waits, []), sum(afters, [])
+        return {"wait_seconds": statistics.fmean(every_wait),
+                "after_seconds": statistics.fmean(every_after),
+                "wait_median_seconds": statistics.median(every_wait),
+                "after_median_seconds": statistics.median(every_after),
+                "wait_repeats": [statistics.fmean(w) for w in waits],
+                "after_repeats": [statistics.fmean(w) for w in afters]}
 
     back = row(None)
     rows = [{"compute_seconds": seconds, **row(seconds)} for seconds in SYNC_SEGMENTS]
     large = row(SYNC_SEGMENTS[0], torch.ones(SYNC_LARGE_BYTES // 4, device=DEVICE))
     return {"group": n, "bytes": SYNC_BYTES, "statistic": SYNC_STATISTIC,
-            "back_to_back_seconds": back["after_seconds"],
+            "calls": calls * repeats, "back_to_back_seconds": back["after_seconds"],
             "back_to_back_repeats": back["after_repeats"], "segments": rows,
             "sizes": [{"bytes": SYNC_LARGE_BYTES, "compute_seconds": SYNC_SEGMENTS[0],
                        **large}]}
-
 
 # a pipeline transfer's bytes here: the closed loop's activation (2 x 64 tokens x 64 fp32)
 POST_BYTES = 32 << 10

@@ -104,9 +104,12 @@ def test_calibrate_measures_every_term():
     assert [(r["m"], r["k"], r["n"]) for r in raw["gemm_concurrent"]] == QUICK_GEMMS
     assert all(r["seconds"] > 0 for r in raw["gemm_concurrent"])
     assert sync["statistic"] == SYNC_STATISTIC and len(sync["back_to_back_repeats"]) == 3
-    for r in sync["segments"] + sync["sizes"]:  # the median of the repeats, each kept
+    assert sync["calls"] == 8 * 3  # every call of the repeats: their mean, each repeat's kept
+    for r in sync["segments"] + sync["sizes"]:
         assert len(r["after_repeats"]) == len(r["wait_repeats"]) == 3
-        assert r["after_seconds"] == sorted(r["after_repeats"])[1]
+        assert r["after_seconds"] == pytest.approx(sum(r["after_repeats"]) / 3, rel=1e-9)
+        assert r["wait_seconds"] == pytest.approx(sum(r["wait_repeats"]) / 3, rel=1e-9)
+        assert r["after_median_seconds"] > 0 and r["wait_median_seconds"] >= 0
     gap = raw["pipeline_gap"]  # plait's runtime trained at pp = 2: its gap per compute
     assert (gap["pp"], gap["schedule"], len(gap["gap_repeats"])) == (2, "1f1b", 2)
     assert gap["gap_seconds"] > 0 and prof["fit"]["pipeline_gap"] == gap["gap_seconds"]
@@ -307,6 +310,15 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     assert got["sync_after"] == pytest.approx((3e-4, 5e-4), rel=1e-9)  # per segment
     assert got["sync_per_byte"] == pytest.approx(2e-4 / (65536 - 1024), rel=1e-9)
     assert got["sync_bytes_measured"] == 65536  # the growth is held beyond it
+    # with the calls' medians measured, the growth per byte is theirs (the tail of a
+    # call's distribution is in the small call's mean, not per byte), the rest the mean's
+    medians = {**raw, "segments": [{**r, "after_median_seconds": priced + 1e-4}
+                                   for r in raw["segments"]],
+               "sizes": [{**raw["sizes"][0], "after_median_seconds":
+                          2 * 50e-6 + 65536 / 1e9 + 1e-4 + 1e-4}]}
+    got_m = fit_sync(medians, link)
+    assert got_m["sync_per_byte"] == pytest.approx(1e-4 / (65536 - 1024), rel=1e-6)
+    assert got_m["sync_after"] == got["sync_after"]
     assert fit_sync(None, link) == fit_sync(raw, None) == {
         "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
         "sync_per_byte": 0.0}

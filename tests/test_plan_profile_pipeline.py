@@ -70,18 +70,22 @@ def test_ranking_closed_form_prices_the_gap_too():
     assert 0 < s1 - s0 <= r1 - r0 + 1e-12
 
 
-def test_sync_spread_reports_each_repeat_and_the_fit_takes_the_median():
+def test_sync_spread_reports_each_repeat_and_the_fit_takes_the_mean_of_the_calls():
+    """The spread: each repeat's mean extra, lowest / median / highest; the price: the
+    mean over every call (measure_sync's `after_seconds`), a repeat whose calls hit the
+    tail (a woken thread's wait for a core) counted as a step pays it."""
     link = {"alpha_s": 50e-6, "bandwidth_Bps": 1e9}
     price = 2 * 50e-6 + 1024 / 1e9
-    rows = [{"compute_seconds": c, "wait_seconds": 1e-4, "after_seconds": price + med,
+    rows = [{"compute_seconds": c, "wait_seconds": 1e-4,
+             "after_seconds": price + sum(reps) / 3, "after_median_seconds": price + 1e-4,
              "after_repeats": [price + x for x in reps], "wait_repeats": [1e-4] * 3}
-            for c, med, reps in ((5e-4, 3e-4, (5e-3, 3e-4, 2e-4)),
-                                 (4e-3, 6e-4, (6e-4, 7e-4, 1e-4)))]
+            for c, reps in ((5e-4, (5e-3, 3e-4, 2e-4)), (4e-3, (6e-4, 7e-4, 1e-4)))]
     raw = {"group": 2, "bytes": 1024, "segments": rows, "sizes": []}
     spread = fit_sync_spread(raw, link)
     assert [x for r in spread for x in (r["low"], r["median"], r["high"])] == pytest.approx(
         [2e-4, 3e-4, 5e-3, 1e-4, 6e-4, 7e-4], rel=1e-6)
-    assert fit_sync(raw, link)["sync_after"] == pytest.approx((3e-4, 6e-4), rel=1e-9)
+    assert fit_sync(raw, link)["sync_after"] == pytest.approx((5.5e-3 / 3, 1.4e-3 / 3),
+                                                              rel=1e-9)
     old = {**raw, "segments": [{k: v for k, v in r.items() if not k.endswith("repeats")}
                                for r in rows]}  # a profile from before the repeats
     assert fit_sync_spread(old, link) == [] and fit_sync_spread(None, link) == []

@@ -28,12 +28,13 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   plait/calibrate_steps.py): the mean seconds it took once the last rank arrived, less
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
   runs), per segment of compute -> sync_after (their mean: sync_extra), a larger call's
-  more per byte -> sync_per_byte; the mean wait for the last rank after each segment ->
-  desync_compute / desync_wait (plait/plan/step_comm.py's sync_seconds: the blocking
-  calls only).
-  The sync numbers are medians (over a repeat's calls, then over the repeats: a call
-  delayed by another process's time slice moved a mean by several times); each repeat's
-  extra is kept -> sync_spread (lowest, median, highest per segment; reported only).
+  more per byte (the calls' medians) -> sync_per_byte; the mean wait for the last rank
+  after each segment -> desync_compute / desync_wait (plait/plan/step_comm.py's
+  sync_seconds: the blocking calls only).
+  The sync numbers are means over every call of the repeats (a call's extra is
+  heavy-tailed here: a median flipped between its modes from calibrate to calibrate);
+  each repeat's mean extra is kept -> sync_spread (lowest, median, highest per segment;
+  reported only).
 - posts: a batch of pipeline transfers posted after compute (measure_post): its mean wall
   seconds -> p2p_post, the shared simulator's `post` (a rank's time per batch of
   transfers, idle: in the bubble line). Completing the transfers after more compute is
@@ -178,8 +179,8 @@ def fit_elementwise(rows: list[dict[str, float]] | None, d: dict[str, Any] | Non
 
 def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[str, Any]:
     """The extra seconds of a synchronising collective after compute beyond the alpha-beta
-    price, per measured segment length (`sync_after`: on this machine it grew with the
-    compute before the call, 1.0 to 2.5 ms after 0.5 and 4 ms, quiet) and their mean
+    price, per measured segment length (`sync_after`, each the mean over the calls: on
+    this machine it grew with the compute before the call) and their mean
     (`sync_extra`), per byte of a larger call after the same compute (`sync_per_byte`),
     and the wait for the last rank per segment length; none when not measured (one
     rank)."""
@@ -188,16 +189,20 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
                 "sync_per_byte": 0.0}
     from plait.plan.comm import all_reduce
 
-    def extra(row: dict[str, Any], size: float) -> float:  # past the alpha-beta price
-        return float(row["after_seconds"]) - float(all_reduce(
-            size, s["group"], link["bandwidth_Bps"], link["alpha_s"])[0])
+    def extra(row: dict[str, Any], size: float, key: str = "after_seconds") -> float:
+        return float(row.get(key, row["after_seconds"])) - float(all_reduce(
+            size, s["group"], link["bandwidth_Bps"], link["alpha_s"])[0])  # past the price
 
     rows = s["segments"]
     small = [extra(r, s["bytes"]) for r in rows]
-    at = dict(zip((r["compute_seconds"] for r in rows), small, strict=True))
     # a larger call's extra over the small one's after the same compute, per byte more
-    # (cold buffers copied slower than the back-to-back fit's); 0 if it is not larger
-    per_byte = [(extra(r, r["bytes"]) - at[r["compute_seconds"]]) / (r["bytes"] - s["bytes"])
+    # (cold buffers copied slower than the back-to-back fit's); 0 if it is not larger. The
+    # medians' (a profile from before them: the one number): the body of each call's
+    # distribution, where a copy's growth shows; its tail (a woken thread's wait for a
+    # core, measure_sync) does not grow with the bytes and is in the small call's mean
+    at = {r["compute_seconds"]: extra(r, s["bytes"], "after_median_seconds") for r in rows}
+    per_byte = [(extra(r, r["bytes"], "after_median_seconds") - at[r["compute_seconds"]])
+                / (r["bytes"] - s["bytes"])
                 for r in s.get("sizes", []) if r["compute_seconds"] in at]
     larger = [float(r["bytes"]) for r in s.get("sizes", []) if r["compute_seconds"] in at]
     return {"sync_extra": max(float(np.mean(small)), 0.0),
@@ -227,7 +232,7 @@ def fit_sync_spread(s: dict[str, Any] | None, link: dict[str, float] | None
     """How far the repeats of each segment's extra (after the last arrival, less the
     alpha-beta price) lie apart: their lowest, median and highest, per segment (a profile
     from before the repeats were kept: none). Reported, not priced: the planner takes the
-    median (`fit_sync`)."""
+    mean over every call (`fit_sync`)."""
     if not s or not link or not all("after_repeats" in r for r in s["segments"]):
         return []
     from plait.plan.comm import all_reduce
