@@ -306,10 +306,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sync_words(fit: dict[str, Any]) -> str:
-    """The sync extra per segment with its repeats' spread, and the pipeline's gap."""
+    """The sync extra priced per segment (the mean over every call) with its repeats'
+    spread (each repeat's mean), and the pipeline's gap."""
     spread = fit.get("sync_spread") or []
-    words = ", ".join(f"{r['median'] * 1e3:.2f} ({r['low'] * 1e3:.2f} to {r['high'] * 1e3:.2f})"
-                      f" after {r['compute_seconds'] * 1e3:g}" for r in spread)
+    priced = (fit.get("sync") or {}).get("sync_after") or [r["median"] for r in spread]
+    words = ", ".join(f"{p * 1e3:.2f} ({r['low'] * 1e3:.2f} to {r['high'] * 1e3:.2f})"
+                      f" after {r['compute_seconds'] * 1e3:g}"
+                      for p, r in zip(priced, spread, strict=False))
     out = f"; sync extra ms {words} ms of compute" if words else ""
     if fit.get("pipeline_gap"):
         out += f"; pipeline gap {fit['pipeline_gap'] * 1e6:.0f} us a compute"
