@@ -249,7 +249,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
     ms at the 90th (about the kernel's 4 ms scheduler tick: a woken gloo thread queued
     behind a computing one), so the median of 30 calls flips between the modes (0.03-2.3
     ms of extra across calibrates) where the mean of 180 read 1.4-1.8 ms after the last
-    arrival in six runs. Wall clock: both are waits, not work."""
+    arrival in eight runs. Wall clock: both are waits, not work."""
     import torch
 
     from plait.comm import ops
