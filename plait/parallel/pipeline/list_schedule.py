@@ -4,7 +4,8 @@ given durations, the heuristic of Qi et al. 2023 section 3 in its simplest form.
 Event-driven (issue 11): what lands when is keyed by time, with a heap of those times, and
 each rank keeps heaps of its ready actions, so a build costs O(n log n) in its n actions
 (the rescanning scheduler it replaced cost about n^2; tests/test_schedule_oracle.py holds
-this one to that one's orders, tests/test_simulate_steps.py counts its work).
+this one to that one's orders for dualpipe, and to its own for zb-v since zb-v's quota
+counts what a W holds; tests/test_simulate_steps.py counts its work).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def list_schedule(
       2. else the admitted F of the oldest micro-batch, then the stage nearer the loss;
       3. else a W (it fills what would be a bubble), oldest first.
     With freed_by "W", where a W is what frees the room, an admitted F first (it feeds
-    the next rank), else, if some F is there but held by its quota, a W (the room that F
-    needs), else an I, else a W: per micro-batch and stage F, I, W back to back once the
+    the next rank), else, if some F is there but held back (quota or lead), a W (the room
+    that F needs), else an I, else a W: per micro-batch and stage F, I, W back to back once the
     room is full, the pattern of the paper's ZB-V (section 6).
     The resulting order is the schedule: plain data, valid under any durations, tuned for
     the ones it was built with. `layout`, a list, receives [durations, starts, ends]:

@@ -131,9 +131,9 @@ def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None,
     (its matmuls' inputs and output gradients). The order comes from the list scheduler
     (list_schedule.py), run with `durations` (default T_F = T_I = T_W): with room full,
     each (stage, micro-batch) runs F, I, W back to back, the paper's pattern. With equal
-    durations and m >= 2p the synchronous step is the paper's (bubble (p-1)(T_F+T_I-T_W)
-    per rank less the W's that fill it), and at p <= 4 no rank idles between its first
-    and last action."""
+    durations and m >= 2p: exactly 2p per rank, a synchronous bubble of (p-1) T_F per
+    rank, and up to p = 4 no rank idle between its first and last action (from p = 5 one
+    rank idles one T_F in its cool-down; tests/test_schedules.py)."""
     # both stages of a rank count against 2p. The way down (stage r) keeps the last unit
     # of room for activations sure to be freed ("sure"), and runs at most 2(p-1-r)+1 F's
     # ahead of the way up on its rank (the paper's warm-up, where the first micro-batch
