@@ -577,3 +577,11 @@ def test_lowering_places_transfers():
         "1,RECV_F1.0<0,F1.0,RECV_F1.1<0,B1.0,SEND_B1.0>0,F1.1,RECV_F1.2<0,B1.1,SEND_B1.1>0,"
         "F1.2,B1.2,SEND_B1.2>0",
     ]
+
+
+def test_list_scheduler_refuses_an_unknown_gate_or_freeing_kind():
+    from plait.parallel.pipeline.list_schedule import list_schedule
+
+    for quota, freed_by in ((lambda s: (s, 2, True), "I"), (lambda s: (s, 2, "room"), "B")):
+        with pytest.raises(ValueError, match="freed_by"):
+            list_schedule("x", 2, 4, 1, [0, 1], 1, quota, freed_by=freed_by)
