@@ -22,7 +22,10 @@ of all steps' mean durations (the prediction before 2026-12-03), "replay" each a
 own measured duration, gap before it and post (nothing averaged but the p2p latency: the
 simulator's rules; where it meets "span" and "sim" does not, the spread of the durations
 is the difference), the p2p, post and gap
-used, and the CPU share of compute wall time (below 100% when ranks are time-sliced).
+used, the CPU share of compute wall time (below 100% when ranks are time-sliced), and
+"faults": minor page faults per step summed over the ranks, plait's and torch's (memory
+the allocator handed back to the kernel and faults in again; a zb-v order that frees its
+W's memory in one swing at the step's end pays tens of thousands).
 `--schedules` takes any of the eight; one torch does not implement (gpipe, zb-h1, zb-h2,
 dualpipe) runs plait's runtime alone, so `--schedules all` prints measured vs simulated
 for every one.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -146,18 +150,33 @@ def _torch(cfg, mesh, tokens, cls_name, stages_by_id, num_stages):
     return step
 
 
-def _timed(step) -> tuple[float, float]:
+def _timed(step) -> tuple[float, float, int]:
+    """(barrier-to-barrier step time, busy time, minor page faults) of one step."""
     dist.barrier()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     busy = step()
     dist.barrier()
-    return time.perf_counter() - t0, busy
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    return time.perf_counter() - t0, busy, faults
+
+
+def _faults(samples, mesh) -> float:
+    """Minor page faults per step summed over the pp ranks, median of the measured steps
+    (memory the allocator gave back to the kernel and takes again: 0 for a step that
+    reuses its memory)."""
+    out = []
+    for _, _, f in samples[WARMUP:]:
+        total = torch.tensor([float(f)], dtype=torch.float64)
+        dist.all_reduce(total, group=mesh.group("pp"))
+        out.append(float(total))
+    return statistics.median(out)
 
 
 def _bubble(samples, mesh):
     """1 - busy summed over ranks / (pp x step), per measured step, median."""
     out = []
-    for t, b in samples[WARMUP:]:
+    for t, b, _ in samples[WARMUP:]:
         total = torch.tensor([b], dtype=torch.float64)
         dist.all_reduce(total, group=mesh.group("pp"))
         out.append(1 - float(total) / (mesh.size("pp") * t))
@@ -185,8 +204,11 @@ def _rank(rank, world, args):
                 t_s.append(_timed(t_step))
         rep = pipeline_report(rt, pipe.partition, mesh)["summary"]
         results[ours] = {
-            "theirs": TORCH.get(ours), "plait_s": statistics.median(t for t, _ in p_s[WARMUP:]),
-            "torch_s": statistics.median(t for t, _ in t_s[WARMUP:]) if t_s else None,
+            "theirs": TORCH.get(ours),
+            "plait_s": statistics.median(t for t, _, _ in p_s[WARMUP:]),
+            "torch_s": statistics.median(t for t, _, _ in t_s[WARMUP:]) if t_s else None,
+            "plait_faults": _faults(p_s, mesh), "torch_faults": _faults(t_s, mesh) if t_s
+            else None,
             "plait_bubble": _bubble(p_s, mesh),
             "torch_bubble": _bubble(t_s, mesh) if t_s else None,
             "report": rep, "partition": pipe.partition.describe(),
@@ -223,7 +245,7 @@ def main() -> None:
           f"{'bubble: plait':>13}{'torch':>7} | {'plait report: span':>19}{'sim':>7}"
           f"{'span-sim':>11}{'goal':>7}{'':>8}{'sim-gap':>8}{'sim0':>7}{'pooled':>7}{'replay':>7}"
           f"{'p2p ms':>8}"
-          f"{'post ms':>8}{'gap ms':>7}{'CPU':>6}")
+          f"{'post ms':>8}{'gap ms':>7}{'CPU':>6}{'faults plait/torch':>20}")
     rows = []
     for ours, r in res.items():
         rep = r["report"]
@@ -244,7 +266,8 @@ def main() -> None:
               f"{'≤ ' + format(BUBBLE_GOAL, 'g'):>7}{met(abs(diff), BUBBLE_GOAL):>8}"
               f"{rep['simulated_bubble_no_gap']:>8.1%}{rep['simulated_bubble_no_comm']:>7.1%}"
               f"{rep['simulated_bubble_pooled']:>7.1%}{rep['simulated_bubble_replay']:>7.1%}"
-              f"{d['p2p']:>8.2f}{d['post']:>8.2f}{d['gap']:>7.2f}{cpu:>6.0%}")
+              f"{d['p2p']:>8.2f}{d['post']:>8.2f}{d['gap']:>7.2f}{cpu:>6.0%}"
+              f"{r['plait_faults']:>11.0f}/{_count(r['torch_faults']):<8}")
         rows.append((f"pp_vs_torch.py: {ours}, measured bubble vs simulated",
                      f"{rep['measured_bubble']:.1%} vs {rep['simulated_bubble']:.1%} "
                      f"({abs(diff):.1f} points)", f"within {BUBBLE_GOAL:g} points",
@@ -260,6 +283,10 @@ def main() -> None:
                       f"{ratios[1]:.2f}, simulated {sim:.2f} (goal for zb-v and dualpipev "
                       "<= 0.33)")
     print(performance_rows(rows))
+
+
+def _count(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0f}"
 
 
 TIME_GOAL, BUBBLE_GOAL = 0.90, 2.0  # plait / torch step time; |measured - simulated| points

@@ -8,7 +8,10 @@ uneven with p2p; per-stage with p2p; with post time, which lowers the schedule).
 a digest of the compute order and of its lowering, and per simulation the step time, the
 bubble fraction, the peak activations and a digest of the per-rank idle, busy and span
 idle and of every event, all compared exactly (floats by repr). The old code was
-deleted once this matched.
+deleted once this matched. The zb-v cases (and `_broken`'s reversed zb-v rank) were
+regenerated on 2026-12-04 when zb-v's quota began counting what a W still holds
+(`list_schedule`'s freed_by "W"): their orders are now the event-driven scheduler's own,
+every other case is still the rescanning one's.
 
 Regenerate only when an output is meant to change (say why in the commit):
 

@@ -251,16 +251,20 @@ class Schedule:
         )
 
 
-def peak_activations(schedule: Schedule) -> list[int]:
+def peak_activations(schedule: Schedule, until: str = "I") -> list[int]:
     """Per rank, the most stage-micro-batch activation sets held at once: +1 when an F runs,
-    -1 when its I or B finishes. After I, a W still holds the inputs of its weight-gradient
-    matmuls (layer inputs and output gradients); that smaller residue is not counted. The
-    unit is one stage's activations for one micro-batch: with v stages per rank a unit is
-    1/v of what a 1F1B unit (a whole rank's layers) holds."""
+    -1 when its I or B finishes (`until` "I"), or its W or B (`until` "W"). After I, a W
+    still holds the inputs of its weight-gradient matmuls (layer inputs and output
+    gradients, nearly all of it: Qi et al. 2023, Table 1); "I" does not count that
+    residue, "W" counts it whole, as the paper's memory bounds do. The unit is one stage's
+    activations for one micro-batch: with v stages per rank a unit is 1/v of what a 1F1B
+    unit (a whole rank's layers) holds."""
+    live = _LIVE if until == "I" else _HELD
     # the running count's maximum, in C (map, accumulate, max): no Python step per action
-    return [max(accumulate(map(_LIVE.__getitem__, map(_KIND, acts)), initial=0))
+    return [max(accumulate(map(live.__getitem__, map(_KIND, acts)), initial=0))
             for acts in schedule.actions]
 
 
 _LIVE = {k: 1 if k == "F" else -1 if k in ("I", "B") else 0 for k in KINDS}
+_HELD = {k: 1 if k == "F" else -1 if k in ("W", "B") else 0 for k in KINDS}
 _KIND = itemgetter(0)

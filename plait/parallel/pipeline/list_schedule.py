@@ -4,7 +4,8 @@ given durations, the heuristic of Qi et al. 2023 section 3 in its simplest form.
 Event-driven (issue 11): what lands when is keyed by time, with a heap of those times, and
 each rank keeps heaps of its ready actions, so a build costs O(n log n) in its n actions
 (the rescanning scheduler it replaced cost about n^2; tests/test_schedule_oracle.py holds
-this one to that one's orders, tests/test_simulate_steps.py counts its work).
+this one to that one's orders for dualpipe, and to its own for zb-v since zb-v's quota
+counts what a W holds; tests/test_simulate_steps.py counts its work).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from plait.parallel.pipeline.ir import Action, Schedule
 from plait.parallel.pipeline.simulate import Durations
 
 _KINDS = ("F", "I", "W")  # the list scheduler's kinds, by index
-Quota = Callable[[int], tuple[object, int, bool]]  # stage -> (key, limit, gated)
+Quota = Callable[[int], tuple[object, int, str]]  # stage -> (key, limit, gate)
+GATES = ("open", "room", "sure")  # a stage's F: never waits; waits at the limit; see below
+Lead = Callable[[int], tuple[int, int] | None]  # stage -> (other stage, most F's ahead)
 
 
 def list_schedule(
@@ -31,17 +34,34 @@ def list_schedule(
     quota: Quota,
     durations: Durations | None = None,
     layout: list | None = None,
+    freed_by: str = "I",
+    lead: Lead | None = None,
 ) -> Schedule:
     """Greedy list scheduling, the heuristic of Qi et al. 2023 section 3 in its simplest
     form, run on the given durations (default T_F = T_I = T_W = 1, transfers free).
-    Whenever a rank is free it runs, of the actions whose inputs have arrived:
+    An F is admitted if its memory quota allows: `quota(stage)` = (key, limit, gate),
+    stages sharing a key count their activations together, +1 at F, -1 at `freed_by`:
+    "I" counts a micro-batch's activations until its I; "W" also what its W still holds
+    (the weight-gradient matmuls' inputs and output gradients: nearly all of it, Qi et al.
+    2023, Table 1; the paper's ZB-H1, ZB-H2 and ZB-V memory bounds count this way). Gate
+    "open": the F never waits; "room": it waits while the count is at `limit`; "sure":
+    also while the count is at `limit` - 1 unless one of those counted is sure to be
+    freed with no further F admitted anywhere (its micro-batch's F has reached the
+    chain's last stage; only I's and W's remain), so that the last unit of room is never
+    taken by activations that only an F this rank has no room for could free (a
+    deadlock). With `lead`, stage s's F also waits while it has run `most` more F's than
+    `other` (`lead(s)` = (other, most), or None): how far a V's way down may run ahead
+    of its way back up on the same rank, whose F's need the room as much.
+    Whenever a rank is free it runs, of the actions whose inputs have arrived, with
+    freed_by "I":
       1. an I (the backward chain is the critical path; it also frees memory), oldest
          micro-batch first, then the stage nearer the loss;
-      2. else an F, oldest micro-batch first, if its memory quota allows:
-         `quota(stage)` = (key, limit, gated): stages sharing a key count their
-         activations together (+1 at F, -1 at I); a gated stage's F waits while the count
-         is at `limit`;
+      2. else the admitted F of the oldest micro-batch, then the stage nearer the loss;
       3. else a W (it fills what would be a bubble), oldest first.
+    With freed_by "W", where a W is what frees the room, an admitted F first (it feeds
+    the next rank), else, if some F is there but held back (quota or lead), a W (the room
+    that F needs), else an I, else a W: per micro-batch and stage F, I, W back to back once the
+    room is full, the pattern of the paper's ZB-V (section 6).
     The resulting order is the schedule: plain data, valid under any durations, tuned for
     the ones it was built with. `layout`, a list, receives [durations, starts, ends]:
     per rank when each action starts and ends, which is `simulate`'s lay-out of the order
@@ -49,7 +69,8 @@ def list_schedule(
     free and the inputs are there; tests/test_schedules.py), so that a caller simulating
     the same durations need not lay it out again."""
     shape = Schedule(name, p, m, v, len(stage_to_rank), stage_to_rank, [[]] * p, chains)
-    scheduler = ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0))
+    scheduler = ListScheduler(shape, quota, durations or Durations(1.0, 1.0, 1.0), freed_by,
+                              lead)
     acts = scheduler.run()
     if layout is not None and not scheduler.zero:
         layout += [scheduler.durations, scheduler.starts, scheduler.ends]
@@ -66,7 +87,8 @@ class ListScheduler:
     one action per moment, and an input that lands the moment it is produced (a zero
     duration) is seen by higher ranks at that moment, by lower ones at the next."""
 
-    def __init__(self, shape: Schedule, quota: Quota, d: Durations):
+    def __init__(self, shape: Schedule, quota: Quota, d: Durations, freed_by: str = "I",
+                 lead: Lead | None = None):
         p, m, n = shape.pp, shape.microbatches, shape.num_stages
         self.shape, self.p, self.m, self.n = shape, p, m, n
         rank_of = self.rank_of = shape.stage_to_rank
@@ -83,10 +105,7 @@ class ListScheduler:
 
         self.f_to = [to(shape.next_stage(s), s) for s in range(n)]  # F s feeds F (s+1)
         self.i_to = [to(shape.prev_stage(s), s) for s in range(n)]  # I s feeds I (s-1)
-        quotas = [quota(s) for s in range(n)]
-        ids = {key: k for k, key in enumerate(dict.fromkeys(q[0] for q in quotas))}
-        self.keys = [ids[q[0]] for q in quotas]  # stages sharing a key count together
-        limits = [q[1] if q[2] else float("inf") for q in quotas]  # ungated: no limit
+        rows = self._quotas(quota, freed_by, lead)  # per stage, what may hold its F back
         # an action's code is 3 * (mb * n + n-1-s) + kind: its key on a ready heap (oldest
         # micro-batch first, then the stage nearer the loss) and its kind; a code mod 3n
         # names (kind, stage), and the next kind of the same (s, mb) is code + 1
@@ -95,8 +114,8 @@ class ListScheduler:
         self.action: list[Action | None] = [None] * (3 * n * m)  # each code's Action
         self.ready_i: list[list[int]] = [[] for _ in range(p)]  # keys mb * n + n-1-s
         self.ready_w: list[list[int]] = [[] for _ in range(p)]
-        self.ready_f: list[list[tuple[int, list[int], int, float]]] = [
-            [(s, [], self.keys[s], limits[s]) for s in shape.stages_on(r)] for r in range(p)]
+        self.ready_f: list[list[tuple[int, list[int], int, float, float, int, float]]] = [
+            [(s, [], *rows[s]) for s in shape.stages_on(r)] for r in range(p)]
         ready_f_of = {row[0]: row[1] for rows in self.ready_f for row in rows}
         self.heap_of = [ready_f_of[n - 1 - j // 3] if j % 3 == 0 else
                         (self.ready_i, self.ready_w)[j % 3 - 1][rank_of[n - 1 - j // 3]]
@@ -116,7 +135,6 @@ class ListScheduler:
                     repeat(_KINDS[kind]), repeat(s), mbs, repeat(None))))
             if first:  # ready from the start, oldest first (already a heap)
                 ready_f_of[s].extend(range(mbs.start * n + n - 1 - s, mbs.stop * n, n))
-        self.live = [0] * len(ids)  # per quota key: admitted and not yet freed
         self.free = [0.0] * p
         self.acts: list[list[Action]] = [[] for _ in range(p)]
         self.starts: list[list[float]] = [[] for _ in range(p)]  # per rank, each action's
@@ -125,12 +143,67 @@ class ListScheduler:
         self.times: list[float] = []  # heap of the moments ahead
         self.visits = 0  # (moment, rank) looks: at most one per rank per thing landing
 
+    def _quotas(self, quota: Quota, freed_by: str, lead: Lead | None) -> list[tuple]:
+        """The counts an F is admitted by (list_schedule's docstring); per stage (its
+        quota key, limit, most unsure, the stage it may run ahead of, by at most)."""
+        shape, n = self.shape, self.n
+        quotas = [quota(s) for s in range(n)]
+        if freed_by not in ("I", "W") or any(q[2] not in GATES for q in quotas):
+            raise ValueError(f"freed_by {freed_by!r} must be I or W, each gate one of {GATES}")
+        ids = {key: k for k, key in enumerate(dict.fromkeys(q[0] for q in quotas))}
+        self.keys = [ids[q[0]] for q in quotas]  # stages sharing a key count together
+        self.live = [0] * len(ids)  # per quota key: admitted and not yet freed
+        self.delta = (1, -1, 0) if freed_by == "I" else (1, 0, -1)  # per kind F, I, W
+        self.f_first = freed_by == "W"  # the priorities (list_schedule's docstring)
+        self.started = [0] * (n + 1)  # F's started per stage (+ a stage n that has none)
+        # per quota key, those admitted whose micro-batch's F has not reached the chain's
+        # last stage; an F changes these counts by on_f[its stage]: its own +1, or, the
+        # last stage's, -1 for each earlier stage of its chain (they are sure now)
+        self.unsure = [0] * len(ids)
+        self.on_f = [[(self.keys[s], 1)] for s in range(n)]
+        for s in range(n):
+            if shape.next_stage(s) is None:
+                back, at = [], shape.prev_stage(s)
+                while at is not None:
+                    back.append((self.keys[at], -1))
+                    at = shape.prev_stage(at)
+                self.on_f[s] = back
+        inf = float("inf")
+        # "sure": besides the limit, at most limit - 1 counted may be unsure to be freed
+        return [(self.keys[s], q[1] if q[2] != "open" else inf,
+                 q[1] - 1 if q[2] == "sure" and shape.next_stage(s) is not None else inf,
+                 *((lead and lead(s)) or (n, inf))) for s, q in enumerate(quotas)]
+
+    def _pick(self, r: int) -> tuple[int, list[int]] | None:
+        """What rank r starts now, (kind, its ready heap), by the priorities of
+        `freed_by` (list_schedule's docstring); None: nothing."""
+        live, unsure, started, f_first = self.live, self.unsure, self.started, self.f_first
+        heap, held = None, False  # the best F admitted; is one held back?
+        for st, h, key, limit, most_unsure, other, most_ahead in self.ready_f[r]:
+            if h:
+                if live[key] < limit and unsure[key] < most_unsure and \
+                        started[st] - started[other] < most_ahead:
+                    if heap is None or h[0] < heap[0]:
+                        heap = h
+                else:
+                    held = True
+        if heap is not None and f_first:
+            return 0, heap
+        if f_first and held and self.ready_w[r]:
+            return 2, self.ready_w[r]
+        if self.ready_i[r]:
+            return 1, self.ready_i[r]
+        if heap is not None:
+            return 0, heap
+        return (2, self.ready_w[r]) if self.ready_w[r] else None
+
     def run(self) -> list[list[Action]]:
         n, n3, p, dur, live, free, todo = (self.n, self.n3, self.p, self.dur, self.live,
                                            self.free, self.todo)
         outs, missing, landing, times = (self.f_to, self.i_to), self.missing, self.landing, \
             self.times
-        ready_i, ready_w, ready_f, keys = self.ready_i, self.ready_w, self.ready_f, self.keys
+        keys, delta, unsure, on_f, started, pick = (self.keys, self.delta, self.unsure,
+                                                    self.on_f, self.started, self._pick)
         action, heap_of, rank_of_code = self.action, self.heap_of, self.rank_of_code
         act_at, start_at, end_at = ([x.append for x in lists]
                                     for lists in (self.acts, self.starts, self.ends))
@@ -154,16 +227,10 @@ class ListScheduler:
             for r in ranks:  # lowest rank first; each starts at most one action
                 if free[r] > t or not todo[r]:
                     continue
-                kind, heap = 1, ready_i[r]  # an I, else the best F its quota admits, else W
-                if not heap:
-                    kind, heap = 0, None
-                    for _stage, h, key, limit in ready_f[r]:
-                        if h and (heap is None or h[0] < heap[0]) and live[key] < limit:
-                            heap = h
-                    if heap is None:
-                        kind, heap = 2, ready_w[r]
-                        if not heap:
-                            continue
+                chosen = pick(r)
+                if chosen is None:
+                    continue
+                kind, heap = chosen
                 key = pop(heap)
                 s, code = n - 1 - key % n, 3 * key + kind
                 end = t + dur[kind][s]
@@ -172,6 +239,11 @@ class ListScheduler:
                 act_at[r](action[code])
                 start_at[r](t)
                 end_at[r](end)
+                live[keys[s]] += delta[kind]
+                if not kind:
+                    started[s] += 1
+                    for k, change in on_f[s]:
+                        unsure[k] += change
                 if end > t:
                     at = landing.get(end)
                     if at is None:
@@ -181,7 +253,6 @@ class ListScheduler:
                         at.append(~r)  # the rank is free
                     else:  # the rank is free, and its own I (W) has this input
                         at.append(-(code + 1) - p - 1)
-                        live[keys[s]] += 1 - 2 * kind
                         dst, hop = outs[kind][s]
                         if dst >= 0:  # the peer's input: F (s+1) is key - 1, I (s-1) + 1
                             if hop:  # (free transfers: it lands with the rest at end)
@@ -211,7 +282,6 @@ class ListScheduler:
         """What a zero-duration action lands at t itself; the ranks that may act on it."""
         out = [r]
         if kind < 2:
-            self.live[self.keys[s]] += 1 - 2 * kind
             lands = [(code + 1, end)]
             dst, hop = (self.f_to, self.i_to)[kind][s]
             if dst >= 0:

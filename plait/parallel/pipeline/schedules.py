@@ -125,15 +125,21 @@ def _v_placement(p: int) -> list[int]:
 
 def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None,
                layout: list | None = None) -> Schedule:
-    """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, about 2p stage
-    activations per rank (= 1F1B's peak p, as each stage is half a rank's layers). The
-    order comes from the list scheduler (list_schedule.py), run with `durations`
-    (default T_F = T_I = T_W). With equal durations and m >= 2p: peak exactly 2p, and
-    every rank works without a gap between its first and last action. With unequal ones
-    the peak can exceed 2p by a little, as the way up is never held back."""
-    # both stages of a rank count against 2p, but only the way down (stage r) waits for
-    # room: were the way up gated too, rank r full of micro-batches going down and rank
-    # r+1 full of ones coming back up would each wait for the other (deadlock)
+    """ZB-V (Qi et al. 2023, section 6): V placement, B split into I/W, at most 2p stage
+    activations per rank (= 1F1B's peak p, as each stage is half a rank's layers),
+    counted from F to W as the paper counts them: a W still holds nearly all of them
+    (its matmuls' inputs and output gradients). The order comes from the list scheduler
+    (list_schedule.py), run with `durations` (default T_F = T_I = T_W): with room full,
+    each (stage, micro-batch) runs F, I, W back to back, the paper's pattern. With equal
+    durations and m >= 2p: exactly 2p per rank, a synchronous bubble of (p-1) T_F per
+    rank, and up to p = 4 no rank idle between its first and last action (from p = 5 one
+    rank idles one T_F in its cool-down; tests/test_schedules.py)."""
+    # both stages of a rank count against 2p. The way down (stage r) keeps the last unit
+    # of room for activations sure to be freed ("sure"), and runs at most 2(p-1-r)+1 F's
+    # ahead of the way up on its rank (the paper's warm-up, where the first micro-batch
+    # comes back): without these, rank r full of micro-batches going down could wait for
+    # room its way up needs to bring their gradients back (a deadlock), or, with slower
+    # backwards, fill its room with them before the way up gets any (a bubble)
     return list_schedule(
         "zb-v",
         p,
@@ -141,9 +147,11 @@ def build_zb_v(p: int, m: int, v: int, durations: Durations | None = None,
         2,
         _v_placement(p),
         1,
-        lambda s: (min(s, 2 * p - 1 - s), 2 * p, s < p),
+        lambda s: (min(s, 2 * p - 1 - s), 2 * p, "sure" if s < p else "room"),
         durations,
         layout,
+        freed_by="W",
+        lead=lambda s: (2 * p - 1 - s, 2 * (p - 1 - s) + 1) if s < p else None,
     )
 
 
@@ -158,7 +166,7 @@ def build_dualpipe(p: int, m: int, v: int, durations: Durations | None = None,
     # rank r holds (p - r) + (r + 1) = p + 1; separate quotas keep the chains from
     # blocking each other
     return list_schedule(
-        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, True), durations, layout
+        "dualpipe", p, m, 1, placement, 2, lambda s: (s, p - s % p, "room"), durations, layout
     )
 
 
