@@ -53,9 +53,24 @@ from plait.cluster import capability_problem  # noqa: E402
 from plait.files import PARTIAL_SUFFIX  # noqa: E402
 from plait.plan import host_share  # noqa: E402
 
-MODEL = ["--model", "tiny", "--vocab", "256", "--seq", "128", "--global-batch", "16",
-         "--precision", "fp32", "--recompute", "selective", "--zero", "0",
-         "--microbatch", "8"]
+# the model: `tiny` with these fields replaced (vocabulary 256: the test token file's);
+# dp's micro-batch is its whole half of the batch. The default's compute is the closed
+# loop's size (benchmarks/plan_closed_loop.py, h 256; here 2 layers), where the
+# planner's compute is measured within 15 %; the old default, h 64, 2 layers, is
+# dispatch-bound: its ranks used 2.8x the CPU the planner gave them (docs/multi_node.md).
+SIZE = {"hidden": 256, "layers": 2, "heads": 4, "ffn": 688, "seq": 128, "global_batch": 16}
+
+
+def model_flags(size: dict[str, int], recompute: str) -> list[str]:
+    """One meaning in plan and train (the emitted config carries the shape)."""
+    return ["--model", "tiny", "--vocab", "256", "--hidden", str(size["hidden"]),
+            "--layers", str(size["layers"]), "--heads", str(size["heads"]),
+            "--kv-heads", str(size["heads"]), "--ffn", str(size["ffn"]),
+            "--seq", str(size["seq"]), "--global-batch", str(size["global_batch"]),
+            "--microbatch", str(size["global_batch"] // 2), "--precision", "fp32",
+            "--recompute", recompute, "--zero", "0"]
+
+
 ORDERS = {"tp inside, dp across (default)": "tp,cp,pp,dp",
           "tp across, dp inside": "dp,tp,cp,pp"}
 RANKS_PER_NODE = 2
@@ -73,26 +88,27 @@ def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return r
 
 
-def predict(order: str, profile: Path, mbit: float, out: Path, load: float) -> dict:
+def predict(order: str, profile: Path, mbit: float, out: Path, load: float,
+            model: list[str]) -> dict:
     """The planner's step time (s) for dp=2 x tp=2 under `order` on shared cores, its
-    own-core step and its waits; writes its config."""
+    own-core step, a rank's CPU work and waits in it (host_share.work_and_waits, as the
+    planner splits them); writes its config."""
     per_rank_gbs = mbit / 8 / 1000 / RANKS_PER_NODE  # a node's link, shared by its ranks
-    r = plait("plan", "--hardware", str(profile), *MODEL, "--gpus", "4", "--gpus-per-node",
+    r = plait("plan", "--hardware", str(profile), *model, "--gpus", "4", "--gpus-per-node",
               str(RANKS_PER_NODE), "--layout", "tp=2,dp=2", "--order", order,
               "--internode-gbs", f"{per_rank_gbs:.6g}", "--ranks-per-host",
               str(NODES * RANKS_PER_NODE), "--host-load", f"{load:.3g}",
               "--emit-config", str(out), "--json")
     lay = json.loads(r.stdout)["layouts"][0]
     terms = lay["time_breakdown_s"]
-    crossing = {c["dim"] for c in lay["collectives"] if c["link"] == "inter-node"}
-    bubble = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
-                 if dims is None)
-    link = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
-               if dims is not None and crossing & set(dims))
     own = lay["step_time_s"] - terms.get(host_share.TERM, 0.0)
     colls = [SimpleNamespace(dim=c["dim"], intra=c["link"] != "inter-node", group=c["group"],
-                             count=c["count"]) for c in lay["collectives"]]
-    return {"step": lay["step_time_s"], "own": own, "bubble": bubble, "link": link,
+                             count=c["count"], size=c["bytes"]) for c in lay["collectives"]]
+    comm_cpu = json.loads(profile.read_text())["fit"].get("comm_cpu") or {}
+    cpu, bubble, link = host_share.work_and_waits(
+        terms, colls, own, comm_cpu.get("call_s", 0.0), comm_cpu.get("byte_s", 0.0))
+    return {"step": lay["step_time_s"], "own": own, "cpu": float(cpu),
+            "bubble": float(bubble), "link": float(link),
             "in_step": bool(host_share.in_step(colls, RANKS_PER_NODE))}
 
 
@@ -203,16 +219,18 @@ def report(rows: list, args: argparse.Namespace, cores: float) -> None:
     world = NODES * RANKS_PER_NODE
     print(f"dp=2 x tp=2 on {NODES} emulated nodes x {RANKS_PER_NODE} ranks (all {world} on "
           f"this machine's {cores:g} cores), links {args.mbit:g} Mbit/s; "
-          f"tiny model, seq 128, global batch 16, fp32, {args.steps} steps")
+          f"tiny with {', '.join(f'{k} {v}' for k, v in args.size.items())}, "
+          f"vocabulary 256, recompute {args.recompute}, fp32, {args.steps} steps")
     print(f"{'layout':32} {'order':12} {'B':>4} {'load':>5} {'own core':>9} {'planner':>8} "
-          f"{'model+CPU':>9} {'measured':>9} {'CPU/rank':>9} {'wire B/step':>12} "
-          f"{'ledger inter':>13}")
+          f"{'model+CPU':>9} {'measured':>9} {'CPU/rank':>9} {'planned':>8} "
+          f"{'wire B/step':>12} {'ledger inter':>13}")
     for name, order, p, m, mod in rows:
         cpu = f"{m['cpu'] * 1e3:7.0f}ms" if m["cpu"] else "        -"
         modt = f"{mod * 1e3:7.0f}ms" if mod else "        -"
         print(f"{name:32} {order:12} {m['load']:4.1f} {m['loadavg']:5.1f} "
               f"{p['own'] * 1e3:7.0f}ms {p['step'] * 1e3:6.0f}ms {modt} "
-              f"{m['step'] * 1e3:7.0f}ms {cpu} {m['wire_per_step']:12,.0f} "
+              f"{m['step'] * 1e3:7.0f}ms {cpu} {p['cpu'] * 1e3:6.0f}ms "
+              f"{m['wire_per_step']:12,.0f} "
               f"{m['ledger_inter_per_step']:13,.0f}")
     (_, _, p_in, m_in, mod_in), (_, _, p_out, m_out, mod_out) = rows
     measured = m_out["step"] / m_in["step"]
@@ -233,7 +251,15 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=100.0, help="each node's link (default 100)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--hardware", type=Path, help="a `plait calibrate` profile")
+    ap.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
+    for k, v in SIZE.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
+                        help=f"default {v}")
     args = ap.parse_args()
+    args.size = {k: getattr(args, k) for k in SIZE}
+    if args.size["global_batch"] % 2:
+        ap.error("--global-batch: give an even number (dp 2)")
+    model = model_flags(args.size, args.recompute)
     problem = capability_problem()
     if problem:
         print(f"cluster_topology: {problem}", file=sys.stderr)
@@ -248,9 +274,9 @@ def main() -> int:
         rows = []
         for name, order in ORDERS.items():
             config = work / f"{order.replace(',', '')}.toml"
-            predict(order, profile, args.mbit, config, 0.0)  # writes the config
+            predict(order, profile, args.mbit, config, 0.0, model)  # writes the config
             m = measure(config, args.mbit, args.steps, work)
-            p = predict(order, profile, args.mbit, config, m["load"])
+            p = predict(order, profile, args.mbit, config, m["load"], model)
             mod = None
             if m["cpu"] and cores:
                 mod = float(host_share.step_on_shared_cores(
