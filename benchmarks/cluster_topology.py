@@ -10,6 +10,8 @@ and the bytes that crossed each node's link (the interface's counters) beside th
 ledger's inter-node bytes.
 
     python benchmarks/cluster_topology.py [--mbit 100] [--steps 8] [--hardware P.json]
+        [--recompute selective] [--hidden 64] [--layers 2] [--heads 4] [--ffn 176]
+        [--seq 128] [--global-batch 16]
 
 Needs root, ip and tc (plait cluster says what is missing). Measures a profile first
 (`plait calibrate --ranks 2`) unless one is given. Step time: the median of the steps
@@ -20,7 +22,12 @@ entities of other work (with autogroup, sessions: the cores are shared among ses
 first; averaged over 3 s just before the run, this benchmark's session left out), and
 the CPU seconds each rank used per step (every process in the run's namespaces,
 /proc/PID/stat, between the second step's metrics row and the next-to-last one's, over
-steps and ranks). Columns: "planner, own core": the planner
+steps and ranks; of it "sys", the kernel's part, where the emulated links' and the
+loopback's TCP stacks show, and "gloo", the backend's threads'), beside the CPU the
+planner gives a rank ("planned": host_share.work_and_waits, compute, recompute, the
+optimizer and the collectives' CPU; of it "comm", the collectives', from the profile's
+comm_cpu).
+Columns: "planner, own core": the planner
 with a core per rank (its step less its "host cores shared" term); "planner": its step
 with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU": the
 same sharing model given the measured CPU per rank-step instead of the planner's (and
@@ -53,9 +60,24 @@ from plait.cluster import capability_problem  # noqa: E402
 from plait.files import PARTIAL_SUFFIX  # noqa: E402
 from plait.plan import host_share  # noqa: E402
 
-MODEL = ["--model", "tiny", "--vocab", "256", "--seq", "128", "--global-batch", "16",
-         "--precision", "fp32", "--recompute", "selective", "--zero", "0",
-         "--microbatch", "8"]
+# the model: `tiny` with these fields replaced (vocabulary 256: the test token file's);
+# dp's micro-batch is its whole half of the batch. The default is tiny's own shape (every
+# run in docs/multi_node.md); the flags give larger ones (the closed loop's h 256 prices
+# compute within 15 % at world <= 2; here the emulated links' and collectives' CPU and
+# the link model weigh in too: docs/multi_node.md, "Where a rank's CPU goes").
+SIZE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 176, "seq": 128, "global_batch": 16}
+
+
+def model_flags(size: dict[str, int], recompute: str) -> list[str]:
+    """One meaning in plan and train (the emitted config carries the shape)."""
+    return ["--model", "tiny", "--vocab", "256", "--hidden", str(size["hidden"]),
+            "--layers", str(size["layers"]), "--heads", str(size["heads"]),
+            "--kv-heads", str(size["heads"]), "--ffn", str(size["ffn"]),
+            "--seq", str(size["seq"]), "--global-batch", str(size["global_batch"]),
+            "--microbatch", str(size["global_batch"] // 2), "--precision", "fp32",
+            "--recompute", recompute, "--zero", "0"]
+
+
 ORDERS = {"tp inside, dp across (default)": "tp,cp,pp,dp",
           "tp across, dp inside": "dp,tp,cp,pp"}
 RANKS_PER_NODE = 2
@@ -73,26 +95,28 @@ def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return r
 
 
-def predict(order: str, profile: Path, mbit: float, out: Path, load: float) -> dict:
+def predict(order: str, profile: Path, mbit: float, out: Path, load: float,
+            model: list[str]) -> dict:
     """The planner's step time (s) for dp=2 x tp=2 under `order` on shared cores, its
-    own-core step and its waits; writes its config."""
+    own-core step, a rank's CPU work and waits in it (host_share.work_and_waits, as the
+    planner splits them); writes its config."""
     per_rank_gbs = mbit / 8 / 1000 / RANKS_PER_NODE  # a node's link, shared by its ranks
-    r = plait("plan", "--hardware", str(profile), *MODEL, "--gpus", "4", "--gpus-per-node",
+    r = plait("plan", "--hardware", str(profile), *model, "--gpus", "4", "--gpus-per-node",
               str(RANKS_PER_NODE), "--layout", "tp=2,dp=2", "--order", order,
               "--internode-gbs", f"{per_rank_gbs:.6g}", "--ranks-per-host",
               str(NODES * RANKS_PER_NODE), "--host-load", f"{load:.3g}",
               "--emit-config", str(out), "--json")
     lay = json.loads(r.stdout)["layouts"][0]
     terms = lay["time_breakdown_s"]
-    crossing = {c["dim"] for c in lay["collectives"] if c["link"] == "inter-node"}
-    bubble = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
-                 if dims is None)
-    link = sum(terms.get(term, 0.0) for term, dims in host_share.WAIT_TERMS.items()
-               if dims is not None and crossing & set(dims))
     own = lay["step_time_s"] - terms.get(host_share.TERM, 0.0)
     colls = [SimpleNamespace(dim=c["dim"], intra=c["link"] != "inter-node", group=c["group"],
-                             count=c["count"]) for c in lay["collectives"]]
-    return {"step": lay["step_time_s"], "own": own, "bubble": bubble, "link": link,
+                             count=c["count"], size=c["bytes"]) for c in lay["collectives"]]
+    comm_cpu = json.loads(profile.read_text())["fit"].get("comm_cpu") or {}
+    per_call = comm_cpu.get("call_s", 0.0), comm_cpu.get("byte_s", 0.0)
+    cpu, bubble, link = host_share.work_and_waits(terms, colls, own, *per_call)
+    comm = host_share.comm_split(terms, colls, *per_call)[0] if any(per_call) else 0.0
+    return {"step": lay["step_time_s"], "own": own, "cpu": float(cpu), "comm_cpu": float(comm),
+            "bubble": float(bubble), "link": float(link),
             "in_step": bool(host_share.in_step(colls, RANKS_PER_NODE))}
 
 
@@ -132,20 +156,32 @@ def background_load(seconds: float = 3.0) -> float:
     return statistics.mean(counts)
 
 
-def _cpu_seconds(prefix: str) -> float:
-    """CPU seconds (user + system) of every process in the namespaces named `prefix`*."""
+def _stat_cpu(stat: Path) -> tuple[float, float]:
+    """(user + system, system) CPU seconds of a /proc stat file."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick
+
+
+def _cpu_seconds(prefix: str) -> tuple[float, float, float]:
+    """CPU seconds of every process in the namespaces named `prefix`*: all (user +
+    system), the system part, and that of the backend's threads (gloo's: their names
+    start with gloo or pt_gloo)."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    total = 0.0
+    total, system, backend = 0.0, 0.0, 0.0
     for name in (x.split()[0] for x in names.splitlines() if x.startswith(prefix)):
         pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
                               text=True).stdout.split()
         for pid in pids:
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cpu, sys_cpu = _stat_cpu(Path(f"/proc/{pid}/stat"))
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    if (task / "comm").read_text().startswith(("gloo", "pt_gloo")):
+                        backend += _stat_cpu(task / "stat")[0]
             except OSError:
                 continue  # ended meanwhile
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+            total, system = total + cpu, system + sys_cpu
+    return total, system, backend
 
 
 def _watch_cpu(proc: subprocess.Popen, partial: Path, steps: int, out: dict) -> None:
@@ -161,9 +197,12 @@ def _watch_cpu(proc: subprocess.Popen, partial: Path, steps: int, out: dict) -> 
                 marks[k] = (rows, _cpu_seconds(prefix))
         time.sleep(0.02)
     if all(marks.values()):
-        (r0, c0), (r1, c1) = marks[2], marks[steps - 1]
+        (r0, (c0, s0, g0)), (r1, (c1, s1, g1)) = marks[2], marks[steps - 1]
         if r1 > r0:
-            out["cpu_per_rank_step"] = (c1 - c0) / (r1 - r0) / (NODES * RANKS_PER_NODE)
+            rank_steps = (r1 - r0) * NODES * RANKS_PER_NODE
+            out["cpu_per_rank_step"] = (c1 - c0) / rank_steps
+            out["sys_per_rank_step"] = (s1 - s0) / rank_steps
+            out["gloo_per_rank_step"] = (g1 - g0) / rank_steps
 
 
 def measure(config: Path, mbit: float, steps: int, work: Path) -> dict:
@@ -191,6 +230,7 @@ def measure(config: Path, mbit: float, steps: int, work: Path) -> dict:
     return {"step": statistics.median(s["step_time"] for s in steps_rows[1:]),
             "wire_per_step": max(sent) / steps, "load": load,
             "loadavg": os.getloadavg()[0], "cpu": cpu.get("cpu_per_rank_step"),
+            "sys": cpu.get("sys_per_rank_step"), "gloo": cpu.get("gloo_per_rank_step"),
             "ledger_inter_per_step": RANKS_PER_NODE * ledger_inter}  # a node's ranks
 
 
@@ -203,16 +243,20 @@ def report(rows: list, args: argparse.Namespace, cores: float) -> None:
     world = NODES * RANKS_PER_NODE
     print(f"dp=2 x tp=2 on {NODES} emulated nodes x {RANKS_PER_NODE} ranks (all {world} on "
           f"this machine's {cores:g} cores), links {args.mbit:g} Mbit/s; "
-          f"tiny model, seq 128, global batch 16, fp32, {args.steps} steps")
+          f"tiny with {', '.join(f'{k} {v}' for k, v in args.size.items())}, "
+          f"vocabulary 256, recompute {args.recompute}, fp32, {args.steps} steps")
     print(f"{'layout':32} {'order':12} {'B':>4} {'load':>5} {'own core':>9} {'planner':>8} "
-          f"{'model+CPU':>9} {'measured':>9} {'CPU/rank':>9} {'wire B/step':>12} "
-          f"{'ledger inter':>13}")
+          f"{'model+CPU':>9} {'measured':>9} {'CPU/rank':>9} {'sys':>7} {'gloo':>7} "
+          f"{'planned':>8} {'comm':>6} "
+          f"{'wire B/step':>12} {'ledger inter':>13}")
     for name, order, p, m, mod in rows:
-        cpu = f"{m['cpu'] * 1e3:7.0f}ms" if m["cpu"] else "        -"
+        cpu = (f"{m['cpu'] * 1e3:7.0f}ms {m['sys'] * 1e3:5.0f}ms {m['gloo'] * 1e3:5.0f}ms"
+               if m["cpu"] else "        -       -       -")
         modt = f"{mod * 1e3:7.0f}ms" if mod else "        -"
         print(f"{name:32} {order:12} {m['load']:4.1f} {m['loadavg']:5.1f} "
               f"{p['own'] * 1e3:7.0f}ms {p['step'] * 1e3:6.0f}ms {modt} "
-              f"{m['step'] * 1e3:7.0f}ms {cpu} {m['wire_per_step']:12,.0f} "
+              f"{m['step'] * 1e3:7.0f}ms {cpu} {p['cpu'] * 1e3:6.0f}ms "
+              f"{p['comm_cpu'] * 1e3:4.0f}ms {m['wire_per_step']:12,.0f} "
               f"{m['ledger_inter_per_step']:13,.0f}")
     (_, _, p_in, m_in, mod_in), (_, _, p_out, m_out, mod_out) = rows
     measured = m_out["step"] / m_in["step"]
@@ -233,7 +277,15 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=100.0, help="each node's link (default 100)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--hardware", type=Path, help="a `plait calibrate` profile")
+    ap.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
+    for k, v in SIZE.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
+                        help=f"default {v}")
     args = ap.parse_args()
+    args.size = {k: getattr(args, k) for k in SIZE}
+    if args.size["global_batch"] % 2:
+        ap.error("--global-batch: give an even number (dp 2)")
+    model = model_flags(args.size, args.recompute)
     problem = capability_problem()
     if problem:
         print(f"cluster_topology: {problem}", file=sys.stderr)
@@ -248,9 +300,9 @@ def main() -> int:
         rows = []
         for name, order in ORDERS.items():
             config = work / f"{order.replace(',', '')}.toml"
-            predict(order, profile, args.mbit, config, 0.0)  # writes the config
+            predict(order, profile, args.mbit, config, 0.0, model)  # writes the config
             m = measure(config, args.mbit, args.steps, work)
-            p = predict(order, profile, args.mbit, config, m["load"])
+            p = predict(order, profile, args.mbit, config, m["load"], model)
             mod = None
             if m["cpu"] and cores:
                 mod = float(host_share.step_on_shared_cores(

@@ -150,6 +150,8 @@ def test_measured_collective_cpu_is_work_and_the_rest_a_wait():
     work = float(own.step_time) - float(t["tp comm (exposed)"]) - float(
         t["dp comm (exposed)"]) + used["tp"] + used["dp"]
     assert host_share.in_step(colls, 2)  # tp inside: the dp link wait is everyone's at once
+    split = host_share.work_and_waits(t, colls, own.step_time, 1e-4, 1e-10)  # as benchmarked
+    assert [float(x) for x in split] == pytest.approx([work, tp_wait, dp_link], rel=1e-9)
     assert float(shared.step_time) == pytest.approx(dp_link + float(
         host_share.shared_cores_step(work, tp_wait, 0.0, 2, 4, 0.0, 2)), rel=1e-9)
     old = evaluate(shape, Cluster(cpu, 4, ranks_per_host=4), train, lay,

@@ -198,6 +198,22 @@ def _on_shared_cores(cluster: Cluster, colls: list, cpu: Num, bubble: Num, link:
                                 in_step(colls, cluster.gpus_per_node))
 
 
+def work_and_waits(time: dict[str, Num], colls: list, step: Num, cpu_call: float = 0.0,
+                   cpu_byte: float = 0.0) -> tuple[Num, Num, Num]:
+    """(CPU work, bubble, link) of a rank's dedicated-core `step`, as `apply` splits it:
+    the waits of `waits`, and with the collectives' CPU measured (`comm_split`) a
+    collective's CPU as work, the rest of its exposed time as waiting."""
+    bubble, link = waits(time, colls)
+    bubble = np.minimum(bubble, step)
+    link = np.minimum(link, step - bubble)
+    cpu = step - bubble - link
+    if cpu_call or cpu_byte:
+        used, link, local = comm_split(time, colls, cpu_call, cpu_byte)
+        exposed = sum(time.get(term, 0.0) for term, dims in WAIT_TERMS.items() if dims)
+        cpu, bubble = np.maximum(step - bubble - exposed, 0.0) + used, bubble + local
+    return cpu, bubble, link
+
+
 def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num,
           cpu_call: float = 0.0, cpu_byte: float = 0.0) -> Num:
     """The step time on shared cores; adds the difference to `time` as TERM. Unchanged
@@ -207,14 +223,7 @@ def apply(cluster: Cluster, time: dict[str, Num], colls: list, step: Num,
     is work, one over a link between nodes a wait."""
     if not applies(cluster):
         return step
-    bubble, link = waits(time, colls)
-    bubble = np.minimum(bubble, step)
-    link = np.minimum(link, step - bubble)
-    cpu = step - bubble - link
-    if cpu_call or cpu_byte:
-        used, link, local = comm_split(time, colls, cpu_call, cpu_byte)
-        exposed = sum(time.get(term, 0.0) for term, dims in WAIT_TERMS.items() if dims)
-        cpu, bubble = np.maximum(step - bubble - exposed, 0.0) + used, bubble + local
+    cpu, bubble, link = work_and_waits(time, colls, step, cpu_call, cpu_byte)
     shared = _on_shared_cores(cluster, colls, cpu, bubble, link)
     time[TERM] = shared - step
     return shared
