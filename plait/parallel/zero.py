@@ -261,11 +261,17 @@ class ZeroOptimizer:
     def finish_gradients(self) -> None:
         """Nothing: the last `after_backward` completed every reduce-scatter."""
 
-    def grad_norm(self) -> float:
-        """Global L2 norm: each shard element once (replicas over other dims skipped)."""
+    def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
+        """Global L2 norm: each shard element once (replicas over other dims skipped).
+        `summed_with` (float64, (1,)): summed over the world in place by the same
+        all-reduce (the loop's logged loss: one small collective a step less)."""
         total = self.local_sq_norm()
+        if summed_with is not None:
+            total = torch.cat([total, summed_with.reshape(1)])
         comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
-        return math.sqrt(float(total))
+        if summed_with is not None:
+            summed_with.copy_(total[1:].reshape(summed_with.shape))
+        return math.sqrt(float(total[0]))
 
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared norm (float64, (1,)); summed over the world

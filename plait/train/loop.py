@@ -30,6 +30,7 @@ from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.post_validation import PostValidation
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
+from plait.parallel.zero import ZeroOptimizer
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
@@ -273,10 +274,13 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     marks.point("micro-batches")
     opt.finish_gradients()
     marks.point("gradient sync")
-    # the logged loss's all-reduce is issued before the norm's and waited on after the
-    # update: a rank waits once for the others, not once for each
-    loss_reduced = _reduce_loss(mesh, loss_sum) if sync is None else None
-    norm = opt.grad_norm() if sync is None else float("nan")  # post-validation: later
+    norm, loss_reduced = float("nan"), None  # post-validation: later
+    if sync is None and isinstance(opt, ZeroOptimizer) and mesh.size("dp") == mesh.world_size:
+        norm = opt.grad_norm(summed_with=loss_sum)  # one all-reduce for both
+    elif sync is None:  # the loss's all-reduce is issued before the norm's and waited on
+        # after the update: a rank waits once for the others, not once for each
+        loss_reduced = _reduce_loss(mesh, loss_sum)
+        norm = opt.grad_norm()
     marks.point("grad norm")
     if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
@@ -326,10 +330,11 @@ def _reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor) -> comm.Handle:
 
 
 def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,
-                    lr: float, loss_reduced: comm.Handle, marks: Marks = NO_MARKS
+                    lr: float, loss_reduced: comm.Handle | None, marks: Marks = NO_MARKS
                     ) -> tuple[bool, dict]:
     """The update after the global norm (the barrier), then the wait for the logged
-    loss's sum (`_reduce_loss`); (skipped, MoE metrics)."""
+    loss's sum (`_reduce_loss`; None: the norm's all-reduce summed it); (skipped, MoE
+    metrics)."""
     opt = par.optimizer
     # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
     # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
@@ -339,7 +344,8 @@ def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: f
         opt.step(lr, grad_scale=clip_coefficient(norm, cfg.train.grad_clip))
     opt.zero_grad()
     marks.point("optimizer")
-    loss_reduced.wait()
+    if loss_reduced is not None:
+        loss_reduced.wait()
     marks.point("metrics")
     moe = {}
     if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
