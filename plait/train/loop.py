@@ -274,13 +274,11 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     marks.point("micro-batches")
     opt.finish_gradients()
     marks.point("gradient sync")
-    norm, loss_reduced = float("nan"), None  # post-validation: later
-    if sync is None and isinstance(opt, ZeroOptimizer) and mesh.size("dp") == mesh.world_size:
-        norm = opt.grad_norm(summed_with=loss_sum)  # one all-reduce for both
-    elif sync is None:  # the loss's all-reduce is issued before the norm's and waited on
-        # after the update: a rank waits once for the others, not once for each
-        loss_reduced = _reduce_loss(mesh, loss_sum)
-        norm = opt.grad_norm()
+    # ZeRO over dp alone: the norm's all-reduce sums the logged loss too (one less a step)
+    folded = isinstance(opt, ZeroOptimizer) and mesh.size("dp") == mesh.world_size
+    norm = float("nan")  # post-validation: later
+    if sync is None:
+        norm = opt.grad_norm(summed_with=loss_sum) if folded else opt.grad_norm()
     marks.point("grad norm")
     if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
@@ -294,7 +292,8 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         sync.begin(step, lr, loss_sum)
         marks.point("optimizer")
     else:
-        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_reduced, marks)
+        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_sum, marks,
+                                       loss_summed=folded)
     if meter is not None:
         meter.__exit__(None, None, None)
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
@@ -316,26 +315,21 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     return row
 
 
-def _reduce_loss(mesh: ParallelMesh, loss_sum: torch.Tensor) -> comm.Handle:
-    """Sum the logged loss in place over the mesh, its last part left in flight.
-
-    The logged loss is the global-batch mean: the partial sums of the last stages (pp),
-    of the sequence's slices (cp) and of the replicas (dp), one after the other (each
-    reads the one before). Issued before the update: ZeRO-1/2 leave their all-gathers in
-    flight into the next forward, and a collective issued after them would queue behind
-    them on the group."""
-    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
-    return comm.all_reduce(loss_sum, mesh, "dp", async_op=True, tag="metrics")
-
-
 def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,
-                    lr: float, loss_reduced: comm.Handle | None, marks: Marks = NO_MARKS
-                    ) -> tuple[bool, dict]:
-    """The update after the global norm (the barrier), then the wait for the logged
-    loss's sum (`_reduce_loss`; None: the norm's all-reduce summed it); (skipped, MoE
-    metrics)."""
+                    lr: float, loss_sum: torch.Tensor, marks: Marks = NO_MARKS,
+                    loss_summed: bool = False) -> tuple[bool, dict]:
+    """The update after the global norm (the barrier), and the logged loss summed in
+    place (`loss_summed`: the norm's all-reduce did it); (skipped, MoE metrics)."""
     opt = par.optimizer
+    # the logged loss is the global-batch mean: sum the partial sums of the last
+    # stages (pp), of the sequence's slices (cp) and of the replicas (dp). Before the
+    # update: ZeRO-1/2 leave its all-gathers in flight into the next forward, and a
+    # collective issued after them would queue behind them on the group
+    if not loss_summed:
+        comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+        comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
+        comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    marks.point("metrics")
     # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
     # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
     # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
@@ -344,9 +338,6 @@ def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: f
         opt.step(lr, grad_scale=clip_coefficient(norm, cfg.train.grad_clip))
     opt.zero_grad()
     marks.point("optimizer")
-    if loss_reduced is not None:
-        loss_reduced.wait()
-    marks.point("metrics")
     moe = {}
     if cfg.model.n_experts:  # routing statistics, the balancing bias (plait/parallel/expert)
         moe = finish_moe_step(par.stages.values(), mesh, cfg.parallel.sp and cfg.parallel.tp > 1,
