@@ -38,6 +38,7 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
 from plait.parallel.zero_units import _Unit, make_units
 from plait.placement import FlatShard, PlacementTable
@@ -262,16 +263,9 @@ class ZeroOptimizer:
         """Nothing: the last `after_backward` completed every reduce-scatter."""
 
     def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
-        """Global L2 norm: each shard element once (replicas over other dims skipped).
-        `summed_with` (float64, (1,)): summed over the world in place by the same
-        all-reduce (the loop's logged loss: one small collective a step less)."""
-        total = self.local_sq_norm()
-        if summed_with is not None:
-            total = torch.cat([total, summed_with.reshape(1)])
-        comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
-        if summed_with is not None:
-            summed_with.copy_(total[1:].reshape(summed_with.shape))
-        return math.sqrt(float(total[0]))
+        """Global L2 norm: each shard element once (replicas over other dims skipped);
+        `summed_with` rides in its all-reduce (GradSyncOptimizer.grad_norm)."""
+        return math.sqrt(float(sum_over_world(self.local_sq_norm(), self.mesh, summed_with)))
 
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared norm (float64, (1,)); summed over the world

@@ -30,7 +30,6 @@ from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.post_validation import PostValidation
 from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
-from plait.parallel.zero import ZeroOptimizer
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
@@ -274,8 +273,8 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     marks.point("micro-batches")
     opt.finish_gradients()
     marks.point("gradient sync")
-    # ZeRO over dp alone: the norm's all-reduce sums the logged loss too (one less a step)
-    folded = isinstance(opt, ZeroOptimizer) and mesh.size("dp") == mesh.world_size
+    # dp alone: the norm's all-reduce (ZeRO's, ep's) sums the logged loss too
+    folded = mesh.size("dp") == mesh.world_size
     norm = float("nan")  # post-validation: later
     if sync is None:
         norm = opt.grad_norm(summed_with=loss_sum) if folded else opt.grad_norm()
