@@ -64,8 +64,11 @@ class GradSyncOptimizer(Protocol):
     def finish_gradients(self) -> None:
         """Once per step, after every backward of the step: gradients final on return."""
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the step's gradient (collective over the world)."""
+    def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
+        """Global L2 norm of the step's gradient (collective over the world).
+        `summed_with` (float64, (1,); only where dp is the whole mesh): summed over dp in
+        place, in the norm's own all-reduce where it has one (the loop's logged loss:
+        one small collective and one wait for the slowest rank a step less)."""
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """Update with gradients x `grad_scale` (the clipping coefficient)."""

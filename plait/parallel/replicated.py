@@ -50,21 +50,34 @@ def sum_copy_gradients(stages: dict[int, nn.Module], schedule: Schedule, mesh: P
 
 
 def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,
-                     placements: PlacementTable) -> float:
+                     placements: PlacementTable, summed_with: torch.Tensor | None = None
+                     ) -> float:
     """L2 norm of the full gradient across the mesh, each parameter element counted once.
 
     A parameter replicated over a dim contributes only from the rank at coordinate 0 of
     that dim (`placements.counts_in_norm`); the partial sums are then all-reduced once over
     the world. When nothing is sharded every rank already holds the whole gradient and no
-    communication is needed.
+    communication is needed. `summed_with`: see GradSyncOptimizer.grad_norm.
     """
     grads = [(p, p.grad) for p in params if p.grad is not None]
     if not placements.any_sharded([p for p, _ in grads]) or mesh.world_size == 1:
         sq = sum(float(g.float().pow(2).sum()) for _, g in grads)
+        if summed_with is not None:  # the norm has no all-reduce to carry it
+            comm.all_reduce(summed_with, mesh, "dp", tag="metrics")
         return math.sqrt(sq)
-    total = local_sq_norm(params, mesh, placements)
+    return math.sqrt(float(sum_over_world(local_sq_norm(params, mesh, placements), mesh,
+                                          summed_with)))
+
+
+def sum_over_world(sq_norm: torch.Tensor, mesh: ParallelMesh,
+                   summed_with: torch.Tensor | None = None) -> torch.Tensor:
+    """A rank's share of the squared norm (float64, (1,)) summed over the world; with
+    `summed_with` (float64, (1,)) beside it in the same all-reduce, summed in place."""
+    total = sq_norm if summed_with is None else torch.cat([sq_norm, summed_with.reshape(1)])
     comm.all_reduce(total, mesh, "world", tag="grad_norm")
-    return math.sqrt(float(total))
+    if summed_with is not None:
+        summed_with.copy_(total[1:].reshape(summed_with.shape))
+    return total[:1]
 
 
 def local_sq_norm(params: list[nn.Parameter], mesh: ParallelMesh,
@@ -113,8 +126,8 @@ class ReplicatedOptimizer:
     def finish_gradients(self) -> None:
         """Nothing: the last backward's `after_backward` already synced over dp."""
 
-    def grad_norm(self) -> float:
-        return global_grad_norm(self.params, self.mesh, self.placements)
+    def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
+        return global_grad_norm(self.params, self.mesh, self.placements, summed_with)
 
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared grad norm (post-validation sums it over pp)."""
@@ -178,8 +191,8 @@ class TwoCopyOptimizer(ReplicatedOptimizer):
     def finish_gradients(self) -> None:
         sum_copy_gradients(self.stages, self.schedule, self.mesh)
 
-    def grad_norm(self) -> float:
-        return global_grad_norm(self.owned, self.mesh, self.placements)
+    def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
+        return global_grad_norm(self.owned, self.mesh, self.placements, summed_with)
 
     def local_sq_norm(self) -> torch.Tensor:
         return local_sq_norm(self.owned, self.mesh, self.placements)

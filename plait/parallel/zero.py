@@ -38,6 +38,7 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
 from plait.parallel.zero_units import _Unit, make_units
 from plait.placement import FlatShard, PlacementTable
@@ -261,11 +262,10 @@ class ZeroOptimizer:
     def finish_gradients(self) -> None:
         """Nothing: the last `after_backward` completed every reduce-scatter."""
 
-    def grad_norm(self) -> float:
-        """Global L2 norm: each shard element once (replicas over other dims skipped)."""
-        total = self.local_sq_norm()
-        comm.all_reduce(total, self.mesh, "world", tag="grad_norm")
-        return math.sqrt(float(total))
+    def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
+        """Global L2 norm: each shard element once (replicas over other dims skipped);
+        `summed_with` rides in its all-reduce (GradSyncOptimizer.grad_norm)."""
+        return math.sqrt(float(sum_over_world(self.local_sq_norm(), self.mesh, summed_with)))
 
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared norm (float64, (1,)); summed over the world

@@ -273,7 +273,11 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     marks.point("micro-batches")
     opt.finish_gradients()
     marks.point("gradient sync")
-    norm = opt.grad_norm() if sync is None else float("nan")  # post-validation: later
+    # dp alone: the norm's all-reduce (ZeRO's, ep's) sums the logged loss too
+    folded = mesh.size("dp") == mesh.world_size
+    norm = float("nan")  # post-validation: later
+    if sync is None:
+        norm = opt.grad_norm(summed_with=loss_sum) if folded else opt.grad_norm()
     marks.point("grad norm")
     if capture:
         result.first_grads = full_grads(par.model, opt, mesh, par.placements)
@@ -287,7 +291,8 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         sync.begin(step, lr, loss_sum)
         marks.point("optimizer")
     else:
-        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_sum, marks)
+        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_sum, marks,
+                                       loss_summed=folded)
     if meter is not None:
         meter.__exit__(None, None, None)
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
@@ -310,18 +315,19 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
 
 
 def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,
-                    lr: float, loss_sum: torch.Tensor, marks: Marks = NO_MARKS
-                    ) -> tuple[bool, dict]:
+                    lr: float, loss_sum: torch.Tensor, marks: Marks = NO_MARKS,
+                    loss_summed: bool = False) -> tuple[bool, dict]:
     """The update after the global norm (the barrier), and the logged loss summed in
-    place; (skipped, MoE metrics)."""
+    place (`loss_summed`: the norm's all-reduce did it); (skipped, MoE metrics)."""
     opt = par.optimizer
     # the logged loss is the global-batch mean: sum the partial sums of the last
     # stages (pp), of the sequence's slices (cp) and of the replicas (dp). Before the
     # update: ZeRO-1/2 leave its all-gathers in flight into the next forward, and a
     # collective issued after them would queue behind them on the group
-    comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
-    comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+    if not loss_summed:
+        comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
+        comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
+        comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
     marks.point("metrics")
     # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
     # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
