@@ -350,8 +350,8 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     """Only the calls a rank waits on at once pay the sync line: ZeRO-3 at dp 2 with two
     micro-batches waits on 2 of its 10 all-gathers a micro-batch (each forward's and
     backward's first unit; the rest were prefetched), 1 of its 5 reduce-scatters (the
-    last, after the backward) and the step's grad-norm and logged-loss all-reduces: K =
-    2m + m + 2 = 8 of its 32 calls. Each pays the extra after the last arrival measured
+    last, after the backward) and the step's grad-norm all-reduce, which carries the
+    logged loss where dp is the whole mesh: K = 2m + m + 1 = 7 of its 31 calls. Each pays the extra after the last arrival measured
     at its segment of compute (sync_after) and the wait, both power laws in L = C/K,
     and the extra's growth per byte up to the largest call measured (128 KiB in a profile
     without `sync_bytes_measured`), held there beyond it."""
@@ -364,8 +364,10 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     lay = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
                      "--microbatch", "2")
     t, m = lay["time_breakdown_s"], 2
-    assert sum(c["count"] for c in lay["collectives"]) == 2 * 5 * m + 5 * m + 2
-    k = 2 * m + m + 2
+    assert sum(c["count"] for c in lay["collectives"]) == 2 * 5 * m + 5 * m + 1
+    norm = next(c for c in lay["collectives"] if c["op"].startswith("all-reduce (grad norm"))
+    assert norm["bytes"] == 16 and not any("logged loss" in c["op"] for c in lay["collectives"])
+    k = 2 * m + m + 1
     seg = (t["compute"] + t["recompute"]) / k
     extra, wait = 1e-3 * (seg / 1e-3) ** 0.5, 1e-4 * seg / 1e-3
     ag, rs = (next(c for c in lay["collectives"] if c["op"].startswith(op))
@@ -376,7 +378,7 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
             prof["fit"]["sync"]["sync_bytes_measured"] = cap
             t = _plan_json(path, prof, "--gpus", "2", "--layout", "dp=2", "--zero", "3",
                            "--microbatch", "2")["time_breakdown_s"]
-        blocking_bytes = 2 * m * min(ag["bytes"], cap) + m * min(rs["bytes"], cap) + 2 * 8
+        blocking_bytes = 2 * m * min(ag["bytes"], cap) + m * min(rs["bytes"], cap) + 16
         assert t[SYNC_TERM] == pytest.approx(k * (extra + wait) + 1e-9 * blocking_bytes,
                                              rel=1e-9)
 

@@ -257,20 +257,26 @@ def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: _Bas
     """Exposed seconds of the runtime's all-reduces after the micro-batches (counted in
     "dp comm (exposed)"): the grad norm's partial sums over the world when any parameter
     is sharded (ZeRO, tp, pp, ep: plait/parallel/replicated.py) and the logged loss over
-    pp, cp and dp (plait/train/loop.py); latency-bound, on the critical path."""
+    pp, cp and dp (plait/train/loop.py); latency-bound, on the critical path. Where dp is
+    the whole mesh and the norm has an all-reduce, the logged loss rides in it (one call of
+    two float64s: GradSyncOptimizer.grad_norm's `summed_with`)."""
     world = b.tp * b.pp * b.dp * b.cp
     sharded = (lay.zero >= 1) | (b.tp > 1) | (b.pp > 1) | (b.ep > 1)
+    folded = sharded & (world == b.dp) & (world > 1)
     total = 0.0
-    for dim, n, what in (("world", np.where(sharded, world, 1.0), "grad norm"),
-                         ("pp", b.pp, "logged loss"), ("cp", b.cp, "logged loss"),
-                         ("dp", b.dp, "logged loss")):
+    for dim, n, what, size in (
+            ("world", np.where(sharded, world, 1.0), "grad norm",
+             np.where(folded, 2 * STEP_END_BYTES, STEP_END_BYTES)),
+            ("pp", b.pp, "logged loss", STEP_END_BYTES),
+            ("cp", b.cp, "logged loss", STEP_END_BYTES),
+            ("dp", np.where(folded, 1.0, b.dp), "logged loss", STEP_END_BYTES)):
         span = world if dim == "world" else b.span(dim)
         intra = span <= cluster.gpus_per_node
         bw, al = comm.link(cluster.gpu, intra, eff.link_efficiency)
-        t, _ = comm.all_reduce(STEP_END_BYTES, n, bw, al)
+        t, _ = comm.all_reduce(size, n, bw, al)
         total = total + t
         if np.any(n > 1):
-            colls.append(comm.Collective(dim, f"all-reduce ({what}, float64)", STEP_END_BYTES,
+            colls.append(comm.Collective(dim, f"all-reduce ({what}, float64)", size,
                                          np.where(n > 1, 1.0, 0.0), n, intra, t, t,
                                          "none: after the micro-batches"))
     return total
