@@ -100,6 +100,7 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
     """(step, bubble, peaks): one step under the barrier; under post-validation the
     steady-state step of STEADY_STEPS consecutive ones (a rank starts its next step when
     its own is done)."""
+    from plait.parallel.pipeline.ir import peak_activations
     from plait.parallel.pipeline.simulate import Durations, simulate
 
     d = Durations(f[0], i[0], w[0], p2p, forward_per_stage=f, backward_input_per_stage=i,
@@ -108,11 +109,15 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
     ratios = (round(sum(i) / len(i) / fm, 1), round(sum(w) / len(w) / fm, 1),
               round(p2p / fm, 2))
     sched = _build(schedule, pp, m, v, ratios)
+    # memory counts a micro-batch's activations from F to W (or B): after I a W still
+    # holds its weight-gradient inputs (Qi et al. 2023, Table 1), as the closed forms'
+    # `peak_inflight` bounds do (registry.py); for F/B schedules it is the count to B
+    peaks = tuple(peak_activations(sched, until="W"))
     if optimizer_sync == "barrier":
         r = simulate(sched, d, events=False)  # the figures only: no per-event tuples
-        return r.step_time, r.bubble_fraction, tuple(r.peak_activations)
+        return r.step_time, r.bubble_fraction, peaks
     r = simulate(sched, d, STEADY_STEPS, optimizer_sync, events=False)
-    return r.steady_step_time, r.steady_bubble_fraction, tuple(r.peak_activations)
+    return r.steady_step_time, r.steady_bubble_fraction, peaks
 
 
 class TooLargeToSimulate(Exception):
