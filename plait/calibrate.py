@@ -15,7 +15,9 @@ costs beyond the fit's price (the ranks' compute jitter and the wait after the l
 rank's arrival: calibrate_steps.measure_sync), what posting a batch of pipeline
 transfers holds a rank (calibrate_steps.measure_post), the pipeline runtime's own time
 before each compute action (calibrate_steps.measure_gap: plait's runtime trained at pp = 2),
-and a few GEMMs on every rank at once (their throughput beside another rank's over alone).
+a few GEMMs on every rank at once (their throughput beside another rank's over alone),
+and plait's floor step at tp = 2 on two ranks a core (calibrate_tp: a tp rank's CPU beyond
+the per-operation and per-collective prices where ranks share cores).
 Each measurement is the best of a few repeats (the machine is shared: the best is the least
 disturbed; the gap: a median; the sync numbers: means over every call, a heavy-tailed
 wait a step pays in full), compute in the thread's CPU seconds,
@@ -48,6 +50,7 @@ from plait.calibrate_steps import (
     measure_post,
     measure_sync,
 )
+from plait.calibrate_tp import measure_tp_floor
 
 # (m, k, n): the tiny models' GEMMs (tokens x hidden x 3 hidden, x ffn, ...) up to 512^3.
 # Calls stay a few ms long so that the best of several repeats is one the shared machine's
@@ -255,6 +258,8 @@ def calibrate(ranks: int, quick: bool = False) -> dict[str, Any]:
     raw["post"] = raw["collectives"].pop("post", [None])[0]
     raw["pipeline_gap"] = raw["collectives"].pop("pipeline_gap", [None])[0]
     raw["gemm_concurrent"] = raw["collectives"].pop("gemm_concurrent", [])
+    if ranks >= 2:  # a tp rank's CPU beyond the prices where two ranks share a core
+        raw["tp_floor"] = measure_tp_floor(quick)
     today = datetime.date.today().isoformat()
     return {"version": PROFILE_VERSION, "name": f"cpu-{platform.machine()}-{today}",
             "date": today, "device": "cpu", "threads_per_rank": 1, "ranks": ranks,

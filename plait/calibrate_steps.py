@@ -121,12 +121,15 @@ def elementwise_replay(dim: int, ffn: int, batch: int, seq: int, reps: int
             "seconds": seconds}
 
 
-def _runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none"
-                   ) -> tuple[int, list[float]]:
-    """plait's own training step (`plait.train.loop.train` on one rank: micro-batches,
-    grad norm, clip, AdamW, zero_grad, the logged loss) of a model so small that its GEMMs
-    cost nothing: (the aten operations of its last step, counted, when `count`; else
-    this thread's CPU seconds of every step, the first with the setup: _best_seconds)."""
+def runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none",
+                  tp: int = 1, world: int = 1, clock: Any = time.thread_time
+                  ) -> tuple[int, list[float], Any]:
+    """plait's own training step (`plait.train.loop.train`: micro-batches, grad norm,
+    clip, AdamW, zero_grad, the logged loss) of a model so small that its GEMMs cost
+    nothing, on one rank or (`tp`, `world`: this rank of a forked gloo job, SP on, dp =
+    world / tp, two sequences a dp rank): (the aten operations of its last step, counted,
+    when `count`; else the `clock`'s CPU seconds of every step, the first with the setup,
+    by default this thread's; the rank's mesh, its ledger holding every step's calls)."""
     import tempfile
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,16 +142,19 @@ def _runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none"
     cfg = load_config(sets=["model_name=tiny", "model.vocab_size=64", "model.dim=16",
                             f"model.n_layers={layers}", "model.n_heads=2",
                             "model.n_kv_heads=2", "model.ffn_dim=32", "model.max_seq_len=16",
-                            "train.seq_len=16", "train.global_batch=2", f"train.steps={steps}",
-                            "train.warmup_steps=1", "train.precision=fp32",
-                            f"train.recompute={recompute}"]).check(1)
+                            "train.seq_len=16", f"train.global_batch={2 * world // tp}",
+                            f"train.steps={steps}", "train.warmup_steps=1",
+                            "train.precision=fp32", f"train.recompute={recompute}",
+                            f"parallel.tp={tp}", f"parallel.dp={world // tp}",
+                            f"parallel.sp={str(tp > 1).lower()}"]).check(world)
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
         data = TokenFile.open(synthetic_token_file(f"{tmp}/tokens.bin", 4096, 64, seed=0))
-        batches = GlobalBatches(data, 16, 2, cfg.train.seed, 64)
-        ops, cpu = [0], [time.thread_time()]
+        batches = GlobalBatches(data, 16, 2 * world // tp, cfg.train.seed, 64)
+        ops, cpu = [0], [clock()]
+        mesh = ParallelMesh.build(cfg.parallel)
 
-        def cpu_times(row: dict) -> None:  # this thread's CPU seconds per step (docstring)
-            now = time.thread_time()
+        def cpu_times(row: dict) -> None:  # the clock's CPU seconds per step (docstring)
+            now = clock()
             times.append(now - cpu[0])
             cpu[0] = now
 
@@ -165,10 +171,10 @@ def _runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none"
 
         if count:
             with Count():
-                train(cfg, ParallelMesh.build(cfg.parallel), batches, on_step=on_step)
+                train(cfg, mesh, batches, on_step=on_step)
         else:
-            train(cfg, ParallelMesh.build(cfg.parallel), batches, on_step=cpu_times)
-    return ops[0], times
+            train(cfg, mesh, batches, on_step=cpu_times)
+    return ops[0], times, mesh
 
 
 def measure_dispatch(quick: bool) -> dict[str, Any]:
@@ -199,13 +205,14 @@ def measure_dispatch(quick: bool) -> dict[str, Any]:
             token_loss(model(tokens[:, :-1]), tokens[:, 1:], 32).backward()
 
         out[f"step_ops_{layers}"], out[f"elementwise_bytes_{layers}"] = _count_ops(step)
-        whole, _ = _runtime_steps(layers, 3, count=True)
+        whole, _, _ = runtime_steps(layers, 3, count=True)
         out[f"optimizer_ops_{layers}"] = whole - out[f"step_ops_{layers}"]
-    _, times = _runtime_steps(2, 8 if quick else 30, count=False)
+    _, times, _ = runtime_steps(2, 8 if quick else 30, count=False)
     out["step_seconds"] = min(times[1:])  # the first step warms up
     # the same step under plait's selective policy (a dispatch mode sees every operation
     # of the blocks: Python per operation, which the floor's GEMM-free step shows alone)
-    _, times = _runtime_steps(2, 8 if quick else 30, count=False, recompute="selective")
+    _, times, _ = runtime_steps(2, 8 if quick else 30, count=False,
+                                recompute="selective")
     out["step_seconds_selective"] = min(times[1:])
     out["runtime_step_ops"] = out["step_ops_2"] + out["optimizer_ops_2"]
     # what the planner's proxy for element-wise traffic says a layer of this model saves

@@ -48,6 +48,7 @@ LAYERS = [
              "plait.elastic", "plait.multinode", "plait.multinode_elastic", "plait.watchdog",
              "plait.calibrate",  # measures through plait.testing's fork harness
              "plait.calibrate_steps",  # and trains through plait.train, for plait calibrate
+             "plait.calibrate_tp",  # its tp floor: trains on forked ranks
              "plait.train.__main__", "plait.train.eval_cli"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

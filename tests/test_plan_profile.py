@@ -351,8 +351,9 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     micro-batches waits on 2 of its 10 all-gathers a micro-batch (each forward's and
     backward's first unit; the rest were prefetched), 1 of its 5 reduce-scatters (the
     last, after the backward) and the step's grad-norm all-reduce, which carries the
-    logged loss where dp is the whole mesh: K = 2m + m + 1 = 7 of its 31 calls. Each pays the extra after the last arrival measured
-    at its segment of compute (sync_after) and the wait, both power laws in L = C/K,
+    logged loss where dp is the whole mesh: K = 2m + m + 1 = 7 of its 31 calls. Each
+    pays the extra after the last arrival measured at its segment of compute
+    (sync_after) and the wait, both power laws in L = C/K,
     and the extra's growth per byte up to the largest call measured (128 KiB in a profile
     without `sync_bytes_measured`), held there beyond it."""
     from plait.plan.step_comm import SYNC_TERM

@@ -52,6 +52,16 @@ class Efficiency:
     # policy adds on its own (a dispatch mode: Python per operation; a measured profile's,
     # 0 for the presets)
     policy_layer_seconds: float = 0.0
+    # CPU seconds per layer and micro-batch a tp rank's layer costs beyond the prices above
+    # (the per-operation floor, the collectives' comm_cpu) where a host's ranks share its
+    # cores: plait calibrate's tp floor (plait/calibrate_tp.py), recompute none and
+    # selective; 0 for the presets (a GPU's rank owns its chip)
+    tp_shared_layer_seconds: float = 0.0
+    tp_shared_layer_seconds_selective: float = 0.0
+    # and the rest of the floor's step (per micro-batch: the embedding, head and loss, the
+    # optimizer, the calls outside the layers)
+    tp_shared_outside_seconds: float = 0.0
+    tp_shared_outside_seconds_selective: float = 0.0
     # bytes/s of element-wise traffic (a measured profile's cache-sized rate; 0: the
     # GPU's HBM bandwidth)
     elementwise_bw: float = 0.0
@@ -248,6 +258,18 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     bw = eff.elementwise_bw or gpu.hbm_bw
     elt = eff.elementwise_passes * saved_bytes / bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)
+
+
+def tp_floor_seconds(eff: Efficiency, tp: Num, mode: str, shared_host: bool
+                     ) -> tuple[Num, Num]:
+    """(per layer, outside the layers) CPU seconds per micro-batch a tp rank adds beyond
+    the per-operation and per-collective prices where its host's cores are shared
+    (`shared_host`: Efficiency.tp_shared_*, the selective rows under selective
+    recompute); 0 where tp = 1 or a rank has a core."""
+    on = (np.asarray(tp) > 1) & shared_host
+    name = "_selective" if mode == "selective" else ""
+    return (np.where(on, getattr(eff, f"tp_shared_layer_seconds{name}"), 0.0),
+            np.where(on, getattr(eff, f"tp_shared_outside_seconds{name}"), 0.0))
 
 
 def recompute_seconds(lay: Any, lt: LayerTimes, f_layer: Any) -> Any:

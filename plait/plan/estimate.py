@@ -26,6 +26,7 @@ from plait.plan.compute import (
     layer_times,
     model_flops_per_token,
     recompute_seconds,
+    tp_floor_seconds,
 )
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import dualpipe_copies
@@ -199,6 +200,7 @@ class _ChunkTimes:
     i_c: Num
     w_c: Num
     policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
+    tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
 
 
 def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
@@ -209,14 +211,16 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
         + lc.cp_exp_b + lc.ep_exp_b
     w_layer = lt.gemm_fwd
     policy = eff.policy_layer_seconds if lay.runtime_mode() == "selective" else 0.0
-    i_layer = i_layer + recompute_seconds(lay, lt, f_layer) + policy
+    tp_cpu, tp_out = tp_floor_seconds(eff, b.tp, lay.runtime_mode(), host_share.applies(cluster))
+    i_layer = i_layer + recompute_seconds(lay, lt, f_layer) + policy + 2 * tp_cpu / 3
+    f_layer = f_layer + tp_cpu / 3
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
     head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
-        + eff.op_seconds * eff.outside_ops  # embedding, final norm, head, loss: operations
+        + eff.op_seconds * eff.outside_ops + tp_out  # embedding, norm, head, loss: ops
     n = b.chunk_layers
     return _ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
-                       n * i_layer, n * w_layer, policy)
+                       n * i_layer, n * w_layer, policy, tp_cpu)
 
 
 def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num, simulate: bool,
@@ -314,14 +318,14 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
     m, cpr, lt = b.m, b.cpr, b.lt
     busy = busy_of(m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f, ct.head_g, b.sched)
     return {
-        "compute": m * (cpr * b.chunk_layers * 3 * lt.forward + ct.head_f + 2 * ct.head_g)
-        / schedule_spec(b.sched).chains,
+        "compute": m * (cpr * b.chunk_layers * (3 * lt.forward + ct.tp_cpu) + ct.head_f
+                        + 2 * ct.head_g) / schedule_spec(b.sched).chains,
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
         "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
         * b.rank_layers * m,
         # the replayed tp collectives are in "tp comm" (its count has them): not twice
-        "recompute": m * cpr * b.chunk_layers * (recompute_seconds(lay, lt, ct.f_layer)
-                                                 + ct.policy - (
+        "recompute": m * cpr * b.chunk_layers * (recompute_seconds(
+            lay, lt, ct.f_layer - ct.tp_cpu / 3) + ct.policy - (
             0.0 if lay.runtime_mode() == "none" else TP_COLLECTIVES_FWD * lc.t_ar)),
         "pipeline bubble + p2p": np.maximum(pipe - busy, 0.0),
         "dp comm (exposed)": dp_exposed,

@@ -44,6 +44,11 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   time before a compute action that did not wait (the loop's Python, completing a
   receive already there), the median of repeats -> pipeline_gap, the shared simulator's
   `gap` per compute action (idle, overlapping any wait for the input).
+- the tp floor (plait/calibrate_tp.py): plait's floor step trained at tp = 2 with two
+  ranks a core, 1 and 2 layers, recompute none and selective, each rank's process CPU a
+  step -> tp_shared_layer_seconds* and tp_shared_outside_seconds* (one layer's CPU and
+  the rest of the step's the planner's per-operation and comm_cpu prices leave out where
+  cores are shared: fit_tp_floor).
 - concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
   median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
   whose host runs other ranks too (plait/plan/estimate.py's _basis).
@@ -128,6 +133,8 @@ def fit_profile(raw: dict[str, Any]) -> dict[str, Any]:
             "p2p_post": float((raw.get("post") or {}).get("post_seconds", 0.0)),
             "pipeline_gap": float((raw.get("pipeline_gap") or {}).get("gap_seconds", 0.0)),
             "comm_cpu": fit_comm_cpu(raw["collectives"], largest),
+            "tp_floor": fit_tp_floor(raw.get("tp_floor"), fit_dispatch(raw.get("dispatch")),
+                                     fit_comm_cpu(raw["collectives"], largest)),
             "concurrent_gemm": fit_concurrent(raw["gemm"], raw.get("gemm_concurrent")),
             **fit_elementwise(raw.get("elementwise"), raw.get("dispatch")),
             "attention_scale": float(np.median(att)) if att else 1.0,
@@ -227,6 +234,41 @@ def fit_comm_cpu(collectives: dict[str, list], group: int | None) -> dict[str, f
     return {"call_s": max(float(intercept), 0.0), "byte_s": max(float(slope), 0.0)}
 
 
+def fit_tp_floor(t: dict[str, Any] | None, dispatch: dict[str, float],
+                 comm_cpu: dict[str, float]) -> dict[str, float]:
+    """Efficiency's tp_shared_*: per recompute mode, what the floor's process CPU at tp =
+    2 with two ranks a core (the mean over the ranks of each rank's median step) holds
+    beyond the planner's prices: its operations (op_seconds x the runtime step's;
+    selective a third of a layer's more, the recomputed forward's element-wise
+    operations, and its policy) and its calls' comm_cpu (the ledger's calls and payload
+    bytes). One layer's (the 2-layer step less the 1-layer one) and the rest of the
+    1-layer step's (less one layer: `outside`, the embedding, head, loss, optimizer and
+    the calls outside the layers), each at least 0; not measured: {}."""
+    if not t or "shared" not in t:
+        return {}
+    out: dict[str, float] = {}
+    d, call_s, byte_s = dispatch, comm_cpu["call_s"], comm_cpu["byte_s"]
+    layer_ops = d["op_seconds"] * d["layer_ops"]
+    for mode, name in (("none", ""), ("selective", "_selective")):
+        one, two = t["shared"][f"{mode}_1"], t["shared"][f"{mode}_2"]
+        layer = layer_ops * (4 / 3 if mode == "selective" else 1.0) \
+            + (d["policy_layer_seconds"] if mode == "selective" else 0.0)
+        step_ops = d["op_seconds"] * (d["outside_ops"] + d["optimizer_fixed_ops"]
+                                      + d["optimizer_layer_ops"])
+
+        def price(row: dict[str, float], layers: int, calls: str = "calls",
+                  payload: str = "payload_bytes", layer: float = layer) -> float:
+            return layers * layer + call_s * row[calls] + byte_s * row[payload]
+
+        extra = two["cpu_seconds"] - one["cpu_seconds"] - (
+            price(two, 2, "tp_calls", "tp_payload_bytes")
+            - price(one, 1, "tp_calls", "tp_payload_bytes"))
+        outside = one["cpu_seconds"] - extra - price(one, 1) - step_ops
+        out[f"tp_shared_layer_seconds{name}"] = max(float(extra), 0.0)
+        out[f"tp_shared_outside_seconds{name}"] = max(float(outside), 0.0)
+    return out
+
+
 def fit_sync_spread(s: dict[str, Any] | None, link: dict[str, float] | None
                     ) -> list[dict[str, float]]:
     """How far the repeats of each segment's extra (after the last arrival, less the
@@ -292,6 +334,7 @@ def profile_hardware(profile: dict[str, Any]) -> tuple[GPU, Efficiency]:
                      pipeline_gap=fit.get("pipeline_gap", 0.0),
                      comm_cpu_call=(fit.get("comm_cpu") or {}).get("call_s", 0.0),
                      comm_cpu_byte=(fit.get("comm_cpu") or {}).get("byte_s", 0.0),
+                     **fit.get("tp_floor", {}),
                      **{k: tuple(v) if isinstance(v, list) else v
                         for k, v in (fit.get("sync") or fit_sync(None, None)).items()})
     return gpu, eff
