@@ -113,7 +113,7 @@ def test_calibrate_floor_measures_tp_calls_and_cpu():
         assert two["tp_calls"] > one["tp_calls"] > 0  # a layer adds tp calls
         assert two["tp_payload_bytes"] > one["tp_payload_bytes"] > 0
         assert one["calls"] > one["tp_calls"]  # dp's all-reduces, the norm, the loss
-        assert one["cpu_seconds"] > 0 and one["cpu_mean_seconds"] > 0
+        assert one["cpu_seconds"] > 0 and one["cpu_median_seconds"] > 0
     # selective replays the forward's exchanges (docs/recompute.md): more tp calls a layer
     assert run["selective_2"]["tp_calls"] - run["selective_1"]["tp_calls"] > \
         run["none_2"]["tp_calls"] - run["none_1"]["tp_calls"]

@@ -237,7 +237,7 @@ def fit_comm_cpu(collectives: dict[str, list], group: int | None) -> dict[str, f
 def fit_tp_floor(t: dict[str, Any] | None, dispatch: dict[str, float],
                  comm_cpu: dict[str, float]) -> dict[str, float]:
     """Efficiency's tp_shared_*: per recompute mode, what the floor's process CPU at tp =
-    2 with two ranks a core (the mean over the ranks of each rank's median step) holds
+    2 with two ranks a core (the mean over the ranks of each rank's mean step) holds
     beyond the planner's prices: its operations (op_seconds x the runtime step's;
     selective a third of a layer's more, the recomputed forward's element-wise
     operations, and its policy) and its calls' comm_cpu (the ledger's calls and payload
