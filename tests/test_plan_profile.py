@@ -133,6 +133,9 @@ def test_calibrate_measures_every_term():
     assert 0 <= fit["comm_overlap"] <= 1 and fit["elementwise_passes"] > 0
     gpu, eff = profile_hardware(prof)
     assert gpu.hbm_bw == fit["memory_bw_Bps"] and eff.link_efficiency == 1.0
+    # the tp floor (tests/test_plan_tp_floor.py): measured on this host's shared cores
+    assert "tp_floor" in raw and eff.tp_shared_layer_seconds == fit["tp_floor"].get(
+        "tp_shared_layer_seconds", 0.0) >= 0
 
 
 def test_alpha_beta_fit_bounds_noise():
