@@ -140,6 +140,10 @@ def _first_bucket_ab(args, path) -> None:
     print(f"first bucket capped at {FIRST_BUCKET_MB:g} MB / DDP: {ms['capped'] / ms['DDP']:.3f}"
           f"   one bucket size / DDP: {ms['uncapped'] / ms['DDP']:.3f}   goal <= {GOAL:.2f}")
     print("keep the cap" if ms["capped"] <= ms["uncapped"] else "drop the cap")
+    capped, one = ms["capped"] / ms["DDP"], ms["uncapped"] / ms["DDP"]
+    print(performance_rows([("dp_vs_ddp.py: bucketed DP / DDP, step time",
+                             f"{capped:.3f} (one bucket size: {one:.3f})", f"≤ {GOAL:.2f}",
+                             met(capped, GOAL))]))
 
 
 if __name__ == "__main__":
