@@ -30,6 +30,7 @@ about 6 and 11.5 ms (0.5 ms of comm_cpu for each of its 10 and 13 tp calls).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -43,12 +44,31 @@ MODES = ("none", "selective")
 SHARED_MAX_RANKS = 8
 
 
+def _own_session() -> None:
+    """Put this rank in a session of its own, as torchrun starts every rank
+    (`start_new_session`): with autogroup scheduling (Linux's default on many distributions)
+    each session is one scheduling entity, and ranks in sessions of their own are
+    switched between more often than forked ranks of one session. Measured here
+    (2026-12-06, 4 ranks on 2 cores, two A/B rounds): the floor's 2-layer selective step
+    took 38.6 and 45.1 ms of CPU in one session against 54.3 and 51.5 in their own, the
+    1-layer 24.0 and 26.4 against 31.3 and 31.5; what a rank of `plait train` or the
+    emulated cluster pays is the latter. Out of the terminal's process group a Ctrl-C no
+    longer reaches the rank itself, so it ends with `plait calibrate` (die_with_parent),
+    as the harness's daemonic children do on a normal exit."""
+    from plait.launch import die_with_parent
+
+    with contextlib.suppress(OSError):  # already a session leader: nothing to change
+        os.setsid()
+    die_with_parent()
+
+
 def _floor_rank(rank: int, world: int, steps: int, repeats: int) -> dict[str, Any]:
     """This rank's floor steps at tp = 2 over every (recompute, layers), the runs
     interleaved `repeats` times (a drift of the shared machine lands on both layer
     counts): the mean and median process CPU seconds of every run's steps after its
     first, pooled, and the calls and their payload bytes per step, tp's and all (the
     ledger's: the dp all-reduces of the gradients, the norm, the logged loss too)."""
+    _own_session()
     times: dict[str, list[float]] = {}
     out: dict[str, Any] = {}
     for _ in range(repeats):
