@@ -23,6 +23,6 @@ run post "$py" benchmarks/post_validation.py --microbatches 8 --repeats 3
 run tp "$py" benchmarks/tp_vs_dtensor.py --tp 2 --steps 6
 run calibrate "$py" -m plait.cli calibrate --out "$out/p.json"
 run closed "$py" benchmarks/plan_closed_loop.py --hardware "$out/p.json"
-run cluster "$py" benchmarks/cluster_topology.py --mbit 100 --steps 8 --hardware "$out/p.json"
+run cluster "$py" benchmarks/cluster_topology.py --mbit 100 --steps 30 --hardware "$out/p.json"
 run sim "$py" benchmarks/simulate_scale.py --runs 3
 echo "== end $(date -u +%H:%M:%S)" >> "$out/times.txt"
