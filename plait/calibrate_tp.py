@@ -88,7 +88,7 @@ def _floor_rank(rank: int, world: int, steps: int, repeats: int) -> dict[str, An
         # the mean: a step's CPU is work, its disturbed steps' (gloo's spin) paid in full
         row.update(cpu_seconds=statistics.fmean(times[key]),
                    cpu_median_seconds=statistics.median(times[key]))
-    return out
+    return {"rows": out, "own_session": os.getsid(0) == os.getpid()}
 
 
 def _run(world: int, steps: int, repeats: int) -> dict[str, Any]:
@@ -96,9 +96,11 @@ def _run(world: int, steps: int, repeats: int) -> dict[str, Any]:
     from plait.testing import run_ranks
 
     ranks = run_ranks(_floor_rank, world, steps, repeats, timeout=180.0)
-    rows = {key: {field: statistics.fmean(r[key][field] for r in ranks)
-                  for field in ranks[0][key]} for key in ranks[0]}
-    return {"world": world, "tp": TP, "steps": steps, "repeats": repeats, **rows}
+    first = ranks[0]["rows"]
+    rows = {key: {field: statistics.fmean(r["rows"][key][field] for r in ranks)
+                  for field in first[key]} for key in first}
+    return {"world": world, "tp": TP, "steps": steps, "repeats": repeats,
+            "own_sessions": all(r["own_session"] for r in ranks), **rows}
 
 
 def measure_tp_floor(quick: bool, cores: int | None = None) -> dict[str, Any]:

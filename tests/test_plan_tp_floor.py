@@ -99,8 +99,9 @@ def test_planner_adds_it_to_the_compute_of_tp_ranks_on_shared_cores(tmp_path, re
 
 
 def test_calibrate_floor_measures_tp_calls_and_cpu():
-    """The quick floor on this machine: two ranks a core (at least 2 ranks); SP's calls
-    per layer counted by the ledger, the same every run; CPU measured."""
+    """The quick floor on this machine: two ranks a core (at least 2 ranks), each rank in
+    a session of its own; SP's calls per layer counted by the ledger, the same every run;
+    CPU measured."""
     cores = len(os.sched_getaffinity(0))
     out = measure_tp_floor(quick=True)
     if max(TP, 2 * cores) > SHARED_MAX_RANKS:
@@ -108,6 +109,8 @@ def test_calibrate_floor_measures_tp_calls_and_cpu():
         return
     run = out["shared"]
     assert (run["world"], run["tp"], out["cores"]) == (max(TP, 2 * cores), TP, cores)
+    # every rank in a session of its own, as torchrun starts a job's ranks (calibrate_tp)
+    assert run["own_sessions"] is True
     for mode in ("none", "selective"):
         one, two = run[f"{mode}_1"], run[f"{mode}_2"]
         assert two["tp_calls"] > one["tp_calls"] > 0  # a layer adds tp calls
