@@ -17,7 +17,8 @@ closed loop's tp2 SP step, planned without this, is within 15 %: docs/planner.md
 the floor's training step (calibrate_steps.runtime_steps: plait's own step, tp = 2, SP
 on, 1 and 2 layers, recompute none and selective) is trained on twice as many forked
 gloo ranks as the host has cores (dp = cores x tp 2, every core held by two ranks, as
-the emulated cluster's four ranks on two cores are), where that is at most 8 ranks. Per
+the emulated cluster's four ranks on two cores are), each rank in a session of its own
+as torchrun starts ranks (`_own_session`), where that is at most 8 ranks. Per
 step the rank's process CPU seconds (every thread: the caller's and gloo's), and the tp
 calls and payload bytes its ledger recorded; the fit (plait/plan/profile.py's
 fit_tp_floor) takes the 2-layer minus the 1-layer step (one layer's) less what the
@@ -47,8 +48,9 @@ SHARED_MAX_RANKS = 8
 def _own_session() -> None:
     """Put this rank in a session of its own, as torchrun starts every rank
     (`start_new_session`): with autogroup scheduling (Linux's default on many distributions)
-    each session is one scheduling entity, and ranks in sessions of their own are
-    switched between more often than forked ranks of one session. Measured here
+    each session is one scheduling entity, and ranks in sessions of their own pay more
+    CPU waiting at collectives (pure compute does not change; why the waits cost more is
+    not measured). Measured here
     (2026-12-06, 4 ranks on 2 cores, two A/B rounds): the floor's 2-layer selective step
     took 38.6 and 45.1 ms of CPU in one session against 54.3 and 51.5 in their own, the
     1-layer 24.0 and 26.4 against 31.3 and 31.5; what a rank of `plait train` or the
