@@ -29,32 +29,13 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-@dataclass
-class Mutant:
-    name: str
-    bug: str  # what real bug it models
-    apply: Callable[[], None]  # monkeypatches plait in the current process
-    tests: list[str]  # pytest node ids (or files), run in this order; -x stops at the first
-    k: str | None = None  # optional -k expression over `tests`
-
-
-class _Namespace:
-    """A stand-in for a module object (e.g. `F` in one module) with some names replaced."""
-
-    def __init__(self, base, **over):
-        self._base, self._over = base, over
-
-    def __getattr__(self, name):
-        if name in self._over:
-            return self._over[name]
-        return getattr(self._base, name)
+from tests.mutant_kit import Mutant, _Namespace  # noqa: E402
 
 
 # ---- the patches ----------------------------------------------------------------------------
@@ -254,13 +235,13 @@ CKPT = "tests/test_checkpoint.py::"
 MUTANTS = [
     Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
            dp_bucketed_doubled,
-           [DP + "test_parity_with_accumulation_and_clipping[2-bucketed]",
+           [DP + "test_parity_with_accumulation_and_clipping[bucketed-2]",
             DP + "test_sgd_without_clipping_parity[layout0-fp32]"]),
     Mutant("non-causal-attention", "attention sees the future (is_causal=False)",
            non_causal_attention, [MODEL], k="causal"),
     Mutant("naive-skips-all-reduce", "naive DP never all-reduces its gradients",
            naive_skips_all_reduce,
-           [DP + "test_parity_with_accumulation_and_clipping[2-naive]",
+           [DP + "test_parity_with_accumulation_and_clipping[naive-2]",
             DP + "test_sgd_without_clipping_parity[layout1-fp32]"]),
     Mutant("rope-positions-reversed", "RoPE tables indexed by reversed position",
            rope_positions_reversed, [MODEL], k="rope"),
@@ -270,20 +251,21 @@ MUTANTS = [
            bf16_masters, [DP + "test_bf16_close_to_fp32_reference"]),
     Mutant("norm-counts-every-replica", "grad norm counts a replicated parameter on every rank",
            norm_counts_every_replica,
-           [TP + "test_parity[2-False]", TP + "test_parity_dp_x_tp_with_zero[1]"]),
+           [TP + "test_parity[False]", TP + "test_parity_dp_x_tp_with_zero[1]"]),
     Mutant("zero-rs-average", "ZeRO reduce-scatter averages over dp instead of summing",
            zero_reduce_scatter_average,
            [DP + "test_sgd_without_clipping_parity[layout2-fp32]",  # dp=2, ZeRO-2
-            ZERO + "test_parity_with_accumulation_and_clipping[2-3]"]),
+            ZERO + "test_parity_with_accumulation_and_clipping[3]"]),
     Mutant("loss-local-tokens", "micro-batch loss / its own tokens, not the global batch's",
            loss_over_local_tokens,
            [DP + "test_single_rank_plait_equals_reference",
-            DP + "test_parity_with_accumulation_and_clipping[2-bucketed]"]),
+            DP + "test_parity_with_accumulation_and_clipping[bucketed-2]"]),
     Mutant("clip-ignored", "clipping coefficient ignored (always 1)", clip_ignored,
            [DP + "test_single_rank_plait_equals_reference",
-            DP + "test_parity_with_accumulation_and_clipping[2-bucketed]"]),
+            DP + "test_parity_with_accumulation_and_clipping[bucketed-2]"]),
     Mutant("cp-grads-over-dp-only", "context parallel: gradients summed over dp, not dp x cp",
-           cp_grads_over_dp_only, [CP + "test_parity[cp=2]", CP + "test_parity[dp=2,cp=2]"]),
+           cp_grads_over_dp_only,
+           [CP + "test_parity[cp=2]", CP + "test_parity[dp=2,cp=2,zero=1,microbatches=2]"]),
     Mutant("cp-future-blocks-seen", "ring attention computes key chunks after the query's",
            cp_future_blocks_seen, [CP + "test_core_equals_full_causal_attention[2]",
                                    CP + "test_parity[cp=2]"]),
