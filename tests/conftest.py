@@ -4,7 +4,53 @@ import torch
 torch.set_num_threads(1)
 
 
+import os  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+from plait.device.network import process_tree  # noqa: E402
+
+
+def _live_descendants() -> set[int]:
+    """This process's descendants that still run (a zombie has exited: not counted)."""
+    live = set()
+    for pid in process_tree(os.getpid())[1:]:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            live.add(pid)
+    return live
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
+@pytest.fixture(autouse=True)
+def no_child_outlives_its_test():
+    """Every process a test starts has ended when the test ends (10 s of grace for the ones
+    being torn down); a leftover is killed and the test errors, naming it."""
+    before = _live_descendants()
+    yield
+    deadline = time.monotonic() + 10
+    while (left := _live_descendants() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        named = {pid: _command(pid) for pid in left}
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"processes outlived the test (killed now): {named}")
 
 
 @pytest.fixture(scope="session")
@@ -19,10 +65,16 @@ def pipeline_cli_run(tmp_path_factory) -> dict:
 
 
 # `make test` runs `-n 2 --dist loadfile`: a file's tests go to one worker (they share its
-# /tmp/plait-tests/<file> folders and module fixtures). The files that share a session
-# fixture go to one worker together, so that it is built once. (xdist's own loadgroup
-# does not group under pytest 9: it renames `_nodeid`, which pytest 9 no longer reads.)
-SHARED_SESSION_RUN = {"test_metric_sinks.py", "test_report_html.py"}  # pipeline_cli_run
+# module fixtures and cached runs). Files that share a run go to one worker together, so that
+# it is made once per session: the session fixture pipeline_cli_run, and test_checkpoint's
+# cached full runs (`_full`) that the atomic and background-save tests resume from. (xdist's
+# own loadgroup does not group under pytest 9: it renames `_nodeid`, which pytest 9 no
+# longer reads.)
+SHARED_RUNS = {"test_metric_sinks.py": "pipeline_cli_run",
+               "test_report_html.py": "pipeline_cli_run",
+               "test_checkpoint.py": "checkpoint_full_runs",
+               "test_checkpoint_atomic.py": "checkpoint_full_runs",
+               "test_checkpoint_async.py": "checkpoint_full_runs"}
 
 try:
     from xdist.scheduler import LoadFileScheduling
@@ -33,8 +85,7 @@ if LoadFileScheduling is not None:
     class _FilesSharingARun(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "pipeline_cli_run" if path.rsplit("/", 1)[-1] in SHARED_SESSION_RUN \
-                else path
+            return SHARED_RUNS.get(path.rsplit("/", 1)[-1], path)
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's own scheduler choice
     def pytest_xdist_make_scheduler(config, log):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -17,9 +20,24 @@ BASE = ["train.steps=4", "train.global_batch=8", "train.seq_len=32", "train.warm
         "model.vocab_size=256", "train.grad_clip=0.5"]
 
 
+# This process's own temporary root (a pytest-xdist worker, or a script that imports the
+# tests' modules): made when this module is first imported, so that every rank forked later
+# inherits the same path; two test sessions on one machine never share a folder. Removed at
+# the process's exit (forked ranks leave through os._exit, which skips it).
+SESSION_ROOT = Path(tempfile.mkdtemp(prefix="plait-tests-"))
+atexit.register(shutil.rmtree, SESSION_ROOT, ignore_errors=True)
+
+
+def session_dir(name: str) -> Path:
+    """A folder of this test session's own root (for files several tests of a module share)."""
+    path = SESSION_ROOT / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @cache
-def token_file(tmp_root: str = "/tmp/plait-tests") -> Path:
-    path = Path(tmp_root) / "synthetic-256.bin"
+def token_file() -> Path:
+    path = SESSION_ROOT / "synthetic-256.bin"
     if not path.exists():
         synthetic_token_file(path, 60_000, 256, seed=7)
     return path
@@ -47,11 +65,32 @@ def _train_rank(rank: int, world: int, sets: list[str]):
             "ledger": mesh.ledger.to_dicts()}
 
 
+def moe_biases(model) -> dict:
+    """The balancing bias of every MoE block this rank holds, named as the reference names
+    them (`layers.N.mlp.bias`: a pipeline stage's own prefix dropped)."""
+    import re
+
+    from plait.parallel.expert import moe_layers
+
+    stages = getattr(model, "stages", None)
+    stages = stages.values() if stages is not None else [model]
+    return {re.sub(r"^.*?(layers\.\d+\.mlp)$", r"\1", n) + ".bias": m.bias.clone()
+            for n, m in moe_layers(stages)}
+
+
 def run_layout(*sets: str) -> list[dict]:
     """Train the layout given by `sets` on as many ranks as it needs; results by rank."""
     world = config(*sets).parallel.world_size
     token_file()  # made once in the parent, before the ranks fork
     return run_ranks(_train_rank, world, list(sets))
+
+
+@cache
+def shared_run(*sets: str) -> list[dict]:
+    """`run_layout(*sets)` made once per test process: the tests of a file that check
+    different things of one run (parity, ledger bytes, overlap) read the same result, and
+    must not modify it."""
+    return run_layout(*sets)
 
 
 @cache

@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 
 from tests.mutant_kit import Mutant, _Namespace  # noqa: E402
 
-
 # ---- the patches ----------------------------------------------------------------------------
 
 
@@ -181,6 +180,13 @@ def clip_ignored():
     loop.clip_coefficient = lambda total_norm, max_norm: 1.0
 
 
+def clip_halved():
+    from plait.train import loop
+
+    coefficient = loop.clip_coefficient
+    loop.clip_coefficient = lambda total_norm, max_norm: coefficient(total_norm, max_norm) / 2
+
+
 def cp_grads_over_dp_only():
     from plait.parallel.replicated import ReplicatedOptimizer
 
@@ -236,13 +242,13 @@ MUTANTS = [
     Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
            dp_bucketed_doubled,
            [DP + "test_parity_with_accumulation_and_clipping[bucketed-2]",
-            DP + "test_sgd_without_clipping_parity[layout0-fp32]"]),
+            DP + "test_sgd_with_clipping_parity[dp2]"]),
     Mutant("non-causal-attention", "attention sees the future (is_causal=False)",
            non_causal_attention, [MODEL], k="causal"),
     Mutant("naive-skips-all-reduce", "naive DP never all-reduces its gradients",
            naive_skips_all_reduce,
            [DP + "test_parity_with_accumulation_and_clipping[naive-2]",
-            DP + "test_sgd_without_clipping_parity[layout1-fp32]"]),
+            DP + "test_sgd_with_clipping_parity[dp4-naive]"]),
     Mutant("rope-positions-reversed", "RoPE tables indexed by reversed position",
            rope_positions_reversed, [MODEL], k="rope"),
     Mutant("rope-pairs-by-halves", "RoPE pairs (x[i], x[i+d/2]) instead of adjacent pairs",
@@ -254,7 +260,7 @@ MUTANTS = [
            [TP + "test_parity[False]", TP + "test_parity_dp_x_tp_with_zero[1]"]),
     Mutant("zero-rs-average", "ZeRO reduce-scatter averages over dp instead of summing",
            zero_reduce_scatter_average,
-           [DP + "test_sgd_without_clipping_parity[layout2-fp32]",  # dp=2, ZeRO-2
+           [DP + "test_sgd_with_clipping_parity[dp2-zero2]",  # dp=2, ZeRO-2
             ZERO + "test_parity_with_accumulation_and_clipping[3]"]),
     Mutant("loss-local-tokens", "micro-batch loss / its own tokens, not the global batch's",
            loss_over_local_tokens,
@@ -263,6 +269,8 @@ MUTANTS = [
     Mutant("clip-ignored", "clipping coefficient ignored (always 1)", clip_ignored,
            [DP + "test_single_rank_plait_equals_reference",
             DP + "test_parity_with_accumulation_and_clipping[bucketed-2]"]),
+    Mutant("clip-halved", "clipping coefficient half what it should be", clip_halved,
+           [DP + "test_sgd_with_clipping_parity[dp2-tp2-sp]"]),
     Mutant("cp-grads-over-dp-only", "context parallel: gradients summed over dp, not dp x cp",
            cp_grads_over_dp_only,
            [CP + "test_parity[cp=2]", CP + "test_parity[dp=2,cp=2,zero=1,microbatches=2]"]),

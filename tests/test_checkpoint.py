@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import batches_for, config, reference, token_file
+from helpers import batches_for, config, reference, session_dir, token_file
 
 from plait.checkpoint import Checkpointing, CheckpointWarning
 from plait.checkpoint.format import CheckpointError, global_runs, intersect
@@ -29,7 +29,7 @@ from plait.testing import PARITY_TOLERANCES, assert_parity, run_ranks
 from plait.train.loop import full_state, train
 
 LAYERS = "model.n_layers=4"  # pp=2 with two chunks a rank (zb-v, dualpipe) needs 4 stages
-ROOT = Path("/tmp/plait-tests/checkpoints")
+ROOT = session_dir("checkpoints")
 MEASURED: dict[str, float] = {}  # reshard pair -> max |param - ref| (printed with -s)
 
 DP4_Z1 = ("parallel.dp=4", "parallel.zero=1")

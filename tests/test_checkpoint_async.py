@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import shutil
 import threading
-from pathlib import Path
 
 import torch
-from helpers import config
+from helpers import config, session_dir
 from test_checkpoint import DP2_Z2, LAYERS, _full, _run
 
 from plait.checkpoint import PendingSave, save
@@ -20,7 +19,7 @@ from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.parallelize import parallelize
 
-ROOT = Path("/tmp/plait-tests/checkpoints-async")
+ROOT = session_dir("checkpoints-async")
 
 
 def test_background_save_writes_the_synchronous_files_and_resumes_exactly():

@@ -2,17 +2,25 @@
 
 import pytest
 import torch
-from helpers import initial_params, reference, run_layout
+from helpers import initial_params, reference, run_layout, shared_run
 
 from plait.testing import PARITY_TOLERANCES, assert_parity, merge_ranks
 
-
 # bucketed at dp=4 (with full recompute): tests/test_matrix.py's `dp4 rc` row
-@pytest.mark.parametrize("mode, dp", [("naive", 2), ("bucketed", 2), ("naive", 4)])
+LAYOUTS = [("naive", 2), ("bucketed", 2), ("naive", 4)]
+
+
+def _run(mode: str, dp: int) -> list[dict]:
+    """One run per layout, read by the parity, ledger and overlap tests: 8 sequences (dp=2:
+    2 micro-batches of 2 per replica; dp=4: 2 micro-batches of 1), 50 KiB buckets (several
+    over the ~0.2 MB model)."""
+    return shared_run(f"parallel.dp={dp}", f"parallel.data_parallel={mode}",
+                      "parallel.microbatches=2", "parallel.bucket_mb=0.05")
+
+
+@pytest.mark.parametrize("mode, dp", LAYOUTS)
 def test_parity_with_accumulation_and_clipping(mode, dp):
-    # 8 sequences: dp=2 -> 2 micro-batches of 2 per replica; dp=4 -> 2 micro-batches of 1
-    outs = run_layout(f"parallel.dp={dp}", f"parallel.data_parallel={mode}",
-                      "parallel.microbatches=2")
+    outs = _run(mode, dp)
     assert_parity(outs[0], reference())
     # clipping was active (max norm 0.5), so the clipped path is what parity checked
     assert all(m["grad_norm"] > 0.5 for m in outs[0]["metrics"])
@@ -37,11 +45,9 @@ def test_bf16_close_to_fp32_reference():
     assert any(abs(a - b) > tol * abs(b) for a, b in zip(outs[0]["losses"], ref.losses))
 
 
-@pytest.mark.parametrize("mode", ["naive", "bucketed"])
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("mode, dp", LAYOUTS)
 def test_ledger_one_step_moves_ring_all_reduce_of_gradients(mode, dp):
-    outs = run_layout(f"parallel.dp={dp}", f"parallel.data_parallel={mode}",
-                      "parallel.bucket_mb=0.05")
+    outs = _run(mode, dp)
     n_params = sum(p.numel() for p in outs[0]["params"].values())
     grad_bytes = n_params * 4
     for rank_out in outs:
@@ -67,34 +73,40 @@ def test_bucketed_overlaps_backward():
                       key=lambda r: r["start"])
         return sum(1 for a, b in zip(recs, recs[1:]) if b["start"] < a["end"]), len(recs)
 
-    overlapped, n = in_flight_at_next_issue(run_layout("parallel.dp=2", "parallel.bucket_mb=0.05"))
+    overlapped, n = in_flight_at_next_issue(_run("bucketed", 2))
     assert n > 2 and overlapped == n - 1  # every bucket but the last overlaps the next issue
-    naive, _ = in_flight_at_next_issue(run_layout("parallel.dp=2",
-                                                  "parallel.data_parallel=naive"))
+    naive, _ = in_flight_at_next_issue(_run("naive", 2))
     assert naive == 0
 
 
-# ---- scale-sensitive parity: plain SGD, no clipping ---------------------------------------
-# Adam is invariant to a constant gradient factor and clipping removes one, so a gradient
-# "summed instead of averaged" can pass an AdamW + clipping check on the loss alone. With
-# SGD and no clipping, a factor k moves every update by k: the loss of step 1 onwards and
-# every parameter show it (and the grad norm check catches it on step 0).
-SGD = ("train.optimizer=sgd", "train.weight_decay=0", "train.grad_clip=0", "train.lr=1.0",
+# ---- scale-sensitive parity: plain SGD with clipping on, every strategy --------------------
+# Adam is invariant to a constant gradient factor, so a gradient "summed instead of averaged"
+# or a wrong clip coefficient can pass an AdamW check on the loss alone. With SGD the update
+# is lr x coefficient x gradient: a factor k on the gradient shows in the grad norm (compared
+# before clipping, at every step), and a wrong clip coefficient (clipping is active at every
+# step: the norm stays above grad_clip) moves every parameter by it.
+SGD = ("train.optimizer=sgd", "train.weight_decay=0", "train.grad_clip=0.5", "train.lr=1.0",
        "train.min_lr_ratio=1.0")
+MOE = ("model.n_experts=4", "model.top_k=2", "model.expert_ffn_dim=32",
+       "model.aux_loss_coef=0.01")
+SGD_LAYOUTS = {
+    "dp2": (("parallel.dp=2", "parallel.microbatches=2"), "fp32"),
+    "dp4-naive": (("parallel.dp=4", "parallel.data_parallel=naive"), "fp32"),
+    "dp2-zero1": (("parallel.dp=2", "parallel.zero=1"), "fp32"),
+    "dp2-zero2": (("parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"), "fp32"),
+    "dp2-zero3": (("parallel.dp=2", "parallel.zero=3"), "fp32"),
+    "dp2-tp2-sp": (("parallel.dp=2", "parallel.tp=2", "parallel.sp=true"), "fp32-tp"),
+    "pp2": (("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4"), "fp32"),
+    "cp2": (("parallel.cp=2",), "fp32-cp"),
+    "dp2-ep2": (("parallel.dp=2", "parallel.ep=2", *MOE), "fp32"),
+}
 
 
-@pytest.mark.parametrize("layout, precision", [
-    (("parallel.dp=2", "parallel.microbatches=2"), "fp32"),
-    (("parallel.dp=4", "parallel.data_parallel=naive"), "fp32"),
-    (("parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"), "fp32"),
-    (("parallel.dp=2", "parallel.zero=3"), "fp32"),
-    (("parallel.dp=2", "parallel.tp=2", "parallel.sp=true"), "fp32-tp"),
-    (("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4"), "fp32"),
-])
-def test_sgd_without_clipping_parity(layout, precision):
+@pytest.mark.parametrize("layout, precision", SGD_LAYOUTS.values(), ids=SGD_LAYOUTS)
+def test_sgd_with_clipping_parity(layout, precision):
     outs = run_layout(*SGD, *layout)
     model = [s for s in layout if s.startswith("model.")]
     ref = reference(*SGD, *model)
-    run = merge_ranks(outs[:2]) if "parallel.pp=2" in layout else outs[0]
-    assert_parity(run, ref, precision)
+    assert_parity(merge_ranks(outs), ref, precision)
+    assert min(ref.grad_norms) > 0.5  # clipping was active at every step
     assert ref.losses[-1] < ref.losses[0] - 0.05  # the updates are large enough to matter

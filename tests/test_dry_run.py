@@ -30,8 +30,13 @@ def _dry(sets, world, rank):
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(list(sets), world, rank, q))
     p.start()
-    status, out = q.get(timeout=300)
-    p.join(60)
+    try:
+        status, out = q.get(timeout=300)
+    finally:  # the child never outlives the test, whether it reported or not
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
     assert status == "ok", out
     return out
 

@@ -204,18 +204,24 @@ def test_single_process_first_loss_is_transformers(hf_dir):
     assert math.isclose(ours, theirs, rel_tol=LOGIT_RTOL), (ours, theirs)
 
 
+@pytest.fixture(scope="module")
+def hf_two_losses(hf_dir) -> list[float]:
+    """The imported model's first two losses on one process, once for every layout."""
+    return _losses(0, 1, hf_sets(hf_dir, "train.steps=2"))
+
+
 @pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2",),
                                     ("parallel.dp=2", "parallel.zero=3"),
                                     ("parallel.dp=2", "parallel.zero=1"),
                                     ("parallel.tp=4",),  # 2 KV heads held by 2 ranks each
                                     ("parallel.tp=2", "parallel.pp=2")])
-def test_imported_into_a_layout_starts_at_the_same_loss(hf_dir, layout):
+def test_imported_into_a_layout_starts_at_the_same_loss(hf_dir, hf_two_losses, layout):
     """Each rank reads only its slices (tp rows or columns, pp layers, ZeRO flat runs);
     the first loss is the single process's (fp32 parity tolerance, docs/parity.md), and
     so is the second: the fp32 masters were loaded too, not only the compute copies."""
     sets = hf_sets(hf_dir, "train.steps=2", *layout)
     token_file()
-    ref = _losses(0, 1, hf_sets(hf_dir, "train.steps=2"))
+    ref = hf_two_losses
     world = config(*sets).parallel.world_size
     runs = run_ranks(_losses, world, sets)
     assert all(math.isclose(x, r, rel_tol=1e-5) for losses in runs

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from helpers import batches_for, config, token_file
+from helpers import batches_for, config, session_dir, token_file
 
 from plait.checkpoint import Checkpointing
 from plait.checkpoint.format import read_metadata
@@ -19,7 +19,7 @@ from plait.testing import run_ranks
 from plait.train import loop
 
 SETS = ("parallel.dp=2", "parallel.zero=1")
-ROOT = Path("/tmp/plait-tests/nonfinite")
+ROOT = session_dir("nonfinite")
 
 
 def _rank(rank: int, world: int, nan_steps: tuple[int, ...], ck: dict, limit: int) -> dict:

@@ -157,25 +157,23 @@ def test_valid_pipeline_config_passes_and_picks_two_stages_per_rank_for_v():
     assert cfg.parallel.virtual_stages is None  # the schedule's own: 2
 
 
-# --- parity: every schedule, pp 2 and 4, m 4 and 8 ------------------------------------------
+# --- parity: every schedule at pp 4 with twice as many micro-batches as stages ----------------
 
 STEPS = "train.steps=2"
-# every registered schedule where it accepts (pp, m): dualpipev needs m >= 2pp-1; pp=2
-# with m=4 is the parity matrix's (tests/test_matrix.py: every schedule at pp2, m4)
-CASES = [(s, pp, m) for s in SCHEDULE_NAMES for pp in (2, 4) for m in (4, 8)
-         if not validate_schedule_request(s, pp, m, natural_virtual_stages(s, None))
-         and (pp, m) != (2, 4)]
+# the steady state (m > pp) at four stages; the parity matrix (tests/test_matrix.py) runs
+# every schedule at pp 2 with m = pp x 2, and four of them at pp 4 with m = pp, in
+# combination with the other dimensions
+CASES = [(s, 4, 8) for s in SCHEDULE_NAMES
+         if not validate_schedule_request(s, 4, 8, natural_virtual_stages(s, None))]
 
 
 @pytest.mark.parametrize("schedule, pp, m", CASES)
 def test_schedule_parity(schedule, pp, m):
+    """Every rank's loss and grad norm, every gradient and parameter of every stage."""
     layers = f"model.n_layers={2 * pp}"
     outs = run_layout(layers, STEPS, f"parallel.pp={pp}", f"parallel.schedule={schedule}",
                       f"parallel.microbatches={m}")
     assert_parity(merge_ranks(outs), reference(layers, STEPS))
-    for o in outs[1:]:  # the logged loss and grad norm are the global ones on every rank
-        assert o["losses"] == outs[0]["losses"]
-        assert o["grad_norms"] == pytest.approx(outs[0]["grad_norms"], rel=1e-12)
 
 
 # pp2 x dp2 (with and without ZeRO-1): the parity matrix's dp x pp rows
