@@ -247,28 +247,37 @@ MOE_EP2 = ("model.n_experts=8+model.top_k=2+model.expert_ffn_dim=32+model.n_shar
 MUTANTS: list[Mutant] = [
     Mutant("pp-recv-order-ignored", "lowering ignores a channel's posting order: a receive "
            "gets another micro-batch's activation", recv_order_ignored,
-           [SCHED + "[zb-v-2-4-2]"]),
+           [SCHED + "[zb-v-2-4-2]",  # the checker sees the mismatch
+            # the runtime: zb-v at pp2 m4, an activation received as a gradient
+            "tests/test_recompute.py::test_recompute_parity[selective-zb-v-tp1]"]),
     Mutant("zb-last-w-dropped", "zb-h1/zb-h2 schedule drops the last deferred W",
-           zb_last_w_dropped, [SCHED + "[zb-h1-2-2-1]"]),
+           zb_last_w_dropped, [SCHED + "[zb-h1-2-2-1]", SCHED + "[zb-h2-2-2-1]"]),
     Mutant("dualpipe-copies-not-summed", "DualPipe: the mirror copy's gradient received, not "
            "added", dualpipe_copies_not_summed,
            [RUNTIME + "test_schedule_parity[dualpipe-2-8]"]),
     Mutant("recompute-stale-input", "split-backward recompute reads a later micro-batch's "
            "input", recompute_reads_a_stale_input,
-           ["tests/test_recompute.py::test_recompute_parity[selective-zb-v-tp1]"]),
+           ["tests/test_recompute.py::test_recompute_parity[selective-zb-v-tp1]",
+            "tests/test_recompute.py::test_recompute_parity[selective-dualpipev-tp1]"]),
     Mutant("grads-not-zeroed", "gradients not zeroed after the update (accumulate across "
            "steps)", grads_not_zeroed,
-           ["tests/test_data_parallel.py::test_single_rank_plait_equals_reference"]),
+           ["tests/test_data_parallel.py::test_single_rank_plait_equals_reference",
+            "tests/test_zero.py::test_parity_with_accumulation_and_clipping[1]"]),
     Mutant("dp-rows-overlap", "dp rank r reads rows r.. of the global batch, not r*B/dp..",
-           dp_rows_overlap, ["tests/test_data.py::test_dp_slices_tile_the_global_batch"]),
+           dp_rows_overlap,
+           ["tests/test_data.py::test_dp_slices_tile_the_global_batch",
+            "tests/test_data_parallel.py::test_parity_with_accumulation_and_clipping[naive-2]"]),
     Mutant("lr-one-step-ahead", "the learning rate evaluated at step + 1", lr_one_step_ahead,
-           ["tests/test_model.py::test_lr_at_table"]),
+           ["tests/test_model.py::test_lr_at_table",
+            "tests/test_data_parallel.py::test_single_rank_plait_equals_reference"]),
     Mutant("resume-data-from-zero", "a resume restarts the data at step 0",
-           resume_data_from_zero, [CKPT + "[single]"]),
+           resume_data_from_zero,
+           [CKPT + "[single]", CKPT + "[parallel.dp=2+parallel.zero=2]"]),
     Mutant("resume-moe-bias-lost", "a resume does not load the MoE balancing bias",
            moe_bias_not_restored, [CKPT + f"[{MOE_EP2}]"]),
     Mutant("rollback-keeps-update", "post-validation: a failed check redoes the update "
            "without restoring the snapshot", rollback_keeps_the_update,
            ["tests/test_post_validation.py::test_post_validation_rolls_back_exactly_on_every_"
-            "zero_bubble_schedule"]),
+            "zero_bubble_schedule",
+            "tests/test_post_validation.py::test_post_validation_with_zero1_tp_cp_bf16_and_pp4"]),
 ]
