@@ -285,6 +285,10 @@ MUTANTS = [
             "single]"]),
 ]
 
+from tests.mutants_pipeline import MUTANTS as PIPELINE_MUTANTS  # noqa: E402
+
+MUTANTS += PIPELINE_MUTANTS
+
 
 # ---- the runner ---------------------------------------------------------------------------
 
