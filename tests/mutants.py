@@ -277,6 +277,10 @@ MUTANTS = [
             "single]"]),
 ]
 
+from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402
+
+MUTANTS += PARALLEL_MUTANTS
+
 
 # ---- the runner ---------------------------------------------------------------------------
 
