@@ -171,5 +171,5 @@ MUTANTS = [
     Mutant("zero3-stale-prefetch", "ZeRO-3 first unit gathered before the update, used after",
            zero3_stale_prefetch, [ZERO + "test_parity_with_accumulation_and_clipping[3]"]),
     Mutant("zero-padding-not-zeroed", "ZeRO flat gradient's padding left unwritten",
-           zero_padding_not_zeroed, [ZERO + "test_uneven_shards_padding_never_reaches_the_maths"]),
+           zero_padding_not_zeroed, [ZERO + "test_shard_padding_stays_zero"]),
 ]
