@@ -285,9 +285,10 @@ MUTANTS = [
             "single]"]),
 ]
 
+from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402
 from tests.mutants_pipeline import MUTANTS as PIPELINE_MUTANTS  # noqa: E402
 
-MUTANTS += PIPELINE_MUTANTS
+MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS
 
 
 # ---- the runner ---------------------------------------------------------------------------

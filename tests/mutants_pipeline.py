@@ -254,7 +254,7 @@ MUTANTS: list[Mutant] = [
            zb_last_w_dropped, [SCHED + "[zb-h1-2-2-1]", SCHED + "[zb-h2-2-2-1]"]),
     Mutant("dualpipe-copies-not-summed", "DualPipe: the mirror copy's gradient received, not "
            "added", dualpipe_copies_not_summed,
-           [RUNTIME + "test_schedule_parity[dualpipe-2-8]"]),
+           [RUNTIME + "test_schedule_parity[dualpipe-4-8]"]),
     Mutant("recompute-stale-input", "split-backward recompute reads a later micro-batch's "
            "input", recompute_reads_a_stale_input,
            ["tests/test_recompute.py::test_recompute_parity[selective-zb-v-tp1]",

@@ -18,7 +18,7 @@ from plait.config import load_config
 from plait.mesh import ParallelMesh
 from plait.model.moe import MoE
 from plait.model.presets import PRESETS
-from plait.parallel.expert import expert_major
+from plait.parallel.expert import expert_major, finish_moe_step
 from plait.testing import assert_parity, merge_ranks, run_ranks
 from plait.train.loop import full_state, train
 
@@ -162,6 +162,38 @@ def test_expert_major_regroups_source_major_rows():
     order = expert_major(counts).tolist()
     regrouped = [rows[i] for i in order]
     assert regrouped == sorted(rows, key=lambda r: (r[1], r[0]))
+
+
+# ---- the auxiliary-loss-free bias (finish_moe_step) ----------------------------------------
+
+GAMMA = 0.125  # a power of two: the expected biases are exact
+
+
+def test_balancing_bias_moves_toward_underloaded_experts():
+    """DeepSeek-V3 section 2.1.2: b_i += gamma * sign(mean load - load_i); an expert at the
+    mean keeps its bias."""
+    moe = _block(bias_update_rate=GAMMA)
+    moe.record(torch.tensor([5.0, 1, 3, 3, 0, 2, 2, 0]), 0, 0.0)  # mean 2
+    finish_moe_step([moe], ParallelMesh.build(load_config().parallel), False, True)
+    assert moe.bias.tolist() == [-GAMMA, GAMMA, -GAMMA, -GAMMA, GAMMA, 0, 0, GAMMA]
+
+
+# two cp ranks hold halves of the same sequences: only the summed load [3, 1, 1, 3, 2, 2,
+# 2, 2] (mean 2) says which experts are busy; either half alone says otherwise
+CP_LOADS = [[3.0, 0, 0, 1, 1, 1, 1, 1], [0.0, 1, 1, 2, 1, 1, 1, 1]]
+
+
+def _bias_after_cp_loads(rank: int, world: int) -> list[float]:
+    mesh = ParallelMesh.build(load_config(sets=[f"parallel.cp={world}"]).parallel)
+    moe = _block(bias_update_rate=GAMMA)
+    moe.record(torch.tensor(CP_LOADS[rank]), 0, 0.0)
+    finish_moe_step([moe], mesh, False, True)
+    return moe.bias.tolist()
+
+
+def test_balancing_bias_sums_the_load_over_context_parallel_ranks():
+    want = [-GAMMA, GAMMA, GAMMA, -GAMMA, 0, 0, 0, 0]
+    assert run_ranks(_bias_after_cp_loads, 2) == [want, want]
 
 
 # ---- parity with the single-process reference ----------------------------------------------

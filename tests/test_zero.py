@@ -29,6 +29,44 @@ def test_uneven_shards_padding_never_reaches_the_maths():
     assert_parity(outs[0], reference("train.global_batch=6"))
 
 
+def _shard_padding(rank, world):
+    """Every stage's padding of this rank's gradient shard after a backward, and of its
+    master and moments after the update."""
+    import torch
+    from torch import nn
+
+    from plait.config import load_config
+    from plait.mesh import ParallelMesh
+    from plait.parallel.zero import ZeroOptimizer
+
+    mesh = ParallelMesh.build(load_config(sets=[f"parallel.dp={world}"]).parallel)
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 3, bias=False))  # 15 elements: shards of 8
+        zero = ZeroOptimizer(model, mesh, stage, (0.9, 0.95), 1e-8, 0.1)
+        zero.before_backward(True)
+        model(torch.randn(4, 5) + rank).pow(2).sum().backward()
+        zero.after_backward(True)
+        u = zero.units[0]
+        pad = slice(max(0, u.numel - u.lo), None)  # the padding in shard coordinates
+        out[stage] = {"grad": u.grad_shard[pad].clone()}
+        zero.step(lr=0.1)
+        out[stage].update({s: getattr(u, s)[pad].clone()
+                           for s in ("master", "exp_avg", "exp_avg_sq")})
+    return out
+
+
+def test_shard_padding_stays_zero():
+    """The padding of a unit's flat shard is zero in the gradient and in every optimizer
+    state (nothing reads it today; a norm or update over whole shards would)."""
+    outs = run_ranks(_shard_padding, 2)
+    assert all(t.numel() == 0 for t in outs[0][1].values())  # rank 0: no padding
+    for stage, states in outs[1].items():
+        for name, t in states.items():
+            assert t.numel() == 1 and t.abs().max() == 0, (stage, name, t)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bf16_close_to_fp32_reference(stage):
     outs = run_layout("parallel.dp=2", f"parallel.zero={stage}", "train.precision=bf16")

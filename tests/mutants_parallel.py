@@ -1,0 +1,175 @@
+"""Mutants of the parallel machinery (tensor/sequence parallel regions, the vocab-parallel
+loss, expert parallel and MoE balancing, ZeRO): patches and the tests that must catch them.
+tests/mutants.py adds `MUTANTS` to its own list."""
+
+from __future__ import annotations
+
+from tests.mutant_kit import Mutant
+
+# ---- tensor and sequence parallel ----------------------------------------------------------
+
+
+def tp_copy_backward_not_reduced():
+    from plait.comm import regions
+
+    def identity(ctx, g):  # f's adjoint taken as the identity, like g's
+        return g, None, None, None
+
+    # torch looks the backward up on the Function class at each call
+    regions._CopyToTP.backward = staticmethod(identity)
+
+
+def sp_scatter_along_batch():
+    from plait.comm import regions
+
+    gather, reduce_scatter, chunk = regions._gather_seq, regions._reduce_scatter_seq, \
+        regions._my_chunk
+
+    # Megatron's (seq, batch, hidden) convention in plait's (batch, seq, hidden) layout: every
+    # SP split, gather and reduce-scatter works on axis 0, the batch
+    regions._gather_seq = lambda x, mesh, dim, seq_dim, tag: gather(x, mesh, dim, 0, tag)
+    regions._reduce_scatter_seq = lambda x, mesh, dim, seq_dim, tag: reduce_scatter(
+        x, mesh, dim, 0, tag)
+    regions._my_chunk = lambda x, mesh, dim, seq_dim: chunk(x, mesh, dim, 0)
+
+
+def vocab_padding_in_softmax():
+    from plait.parallel.tensor import _VocabParallelCE
+
+    forward = _VocabParallelCE.forward
+
+    def unmasked(ctx, logits, targets, mesh, start, valid):
+        # every local column counted: the padding rows' logits join the max and the sum
+        return forward(ctx, logits, targets, mesh, start, logits.shape[-1])
+
+    _VocabParallelCE.forward = staticmethod(unmasked)
+
+
+# ---- expert parallel and MoE balancing -------------------------------------------------
+
+
+def expert_major_untransposed():
+    import torch
+
+    from plait.parallel import expert
+
+    def source_major(counts):  # the transposes of expert_major dropped: rows stay in
+        flat = counts.reshape(-1)  # (source, expert) order, fed to the experts as if grouped
+        starts = flat.cumsum(0) - flat
+        lengths, first = flat, starts
+        seg_start = lengths.cumsum(0) - lengths
+        total = int(lengths.sum())
+        within = torch.arange(total, device=counts.device) - seg_start.repeat_interleave(
+            lengths)
+        return first.repeat_interleave(lengths) + within
+
+    expert.expert_major = source_major  # AllToAllDispatch reads the module's global
+
+
+def expert_grads_over_dp():
+    from plait.parallel import expert, replicated, zero_units
+
+    def dense(placements, p, dense_dim):  # expert slices summed with the dense parameters
+        return dense_dim
+
+    expert.reduce_dim = dense
+    replicated.reduce_dim = dense  # imported by name: the replicated optimizer's syncs
+    zero_units.reduce_dim = dense  # imported by name: ZeRO's units
+
+
+def moe_bias_sign_flipped():
+    import torch
+
+    from plait.parallel import expert
+    from plait.train import loop
+
+    finish = expert.finish_moe_step
+
+    def flipped(stages, mesh, sp, update_bias):
+        stages = list(stages)
+        layers = expert.moe_layers(stages)
+        before = [m.bias.clone() for _, m in layers]
+        out = finish(stages, mesh, sp, update_bias)
+        with torch.no_grad():  # b -= gamma * sign(mean - load): the busiest experts favoured
+            for (_, m), b in zip(layers, before, strict=True):
+                m.bias.copy_(2 * b - m.bias)
+        return out
+
+    expert.finish_moe_step = flipped
+    loop.finish_moe_step = flipped  # imported by name: the training step's
+
+
+def moe_load_not_over_cp():
+    from plait.parallel import expert
+
+    def dp_only(mesh, sp):  # written before context parallel split sequences: cp dropped
+        return ["dp", *(["tp"] if sp else [])]
+
+    expert.token_groups = dp_only
+
+
+# ---- ZeRO --------------------------------------------------------------------------------
+
+
+def zero3_stale_prefetch():
+    from plait.parallel.zero import ZeroOptimizer
+
+    after = ZeroOptimizer.after_backward
+
+    def prefetch_before_update(self, last_microbatch):
+        after(self, last_microbatch)
+        if self.stage == 3 and last_microbatch:
+            # the next forward's first gather issued early, to overlap the update; it
+            # completes with the shard as it was before the update, and the forward uses it
+            self._ensure_gathered(self.units[0])
+
+    ZeroOptimizer.after_backward = prefetch_before_update
+
+
+def zero_padding_not_zeroed():
+    from plait.parallel.zero_units import _Unit
+
+    flat_grad = _Unit.flat_grad
+
+    def stale_padding(self, free):
+        flat = flat_grad(self, free)
+        pad = flat.numel() - self.numel
+        if pad:  # the padding keeps what the recycled buffer held (here: gradient values)
+            flat[self.numel:] = flat[:pad]
+        return flat
+
+    _Unit.flat_grad = stale_padding
+
+
+TP = "tests/test_tensor_parallel.py::"
+EP = "tests/test_expert_parallel.py::"
+ZERO = "tests/test_zero.py::"
+
+MUTANTS = [
+    Mutant("tp-copy-backward-not-reduced", "copy_to_tp's backward skips the all-reduce",
+           tp_copy_backward_not_reduced,
+           [TP + "test_region_functions_and_their_adjoints",
+            TP + "test_parity_padded_vocabulary"]),
+    Mutant("sp-scatter-along-batch", "SP splits/gathers the batch axis, not the sequence",
+           sp_scatter_along_batch, [TP + "test_region_functions_and_their_adjoints"]),
+    Mutant("vocab-padding-in-softmax", "vocab-parallel CE counts the padding columns",
+           vocab_padding_in_softmax,
+           [TP + "test_vocab_parallel_loss_equals_full_cross_entropy[62]",
+            TP + "test_parity_padded_vocabulary"]),
+    Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
+           expert_major_untransposed,
+           [EP + "test_expert_major_regroups_source_major_rows",
+            EP + "test_parity[dp=2,ep=2]"]),
+    Mutant("expert-grads-over-dp", "expert gradients summed over dp, not edp",
+           expert_grads_over_dp, [EP + "test_parity[dp=2,ep=2]"]),
+    Mutant("moe-bias-sign-flipped", "balancing bias raised for the overloaded experts",
+           moe_bias_sign_flipped,
+           [EP + "test_balancing_bias_moves_toward_underloaded_experts"]),
+    Mutant("moe-load-not-over-cp", "balancing load not summed over cp ranks",
+           moe_load_not_over_cp,
+           [EP + "test_balancing_bias_sums_the_load_over_context_parallel_ranks"]),
+    Mutant("zero3-stale-prefetch", "ZeRO-3 first unit gathered before the update, used after",
+           zero3_stale_prefetch, [ZERO + "test_parity_with_accumulation_and_clipping[3]"]),
+    Mutant("zero-padding-not-zeroed", "ZeRO flat gradient's padding left unwritten",
+           zero_padding_not_zeroed, [ZERO + "test_shard_padding_stays_zero"]),
+]
