@@ -108,8 +108,6 @@ def test_a_dead_node_brings_the_other_down(tmp_path, dead):
     assert_all_gone(marker, within_s=15)
 
 
-@pytest.mark.skipif(capability_problem() is None, reason="tests/test_cluster.py kills a "
-                    "whole emulated node instead (a superset): one of the two runs")
 def test_a_killed_rank_restarts_every_launcher(tmp_path, monkeypatch):
     """Issue 12 items 7 and 9: `--max-restarts` across two launchers. Rank 2 (node 1)
     SIGKILLs itself after step 2 of the first attempt (the test-only fault); both
