@@ -68,7 +68,7 @@ def table(worst: dict[tuple[str, str], tuple[float, str, int]]) -> tuple[str, li
                 problems.append(f"{precision} {key}: no comparison measured it")
                 rows.append(f"| {precision} | {key} | {bound:.1e} | - | - | 0 | - |")
                 continue
-            ratio = bound / err if err > 0 else float("inf")
+            ratio = bound / err if err > 0 else (1.0 if bound == 0 else float("inf"))
             if not 1.0 <= ratio <= MAX_HEADROOM:
                 problems.append(f"{precision} {key}: bound {bound:.1e}, worst {err:.2e} "
                                 f"({ratio:.2f}x)")

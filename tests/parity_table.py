@@ -61,7 +61,7 @@ def table() -> list[str]:
         e = errors(row)
         prec = T.precision_of(row)
         world = config(*T.row_sets(row)).parallel.world_size
-        grad = "not compared" if PARITY_TOLERANCES[prec]["grad_rtol"] is None else \
+        grad = "not compared" if PARITY_TOLERANCES[prec].get("grad_rtol") is None else \
             f"{e['grad']:.1e}"
         param = f"{e['param']:.1e}" + (" (movement)" if prec.startswith("bf16") else "")
         lines.append(f"| {i} | `{row}` | {world} | {prec} | {e['loss']:.1e} | "
