@@ -169,11 +169,14 @@ def run_elastic(max_restarts: int, checkpoint_dir: str, rank_args: list[str],
         shutil.rmtree(progress.state_dir, ignore_errors=True)
 
 
-def next_attempt(attempt: int, progress: Progress, failure: dict, root: Path) -> Restart:
-    """After attempt `attempt` failed: where the next one resumes, what was lost."""
+def next_attempt(attempt: int, progress: Progress, failure: dict, root: Path,
+                 new_rows: list[dict] | None = None) -> Restart:
+    """After attempt `attempt` failed: where the next one resumes, what was lost.
+    `new_rows`: the rows rank 0 logged in that attempt, where another node's launcher
+    holds them (default: this launcher's own progress file)."""
     down_at = time.time()
     committed = [(step, path) for step, path, done in checkpoints(root) if done]
-    new_rows = progress.attempt_rows(attempt)
+    new_rows = progress.attempt_rows(attempt) if new_rows is None else new_rows
     rows = progress.rows + new_rows
     first = rows[0]["step"] if rows else 0
     step, path = committed[0] if committed else (first, None)

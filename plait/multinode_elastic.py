@@ -20,8 +20,10 @@ attempt k had arrived for k, so the fresh launcher a scheduler starts in its pla
 command; `plait cluster --max-restarts` does it on an emulated cluster) counts towards
 k + 1 with the survivors, whose ranks lost their peers and ended. Node 0 reports the
 restart (the rank that died first, or the node that vanished without a word) and keeps
-the metrics whole as on one node: its rank 0 writes the rows before the resume point
-first, and the summary's `restarts` / `restart_log`.
+the metrics whole as on one node: every node's report carries the rows its ranks logged
+(torchrun's rendezvous orders nodes by address and agent process, so rank 0 may run on any
+node), node 0 publishes the rows kept and the restarts with the resume point, and rank 0,
+wherever it runs, writes them first, then the summary's `restarts` / `restart_log`.
 
 Node 0 hosts the store: its loss ends the job (the other launchers say so and exit 1;
 torch's c10d rendezvous has the same single point). Rerun every node with `--resume`.
@@ -82,7 +84,10 @@ def arrive(store: dist.Store, nnodes: int, timeout_s: float) -> int:
 
 def _agree(store: dist.Store, spec: NodeSpec, attempt: int, progress: Progress,
            checkpoint_dir: str, max_restarts: int) -> str | None:
-    """Node 0 decides where attempt `attempt` resumes; every node reads it."""
+    """Node 0 decides where attempt `attempt` resumes, and with it the rows kept and the
+    restarts so far; every node reads all three. The rendezvous orders nodes by address
+    and agent process, not by --node-rank, so rank 0 (which writes the metrics) may run on
+    any node in any attempt: each node's state file must hold the same history."""
     key = f"{attempt}/resume"
     if spec.node_rank == 0:
         resume = ""
@@ -92,9 +97,13 @@ def _agree(store: dist.Store, spec: NodeSpec, attempt: int, progress: Progress,
             restart.relaunched_at = time.time()
             progress.restarts.append(restart)
             resume = restart.checkpoint or ""
-        _call(store.set, key, resume or "-")
-    got = _call(store.get, key).decode()
-    return None if got == "-" else got
+        _call(store.set, key, json.dumps({"resume": resume, "rows": progress.rows,
+                                          "restarts": [r.__dict__ for r in
+                                                       progress.restarts]}))
+    agreed = json.loads(_call(store.get, key))
+    progress.rows = agreed["rows"]
+    progress.restarts = [Restart(**r) for r in agreed["restarts"]]
+    return agreed["resume"] or None
 
 
 def _restart(store: dist.Store, spec: NodeSpec, attempt: int, progress: Progress,
@@ -109,7 +118,9 @@ def _restart(store: dist.Store, spec: NodeSpec, attempt: int, progress: Progress
             silent.append(node)
     killed = [r for r in reports if r.get("exitcode") is not None and r["exitcode"] < 0]
     first = min(killed or reports, key=lambda r: r.get("detected_at") or 0, default={})
-    restart = next_attempt(attempt - 1, progress, first, root)
+    # the rows of the failed attempt: logged on the node that ran its rank 0
+    rows = max((r.get("rows", []) for r in reports), key=len, default=[])
+    restart = next_attempt(attempt - 1, progress, first, root, rows)
     if silent and not killed:  # its launcher died with its ranks: nobody saw how
         restart.rank, restart.who = None, f"node {silent[0]} (its launcher and ranks)"
         restart.exit = "no report from it"
@@ -171,7 +182,8 @@ def _attempts(spec: NodeSpec, store: dist.Store, progress: Progress, max_restart
                                              FAILURE_FILE_ENV: str(failure_file)}, received)
         if code == 0 or code == 2 or received:  # done, bad input, stopped by the user
             return code
-        report = {**read_failure(failure_file), "node": spec.node_rank}
+        report = {**read_failure(failure_file), "node": spec.node_rank,
+                  "rows": progress.attempt_rows(attempt)}
         _call(store.set, f"{attempt}/failure/{spec.node_rank}", json.dumps(report))
         if attempt == max_restarts:
             print(f"plait: node {spec.node_rank} of {spec.nnodes}: the job failed in its "

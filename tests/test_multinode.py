@@ -108,10 +108,6 @@ def test_a_dead_node_brings_the_other_down(tmp_path, dead):
     assert_all_gone(marker, within_s=15)
 
 
-@pytest.mark.skip(reason="known bug, fails about one run in two: torchrun's c10d rendezvous "
-                  "orders the nodes by (address, agent pid), not by --node-rank, so after a "
-                  "restart rank 0 can run on node 1, and node 0's launcher then finds none of "
-                  "the failed attempt's rows (no 'after step N', steps missing from metrics)")
 def test_a_killed_rank_restarts_every_launcher(tmp_path, monkeypatch):
     """Issue 12 items 7 and 9: `--max-restarts` across two launchers. Rank 2 (node 1)
     SIGKILLs itself after step 2 of the first attempt (the test-only fault); both
@@ -129,3 +125,39 @@ def test_a_killed_rank_restarts_every_launcher(tmp_path, monkeypatch):
             "from step 2") in outs[0][1], outs[0][1]
     assert_all_gone(marker)
     assert_restarted_run_matches(metrics, ck, steps, LAYOUT)
+
+
+def test_the_restart_keeps_the_rows_of_whichever_node_ran_rank_0(tmp_path):
+    """torchrun's rendezvous orders nodes by address and agent process, not --node-rank:
+    when rank 0 ran on node 1, node 0 still reports the restart with the rows node 1
+    logged, and every node's next state file holds the same history."""
+    import json
+
+    import torch.distributed as dist
+
+    from plait.checkpoint.format import MARKER
+    from plait.elastic import Progress
+    from plait.multinode import NodeSpec
+    from plait.multinode_elastic import KEYS, _agree
+
+    store = dist.PrefixStore(KEYS, dist.HashStore())
+    rows = [{"step": s, "loss": 5.0 - s} for s in range(3)]
+    store.set("0/failure/0", json.dumps({"rank": 1, "exitcode": 1, "detected_at": 2.0,
+                                         "node": 0, "rows": []}))
+    store.set("0/failure/1", json.dumps({"rank": 0, "exitcode": -9, "detected_at": 1.0,
+                                         "node": 1, "rows": rows}))
+    committed = tmp_path / "ck" / "step-00000002"
+    committed.mkdir(parents=True)
+    (committed / MARKER).touch()
+    progress = []
+    for node in (0, 1):
+        spec = NodeSpec(2, node, 1, "127.0.0.1", 0, "lo", "127.0.0.1")
+        (tmp_path / str(node)).mkdir()
+        progress.append(Progress(tmp_path / str(node)))
+        resume = _agree(store, spec, 1, progress[-1], str(tmp_path / "ck"), 3)
+        assert resume == str(committed)
+    (restart,) = progress[0].restarts
+    assert (restart.rank, restart.last_step, restart.resumed_from) == (0, 2, 2)
+    assert restart.lost_steps == 1  # step 2 was logged after the checkpoint of step 2
+    assert progress[1].rows == progress[0].rows == rows[:2]
+    assert [r.__dict__ for r in progress[1].restarts] == [restart.__dict__]
