@@ -246,7 +246,9 @@ def load_config(
     """Build a Config: defaults, then the TOML file, then `overrides`, then `--set` strings.
 
     A TOML file has `model = "tiny"` (a preset name) or a `[model]` table (preset fields
-    overridden), and `[parallel]`, `[train]` tables.
+    overridden), and `[parallel]`, `[train]` tables. A preset in `overrides` (`--model`)
+    replaces the file's model wholly: the file's `[model]` fields describe the file's
+    preset, not the one asked for (`plait plan --emit-config` writes them all).
     """
     cfg = Config()
     problems: list[str] = []
@@ -266,6 +268,8 @@ def load_config(
                 problems.append(f"{p}: unknown table [{section}]; use model, parallel, train")
                 continue
             items.extend((f"{section}.{k}", v) for k, v in table.items())
+    if (overrides or {}).get("model_name") is not None:
+        items = [(k, v) for k, v in items if k != "model_name" and not k.startswith("model.")]
     items.extend((overrides or {}).items())
     for s in sets or []:
         key, eq, value = s.partition("=")
