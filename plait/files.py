@@ -140,9 +140,15 @@ class PartialFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
-        self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.partial = self.partial_of(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = open(self.partial, "w")  # noqa: SIM115 (kept open)
+
+    @staticmethod
+    def partial_of(path: str | Path) -> Path:
+        """Where lines for `path` stream until it is complete."""
+        path = Path(path).expanduser()
+        return path.with_name(path.name + PARTIAL_SUFFIX)
 
     def write_line(self, line: str) -> None:
         if self._file is not None:

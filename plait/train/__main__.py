@@ -24,11 +24,14 @@ import signal
 import sys
 import time
 import traceback
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.checkpoint import Checkpointing, CheckpointWarning
 from plait.checkpoint.cli import preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
@@ -113,12 +116,30 @@ class BadInput(Exception):
         super().__init__("cannot start training:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+def earlier_rows(path: str) -> list[dict]:
+    """The step rows an earlier run left in NAME.partial (a stopped or killed run), else
+    in NAME; a line cut short by a kill is skipped."""
+    partial = PartialFile.partial_of(path)
+    source = partial if partial.is_file() else Path(path).expanduser()
+    rows = []
+    with contextlib.suppress(OSError):
+        for line in source.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    rows.append(row)
+    return rows
+
+
 class _Run:
     """What a stop or a failure reports: steps done, where the metrics went."""
 
     def __init__(self, rank: int, total_steps: int):
         self.rank, self.total_steps, self.steps_done = rank, total_steps, 0
         self.metrics: PartialFile | None = None
+        # a resume into the same --metrics-out: the earlier run's rows, of which those
+        # before the first row this run writes are kept (the rest it trains again)
+        self.earlier: list[dict] = []
         self.sinks: MetricSinks | None = None  # --tensorboard, --wandb (plait/train/sinks.py)
         self.stop = StopRequest()  # --checkpoint-on-stop: the signal, for the boundary
         self.watchdog: Watchdog | None = None  # a failure prints every rank's flight recorder
@@ -127,15 +148,27 @@ class _Run:
                      elastic: ElasticState | None) -> None:
         """Rank 0's: the metrics file (streamed to NAME.partial, renamed to NAME only when
         the run completes; an earlier attempt's rows first) and the metric sinks."""
+        if args.metrics_out and args.resume:  # read before NAME.partial is truncated
+            self.earlier = earlier_rows(args.metrics_out)
         self.metrics = PartialFile(args.metrics_out) if args.metrics_out else None
         for row in elastic.rows if elastic and self.metrics else ():
-            self.metrics.write_line(json.dumps(row))
+            self._write(row)
         self.sinks = MetricSinks.from_args(args, cfg.to_dict(), layout)
+
+    def _write(self, row: dict) -> None:
+        """One line; the first is preceded by the earlier run's rows before its step."""
+        assert self.metrics is not None
+        first = row.get("step", float("inf"))  # a summary first: every earlier row
+        for old in self.earlier:
+            if old["step"] < first:
+                self.metrics.write_line(json.dumps(old))
+        self.earlier = []
+        self.metrics.write_line(json.dumps(row))
 
     def record(self, row: dict) -> None:
         """A step row or the summary: the JSON line and the sinks, from the same dict."""
         if self.metrics:
-            self.metrics.write_line(json.dumps(row))
+            self._write(row)
         if self.sinks is not None:
             (self.sinks.write_summary if row.get("summary") else self.sinks.write_row)(row)
 
@@ -238,8 +271,6 @@ def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, ela
     """The summary row and what rank 0 prints and draws once training is done."""
     if elastic:
         result.summary.update(elastic.summary())
-    if lead and checkpoint.resumed_from is not None and not args.quiet:
-        print(f"resumed from {checkpoint.resumed_from}")
     run.record(result.summary)
     if lead and not args.quiet:
         print_summary(result.summary, result.metrics)
@@ -252,7 +283,39 @@ def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, ela
               file=sys.stderr)
 
 
+def _tell_checkpoint_events(checkpoint: Checkpointing, quiet: bool) -> None:
+    """Rank 0's lines: what preflight decided (always: it changes what the run does), and
+    each resume and committed save as it happens (not with --quiet)."""
+    for note in checkpoint.notes:
+        print(f"plait: {note}", file=sys.stderr, flush=True)
+    if not quiet:
+        checkpoint.say = lambda line: print(line, flush=True)
+
+
+@contextlib.contextmanager
+def plait_warnings(lead: bool):
+    """A checkpoint warning (one skipped as corrupt, settings changed since the save) as
+    one `plait: warning:` line from rank 0, not Python's file:line form from every rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default" if lead else "ignore", CheckpointWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            if issubclass(category, CheckpointWarning):
+                print(f"plait: warning: {message}", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+    with plait_warnings(lead=rank == 0):
+        return _train_rank(args, rank, world, run)
+
+
+def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cfg = check_rank_inputs(args, rank, world, local_rank,
                             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
@@ -263,6 +326,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
         checkpoint = preflight(args, cfg)
     except CheckpointError as e:
         raise BadInput([str(e)]) from e
+    if rank == 0:
+        _tell_checkpoint_events(checkpoint, args.quiet)
     run.total_steps = cfg.train.steps
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:  # the watchdog reports a hang before the group's own timeout
