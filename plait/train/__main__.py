@@ -35,7 +35,7 @@ from plait.checkpoint import Checkpointing, CheckpointWarning
 from plait.checkpoint.cli import preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
-from plait.device import DeviceError, resolve_device
+from plait.device import Device, DeviceError, resolve_device
 from plait.elastic import ElasticState, inject_fault
 from plait.files import PartialFile
 from plait.launch import (
@@ -53,8 +53,8 @@ from plait.plan.host_memory import host_memory_problem
 from plait.train.checks import train_inputs
 from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, resolve_data
-from plait.train.loop import train
-from plait.train.report import final_line, print_summary, progress_reporter
+from plait.train.loop import run_layout, train
+from plait.train.report import Gauges, final_line, print_summary, progress_reporter
 from plait.train.sinks import MetricSinks
 from plait.train.stop import StoppedAtBoundary, StopRequest
 from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
@@ -266,14 +266,14 @@ def check_rank_inputs(args: argparse.Namespace, rank: int, world: int, local_ran
     return found.cfg
 
 
-def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, elastic,
-                    lead: bool) -> None:
+def _record_outcome(args: argparse.Namespace, run: _Run, result, elastic, lead: bool,
+                    gauges: Gauges | None = None) -> None:
     """The summary row and what rank 0 prints and draws once training is done."""
     if elastic:
         result.summary.update(elastic.summary())
     run.record(result.summary)
     if lead and not args.quiet:
-        print_summary(result.summary, result.metrics)
+        print_summary(result.summary, result.metrics, gauges=gauges)
     if lead and result.pipeline:
         write_pipeline_outputs(result.pipeline)
     if lead and result.timeline:
@@ -281,6 +281,19 @@ def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, ela
     elif lead and (args.trace or args.timeline):  # resumed at the last step
         print("plait: no step ran, so --trace/--timeline have nothing to draw",
               file=sys.stderr)
+
+
+def step_gauges(cfg: Config, device: Device, world: int) -> Gauges:
+    """The step log's memory and MFU: the planner's model FLOPs per token (the MFU
+    numerator, plait/plan/compute.py) and the device's datasheet peak where known."""
+    from plait.plan.compute import model_flops_per_token
+    from plait.plan.hardware import gpu_by_device_name
+    from plait.plan.shape import from_model_config
+
+    gpu = gpu_by_device_name(torch.cuda.get_device_name(device.torch)) if device.is_cuda \
+        else None
+    return Gauges(model_flops_per_token(from_model_config(cfg.model, cfg.train.seq_len)),
+                  world, gpu.peak_flops if gpu is not None else None, device.peak_memory)
 
 
 def _tell_checkpoint_events(checkpoint: Checkpointing, quiet: bool) -> None:
@@ -347,10 +360,12 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
     lead = rank == 0
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
     if lead:
-        run.open_outputs(args, cfg, mesh.describe().split(" (")[0], elastic)
+        run.open_outputs(args, cfg, run_layout(cfg, mesh).split(" (")[0], elastic)
     finished = False
     try:
-        with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
+        gauges = step_gauges(cfg, device, world) if lead else None
+        with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet,
+                               gauges=gauges) as show:
             def on_step(row: dict) -> None:
                 run.steps_done = row["step"] + 1
                 show(row)
@@ -372,7 +387,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise
-        _record_outcome(args, run, result, checkpoint, elastic, lead)
+        _record_outcome(args, run, result, elastic, lead, gauges)
         finished = True
     finally:
         if dist.is_initialized():
