@@ -24,14 +24,12 @@ import signal
 import sys
 import time
 import traceback
-import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.checkpoint import Checkpointing, CheckpointWarning
+from plait.checkpoint import Checkpointing
 from plait.checkpoint.cli import preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
@@ -54,7 +52,13 @@ from plait.train.checks import train_inputs
 from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, resolve_data
 from plait.train.loop import run_layout, train
-from plait.train.report import Gauges, final_line, print_summary, progress_reporter
+from plait.train.report import (
+    Gauges,
+    final_line,
+    plait_warnings,
+    print_summary,
+    progress_reporter,
+)
 from plait.train.sinks import MetricSinks
 from plait.train.stop import StoppedAtBoundary, StopRequest
 from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
@@ -116,21 +120,6 @@ class BadInput(Exception):
         super().__init__("cannot start training:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def earlier_rows(path: str) -> list[dict]:
-    """The step rows an earlier run left in NAME.partial (a stopped or killed run), else
-    in NAME; a line cut short by a kill is skipped."""
-    partial = PartialFile.partial_of(path)
-    source = partial if partial.is_file() else Path(path).expanduser()
-    rows = []
-    with contextlib.suppress(OSError):
-        for line in source.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                row = json.loads(line)
-                if isinstance(row, dict) and isinstance(row.get("step"), int):
-                    rows.append(row)
-    return rows
-
-
 class _Run:
     """What a stop or a failure reports: steps done, where the metrics went."""
 
@@ -149,7 +138,7 @@ class _Run:
         """Rank 0's: the metrics file (streamed to NAME.partial, renamed to NAME only when
         the run completes; an earlier attempt's rows first) and the metric sinks."""
         if args.metrics_out and args.resume:  # read before NAME.partial is truncated
-            self.earlier = earlier_rows(args.metrics_out)
+            self.earlier = PartialFile.rows_left(args.metrics_out)
         self.metrics = PartialFile(args.metrics_out) if args.metrics_out else None
         for row in elastic.rows if elastic and self.metrics else ():
             self._write(row)
@@ -303,24 +292,6 @@ def _tell_checkpoint_events(checkpoint: Checkpointing, quiet: bool) -> None:
         print(f"plait: {note}", file=sys.stderr, flush=True)
     if not quiet:
         checkpoint.say = lambda line: print(line, flush=True)
-
-
-@contextlib.contextmanager
-def plait_warnings(lead: bool):
-    """A checkpoint warning (one skipped as corrupt, settings changed since the save) as
-    one `plait: warning:` line from rank 0, not Python's file:line form from every rank."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("default" if lead else "ignore", CheckpointWarning)
-        shown = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None) -> None:
-            if issubclass(category, CheckpointWarning):
-                print(f"plait: warning: {message}", file=sys.stderr, flush=True)
-            else:
-                shown(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = show
-        yield
 
 
 def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:

@@ -1,8 +1,11 @@
-"""What rank 0 shows a person: a progress bar during training and a summary table after."""
+"""What rank 0 shows a person: a progress bar during training, a summary table after, and
+the library's warnings as plait lines."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -10,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from plait.checkpoint import CheckpointWarning
 from plait.throughput import tokens_per_second
 
 
@@ -139,3 +143,21 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
                       + ", ".join(f"{d} {r['exposed'] * 1e3:.1f} / {r['hidden'] * 1e3:.1f} ms"
                                   for d, r in sorted(overlap.items())),
                       soft_wrap=True, highlight=False)
+
+
+@contextlib.contextmanager
+def plait_warnings(lead: bool) -> Iterator[None]:
+    """A checkpoint warning (one skipped as corrupt, settings changed since the save) as
+    one `plait: warning:` line from rank 0, not Python's file:line form from every rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default" if lead else "ignore", CheckpointWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            if issubclass(category, CheckpointWarning):
+                print(f"plait: warning: {message}", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
