@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import BASE, config, reference, token_file
@@ -170,3 +171,14 @@ def test_step_gauges_show_mfu_where_the_peak_is_known():
                memory=lambda: (3 * 2**30, "peak allocated"))
     assert g.text(8 * 0.4 * h100.peak_flops / 6e9) == "mem 3.00 GiB (peak allocated)  MFU 40.0%"
     assert Gauges(flops_per_token=1e9, ranks=2).text(4.0) == "2.00 GFLOP/s/rank"
+
+
+def test_train_help_lists_every_preset_and_the_real_corpus_folder(capsys):
+    from plait.model.presets import PRESETS
+    from plait.train.corpus import default_data_dir
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(name in text for name in PRESETS)
+    assert f"lives (default ~/{default_data_dir().relative_to(Path.home())})" in text
