@@ -125,6 +125,7 @@ class _Run:
 
     def __init__(self, rank: int, total_steps: int):
         self.rank, self.total_steps, self.steps_done = rank, total_steps, 0
+        self.metrics_out: str | None = None  # --metrics-out (rank 0)
         self.metrics: PartialFile | None = None
         # a resume into the same --metrics-out: the earlier run's rows, of which those
         # before the first row this run writes are kept (the rest it trains again)
@@ -137,16 +138,21 @@ class _Run:
                      elastic: ElasticState | None) -> None:
         """Rank 0's: the metrics file (streamed to NAME.partial, renamed to NAME only when
         the run completes; an earlier attempt's rows first) and the metric sinks."""
-        if args.metrics_out and args.resume:  # read before NAME.partial is truncated
+        self.metrics_out = args.metrics_out
+        # a resume opens the file at its first row: one that fails before leaves the
+        # earlier run's rows where they are
+        if args.metrics_out and args.resume:
             self.earlier = PartialFile.rows_left(args.metrics_out)
-        self.metrics = PartialFile(args.metrics_out) if args.metrics_out else None
-        for row in elastic.rows if elastic and self.metrics else ():
+        elif args.metrics_out:
+            self.metrics = PartialFile(args.metrics_out)
+        for row in elastic.rows if elastic and self.metrics_out else ():
             self._write(row)
         self.sinks = MetricSinks.from_args(args, cfg.to_dict(), layout)
 
     def _write(self, row: dict) -> None:
         """One line; the first is preceded by the earlier run's rows before its step."""
-        assert self.metrics is not None
+        if self.metrics is None:
+            self.metrics = PartialFile(self.metrics_out)
         first = row.get("step", float("inf"))  # a summary first: every earlier row
         for old in self.earlier:
             if old["step"] < first:
@@ -156,7 +162,7 @@ class _Run:
 
     def record(self, row: dict) -> None:
         """A step row or the summary: the JSON line and the sinks, from the same dict."""
-        if self.metrics:
+        if self.metrics_out:
             self._write(row)
         if self.sinks is not None:
             (self.sinks.write_summary if row.get("summary") else self.sinks.write_row)(row)
