@@ -184,12 +184,34 @@ class Config:
                 f"tp={p.tp} does not divide model.vocab_size={m.vocab_size}: the embedding "
                 f"and LM head are padded to {padded} rows ({padded - m.vocab_size} never "
                 "used, masked out of the loss)")
+        notes += self._bubble_notes()
         if p.tp > p.gpus_per_node:
             notes.append(
                 f"tp={p.tp} is larger than gpus_per_node={p.gpus_per_node}: tensor-parallel "
                 "all-reduces cross nodes every layer (Stanford CS336 lecture 8 reports a 42% "
                 f"throughput drop going from 8 to 16 GPUs); keep tp <= {p.gpus_per_node}")
         return notes
+
+    def _bubble_notes(self) -> list[str]:
+        """Fewer micro-batches than pipeline stages: most of each step is bubble."""
+        from plait.parallel.pipeline.registry import closed_form_bubble, natural_virtual_stages
+        from plait.parallel.pipeline.simulate import Durations
+
+        p = self.parallel
+        m = self.microbatches()
+        if p.pp == 1 or m >= p.pp:
+            return []
+        v = natural_virtual_stages(p.schedule, p.virtual_stages)
+        uniform = Durations(1.0, 1.0, 1.0)
+        now = closed_form_bubble(p.schedule, p.pp, m, v, uniform)
+        more = 4 * p.pp  # the usual rule of thumb: m >= 4 pp keeps the bubble small
+        then = closed_form_bubble(p.schedule, p.pp, more, v, uniform)
+        if now is None or then is None:
+            return []
+        return [f"pp={p.pp} with {m} micro-batch{'es' * (m > 1)} per step: about {now:.0%} "
+                f"of each rank's step is pipeline bubble ({p.schedule}, uniform stages); "
+                f"more micro-batches shrink it (--microbatches {more}: {then:.0%}; "
+                f"--global-batch a multiple of {p.dp * more})"]
 
     def check(self, world_size: int | None = None) -> Config:
         problems = self.validate(world_size)
@@ -246,7 +268,9 @@ def load_config(
     """Build a Config: defaults, then the TOML file, then `overrides`, then `--set` strings.
 
     A TOML file has `model = "tiny"` (a preset name) or a `[model]` table (preset fields
-    overridden), and `[parallel]`, `[train]` tables.
+    overridden), and `[parallel]`, `[train]` tables. A preset in `overrides` (`--model`)
+    replaces the file's model wholly: the file's `[model]` fields describe the file's
+    preset, not the one asked for (`plait plan --emit-config` writes them all).
     """
     cfg = Config()
     problems: list[str] = []
@@ -266,6 +290,8 @@ def load_config(
                 problems.append(f"{p}: unknown table [{section}]; use model, parallel, train")
                 continue
             items.extend((f"{section}.{k}", v) for k, v in table.items())
+    if (overrides or {}).get("model_name") is not None:
+        items = [(k, v) for k, v in items if k != "model_name" and not k.startswith("model.")]
     items.extend((overrides or {}).items())
     for s in sets or []:
         key, eq, value = s.partition("=")

@@ -238,7 +238,7 @@ def batch_problems(cfg: Config) -> list[str]:
             f"{_divisors(per_replica)}"
         )
     if t.micro_batch_size is None:
-        return problems
+        return problems + _derived_split_problems(cfg, per_replica)
     if t.micro_batch_size < 1 or per_replica % t.micro_batch_size:
         problems.append(
             f"train.micro_batch_size={t.micro_batch_size} does not divide the "
@@ -251,6 +251,20 @@ def batch_problems(cfg: Config) -> list[str]:
             "set only one of them"
         )
     return problems
+
+def _derived_split_problems(cfg: Config, per_replica: int) -> list[str]:
+    """Neither micro-batches nor their size given: a pipeline takes pp micro-batches,
+    which must each get whole sequences (fewer sequences than stages would leave a
+    micro-batch of zero rows; a remainder would be dropped silently)."""
+    p, t = cfg.parallel, cfg.train
+    if p.microbatches is not None or p.pp == 1 or per_replica % p.pp == 0:
+        return []
+    fits = -(-t.global_batch // (p.dp * p.pp)) * p.dp * p.pp
+    return [f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
+            f"{p.dp}) do not split into the pp={p.pp} micro-batches a pipeline takes by "
+            f"default; use --global-batch {fits} (a multiple of dp x pp = {p.dp * p.pp}), or "
+            f"--microbatches one of {_divisors(per_replica)}"]
+
 
 def train_problems(cfg: Config) -> list[str]:
     """The training settings' own ranges (sequence, steps, precision, optimizer, LR)."""

@@ -14,6 +14,7 @@ Standard library only: every layer (the pipeline simulator included) may use it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from collections.abc import Iterable, Iterator
@@ -140,9 +141,30 @@ class PartialFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
-        self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.partial = self.partial_of(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = open(self.partial, "w")  # noqa: SIM115 (kept open)
+
+    @staticmethod
+    def partial_of(path: str | Path) -> Path:
+        """Where lines for `path` stream until it is complete."""
+        path = Path(path).expanduser()
+        return path.with_name(path.name + PARTIAL_SUFFIX)
+
+    @staticmethod
+    def rows_left(path: str | Path) -> list[dict]:
+        """The JSON rows with a "step" that an earlier run left in NAME.partial (a stopped
+        or killed run), else in NAME; a line cut short by a kill is skipped."""
+        partial = PartialFile.partial_of(path)
+        source = partial if partial.is_file() else Path(path).expanduser()
+        rows = []
+        with contextlib.suppress(OSError):
+            for line in source.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    if isinstance(row, dict) and isinstance(row.get("step"), int):
+                        rows.append(row)
+        return rows
 
     def write_line(self, line: str) -> None:
         if self._file is not None:

@@ -77,6 +77,11 @@ CASES = [
           id="seq-len-past-the-model"),
     train("--dp", "2", "--nproc", "2", "--global-batch", "7", phrases="not divisible by dp=2",
           id="batch-not-divisible-by-dp"),
+    train("--nproc", "4", "--dp", "2", "--pp", "2", "--global-batch", "2", "--set",
+          "model.n_layers=4", phrases=("do not split into the pp=2 micro-batches",
+                                       "--global-batch 4"), id="micro-batch-of-zero-rows"),
+    train("--nproc", "2", "--pp", "2", "--global-batch", "3", "--set", "model.n_layers=4",
+          phrases="--global-batch 4", id="pipeline-batch-remainder"),
     train("--tp", "3", "--nproc", "3", phrases="tp=3 does not divide model.n_heads=4",
           id="tp-not-dividing-heads"),
     train("--max-restarts", "-1", phrases="--max-restarts -1: must be >= 0",
@@ -186,6 +191,8 @@ CASES = [
     train("--data", "{w}/truncated.bin", phrases="do not hold", id="token-file-truncated"),
     train("--data", "{w}/missing.bin", phrases="not found", id="token-file-missing"),
     train("--data", "{w}/wide.bin", phrases="holds token id 999", id="token-ids-past-vocab"),
+    train("--data", "{w}/bigvocab.bin", phrases=("tokenized with a vocabulary of 1000, larger "
+          "than the model's 256", "--set model.vocab_size=1000"), id="data-vocab-too-large"),
     train("--data", "{w}/doc.txt", phrases=("is text, not a token file",
                                             "plait data prepare"), id="data-is-text"),
     train("--data", "{w}/good.json", phrases="is the metadata of the token file",
@@ -689,3 +696,21 @@ def test_host_memory_check_states_the_numbers():
     post = model_state_bytes(load_config(sets=["parallel.pp=2", "train.global_batch=8",
                                                "parallel.optimizer_sync=post_validation"]), 0)
     assert post["optimizer states"] == post["parameters"] / 4 * (8 + 12)
+
+
+def test_a_token_file_with_a_smaller_vocabulary_is_said_once(tmp_path, capsys):
+    """Legal (every id has its embedding) but a mismatch worth one line before launch."""
+    import argparse
+
+    from plait.train.checks import train_inputs
+    from plait.train.flags import add_train_args
+
+    data = write_token_file(tmp_path / "v1024.bin", np.arange(5000) % 1024, 1024)
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    found = train_inputs(parser.parse_args(["--data", str(data), "--set",
+                                            "model.vocab_size=2048", "--seq-len", "32"]))
+    assert found.problems == []
+    said = [w for w in found.warnings if "vocabulary of 1024, smaller than the model's 2048"
+            in w]
+    assert len(said) == 1 and "--set model.vocab_size=1024" in said[0]

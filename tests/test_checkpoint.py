@@ -237,8 +237,11 @@ def test_consolidate_writes_the_full_model_as_safetensors(tmp_path, capsys):
     assert all(t.dtype == torch.bfloat16 for t in half.values())
     assert half["layers.0.attn.wq.weight"].shape == want["layers.0.attn.wq.weight"].shape
     assert not torch.equal(half["head.weight"].float(), want["head.weight"].bfloat16().float())
-    assert main(["checkpoint", "consolidate", str(d), "--out", str(tmp_path / "no" / "x")]) == 2
-    assert "directory does not exist" in capsys.readouterr().err
+    nested = tmp_path / "new" / "dir" / "m.safetensors"  # created, as every output is
+    assert main(["checkpoint", "consolidate", str(d), "--out", str(nested)]) == 0
+    assert set(read_safetensors(nested)) == set(want)
+    assert main(["checkpoint", "consolidate", str(d), "--out", str(out / "x")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 def test_inspect_shows_step_layout_tensors_bytes_and_completeness(tmp_path, capsys):
@@ -312,6 +315,67 @@ def test_train_saves_and_resumes_through_torchrun(tmp_path, capsys):
             (["--checkpoint-dir", str(m / "x"), "--checkpoint-every", "1"], "cannot create")]:
         assert main(["train", *sets, *layout, *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+def _spoil_a_newer_copy(d: Path, step: int, newer: int) -> Path:
+    """A committed step-`newer` copy of step-`step` with one byte of a shard flipped."""
+    import json
+    import zlib
+
+    src, dst = d / f"step-{step:08d}", d / f"step-{newer:08d}"
+    shutil.copytree(src, dst)
+    meta = dst / "metadata.json"
+    meta.write_text(meta.read_text().replace(f'"step": {step}', f'"step": {newer}'))
+    (dst / "COMMITTED").write_text(json.dumps(
+        {"step": newer, "metadata_crc32": zlib.crc32(meta.read_bytes())}))
+    data = bytearray((dst / "rank-00000.bin").read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    (dst / "rank-00000.bin").write_bytes(bytes(data))
+    return dst
+
+
+def test_resume_in_one_launch_script_keeps_every_metrics_row_and_says_what_it_did(tmp_path,
+                                                                                  capsys):
+    """The same command for the first start and a restart: --resume on a missing
+    --checkpoint-dir starts fresh; without --checkpoint-every the final state is saved;
+    each resume and save is one line; a corrupt newer checkpoint is one plait warning; the
+    metrics of the stopped run (NAME.partial, its last line cut by kill -9) keep their
+    rows before the resume step and lose the rest to the new run's."""
+    import json
+
+    from plait.cli import main
+
+    d, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    same = ["--nproc", "2", "--dp", "2", "--checkpoint-dir", str(d), "--resume",
+            "--metrics-out", str(m)]
+    first = _plait("train", *same)
+    assert first.returncode == 0, first.stderr
+    assert f"--resume: no checkpoint in {d} yet; starting from step 0" in first.stderr
+    assert "only the final state (after step 4) is saved" in first.stderr
+    assert f"checkpoint saved: {d / 'step-00000004'}" in first.stdout
+    rows = _metrics(m)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # as if stopped after step 5 and then killed: the rows NAME.partial keeps
+    fake = [{**rows[-1], "step": s, "loss": 99.0} for s in (4, 5)]
+    m.with_name(m.name + ".partial").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows + fake) + '{"step": 6, "lo')
+    m.unlink()
+    bad = _spoil_a_newer_copy(d, 4, 5)
+    again = _plait("train", *same, "--set", "train.steps=6")
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {d / 'step-00000004'} at step 4" in again.stdout
+    assert f"checkpoint saved: {d / 'step-00000006'}" in again.stdout
+    skipped = [x for x in again.stderr.splitlines() if "skipping" in x]
+    assert len(skipped) == 1 and skipped[0].startswith("plait: warning: skipping "), \
+        again.stderr
+    assert "CheckpointWarning" not in again.stderr and "warnings.warn" not in again.stderr
+    merged = _metrics(m)
+    assert [r["step"] for r in merged] == [0, 1, 2, 3, 4, 5]
+    assert merged[:4] == rows and all(r["loss"] != 99.0 for r in merged[4:])
+    assert not m.with_name(m.name + ".partial").exists()
+    assert main(["checkpoint", "inspect", str(bad)]) == 1  # a script sees it is bad
+    assert "CORRUPT" in capsys.readouterr().out
+    assert main(["checkpoint", "inspect", str(d / "step-00000006")]) == 0
 
 
 def test_a_checkpoint_from_before_new_model_fields_still_resumes():

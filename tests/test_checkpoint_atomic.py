@@ -115,8 +115,10 @@ def test_unwritable_directory_and_bad_resume_fail_before_any_collective(tmp_path
         restore(par, ParallelMesh.build(cfg.parallel), cfg, src)
     with pytest.raises(CheckpointError, match="no such directory"):
         restore(par, ParallelMesh.build(cfg.parallel), cfg, tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         restore(par, ParallelMesh.build(cfg.parallel), cfg, tmp_path)
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
+        restore(par, ParallelMesh.build(cfg.parallel), cfg, blocker)
 
 
 def test_commit_refuses_chunks_that_overlap_or_leave_gaps():

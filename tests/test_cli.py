@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import BASE, config, reference, token_file
@@ -124,3 +125,60 @@ def test_bad_input_under_a_users_own_torchrun(tmp_path, args, messages):
         assert message.format(tmp=tmp_path) in r.stderr, r.stderr
     assert "exitcode  : 2" in r.stderr, r.stderr  # torchrun's report of the first rank out
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_the_terminal_shows_the_run_settings_memory_flops_and_one_tokens_per_s(tmp_path):
+    """What a person reads: the pipeline's bubble warned of before launch; each step's
+    memory and model FLOP/s; the layout with the settings beside the sizes; and the step
+    log's tokens/s (the bar's) ending where the summary's is (one definition)."""
+    import re
+
+    r = plait("train", "--nproc", "2", "--pp", "2", "--microbatches", "1", "--recompute",
+              "full", "--data", str(token_file()), *SETS, "--set", "model.n_layers=4")
+    assert r.returncode == 0, r.stderr
+    assert "plait: warning: pp=2 with 1 micro-batch per step: about 50% " in r.stderr
+    assert "--microbatches 8" in r.stderr
+    steps = [x for x in r.stdout.splitlines() if re.match(r"step +\d+ +loss", x)]
+    assert steps and all("tokens/s" in x and "(peak RSS)" in x and "GFLOP/s/rank" in x
+                         for x in steps), r.stdout
+    assert "dp=1 x pp=2 x cp=1 x tp=1, fp32, recompute full" in r.stdout
+    last = re.search(r"([\d,]+) tokens/s", steps[-1]).group(1)
+    summary = re.search(r"tokens/s\s+([\d,]+)", r.stdout).group(1)
+    assert last == summary, r.stdout
+
+
+def test_layout_text_names_zero_sp_precision_and_recompute():
+    from types import SimpleNamespace
+
+    from plait.train.loop import run_layout
+
+    mesh = SimpleNamespace(describe=lambda: "dp=2 x pp=1 x cp=1 x tp=2 (order innermost "
+                           "first: tp,cp,pp,dp)")
+    cfg = config("parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "parallel.sp=true",
+                 "train.precision=bf16", "train.recompute=selective")
+    text = run_layout(cfg, mesh)
+    assert text.startswith("dp=2 x pp=1 x cp=1 x tp=2, ZeRO-3, SP, bf16, recompute "
+                           "selective (order")
+
+
+def test_step_gauges_show_mfu_where_the_peak_is_known():
+    from plait.plan.hardware import gpu_by_device_name
+    from plait.train.report import Gauges
+
+    h100 = gpu_by_device_name("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and gpu_by_device_name("NVIDIA H100 PCIe") is None
+    g = Gauges(flops_per_token=6e9, ranks=8, peak_flops=h100.peak_flops,
+               memory=lambda: (3 * 2**30, "peak allocated"))
+    assert g.text(8 * 0.4 * h100.peak_flops / 6e9) == "mem 3.00 GiB (peak allocated)  MFU 40.0%"
+    assert Gauges(flops_per_token=1e9, ranks=2).text(4.0) == "2.00 GFLOP/s/rank"
+
+
+def test_train_help_lists_every_preset_and_the_real_corpus_folder(capsys):
+    from plait.model.presets import PRESETS
+    from plait.train.corpus import default_data_dir
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(name in text for name in PRESETS)
+    assert f"lives (default ~/{default_data_dir().relative_to(Path.home())})" in text

@@ -1,5 +1,7 @@
 """Configuration: TOML + overrides, and validation that reports every problem with its fix."""
 
+import dataclasses
+
 import pytest
 
 from plait.config import Config, ConfigError, load_config
@@ -63,3 +65,28 @@ def test_unbuilt_strategies_refused_not_ignored():
     assert load_config(sets=["parallel.pp=2"]).validate(2) == []  # pipelines run now
     cfg = load_config(sets=["parallel.zero=1"])
     assert cfg.validate(1) == [] and "does nothing" in cfg.warnings()[0]
+
+
+def test_model_flag_replaces_the_config_files_model_table(tmp_path):
+    """`plait train --config run8b.toml --model tiny`: the file `plait plan --emit-config`
+    writes (a preset name and every [model] field) loses to the flags, --model wholly."""
+    import argparse
+
+    from plait.model.presets import PRESETS
+    from plait.train.flags import add_train_args, config_from_args
+
+    f = tmp_path / "run8b.toml"
+    f.write_text('model_name = "llama3-8b"\n[model]\nvocab_size = 128256\ndim = 4096\n'
+                 'n_layers = 32\nmax_seq_len = 8192\n[parallel]\ndp = 8\nzero = 3\n'
+                 '[train]\nglobal_batch = 64\nseq_len = 8192\nsteps = 100\n')
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    args = parser.parse_args(["--config", str(f), "--model", "tiny", "--steps", "3",
+                              "--dp", "2", "--set", "model.n_layers=4"])
+    cfg = config_from_args(args)
+    assert cfg.model_name == "tiny"
+    assert cfg.model == dataclasses.replace(PRESETS["tiny"], n_layers=4)
+    assert (cfg.train.steps, cfg.parallel.dp) == (3, 2)  # flags over the file
+    assert (cfg.parallel.zero, cfg.train.seq_len) == (3, 8192)  # the file over defaults
+    alone = config_from_args(parser.parse_args(["--config", str(f)]))
+    assert alone.model_name == "llama3-8b" and alone.model.dim == 4096

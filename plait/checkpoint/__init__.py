@@ -11,6 +11,7 @@ train flags, cli.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class Checkpointing:
 
     dir: Path | None = None
     every: int = 0  # save after every `every` steps (0: never) and after the last
+    final: bool = False  # save after the last step even when `every` is 0
     keep: int | None = None  # committed checkpoints to keep (None: all)
     resume: str | None = None
     background: bool = False
@@ -45,6 +47,9 @@ class Checkpointing:
     saved: list[Path] = field(default_factory=list)  # committed by this run, in order
     # per save: step, seconds the training thread was blocked saving, and committing
     timings: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what preflight decided, to be told
+    # where a resume and each committed save are told (rank 0's terminal; None: nowhere)
+    say: Callable[[str], None] | None = None
     _pending: PendingSave | None = None
 
     def problems(self) -> list[str]:
@@ -72,6 +77,7 @@ class Checkpointing:
         if src is None:
             return start_step
         step, self.resumed_from = restore(par, mesh, cfg, src)
+        self._tell(f"resumed from {self.resumed_from} at step {step}")
         return step
 
     def after_step(self, step: int, par: ParallelModel, mesh: ParallelMesh, cfg: Config,
@@ -80,9 +86,9 @@ class Checkpointing:
         ago; save when due. Returns the directory committed now, if any."""
         committed = self.finish()
         done = step + 1
-        if not self.every or self.dir is None:
-            return committed
-        if done % self.every and done != cfg.train.steps:
+        last = done == cfg.train.steps
+        due = (self.every and done % self.every == 0) or (last and (self.every or self.final))
+        if not due or self.dir is None:
             return committed
         start = time.perf_counter()
         out = save(par, mesh, cfg, Path(self.dir), done, progress, self.keep,
@@ -91,7 +97,7 @@ class Checkpointing:
         if isinstance(out, PendingSave):
             self._pending = out
             return committed
-        self.saved.append(out)
+        self._committed(out)
         return out
 
     def finish(self) -> Path | None:
@@ -103,5 +109,13 @@ class Checkpointing:
         start = time.perf_counter()
         path = pending.commit()
         self.timings[-1]["commit_s"] = time.perf_counter() - start
-        self.saved.append(path)
+        self._committed(path)
         return path
+
+    def _committed(self, path: Path) -> None:
+        self.saved.append(path)
+        self._tell(f"checkpoint saved: {path}")
+
+    def _tell(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)

@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from plait.config import Config
+from plait.files import output_problems
 
 from . import Checkpointing
-from .export import DTYPES, consolidate, inspect_text
+from .export import DTYPES, consolidate, inspect_checkpoint
 from .format import CheckpointError, read_metadata
-from .reader import candidates, check_compatible
+from .reader import CheckpointWarning, candidates, check_compatible
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -39,18 +41,40 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> Checkpointing:
+    """A directory given saves at least the final state (--checkpoint-every or not)."""
     return Checkpointing(dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
                          every=args.checkpoint_every or 0, keep=args.keep,
-                         resume=args.resume, background=args.async_checkpoint)
+                         final=bool(args.checkpoint_dir), resume=args.resume,
+                         background=args.async_checkpoint)
+
+
+def _nothing_yet(src: Path, ck: Checkpointing) -> bool:
+    """Whether `src` is a checkpoint root that holds nothing yet: missing (where it is
+    --checkpoint-dir, so not a mistyped checkpoint), or a directory with no entries but
+    hidden files and a dead first save's `step-N.tmp-*`. One launch command then serves
+    the first start and every restart (torchtitan's rule)."""
+    if not src.exists():
+        return ck.dir is not None and src.resolve() == Path(ck.dir).resolve()
+    return src.is_dir() and all(p.name.startswith(".") or ".tmp-" in p.name
+                                for p in src.iterdir())
 
 
 def preflight(args: argparse.Namespace, cfg: Config) -> Checkpointing:
-    """The checkpoint flags checked before any rank starts (CheckpointError on a problem)."""
+    """The checkpoint flags checked before any rank starts (CheckpointError on a problem).
+    `notes`: what the caller should tell the user (a resume with nothing to resume from
+    starts fresh; a directory without --checkpoint-every gets the final state only)."""
     ck = from_args(args)
     problems = ck.problems()
     if problems:
         raise CheckpointError("; ".join(problems))
-    if ck.dir is not None and ck.every:
+    src = ck.source()
+    if src is not None and _nothing_yet(src, ck):
+        ck.notes.append(f"--resume: no checkpoint in {src} yet; starting from step 0")
+        ck.resume = None
+    if ck.dir is not None and not ck.every:
+        ck.notes.append(f"--checkpoint-dir without --checkpoint-every: only the final state "
+                        f"(after step {cfg.train.steps}) is saved in {ck.dir}")
+    if ck.dir is not None:
         try:  # the first save would find out after a step; find out now
             ck.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -61,7 +85,9 @@ def preflight(args: argparse.Namespace, cfg: Config) -> Checkpointing:
     src = ck.source()
     if src is not None:
         path = candidates(src)[0][0]
-        check_compatible(read_metadata(path), cfg, path)
+        with warnings.catch_warnings():  # settings that differ: the resume itself says so
+            warnings.simplefilter("ignore", CheckpointWarning)
+            check_compatible(read_metadata(path), cfg, path)
     return ck
 
 
@@ -86,11 +112,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.checkpoint_command == "inspect":
-            print(inspect_text(Path(args.path), check=not args.no_verify))
-            return 0
-        out = Path(args.out)
-        if not out.resolve().parent.is_dir():
-            raise CheckpointError(f"--out {out}: directory does not exist")
+            text, sound = inspect_checkpoint(Path(args.path), check=not args.no_verify)
+            print(text)
+            return 0 if sound else 1  # a script must not take a corrupt one for good
+        out = Path(args.out).expanduser()
+        problems = output_problems("--out", out, [args.path])
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        out.parent.mkdir(parents=True, exist_ok=True)  # as every other output does
         path, n = consolidate(Path(args.path), out, args.dtype)
         print(f"wrote {path}: {n} tensors, {args.dtype}")
         return 0

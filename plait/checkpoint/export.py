@@ -49,8 +49,14 @@ def verify(path: Path, meta: dict) -> list[str]:
 
 
 def inspect_text(source: Path, check: bool = True) -> str:
+    """What `plait checkpoint inspect` prints (see `inspect_checkpoint`)."""
+    return inspect_checkpoint(source, check)[0]
+
+
+def inspect_checkpoint(source: Path, check: bool = True) -> tuple[str, bool]:
     """What `plait checkpoint inspect` prints: the checkpoints under a root, then the
-    chosen one's step, layout, tensors, bytes per rank and whether it is complete."""
+    chosen one's step, layout, tensors, bytes per rank and whether it is complete; and
+    whether it is sound (False: a checksum or size does not match)."""
     source = Path(source)
     lines = []
     listing = checkpoints(source)
@@ -88,7 +94,7 @@ def inspect_text(source: Path, check: bool = True) -> str:
                  "shapes:")
     lines += [f"    {name:<34} {'x'.join(map(str, t['shape']))}"
               for name, t in meta["tensors"].items()]
-    return "\n".join(lines)
+    return "\n".join(lines), not problems
 
 
 def consolidate(source: Path, out: Path, dtype: str = "fp32") -> tuple[Path, int]:

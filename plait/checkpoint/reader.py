@@ -56,12 +56,18 @@ def candidates(source: str | Path) -> tuple[list[Path], bool]:
     src = Path(source)
     if not src.exists():
         raise CheckpointError(f"{src}: no such directory")
+    if not src.is_dir():
+        raise CheckpointError(f"{src} is a file, not a checkpoint directory; name a "
+                              "checkpoint (step-N) or the directory that holds them")
     if (src / METADATA).exists() or is_committed(src):
         return [src], True
     found = checkpoints(src)
     done = [p for _, p, ok in found if ok]
+    if not found:
+        raise CheckpointError(f"{src}: not a checkpoint directory (no step-N inside, no "
+                              f"{METADATA}); name a checkpoint or the directory of them")
     if not done:
-        extra = f" ({len(found)} uncommitted)" if found else ""
+        extra = f" ({len(found)} uncommitted)"
         raise CheckpointError(f"{src}: no committed checkpoint{extra}; start without "
                               "--resume, or name a checkpoint directory")
     return done, False

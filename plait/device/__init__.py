@@ -68,6 +68,17 @@ class Device:
             return CudaMemoryMeter(self.torch, sources)
         return MemoryTracker(sources)
 
+    def peak_memory(self) -> tuple[int, str]:
+        """This process's peak memory so far, cheaply, and what the number is: on CUDA the
+        caching allocator's peak of allocated tensor bytes; on CPU the process's peak
+        resident set (the interpreter and torch included: an upper bound on the tensors,
+        which only the measuring step's tracker counts exactly)."""
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated(self.torch), "peak allocated"
+        import resource  # POSIX; Linux reports KiB
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS"
+
     def __str__(self) -> str:
         return str(self.torch)
 

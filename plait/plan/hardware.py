@@ -50,6 +50,19 @@ GPUS: dict[str, GPU] = {
 }
 
 
+def gpu_by_device_name(device_name: str) -> GPU | None:
+    """The preset of a CUDA device by the name torch reports ("NVIDIA H100 80GB HBM3");
+    None where no preset has its datasheet (a PCIe H100 peaks lower than the SXM)."""
+    name = device_name.upper()
+    if "PCIE" in name:
+        return None
+    for key, preset in (("H200", "h200"), ("B200", "b200"), ("H100", "h100-sxm"),
+                        ("A100", "a100-80gb")):  # both A100s peak alike
+        if key in name:
+            return GPUS[preset]
+    return None
+
+
 def get_gpu(name: str, **overrides: float | None) -> GPU:
     """A preset, with any explicit values (not None) replacing its fields."""
     if name not in GPUS:

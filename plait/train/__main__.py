@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.checkpoint import Checkpointing
 from plait.checkpoint.cli import preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
-from plait.device import DeviceError, resolve_device
+from plait.device import Device, DeviceError, resolve_device
 from plait.elastic import ElasticState, inject_fault
 from plait.files import PartialFile
 from plait.launch import (
@@ -50,8 +51,14 @@ from plait.plan.host_memory import host_memory_problem
 from plait.train.checks import train_inputs
 from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, resolve_data
-from plait.train.loop import train
-from plait.train.report import final_line, print_summary, progress_reporter
+from plait.train.loop import run_layout, train
+from plait.train.report import (
+    Gauges,
+    final_line,
+    plait_warnings,
+    print_summary,
+    progress_reporter,
+)
 from plait.train.sinks import MetricSinks
 from plait.train.stop import StoppedAtBoundary, StopRequest
 from plait.watchdog import REPORT_MARGIN_S, Watchdog, store_client
@@ -118,7 +125,11 @@ class _Run:
 
     def __init__(self, rank: int, total_steps: int):
         self.rank, self.total_steps, self.steps_done = rank, total_steps, 0
+        self.metrics_out: str | None = None  # --metrics-out (rank 0)
         self.metrics: PartialFile | None = None
+        # a resume into the same --metrics-out: the earlier run's rows, of which those
+        # before the first row this run writes are kept (the rest it trains again)
+        self.earlier: list[dict] = []
         self.sinks: MetricSinks | None = None  # --tensorboard, --wandb (plait/train/sinks.py)
         self.stop = StopRequest()  # --checkpoint-on-stop: the signal, for the boundary
         self.watchdog: Watchdog | None = None  # a failure prints every rank's flight recorder
@@ -127,15 +138,32 @@ class _Run:
                      elastic: ElasticState | None) -> None:
         """Rank 0's: the metrics file (streamed to NAME.partial, renamed to NAME only when
         the run completes; an earlier attempt's rows first) and the metric sinks."""
-        self.metrics = PartialFile(args.metrics_out) if args.metrics_out else None
-        for row in elastic.rows if elastic and self.metrics else ():
-            self.metrics.write_line(json.dumps(row))
+        self.metrics_out = args.metrics_out
+        # a resume opens the file at its first row: one that fails before leaves the
+        # earlier run's rows where they are
+        if args.metrics_out and args.resume:
+            self.earlier = PartialFile.rows_left(args.metrics_out)
+        elif args.metrics_out:
+            self.metrics = PartialFile(args.metrics_out)
+        for row in elastic.rows if elastic and self.metrics_out else ():
+            self._write(row)
         self.sinks = MetricSinks.from_args(args, cfg.to_dict(), layout)
+
+    def _write(self, row: dict) -> None:
+        """One line; the first is preceded by the earlier run's rows before its step."""
+        if self.metrics is None:
+            self.metrics = PartialFile(self.metrics_out)
+        first = row.get("step", float("inf"))  # a summary first: every earlier row
+        for old in self.earlier:
+            if old["step"] < first:
+                self.metrics.write_line(json.dumps(old))
+        self.earlier = []
+        self.metrics.write_line(json.dumps(row))
 
     def record(self, row: dict) -> None:
         """A step row or the summary: the JSON line and the sinks, from the same dict."""
-        if self.metrics:
-            self.metrics.write_line(json.dumps(row))
+        if self.metrics_out:
+            self._write(row)
         if self.sinks is not None:
             (self.sinks.write_summary if row.get("summary") else self.sinks.write_row)(row)
 
@@ -233,16 +261,14 @@ def check_rank_inputs(args: argparse.Namespace, rank: int, world: int, local_ran
     return found.cfg
 
 
-def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, elastic,
-                    lead: bool) -> None:
+def _record_outcome(args: argparse.Namespace, run: _Run, result, elastic, lead: bool,
+                    gauges: Gauges | None = None) -> None:
     """The summary row and what rank 0 prints and draws once training is done."""
     if elastic:
         result.summary.update(elastic.summary())
-    if lead and checkpoint.resumed_from is not None and not args.quiet:
-        print(f"resumed from {checkpoint.resumed_from}")
     run.record(result.summary)
     if lead and not args.quiet:
-        print_summary(result.summary, result.metrics)
+        print_summary(result.summary, result.metrics, gauges=gauges)
     if lead and result.pipeline:
         write_pipeline_outputs(result.pipeline)
     if lead and result.timeline:
@@ -252,7 +278,34 @@ def _record_outcome(args: argparse.Namespace, run: _Run, result, checkpoint, ela
               file=sys.stderr)
 
 
+def step_gauges(cfg: Config, device: Device, world: int) -> Gauges:
+    """The step log's memory and MFU: the planner's model FLOPs per token (the MFU
+    numerator, plait/plan/compute.py) and the device's datasheet peak where known."""
+    from plait.plan.compute import model_flops_per_token
+    from plait.plan.hardware import gpu_by_device_name
+    from plait.plan.shape import from_model_config
+
+    gpu = gpu_by_device_name(torch.cuda.get_device_name(device.torch)) if device.is_cuda \
+        else None
+    return Gauges(model_flops_per_token(from_model_config(cfg.model, cfg.train.seq_len)),
+                  world, gpu.peak_flops if gpu is not None else None, device.peak_memory)
+
+
+def _tell_checkpoint_events(checkpoint: Checkpointing, quiet: bool) -> None:
+    """Rank 0's lines: what preflight decided (always: it changes what the run does), and
+    each resume and committed save as it happens (not with --quiet)."""
+    for note in checkpoint.notes:
+        print(f"plait: {note}", file=sys.stderr, flush=True)
+    if not quiet:
+        checkpoint.say = lambda line: print(line, flush=True)
+
+
 def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+    with plait_warnings(lead=rank == 0):
+        return _train_rank(args, rank, world, run)
+
+
+def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cfg = check_rank_inputs(args, rank, world, local_rank,
                             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
@@ -263,6 +316,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
         checkpoint = preflight(args, cfg)
     except CheckpointError as e:
         raise BadInput([str(e)]) from e
+    if rank == 0:
+        _tell_checkpoint_events(checkpoint, args.quiet)
     run.total_steps = cfg.train.steps
     data = resolve_data(cfg, args.data_dir) if rank == 0 or cfg.train.data else None
     if world > 1:  # the watchdog reports a hang before the group's own timeout
@@ -282,10 +337,12 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
     lead = rank == 0
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
     if lead:
-        run.open_outputs(args, cfg, mesh.describe().split(" (")[0], elastic)
+        run.open_outputs(args, cfg, run_layout(cfg, mesh).split(" (")[0], elastic)
     finished = False
     try:
-        with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet) as show:
+        gauges = step_gauges(cfg, device, world) if lead else None
+        with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet,
+                               gauges=gauges) as show:
             def on_step(row: dict) -> None:
                 run.steps_done = row["step"] + 1
                 show(row)
@@ -307,7 +364,7 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise
-        _record_outcome(args, run, result, checkpoint, elastic, lead)
+        _record_outcome(args, run, result, elastic, lead, gauges)
         finished = True
     finally:
         if dist.is_initialized():

@@ -158,6 +158,7 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None,
         else:
             check_data(cfg, found.data)
         found.problems += vocabulary_problems(cfg, found.data)
+        found.warnings += vocabulary_notes(cfg, found.data)
     except DataError as e:
         found.problems.append(str(e))
     return found
@@ -178,11 +179,25 @@ def init_problems(cfg: Config) -> list[str]:
 
 
 def vocabulary_problems(cfg: Config, data: Path) -> list[str]:
-    """A model started from elsewhere has a fixed vocabulary: data tokenized with a
-    larger one is refused even where the first windows happen to fit."""
-    vocab = TokenFile.open(data).meta.get("vocab_size")
-    if cfg.train.init_from is None or not isinstance(vocab, int) or vocab <= cfg.model.vocab_size:
+    """Data tokenized with a larger vocabulary than the model's is refused even where the
+    windows read so far happen to fit: a later one would hold an id with no embedding."""
+    vocab, mine = TokenFile.open(data).meta.get("vocab_size"), cfg.model.vocab_size
+    if not isinstance(vocab, int) or vocab <= mine:
         return []
+    if cfg.train.init_from is not None:  # the model's vocabulary is the source's
+        return [f"{data}: tokenized with a vocabulary of {vocab}, larger than the model's "
+                f"{mine} (--init-from {cfg.train.init_from}); prepare the data with the "
+                "model's tokenizer (plait data prepare --tokenizer hf:DIR)"]
     return [f"{data}: tokenized with a vocabulary of {vocab}, larger than the model's "
-            f"{cfg.model.vocab_size} (--init-from {cfg.train.init_from}); prepare the data "
-            "with the model's tokenizer (plait data prepare --tokenizer hf:DIR)"]
+            f"{mine}; use --set model.vocab_size={vocab}, or prepare the data with "
+            f"--vocab-size {mine} or less"]
+
+
+def vocabulary_notes(cfg: Config, data: Path) -> list[str]:
+    """A smaller vocabulary trains, but part of the embedding and the head never does."""
+    vocab, mine = TokenFile.open(data).meta.get("vocab_size"), cfg.model.vocab_size
+    if not isinstance(vocab, int) or vocab >= mine:
+        return []
+    return [f"{data} was tokenized with a vocabulary of {vocab}, smaller than the model's "
+            f"{mine}: {mine - vocab} embedding and output rows are never used; "
+            f"--set model.vocab_size={vocab} matches it"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from plait.checkpoint.cli import add_checkpoint_args
 from plait.config import Config, ConfigError, load_config
 from plait.device import CHOICES as DEVICE_CHOICES
+from plait.model.presets import PRESETS
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES
 from plait.train.sinks import add_sink_args
 
@@ -31,15 +32,28 @@ TRAIN_FLAGS = {
 }
 
 
+def _data_dir_help() -> str:
+    from plait.train.corpus import default_data_dir
+
+    home = str(Path.home())
+    shown = str(default_data_dir())
+    return ("where the default corpus lives (default "
+            f"{'~' + shown[len(home):] if shown.startswith(home) else shown})")
+
+
+DATA_DIR_HELP = _data_dir_help()  # `plait demo` and `plait data prepare` say the same
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """The flags that build the configuration and name its data (what `plait report`
     takes beside a metrics file)."""
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set train.warmup_steps=5")
-    p.add_argument("--model", help="model preset (tiny, small, llama3-8b, ...; default tiny)")
+    p.add_argument("--model", metavar="PRESET", help=f"model preset: {', '.join(PRESETS)} "
+                   f"(model_name, default {Config().model_name})")
     p.add_argument("--data", help="token file (.bin); default: the embedded corpus")
-    p.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
+    p.add_argument("--data-dir", help=DATA_DIR_HELP)
     for name in ("steps", "seed", "global-batch", "seq-len", "micro-batch-size", "dp", "tp",
                  "pp", "cp", "ep", "zero", "microbatches", "virtual-stages", "gpus-per-node"):
         p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))

@@ -357,6 +357,17 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
             f"stops; {keep}. Lower the learning rate or check the data")
 
 
+def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
+    """The mesh's sizes and the settings that shape the run beside them, e.g. 'dp=2 x
+    pp=1 x cp=1 x tp=1, ZeRO-3, bf16, recompute full (order innermost first: ...)':
+    the summary, the final line and the timeline's title show it."""
+    sizes, _, order = mesh.describe().partition(" (")
+    p, t = cfg.parallel, cfg.train
+    extra = ([f"ZeRO-{p.zero}"] if p.zero else []) + (["SP"] if p.sp and p.tp > 1 else [])
+    extra += [t.precision] + ([f"recompute {t.recompute}"] if t.recompute != "none" else [])
+    return ", ".join([sizes, *extra]) + (f" ({order}" if order else "")
+
+
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
              param_count: dict[str, int]) -> dict:
     """The run's summary line: layout, final loss, mean step time and tokens/s (plait/
@@ -365,7 +376,7 @@ def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: in
     times = [m["step_time"] for m in metrics]
     return {
         "summary": True,
-        "layout": mesh.describe(),
+        "layout": run_layout(cfg, mesh),
         "world_size": mesh.world_size,
         "steps": steps_run,
         "final_loss": metrics[-1]["loss"] if metrics else None,

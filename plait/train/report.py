@@ -1,13 +1,20 @@
-"""What rank 0 shows a person: a progress bar during training and a summary table after."""
+"""What rank 0 shows a person: a progress bar during training, a summary table after, and
+the library's warnings as plait lines."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from plait.checkpoint import CheckpointWarning
+from plait.throughput import tokens_per_second
 
 
 def human_bytes(n: float) -> str:
@@ -18,27 +25,57 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+@dataclass
+class Gauges:
+    """What the step log shows beside the loss: memory and the model FLOPs' rate (MFU
+    where the device's peak is known), from numbers the CLI layer supplies."""
+
+    flops_per_token: float = 0.0  # model FLOPs per trained token (no recompute)
+    ranks: int = 1
+    peak_flops: float | None = None  # one rank's device, dense bf16 (None: unknown)
+    memory: Callable[[], tuple[int, str]] | None = None  # (bytes, what they are)
+
+    def text(self, tokens_per_s: float) -> str:
+        parts = []
+        if self.memory is not None:
+            used, what = self.memory()
+            parts.append(f"mem {human_bytes(used)} ({what})")
+        per_rank = self.flops_per_token * tokens_per_s / max(self.ranks, 1)
+        if self.flops_per_token and self.peak_flops:
+            parts.append(f"MFU {per_rank / self.peak_flops:.1%}")
+        elif self.flops_per_token:  # a CPU: no peak to divide by
+            parts.append(f"{per_rank / 1e9:,.2f} GFLOP/s/rank")
+        return "  ".join(parts)
+
+
 @contextlib.contextmanager
-def progress_reporter(total_steps: int, enabled: bool) -> Iterator[Callable[[dict], None]]:
-    """Yields show(row): advances a rich progress bar with the step's loss and speed."""
+def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = None
+                      ) -> Iterator[Callable[[dict], None]]:
+    """Yields show(row): advances a rich progress bar with the step's loss and speed.
+    Its tokens/s is the summary's (plait/throughput.py: the steps so far, the first left
+    out once there are others), so the bar's last value is the summary's."""
     if not enabled:
         yield lambda row: None
         return
+    gauges = gauges or Gauges()
     progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/"
                         "{task.total}"), TextColumn("{task.description}"), TimeRemainingColumn(),
                         console=Console(stderr=True))
+    times: list[float] = []
     with progress:
         task = progress.add_task("", total=total_steps)
         every = max(total_steps // 10, 1)
 
         def show(row: dict) -> None:
+            times.append(row["step_time"])
+            rate = tokens_per_second(row["tokens"], times)
             if row["step"] % every == 0 or row["step"] == total_steps - 1:
                 # stdout, beside the summary (the live bar, on stderr, shows it above itself)
                 print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
-                      f"grad norm {row['grad_norm']:.3f}{_moe_note(row)}", flush=True)
+                      f"grad norm {row['grad_norm']:.3f}  {rate:,.0f} tokens/s  "
+                      f"{gauges.text(rate)}{_moe_note(row)}".rstrip(), flush=True)
             progress.update(task, advance=1, description=(
-                f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                f"lr {row['lr']:.2e}"))
+                f"loss {row['loss']:.4f}  {rate:,.0f} tokens/s  lr {row['lr']:.2e}"))
 
         yield show
 
@@ -72,7 +109,8 @@ def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) 
             f"-> {last:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{where}")
 
 
-def print_summary(summary: dict, metrics: list[dict], console: Console | None = None) -> None:
+def print_summary(summary: dict, metrics: list[dict], console: Console | None = None,
+                  gauges: Gauges | None = None) -> None:
     console = console or Console()
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     fields = [("layout", summary["layout"]), ("params", _params(summary)),
@@ -80,6 +118,8 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
               # plait/throughput.py: global batch tokens / step time, first step left out
               ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
               ("step", f"{summary['mean_step_time'] * 1e3:.1f} ms")]
+    if gauges is not None and summary["tokens_per_s"]:
+        fields.append(("rank 0", gauges.text(summary["tokens_per_s"])))
     if metrics and metrics[-1].get("moe"):  # routing of the last step
         fields.append(("experts", _moe_note(metrics[-1]).strip()))
     for name, value in fields:  # one field a line: a narrow terminal never splits one
@@ -103,3 +143,21 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
                       + ", ".join(f"{d} {r['exposed'] * 1e3:.1f} / {r['hidden'] * 1e3:.1f} ms"
                                   for d, r in sorted(overlap.items())),
                       soft_wrap=True, highlight=False)
+
+
+@contextlib.contextmanager
+def plait_warnings(lead: bool) -> Iterator[None]:
+    """A checkpoint warning (one skipped as corrupt, settings changed since the save) as
+    one `plait: warning:` line from rank 0, not Python's file:line form from every rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default" if lead else "ignore", CheckpointWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            if issubclass(category, CheckpointWarning):
+                print(f"plait: warning: {message}", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield

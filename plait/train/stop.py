@@ -69,5 +69,5 @@ def save_on_stop(checkpoint: Checkpointing, par: ParallelModel, mesh: ParallelMe
         return checkpoint.saved[-1]
     path = save(par, mesh, cfg, Path(checkpoint.dir), steps_done, progress, checkpoint.keep)
     assert isinstance(path, Path)  # a synchronous save returns the committed directory
-    checkpoint.saved.append(path)
+    checkpoint.saved.append(path)  # the stop's own line names it: not told here
     return path
