@@ -32,6 +32,7 @@ MEMORY_CATEGORIES = {"params": ("parameters",), "grads": ("gradients",),
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from plait.cli_parser import copy_flags
     from plait.train.flags import add_config_args
 
     p = subparsers.add_parser("report", help="predicted vs measured memory and communication "
@@ -51,8 +52,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--override-config", action="store_true",
                    help="report against the configuration of --config / the flags given "
                    "here instead of the one the metrics file records")
-    add_config_args(p)  # --config and the setting flags, for files without a config
+    # for a metrics file that records no configuration: --config / --set, or the run's
+    # own train flags (accepted, not listed: plait train --help lists them)
+    settings = [a.option_strings[0] for a in _scratch(add_config_args)._actions]
+    copy_flags(p, add_config_args, ("--config", "--set"), hidden=settings, helps={
+        "--config": "the run's TOML config, for a metrics file that records none (the "
+        "run's plait train setting flags, --dp, --pp, --model ..., are taken too)"})
     p.set_defaults(func=run)
+    return p
+
+
+def _scratch(adder: Any) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    adder(p)
     return p
 
 
