@@ -88,3 +88,18 @@ def test_the_timeline_is_drawn_in_ms_titled_with_the_last_steps_bubble(monkeypat
     assert drawn["unit"] == "ms" and drawn["what"] == "last step"
     assert drawn["result"].step_time == pytest.approx(3.0)  # ms
     assert drawn["result"].bubble_fraction == measure.last_step_bubble(events)
+
+
+def test_report_plan_says_its_pp_bytes_are_the_most_loaded_ranks(monkeypatch):
+    from plait.observe import plan_check
+
+    monkeypatch.setattr(plan_check, "layout_mismatches", lambda plan, cfg: [])  # not here
+
+    cfg = load_config(None, sets=PP4)
+    plan = {"layout": {"step_time_s": 0.05, "memory_total_bytes": 1,
+                       "collectives": [{"dim": "pp", "bytes": 16384.0, "count": 16}]},
+            "hardware": {"gpu": "h100-sxm"}, "config": "run.toml"}
+    rep = compare([{"step": 0}], RECORDED, cfg)
+    pc = plan_check.compare_plan(plan, cfg, [{"step": 0, "step_time": 0.07}], rep["communication"])
+    pp = next(d for d in pc["communication"] if d["dim"] == "pp")
+    assert pp["plan_rank"] == "most loaded" and pp["ratio"] == pytest.approx(2.0, abs=1e-3)
