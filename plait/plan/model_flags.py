@@ -80,7 +80,7 @@ def shape_from_args(args: argparse.Namespace) -> Shape:
         need = [f for f in ("layers", "hidden", "heads", "vocab", "seq") if f not in given]
         if need:
             raise ShapeError(f"give --model (one of: {', '.join(PRESETS)}) or all of "
-                             + ", ".join(f"--{f}" for f in need))
+                             + ", ".join(f"--{TRAIN_NAMES.get(f, f)}" for f in need))
         h = given["hidden"]
         shape = Shape(given["layers"], h, given["heads"], given.get("kv_heads", given["heads"]),
                       given.get("ffn", 4 * h), given["vocab"], given["seq"], arch=arch,
