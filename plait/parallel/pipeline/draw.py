@@ -18,7 +18,7 @@ COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
 
 
 def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path,
-                  unit: str = "time units of --forward", what: str = "step") -> Path:
+                  unit: str = "the unit of --forward", what: str = "step") -> Path:
     """One row per rank, one box per compute, labelled with its micro-batch (and the
     rank's chunk letter when it holds several stages). `unit`: what the events' times
     are in (a simulation's are the durations given to it; a measured step's, ms);
