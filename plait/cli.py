@@ -252,8 +252,10 @@ def _version() -> str:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole `plait` parser; with `only` (one of LIGHT_COMMANDS), just that command's,
     which imports neither torch nor the other subsystems."""
-    parser = argparse.ArgumentParser(
-        prog="plait", description=__doc__.splitlines()[0],
+    from plait.cli_parser import PlaitParser
+
+    parser = PlaitParser(
+        prog="plait", description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog="exit status: 0 done, 1 the run failed, 2 bad input (nothing started, nothing "
         "written), 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP)")
     parser.add_argument("--version", action=_VersionAction, nargs=0,
@@ -361,7 +363,9 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0, 1 failed, 2 bad input, 130 interrupted; no traceback without --debug."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv and argv[0] in LIGHT_COMMANDS else None).parse_args(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in LIGHT_COMMANDS else None)
+    parser.argv = argv  # an unknown flag's error names the closest of its subcommand's
+    args = parser.parse_args(argv)
     debug = getattr(args, "debug", False)
     try:
         return _dispatch(args, argv)

@@ -232,7 +232,9 @@ class EmulatedCluster:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "cluster", help="emulate N nodes on this machine (network namespaces, shaped links) "
-        "and train across them", description=__doc__.splitlines()[0],
+        "and train across them", description="A cluster on one machine: `plait cluster "
+        "--nnodes N --inter-node-mbit M -- TRAIN FLAGS` runs plait train across N emulated "
+        "nodes (network namespaces, links shaped to M Mbit/s; docs/multi_node.md).",
         epilog="everything after -- goes to every node's `plait train` (not --nnodes, "
         "--node-rank, --master, --interface: set per node). Needs root, ip and tc.")
     p.add_argument("--nnodes", type=int, default=2, metavar="N", help="nodes (default 2)")

@@ -163,3 +163,42 @@ def test_time_breakdown_sums_to_the_step(recompute):
     assert rc == 0 and lay["recompute"] == recompute
     assert sum(lay["time_breakdown_s"].values()) == pytest.approx(lay["step_time_s"], rel=1e-9)
     assert (lay["time_breakdown_s"]["recompute"] > 0) == (recompute != "none")
+
+
+def test_plan_takes_train_names_for_sequence_and_micro_batches():
+    layout = ("--layout", "tp=8,pp=8,dp=16", "--schedule", "1f1b", "--json")
+    docs = [json.loads(plan(*BASE, *layout, *names)[1])["layouts"][0] for names in (
+        ("--seq", "4096", "--microbatch", "2"),  # the planner's own names, kept as aliases
+        ("--seq-len", "4096", "--micro-batch-size", "2"),  # plait train's
+        ("--seq-len", "4096", "--microbatches", "32"))]  # train's count: 1024 / 16 / 32 = 2
+    assert docs[0] == docs[1] == docs[2]
+    assert docs[0]["microbatch"] == 2 and docs[0]["microbatches"] == 32
+    rc, out = plan(*BASE, *layout, "--microbatches", "3")
+    assert rc == 2 and "--microbatches 3" in out and "64 sequences per replica" in out
+
+
+def test_plan_says_the_defaults_unlike_train():
+    rc, out = plan("--model", "tiny", "--gpus", "2", "--global-batch", "8",
+                   "--layout", "dp=2")
+    assert rc == 0
+    said = next(line for line in out.splitlines() if line.startswith("defaults unlike"))
+    assert "--precision bf16 (plait train's: fp32)" in said
+    assert "--zero 1 (plait train's: 0)" in said and "--seq-len" in said
+    rc, out = plan("--model", "tiny", "--gpus", "2", "--global-batch", "8", "--layout",
+                   "dp=2", "--precision", "fp32", "--zero", "0", "--seq-len", "64")
+    assert rc == 0 and "defaults unlike" not in out
+
+
+def test_a_tiny_model_reads_in_units_that_fit():
+    rc, out = plan("--model", "tiny", "--gpus", "2", "--global-batch", "8")
+    assert rc == 0
+    assert "363 K params" in out and "0.00 B" not in out
+    assert "TFLOP/s" in out and "MB" in out and "0.0 GB" not in out
+
+
+def test_units_fit_the_size():
+    from plait.plan.units import flops_rate, nbytes, params
+
+    assert (params(405e9), params(1.62e6), params(512)) == ("405 B", "1.62 M", "512")
+    assert (nbytes(61.2e9), nbytes(14.2e6), nbytes(0)) == ("61.2 GB", "14.2 MB", "0 B")
+    assert (flops_rate(412e12), flops_rate(3.25e9)) == ("412 TFLOP/s", "3.25 GFLOP/s")

@@ -92,8 +92,12 @@ def preflight(args: argparse.Namespace, cfg: Config) -> Checkpointing:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("checkpoint", help="inspect or consolidate checkpoints",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser(
+        "checkpoint", help="inspect or consolidate checkpoints",
+        description="`plait checkpoint inspect D`: a checkpoint's step, layout, tensors and "
+        "bytes per rank, and whether it is complete; `plait checkpoint consolidate D --out "
+        "F`: its full model as one safetensors file. Saving and resuming are plait train's "
+        "flags (--checkpoint-dir, --checkpoint-every, --keep, --resume).")
     sub = p.add_subparsers(dest="checkpoint_command", required=True)
     ins = sub.add_parser("inspect", help="step, layout, tensors, bytes per rank, complete?")
     ins.add_argument("path", help="a checkpoint, or a directory of them (the newest "

@@ -94,18 +94,38 @@ def communication_figure(dims: list[dict]) -> bytes:
 def overlap_figure(dims: list[dict]) -> bytes:
     return _paired_bars([d["dim"] for d in dims], [d["predicted_exposed_share"] for d in dims],
                         [d["measured_exposed_share"] or 0.0 for d in dims],
-                        "exposed share of each dim's communication time", "exposed / total")
+                        "exposed share of each dim's communication time",
+                        "exposed / time in flight")
 
 
-def bubble_figure(pipeline: dict) -> bytes:
+# the summary's bubbles a report shows (plait/parallel/pipeline/measure.py defines them)
+BUBBLES = (("measured, mean of the steps", "measured_bubble"),
+           ("simulated, measured durations", "simulated_bubble"),
+           ("simulated, free transfers", "simulated_bubble_no_comm"),
+           ("simulated, CPU times", "simulated_bubble_cpu"))
+
+
+def bubbles(summary: dict) -> list[tuple[str, float]]:
+    """(name, fraction) of each bubble the report's table and figure show, one list for
+    both: the summary's, then the last step's, the one the timeline draws (and titles)."""
+    from plait.parallel.pipeline.measure import last_step_bubble
+
+    p = summary["pipeline"]
+    out = [(name, p[key]) for name, key in BUBBLES if key in p]
+    if summary.get("pipeline_timeline"):
+        out.insert(1, ("measured, last step (the timeline)",
+                       last_step_bubble(summary["pipeline_timeline"])))
+    return out
+
+
+def bubble_figure(summary: dict) -> bytes:
     plt = _pyplot()
-    names = {"measured_bubble": "measured", "simulated_bubble": "simulated\n(measured durations)",
-             "simulated_bubble_no_comm": "simulated\n(free transfers)",
-             "simulated_bubble_cpu": "simulated\n(CPU times)"}
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    keys = [k for k in names if k in pipeline]
-    ax.bar([names[k] for k in keys], [100 * pipeline[k] for k in keys],
-           color=[MEASURED] + [PREDICTED] * (len(keys) - 1))
+    pipeline = summary["pipeline"]
+    shown = bubbles(summary)
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ax.bar([name.replace(", ", ",\n") for name, _ in shown], [100 * v for _, v in shown],
+           color=[MEASURED if name.startswith("measured") else PREDICTED for name, _ in shown])
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("bubble, % of pp x span")
     ax.set_title(f"pipeline {pipeline['schedule']} pp={pipeline['pp']} "
                  f"m={pipeline['microbatches']} v={pipeline['virtual_stages']}", fontsize=10)
@@ -154,7 +174,7 @@ def figures(rows: list[dict], summary: dict, rep: dict | None, no_plan: str | No
             why["overlap"] = "no collective with measured time"
     pipeline = summary.get("pipeline")
     if pipeline:
-        out["bubble"] = bubble_figure(pipeline)
+        out["bubble"] = bubble_figure(summary)
     else:
         why["bubble"] = "pp=1: the run has no pipeline, so no bubble"
     if pipeline and summary.get("pipeline_timeline"):

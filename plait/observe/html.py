@@ -17,7 +17,7 @@ import html
 from pathlib import Path
 
 from plait.files import atomic_output
-from plait.observe.figures import FIGURES
+from plait.observe.figures import FIGURES, bubbles
 
 SECTIONS = ("run", "curves", "memory", "communication", "overlap", "pipeline", "notes")
 STYLE = """
@@ -110,14 +110,11 @@ def _communication_section(rep: dict | None, pngs: dict, why: dict) -> str:
 def _overlap_section(rep: dict | None, pngs: dict, why: dict) -> str:
     if rep is None or "overlap" not in pngs:
         return _why(why["overlap"])
-    rows = [[d["dim"], _num(d["predicted_exposed_share"], ".2f"),
-             _num(d["measured_exposed_share"], ".2f"),
-             _num(d["measured_exposed_s"] and d["measured_exposed_s"] * 1e3, ".2f"),
-             _num(d["measured_hidden_s"] and d["measured_hidden_s"] * 1e3, ".2f")]
-            for d in rep["communication"]]
-    return ("<p>the share of each dim's communication time the rank waits for (exposed), "
-            "planner vs ledger</p>" + _table(["dim", "planner", "measured",
-                                              "measured exposed ms", "hidden ms"], rows)
+    from plait.observe.report import OVERLAP_COLUMNS, overlap_rows, overlap_title
+
+    step = rep.get("step_time_s")
+    return (f"<p>{html.escape(overlap_title(step))}</p>"
+            + _table(list(OVERLAP_COLUMNS), overlap_rows(rep["communication"], step))
             + _img(pngs, "overlap"))
 
 
@@ -125,10 +122,7 @@ def _pipeline_section(summary: dict, pngs: dict, why: dict) -> str:
     p = summary.get("pipeline")
     if not p:
         return _why(why["bubble"])
-    rows = [[name, f"{100 * p[key]:.1f} %"] for name, key in (
-        ("measured", "measured_bubble"), ("simulated, measured durations", "simulated_bubble"),
-        ("simulated, free transfers", "simulated_bubble_no_comm"),
-        ("simulated, CPU times", "simulated_bubble_cpu")) if key in p]
+    rows = [[name, f"{100 * value:.1f} %"] for name, value in bubbles(summary)]
     idle = [[k, f"{100 * v:.1f} %"] for k, v in p.get("idle", {}).items()]
     timeline = (_img(pngs, "timeline") if "timeline" in pngs else _why(why["timeline"]))
     return (f"<p>{html.escape(str(p['schedule']))} pp={p['pp']} m={p['microbatches']} "

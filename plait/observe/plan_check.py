@@ -79,6 +79,10 @@ def compare_plan(plan: dict[str, Any], cfg: Config, rows: list[dict],
              "ratio": planned_dims[d] / ledger[d] if planned_dims.get(d) and ledger.get(d)
              else None} for d in sorted(set(planned_dims) | set(ledger))]
     mem_row = next((r for r in rows if "memory" in r), None)
+    # the plan's collectives are its most loaded rank's: at pp >= 3 a middle pipeline
+    # rank, sending both ways (twice rank 0's pp bytes); `compare` holds rank 0 to rank 0
+    for d in dims:
+        d["plan_rank"] = "most loaded" if d["dim"] == "pp" and cfg.parallel.pp >= 3 else None
     return {"plan": plan.get("config"), "hardware": plan["hardware"]["gpu"],
             "mismatches": layout_mismatches(plan, cfg),
             # the fastest timed step too: on a shared machine the least disturbed one, the
@@ -115,7 +119,9 @@ def print_plan_check(console: Any, pc: dict[str, Any]) -> None:
             t.add_row(f"step time s (run: {what})", f"{st['predicted_s']:.4g}",
                       f"{st[key]:.4g}", ratio(st["predicted_s"] / st[key]))
     for d in pc["communication"]:
-        t.add_row(f"{d['dim']} bytes/step", f"{d['planned_bytes'] or 0:,.0f}",
+        which = " (plan: its most loaded rank, a middle one; run: rank 0)" \
+            if d.get("plan_rank") else ""
+        t.add_row(f"{d['dim']} bytes/step{which}", f"{d['planned_bytes'] or 0:,.0f}",
                   f"{d['measured_bytes'] or 0:,.0f}", ratio(d["ratio"]))
     mem = pc["memory"]
     t.add_row("memory, peak rank (plan: fused GPU kernels)",

@@ -8,9 +8,9 @@ measured peak by category (plait/device/memory.py); it is compared with the plan
 prediction for that rank, `plait.plan.eager.eager_memory_by_rank` (kernels="eager": plait's
 CPU runtime; one cost model, the code `plait plan` uses). Communication: the summary's
 ledger (payload bytes per step per collective@dim, rank 0) beside the planner's
-collectives for the layout (`plait.plan.estimate_config`: payload per call × calls per
-step), per mesh dim. The configuration comes from the summary line (`plait train` writes
-it there), or from --config / train flags when given.
+collectives of the same rank (`plait.plan.rank_collectives` for pipeline rank 0: payload
+per call × calls per step), per mesh dim. The configuration comes from the summary line
+(`plait train` writes it there), or from --config / train flags when given.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ MEMORY_CATEGORIES = {"params": ("parameters",), "grads": ("gradients",),
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from plait.cli_parser import copy_flags
     from plait.train.flags import add_config_args
 
     p = subparsers.add_parser("report", help="predicted vs measured memory and communication "
@@ -51,8 +52,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--override-config", action="store_true",
                    help="report against the configuration of --config / the flags given "
                    "here instead of the one the metrics file records")
-    add_config_args(p)  # --config and the setting flags, for files without a config
+    # for a metrics file that records no configuration: --config / --set, or the run's
+    # own train flags (accepted, not listed: plait train --help lists them)
+    settings = [a.option_strings[0] for a in _scratch(add_config_args)._actions]
+    copy_flags(p, add_config_args, ("--config", "--set"), hidden=settings, helps={
+        "--config": "the run's TOML config, for a metrics file that records none (the "
+        "run's plait train setting flags, --dp, --pp, --model ..., are taken too)"})
     p.set_defaults(func=run)
+    return p
+
+
+def _scratch(adder: Any) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    adder(p)
     return p
 
 
@@ -100,7 +112,7 @@ def _flags_given(args: argparse.Namespace) -> bool:
 
 def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     """The comparison as data: memory by category, communication by collective and dim."""
-    from plait.plan import estimate_config
+    from plait.plan import rank_collectives
     from plait.plan.eager import eager_memory_by_rank, not_covered
     from plait.plan.eager_sizes import token_file_windows
 
@@ -127,9 +139,11 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
         out["memory"] = {"step": mem_row["step"], "rank": 0, "moment": pred["moment"],
                          "categories": cats}
     ledger = summary.get("ledger", {}).get("per_step", {})
-    est = estimate_config(cfg)
+    # the ledger is rank 0's, the first pipeline rank: the planner's collectives of that
+    # rank, not of the layout's most loaded one (a middle rank sends both ways: 2x at pp >= 3)
+    collectives = rank_collectives(cfg, 0)
     predicted: dict[str, list[dict]] = {}
-    for c in est.collectives:
+    for c in collectives:
         predicted.setdefault(c.dim, []).append(
             {"op": c.op, "bytes_per_call": float(c.size), "calls": float(c.count),
              "bytes_per_step": float(c.size * c.count)})
@@ -149,8 +163,9 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
         dims.append({"dim": dim, "predicted": predicted.get(dim, []),
                      "measured": measured_by_dim.get(dim, []), "predicted_bytes": p,
                      "measured_bytes": m, "ratio": p / m if m and p else None,
-                     **_exposure(dim, est.collectives, overlap.get(dim))})
+                     **_exposure(dim, collectives, overlap.get(dim))})
     out["communication"] = dims
+    out["step_time_s"] = summary.get("mean_step_time")
     if not ledger:
         out["notes"].append("the summary line has no ledger")
     out["notes"].append(
@@ -211,19 +226,42 @@ def _share(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def print_overlap(console: Any, dims: list[dict]) -> None:
+# the overlap table's columns (the terminal's and the HTML page's): the exposed time is
+# what a step pays; the time in flight is summed over collectives, which overlap one
+# another (a pipeline's sends), so it can exceed the step
+OVERLAP_COLUMNS = ("dim", "exposed share: planner", "measured", "exposed ms",
+                   "exposed, % of step", "in flight ms (summed)")
+
+
+def overlap_rows(dims: list[dict], step_s: float | None) -> list[list[str]]:
+    """One row per dim: OVERLAP_COLUMNS' values."""
+    rows = []
+    for d in dims:
+        seen = d["measured_seconds"] is not None
+        exposed = d["measured_exposed_s"] if seen else None
+        rows.append([d["dim"], _share(d["predicted_exposed_share"]),
+                     _share(d["measured_exposed_share"]),
+                     f"{exposed * 1e3:.2f}" if seen else "-",
+                     f"{100 * exposed / step_s:.1f} %" if seen and step_s else "-",
+                     f"{d['measured_seconds'] * 1e3:.2f}" if seen else "-"])
+    return rows
+
+
+def overlap_title(step_s: float | None) -> str:
+    step = f" (mean step {step_s * 1e3:.1f} ms)" if step_s else ""
+    return (f"overlap per step, rank 0{step}: the share of each dim's communication time "
+            "the rank waits for (exposed)")
+
+
+def print_overlap(console: Any, dims: list[dict], step_s: float | None) -> None:
     """Exposed share of each dim's communication, planner vs ledger, with the seconds."""
     from rich.table import Table
 
-    t = Table(title="overlap per step, rank 0: exposed share of communication time")
-    for col in ("dim", "planner", "measured", "measured exposed ms", "hidden ms"):
+    t = Table(title=overlap_title(step_s))
+    for col in OVERLAP_COLUMNS:
         t.add_column(col, justify="left" if col == "dim" else "right")
-    for d in dims:
-        seen = d["measured_seconds"] is not None
-        t.add_row(d["dim"], _share(d["predicted_exposed_share"]),
-                  _share(d["measured_exposed_share"]),
-                  f"{d['measured_exposed_s'] * 1e3:.2f}" if seen else "-",
-                  f"{d['measured_hidden_s'] * 1e3:.2f}" if seen else "-")
+    for row in overlap_rows(dims, step_s):
+        t.add_row(*row)
     console.print(t)
 
 
@@ -261,7 +299,7 @@ def print_report(rep: dict) -> None:
                   _fmt(d["measured_bytes"] or None),
                   "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
     console.print(t)
-    print_overlap(console, rep["communication"])
+    print_overlap(console, rep["communication"], rep.get("step_time_s"))
     if rep.get("plan"):
         from plait.observe.plan_check import print_plan_check
 

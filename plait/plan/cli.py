@@ -30,7 +30,7 @@ from plait.plan.goodput import (
     layouts_goodput,
 )
 from plait.plan.hardware import GB, GPUS, Cluster
-from plait.plan.inputs import plan_flag_problems
+from plait.plan.inputs import apply_defaults, micro_batch_size, plan_flag_problems
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
 from plait.plan.model_flags import (
     RUNTIME_NOTE,
@@ -43,6 +43,7 @@ from plait.plan.plot import plot_memory
 from plait.plan.profile import base_gpu, hardware_of
 from plait.plan.search import PlanError, layout_problems, order_notes, search
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
+from plait.plan.units import flops_rate, nbytes, params
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
 
@@ -77,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--global-batch", type=int, metavar="N", help="sequences per step")
     t.add_argument("--global-batch-tokens", type=int, metavar="N",
                    help="tokens per step (/ seq), instead of --global-batch")
-    t.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
-                   help="default bf16")
+    t.add_argument("--precision", default=None, choices=list(PRECISIONS),
+                   help="default bf16, what GPU runs use (plait train's default: fp32)")
     t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="default adam")
     t.add_argument("--mem-limit", type=float, default=0.9,
                    help="usable fraction of HBM (default 0.9)")
@@ -92,8 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "pipeline time is the steady state of consecutive steps)")
     lay = p.add_argument_group("one layout (instead of searching)")
     lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
-    lay.add_argument("--microbatch", type=int, default=1, metavar="N",
-                     help="sequences per micro-batch (default 1)")
+    lay.add_argument("--micro-batch-size", "--microbatch", dest="microbatch", type=int,
+                     default=None, metavar="N",
+                     help="sequences per micro-batch, as plait train's (default 1)")
+    lay.add_argument("--microbatches", type=int, metavar="N",
+                     help="micro-batches per data-parallel replica, as plait train's: "
+                     "instead of --micro-batch-size (global batch / dp / N sequences each)")
     lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULE_NAMES),
                      help="default 1f1b")
     lay.add_argument("--virtual-stages", type=int, default=1, metavar="N",
@@ -103,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "train), selective (math: the probabilities; flash: plait train's "
                      "list, the attention core and element-wise ops, keeping the matmul "
                      "outputs), full (all but each layer's input)")
-    lay.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="default 1")
+    lay.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                     help="default 1 (plait train's default: 0)")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
     lay.add_argument("--order", default="tp,cp,pp,dp", metavar="DIMS",
                      help="the mesh order, innermost first, as parallel.order (default "
@@ -149,7 +155,7 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
                                     args.optimizer_sync)
 
 
-def parse_layout(text: str, args: argparse.Namespace) -> Layout:
+def parse_layout(text: str, args: argparse.Namespace, global_batch: int) -> Layout:
     sizes = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1}
     for part in text.split(","):
         k, _, v = part.partition("=")
@@ -168,7 +174,8 @@ def parse_layout(text: str, args: argparse.Namespace) -> Layout:
     if order != ("tp", "cp", "pp", "dp") and sizes["ep"] > 1:
         raise PlanError(f"--order {args.order}: a custom order is modelled for dense "
                         "layouts only; leave out ep or --order")
-    return Layout(**sizes, mbs=args.microbatch, schedule=args.schedule, v=v, zero=args.zero,
+    mbs = micro_batch_size(args, sizes["dp"], global_batch)
+    return Layout(**sizes, mbs=mbs, schedule=args.schedule, v=v, zero=args.zero,
                   recompute=args.recompute, sp=not args.no_sp, attention=args.attention,
                   order=order)
 
@@ -221,8 +228,8 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
     console.print(header)
     t = Table(title="layouts (best first)", padding=(0, 0))
     for col in ("#", "layout", "mb x n", "schedule", "ZeRO", "recompute", "step s",
-                "tokens/s", "model TFLOP/s/GPU", "hw TFLOP/s/GPU", "MFU", "bubble",
-                "mem GB", "fits", "pipeline"):
+                "tokens/s", "model FLOP/s/GPU", "hw FLOP/s/GPU", "MFU", "bubble",
+                "mem/GPU", "fits", "pipeline"):
         t.add_column(col, no_wrap=col == "layout")
     for k, e in enumerate(ests, 1):
         lay = e.layout
@@ -231,9 +238,10 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
         t.add_row(str(k), lay.label(), f"{lay.mbs}x{int(e.microbatches)}",
                   sched if lay.pp > 1 else "-", str(lay.zero), lay.recompute,
                   f"{float(e.step_time):.3f}", f"{float(e.tokens_per_s):,.0f}",
-                  f"{float(e.model_tflops):.0f}", f"{float(e.hardware_tflops):.0f}",
+                  flops_rate(1e12 * float(e.model_tflops)),
+                  flops_rate(1e12 * float(e.hardware_tflops)),
                   f"{float(e.mfu):.1%}", f"{float(e.bubble_fraction):.1%}",
-                  f"{float(e.memory_total) / GB:.1f}", "yes" if bool(e.fits) else "NO",
+                  nbytes(e.memory_total), "yes" if bool(e.fits) else "NO",
                   _source(e))
     console.print(t)
     best = ests[0]
@@ -245,18 +253,18 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
     tt.add_row("step", f"{float(best.step_time):.4f}")
     mt = Table(title=f"memory per rank ({best.peak_rank} pipeline rank)")
     mt.add_column("category")
-    mt.add_column("GB", justify="right")
+    mt.add_column("bytes", justify="right")
     for k, v in best.memory.items():
-        mt.add_row(k, f"{float(v) / GB:.2f}")
-    mt.add_row("total", f"{float(best.memory_total) / GB:.2f}")
+        mt.add_row(k, nbytes(v))
+    mt.add_row("total", nbytes(best.memory_total))
     console.print(tt)
     console.print(mt)
     ct = Table(title="collectives per step (most loaded rank)")
-    for col in ("dim", "op", "MB each", "count", "group", "link", "ms each", "total s",
+    for col in ("dim", "op", "each", "count", "group", "link", "ms each", "total s",
                 "exposed s", "overlaps with"):
         ct.add_column(col)
     for c in best.collectives:
-        ct.add_row(c.dim, c.op, f"{float(c.size) / 1e6:.2f}", f"{float(c.count):,.0f}",
+        ct.add_row(c.dim, c.op, nbytes(c.size), f"{float(c.count):,.0f}",
                    str(int(c.group)), "NVLink" if bool(c.intra) else "inter-node",
                    f"{1e3 * float(c.time_each):.3f}", f"{float(c.total):.4f}",
                    f"{float(c.exposed):.4f}", c.overlap)
@@ -290,7 +298,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
             ) -> tuple[list[Estimate], list[str], dict[str, Any]]:
     """The layouts to show (best first), the notes on them, the search's counts."""
     if args.layout:
-        lay = parse_layout(args.layout, args)
+        lay = parse_layout(args.layout, args, train.global_batch)
         problems = layout_problems(shape, cluster, train, lay)
         if problems:
             raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -325,16 +333,19 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
     console = Console(file=out or sys.stdout, width=160)
     err = Console(file=out or sys.stderr, width=160)
+    unlike_train = apply_defaults(args)
     try:
         problems = plan_flag_problems(args) + goodput_flag_problems(args) \
             + host_share.problems(args)
         if problems:
             raise PlanError("invalid input:\n" + "\n".join(f"  - {p}" for p in problems))
         shape, cluster, train = build_inputs(args)
-        header = (f"{shape.name}: {shape.num_params() / 1e9:.2f} B params, seq {shape.seq}; "
+        header = (f"{shape.name}: {params(shape.num_params())} params, seq {shape.seq}; "
                   f"{cluster.n_gpus} x {cluster.gpu.name}; global batch "
                   f"{train.global_batch} sequences ({train.global_batch * shape.seq:,} tokens)"
-                  f"; attention {args.attention} ({ATTENTION_HELP[args.attention]})")
+                  f"; attention {args.attention} ({ATTENTION_HELP[args.attention]})"
+                  + ("\ndefaults unlike plait train's: " + ", ".join(unlike_train)
+                     if unlike_train else ""))
         fail = failures_from_args(args)
         ests, notes, doc = _choose(args, shape, cluster, train, fail, hardware_of(args)[1])
         gps = layouts_goodput(ests, shape, train, cluster.n_gpus, fail) if fail else None

@@ -13,6 +13,7 @@ from plait.plan.estimate import Estimate, Training
 from plait.plan.hardware import GB, Cluster
 from plait.plan.memory import state_bytes
 from plait.plan.shape import Shape
+from plait.plan.units import nbytes, params
 
 
 def _pct(a: float, b: float) -> str:
@@ -57,9 +58,9 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
     pb, gb, kb = state_bytes(train.precision, train.optimizer)
     states = shape.num_params() * (pb + gb + kb)
     cap = cluster.gpu.hbm_bytes * train.mem_limit_frac
-    lines.append(f"Fit first: model states are {states / GB:,.0f} GB "
-                 f"({pb + gb + kb} B/param x {shape.num_params() / 1e9:.2f} B params) against "
-                 f"{cap / GB:.0f} GB usable per GPU, so they must be cut at least "
+    lines.append(f"Fit first: model states are {nbytes(states)} "
+                 f"({pb + gb + kb} B/param x {params(shape.num_params())} params) against "
+                 f"{nbytes(cap)} usable per GPU, so they must be cut at least "
                  f"{max(1, -(-states // cap)):.0f} ways; this layout cuts them by tp*pp="
                  f"{lay.tp * lay.pp}" + (f" and ZeRO-{lay.zero} over dp*cp={lay.dp * lay.cp}"
                                          if lay.zero else "") + ".")

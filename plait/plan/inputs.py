@@ -31,7 +31,8 @@ def _int_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     bounds = [*SHAPE_BOUNDS, ("gpus", 1, MAX_GPUS), ("global-batch", 1, MAX_GLOBAL_BATCH),
               ("global-batch-tokens", 1, MAX_GLOBAL_BATCH_TOKENS), ("gpus-per-node", 1, 1024),
-              ("microbatch", 1, MAX_GLOBAL_BATCH), ("virtual-stages", 1, 64),
+              ("microbatch", 1, MAX_GLOBAL_BATCH), ("microbatches", 1, MAX_GLOBAL_BATCH),
+              ("virtual-stages", 1, 64),
               ("top", 1, MAX_TOP)]
     for flag, lo, hi in bounds:
         value = getattr(args, _attr(flag), None)
@@ -96,3 +97,43 @@ def output_problems_of(args: argparse.Namespace) -> list[str]:
         if not out:
             out += output_problems("--emit-config (its plan beside it)", plan_path(emit))
     return out
+
+
+# plait train's defaults where the planner's differ (plait/config.py): the planner plans
+# GPU runs (bf16, ZeRO-1, the model's full context); plait train's suit a CPU test run
+TRAIN_DEFAULTS = {"precision": "fp32", "zero": 0, "seq": 64}
+PLAN_DEFAULTS = {"precision": "bf16", "zero": 1}
+
+
+def apply_defaults(args: argparse.Namespace) -> list[str]:
+    """Fill the flags left out with the planner's defaults; the ones unlike plait train's,
+    said in words (the seq is the preset's, which `shape_from_args` reads)."""
+    said = []
+    for name, value in PLAN_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+            if name != "zero" or args.layout:  # the search tries every ZeRO stage
+                said.append(f"--{name} {value} (plait train's: {TRAIN_DEFAULTS[name]})")
+    if getattr(args, "model", None) and getattr(args, "seq", None) is None:
+        said.append(f"--seq-len: the preset's max_seq_len (plait train's: "
+                    f"{TRAIN_DEFAULTS['seq']})")
+    return said
+
+
+def micro_batch_size(args: argparse.Namespace, dp: int, global_batch: int) -> int:
+    """Sequences per micro-batch: --micro-batch-size, or plait train's --microbatches (a
+    count per data-parallel replica) converted; 1 when neither is given."""
+    from plait.plan.search import PlanError
+
+    count, size = getattr(args, "microbatches", None), args.microbatch
+    if count is None:
+        return size or 1
+    per_replica = global_batch // dp
+    if count < 1 or global_batch % dp or per_replica % count:
+        raise PlanError(f"--microbatches {count}: the global batch {global_batch} over dp={dp} "
+                        f"is {global_batch / dp:g} sequences per replica, not a multiple of "
+                        f"{count}; give a count that divides it, or --micro-batch-size")
+    if size is not None and size != per_replica // count:
+        raise PlanError(f"--microbatches {count} means {per_replica // count} sequences per "
+                        f"micro-batch, but --micro-batch-size is {size}; give one of them")
+    return per_replica // count

@@ -21,11 +21,15 @@ ARCHS = ("llama", "gpt")
 # the explicit model shape flags: what each one is
 SHAPE_HELP = {"layers": "transformer blocks", "hidden": "model width", "heads": "attention "
               "heads", "kv-heads": "key/value heads (GQA; default: --heads)", "ffn": "MLP "
-              "width (default: 4 x --hidden)", "vocab": "vocabulary", "seq": "sequence length",
+              "width (default: 4 x --hidden)", "vocab": "vocabulary",
+              "seq": "sequence length (default: the preset's max_seq_len; plait train's "
+              "--seq-len defaults to 64)",
               "experts": "MoE routed experts (default 0: dense)", "top-k": "experts per "
               "token", "expert-ffn": "expert MLP width", "shared-experts": "always-active "
               "experts", "dense-layers": "MoE: the first N layers keep a dense MLP of width "
               "--ffn (DeepSeek-V3: 3)"}
+# plait train's name for a flag, given first (the planner's older name stays an alias)
+TRAIN_NAMES = {"seq": "seq-len"}
 # flag -> Shape field
 _FIELDS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv-heads": "kv_heads",
            "ffn": "ffn", "vocab": "vocab", "seq": "seq", "experts": "experts",
@@ -50,7 +54,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "plait trains; default) or gpt (LayerNorm, GeLU MLP of --ffn, 4h by "
                    "default, biases; planned only, the runtime does not build it)")
     for flag, what in SHAPE_HELP.items():
-        m.add_argument(f"--{flag}", type=int, metavar="N", help=what)
+        names = [f"--{TRAIN_NAMES[flag]}"] if flag in TRAIN_NAMES else []
+        m.add_argument(*names, f"--{flag}", dest=flag.replace("-", "_"), type=int,
+                       metavar="N", help=what)
 
 
 def _given(args: argparse.Namespace) -> dict[str, int]:
@@ -74,7 +80,7 @@ def shape_from_args(args: argparse.Namespace) -> Shape:
         need = [f for f in ("layers", "hidden", "heads", "vocab", "seq") if f not in given]
         if need:
             raise ShapeError(f"give --model (one of: {', '.join(PRESETS)}) or all of "
-                             + ", ".join(f"--{f}" for f in need))
+                             + ", ".join(f"--{TRAIN_NAMES.get(f, f)}" for f in need))
         h = given["hidden"]
         shape = Shape(given["layers"], h, given["heads"], given.get("kv_heads", given["heads"]),
                       given.get("ffn", 4 * h), given["vocab"], given["seq"], arch=arch,

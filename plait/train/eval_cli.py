@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint.format import CheckpointError
+from plait.cli_parser import copy_flags
 from plait.config import ConfigError
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.device import DeviceError, resolve_device
@@ -43,8 +44,18 @@ from plait.train.flags import add_config_args, config_from_args
 USER_ERRORS = (ConfigError, DataError, DeviceError, CheckpointError)
 
 
+# the configuration flags an evaluation reads: the layout and the batch shape; not the
+# training ones (steps, lr, ZeRO, recompute, ...), nor --model (the model is --init-from's)
+EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
+                     "--global-batch", "--micro-batch-size", "--microbatches", "--dp", "--tp",
+                     "--pp", "--cp", "--ep", "--virtual-stages", "--schedule",
+                     "--gpus-per-node", "--precision", "--sp", "--cp-mode", "--cp-layout")
+
+
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
+    copy_flags(p, add_config_args, EVAL_CONFIG_FLAGS, helps={
+        "--data": "token file (.bin) to evaluate on (required; plait data prepare makes one)",
+        "--init-from": "the model to evaluate (required): hf:DIR or a plait checkpoint"})
     p.add_argument("--eval-sequences", type=int, metavar="N",
                    help="windows of seq_len + 1 tokens to evaluate, from the file's start "
                    "(default: every whole batch of --global-batch windows)")
@@ -59,7 +70,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: Any) -> None:
     ev = sub.add_parser("eval", help="mean token cross-entropy and perplexity of a model",
-                        description=__doc__.splitlines()[0])
+                        description="The mean token cross-entropy and perplexity of a model "
+                        "(--init-from hf:DIR or a plait checkpoint) on the first windows of a "
+                        "token file (--data), on any layout: one rank in this process, more "
+                        "launched like plait train.")
     add_eval_args(ev)
     ev.set_defaults(func=None)
     ex = sub.add_parser("export", help="a checkpoint or hf:DIR as a Hugging Face directory")

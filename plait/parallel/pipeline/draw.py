@@ -17,9 +17,12 @@ from plait.parallel.pipeline.simulate import Durations, Event, SimResult, simula
 COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
 
 
-def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -> Path:
+def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path,
+                  unit: str = "the unit of --forward", what: str = "step") -> Path:
     """One row per rank, one box per compute, labelled with its micro-batch (and the
-    rank's chunk letter when it holds several stages). Needs matplotlib."""
+    rank's chunk letter when it holds several stages). `unit`: what the events' times
+    are in (a simulation's are the durations given to it; a measured step's, ms);
+    `what`: the span the title's bubble is of. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
@@ -58,16 +61,17 @@ def draw_timeline(result: SimResult, schedule: Schedule, path_png: str | Path) -
             )
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({unit})")
     end = max((ev[-1][4] for ev in result.events if ev), default=0.0)
     ax.set_xlim(0, end or result.step_time or 1.0)  # several steps: all of them
+    short = unit.split()[0] if unit == "ms" else "units"
     steady = ""
     if result.steps > 1:
-        steady = (f"  steady ({result.optimizer_sync}) {result.steady_step_time:.4g}, "
+        steady = (f"  steady ({result.optimizer_sync}) {result.steady_step_time:.4g} {short}, "
                   f"bubble {result.steady_bubble_fraction:.1%}")
     ax.set_title(
         f"{schedule.name}  pp={p} m={schedule.microbatches} v={schedule.virtual_stages}  "
-        f"step {result.step_time:.4g}  bubble {result.bubble_fraction:.1%}{steady}"
+        f"{what} {result.step_time:.4g} {short}  bubble {result.bubble_fraction:.1%}{steady}"
     )
     ax.legend(
         handles=[Patch(color=c, label=k) for k, c in COLORS.items()],

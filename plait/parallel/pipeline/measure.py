@@ -351,10 +351,17 @@ def draw_measured(events: list[list], schedule: Schedule, path: str | Path,
                   peak_activations: list[int] | None = None) -> Path:
     """PNG of measured per-rank events `(kind, stage, microbatch, start, end)`, drawn as
     the simulator's timelines are (`plait report` draws a metrics file's from here)."""
-    events = [[tuple(e) for e in evs] for evs in events]
-    step = max((e[4] for evs in events for e in evs), default=0.0)
-    busy = [sum(e[4] - e[3] for e in evs) for evs in events]
+    ms = [[(k, s, mb, 1e3 * a, 1e3 * z) for k, s, mb, a, z in evs] for evs in events]
+    step = max((e[4] for evs in ms for e in evs), default=0.0)
+    busy = [sum(e[4] - e[3] for e in evs) for evs in ms]
     per_rank = [(step - b) / step if step else 0.0 for b in busy]
-    measured = SimResult(step, sum(per_rank) / len(per_rank), per_rank, busy,
-                         peak_activations or [0] * len(events), events)
-    return draw_timeline(measured, schedule, path)
+    measured = SimResult(step, last_step_bubble(events), per_rank, busy,
+                         peak_activations or [0] * len(events), ms)
+    return draw_timeline(measured, schedule, path, unit="ms", what="last step")
+
+
+def last_step_bubble(events: list[list]) -> float:
+    """The bubble of the step whose per-rank events (seconds from its start) are given:
+    idle / (pp x span), `step_bubble`'s definition, so that the timeline's title and the
+    report's table give one number for the step drawn."""
+    return step_bubble([(0.0, 0.0, [tuple(e) for e in evs]) for evs in events])[0]
