@@ -280,7 +280,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def _add_all_commands(sub) -> None:
     from plait.multinode import add_node_args
-    from plait.train.flags import add_train_args
+    from plait.train.flags import DATA_DIR_HELP, add_train_args
 
     train = sub.add_parser("train", help="train on N local ranks (torch.distributed.run)",
                            description="Validate every input, then train on --nproc local "
@@ -308,7 +308,7 @@ def _add_all_commands(sub) -> None:
     demo.add_argument("--nproc", type=int, default=4, metavar="N",
                       help="data-parallel ranks (default 4)")
     demo.add_argument("--steps", type=int, default=40, metavar="N", help="default 40")
-    demo.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
+    demo.add_argument("--data-dir", help=DATA_DIR_HELP)
 
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -317,7 +317,7 @@ def _add_all_commands(sub) -> None:
                       "Python stdlib)")
     prep.add_argument("--out", help="token file to write (.bin, with .json and "
                       ".tokenizer.json beside it); default: the default corpus")
-    prep.add_argument("--data-dir", help="where the default corpus lives (~/.cache/plait)")
+    prep.add_argument("--data-dir", help=DATA_DIR_HELP)
     prep.add_argument("--tokenizer", help="use this tokenizer.json instead of training one, "
                       "or hf:DIR: a Hugging Face model's (DIR/tokenizer.json)")
     prep.add_argument("--text-field", default="text", metavar="NAME",
