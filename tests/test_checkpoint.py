@@ -286,23 +286,13 @@ def _metrics(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
 
 
-def test_train_saves_and_resumes_through_torchrun(tmp_path, capsys):
+def test_train_refuses_bad_checkpoint_input_before_any_rank_starts(tmp_path, capsys):
     from plait.cli import main
 
-    full, src = _full(DP2_Z2)  # the same layout, trained in this process's forks
-    d, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    _, src = _full(DP2_Z2)
+    m = tmp_path / "m.jsonl"
+    m.write_text("")  # a file where --checkpoint-dir would need a folder
     layout = ["--nproc", "2", "--dp", "2", "--zero", "2", "--quiet"]
-    # one launch resumes (--resume PATH) and saves (--checkpoint-dir/-every/--keep)
-    r = _plait("train", *layout, "--resume", str(src / "step-00000002"), "--checkpoint-dir",
-               str(d), "--checkpoint-every", "1", "--keep", "1", "--metrics-out", str(m))
-    assert r.returncode == 0, r.stderr
-    resumed = _metrics(m)
-    assert [x["step"] for x in resumed] == [2, 3]
-    assert [x["loss"] for x in resumed] == [x["loss"] for x in full[0]["rows"][2:]]
-    assert sorted(p.name for p in d.iterdir()) == ["step-00000004"]  # --keep 1
-    for rk in range(2):  # the resumed run's last checkpoint is the uninterrupted run's
-        f = f"rank-{rk:05d}.bin"
-        assert (d / "step-00000004" / f).read_bytes() == (src / "step-00000004" / f).read_bytes()
     # bad input is refused before any rank starts (in this process: main returns first)
     from helpers import BASE
     sets = ["--data", str(token_file()), *[a for s in (*BASE, LAYERS) for a in ("--set", s)]]
@@ -346,8 +336,8 @@ def test_resume_in_one_launch_script_keeps_every_metrics_row_and_says_what_it_di
     from plait.cli import main
 
     d, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    same = ["--nproc", "2", "--dp", "2", "--checkpoint-dir", str(d), "--resume",
-            "--metrics-out", str(m)]
+    same = ["--nproc", "2", "--dp", "2", "--zero", "2", "--checkpoint-dir", str(d),
+            "--resume", "--metrics-out", str(m)]
     first = _plait("train", *same)
     assert first.returncode == 0, first.stderr
     assert f"--resume: no checkpoint in {d} yet; starting from step 0" in first.stderr
@@ -355,6 +345,12 @@ def test_resume_in_one_launch_script_keeps_every_metrics_row_and_says_what_it_di
     assert f"checkpoint saved: {d / 'step-00000004'}" in first.stdout
     rows = _metrics(m)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # through torchrun, the same losses and checkpoint bytes as the layout's run in forks
+    full, src = _full(DP2_Z2)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in full[0]["rows"]]
+    for rk in range(2):
+        f = f"step-00000004/rank-{rk:05d}.bin"
+        assert (d / f).read_bytes() == (src / f).read_bytes(), f
     # as if stopped after step 5 and then killed: the rows NAME.partial keeps
     fake = [{**rows[-1], "step": s, "loss": 99.0} for s in (4, 5)]
     m.with_name(m.name + ".partial").write_text(

@@ -1,6 +1,7 @@
 """The public CLI end to end: torchrun launch, metrics file, clear errors before launch."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,14 @@ def test_pipeline_trace_and_timeline_through_torchrun(tmp_path):
         assert {a["op"] for a in p2p} == {"send", "recv"} and {a["dim"] for a in p2p} == {"pp"}
         assert all(a["payload_bytes"] > 0 for a in p2p)
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # what a person reads: each step's tokens/s, memory and model FLOP/s; the layout with
+    # its settings; the step log's tokens/s (the bar's) ending where the summary's is
+    steps = [x for x in r.stdout.splitlines() if re.match(r"step +\d+ +loss", x)]
+    assert steps and all("tokens/s" in x and "(peak RSS)" in x and "GFLOP/s/rank" in x
+                         for x in steps), r.stdout
+    assert "dp=1 x pp=2 x cp=1 x tp=1, fp32" in r.stdout
+    last = re.search(r"([\d,]+) tokens/s", steps[-1]).group(1)
+    assert last == re.search(r"tokens/s\s+([\d,]+)", r.stdout).group(1), r.stdout
 
 
 @pytest.mark.parametrize("args, messages", [
@@ -127,24 +136,12 @@ def test_bad_input_under_a_users_own_torchrun(tmp_path, args, messages):
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
-def test_the_terminal_shows_the_run_settings_memory_flops_and_one_tokens_per_s(tmp_path):
-    """What a person reads: the pipeline's bubble warned of before launch; each step's
-    memory and model FLOP/s; the layout with the settings beside the sizes; and the step
-    log's tokens/s (the bar's) ending where the summary's is (one definition)."""
-    import re
-
-    r = plait("train", "--nproc", "2", "--pp", "2", "--microbatches", "1", "--recompute",
-              "full", "--data", str(token_file()), *SETS, "--set", "model.n_layers=4")
-    assert r.returncode == 0, r.stderr
-    assert "plait: warning: pp=2 with 1 micro-batch per step: about 50% " in r.stderr
-    assert "--microbatches 8" in r.stderr
-    steps = [x for x in r.stdout.splitlines() if re.match(r"step +\d+ +loss", x)]
-    assert steps and all("tokens/s" in x and "(peak RSS)" in x and "GFLOP/s/rank" in x
-                         for x in steps), r.stdout
-    assert "dp=1 x pp=2 x cp=1 x tp=1, fp32, recompute full" in r.stdout
-    last = re.search(r"([\d,]+) tokens/s", steps[-1]).group(1)
-    summary = re.search(r"tokens/s\s+([\d,]+)", r.stdout).group(1)
-    assert last == summary, r.stdout
+def test_a_pipeline_with_fewer_micro_batches_than_stages_is_warned_of():
+    cfg = config("parallel.pp=2", "parallel.microbatches=1", "model.n_layers=4")
+    notes = " ".join(cfg.warnings())
+    assert "pp=2 with 1 micro-batch per step: about 50% " in notes and "--microbatches 8" in notes
+    assert not any("micro-batch per step" in n for n in config(
+        "parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4").warnings())
 
 
 def test_layout_text_names_zero_sp_precision_and_recompute():
