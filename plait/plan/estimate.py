@@ -13,13 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from plait.config import DEFAULT_ORDER
-from plait.model.recompute_settings import DEFAULT_OPS
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import bubble, comm, host_share, memory
+from plait.plan.basis import Basis, ChunkTimes, Layout, Training
 from plait.plan.compute import (
     Efficiency,
-    LayerTimes,
     gemm_time,
     hardware_flops_per_token,
     head_flops,
@@ -46,64 +44,6 @@ Num = Any
 
 
 @dataclass
-class Training:
-    global_batch: int  # sequences per optimizer step
-    precision: str = "bf16"
-    optimizer: str = "adam"
-    mem_limit_frac: float = 0.9  # of HBM usable: CUDA context, NCCL, fragmentation
-    # parallel.optimizer_sync: "barrier" (every pipeline rank waits for the last before the
-    # next step) or "post_validation" (the simulated pipeline time is the steady state)
-    optimizer_sync: str = "barrier"
-
-
-@dataclass
-class Layout:
-    """One layout; numeric fields may be numpy arrays (a batch of layouts)."""
-
-    tp: Num = 1
-    pp: Num = 1
-    dp: Num = 1
-    cp: Num = 1
-    ep: Num = 1
-    mbs: Num = 1  # sequences per micro-batch
-    schedule: str = "1f1b"
-    v: Num = 1  # virtual stages per rank (interleaved)
-    zero: int = 1
-    # none | selective | full (memory.layer_activations): nothing, the attention kernel's
-    # probabilities (math) or plait's operator policy over `recompute_ops` (flash), all but
-    # the layer input
-    recompute: str = "none"
-    sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022)
-    cp_mode: str = "ring"  # "ring" (Liu et al. 2023) | "allgather" K/V (Llama 3)
-    # plait's own train.recompute when the layout is a plait config; it decides which
-    # collectives the runtime replays (plait/plan/runtime_comm.py). None: `recompute`, but
-    # "none" for math's selective (only the attention core is redone, no collective)
-    runtime_recompute: str | None = None
-    attention: str = "flash"  # the kernel (shape.ATTENTION): what attention keeps, computes
-    recompute_ops: tuple[str, ...] = DEFAULT_OPS  # selective with flash: groups recomputed
-    # the mesh's order, innermost first (parallel.order): which groups stay inside a node.
-    # The default keeps tp innermost; a custom order is modelled for dense layouts
-    order: tuple[str, ...] = DEFAULT_ORDER
-
-    def runtime_mode(self) -> str:
-        if self.runtime_recompute is not None:
-            return self.runtime_recompute
-        if self.recompute == "selective" and self.attention == "math":
-            return "none"
-        return self.recompute
-
-    def label(self) -> str:
-        s = f"tp={self.tp},pp={self.pp},dp={self.dp}"
-        if self.cp != 1:
-            s += f",cp={self.cp}"
-        if self.ep != 1:
-            s += f",ep={self.ep}"
-        if tuple(self.order) != DEFAULT_ORDER:  # innermost first (parallel.order)
-            s += f" order {','.join(self.order)}"
-        return s
-
-
-@dataclass
 class Estimate:
     layout: Layout
     microbatches: Num
@@ -126,41 +66,8 @@ def _f(x: Num) -> Num:
     return np.asarray(x, dtype=float)
 
 
-@dataclass(frozen=True)
-class _Basis:
-    """The layout's sizes as float arrays and what every later step derives from them."""
-
-    tp: Num
-    pp: Num
-    dp: Num
-    cp: Num
-    ep: Num
-    mbs: Num
-    v: Num
-    sched: str  # the layout's schedule; "1f1b" unless every layout has pp > 1
-    e: int  # bytes per activation element
-    peak_scale: float  # fp32 GEMMs against the bf16 peak (GPU.fp32_peak_ratio)
-    # the GEMMs' rate against that peak: peak_scale, times the measured concurrent rate
-    # where other ranks share the host (a measured profile's concurrent_gemm)
-    gemm_scale: float
-    m: Num  # micro-batches per step
-    tokens: Num  # tokens of one micro-batch on one rank (the sequence split over cp)
-    cpr: Num  # pipeline chunks per rank
-    chunk_layers: Num
-    rank_layers: Num
-    saved: Num  # bytes one layer saves per micro-batch under the layout's recompute
-    lt: LayerTimes  # forward times of one layer per micro-batch
-    moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
-    strides: dict[str, Num]  # rank distance between neighbours along each dim (the order)
-
-    def span(self, dim: str) -> Num:
-        """Ranks from the first to past the last of a `dim` group: inside one node when
-        at most gpus_per_node (ranks are numbered node by node)."""
-        return self.strides[dim] * getattr(self, dim)
-
-
 def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
-           eff: Efficiency) -> _Basis:
+           eff: Efficiency) -> Basis:
     tp, pp, dp, cp, ep, mbs, v = (_f(x) for x in (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep,
                                                  lay.mbs, lay.v))
     sched = lay.schedule if np.all(pp > 1) else "1f1b"
@@ -173,7 +80,7 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
     saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e, lay.attention)
     strides = comm.order_strides(lay.order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, ep)
-    return _Basis(
+    return Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
         tokens=tokens, cpr=cpr,
@@ -185,26 +92,8 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         strides=strides)
 
 
-@dataclass
-class _ChunkTimes:
-    """Durations of one layer's F, I (input gradient), W (weight gradient), of the LM head,
-    and of one pipeline chunk (chunk_layers layers)."""
-
-    f_layer: Num
-    i_layer: Num
-    w_layer: Num
-    hf: Num  # the head's FLOPs
-    head_g: Num  # the head's GEMM time
-    head_f: Num  # the head's forward: GEMM plus writing the logits
-    f_c: Num
-    i_c: Num
-    w_c: Num
-    policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
-    tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
-
-
-def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
-                 lc: LayerComm) -> _ChunkTimes:
+def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
+                 lc: LayerComm) -> ChunkTimes:
     lt, gpu = b.lt, cluster.gpu
     f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.cp_exp_f + lc.ep_exp_f
     i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
@@ -219,11 +108,11 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
     head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
         + eff.op_seconds * eff.outside_ops + tp_out  # embedding, norm, head, loss: ops
     n = b.chunk_layers
-    return _ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
+    return ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
                        n * i_layer, n * w_layer, policy, tp_cpu)
 
 
-def _pipeline_time(shape: Shape, b: _Basis, ct: _ChunkTimes, t_pp: Num, simulate: bool,
+def _pipeline_time(shape: Shape, b: Basis, ct: ChunkTimes, t_pp: Num, simulate: bool,
                    optimizer_sync: str = "barrier", post: float = 0.0, gap: float = 0.0
                    ) -> tuple[Num, Num, dict[str, Any]]:
     """(pipeline time, bubble fraction, the simulator's result or {}); `post`: a rank's
@@ -259,7 +148,7 @@ class _RankMemory:
     expert_params: Num  # of which routed experts (their gradients sync over edp)
 
 
-def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
+def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
                  info: dict[str, Any], simulate: bool) -> _RankMemory:
     tp, pp, m, cpr = b.tp, b.pp, b.m, b.cpr
     terms = memory.param_terms(shape, tp, b.ep)
@@ -305,7 +194,7 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: _Basis,
                        np.maximum(first_p, last_p) + ex_p, ex_p)
 
 
-def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: _Basis,
+def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
                     pr: Num) -> Num:
     """The optimizer step: reading and writing the rank's (ZeRO: shard of the) states."""
     pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
@@ -313,7 +202,7 @@ def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: _Basis,
     return pr / opt_shard * (2 * kb + gb + pb) / cluster.gpu.hbm_bw
 
 
-def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe: Num,
+def _time_breakdown(lay: Layout, b: Basis, lc: LayerComm, ct: ChunkTimes, pipe: Num,
                     dp_exposed: Num, t_opt: Num) -> dict[str, Num]:
     m, cpr, lt = b.m, b.cpr, b.lt
     busy = busy_of(m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f, ct.head_g, b.sched)
@@ -333,7 +222,7 @@ def _time_breakdown(lay: Layout, b: _Basis, lc: LayerComm, ct: _ChunkTimes, pipe
     }
 
 
-def _step_flops(shape: Shape, train: Training, lay: Layout, b: _Basis) -> tuple[Num, Num]:
+def _step_flops(shape: Shape, train: Training, lay: Layout, b: Basis) -> tuple[Num, Num]:
     """(model FLOPs, hardware FLOPs: with recompute) of one step."""
     tokens_step = tokens_per_step(train.global_batch, shape.seq)
     hardware = hardware_flops_per_token(shape, lay.recompute, lay.attention, lay.recompute_ops)

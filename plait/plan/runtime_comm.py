@@ -35,18 +35,14 @@ every forward collective).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import comm, memory
+from plait.plan.basis import Basis, Layout, Training
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.shape import Shape
-
-if TYPE_CHECKING:
-    from plait.plan.estimate import Layout, Training, _Basis
 
 
 def chains(sched: str) -> int:
@@ -54,7 +50,7 @@ def chains(sched: str) -> int:
     return schedule_spec(sched).chains
 
 
-def layer_visits(b: _Basis) -> Num:
+def layer_visits(b: Basis) -> Num:
     """Layer passes of one step on a rank: each micro-batch through each layer it holds
     (DualPipe: through one chain's half of them)."""
     return b.rank_layers * b.m / chains(b.sched)
@@ -76,7 +72,7 @@ def _per_layer(moe: bool, sp: bool, recomputed: bool, split: bool) -> dict[str, 
 
 
 def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
-                   b: _Basis, ends: tuple[Num, Num] | None = None) -> list[comm.Collective]:
+                   b: Basis, ends: tuple[Num, Num] | None = None) -> list[comm.Collective]:
     """The rank's tp collectives in a step. `ends`: the micro-batches per step through the
     embedding and through the head on this rank (plait/plan/rank_comm.py, one pipeline
     rank); None: the most loaded rank's, the head's."""
@@ -131,7 +127,7 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     return out
 
 
-def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: _Basis,
+def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: Basis,
                     rank_params: Num) -> comm.Collective:
     """DualPipe's swap of the two copies' gradients with the mirror rank: every gradient
     the rank holds, in the compute dtype, once a step (a send; the receive is the

@@ -7,20 +7,17 @@ the part of each not hidden behind compute, and the pipeline's sends. `evaluate`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from plait.config import FIRST_BUCKET_MB, ParallelConfig
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import comm, memory
+from plait.plan.basis import Basis, ChunkTimes, Layout, Training
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import layer_visits, tp_collectives
 from plait.plan.shape import Shape
-
-if TYPE_CHECKING:
-    from plait.plan.estimate import Layout, Training, _Basis, _ChunkTimes
 
 TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
 
@@ -39,7 +36,7 @@ class LayerComm:
 
 
 def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
-                b: _Basis, ends: tuple[Num, Num] | None = None) -> LayerComm:
+                b: Basis, ends: tuple[Num, Num] | None = None) -> LayerComm:
     """`ends`: tp_collectives' (one pipeline rank's embedding and head micro-batches)."""
     colls: list[comm.Collective] = []
     gpu, gpn = cluster.gpu, cluster.gpus_per_node
@@ -66,7 +63,7 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     return LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
 
 
-def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
                  colls: list[comm.Collective], mode: str = "ring", replay: int = 0
                  ) -> tuple[Num, Num]:
     """Exposed (forward, backward) K/V time per layer; appends cp's collective. Ring: the
@@ -98,7 +95,7 @@ def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
     return cp_exp_f, cp_exp_b
 
 
-def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
                  colls: list[comm.Collective], replay: int = 0) -> tuple[Num, Num]:
     """Exposed (forward, backward) expert all-to-all time per layer (0 for a dense
     model); appends ep's collective."""
@@ -139,7 +136,7 @@ def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
     return 2.0 * v - np.where(two, 1.0, 0.0)
 
 
-def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
+def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
            colls: list[comm.Collective], sp: bool = False, sends: Num | None = None) -> Num:
     """One pipeline send's time (0 without a pipeline); appends pp's collective. `sends`:
     one pipeline rank's per step (its lowered schedule's); None: the busiest rank's."""
@@ -160,7 +157,7 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: _Basis,
 
 
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
-                    b: _Basis, ct: _ChunkTimes, pr: Num, colls: list[comm.Collective],
+                    b: Basis, ct: ChunkTimes, pr: Num, colls: list[comm.Collective],
                     over_ep: bool = False) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over dp x cp, or over its edp part when `over_ep`: routed experts); appends the
@@ -252,7 +249,7 @@ def last_bucket_bytes(g_bytes: Num) -> Num:
 STEP_END_BYTES = 8  # the grad norm's partial sum and the logged loss, one float64 each
 
 
-def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: _Basis,
+def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
                          colls: list[comm.Collective]) -> Num:
     """Exposed seconds of the runtime's all-reduces after the micro-batches (counted in
     "dp comm (exposed)"): the grad norm's partial sums over the world when any parameter
