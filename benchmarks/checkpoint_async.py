@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.checkpoint import Checkpointing  # noqa: E402
 from plait.config import load_config  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
-from plait.testing import run_ranks  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
 from plait.train.loop import train  # noqa: E402
 

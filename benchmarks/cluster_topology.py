@@ -60,8 +60,8 @@ sys.path[:0] = [str(root), str(root / "tests")]
 
 from helpers import token_file  # noqa: E402
 
-from plait.cluster import capability_problem  # noqa: E402
 from plait.files import PARTIAL_SUFFIX  # noqa: E402
+from plait.launch.cluster import capability_problem  # noqa: E402
 from plait.plan import host_share  # noqa: E402
 
 # the model: `tiny` with these fields replaced (vocabulary 256: the test token file's);

@@ -4,7 +4,7 @@ split into the wait for the other rank to arrive and the time after both have.
     python benchmarks/collective_waits.py [--layouts dp2,dp2z3,tp2sp] [--steps 14]
 
 Trains the closed loop's model (benchmarks/plan_closed_loop.py: `tiny`, vocabulary 256,
-sequence 64, global batch 8, fp32) on two forked gloo ranks (plait.testing's harness),
+sequence 64, global batch 8, fp32) on two forked gloo ranks (plait.launch.forked's harness),
 one rank's setup first (`single`, `single4`: the same work as one dp rank) for the CPU
 columns. Each rank's ledger records every collective's issue and completion on
 perf_counter, one clock for the ranks of one host; matched call by call across the
@@ -34,7 +34,7 @@ import numpy as np
 root = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(root)]
 
-from plait.testing import run_ranks  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 
 MODEL = ["model_name=tiny", "model.vocab_size=256", "model.dim=64", "model.n_layers=2",
          "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=176",

@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import load_config  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.rope import Positions  # noqa: E402
 from plait.parallel.context import ContextLayout, ContextParallelAttention  # noqa: E402
-from plait.testing import run_ranks  # noqa: E402
 from plait.throughput import mean_step_time  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
 from plait.train.loop import train  # noqa: E402

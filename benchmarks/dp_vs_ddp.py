@@ -37,9 +37,9 @@ from common import (
 )
 
 from plait.config import FIRST_BUCKET_MB
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.testing import run_ranks
 from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
 from plait.train.loop import train

@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import load_config  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.moe import Experts  # noqa: E402
 from plait.plan import estimate_config  # noqa: E402
-from plait.testing import run_ranks  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
 from plait.train.loop import train  # noqa: E402
 

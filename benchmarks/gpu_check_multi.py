@@ -23,8 +23,9 @@ import torch
 
 from plait.config import load_config
 from plait.device import resolve_device
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
 from plait.train.loop import full_state, train
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from common import batches
 
 from plait.config import load_config
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.plan import estimate_config
-from plait.testing import run_ranks
 from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
 from plait.train.loop import train

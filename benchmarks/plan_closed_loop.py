@@ -89,7 +89,7 @@ def plait(*args: str) -> str:
         if r.returncode:
             raise SystemExit(f"plait {' '.join(args)} failed:\n{r.stderr}")
         return r.stdout
-    from plait.cli import main as plait_main
+    from plait.cli.main import main as plait_main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -52,13 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import met, performance_rows  # noqa: E402
 
 from plait.config import load_config  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.loss import token_loss  # noqa: E402
 from plait.parallel.pipeline.measure import pipeline_report  # noqa: E402
 from plait.parallel.pipeline.partition import build_pipeline  # noqa: E402
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES  # noqa: E402
 from plait.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from plait.testing import run_ranks  # noqa: E402
 
 WARMUP = 2
 TORCH = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",

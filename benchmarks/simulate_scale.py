@@ -32,7 +32,7 @@ from plait.parallel.pipeline.registry import SCHEDULE_NAMES  # noqa: E402
 GOAL_S = 1.0
 # the same command, asked afterwards whether torch (or numpy) was loaded on the way
 PROBE = ("import sys, runpy; sys.argv = ['plait'] + sys.argv[1:]; "
-         "import plait.cli as c; code = c.main(); "
+         "import plait.cli.main as c; code = c.main(); "
          "sys.stderr.write('LOADED ' + ' '.join(m for m in ('torch', 'numpy') "
          "if m in sys.modules) + '\\n'); sys.exit(code)")
 

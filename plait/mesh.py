@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from plait.comm.ledger import Ledger
 from plait.config import DEFAULT_ORDER, DIMS, ParallelConfig
 from plait.device import CPU, Device
+from plait.ledger import Ledger
 
 # Product dims with a group of their own: dp x cp is where expert parallel and the
 # data-parallel gradient reduction of context-parallel runs live. Named "a_b".

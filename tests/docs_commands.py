@@ -104,7 +104,7 @@ def train_problems(argv: list[str]) -> list[str]:
     configuration and the layout against the world. Not checked: files other commands
     make (a checkpoint to resume, a token file, an `--init-from` model: the option is left
     out), the host's memory, hostnames."""
-    from plait.cli import build_parser, dry_run_flag_problems
+    from plait.cli.main import build_parser, dry_run_flag_problems
     from plait.config import ConfigError
     from plait.train.checks import flag_problems
     from plait.train.flags import config_from_args
@@ -132,6 +132,6 @@ def _without(argv: list[str], flag: str) -> list[str]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command's flags through plait's own parser (a bad one: SystemExit(2))."""
-    from plait.cli import build_parser
+    from plait.cli.main import build_parser
 
     return build_parser().parse_args(argv)

@@ -9,9 +9,9 @@ from functools import cache
 from pathlib import Path
 
 from plait.config import Config, load_config
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.testing import run_ranks
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
 from plait.train.loop import full_state, train
 from plait.train.reference import Reference, reference_run

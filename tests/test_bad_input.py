@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import token_file
 
-from plait.cli import main
+from plait.cli.main import main
 from plait.config import Config
 from plait.train.data import write_token_file
 
@@ -662,7 +662,7 @@ def test_version(capsys):
 
 def test_every_flag_has_help():
     """Each subcommand's every option says what it does (defaults are in the text)."""
-    from plait.cli import build_parser
+    from plait.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

@@ -23,9 +23,10 @@ from helpers import batches_for, config, reference, session_dir, token_file
 
 from plait.checkpoint import Checkpointing, CheckpointWarning
 from plait.checkpoint.format import CheckpointError, global_runs, intersect
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.testing import PARITY_TOLERANCES, assert_parity, run_ranks
+from plait.testing import PARITY_TOLERANCES, assert_parity
 from plait.train.loop import full_state, train
 
 LAYERS = "model.n_layers=4"  # pp=2 with two chunks a rank (zb-v, dualpipe) needs 4 stages
@@ -223,7 +224,7 @@ def test_reshard_continues_within_parity_of_the_reference(src, dst):
 # ---- item 4: inspect and consolidate -----------------------------------------------------
 def test_consolidate_writes_the_full_model_as_safetensors(tmp_path, capsys):
     from plait.checkpoint.export import read_safetensors
-    from plait.cli import main
+    from plait.cli.main import main
 
     full, d = _full(PP2_TP2_SP)  # tp slices over two pipeline stages: four files
     want = _params(full)  # the final parameters, tp gathered, both stages
@@ -245,7 +246,7 @@ def test_consolidate_writes_the_full_model_as_safetensors(tmp_path, capsys):
 
 
 def test_inspect_shows_step_layout_tensors_bytes_and_completeness(tmp_path, capsys):
-    from plait.cli import main
+    from plait.cli.main import main
 
     full, src = _full(PP2_TP2_SP)
     d = _copy(src, tmp_path)
@@ -287,7 +288,7 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def test_train_refuses_bad_checkpoint_input_before_any_rank_starts(tmp_path, capsys):
-    from plait.cli import main
+    from plait.cli.main import main
 
     _, src = _full(DP2_Z2)
     m = tmp_path / "m.jsonl"
@@ -333,7 +334,7 @@ def test_resume_in_one_launch_script_keeps_every_metrics_row_and_says_what_it_di
     rows before the resume step and lose the rest to the new run's."""
     import json
 
-    from plait.cli import main
+    from plait.cli.main import main
 
     d, m = tmp_path / "ck", tmp_path / "m.jsonl"
     same = ["--nproc", "2", "--dp", "2", "--zero", "2", "--checkpoint-dir", str(d),

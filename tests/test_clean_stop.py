@@ -21,9 +21,9 @@ import pytest
 from helpers import batches_for, token_file
 
 from plait.config import load_config
-from plait.launch import STOP_GRACE_S
+from plait.launch.forked import run_ranks
+from plait.launch.local import STOP_GRACE_S
 from plait.mesh import ParallelMesh
-from plait.testing import run_ranks
 from plait.train.loop import train
 
 LONG_RUN = ("--nproc", "2", "--dp", "2", "--set", "model.vocab_size=256", "--seq-len", "32",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import BASE, config, reference, token_file
 
-from plait.cli import main
+from plait.cli.main import main
 from plait.testing import assert_parity
 
 SETS = [a for s in BASE for a in ("--set", s)]
@@ -118,7 +118,7 @@ def test_bad_input_under_a_users_own_torchrun(tmp_path, args, messages):
     """`torchrun -m plait.train` without `plait train`: every rank runs the same checks
     before any collective, rank 0 says what is wrong, the ranks exit 2 and none waits
     for a peer (the ranks' collective timeout is longer than this test's limit)."""
-    from plait.launch import LocalLaunch
+    from plait.launch.local import LocalLaunch
 
     (tmp_path / "adir").mkdir()
     (tmp_path / "notes.txt").write_text("some notes, not tokens\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.cli import build_parser, main
+from plait.cli.main import build_parser, main
 
 SUBCOMMANDS = ("train", "demo", "data", "simulate", "plan", "report", "checkpoint", "eval",
                "export", "calibrate", "cluster")

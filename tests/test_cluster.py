@@ -1,6 +1,6 @@
 """A cluster on one machine (issue 23): `plait cluster` runs one `plait train` launcher
 per network namespace, the namespaces joined by tbf-shaped veth links on a private bridge
-(plait/cluster.py).
+(plait/launch/cluster.py).
 
 The namespace tests need root, `ip`, `tc` and kernel support; `capability_problem()`
 tries a throwaway namespace with a shaped veth pair first and they skip with its one-line
@@ -26,10 +26,10 @@ import torch
 from helpers import BASE, assert_restarted_run_matches, reference, token_file
 from test_clean_stop import assert_all_gone
 
-from plait import cluster, cluster_stale
 from plait.checkpoint.format import read_metadata
 from plait.checkpoint.reader import full_tensor
-from plait.cli import build_parser
+from plait.cli.main import build_parser
+from plait.launch import cluster, cluster_stale
 from plait.mesh import ParallelMesh
 from plait.testing import assert_parity
 
@@ -136,7 +136,7 @@ def test_two_emulated_nodes_match_the_reference_and_the_wire_matches_the_ledger(
 
 
 def _plan(capsys, *flags: str) -> dict:
-    from plait.cli import main
+    from plait.cli.main import main
 
     assert main(["plan", "--gpu", "h100-sxm", "--model", "tiny", "--vocab", "256", "--seq",
                  "128", "--gpus", "4", "--gpus-per-node", "2", "--global-batch", "16",
@@ -262,7 +262,7 @@ def test_a_stop_signal_tears_the_cluster_down(tmp_path):
 
 @needs_namespaces
 def test_namespaces_a_killed_cluster_left_are_removed_and_no_others(monkeypatch):
-    """What plait cluster removes at start (plait/cluster_stale.py): a plait namespace
+    """What plait cluster removes at start (plait/launch/cluster_stale.py): a plait namespace
     whose builder is dead (a process inside is killed, its /etc/netns files go) or whose
     pid now belongs to a process started after the namespace; never a live builder's, nor
     a namespace of another name."""

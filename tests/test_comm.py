@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from plait import comm
-from plait.comm.ledger import ring_bytes
 from plait.config import ParallelConfig
+from plait.launch.forked import RankFailure, run_ranks
+from plait.ledger import ring_bytes
 from plait.mesh import ParallelMesh
-from plait.testing import RankFailure, run_ranks
 
 
 def _mesh(world: int, **sizes) -> ParallelMesh:

@@ -9,6 +9,7 @@ from helpers import batches_for, config, initial_params, reference, run_layout
 
 from plait.config import load_config
 from plait.device.memory import MemoryTracker
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.rope import Positions
 from plait.model.transformer import build_model
@@ -21,7 +22,7 @@ from plait.parallel.context import (
 from plait.parallel.pipeline.partition import Stage
 from plait.plan import estimate_config
 from plait.plan.activations import layer_activation_bytes
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 
 # ---- the attention core alone: exact against SDPA's causal attention --------------------
 

@@ -18,7 +18,7 @@ run.toml` reads; README.md's TOML example is `run.toml` before that):
 import pytest
 from docs_commands import DOCS, ROOT, doc_commands, parse, toml_example, train_problems
 
-from plait.cli import main
+from plait.cli.main import main
 
 COMMANDS = doc_commands()
 RUN = ("plan", "simulate")

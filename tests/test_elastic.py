@@ -2,7 +2,7 @@
 other ranks, starts every rank again from the last committed checkpoint and finishes with
 the losses and final state of an uninterrupted run, bit for bit (resume is exact on the
 same layout, docs/checkpoint.md). The rank is killed with SIGKILL by the test-only fault
-`PLAIT_TEST_FAULT` (plait/elastic.py) at a seeded random rank and step; no process of the
+`PLAIT_TEST_FAULT` (plait/launch/elastic.py) at a seeded random rank and step; no process of the
 run may survive it (found by a marker in every command line, as in test_clean_stop.py).
 """
 
@@ -21,8 +21,9 @@ from helpers import BASE, batches_for, config, reference, token_file
 from test_clean_stop import assert_all_gone
 
 from plait.checkpoint import Checkpointing
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
-from plait.testing import assert_parity, run_ranks
+from plait.testing import assert_parity
 from plait.train.loop import full_state, train
 from plait.train.reference import Reference
 

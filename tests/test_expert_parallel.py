@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from helpers import batches_for, config, moe_biases, reference
 
 from plait.config import load_config
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.moe import MoE
 from plait.model.presets import PRESETS
 from plait.parallel.expert import expert_major, finish_moe_step
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import full_state, train
 
 MOE = dataclasses.replace(PRESETS["tiny"], n_experts=8, top_k=2, expert_ffn_dim=32,

@@ -100,7 +100,7 @@ def golden_file(name: str) -> Path:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_golden(name, capsys):
-    from plait.cli import main
+    from plait.cli.main import main
 
     argv = CASES[name]
     stored = json.loads(golden_file(name).read_text())
@@ -126,7 +126,7 @@ def test_comparer_reports_the_path():
 def update(names: list[str]) -> None:
     # run as a script: import this checkout's plait, not an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from plait.cli import main
+    from plait.cli.main import main
 
     GOLDEN.mkdir(exist_ok=True)
     for name in names or list(CASES):

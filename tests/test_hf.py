@@ -26,9 +26,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from plait.checkpoint.hf import HFError, HFWeights, model_config  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
-from plait.testing import run_ranks  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
 from plait.train.loop import train  # noqa: E402
 

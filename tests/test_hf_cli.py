@@ -26,9 +26,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from plait.checkpoint import Checkpointing  # noqa: E402
 from plait.checkpoint.hf import model_config  # noqa: E402
 from plait.checkpoint.hf_export import export  # noqa: E402
-from plait.cli import main  # noqa: E402
+from plait.cli.main import main  # noqa: E402
+from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
-from plait.testing import run_ranks  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
 from plait.train.evaluate import evaluate  # noqa: E402
 from plait.train.loop import train  # noqa: E402

@@ -1,18 +1,27 @@
-"""Layers only import downward (issue 9): every `plait` module's imports, read with `ast`,
-against the declared order below. A module may import its own layer and any layer below.
+"""Layers only import downward, and folders are layers: every `plait` module's imports,
+read with `ast`, against the declared order below. A module's layer is the top-level
+package (or module) of plait/ that holds it, so the tree shows the order: a module may
+import its own layer and any layer below, and a new folder or top-level module must be
+given its place in `LAYERS` (`test_every_top_level_entry_is_a_layer`).
 
-The "schedule" layer is the pure-Python half of `plait/parallel/pipeline/`: the IR, the
-builders, lowering, checks, the simulator, the rules and the schedule registry
-(`registry.py`, one record per schedule). It sits below config so that config validation
-reads the registry without importing torch or the model runtime; it imports nothing but
-the standard library and itself (`test_schedule_layer_is_pure_python`), and importing it
-runs only the docstring-only `plait/parallel/__init__.py` and `.../pipeline/__init__.py`.
+Two layers are not folders, each for a reason:
+- The "schedule" layer is the pure-Python half of `plait/parallel/pipeline/`: the IR, the
+  builders, lowering, checks, the simulator, the rules and the schedule registry
+  (`registry.py`, one record per schedule). It sits below config so that config validation
+  reads the registry without importing torch or the model runtime; it imports nothing but
+  the standard library and itself (`test_schedule_layer_is_pure_python`), and importing it
+  runs only the docstring-only `plait/parallel/__init__.py` and `.../pipeline/__init__.py`.
+- "package": plait/__init__.py (empty) and the loose helpers below everything (files.py,
+  throughput.py, cli_parser.py), which import nothing from plait
+  (`test_loose_helpers_import_no_plait_module`).
 
-`KNOWN_UPWARD` is the ratchet of tolerated upward imports; issue 9's refactor removed the
-last of them (the schedule registry below config, the flag tables below the CLI, the
-optimizer's maths and the token loss below `parallel`, the memory meter behind the device
-seam), so it is empty: a new upward import fails the test, and so would an entry that no
-longer exists.
+`plait/train/__main__.py` is in the cli layer: the rank's code is plait/cli/rank.py, and
+that module only keeps `torchrun -m plait.train` working.
+
+`KNOWN_UPWARD` is the ratchet of tolerated upward imports; it is empty: a new upward
+import fails the test, and so would an entry that no longer exists. No two modules import
+each other, directly or through others, when they are imported (`test_no_import_cycle`);
+through imports inside functions only the cycles of `KNOWN_LAZY_CYCLES`, a ratchet too.
 """
 
 import ast
@@ -25,15 +34,19 @@ PLAIT = Path(__file__).resolve().parent.parent / "plait"
 # the schedule layer's modules, in plait/parallel/pipeline/
 SCHEDULE_MODULES = ("ir", "schedules", "list_schedule", "lower", "check", "simulate", "results",
                     "rules", "registry")
+SCHEDULE = {f"plait.parallel.pipeline.{m}" for m in SCHEDULE_MODULES}
+LOOSE_HELPERS = ("plait.files", "plait.throughput", "plait.cli_parser")
+ENTRY_SHIM = "plait.train.__main__"  # `torchrun -m plait.train`; its code is plait.cli.rank
 
-# innermost first; a module belongs to the layer of its longest matching prefix
+# innermost first: each layer is one top-level package or module of plait/ (but the two
+# above: schedule, package)
 LAYERS = [
-    ("package", ["plait"]),  # plait/__init__.py (empty); a module matching no longer prefix
+    ("package", ["plait", *LOOSE_HELPERS]),
     ("model", ["plait.model"]),
-    ("schedule", [f"plait.parallel.pipeline.{m}" for m in SCHEDULE_MODULES]),
-    ("config", ["plait.config", "plait.config_checks"]),
+    ("schedule", sorted(SCHEDULE)),
+    ("config", ["plait.config"]),
     ("device", ["plait.device"]),  # where a rank computes: torch only
-    ("ledger", ["plait.comm.ledger"]),  # the mesh carries the rank's ledger
+    ("ledger", ["plait.ledger"]),  # the mesh carries the rank's ledger
     ("mesh", ["plait.mesh"]),
     ("placement", ["plait.placement"]),
     ("optim", ["plait.optim"]),  # the update maths: torch only, no communication
@@ -43,13 +56,12 @@ LAYERS = [
     ("train", ["plait.train"]),
     ("plan", ["plait.plan"]),
     ("observe", ["plait.observe"]),
-    ("testing", ["plait.testing"]),
-    ("cli", ["plait.cli", "plait.cluster", "plait.cluster_stale", "plait.launch",
-             "plait.elastic", "plait.multinode", "plait.multinode_elastic", "plait.watchdog",
-             "plait.calibrate",  # measures through plait.testing's fork harness
-             "plait.calibrate_steps",  # and trains through plait.train, for plait calibrate
-             "plait.calibrate_tp",  # its tp floor: trains on forked ranks
-             "plait.train.__main__", "plait.train.eval_cli"]),
+    ("testing", ["plait.testing"]),  # the parity oracle's tolerances and comparison
+    # the process tree: local and multi-node launchers, restarts, the watchdog, plait
+    # cluster, and the fork harness (plait.launch.forked) that tests and calibrate use
+    ("launch", ["plait.launch"]),
+    ("calibrate", ["plait.calibrate"]),  # plait calibrate: forks ranks, trains through train
+    ("cli", ["plait.cli", ENTRY_SHIM]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 
@@ -57,6 +69,8 @@ KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def layer_of(module: str) -> str | None:
+    """The layer of the longest matching entry: a module's top-level package, or the
+    schedule modules, the loose helpers and the entry shim, named whole."""
     best, hit = -1, None
     for name, prefixes in LAYERS:
         for pre in prefixes:
@@ -112,7 +126,142 @@ def test_layers_only_import_downward():
 
 def test_only_the_cli_layer_imports_the_cli():
     found = {(a, b) for a, b in upward_imports() if layer_of(b) == "cli"}
-    assert found <= {("plait.observe.report", "plait.cli")}, found
+    assert not found, found
+
+
+def _modules() -> list[str]:
+    return [_module_name(p) for p in sorted(PLAIT.rglob("*.py"))]
+
+
+def test_every_top_level_entry_is_a_layer():
+    """Folders are layers: each top-level package or module of plait/ is named in LAYERS
+    (a new one must be placed in the order), and no layer names one that is gone."""
+    entries = {".".join(m.split(".")[:2]) for m in _modules()}
+    named = {pre for _, prefixes in LAYERS for pre in prefixes if pre.count(".") <= 1}
+    assert entries - named == set(), f"give these a place in LAYERS: {sorted(entries - named)}"
+    assert named - entries == set(), f"gone, delete from LAYERS: {sorted(named - entries)}"
+    assert all(_is_module(m) for m in SCHEDULE | {ENTRY_SHIM}), "a named module is gone"
+
+
+def test_loose_helpers_import_no_plait_module():
+    for module in LOOSE_HELPERS:
+        path = PLAIT.parent.joinpath(*module.split(".")).with_suffix(".py")
+        assert _imports(path) == set(), f"{module} imports {sorted(_imports(path))}"
+
+
+def _type_checking(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING")
+
+
+def _plait_targets(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name.startswith("plait")}
+    if not node.module or node.level or not (node.module == "plait"
+                                             or node.module.startswith("plait.")):
+        return set()
+    subs = (f"{node.module}.{a.name}" for a in node.names)
+    return {sub if _is_module(sub) else node.module for sub in subs}
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The plait modules a module imports when it is imported: its top-level statements'
+    (inside `if`, `try` and `with` too), not a function's, and not `if TYPE_CHECKING:`'s,
+    which never runs (a type named for annotations only)."""
+    out: set[str] = set()
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for node in stmts:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                out.update(_plait_targets(node))
+            elif isinstance(node, ast.If) and not _type_checking(node):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+            elif isinstance(node, ast.With):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return out
+
+
+def _every_import(path: Path) -> set[str]:
+    """Every plait module a module imports, a function's included (not TYPE_CHECKING's)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                out.update(_plait_targets(child))
+            elif not _type_checking(child):
+                visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def import_cycles(imports) -> set[frozenset[str]]:
+    """The groups of modules that import each other, directly or through others (strongly
+    connected components of more than one module). An import of `plait.a.b` is an edge to
+    `plait.a.b` only: a package's `__init__` re-exporting its submodules, which import
+    their siblings, is how a package works, not a cycle."""
+    graph = {_module_name(p): imports(p) for p in sorted(PLAIT.rglob("*.py"))}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: set[frozenset[str]] = set()
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v] & graph.keys()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.add(frozenset(group))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return found
+
+
+# modules that import each other inside functions only (no cycle at import time, but two
+# modules a reader has to take in together): a ratchet, each may go, none may be added
+KNOWN_LAZY_CYCLES = {
+    frozenset({"plait.plan", "plait.plan.rank_comm"}),
+    frozenset({"plait.observe.html", "plait.observe.report", "plait.observe.visuals"}),
+}
+
+
+def test_no_import_cycle():
+    """No module imports, when it is imported, one that imports it back."""
+    cycles = import_cycles(_runtime_imports)
+    assert not cycles, f"modules importing each other: {[sorted(c) for c in cycles]}"
+
+
+def test_no_cycle_through_lazy_imports_but_the_ratchet():
+    cycles = import_cycles(_every_import)
+    new = cycles - KNOWN_LAZY_CYCLES
+    assert not new, f"new cycles (through function-level imports): {[sorted(c) for c in new]}"
+    gone = KNOWN_LAZY_CYCLES - cycles
+    assert not gone, f"fixed, delete from KNOWN_LAZY_CYCLES: {[sorted(c) for c in gone]}"
+
 
 
 def test_pipeline_ir_imports_nothing_else_from_plait():

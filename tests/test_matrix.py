@@ -34,13 +34,14 @@ from matrix import (
 )
 
 from plait.checkpoint import Checkpointing
-from plait.comm.ledger import control_bytes, data_bytes_by_dim
+from plait.launch.forked import run_ranks
+from plait.ledger import control_bytes, data_bytes_by_dim
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.plan import estimate_config, rank_collectives
 from plait.plan.eager import not_covered
 from plait.plan.rank_comm import bytes_by_dim
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import full_state, train
 
 ROOT = session_dir("matrix")
@@ -183,7 +184,7 @@ def test_row_ledger_equals_the_planner(row):
     exactly: the busiest rank's (`evaluate` describes it), and every rank's its own pipeline
     rank's (`rank_collectives`: the runtime's partition, ends and sends); for ep the mean
     over ranks (routing decides who sends what; all-to-all conserves the total). The
-    control collectives the planner leaves out (plait/comm/ledger.py CONTROL_TAGS) stay
+    control collectives the planner leaves out (plait/ledger.py CONTROL_TAGS) stay
     under 2 % of a rank's data bytes."""
     outs = row_run(row)
     cfg = config(*row_sets(row))

@@ -24,9 +24,10 @@ from test_clean_stop import assert_all_gone
 
 from plait.checkpoint.format import read_metadata
 from plait.checkpoint.reader import full_tensor
-from plait.cluster import capability_problem
 from plait.device.network import listening_sockets, process_tree
-from plait.testing import assert_parity, free_port
+from plait.launch.cluster import capability_problem
+from plait.launch.forked import free_port
+from plait.testing import assert_parity
 
 LAYOUT = ("parallel.dp=2", "parallel.tp=2")  # tp inside a node, dp across the two
 
@@ -136,9 +137,9 @@ def test_the_restart_keeps_the_rows_of_whichever_node_ran_rank_0(tmp_path):
     import torch.distributed as dist
 
     from plait.checkpoint.format import MARKER
-    from plait.elastic import Progress
-    from plait.multinode import NodeSpec
-    from plait.multinode_elastic import KEYS, _agree
+    from plait.launch.elastic import Progress
+    from plait.launch.nodes import NodeSpec
+    from plait.launch.nodes_elastic import KEYS, _agree
 
     store = dist.PrefixStore(KEYS, dist.HashStore())
     rows = [{"step": s, "loss": 5.0 - s} for s in range(3)]

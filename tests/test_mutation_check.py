@@ -49,7 +49,7 @@ def test_the_runner_calls_only_assertion_failures_caught(monkeypatch):
     m = Mutant("m", "a bug", lambda: None, ["tests/test_x.py::test_y"])
     cases = [((4, [], [], 0.0, "ERROR: not found: tests/test_x.py::test_y"), "BROKEN"),
              ((0, [], [], 0.0, ""), "NOT CAUGHT"),
-             ((1, ["t"], ["plait.testing.RankFailure: _rank on 2 ranks failed"], 0.0, ""),
+             ((1, ["t"], ["plait.launch.forked.RankFailure: _rank on 2 ranks failed"], 0.0, ""),
               "BROKEN"),
              ((1, ["t"], ["AssertionError: step 0: loss 1.0 vs reference 2.0"], 0.0, ""),
               "CAUGHT")]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from helpers import BASE, token_file
 
 from plait.device.network import _decode, listening_sockets, process_tree
-from plait.testing import run_ranks
+from plait.launch.forked import run_ranks
 
 
 def test_decode_proc_net_addresses():

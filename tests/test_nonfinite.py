@@ -14,8 +14,8 @@ from helpers import batches_for, config, session_dir, token_file
 from plait.checkpoint import Checkpointing
 from plait.checkpoint.format import read_metadata
 from plait.checkpoint.reader import full_tensor
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
-from plait.testing import run_ranks
 from plait.train import loop
 
 SETS = ("parallel.dp=2", "parallel.zero=1")

@@ -19,11 +19,11 @@ from helpers import batches_for, config, token_file
 
 from plait.comm import ops
 from plait.config import ParallelConfig
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.observe.report import compare
 from plait.observe.timeline import draw_step_timeline, write_chrome_trace
 from plait.parallel.zero_units import zero_units
-from plait.testing import run_ranks
 from plait.train.loop import train
 
 BUCKETED_TP = ("parallel.dp=2", "parallel.tp=2", "parallel.data_parallel=bucketed",

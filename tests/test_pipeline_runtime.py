@@ -8,6 +8,7 @@ from helpers import batches_for, config, reference, run_layout
 
 from plait.config import ConfigError
 from plait.device.memory import MemoryTracker
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.presets import PRESETS
 from plait.model.rope import Positions, rope_tables
@@ -22,7 +23,7 @@ from plait.parallel.pipeline.registry import (
 )
 from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
 from plait.parallel.pipeline.split import SavedStore
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import train
 
 # --- the I/W split is a plain backward, reordered -----------------------------------------

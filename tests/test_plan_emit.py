@@ -14,8 +14,8 @@ import pytest
 from helpers import batches_for, token_file
 
 from plait.config import load_config
+from plait.launch.forked import run_ranks
 from plait.plan.cli import add_parser, run
-from plait.testing import run_ranks
 
 TINY = ("--model", "tiny", "--vocab", "256", "--seq", "32", "--global-batch", "8")
 
@@ -100,7 +100,7 @@ def test_emitted_layout_trains_one_step_in_process(tmp_path):
 def test_plait_train_runs_it_and_report_compares_with_the_plan(tmp_path, capsys):
     """`plait train --config` (torchrun, 2 ranks) on the emitted file, then `plait report
     --plan` in process (plait.cli.main, as a shell would call it)."""
-    from plait.cli import main
+    from plait.cli.main import main
 
     cfg_path, metrics = tmp_path / "run.toml", tmp_path / "m.jsonl"
     rc, out = plan(*TINY, "--gpus", "2", "--layout", "dp=2", "--zero", "1",

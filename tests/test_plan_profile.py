@@ -16,8 +16,8 @@ import math
 
 import pytest
 
-from plait.calibrate import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
-from plait.calibrate_steps import (
+from plait.calibrate.machine import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
+from plait.calibrate.steps import (
     POST_BYTES,
     SYNC_LARGE_BYTES,
     SYNC_SEGMENTS,

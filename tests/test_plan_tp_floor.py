@@ -1,4 +1,4 @@
-"""The tp floor (plait/calibrate_tp.py, issue 23): what a tp rank's CPU holds beyond the
+"""The tp floor (plait/calibrate/tp.py, issue 23): what a tp rank's CPU holds beyond the
 planner's per-operation and per-collective prices where ranks share a host's cores, its
 fit (plait/plan/profile.py's fit_tp_floor) and where the planner adds it
 (plait/plan/compute.py's tp_floor_seconds, estimate's _chunk_times).
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from plait.calibrate_tp import SHARED_MAX_RANKS, TP, measure_tp_floor
+from plait.calibrate.tp import SHARED_MAX_RANKS, TP, measure_tp_floor
 from plait.plan.compute import Efficiency, tp_floor_seconds
 from plait.plan.profile import fit_tp_floor
 from tests.test_plan_profile import _plan_json, _profile
@@ -109,7 +109,7 @@ def test_calibrate_floor_measures_tp_calls_and_cpu():
         return
     run = out["shared"]
     assert (run["world"], run["tp"], out["cores"]) == (max(TP, 2 * cores), TP, cores)
-    # every rank in a session of its own, as torchrun starts a job's ranks (calibrate_tp)
+    # every rank in a session of its own, as torchrun starts a job's ranks (plait/calibrate/tp.py)
     assert run["own_sessions"] is True
     for mode in ("none", "selective"):
         one, two = run[f"{mode}_1"], run[f"{mode}_2"]

@@ -27,6 +27,7 @@ import pytest
 import torch
 from helpers import assert_memory_matches, batches_for, config, data_windows, reference, token_file
 
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.pipeline.check import check
@@ -36,7 +37,7 @@ from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.plan.eager import eager_memory_by_rank
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train import loop
 from plait.train.reference import Reference
 from plait.train.stop import StopRequest

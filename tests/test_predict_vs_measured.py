@@ -67,7 +67,7 @@ def test_predicted_peak_equals_measured(name):
 def test_plait_report_on_a_metrics_file(tmp_path, capsys):
     import json
 
-    from plait.cli import main
+    from plait.cli.main import main
 
     sets = ["parallel.dp=2", "parallel.zero=1", f"train.data={token_file()}", *MEASURE]
     out = run_layout(*sets)[0]

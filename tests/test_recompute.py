@@ -17,6 +17,7 @@ import torch
 from helpers import batches_for, config, reference, run_layout
 
 from plait.device.memory import MemoryTracker
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model import transformer
 from plait.model.recompute import Recompute, extra_forward_flops_per_token, op_group
@@ -24,7 +25,7 @@ from plait.parallel.pipeline.measure import write_trace
 from plait.parallel.tensor import apply_tensor_parallel
 from plait.placement import PlacementTable
 from plait.plan.activations import layer_saved_bytes
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import train
 from plait.train.step import microbatch_loss
 

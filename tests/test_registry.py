@@ -15,7 +15,7 @@ import importlib
 import numpy as np
 import pytest
 
-from plait.cli import build_parser
+from plait.cli.main import build_parser
 from plait.config import load_config
 from plait.parallel.pipeline.registry import (
     SCHEDULE_NAMES,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import run_layout, token_file
 
-from plait.cli import main
+from plait.cli.main import main
 from plait.observe.figures import MEASURED, PREDICTED
 from plait.observe.html import SECTIONS
 from plait.train.report import human_bytes

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from plait.cli import main
+from plait.cli.main import main
 from plait.parallel.pipeline import list_schedule
 from plait.parallel.pipeline import simulate as simulate_mod
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 from plait.comm import regions
 from plait.config import load_config
 from plait.device.memory import MemoryTracker
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.tensor import (
@@ -20,7 +21,7 @@ from plait.parallel.tensor import (
 )
 from plait.placement import PlacementTable
 from plait.plan.activations import layer_activation_bytes, model_activation_bytes
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.testing import assert_parity, merge_ranks
 from plait.train.step import microbatch_loss
 
 # ---- parity with the single-process reference --------------------------------------------

@@ -23,11 +23,11 @@ from helpers import BASE, token_file
 from test_clean_stop import assert_all_gone
 
 from plait import comm
-from plait.comm.ledger import FLIGHT_RECORDS, Ledger
 from plait.config import ParallelConfig
+from plait.launch.forked import run_ranks
+from plait.launch.watchdog import Watchdog, failure_report, hang_report
+from plait.ledger import FLIGHT_RECORDS, Ledger
 from plait.mesh import ParallelMesh
-from plait.testing import run_ranks
-from plait.watchdog import Watchdog, failure_report, hang_report
 
 
 def _entry(dim_seq: int, done: bool, op: str = "all_reduce", dim: str = "dp", step: int = 3):
@@ -102,7 +102,7 @@ def _faulted_run(tmp_path, fault: str, timeout_s: int) -> tuple[subprocess.Compl
 
 
 def test_a_stopped_rank_ends_the_job_with_a_report(tmp_path):
-    """Rank 1 SIGSTOPs itself after step 2 (the test-only fault, plait/elastic.py): rank 0
+    """Rank 1 SIGSTOPs itself after step 2 (the test-only fault, plait/launch/elastic.py): rank 0
     waits in step 3's first collective until the watchdog reports, and the job ends."""
     r, marker = _faulted_run(tmp_path, "stop:1:2", timeout_s=8)
     assert r.returncode == 1, r.stderr
@@ -133,7 +133,7 @@ def test_a_mismatched_call_is_named_with_both_ranks_collectives():
 
 def test_a_rank_out_of_step_ends_the_job_with_every_flight_recorder(tmp_path):
     """Rank 1 enters one all-reduce after step 2 that rank 0 never does (the test-only
-    fault `extra`, plait/elastic.py): rank 0's next call, step 3's gradients, meets it;
+    fault `extra`, plait/launch/elastic.py): rank 0's next call, step 3's gradients, meets it;
     gloo aborts rank 1 on the size mismatch, and rank 0 says where each rank was."""
     r, marker = _faulted_run(tmp_path, "extra:1:2", timeout_s=60)
     err = r.stderr

@@ -3,7 +3,8 @@
 import pytest
 from helpers import initial_params, reference, run_layout, shared_run
 
-from plait.testing import assert_parity, merge_ranks, run_ranks
+from plait.launch.forked import run_ranks
+from plait.testing import assert_parity, merge_ranks
 
 
 # dp=4 with every stage: tests/test_matrix.py's rows (dp4 z1 / z2 / z3); here the

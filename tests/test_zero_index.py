@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from helpers import batches_for, config, token_file
 
+from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
-from plait.testing import run_ranks
 from plait.train.loop import full_state, train
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

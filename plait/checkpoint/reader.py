@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from plait import comm
-from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
+from plait.ledger import OUTSIDE_STEP
 from plait.mesh import ParallelMesh
 from plait.parallel.parallelize import ParallelModel
 

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from plait import comm
-from plait.comm.ledger import OUTSIDE_STEP
 from plait.config import Config
+from plait.ledger import OUTSIDE_STEP
 from plait.mesh import ParallelMesh
 from plait.model.moe import MoE
 from plait.model.transformer import build_model

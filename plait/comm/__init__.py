@@ -1,6 +1,5 @@
 """All of plait's communication: ledgered collectives (ops) and the ledger itself."""
 
-from plait.comm.ledger import CommRecord, Ledger, ring_bytes
 from plait.comm.ops import (
     Handle,
     all_gather,
@@ -12,6 +11,7 @@ from plait.comm.ops import (
     reduce_scatter,
     send,
 )
+from plait.ledger import CommRecord, Ledger, ring_bytes
 
 __all__ = ["CommRecord", "Handle", "Ledger", "all_gather", "all_reduce", "all_to_all",
            "batch_send_recv", "broadcast", "recv", "reduce_scatter", "ring_bytes", "send"]

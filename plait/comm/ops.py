@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from plait.comm.ledger import ring_bytes
+from plait.ledger import ring_bytes
 
 if TYPE_CHECKING:  # the mesh imports the ledger; only types flow this way
     from plait.mesh import ParallelMesh

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.comm.ledger import data_bytes_by_dim
 from plait.config import Config
 from plait.device import CPU, Device
+from plait.ledger import data_bytes_by_dim
 from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches
 from plait.train.loop import train

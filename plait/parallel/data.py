@@ -117,6 +117,3 @@ class DataParallel:
             b.ready.clear()
             b.flat, b.handle = None, None
         self._next_launch = 0
-
-    def grad_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)

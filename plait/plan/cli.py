@@ -1,6 +1,6 @@
 """`plait plan`: search every layout, or evaluate one (`--layout`).
 
-Wired into plait/cli.py by `add_parser(subparsers)`; `run(args)` returns the exit code.
+Wired into plait/cli/main.py by `add_parser(subparsers)`; `run(args)` returns the exit code.
 """
 
 from __future__ import annotations

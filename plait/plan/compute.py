@@ -54,7 +54,7 @@ class Efficiency:
     policy_layer_seconds: float = 0.0
     # CPU seconds per layer and micro-batch a tp rank's layer costs beyond the prices above
     # (the per-operation floor, the collectives' comm_cpu) where a host's ranks share its
-    # cores: plait calibrate's tp floor (plait/calibrate_tp.py), recompute none and
+    # cores: plait calibrate's tp floor (plait/calibrate/tp.py), recompute none and
     # selective; 0 for the presets (a GPU's rank owns its chip)
     tp_shared_layer_seconds: float = 0.0
     tp_shared_layer_seconds_selective: float = 0.0

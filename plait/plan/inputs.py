@@ -99,7 +99,7 @@ def output_problems_of(args: argparse.Namespace) -> list[str]:
     return out
 
 
-# plait train's defaults where the planner's differ (plait/config.py): the planner plans
+# plait train's defaults where the planner's differ (plait/config/schema.py): the planner plans
 # GPU runs (bf16, ZeRO-1, the model's full context); plait train's suit a CPU test run
 TRAIN_DEFAULTS = {"precision": "fp32", "zero": 0, "seq": 64}
 PLAN_DEFAULTS = {"precision": "bf16", "zero": 1}

@@ -1,6 +1,6 @@
 """Hardware profiles: what `plait calibrate` measured, fitted into the planner's terms.
 
-A profile (JSON, written by plait/calibrate.py) holds the raw measurements and the fit:
+A profile (JSON, written by plait/calibrate/machine.py) holds the raw measurements and the fit:
 
 - GEMMs: (m, k, n, dtype, seconds) -> the efficiency curve eff(W) = gemm_max W /
   (W + gemm_half) of plait/plan/compute.py against `peak` = the best fp32 throughput
@@ -25,7 +25,7 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   The CPU seconds per call of every thread of the rank (the caller's, gloo's) -> comm_cpu,
   a line in the payload bytes over the three ops (host_share.py: what needs a core).
 - sync: a latency-bound all-reduce issued after compute on every rank (measure_sync in
-  plait/calibrate_steps.py): the mean seconds it took once the last rank arrived, less
+  plait/calibrate/steps.py): the mean seconds it took once the last rank arrived, less
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
   runs), per segment of compute -> sync_after (their mean: sync_extra), a larger call's
   more per byte (the calls' medians) -> sync_per_byte; the mean wait for the last rank
@@ -44,7 +44,7 @@ A profile (JSON, written by plait/calibrate.py) holds the raw measurements and t
   time before a compute action that did not wait (the loop's Python, completing a
   receive already there), the median of repeats -> pipeline_gap, the shared simulator's
   `gap` per compute action (idle, overlapping any wait for the input).
-- the tp floor (plait/calibrate_tp.py): plait's floor step trained at tp = 2 with two
+- the tp floor (plait/calibrate/tp.py): plait's floor step trained at tp = 2 with two
   ranks a core, 1 and 2 layers, recompute none and selective, each rank's process CPU a
   step -> tp_shared_layer_seconds* and tp_shared_outside_seconds* (one layer's CPU and
   the rest of the step's the planner's per-operation and comm_cpu prices leave out where

@@ -101,7 +101,7 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[comm.Collective]:
 
 def bytes_by_dim(collectives: list[comm.Collective], ep: int) -> dict[str, float]:
     """The planner's payload bytes per step per dim (size x count), named as
-    plait.comm.ledger.data_bytes_by_dim names the ledger's: with ep = 1 the routed experts'
+    plait.ledger.data_bytes_by_dim names the ledger's: with ep = 1 the routed experts'
     gradients sync with the rest (one group: the runtime's one bucketed sync); DualPipe's
     copy swap is "pp_copies"."""
     out: dict[str, float] = {}

@@ -4,7 +4,7 @@ sets beside the ledger. tests/test_matrix.py checks it equal, byte for byte, to 
 ledger of every matrix layout (docs/parity.md).
 
 Counts per micro-batch and layer (s = one micro-batch's activation on a rank, tokens x
-hidden x bytes; the ledger's payload is the full message, see plait/comm/ledger.py):
+hidden x bytes; the ledger's payload is the full message, see plait/ledger.py):
 
   tp, dense layer     2 all-reduces forward, 2 backward (Megatron's f/g pairs); SP: each
                       an all-gather + reduce-scatter; SP norm gains: 2 all-reduces of

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from plait.config import DEFAULT_ORDER
-from plait.config_checks import unbuilt_combinations
+from plait.config.checks import unbuilt_combinations
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 from plait.plan.bubble import stages_per_chain
 from plait.plan.compute import Efficiency
@@ -82,7 +82,7 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
                    f"over tp={lay.tp}; use a sequence that is a multiple of {lay.cp * lay.tp}")
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"zero={lay.zero}: use 0, 1, 2 or 3")
-    else:  # what the runtime has not built (plait/config_checks.py): refused alike
+    else:  # what the runtime has not built (plait/config/checks.py): refused alike
         out += unbuilt_combinations(lay.pp, lay.zero, lay.schedule)
     if lay.recompute not in RECOMPUTE:
         out.append(f"recompute={lay.recompute!r}: use one of {', '.join(RECOMPUTE)}")

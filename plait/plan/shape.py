@@ -114,15 +114,6 @@ class Shape:
         return ((self.layers - dense) * self.layer_params() + dense * self.dense_layer_params()
                 + self.embedding_params() + self.head_params())
 
-    def active_params(self) -> int:
-        """Parameters each token touches (MoE: top-k routed + shared experts)."""
-        if not self.moe:
-            return self.num_params()
-        routed = 3 * self.hidden * self.expert_ffn * self.top_k
-        per_layer = self.attn_params() + self.dense_mlp_params() + routed
-        return (self.moe_layers * per_layer + self.dense_layers * self.dense_layer_params()
-                + self.embedding_params() + self.head_params())
-
     def dense_version(self) -> Shape:
         """The shape of an MoE model's dense layers (MLP width ffn), for their FLOPs."""
         from dataclasses import replace

@@ -92,7 +92,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "blocked solid); needs matplotlib")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait before the job fails with a hang "
-                   "report naming the rank behind (default 300; plait/watchdog.py)")
+                   "report naming the rank behind (default 300; plait/launch/watchdog.py)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or summary table; the final line is still printed")
     p.add_argument("--debug", action="store_true",

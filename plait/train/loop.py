@@ -29,7 +29,6 @@ from plait.parallel.parallelize import DTYPES, ParallelModel, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.post_validation import PostValidation
-from plait.parallel.replicated import ReplicatedOptimizer  # noqa: F401 - importable here
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches

@@ -102,7 +102,7 @@ def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) 
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     where = f"; metrics in {metrics_path}" if metrics_path else ""
     layout = summary["layout"].split(" (")[0]  # the sizes, without the order note
-    restarts = summary.get("restarts")  # plait train --max-restarts (plait/elastic.py)
+    restarts = summary.get("restarts")  # plait train --max-restarts (plait/launch/elastic.py)
     after = (f" (the last attempt, after {restarts} restart{'s' * (restarts > 1)}, "
              f"{summary['lost_steps']} steps lost)" if restarts else "")
     return (f"plait: done: {summary['steps']} steps on {layout}{after}, loss {first:.4f} "

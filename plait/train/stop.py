@@ -10,7 +10,7 @@ so when any rank was signalled they all save the completed steps (`save_on_stop`
 raise `StoppedAtBoundary`; the CLI turns that into 128 + the signal.
 
 Without the option nothing here runs: a rank stops at its next Python instruction
-(plait/launch.py), and no collective is added to the step.
+(plait/launch/local.py), and no collective is added to the step.
 """
 
 from __future__ import annotations

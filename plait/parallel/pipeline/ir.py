@@ -44,7 +44,6 @@ from typing import NamedTuple, TypeVar
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM
-BACKWARD_INPUT = ("B", "I")  # the actions that produce the gradient sent upstream
 
 _ACTION_RE = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\.(\d+)(?:([<>])(\d+))?$")
 

@@ -1,6 +1,6 @@
 """The schedule registry: one `ScheduleSpec` per pipeline schedule, every fact about it.
 
-Read by config validation (`plait/config.py`), the partition (`partition.py`), the runtime
+Read by config validation (`plait/config/schema.py`), the partition (`partition.py`), the runtime
 build (`build_pipeline`), `plait simulate` (`cli.py`), `plait train --schedule` and the
 planner (`plait/plan/`: bubble, search, memory, estimate, cli). A new schedule is one
 entry in `SCHEDULES` (its builder in `schedules.py`, its rules in `rules.py` if new ones

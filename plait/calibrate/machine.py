@@ -4,19 +4,19 @@ On one intra-op thread (the runtime's: each rank owns one; docs/architecture.md,
 GEMM throughput over shapes from skinny to square, each as a linear layer's three GEMMs in
 autograd's layouts, fp32 and bf16 (the efficiency curve of plait/plan/compute.py); causal
 attention (SDPA) forward throughput at a training micro-batch's (batch, heads) in plait's
-layout; memory bandwidth (a large copy); plait's own training step (plait/calibrate_steps.py:
+layout; memory bandwidth (a large copy); plait's own training step (plait/calibrate/steps.py:
 the operations it dispatches, the bytes its element-wise operations move, their bandwidth
 replayed, the dispatch floor); and, with `--ranks N` >= 2 (gloo, forked ranks through
-plait.testing's harness), every collective through plait.comm.ops for each group size
+plait.launch.forked's harness), every collective through plait.comm.ops for each group size
 dividing N, its seconds and algorithmic bytes read back from the rank's ledger (and the
 CPU seconds the rank's threads spent per call: the caller's and the backend's), how
 much of a collective compute beside it hides, and what a collective issued after compute
 costs beyond the fit's price (the ranks' compute jitter and the wait after the last
-rank's arrival: calibrate_steps.measure_sync), what posting a batch of pipeline
-transfers holds a rank (calibrate_steps.measure_post), the pipeline runtime's own time
-before each compute action (calibrate_steps.measure_gap: plait's runtime trained at pp = 2),
+rank's arrival: steps.measure_sync), what posting a batch of pipeline
+transfers holds a rank (steps.measure_post), the pipeline runtime's own time
+before each compute action (steps.measure_gap: plait's runtime trained at pp = 2),
 a few GEMMs on every rank at once (their throughput beside another rank's over alone),
-and plait's floor step at tp = 2 on two ranks a core (calibrate_tp: a tp rank's CPU beyond
+and plait's floor step at tp = 2 on two ranks a core (calibrate/tp.py: a tp rank's CPU beyond
 the per-operation and per-collective prices where ranks share cores).
 Each measurement is the best of a few repeats (the machine is shared: the best is the least
 disturbed; the gap: a median; the sync numbers: means over every call, a heavy-tailed
@@ -41,7 +41,7 @@ import time
 from functools import partial
 from typing import Any
 
-from plait.calibrate_steps import (
+from plait.calibrate.steps import (
     ELEMENTWISE_MODELS,
     best_seconds,
     elementwise_replay,
@@ -50,7 +50,7 @@ from plait.calibrate_steps import (
     measure_post,
     measure_sync,
 )
-from plait.calibrate_tp import measure_tp_floor
+from plait.calibrate.tp import measure_tp_floor
 
 # (m, k, n): the tiny models' GEMMs (tokens x hidden x 3 hidden, x ffn, ...) up to 512^3.
 # Calls stay a few ms long so that the best of several repeats is one the shared machine's
@@ -186,7 +186,7 @@ def _collectives_rank(rank: int, world: int, sizes: list[int], reps: int, quick:
                      "seconds": min(r.seconds for r in recs),
                      "cpu_seconds": statistics.median(cpu)})  # a disturbed call's polls
     out["overlap"] = [_overlap(mesh, reps)]  # the largest group's (the last mesh built)
-    # a collective after compute on every rank, as the runtime issues it (calibrate_steps)
+    # a collective after compute on every rank, as the runtime issues it (calibrate/steps.py)
     out["sync"] = [measure_sync(mesh, "tp", 8 if quick else 40, 3 if quick else 6)]
     out["post"] = [measure_post(mesh, "tp", 8 if quick else 30, 2 if quick else 3)]
     out["gemm_concurrent"] = _concurrent_gemms(mesh, quick)
@@ -239,7 +239,7 @@ def _overlap(mesh: Any, reps: int) -> dict[str, float]:
 def measure_collectives(ranks: int, quick: bool) -> dict[str, list]:
     if ranks < 2:
         return {}
-    from plait.testing import run_ranks
+    from plait.launch.forked import run_ranks
 
     sizes, reps = (QUICK_BYTES, 3) if quick else (COLLECTIVE_BYTES, 15)
     return run_ranks(_collectives_rank, ranks, sizes, reps, quick, timeout=120.0)[0]

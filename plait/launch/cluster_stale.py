@@ -1,6 +1,6 @@
 """Namespaces a killed `plait cluster` left behind, found and removed (docs/multi_node.md).
 
-`plait cluster` names everything it builds `plaitc-<pid>-<tag>-<role>` (plait/cluster.py:
+`plait cluster` names everything it builds `plaitc-<pid>-<tag>-<role>` (plait/launch/cluster.py:
 the pid of the process that built it, six hex digits of tag, `sw`, `n<i>` or `probe`).
 Teardown runs at every end it can catch; SIGKILL it cannot, and then the namespaces (and
 the bridge and veths inside them) stay. At start, `plait cluster` removes those whose

@@ -14,7 +14,7 @@ holder is descheduled), which calls timed alone (the profile's `comm_cpu`) canno
 Those are CPU a rank's compute competes with only where its host's cores are shared (on
 a core of its own the backend's threads run beside the rank's compute, and the CPU
 closed loop's tp2 SP step, planned without this, is within 15 %: docs/planner.md), so
-the floor's training step (calibrate_steps.runtime_steps: plait's own step, tp = 2, SP
+the floor's training step (steps.runtime_steps: plait's own step, tp = 2, SP
 on, 1 and 2 layers, recompute none and selective) is trained on twice as many forked
 gloo ranks as the host has cores (dp = cores x tp 2, every core held by two ranks, as
 the emulated cluster's four ranks on two cores are), each rank in a session of its own
@@ -37,7 +37,7 @@ import statistics
 import time
 from typing import Any
 
-from plait.calibrate_steps import runtime_steps
+from plait.calibrate.steps import runtime_steps
 
 TP = 2
 MODES = ("none", "selective")
@@ -57,7 +57,7 @@ def _own_session() -> None:
     emulated cluster pays is the latter. Out of the terminal's process group a Ctrl-C no
     longer reaches the rank itself, so it ends with `plait calibrate` (die_with_parent),
     as the harness's daemonic children do on a normal exit."""
-    from plait.launch import die_with_parent
+    from plait.launch.local import die_with_parent
 
     with contextlib.suppress(OSError):  # already a session leader: nothing to change
         os.setsid()
@@ -95,7 +95,7 @@ def _floor_rank(rank: int, world: int, steps: int, repeats: int) -> dict[str, An
 
 def _run(world: int, steps: int, repeats: int) -> dict[str, Any]:
     """The floor on `world` forked ranks: each (mode, layers) row the mean over the ranks."""
-    from plait.testing import run_ranks
+    from plait.launch.forked import run_ranks
 
     ranks = run_ranks(_floor_rank, world, steps, repeats, timeout=180.0)
     first = ranks[0]["rows"]

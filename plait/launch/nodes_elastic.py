@@ -8,7 +8,7 @@ rendezvous held in node 0's store, which node 0's launcher hosts for the whole j
       arrive    n = add("arrivals", 1): this launcher's attempt is k = (n - 1) // N; wait
                 until all N have arrived for k (N * (k + 1) arrivals), so that every rank
                 of attempt k - 1, on every node, is gone
-      agree     node 0 picks the newest COMMITTED checkpoint in D (plait/elastic.py, as on
+      agree     node 0 picks the newest COMMITTED checkpoint in D (plait/launch/elastic.py, as on
                 one node) and publishes it; every node resumes from what node 0 published
       launch    torchrun on a rendezvous of its own (`--rdzv-id ...-a<k>`), the ranks'
                 process group under a prefix of its own (`PLAIT_ATTEMPT`: no key of a dead
@@ -46,9 +46,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from plait.device.network import bound_store
-from plait.elastic import FAILURE_FILE_ENV, Progress, Restart, next_attempt, read_failure
-from plait.launch import ATTEMPT_ENV, launch_ranks
-from plait.multinode import NodeLaunch, NodeSpec
+from plait.launch.elastic import FAILURE_FILE_ENV, Progress, Restart, next_attempt, read_failure
+from plait.launch.local import ATTEMPT_ENV, launch_ranks
+from plait.launch.nodes import NodeLaunch, NodeSpec
 
 KEYS = "plait-job"  # the launchers' keys in node 0's store (the ranks': plait-<attempt>.*)
 ARRIVALS = "arrivals"

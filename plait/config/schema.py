@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.config_values import coerce_value
+from plait.config import checks
+from plait.config.dims import DEFAULT_ORDER
+from plait.config.values import coerce_value
 from plait.model.presets import PRESETS, ModelConfig
 
 # pure Python, no torch: the schedule layer sits below config (tests/test_layering.py)
 
-DIMS = ("dp", "pp", "cp", "tp")  # the mesh dimensions; ep is laid over dp x cp
-DEFAULT_ORDER = ("tp", "cp", "pp", "dp")  # innermost first: tp stays inside a node
 # bucketed DP's first bucket cap in MB (torch DDP's 1 MiB first bucket): its all-reduce
 # starts early in backward (plait/parallel/data.py; the planner's last bucket, step_comm.py)
 FIRST_BUCKET_MB = 1.0
@@ -164,12 +164,11 @@ class Config:
         problems += _model_range_problems(self.model)
         if problems:  # every later check divides by these sizes
             return problems
-        from plait import config_checks as c  # the steps (a module of their own: size)
-
-        return (c.parallel_problems(self, world_size) + c.model_problems(self)
-                + c.tensor_parallel_problems(self) + c.context_parallel_problems(self)
-                + c.pipeline_problems(self) + c.expert_problems(self) + c.unbuilt_problems(self)
-                + c.batch_problems(self) + c.train_problems(self))
+        return (checks.parallel_problems(self, world_size) + checks.model_problems(self)
+                + checks.tensor_parallel_problems(self) + checks.context_parallel_problems(self)
+                + checks.pipeline_problems(self) + checks.expert_problems(self)
+                + checks.unbuilt_problems(self) + checks.batch_problems(self)
+                + checks.train_problems(self))
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what was meant, or worth saying."""

@@ -1,8 +1,8 @@
-"""`plait calibrate`'s measurements of plait's own training step (plait/calibrate.py
+"""`plait calibrate`'s measurements of plait's own training step (plait/calibrate/machine.py
 runs them): the aten operations its block and the rest of its step dispatch, the bytes the
 element-wise ones move, the dispatch floor (the fastest step of a tiny model in CPU
 seconds / its operations), and the block's element-wise operations replayed one by one
-(their bandwidth). Timing helper shared with plait/calibrate.py: `best_seconds`.
+(their bandwidth). Timing helper shared with plait/calibrate/machine.py: `best_seconds`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Any
 
-DEVICE = "cpu"  # as plait/calibrate.py: this machine's CPU
+DEVICE = "cpu"  # as plait/calibrate/machine.py: this machine's CPU
 
 
 def best_seconds(fn: Any, repeats: int, min_time: float) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -47,10 +46,10 @@ def _fail(msg: str) -> int:
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from plait.checkpoint.cli import preflight as checkpoint_preflight
     from plait.checkpoint.format import CheckpointError
-    from plait.elastic import run_elastic
-    from plait.launch import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks
-    from plait.multinode import NODE_FLAGS, node_spec, run_node
-    from plait.multinode_elastic import run_elastic_nodes
+    from plait.launch.elastic import run_elastic
+    from plait.launch.local import STOP_GRACE_S, TORCHRUN_COMMAND, LocalLaunch, launch_ranks
+    from plait.launch.nodes import NODE_FLAGS, node_spec, run_node
+    from plait.launch.nodes_elastic import run_elastic_nodes
     from plait.plan.host_memory import host_memory_problem
     from plait.train.checks import train_inputs
 
@@ -91,12 +90,12 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if nodes is not None and getattr(args, "max_restarts", None):  # restarts together
         return run_elastic_nodes(nodes, args.max_restarts, args.checkpoint_dir, rank_args,
                                  args.timeout, shim, extra)
-    if nodes is not None:  # one launcher per node (plait/multinode.py)
+    if nodes is not None:  # one launcher per node (plait/launch/nodes.py)
         return run_node(nodes, rank_args, args.timeout, shim, extra)
 
     def launch_local(rank_args: list[str], env: dict[str, str] | None = None,
                      received: list[int] | None = None) -> int:
-        # every listener on loopback (plait/launch.py); the store lives while the ranks run
+        # every listener on loopback (plait/launch/local.py); the store lives while the ranks run
         launch = LocalLaunch(found.nproc, rank_args, timeout_s=args.timeout, torchrun=shim,
                              extra=extra)
         return launch_ranks(launch.command, {**launch.env, **(env or {})}, received)
@@ -279,7 +278,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def _add_all_commands(sub) -> None:
-    from plait.multinode import add_node_args
+    from plait.launch.nodes import add_node_args
     from plait.train.flags import DATA_DIR_HELP, add_train_args
 
     train = sub.add_parser("train", help="train on N local ranks (torch.distributed.run)",
@@ -301,7 +300,7 @@ def _add_all_commands(sub) -> None:
     train.add_argument("--max-restarts", type=int, metavar="R",
                        help="when a rank dies, stop the others and start every rank again "
                        "from the last committed checkpoint, up to R times (needs "
-                       "--checkpoint-dir and --checkpoint-every; plait/elastic.py)")
+                       "--checkpoint-dir and --checkpoint-every; plait/launch/elastic.py)")
     add_node_args(train)
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")
@@ -327,13 +326,13 @@ def _add_all_commands(sub) -> None:
                       help="BPE vocabulary to train (default 2048)")
 
     # subcommands that live beside their subsystem register themselves
-    from plait import calibrate as calibrate_cli
-    from plait import cluster as cluster_cli
+    from plait.calibrate import machine as calibrate_cli
     from plait.checkpoint import cli as checkpoint_cli
+    from plait.cli import eval as eval_cli
+    from plait.launch import cluster as cluster_cli
     from plait.observe import report as report_cli
     from plait.parallel.pipeline import cli as simulate_cli
     from plait.plan import cli as plan_cli
-    from plait.train import eval_cli
 
     simulate_cli.add_parser(sub)
     plan_cli.add_parser(sub)
@@ -354,7 +353,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "data":
         return cmd_data(args)
     if args.command == "eval":
-        from plait.train.eval_cli import cmd_eval
+        from plait.cli.eval import cmd_eval
 
         return cmd_eval(args, argv[argv.index("eval") + 1:])
     return args.func(args)
@@ -383,17 +382,3 @@ def main(argv: list[str] | None = None) -> int:
               "for the traceback)", file=sys.stderr)
         return EXIT_FAILED
 
-
-if __name__ == "__main__":
-    hidden = sys.argv[1:2] and sys.argv[1].startswith("_")  # no command starts with _
-    if hidden:
-        from plait.launch import TORCHRUN_COMMAND, run_torchrun
-    if hidden and sys.argv[1] == TORCHRUN_COMMAND:  # the launcher's child (plait/launch.py)
-        code = run_torchrun(sys.argv[2:])
-    else:
-        code = main()
-    # Nothing is left to clean up: skip the interpreter's teardown of torch, which takes
-    # seconds on a loaded machine, so that a stopped run ends when its ranks have.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

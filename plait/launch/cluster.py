@@ -21,7 +21,7 @@ killed, found by namespace: `ip netns pids`), then every namespace is deleted, w
 deletes its veths and the bridge. A run's names carry the creating process's pid and a
 random tag, so parallel runs do not clash and a leftover says whose it was: a run killed
 by SIGKILL leaves its namespaces, and the next `plait cluster` removes those whose builder
-is gone (plait/cluster_stale.py).
+is gone (plait/launch/cluster_stale.py).
 
 Rank order: torch's c10d rendezvous orders nodes by address as text, so node i's address
 ends in 100 + i (three digits: text order is numeric order) and node i holds global ranks
@@ -31,7 +31,7 @@ Needs root, `ip` and `tc` (iproute2) and a kernel with network namespaces, veth,
 and tbf; `capability_problem()` says in one line which is missing (the tests skip with
 it). With `--max-restarts R` a node whose launcher dies (every process of the namespace
 killed) is started again, as a cluster's scheduler restarts a failed node's task, and it
-rejoins the job's next attempt (plait/multinode.py, Restarts).
+rejoins the job's next attempt (plait/launch/nodes.py, Restarts).
 
 This is the CLI layer: it starts processes and changes the network configuration.
 """
@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.cluster_stale import remove_stale_namespaces
-from plait.launch import die_with_parent, on_stop_signals
+from plait.launch.cluster_stale import remove_stale_namespaces
+from plait.launch.local import die_with_parent, on_stop_signals
 
 SUBNET = "10.231.0"  # inside the run's own namespaces only: no clash with the host's
 FIRST_HOST = 100  # node i is SUBNET.(100 + i): text order = numeric order (module doc)

@@ -28,7 +28,7 @@ from plait.config import ConfigError
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.device import DeviceError, resolve_device
 from plait.files import output_problems, write_text_atomic
-from plait.launch import (
+from plait.launch.local import (
     STOP_GRACE_S,
     TORCHRUN_COMMAND,
     LocalLaunch,

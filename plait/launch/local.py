@@ -51,7 +51,7 @@ from plait.device.network import (
     process_tree,
     transport_env,
 )
-from plait.elastic import FAILURE_FILE_ENV, exit_text, write_failure
+from plait.launch.elastic import FAILURE_FILE_ENV, exit_text, write_failure
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 10.0  # ranks stop at their next Python instruction: well within this
@@ -272,10 +272,10 @@ class LocalLaunch:
         self.env.setdefault("OMP_NUM_THREADS", "1")
 
 
-# host:port of the store `plait train` hosts (LocalLaunch, plait/multinode.py): its ranks
+# host:port of the store `plait train` hosts (LocalLaunch, plait/launch/nodes.py): its ranks
 # build their process group on it, so no rank has to bind a port picked by someone else
 STORE_ENV = "PLAIT_STORE"
-# a multi-node job's attempt (plait/multinode_elastic.py): each builds its group under its
+# a multi-node job's attempt (plait/launch/nodes_elastic.py): each builds its group under its
 # own prefix of the one store node 0 hosts for the whole job
 ATTEMPT_ENV = "PLAIT_ATTEMPT"
 

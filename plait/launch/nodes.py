@@ -21,11 +21,11 @@ torch's order: by address, then process); `parallel.gpus_per_node` defaults to P
 mesh knows which groups cross nodes. A rank that fails ends its node's agent, which
 stops the node's other ranks; the other nodes' ranks lose their peers and end too (gloo
 reports the closed connection at once; a stalled peer at `--timeout`); a node whose
-launcher is killed takes its ranks with it (plait/launch.py). No launcher waits forever:
+launcher is killed takes its ranks with it (plait/launch/local.py). No launcher waits forever:
 the rendezvous gives up after `--timeout` seconds.
 
 With `--max-restarts R` every launcher restarts the job together with the others, from
-the checkpoint node 0 picks (plait/multinode_elastic.py).
+the checkpoint node 0 picks (plait/launch/nodes_elastic.py).
 
 This is the CLI layer.
 """
@@ -47,7 +47,7 @@ from plait.device.network import (
     route_to,
     transport_env,
 )
-from plait.launch import STORE_ENV, launch_ranks
+from plait.launch.local import STORE_ENV, launch_ranks
 
 NODE_FLAGS = ("--nnodes", "--node-rank", "--master", "--interface")  # the launcher's only
 
@@ -155,7 +155,7 @@ class NodeLaunch:
 
     def __init__(self, spec: NodeSpec, rank_args: list[str], timeout_s: float,
                  torchrun: list[str], extra: list[str], attempt: int | None = None):
-        """`attempt`: one attempt of a restarting job (plait/multinode_elastic.py), whose
+        """`attempt`: one attempt of a restarting job (plait/launch/nodes_elastic.py), whose
         launcher hosts the store; its rendezvous is the attempt's own."""
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = (bound_store(spec.address, spec.port, None, timeout)
@@ -184,7 +184,7 @@ class NodeLaunch:
 
 def run_node(spec: NodeSpec, rank_args: list[str], timeout_s: float, torchrun: list[str],
              extra: list[str]) -> int:
-    """Launch this node's ranks and wait for them (plait/launch.py: signals, no orphans)."""
+    """Launch this node's ranks and wait for them (plait/launch/local.py: signals, no orphans)."""
 
     NodeLaunch.announce(spec)
     try:

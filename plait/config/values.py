@@ -1,5 +1,5 @@
 """A configuration value checked against its field's type: the one parser of `--set`
-strings, TOML values and flag values (plait/config.py's `set_value` calls it).
+strings, TOML values and flag values (plait/config/schema.py's `set_value` calls it).
 
 `steps = 3.5`, `lr = nan`, `sp = 3` are ValueErrors naming the expected type. Standard
 library only (the package layer, below config).

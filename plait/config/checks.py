@@ -1,12 +1,16 @@
 """The steps of `Config.validate()`: each returns its problems, each naming the fix.
 
-A module of their own so that plait/config.py stays one readable file; the order in which
-`validate` calls them is the order the problems are shown.
+A module of their own so that plait/config/schema.py stays one readable file; the order in
+which `validate` calls them is the order the problems are shown. The schema imports this
+module, so this one names `Config` for its annotations only (never imported at run time)
+and reads the mesh's dimensions from dims.py: the two do not import each other.
 """
 
 from __future__ import annotations
 
-from plait.config import DIMS, Config
+from typing import TYPE_CHECKING
+
+from plait.config.dims import DIMS
 from plait.model.recompute_settings import MODES as RECOMPUTE_MODES
 from plait.model.recompute_settings import ops_problems
 from plait.parallel.pipeline.registry import (
@@ -15,6 +19,9 @@ from plait.parallel.pipeline.registry import (
     natural_virtual_stages,
     validate_schedule_request,
 )
+
+if TYPE_CHECKING:
+    from plait.config.schema import Config
 
 
 def _divisors(n: int) -> str:

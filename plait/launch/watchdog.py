@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from plait.comm.ledger import FlightEntry, Ledger
-from plait.launch import job_store
+from plait.launch.local import job_store
+from plait.ledger import FlightEntry, Ledger
 
 REPORT_MARGIN_S = 30.0  # the process group times out this much after the watchdog
 KEY = "plait-flight"
@@ -200,7 +200,7 @@ class Watchdog:
 
 def store_client(timeout_s: float) -> dist.Store | None:
     """A client of the job's store for the watchdog's thread: the launcher's
-    (plait.launch.job_store), else MASTER_ADDR:MASTER_PORT (torchrun run directly); its
+    (plait.launch.local.job_store), else MASTER_ADDR:MASTER_PORT (torchrun run directly); its
     keys under the restart count (torchrun's own restarts may keep the store)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = job_store(timeout)

@@ -1,11 +1,11 @@
 """Jobs that survive a dead rank: `plait train --max-restarts R --checkpoint-dir D`.
 
     plait train (run_elastic)            attempt 0, 1, ... R
-      └─ the torchrun shim and its ranks  (plait/launch.py), one launch per attempt
+      └─ the torchrun shim and its ranks  (plait/launch/local.py), one launch per attempt
 
 When a rank dies (an error, SIGKILL, the machine's OOM killer), torch's agent notices
 within its monitor interval (0.1 s), terminates the other ranks (SIGTERM, SIGKILL 5 s
-later: plait/launch.py shortens torch's 30 s) and exits, writing which rank failed first
+later: plait/launch/local.py shortens torch's 30 s) and exits, writing which rank failed first
 and how to the file this launcher named (`FAILURE_FILE_ENV`). The launcher then starts
 every rank again, on a fresh rendezvous store, resuming from the newest COMMITTED checkpoint in D
 (plait/checkpoint: a checkpoint without its marker is never loaded), and says so in one
@@ -24,14 +24,14 @@ wall-clock times the agent saw the failure, every rank was gone, the ranks were 
 again and the first step after the restart was done).
 
 This is the CLI layer: it reads the environment (the test-only fault below) and starts
-processes. With --nnodes > 1 every node's launcher runs plait/multinode_elastic.py's
+processes. With --nnodes > 1 every node's launcher runs plait/launch/nodes_elastic.py's
 loop instead, which agrees on the checkpoint across the launchers and reuses `Progress`,
 `next_attempt` and `Restart` from here.
 
 Test-only fault injection: `PLAIT_TEST_FAULT=kill:RANK:STEP` makes that rank SIGKILL
 itself right after step STEP's row is logged, on the first attempt only;
 `kill:RANK:STEP:every` on every attempt; `stop:...` SIGSTOPs it instead (a stalled rank,
-for the hang watchdog, plait/watchdog.py); `extra:...` makes it enter one collective the
+for the hang watchdog, plait/launch/watchdog.py); `extra:...` makes it enter one collective the
 others never do (equally: the others skipped one), so that from then on the ranks' calls
 on that dim are out of step. Read here, by the rank entry, nowhere else.
 """

@@ -97,7 +97,7 @@ class Ledger:
     records: list[CommRecord] = field(default_factory=list)
     step: int = 0
     # the flight recorder: the last FLIGHT_RECORDS collectives entered, done or not
-    # (what a hang report shows; plait/watchdog.py reads it from another thread)
+    # (what a hang report shows; plait/launch/watchdog.py reads it from another thread)
     flight: deque[FlightEntry] = field(default_factory=lambda: deque(maxlen=FLIGHT_RECORDS))
     entered: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # per dim
 
