@@ -1,4 +1,5 @@
-"""All of plait's communication: ledgered collectives (ops) and the ledger itself."""
+"""All of plait's communication: ledgered collectives (ops), and the ledger they write
+(plait/ledger.py, a layer of its own below the mesh that carries it) re-exported."""
 
 from plait.comm.ops import (
     Handle,
