@@ -1,4 +1,4 @@
-"""Checkpoint cost, synchronous vs background (--async-checkpoint), issue 12 item 6.
+"""Checkpoint cost, synchronous vs background (--async-checkpoint).
 
 Two gloo ranks (dp=2, ZeRO-1) train a ~10M-parameter model and save every 3 steps. For
 each mode it prints the time the training thread is blocked per save (sync: the whole

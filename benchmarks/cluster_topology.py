@@ -1,4 +1,4 @@
-"""Keep tensor parallel inside a node, measured (issue 23, item 3): the same model and
+"""Keep tensor parallel inside a node, measured: the same model and
 layout (dp=2 x tp=2) on two emulated nodes of two ranks each (`plait cluster`: network
 namespaces, each node's link shaped to --mbit), once with the default mesh order
 (tp innermost: tp inside a node, dp across) and once with dp innermost (tp across the
@@ -16,10 +16,9 @@ ledger's inter-node bytes.
 Needs root, ip and tc (plait cluster says what is missing). Measures a profile first
 (`plait calibrate --ranks 2`) unless one is given. Step time: the median of the steps
 after the first WARMUP (on a shared machine the median resists a disturbed step), the
-steady step the planner predicts: in runs of 8 steps (every run in docs/multi_node.md
-before 2026-12-06) the window from the second step on measured 76-107 ms of CPU a rank-step
-and a 203-257 ms step with tp inside where 30-step runs measured 61-73 ms and 179-197 ms
-(the same code and profiles, 2026-12-06).
+steady step the planner predicts: in runs of 8 steps the window from the second step on
+measured 76-107 ms of CPU a rank-step and a 203-257 ms step with tp inside where 30-step
+runs measured 61-73 ms and 179-197 ms (the same code and profiles), hence 30 by default.
 
 Measured beside it, to tell the planner's terms apart: B, the runnable scheduling
 entities of other work (with autogroup, sessions: the cores are shared among sessions
@@ -37,7 +36,7 @@ with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU":
 same sharing model given the measured CPU per rank-step instead of the planner's (and
 the planner's waits: the bubble and the link, the node's ranks in step or not as the
 planner has them), which separates the sharing model's error from the compute model's.
-The 20 % goal (issue 23) is the planner's ratio against the measured one.
+The 20 % goal is the planner's ratio against the measured one.
 """
 
 from __future__ import annotations
@@ -89,7 +88,7 @@ RANKS_PER_NODE = 2
 
 NODES = 2
 WARMUP = 5  # steps not measured: the step median and the CPU window start after them
-GOAL = 0.20  # issue 23: the planner's ratio within 20 % of the measured one
+GOAL = 0.20  # the planner's ratio within 20 % of the measured one
 
 
 def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

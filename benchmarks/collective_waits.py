@@ -1,4 +1,4 @@
-"""Where a two-rank step's collectives spend their time (issues 23 and 27): each call
+"""Where a two-rank step's collectives spend their time: each call
 split into the wait for the other rank to arrive and the time after both have.
 
     python benchmarks/collective_waits.py [--layouts dp2,dp2z3,tp2sp] [--steps 14]

@@ -105,7 +105,7 @@ def max_loss_gap(a: dict, b: dict) -> float:
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
-# --- goals (issue 11, item 4): each benchmark prints its goal beside its ratio ------------
+# --- goals: each benchmark prints its goal beside its ratio -----------------------------------
 
 
 def met(value: float, goal: float) -> str:

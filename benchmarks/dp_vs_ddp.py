@@ -6,7 +6,7 @@
 Both train the same model from the same weights on the same global batches with AdamW and
 grad clipping; gloo on CPU, one thread per rank. Prints the step time (each run's mean,
 first 2 steps skipped as warm-up; the median of `--runs` runs, plait's and DDP's
-alternated), the ratio plait/DDP beside its goal (<= 0.90, issue 11), the losses'
+alternated), the ratio plait/DDP beside its goal (<= 0.90), the losses'
 agreement, and gradient bytes per step: plait's from its ledger, DDP's from a comm hook
 that sizes each bucket in a separate counting pass (the hook is not present in the timed
 run).
@@ -82,7 +82,7 @@ def _ddp(rank, world, args, path, count_bytes=False):
     return {**out, "bytes": sum(sent), "calls": len(sent)}
 
 
-GOAL = 0.90  # plait / DDP step time (issue 11, item 1)
+GOAL = 0.90  # plait / DDP step time
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Goodput under failures against the checkpoint interval (issue 12, item 10).
+"""Goodput under failures against the checkpoint interval.
 
 For each checkpoint interval, `plait train --max-restarts` runs while this script kills a
 random rank (SIGKILL) at exponentially distributed times of mean `--mtbf` seconds (seeded;

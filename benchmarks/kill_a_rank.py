@@ -1,4 +1,4 @@
-"""Kill a rank and recover (issue 12, item 7): `plait train --max-restarts` under SIGKILL.
+"""Kill a rank and recover: `plait train --max-restarts` under SIGKILL.
 
 Each trial runs `plait train --nproc N --dp N --max-restarts 1 --checkpoint-every E` and,
 once rank 0 has logged a seeded random step, SIGKILLs a seeded random rank from outside

@@ -1,4 +1,4 @@
-"""The planner's step time on this machine, predicted vs measured (issue 27, item 2).
+"""The planner's step time on this machine, predicted vs measured.
 
     python benchmarks/plan_closed_loop.py [--hardware profile.json] [--steps 20]
         [--hidden 256] [--layers 4] [--heads 4] [--ffn 688] [--seq 128]
@@ -42,9 +42,9 @@ from plait.plan.host_share import HIDDEN_TERM  # noqa: E402
 from plait.plan.step_comm import SYNC_TERM  # noqa: E402
 
 # the model: `tiny` with these fields replaced (vocabulary 256: the test token file's).
-# The default's steps are ~50-150 ms on one core of the 2026-12-04 machine: long enough
-# that one run's step does not move by more than the goal (the old tiny default, h 64,
-# 2 layers, s 64, batch 8, ran 7-20 ms a step and its fastest step moved 10-25 % a run).
+# The default's steps are ~50-150 ms on one core of a 2-core machine: long enough that
+# one run's step does not move by more than the goal (`OLD_SIZE`, h 64, 2 layers, s 64,
+# batch 8, runs 7-20 ms a step and its fastest step moves 10-25 % a run).
 SIZE = {"hidden": 256, "layers": 4, "heads": 4, "ffn": 688, "seq": 128, "global_batch": 8}
 OLD_SIZE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 176, "seq": 64, "global_batch": 8}
 RUN_FILE = "closed_loop.json"  # in the runs' folder: the size and steps they were run at
@@ -77,7 +77,7 @@ def layouts(batch: int) -> dict[str, tuple[str, list[str]]]:
     }
 
 
-GOAL = 0.15  # issue 27: within 15 % on each layout
+GOAL = 0.15  # within 15 % on each layout
 
 
 def plait(*args: str) -> str:
@@ -113,7 +113,7 @@ def parse_args() -> argparse.Namespace:
 
 def run_size(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, int], int]:
     """The model size and steps: the arguments', recorded in the folder; with --measured
-    the folder's record (a folder from before the record: the old tiny default)."""
+    the folder's record (a folder without one was run at `OLD_SIZE`)."""
     rec = tmp / RUN_FILE
     if a.measured:
         if not rec.exists():

@@ -18,7 +18,7 @@ durations (F, I, W and a whole B each their own), p2p latency, post time and the
 gap before each compute (`records.runtime_gap`), each step simulated from its own
 durations and averaged as "span" is, "span-sim" their difference in points, "sim-gap"
 the prediction without the gap, "sim0" without transfers or gap, "pooled" one simulation
-of all steps' mean durations (the prediction before 2026-12-03), "replay" each action its
+of all steps' mean durations, "replay" each action its
 own measured duration, gap before it and post (nothing averaged but the p2p latency: the
 simulator's rules; where it meets "span" and "sim" does not, the spread of the durations
 is the difference), the p2p, post and gap
@@ -30,7 +30,7 @@ W's memory in one swing at the step's end pays tens of thousands).
 dualpipe) runs plait's runtime alone, so `--schedules all` prints measured vs simulated
 for every one.
 The load average before and after is printed: on a shared machine it decides the numbers.
-Goals (issue 11, item 2), printed beside each: plait / torch step time <= 0.90, and plait's
+Goals, printed beside each: plait / torch step time <= 0.90, and plait's
 measured bubble ("span") within 2 points of the simulated one ("sim").
 """
 

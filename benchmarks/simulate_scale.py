@@ -1,5 +1,5 @@
 """`plait simulate` at scale: every schedule at 64 stages x 1,024 micro-batches (goal <= 1 s
-wall each, Python start-up and imports included; issue 11, item 3).
+wall each, Python start-up and imports included).
 
     python benchmarks/simulate_scale.py [--pp 64] [--microbatches 1024] [--runs 3]
         [--schedules 1f1b zb-v ...] [--steps 3 --optimizer-sync post_validation]

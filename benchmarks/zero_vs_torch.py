@@ -8,7 +8,7 @@ Step time: each run's mean over its steps after warm-up; the median of `--runs` 
 plait's and the peer's alternated so that machine noise hits both alike. Peak memory: exact
 peak of live tensor bytes on rank 0 during step 1 (plait.device.memory.MemoryTracker, the same
 measurement for every contender). Ratios are plait / torch, each printed beside its goal
-(issue 11: ZeRO-3 / FSDP2 time <= 0.75 and memory <= 1.0; ZeRO-1 and ZeRO-2 / DDP time <=
+(ZeRO-3 / FSDP2 time <= 0.75 and memory <= 1.0; ZeRO-1 and ZeRO-2 / DDP time <=
 0.90, ZeRO-2's memory <= ZeRO-1's).
 """
 
@@ -123,7 +123,7 @@ def _each_ms(runs: list[dict]) -> str:
 
 
 def _goals(stage: int, pm: float, tm: float, peaks: dict) -> tuple[float, float, float, str]:
-    """Issue 11's goals for a ZeRO stage: (time ratio bound, memory bound, the memory value
+    """The goals for a ZeRO stage: (time ratio bound, memory bound, the memory value
     held to it, how the memory goal reads). ZeRO-2's memory goal is ZeRO-1's peak."""
     if stage == 2 and 1 in peaks:
         return 0.90, 1.0, pm / peaks[1], "≤ ZeRO-1"

@@ -155,8 +155,8 @@ def assert_memory_matches(measured: dict, total: int, pred: dict, where: str,
     """The peak total and every category at the predicted peak moment within 5 %.
 
     Deterministic: every buffer is freed where the program drops it (Handle.wait() waits
-    for gloo to let go of it; before that, which moment topped the peak could vary with
-    thread scheduling, issue 22), so no tied-moment allowance is needed."""
+    for gloo to let go of it: otherwise which moment topped the peak could vary with
+    thread scheduling), so no tied-moment allowance is needed."""
     assert abs(total - pred["total"]) <= rel * pred["total"], (where, "total", total, pred)
     split = all(abs(measured[cat] - sum(pred[n] for n in names))
                 <= max(rel * measured[cat], MEMORY_SLACK) for cat, names in MEMORY_CATS.items())

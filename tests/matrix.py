@@ -1,4 +1,4 @@
-"""The parity matrix's layouts (issue 16): factors, the row notation, pairwise coverage.
+"""The parity matrix's layouts: factors, the row notation, pairwise coverage.
 
 A row is one layout in a short notation, one token per setting, e.g.
 

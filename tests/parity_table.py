@@ -1,4 +1,4 @@
-"""Regenerate the parity matrix's table in docs/parity.md (issue 16).
+"""Regenerate the parity matrix's table in docs/parity.md.
 
     .venv/bin/python tests/parity_table.py          # every row (~4 min on 2 cores)
 

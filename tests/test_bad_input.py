@@ -1,4 +1,4 @@
-"""Every bad input refused clearly (issue 10): a table of cases across every subcommand.
+"""Every bad input refused clearly: a table of cases across every subcommand.
 
 Each case is a command line, the exit status it must end with (2: bad input), a phrase
 (or several) its message must hold, the files that must be unchanged afterwards and a

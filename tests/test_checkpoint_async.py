@@ -1,4 +1,4 @@
-"""Background (async) checkpoints (issue 12, item 6): the save returns after a host copy,
+"""Background (async) checkpoints: the save returns after a host copy,
 a thread writes the files while training goes on, the next step commits. The files are
 the synchronous save's, byte for byte, and later updates cannot leak into them."""
 

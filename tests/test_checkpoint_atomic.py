@@ -1,4 +1,4 @@
-"""Checkpoints are atomic and verified (issue 12, item 5; docs/checkpoint.md): a truncated
+"""Checkpoints are atomic and verified (docs/checkpoint.md): a truncated
 or corrupted shard is found and the resume falls back (or, named explicitly, fails naming
 the file); --keep deletes only after the new commit; a full disk and an unwritable
 directory are clear errors that leave the previous checkpoints; bad resume input is

@@ -1,4 +1,4 @@
-"""A stopped run stops everywhere (issue 10): SIGINT, SIGTERM or SIGHUP to `plait train`,
+"""A stopped run stops everywhere: SIGINT, SIGTERM or SIGHUP to `plait train`,
 a signal to one rank, or the launcher killed outright, and within seconds no process of
 the run is left: found by a marker unique to the test in every command line (the metrics
 path travels to torchrun and to each rank). The metrics so far stay in NAME.partial;

@@ -1,4 +1,4 @@
-"""A cluster on one machine (issue 23): `plait cluster` runs one `plait train` launcher
+"""A cluster on one machine: `plait cluster` runs one `plait train` launcher
 per network namespace, the namespaces joined by tbf-shaped veth links on a private bridge
 (plait/launch/cluster.py).
 
@@ -176,7 +176,7 @@ def _stopped(pids: list[str]) -> bool:
 
 @needs_namespaces
 def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_path):
-    """Issue 23 item 4 / issue 12: every process of node 1's namespace SIGKILLed after the
+    """Every process of node 1's namespace SIGKILLed after the
     step-2 checkpoint; plait cluster starts that node's launcher again (as a scheduler
     would), every launcher meets in the next attempt, node 0 picks the newest committed
     checkpoint, and the run finishes: each step once in the metrics, one restart and one

@@ -120,8 +120,8 @@ def test_dp_x_cp_product_group():
 
 def _buffers_freed_when_wait_returns(rank, world):
     """How often a buffer handed to a collective outlives the program's last reference to
-    it (freed later, on gloo's worker thread). That made measured memory peaks depend on
-    thread scheduling (issue 22)."""
+    it (freed later, on gloo's worker thread). Any such buffer would make measured memory
+    peaks depend on thread scheduling."""
     import weakref
 
     mesh = _mesh(world, dp=world)

@@ -1,4 +1,4 @@
-"""A job survives a dead rank (issue 12, item 7): `plait train --max-restarts R` stops the
+"""A job survives a dead rank: `plait train --max-restarts R` stops the
 other ranks, starts every rank again from the last committed checkpoint and finishes with
 the losses and final state of an uninterrupted run, bit for bit (resume is exact on the
 same layout, docs/checkpoint.md). The rank is killed with SIGKILL by the test-only fault
@@ -86,7 +86,7 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, seed):
 def test_no_restarts_left_fails_the_run(tmp_path):
     """The fault fires on every attempt; after --max-restarts 1 the run fails (exit 1)
     and keeps what it has: the partial metrics and the last checkpoint, which a new job
-    resumes on a different layout (a killed rank, then another layout: issue 12's aim)."""
+    resumes on a different layout (a killed rank, then another layout: nothing trained is lost)."""
     r, metrics, ck = _plait_train(tmp_path, "kill:1:4:every", "--max-restarts", "1")
     assert r.returncode == 1, r.stderr
     assert "plait: restart 1 of 1: rank 1 died (signal SIGKILL) after step 4" in r.stderr

@@ -1,4 +1,4 @@
-"""Hugging Face Llama models in (issue 15): plait's logits equal `LlamaForCausalLM`'s, and
+"""Hugging Face Llama models in: plait's logits equal `LlamaForCausalLM`'s, and
 an imported model starts every layout from the same first loss.
 
 Nothing is downloaded: each model is a tiny random `LlamaConfig` saved with

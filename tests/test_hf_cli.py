@@ -1,4 +1,4 @@
-"""Hugging Face models out, and the commands (issue 15): export round trips bit for bit,
+"""Hugging Face models out, and the commands: export round trips bit for bit,
 `plait eval`'s loss is the one transformers computes, and after training in tp=2 x pp=2
 the exported model's loss under transformers is plait's final evaluation.
 

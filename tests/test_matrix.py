@@ -1,4 +1,4 @@
-"""One parity matrix over all five dimensions (issue 16): every row of tests/matrix.py
+"""One parity matrix over all five dimensions: every row of tests/matrix.py
 against the single-process run, the ledger against the planner, the measured memory
 against the planner's eager model, and checkpoint round trips between rows.
 

@@ -1,4 +1,4 @@
-"""One job over two "nodes" (issue 12 item 9, issue 25 item 2): two `plait train`
+"""One job over two "nodes": two `plait train`
 launchers on this machine, `--nnodes 2 --node-rank K --master 127.0.0.1:PORT`, two ranks
 each, form one four-rank job that matches the single-process reference (fp32 parity
 tolerances, docs/parity.md), listens only on the interface it names, and when one node
@@ -110,7 +110,7 @@ def test_a_dead_node_brings_the_other_down(tmp_path, dead):
 
 
 def test_a_killed_rank_restarts_every_launcher(tmp_path, monkeypatch):
-    """Issue 12 items 7 and 9: `--max-restarts` across two launchers. Rank 2 (node 1)
+    """`--max-restarts` across two launchers. Rank 2 (node 1)
     SIGKILLs itself after step 2 of the first attempt (the test-only fault); both
     launchers meet in the next attempt, resume from the step-2 checkpoint node 0 picks,
     and finish: each step once, one restart naming rank 2, parity with the reference."""

@@ -1,6 +1,6 @@
 """A non-finite gradient norm skips the step's update on every rank; K in a row stop the run
-with a clear error, and the checkpoints keep the weights from before (issue 12, item 8's
-non-finite part). The NaN is injected into one rank's gradients only: the global norm
+with a clear error, and the checkpoints keep the weights from before.
+The NaN is injected into one rank's gradients only: the global norm
 must carry it to every rank, or the ranks would disagree and the replicas diverge."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Parity where it was missing (issue 24): tied embeddings trained, and the ledger's link
-and times (the combinations of bf16, recompute, tp and the schedules moved into the parity
+"""Parity the parity matrix does not cover: tied embeddings trained, and the ledger's link
+and times (the combinations of bf16, recompute, tp and the schedules are in the parity
 matrix, tests/test_matrix.py). Same oracle and tolerances as everywhere (plait/testing.py,
 docs/parity.md)."""
 

@@ -147,7 +147,7 @@ def test_recompute_none_fits_where_the_flash_model_says():
     assert flash["memory_bytes"]["activations"] == pytest.approx(2 * 40 * per_layer["flash"],
                                                                  rel=1e-12)
     assert flash["fits"] and flash["memory_total_bytes"] <= 0.9 * 80e9
-    # the materialised probabilities (the old `none`) do not fit
+    # the materialised probabilities (`--attention math`) do not fit
     assert math["memory_bytes"]["activations"] == pytest.approx(2 * 40 * per_layer["math"],
                                                                 rel=1e-12)
     assert not math["fits"]

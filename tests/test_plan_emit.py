@@ -1,5 +1,5 @@
 """`plait plan --emit-config`: the planned layout as a config plait train accepts, trained,
-and `plait report --plan` on the run against the same plan (issue 27, item 5)."""
+and `plait report --plan` on the run against the same plan."""
 
 from __future__ import annotations
 

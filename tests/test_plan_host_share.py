@@ -132,7 +132,7 @@ def test_measured_collective_cpu_is_work_and_the_rest_a_wait():
     """With a profile's comm_cpu, each collective's CPU (count x (per call + per byte x
     size), hidden calls too) needs a core and the rest of each dimension's exposed time is
     a wait (on the link where its groups cross nodes): the step is the sharing model's
-    for exactly that split; without it, the old split (inside a node: work)."""
+    for exactly that split; without it, the default split (inside a node: work)."""
     shape, train = from_preset("tiny", 128), Training(16, precision="fp32")
     lay = Layout(tp=2, dp=2, zero=0)
     prof = {**_profile(), "cores": 2}

@@ -1,5 +1,5 @@
 """Hardware profiles: `plait calibrate` measures, plait/plan/profile.py fits, `plait plan
---hardware` plans with the fitted numbers (issue 27, item 1, the CPU part).
+--hardware` plans with the fitted numbers (CPU profiles).
 
 No wall time is asserted: the measurement's structure and the deterministic parts (the
 ledger's algorithmic bytes, the fits on synthetic data) are; that the plan uses the

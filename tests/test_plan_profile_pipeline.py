@@ -1,4 +1,4 @@
-"""A measured profile's pipeline gap and the sync measurement's spread (issue 27, item 2):
+"""A measured profile's pipeline gap and the sync measurement's spread:
 `plait calibrate` times the pipeline runtime's own work before each compute action
 (measure_gap) and keeps each repeat of the sync extra; the planner prices the gap through
 the shared simulator's `gap` and reports the spread without pricing it. No wall time is

@@ -1,4 +1,4 @@
-"""`plait plan` and `plait train` agree on which layouts exist (issue 17, item 5).
+"""`plait plan` and `plait train` agree on which layouts exist.
 
 For a grid of layouts of one model on 8 ranks (every factorisation tp x pp x dp x cp with
 cp <= 2, every schedule, ZeRO 0-3, every recompute mode, micro-batches of 1 and 2): the

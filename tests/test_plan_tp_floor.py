@@ -1,4 +1,4 @@
-"""The tp floor (plait/calibrate/tp.py, issue 23): what a tp rank's CPU holds beyond the
+"""The tp floor (plait/calibrate/tp.py): what a tp rank's CPU holds beyond the
 planner's per-operation and per-collective prices where ranks share a host's cores, its
 fit (plait/plan/profile.py's fit_tp_floor) and where the planner adds it
 (plait/plan/compute.py's tp_floor_seconds, estimate's _chunk_times).

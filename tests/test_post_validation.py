@@ -1,4 +1,4 @@
-"""Post-validation (issue 18): the optimizer step without a barrier equals the barrier's.
+"""Post-validation: the optimizer step without a barrier equals the barrier's.
 
 `parallel.optimizer_sync=post_validation` updates each stage optimistically and checks the
 global grad norm later (plait/parallel/post_validation.py). Each layout is trained with

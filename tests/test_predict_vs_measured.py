@@ -1,6 +1,6 @@
 """Predicted memory (plait/plan, kernels="eager") equals the runtime's measured peak.
 
-Issue 6: for CPU layouts the runtime can run, the planner's prediction of the peak live
+For CPU layouts the runtime can run, the planner's prediction of the peak live
 bytes per rank, and of each category at that peak, is within 5 % of what MemoryTracker
 measures during `train.memory_step`. One cost model: the prediction is
 `plait.plan.predict_memory(cfg, kernels="eager")`, the same code `plait report` prints.

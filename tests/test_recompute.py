@@ -1,4 +1,4 @@
-"""Recomputation (issue 17): none / selective / full, with every pipeline schedule.
+"""Recomputation: none / selective / full, with every pipeline schedule.
 
 - What a block keeps for backward under each mode, measured by the memory tracker, equals
   the planner's `layer_saved_bytes` to the byte (plait/plan/activations.py).

@@ -115,7 +115,7 @@ def test_rules_hold_elementwise_as_they_do_one_by_one(name):
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_what_the_planner_searches_can_be_built(name):
-    # (issue 17 closed the gap where the search tried dualpipev at p <= m < 2p-1)
+    # every layout the search may try must build (e.g. no dualpipev at p <= m < 2p-1)
     spec = schedule_spec(name)
     for p in (2, 3, 4, 8):
         for m in range(1, 3 * p):

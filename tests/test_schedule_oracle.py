@@ -1,17 +1,16 @@
-"""The event-driven builders and simulator against the rescanning ones they replaced.
+"""The event-driven builders and simulator against the rescanning ones' recorded outputs.
 
-tests/golden/schedule_oracle.json holds what the old implementation (round-robin rescans
+tests/golden/schedule_oracle.json holds what the rescanning implementation (round-robin rescans
 in `simulate._lay_out`, `check.deadlocks` and the list scheduler; commit b55c6cb) gave on
 a grid of small cases: every registered schedule at pp 1-6 and several micro-batch counts,
 list-scheduled ones built for three sets of durations, each simulated under four (equal;
 uneven with p2p; per-stage with p2p; with post time, which lowers the schedule). Per case:
 a digest of the compute order and of its lowering, and per simulation the step time, the
 bubble fraction, the peak activations and a digest of the per-rank idle, busy and span
-idle and of every event, all compared exactly (floats by repr). The old code was
-deleted once this matched. The zb-v cases (and `_broken`'s reversed zb-v rank) were
-regenerated on 2026-12-04 when zb-v's quota began counting what a W still holds
-(`list_schedule`'s freed_by "W"): their orders are now the event-driven scheduler's own,
-every other case is still the rescanning one's.
+idle and of every event, all compared exactly (floats by repr). The zb-v cases (and
+`_broken`'s reversed zb-v rank) are the event-driven scheduler's own, since zb-v's quota
+counts what a W still holds (`list_schedule`'s freed_by "W"); every other case is the
+rescanning one's.
 
 Regenerate only when an output is meant to change (say why in the commit):
 

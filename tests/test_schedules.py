@@ -282,7 +282,7 @@ def test_a_list_scheduled_order_is_laid_out_as_the_simulator_lays_it_out():
     for d in (Durations(1.0, 1.0, 0.0), Durations(0.0, 1.0, 1.0)):  # a zero duration:
         layout = []  # the scheduler's moments are not the simulator's times (no layout)
         s = build_schedule("zb-v", 3, 6, 2, d, layout=layout)
-        assert layout == [] and check(s) == []  # (it used to stop: "made no progress")
+        assert layout == [] and check(s) == []  # it builds: never "made no progress"
 
 
 # --- the simulator itself -------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Several steps in one timeline (issue 18, item 3), and the simulator's and the list
-scheduler's work growing linearly with the actions (issue 11, item 3). Pure Python.
+"""Several steps in one timeline, and the simulator's and the list scheduler's work
+growing linearly with the actions. Pure Python.
 
 The multi-step cases are small enough to check by hand; the scaling tests count what the
 event-driven code does (ranks resumed, (moment, rank) looks), never time.

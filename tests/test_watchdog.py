@@ -1,4 +1,4 @@
-"""No silent hangs (issue 12, item 8): the flight recorder notes every collective as it
+"""No silent hangs: the flight recorder notes every collective as it
 is entered; the watchdog of a rank whose collective waits past `--timeout` reports every
 rank's last collective, names the rank that is behind, and ends the job (exit 1). A rank
 whose calls go out of step with the others' (it skipped a collective, or issued one they

@@ -251,7 +251,7 @@ def measure_sync(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
               wake-up once every rank has come).
     Both are means over the ranks, per call. Of the calls the mean (what a step of such
     calls pays) and the median (`*_median_seconds`: the body without the tail), each
-    repeat's mean kept (its spread). Measured on this machine (2026-12-04, quiet): a
+    repeat's mean kept (its spread). Measured on this machine (quiet): a
     call's extra after 2.4 ms is heavy-tailed, 0.3 ms at the 10th percentile and 3-5.5
     ms at the 90th (about the kernel's 4 ms scheduler tick: a woken gloo thread queued
     behind a computing one), so the median of 30 calls flips between the modes (0.03-2.3

@@ -4,8 +4,8 @@ beyond the planner's per-operation and per-collective prices (plait/plan/profile
 
 Why: at the dispatch floor (a model whose GEMMs cost nothing) tp halves a layer's FLOPs,
 not its operations, and SP's gathers and scatters add reshapes, the collectives' Python
-calls and the backend's own threads (gloo's event loop, its copies). Measured on the
-2-core machine of 2026-12-04 (docs/multi_node.md, "Where a rank's CPU goes"): the `tiny`
+calls and the backend's own threads (gloo's event loop, its copies). Measured on a
+2-core machine (docs/multi_node.md, "Where a rank's CPU goes"): the `tiny`
 model's tp=2 rank used 18.6-20.7 ms of CPU a step on its main thread where the planner
 gave it 10.4, and gloo's threads 7.8 ms a step with a core per rank but 16.7 ms with four
 ranks on the two cores (its event loop spins while a pair's lock is held, longer when the
@@ -24,7 +24,7 @@ calls and payload bytes its ledger recorded; the fit (plait/plan/profile.py's
 fit_tp_floor) takes the 2-layer minus the 1-layer step (one layer's) less what the
 planner prices for it, and the 1-layer step less one such layer and the planner's price
 for the rest (the embedding, head and loss, the optimizer, every call outside the
-layers: `outside`). Measured here (2026-12-04, 4 ranks on 2 cores, four runs): one layer
+layers: `outside`). Measured here (4 ranks on 2 cores, four runs): one layer
 7.5-9.6 ms with recompute none, 13.2-15.3 ms with selective, of which the prices hold
 about 6 and 11.5 ms (0.5 ms of comm_cpu for each of its 10 and 13 tp calls).
 """
@@ -51,7 +51,7 @@ def _own_session() -> None:
     each session is one scheduling entity, and ranks in sessions of their own pay more
     CPU waiting at collectives (pure compute does not change; why the waits cost more is
     not measured). Measured here
-    (2026-12-06, 4 ranks on 2 cores, two A/B rounds): the floor's 2-layer selective step
+    (4 ranks on 2 cores, two A/B rounds): the floor's 2-layer selective step
     took 38.6 and 45.1 ms of CPU in one session against 54.3 and 51.5 in their own, the
     1-layer 24.0 and 26.4 against 31.3 and 31.5; what a rank of `plait train` or the
     emulated cluster pays is the latter. Out of the terminal's process group a Ctrl-C no

@@ -1,5 +1,5 @@
 """A cluster on one machine: `plait cluster --nnodes N --inter-node-mbit M -- TRAIN FLAGS`
-(issue 23, docs/multi_node.md).
+(docs/multi_node.md).
 
     root namespace:  plait cluster (this module: builds, runs, tears down)
     plaitc-<pid>-<tag>-sw      a switch: one bridge, one veth end per node, each shaped

@@ -7,7 +7,8 @@
       └─ torchrun's agent                   └─ P ranks
 
 Every listener of a node is bound to one interface's address, never to every interface
-(issue 25): `--interface NAME`, or else the interface the kernel routes to HOST through.
+(the stores are unauthenticated: they listen only on the job's network): `--interface NAME`,
+or else the interface the kernel routes to HOST through.
 Node 0's launcher hosts the c10d rendezvous store itself, on that address and PORT
 (`plait.device.network.bound_store`); each node's torchrun agent joins it as a client
 (`--rdzv-conf is_host=false`, `--local-addr` the node's address), and shares no store with

@@ -1,5 +1,5 @@
 """Restarts across nodes: `plait train --nnodes N --node-rank K --master HOST:PORT
---max-restarts R --checkpoint-dir D` (issue 12 items 7 and 9, issue 23 item 4).
+--max-restarts R --checkpoint-dir D`: a job survives a dead rank or a dead node.
 
 Every node's launcher runs the same loop, torchrun-style: the attempts are rounds of a
 rendezvous held in node 0's store, which node 0's launcher hosts for the whole job.

@@ -1,4 +1,4 @@
-"""No silent hangs (issue 12, item 8): a watchdog thread in every rank, and a report that
+"""No silent hangs: a watchdog thread in every rank, and a report that
 names the rank that is behind and the collective the others wait in.
 
 Every collective goes through plait/comm, which notes it in the ledger's flight recorder

@@ -342,7 +342,7 @@ def sync_seconds(eff: Efficiency, colls: list[comm.Collective], compute: Num) ->
     share of the step's compute, L = compute / K (the ranks' jitter), and then pays the
     measured extra after that arrival at that L, and sync_per_byte for each byte of its
     message up to the largest size measured (plait calibrate's measure_sync; held beyond
-    it: the closed loop's tp 2 calls of 2 KB and 1 MB, 2026-12-04, paid the same extra,
+    it: the closed loop's tp 2 calls of 2 KB and 1 MB paid the same extra,
     1.4-2.1 ms, where the line from 1 to 128 KiB gave the 1 MB ones 6 ms more)."""
     calls, nbytes = blocking_calls(colls, eff.sync_bytes_measured)
     segment = np.asarray(compute, dtype=float) / np.maximum(calls, 1.0)

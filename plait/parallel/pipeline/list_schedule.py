@@ -1,10 +1,10 @@
 """The list scheduler behind zb-v and dualpipe (`schedules.py`): a greedy order searched for
 given durations, the heuristic of Qi et al. 2023 section 3 in its simplest form.
 
-Event-driven (issue 11): what lands when is keyed by time, with a heap of those times, and
+Event-driven: what lands when is keyed by time, with a heap of those times, and
 each rank keeps heaps of its ready actions, so a build costs O(n log n) in its n actions
-(the rescanning scheduler it replaced cost about n^2; tests/test_schedule_oracle.py holds
-this one to that one's orders for dualpipe, and to its own for zb-v since zb-v's quota
+(a rescanning scheduler costs about n^2; tests/test_schedule_oracle.py holds this one to
+the rescanning one's recorded orders for dualpipe, and to its own for zb-v since zb-v's quota
 counts what a W holds; tests/test_simulate_steps.py counts its work).
 """
 
