@@ -271,7 +271,7 @@ def report(rows: list, args: argparse.Namespace, cores: float) -> None:
         print(_ratio_line("sharing model, measured CPU", mod_in, mod_out, measured))
     err = p_out["step"] / p_in["step"] / measured - 1
     ranking = (p_out["step"] > p_in["step"]) == (m_out["step"] > m_in["step"])
-    print(f"goal (issue 23): the planner's ratio within {GOAL:.0%} of the measured: "
+    print(f"goal: the planner's ratio within {GOAL:.0%} of the measured: "
           f"{'met' if abs(err) <= GOAL else 'NOT met'} ({err:+.0%}); ranking "
           f"{'agrees' if ranking else 'DISAGREES'}")
 
