@@ -212,7 +212,8 @@ CONTROL_TAGS = ("metrics", "grad_norm", "moe.load", ".counts")
 def data_bytes_by_dim(records: list[dict]) -> dict[str, float]:
     """One rank's payload bytes per mesh dim in one step, as the planner names the dims:
     a collective's payload, a send's bytes (a receive is the other end's send), control
-    collectives left out; ZeRO and gradient syncs over dp x cp are the planner's "dp";
+    collectives left out; ZeRO and gradient syncs over the replica axes ("dp_cp") are the
+    planner's "dp";
     DualPipe's copy swap is its own line ("pp_copies": its busiest rank is an end rank,
     the sends' a middle one)."""
     out: dict[str, float] = {}

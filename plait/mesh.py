@@ -1,7 +1,8 @@
 """ParallelMesh: the one object that says where this rank sits and how it talks.
 
-Dims `dp, pp, cp, tp`; default order innermost first `tp, cp, pp, dp` so that tensor
-parallel groups are contiguous ranks inside one node. Built over torch's DeviceMesh for the
+Its axes and their default order, innermost first, are the dimension records'
+(plait/dims/): tensor parallel innermost, so that its groups are contiguous ranks inside
+one node. Built over torch's DeviceMesh for the
 dims of size > 1; a dim of size 1 has no group and its collectives are no-ops. With every
 dim of size 1 no process group is needed at all: the single-process reference runs the
 same code.
@@ -14,17 +15,14 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from plait.config import DEFAULT_ORDER, DIMS, ParallelConfig
+from plait.config import ParallelConfig
 from plait.device import CPU, Device
+from plait.dims import DEFAULT_ORDER, DIMS, LAID, REPLICA_AXES, REPLICAS
 from plait.ledger import Ledger
 
-# Product dims with a group of their own: dp x cp is where expert parallel and the
-# data-parallel gradient reduction of context-parallel runs live. Named "a_b".
-PRODUCTS = (("dp", "cp"),)
-# Expert parallel's groups, cut from dp x cp: "ep", consecutive runs of `ep` of its ranks
-# (they hold different experts and exchange tokens), and "edp", the ranks holding the same
-# experts (their expert gradients are summed).
-EXPERT_DIMS = ("ep", "edp")
+# Product dims with a group of their own, named "a_b": the replica axes' product, where
+# gradients are summed and the laid dimensions (expert parallel) cut their groups.
+PRODUCTS = (REPLICA_AXES,)
 
 
 @dataclass
@@ -39,7 +37,8 @@ class ParallelMesh:
     device_mesh: object | None = None
     ledger: Ledger = field(default_factory=Ledger)
     device: Device = CPU  # where this rank allocates and computes (plait/device)
-    ep: int = 1  # expert parallel, laid over dp x cp (see `expert_ranks`)
+    # the sizes of the dimensions laid over the replica ranks (see `laid_ranks`)
+    laid: dict[str, int] = field(default_factory=dict)
 
     # ---- construction -----------------------------------------------------------
     @classmethod
@@ -56,8 +55,8 @@ class ParallelMesh:
             actual = dist.get_world_size() if world_size is None else world_size
             if actual != world:
                 raise ValueError(
-                    f"layout needs {world} ranks (dp*pp*cp*tp) but the world has {actual}"
-                )
+                    f"layout needs {world} ranks ({'*'.join(DIMS)}) but the world has "
+                    f"{actual}")
         mesh = cls(sizes=sizes, rank=rank or 0, order=tuple(parallel.order),
                    gpus_per_node=parallel.gpus_per_node, device=device)
         mesh.coords = mesh.coords_of(mesh.rank)
@@ -67,9 +66,9 @@ class ParallelMesh:
         for dims in PRODUCTS:
             mesh.group_ranks["_".join(dims)] = mesh.ranks_across(dims)
             mesh.groups["_".join(dims)] = None
-        mesh.ep = parallel.ep
-        for name in EXPERT_DIMS:
-            mesh.group_ranks[name] = mesh.expert_ranks(name)
+        mesh.laid = {d.name: getattr(parallel, d.name) for d in LAID}
+        for name in mesh.laid_groups():
+            mesh.group_ranks[name] = mesh.laid_ranks(name)
             mesh.groups[name] = None
         if world > 1:
             mesh._make_groups()
@@ -101,19 +100,19 @@ class ParallelMesh:
                     group = dist.new_group(list(ranks))
                     if self.rank in ranks:
                         self.groups[name] = group
-        for name in EXPERT_DIMS:
+        for name in self.laid_groups():
             self.groups[name] = self._subgroup(name)
 
     def _subgroup(self, name: str) -> dist.ProcessGroup | None:
-        """The process group of expert dim `name` (None when it is one rank, or the whole
-        dp x cp group when it is all of it)."""
+        """The process group of laid group `name` (None when it is one rank, or the whole
+        replica group when it is all of it)."""
         mine = self.group_ranks[name]
         if len(mine) == 1:
             return None
-        if mine == self.group_ranks["dp_cp"]:
-            return self.groups["dp_cp"]
+        if mine == self.group_ranks[REPLICAS]:
+            return self.groups[REPLICAS]
         group = None  # collective over the world: every rank makes every group, in order
-        for ranks in sorted({tuple(self.expert_ranks(name, r)) for r in range(self.world_size)}):
+        for ranks in sorted({tuple(self.laid_ranks(name, r)) for r in range(self.world_size)}):
             made = dist.new_group(list(ranks))
             if self.rank in ranks:
                 group = made
@@ -146,14 +145,17 @@ class ParallelMesh:
         return sorted(r for r in range(self.world_size)
                       if all(self.coords_of(r)[d] == c[d] for d in self.order if d not in dims))
 
-    def expert_ranks(self, name: str, rank: int | None = None) -> list[int]:
-        """Ranks of expert dim `name` ("ep" or "edp") containing `rank`: with dp x cp's
-        ranks in order and i this rank's position, ep = positions with the same i // ep,
-        edp = those with the same i % ep."""
+    def laid_groups(self) -> list[str]:
+        """The groups of the dimensions laid over the replica ranks (plait/dims/)."""
+        return [g for d in LAID for g in d.laid_groups]
+
+    def laid_ranks(self, name: str, rank: int | None = None) -> list[int]:
+        """Ranks of laid group `name` containing `rank`, cut from the replica ranks by
+        the record of the dimension that owns the group."""
         rank = self.rank if rank is None else rank
-        ranks = self.ranks_across(("dp", "cp"), rank)
-        i, e = ranks.index(rank), self.ep
-        return ranks[(i // e) * e:(i // e + 1) * e] if name == "ep" else ranks[i % e::e]
+        ranks = self.ranks_across(REPLICA_AXES, rank)
+        owner = next(d for d in LAID if name in d.laid_groups)
+        return owner.laid_ranks(name, ranks, ranks.index(rank), self.laid[owner.name])
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -191,5 +193,6 @@ class ParallelMesh:
 
     def describe(self) -> str:
         parts = [f"{d}={self.sizes[d]}" for d in reversed(self.order)]
-        ep = f", ep={self.ep} over dp x cp" if self.ep > 1 else ""
-        return " x ".join(parts) + ep + f" (order innermost first: {','.join(self.order)})"
+        over = " x ".join(REPLICA_AXES)
+        laid = "".join(f", {n}={k} over {over}" for n, k in self.laid.items() if k > 1)
+        return " x ".join(parts) + laid + f" (order innermost first: {','.join(self.order)})"

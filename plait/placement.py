@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from plait.dims import LAID, REPLICA_AXES
 from plait.mesh import ParallelMesh
 
 
@@ -121,11 +122,15 @@ class PlacementTable:
         splits its gradient over, e.g. ZeRO's dp); a slice replicated within a split dim
         counts on its first holder only."""
         pl = self.of(p)
-        # a product dim ("dp_cp": ZeRO's shards under context parallel) names its parts
+        # a product dim (ZeRO's shards over the replica axes, "dp_cp") names its parts
         sharded = pl.sharded_dims + tuple(d for s in also_sharded for d in s.split("_"))
+        laid = [d for d in LAID if d.name in sharded]
+        # a slice of a laid dimension (an expert slice) replaces the replica axes by its
+        # own groups: the first of them holds the slice, the others (edp) its copies
         owner = all(mesh.coord(d) == 0 for d in mesh.sizes if d not in sharded
-                    and not ("ep" in sharded and d in ("dp", "cp")))
-        if "ep" in sharded and "edp" not in sharded:
-            # an expert slice: the ep ranks hold different ones, its edp replicas the same
-            owner = owner and mesh.coord("edp") == 0
+                    and not (laid and d in REPLICA_AXES))
+        for dim in laid:
+            copies = dim.laid_groups[-1]
+            if copies not in sharded:
+                owner = owner and mesh.coord(copies) == 0
         return owner and pl.norm_owner

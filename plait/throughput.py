@@ -4,9 +4,9 @@
 
 - **Which tokens**: the global batch's, `global_batch x seq_len` per optimizer step: every
   input position of every sequence of the step, over all data-parallel replicas, counted
-  once whatever the layout (a tp, pp or cp rank does not count its share; the extra target
-  token each window reads is not counted). So one run's tokens/s reads the same on every
-  rank, and two layouts of one job compare directly.
+  once whatever the layout (a rank that holds a share of the model or of the sequence
+  does not count its share; the extra target token each window reads is not counted).
+  So one run's tokens/s reads the same on every rank, and two layouts of one job compare directly.
 - **Which time**: the step time, the device's timer from the step's first micro-batch to
   its metrics (plait/train/loop.py); the total over the steps timed, so a slow step weighs
   what it cost (the harmonic mean of the per-step rates, not their arithmetic mean).

@@ -44,6 +44,8 @@ LAYERS = [
     ("package", ["plait", *LOOSE_HELPERS]),
     ("model", ["plait.model"]),
     ("schedule", sorted(SCHEDULE)),
+    # one record per parallel dimension: its checks, groups, reductions, checkpoint role
+    ("dims", ["plait.dims"]),
     ("config", ["plait.config"]),
     ("device", ["plait.device"]),  # where a rank computes: torch only
     ("ledger", ["plait.ledger"]),  # the mesh carries the rank's ledger

@@ -27,6 +27,7 @@ from plait.cli_parser import copy_flags
 from plait.config import ConfigError
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.device import DeviceError, resolve_device
+from plait.dims import DIMENSIONS
 from plait.files import output_problems, write_text_atomic
 from plait.launch.local import (
     STOP_GRACE_S,
@@ -47,9 +48,10 @@ USER_ERRORS = (ConfigError, DataError, DeviceError, CheckpointError)
 # the configuration flags an evaluation reads: the layout and the batch shape; not the
 # training ones (steps, lr, ZeRO, recompute, ...), nor --model (the model is --init-from's)
 EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
-                     "--global-batch", "--micro-batch-size", "--microbatches", "--dp", "--tp",
-                     "--pp", "--cp", "--ep", "--virtual-stages", "--schedule",
-                     "--gpus-per-node", "--precision", "--sp", "--cp-mode", "--cp-layout")
+                     "--global-batch", "--micro-batch-size", "--microbatches",
+                     "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
+                     *(f"--{d.name}" for d in DIMENSIONS),
+                     *(s.flag for d in DIMENSIONS for s in d.settings))
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +63,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    "(default: every whole batch of --global-batch windows)")
     p.add_argument("--metrics-out", help="write the result as JSON here (atomically)")
     p.add_argument("--nproc", type=int, metavar="N",
-                   help="ranks to launch (default: the layout's dp*pp*cp*tp)")
+                   help="ranks to launch (default: the layout's world size)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait before the job fails (default 300)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",

@@ -286,14 +286,14 @@ def _add_all_commands(sub) -> None:
                            "ranks. Settings: defaults, then --config, then flags, then --set.")
     add_train_args(train)
     train.add_argument("--nproc", type=int, metavar="N",
-                       help="ranks to launch (default: the layout's dp*pp*cp*tp)")
+                       help="ranks to launch (default: the layout's world size)")
     dry = train.add_argument_group("dry run (docs/architecture.md, Dry run)")
     dry.add_argument("--dry-run", action="store_true",
                      help="build and train one rank of the layout in this process on torch's "
                      "fake process group (no communication): its memory by category and its "
                      "collectives beside the planner's prediction")
     dry.add_argument("--world-size", type=int, metavar="N",
-                     help="--dry-run: ranks of the layout (default: its dp*pp*cp*tp)")
+                     help="--dry-run: ranks of the layout (default: its world size)")
     dry.add_argument("--rank", metavar="R[,R...]", help="--dry-run: the rank(s) to build: "
                      "numbers, first, last (default 0; --rank first,last: the two ends of "
                      "the pipeline, one after the other)")

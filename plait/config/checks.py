@@ -10,15 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plait.config.dims import DIMS
+from plait.dims import DIMS
 from plait.model.recompute_settings import MODES as RECOMPUTE_MODES
 from plait.model.recompute_settings import ops_problems
-from plait.parallel.pipeline.registry import (
-    SCHEDULE_NAMES,
-    SCHEDULES,
-    natural_virtual_stages,
-    validate_schedule_request,
-)
+from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 
 if TYPE_CHECKING:
     from plait.config.schema import Config
@@ -33,7 +28,8 @@ def parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
     p = cfg.parallel
     checks = [
         (world_size is not None and p.world_size != world_size,
-         f"layout dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} does not "
+         f"layout {'*'.join(DIMS)} = {'*'.join(str(getattr(p, d)) for d in DIMS)} = "
+         f"{p.world_size} does not "
          f"match the world size {world_size}; change the layout or launch "
          f"{p.world_size} ranks (--nproc {p.world_size})"),
         (sorted(p.order) != sorted(DIMS),
@@ -68,65 +64,6 @@ def model_problems(cfg: Config) -> list[str]:
         problems.append(f"model.dim={m.dim} is not a multiple of n_heads={m.n_heads}")
     elif (m.dim // m.n_heads) % 2:
         problems.append(f"head dim {m.dim // m.n_heads} must be even for RoPE")
-    return problems
-
-def tensor_parallel_problems(cfg: Config) -> list[str]:
-    """Shapes tp must divide (plait/parallel/tensor.py), and sequence parallel."""
-    problems: list[str] = []
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.tp > 1:
-        for what, n in (("n_heads", m.n_heads), ("dim", m.dim), ("ffn_dim", m.ffn_dim)):
-            if n % p.tp:
-                problems.append(
-                    f"tp={p.tp} does not divide model.{what}={n}; use tp in {_divisors(n)}")
-        if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
-            problems.append(
-                f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
-                f"tp divides them and replicated when they divide tp; use tp in "
-                f"{_divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
-    if p.sp and p.tp == 1:
-        problems.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
-                        "--tp > 1 or drop --sp")
-    elif p.sp and t.seq_len % p.tp:
-        problems.append(
-            f"sequence parallel splits train.seq_len={t.seq_len} over tp={p.tp}; use a "
-            f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
-    return problems
-
-def context_parallel_problems(cfg: Config) -> list[str]:
-    """The cp mode and layout, and the sequence cp (and SP within it) must split."""
-    p, t = cfg.parallel, cfg.train
-    chunks = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
-    checks = [
-        (p.cp_mode not in ("ring", "allgather"),
-         f"parallel.cp_mode={p.cp_mode!r}; use 'ring' or 'allgather'"),
-        (p.cp_layout not in ("zigzag", "contiguous"),
-         f"parallel.cp_layout={p.cp_layout!r}; use 'zigzag' or 'contiguous'"),
-        (p.cp > 1 and t.seq_len % chunks,
-         f"cp={p.cp} ({p.cp_layout}) cuts train.seq_len={t.seq_len} into {chunks} equal "
-         f"chunks; use a seq_len that is a multiple of {chunks} (e.g. "
-         f"{max(t.seq_len - t.seq_len % chunks, chunks)})"),
-        (p.cp > 1 and p.sp and t.seq_len % chunks == 0 and (t.seq_len // p.cp) % p.tp,
-         f"sequence parallel splits each cp rank's {t.seq_len // max(p.cp, 1)} tokens over "
-         f"tp={p.tp}; use a seq_len that is a multiple of {chunks * p.tp}"),
-    ]
-    return [problem for broken, problem in checks if broken]
-
-def pipeline_problems(cfg: Config) -> list[str]:
-    """For pp > 1: the schedule's requests (the registry's rules), the layer split, and
-    the combinations not built with a pipeline."""
-    m, p = cfg.model, cfg.parallel
-    if p.pp > m.n_layers:
-        return [f"pp={p.pp} is more stages than model.n_layers={m.n_layers}; use "
-                f"pp <= {m.n_layers}"]
-    if p.pp == 1 or p.schedule not in SCHEDULES:
-        return []
-    v = natural_virtual_stages(p.schedule, p.virtual_stages)
-    problems = validate_schedule_request(p.schedule, p.pp, cfg.microbatches(), v,
-                                         n_layers=m.n_layers)
-    if m.tie_embeddings:
-        problems.append("model.tie_embeddings=true with pp>1: the embedding and the head "
-                        "sit on different stages; set model.tie_embeddings=false")
     return problems
 
 def unbuilt_problems(cfg: Config) -> list[str]:
@@ -175,13 +112,12 @@ def unbuilt_combinations(pp: int, zero: int, schedule: str) -> list[str]:
                         "schedule dualpipev")
     return problems
 
-def expert_problems(cfg: Config) -> list[str]:
-    """The MoE block's settings (plait/model/moe.py) and expert parallel's layout
-    (plait/parallel/expert.py): ep is laid over dp x cp."""
-    m, p = cfg.model, cfg.parallel
+def moe_problems(cfg: Config) -> list[str]:
+    """The MoE block's own settings (plait/model/moe.py); expert parallel's layout is its
+    record's (plait/dims/ep.py)."""
+    m = cfg.model
     if not m.n_experts:
-        return [f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0, e.g. --model "
-                "tiny-moe); use ep=1"] if p.ep > 1 else []
+        return []
     n, k = m.n_experts, m.top_k
     checks = [
         (not 1 <= k <= n, f"model.top_k={k} must be between 1 and model.n_experts={n}"),
@@ -197,24 +133,8 @@ def expert_problems(cfg: Config) -> list[str]:
         (not 0 <= m.n_dense_layers <= m.n_layers,
          f"model.n_dense_layers={m.n_dense_layers} must be between 0 and model.n_layers="
          f"{m.n_layers}"),
-        (n % p.ep != 0, f"parallel.ep={p.ep} does not divide the {n} experts; use one of "
-         f"{_divisors(n)}"),
-        ((p.dp * p.cp) % p.ep != 0, f"parallel.ep={p.ep} does not divide dp*cp={p.dp * p.cp}"
-         " (expert parallel is laid over the data-parallel ranks); use one of "
-         f"{_divisors(p.dp * p.cp)}"),
-        (m.capacity_factor is not None and (p.cp > 1 or (p.sp and p.tp > 1)),
-         "model.capacity_factor drops tokens per whole sequence, which cp > 1 or sequence "
-         "parallel split over ranks; use dropless routing (capacity_factor=none), or cp=1 "
-         "and sp=false"),
-        (m.bias_update_rate > 0 and p.pp > 1 and p.schedule in SCHEDULES
-         and SCHEDULES[p.schedule].chains > 1,
-         f"model.bias_update_rate with schedule {p.schedule} (two copies of each block see "
-         "different micro-batches, their loads are not summed yet); use another schedule"),
     ]
     problems = [msg for bad, msg in checks if bad]
-    if p.ep_dispatch not in ("assignment", "token"):
-        problems.append(f"parallel.ep_dispatch={p.ep_dispatch!r}; use 'assignment' or "
-                        "'token'")
     g, mg = m.route_groups, m.route_max_groups
     if g or mg:
         if g < 1 or n % g or not 1 <= mg <= g:

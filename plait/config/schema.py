@@ -8,14 +8,16 @@ the number of micro-batches per step is derived from it and the layout.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from plait.config import checks
-from plait.config.dims import DEFAULT_ORDER
 from plait.config.values import coerce_value
+from plait.dims import AXES, DEFAULT_ORDER, DIMENSIONS
+from plait.dims import problems as dimension_problems
 from plait.model.presets import PRESETS, ModelConfig
 
 # pure Python, no torch: the schedule layer sits below config (tests/test_layering.py)
@@ -94,7 +96,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        """Ranks of the layout: the product of the rank grid's axes (plait/dims/)."""
+        return math.prod(getattr(self, d.name) for d in AXES)
 
 
 @dataclass
@@ -160,13 +163,12 @@ class Config:
         """Every problem with this configuration, each naming the fix. Empty when valid."""
         p = self.parallel
         problems = [f"parallel.{name}={getattr(p, name)} must be >= 1"
-                    for name in ("dp", "tp", "pp", "cp", "ep") if getattr(p, name) < 1]
+                    for name in (d.name for d in DIMENSIONS) if getattr(p, name) < 1]
         problems += _model_range_problems(self.model)
         if problems:  # every later check divides by these sizes
             return problems
         return (checks.parallel_problems(self, world_size) + checks.model_problems(self)
-                + checks.tensor_parallel_problems(self) + checks.context_parallel_problems(self)
-                + checks.pipeline_problems(self) + checks.expert_problems(self)
+                + dimension_problems(self) + checks.moe_problems(self)
                 + checks.unbuilt_problems(self) + checks.batch_problems(self)
                 + checks.train_problems(self))
 

@@ -65,7 +65,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if cfg.parallel.world_size != world_size:
-        raise ValueError(f"the layout needs {cfg.parallel.world_size} ranks (dp*pp*cp*tp), "
+        raise ValueError(f"the layout needs {cfg.parallel.world_size} ranks (its world size), "
                          f"not --world-size {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank}: choose 0..{world_size - 1}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import Config
+from plait.dims import DIMENSIONS
 
 
 def read_plan(path: str | Path) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def read_plan(path: str | Path) -> dict[str, Any]:
 def layout_mismatches(plan: dict[str, Any], cfg: Config) -> list[str]:
     """Where the run's configuration is not the planned one."""
     lay, shape, p, m = plan["layout"], plan["shape"], cfg.parallel, cfg.model
-    pairs = [(f"{k}", lay["layout"][k], getattr(p, k)) for k in ("tp", "pp", "dp", "cp", "ep")]
+    pairs = [(f"{k}", lay["layout"][k], getattr(p, k)) for k in (d.name for d in DIMENSIONS)]
     pairs += [("zero", lay["zero"], p.zero), ("microbatches", lay["microbatches"],
                                               cfg.microbatches()),
               ("global_batch", plan["global_batch"], cfg.train.global_batch),

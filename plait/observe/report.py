@@ -157,8 +157,8 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     for dim in sorted(set(predicted) | set(measured_by_dim)):
         p = sum(x["bytes_per_step"] for x in predicted.get(dim, []))
         # like for like: the planner counts a point-to-point transfer once, at its sender
-        # (pp's sends, cp's ring hops); the ledger also records it at the receiver, whose
-        # bytes are a peer's sends (listed, not summed)
+        # (pipeline sends, context parallel's ring hops); the ledger also records it at the
+        # receiver, whose bytes are a peer's sends (listed, not summed)
         m = sum(x["bytes_per_step"] for x in measured_by_dim.get(dim, []) if x["op"] != "recv")
         dims.append({"dim": dim, "predicted": predicted.get(dim, []),
                      "measured": measured_by_dim.get(dim, []), "predicted_bytes": p,

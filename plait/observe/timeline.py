@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from plait.dims import DIMENSIONS, REPLICAS
 from plait.files import write_png, write_text_atomic
 
 ACTION_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
@@ -31,8 +32,9 @@ UNIT_COLORS = {"F": "#4c8bf5", "B": "#f5a623", "BR": "#f5a623", "R": "#9b59b6"}
 UNIT_CATEGORIES = {"F": "forward", "B": "backward", "BR": "backward", "R": "recompute"}
 PHASE_COLORS = {"gradient sync": "#7f8c8d", "grad norm": "#bdc3c7", "optimizer": "#2ecc71",
                 "metrics": "#d5dbdb"}
-DIM_COLORS = {"dp": "#1f77b4", "tp": "#d62728", "pp": "#9467bd", "cp": "#17becf",
-              "ep": "#8c564b", "edp": "#e377c2", "dp_cp": "#2ca02c", "world": "#7f7f7f"}
+# each dimension's own colour (plait/dims/), and the groups that are not one dimension's
+DIM_COLORS = {**{d.name: d.color for d in DIMENSIONS}, "edp": "#e377c2", REPLICAS: "#2ca02c",
+              "world": "#7f7f7f"}
 RUNTIME_PHASE = "micro-batches"  # its actions are drawn instead
 _US = 1e6  # the trace's unit: microseconds
 

@@ -2,10 +2,10 @@
 experts, and tokens travel to their experts and back by all-to-all (Lepikhin et al. 2020,
 GShard; Stanford CS336, lecture 8 (parallelism)).
 
-Where it lives: ep is laid over dp x cp (plait/mesh.py, `expert_ranks`). The ranks of an ep
-group see different tokens and own different experts; the ranks of an "edp" group own the
-same experts, so expert gradients are summed over edp, dense ones over dp (x cp) as
-always (`reduce_dim`, read by the optimizers).
+Where it lives: ep is laid over the replica axes (plait/dims/ep.py, `laid_ranks`). The
+ranks of an ep group see different tokens and own different experts; the ranks of an
+"edp" group own the same experts, so expert gradients are summed over edp, dense ones over
+the replica axes as always (`reduce_dim`, read by the optimizers).
 
 One MoE layer's forward on a rank of an ep group of size E, L = n / E local experts:
 
@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd import Function
 
 from plait.comm import ops
+from plait.dims import REPLICAS
 from plait.mesh import ParallelMesh
 from plait.model.moe import Experts, MoE
 from plait.placement import PlacementTable, Split
@@ -191,12 +192,12 @@ def gather_expert_state(model: nn.Module, mesh: ParallelMesh, placements: Placem
 
 def token_groups(mesh: ParallelMesh, sp: bool) -> list[str]:
     """Dims over which ranks see different tokens (their routing statistics add up)."""
-    return ["dp_cp", *(["tp"] if sp else [])]
+    return [REPLICAS, *(["tp"] if sp else [])]
 
 
 def sequence_counts_over(mesh: ParallelMesh, dims: list[str]):
-    """The MoE block's `sequence_counts` when a sequence is split over `dims` (cp, or tp
-    under sequence parallel): each sequence's expert counts summed over them."""
+    """The MoE block's `sequence_counts` when a sequence is split over `dims` (context
+    parallel, or tp under sequence parallel): each sequence's expert counts summed over them."""
     def total(counts: torch.Tensor) -> torch.Tensor:
         out = counts.clone()
         for d in dims:

@@ -152,3 +152,21 @@ def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
                                               placements=placements).loss_sum
     if not pp:  # the one stage shares the model's blocks; re-point the model's ends
         pipe.model.embed, pipe.model.head = pipe.stages[0].embed, pipe.stages[0].head
+
+
+def gather_split_state(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable | None,
+                       state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (this rank's tensors by `model`'s names) made whole along every dimension
+    that splits parameters: expert slices all-gathered over ep, then tp shards over tp
+    (their padding cut). Collective over those groups; a no-op where they are one rank."""
+    from plait.parallel.expert import gather_expert_state
+    from plait.parallel.tensor import gather_full_state
+
+    for dim, gather in (("ep", gather_expert_state), ("tp", gather_full_state)):
+        if mesh.size(dim) == 1:
+            continue
+        if placements is None:
+            raise ValueError(f"gathering {dim}-split parameters needs the run's placements")
+        state = gather(model, mesh, placements, state)
+    return state
+

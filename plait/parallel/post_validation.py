@@ -8,8 +8,8 @@ backward: ZB-H2's and ZB-V's parallelogram collapses to ZB-H1's bubble. Post-val
 removes that barrier:
 
 1. `begin`, as soon as this rank's gradients are final: its share of the squared norm is
-   summed over its own stage's ranks (tp, then dp x cp: they finish the step together),
-   and that stage partial, with the stage's share of the logged loss, is sent to every
+   summed over its own stage's ranks (tp, then the replica axes: they finish the step
+   together), and that stage partial, with the stage's share of the logged loss, is sent to every
    other pp rank (ledgered p2p, tag "post_validation"; posted, not waited for). Then the
    stage updates at once, optimistically assuming no clipping and finite gradients, after
    a copy of what the update changes (masters, moments, the update count). If its own
@@ -42,6 +42,7 @@ import torch
 
 from plait import comm
 from plait.comm.ops import Handle
+from plait.dims import REPLICAS
 from plait.mesh import ParallelMesh
 from plait.optim import clip_coefficient  # the barrier's coefficient
 
@@ -79,14 +80,14 @@ class PostValidation:
     def begin(self, step: int, lr: float, loss_sum: torch.Tensor) -> None:
         """Step `step`'s gradients are final: send this stage's partial to the other pp
         ranks and update optimistically (see the module docstring). `loss_sum`: this
-        rank's summed loss (float64, (1,)). Collective over tp and dp x cp (this stage)."""
+        rank's summed loss (float64, (1,)). Collective over tp and the replica axes (this stage)."""
         if self.pending is not None:
             raise RuntimeError(f"step {self.pending.step} was never validated")
         sq = self.opt.local_sq_norm()
         comm.all_reduce(sq, self.mesh, "tp", tag="grad_norm")
-        # the logged loss is summed over cp and dp, not tp (every tp rank holds it whole)
+        # the logged loss is summed over the replica axes, not tp (every tp rank holds it)
         mine = torch.cat([sq, loss_sum.to(sq)])
-        comm.all_reduce(mine, self.mesh, "dp_cp", tag="grad_norm")
+        comm.all_reduce(mine, self.mesh, REPLICAS, tag="grad_norm")
         pp, me = self.mesh.size("pp"), self.mesh.coord("pp")
         peers = self.mesh.group_ranks["pp"]
         theirs = {q: torch.empty_like(mine) for q in range(pp) if q != me}

@@ -40,7 +40,7 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     nproc = getattr(args, "nproc", None)
     if nproc is not None and nproc < 1:
         problems.append(f"--nproc {nproc}: launch at least one rank (--nproc 1 or more), or "
-                        "leave it out to launch the layout's dp*pp*cp*tp")
+                        "leave it out to launch the layout's world size")
     elif nproc is not None and nproc > MAX_LOCAL_RANKS:
         problems.append(f"--nproc {nproc}: plait train launches at most {MAX_LOCAL_RANKS} "
                         "ranks on one machine; use torchrun -m plait.train across nodes")

@@ -23,6 +23,7 @@ import torch
 from plait import comm
 from plait.checkpoint.init_from import load_initial
 from plait.config import Config
+from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.parallelize import DTYPES, parallelize
@@ -92,7 +93,7 @@ def evaluate(cfg: Config, mesh: ParallelMesh, data: TokenFile, sequences: int | 
         total += runtime.step([local[i * mbs:(i + 1) * mbs] for i in range(n_micro)], n * s)
         par.optimizer.finish_gradients()
         par.optimizer.zero_grad()
-    for dim in ("pp", "cp", "dp"):
+    for dim in LOSS_SUMMED:
         comm.all_reduce(total, mesh, dim, tag="metrics")
     loss = float(total)
     return {"loss": loss, "perplexity": math.exp(loss), "sequences": n, "seq_len": s,

@@ -13,6 +13,7 @@ from pathlib import Path
 from plait.checkpoint.cli import add_checkpoint_args
 from plait.config import Config, ConfigError, load_config
 from plait.device import CHOICES as DEVICE_CHOICES
+from plait.dims import DIMENSIONS, DIMS, LAID
 from plait.model.presets import PRESETS
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES
 from plait.train.sinks import add_sink_args
@@ -23,12 +24,14 @@ TRAIN_FLAGS = {
     "global_batch": "train.global_batch", "seq_len": "train.seq_len",
     "micro_batch_size": "train.micro_batch_size", "lr": "train.lr",
     "precision": "train.precision", "recompute": "train.recompute", "data": "train.data",
-    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
-    "ep": "parallel.ep", "zero": "parallel.zero", "schedule": "parallel.schedule",
+    "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
-    "sp": "parallel.sp", "cp_mode": "parallel.cp_mode", "cp_layout": "parallel.cp_layout",
-    "init_from": "train.init_from", "optimizer_sync": "parallel.optimizer_sync",
+    "sp": "parallel.sp", "init_from": "train.init_from",
+    "optimizer_sync": "parallel.optimizer_sync",
+    # each parallel dimension's size and its own settings (plait/dims/)
+    **{d.name: d.field for d in DIMENSIONS},
+    **{s.key: f"parallel.{s.key}" for d in DIMENSIONS for s in d.settings},
 }
 
 
@@ -54,8 +57,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    f"(model_name, default {Config().model_name})")
     p.add_argument("--data", help="token file (.bin); default: the embedded corpus")
     p.add_argument("--data-dir", help=DATA_DIR_HELP)
-    for name in ("steps", "seed", "global-batch", "seq-len", "micro-batch-size", "dp", "tp",
-                 "pp", "cp", "ep", "zero", "microbatches", "virtual-stages", "gpus-per-node"):
+    for name in ("steps", "seed", "global-batch", "seq-len", "micro-batch-size",
+                 *DIMS, *(d.name for d in LAID), "zero", "microbatches",
+                 "virtual-stages", "gpus-per-node"):
         p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))
     p.add_argument("--lr", type=float, help=_setting_help("lr"))
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, help=_setting_help("schedule"))
@@ -66,12 +70,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("data-parallel"))
     p.add_argument("--optimizer-sync", choices=("barrier", "post_validation"),
                    help=_setting_help("optimizer-sync"))
-    p.add_argument("--cp-mode", choices=("ring", "allgather"),
-                   help="context parallel: K/V around a ring (parallel.cp_mode, default ring) "
-                   "or all-gathered")
-    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"),
-                   help="context parallel: load-balanced zigzag chunks (parallel.cp_layout, "
-                   "default zigzag) or contiguous slices")
+    for setting in (s for d in DIMENSIONS for s in d.settings):
+        p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
     p.add_argument("--init-from", metavar="hf:DIR|CHECKPOINT", help=_setting_help("init-from")
@@ -113,9 +113,8 @@ _SETTING_HELP = {
     "steps": "optimizer steps", "seed": "seed of the weights and the data order",
     "global-batch": "sequences per optimizer step, over all replicas",
     "seq-len": "tokens per sequence", "micro-batch-size": "sequences per micro-batch per "
-    "replica (or give --microbatches)", "dp": "data-parallel size", "tp": "tensor-parallel "
-    "size", "pp": "pipeline stages", "cp": "context-parallel size", "ep": "expert-parallel "
-    "size", "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
+    "replica (or give --microbatches)", **{d.name: d.help for d in DIMENSIONS},
+    "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
     "virtual-stages": "pipeline stages per rank", "gpus-per-node": "ranks per node",
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
     "dtype (fp32 masters either way)", "recompute": "activation recompute per block: "

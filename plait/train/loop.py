@@ -21,11 +21,12 @@ from plait import comm
 from plait.checkpoint import Checkpointing
 from plait.checkpoint.init_from import load_initial
 from plait.config import Config
+from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.expert import finish_moe_step
 from plait.parallel.optimizer import GradSyncOptimizer
-from plait.parallel.parallelize import DTYPES, ParallelModel, parallelize
+from plait.parallel.parallelize import DTYPES, ParallelModel, gather_split_state, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.post_validation import PostValidation
@@ -84,16 +85,8 @@ def full_grads(model: torch.nn.Module, optimizer: GradSyncOptimizer, mesh: Paral
 def _by_model_name(model: torch.nn.Module, mesh: ParallelMesh | None,
                    placements: PlacementTable | None, state: dict[str, torch.Tensor]
                    ) -> dict[str, torch.Tensor]:
-    if mesh is not None and mesh.size("ep") > 1:
-        from plait.parallel.expert import gather_expert_state
-        if placements is None:
-            raise ValueError("gathering expert slices needs the run's placements")
-        state = gather_expert_state(model, mesh, placements, state)
-    if mesh is not None and mesh.size("tp") > 1:
-        from plait.parallel.tensor import gather_full_state
-        if placements is None:
-            raise ValueError("gathering tp-split parameters needs the run's placements")
-        state = gather_full_state(model, mesh, placements, state)
+    if mesh is not None:
+        state = gather_split_state(model, mesh, placements, state)
     if hasattr(model, "model_names"):  # pipeline stages: "stages.3.layers.5.x" -> "layers.5.x"
         return {model.model_names[n]: v for n, v in state.items() if n in model.model_names}
     return state
@@ -272,7 +265,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     marks.point("micro-batches")
     opt.finish_gradients()
     marks.point("gradient sync")
-    # dp alone: the norm's all-reduce (ZeRO's, ep's) sums the logged loss too
+    # dp alone: the norm's all-reduce (ZeRO's, expert parallel's) sums the logged loss too
     folded = mesh.size("dp") == mesh.world_size
     norm = float("nan")  # post-validation: later
     if sync is None:
@@ -319,14 +312,13 @@ def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: f
     """The update after the global norm (the barrier), and the logged loss summed in
     place (`loss_summed`: the norm's all-reduce did it); (skipped, MoE metrics)."""
     opt = par.optimizer
-    # the logged loss is the global-batch mean: sum the partial sums of the last
-    # stages (pp), of the sequence's slices (cp) and of the replicas (dp). Before the
-    # update: ZeRO-1/2 leave its all-gathers in flight into the next forward, and a
-    # collective issued after them would queue behind them on the group
+    # the logged loss is the global-batch mean: sum the partial sums over every dimension
+    # whose ranks each hold a part (the last stages, the sequence's slices, the replicas:
+    # plait/dims/). Before the update: ZeRO-1/2 leave its all-gathers in flight into the
+    # next forward, and a collective issued after them would queue behind them on the group
     if not loss_summed:
-        comm.all_reduce(loss_sum, mesh, "pp", tag="metrics")
-        comm.all_reduce(loss_sum, mesh, "cp", tag="metrics")
-        comm.all_reduce(loss_sum, mesh, "dp", tag="metrics")
+        for dim in LOSS_SUMMED:
+            comm.all_reduce(loss_sum, mesh, dim, tag="metrics")
     marks.point("metrics")
     # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
     # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
@@ -358,7 +350,7 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
 
 def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
     """The mesh's sizes and the settings that shape the run beside them, e.g. 'dp=2 x
-    pp=1 x cp=1 x tp=1, ZeRO-3, bf16, recompute full (order innermost first: ...)':
+    pp=1 x ... x tp=1, ZeRO-3, bf16, recompute full (order innermost first: ...)':
     the summary, the final line and the timeline's title show it."""
     sizes, _, order = mesh.describe().partition(" (")
     p, t = cfg.parallel, cfg.train

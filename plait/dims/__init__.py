@@ -1,0 +1,44 @@
+"""The parallel dimensions, one record each (record.py: `Dimension`), in the mesh's
+default order, innermost first: tensor parallel stays inside a node (Stanford CS336,
+lecture 8 (parallelism); Llama 3 used the same order). Expert parallel comes last: it is
+not an axis of the rank grid but laid over the replica axes.
+
+Adding a dimension is its strategy module (plait/parallel/), its record here and their
+tests; the mesh, the config checks and flags, the training loop's reductions, the
+checkpoint writer and the timeline read the records.
+"""
+
+from __future__ import annotations
+
+from plait.dims import cp, dp, ep, pp, tp
+from plait.dims.record import CHECKPOINT_ROLES, SPLITS, Dimension, Setting
+
+DIMENSIONS: tuple[Dimension, ...] = (tp.DIMENSION, cp.DIMENSION, pp.DIMENSION,
+                                     dp.DIMENSION, ep.DIMENSION)
+BY_NAME = {d.name: d for d in DIMENSIONS}
+AXES = tuple(d for d in DIMENSIONS if d.axis)  # the rank grid's axes
+DEFAULT_ORDER = tuple(d.name for d in AXES)  # innermost first
+DIMS = tuple(reversed(DEFAULT_ORDER))  # outermost first: how layouts are written
+LAID = tuple(d for d in DIMENSIONS if not d.axis)  # laid over the replica axes
+# the axes whose ranks hold parameter copies, in the order written; their product group
+# ("dp_cp") is where gradients are summed and laid dimensions cut their groups
+REPLICA_AXES = tuple(n for n in DIMS if BY_NAME[n].replicates_params)
+REPLICAS = "_".join(REPLICA_AXES)
+# the logged loss is summed over these in this order (a float sum's order is part of its
+# value): the stages' partial sums, then the sequence's slices, then the replicas
+LOSS_SUMMED = tuple(d.name for split in ("layers", "sequence", "batch") for d in AXES
+                    if d.sums_loss and d.splits == split)
+
+
+def dimension(name: str) -> Dimension:
+    return BY_NAME[name]
+
+
+def problems(cfg) -> list[str]:
+    """Every dimension's own checks, innermost first."""
+    return [msg for d in DIMENSIONS for msg in d.problems(cfg)]
+
+
+__all__ = ["AXES", "BY_NAME", "CHECKPOINT_ROLES", "DEFAULT_ORDER", "DIMENSIONS", "DIMS",
+           "LAID", "LOSS_SUMMED", "REPLICAS", "REPLICA_AXES", "SPLITS", "Dimension",
+           "Setting", "dimension", "problems"]

@@ -1,0 +1,48 @@
+"""Context parallel: the ranks of a `cp` group hold slices of every sequence (queries,
+keys and values of their own tokens) and exchange K/V inside attention
+(plait/parallel/context.py; Liu et al. 2023, "Ring Attention"; Llama 3's all-gathered K/V,
+Dubey et al. 2024, section 3.3.2). Parameters are whole on every cp rank, so their
+gradients are summed over cp with dp's."""
+
+from __future__ import annotations
+
+from plait.dims.record import Config, Dimension, Setting
+
+MODES = ("ring", "allgather")
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def chunks(cp: int, layout: str) -> int:
+    """The pieces each sequence is cut into: zigzag gives rank i chunks i and 2cp-1-i."""
+    return 2 * cp if layout == "zigzag" else cp
+
+
+def problems(cfg: Config) -> list[str]:
+    """The cp mode and layout, and the sequence cp (and SP within it) must split."""
+    p, t = cfg.parallel, cfg.train
+    n = chunks(p.cp, p.cp_layout)
+    checks = [
+        (p.cp_mode not in MODES,
+         f"parallel.cp_mode={p.cp_mode!r}; use 'ring' or 'allgather'"),
+        (p.cp_layout not in LAYOUTS,
+         f"parallel.cp_layout={p.cp_layout!r}; use 'zigzag' or 'contiguous'"),
+        (p.cp > 1 and t.seq_len % n,
+         f"cp={p.cp} ({p.cp_layout}) cuts train.seq_len={t.seq_len} into {n} equal "
+         f"chunks; use a seq_len that is a multiple of {n} (e.g. "
+         f"{max(t.seq_len - t.seq_len % n, n)})"),
+        (p.cp > 1 and p.sp and t.seq_len % n == 0 and (t.seq_len // p.cp) % p.tp,
+         f"sequence parallel splits each cp rank's {t.seq_len // max(p.cp, 1)} tokens over "
+         f"tp={p.tp}; use a seq_len that is a multiple of {n * p.tp}"),
+    ]
+    return [problem for broken, problem in checks if broken]
+
+
+DIMENSION = Dimension(
+    name="cp", title="context parallel", strategy="plait.parallel.context",
+    splits="sequence", replicates_params=True, sums_loss=True, checkpoint="copies",
+    settings=(Setting("cp_mode", MODES, "context parallel: K/V around a ring "
+                      "(parallel.cp_mode, default ring) or all-gathered"),
+              Setting("cp_layout", LAYOUTS, "context parallel: load-balanced zigzag chunks "
+                      "(parallel.cp_layout, default zigzag) or contiguous slices")),
+    color="#17becf", help="context-parallel size", problems=problems,
+)

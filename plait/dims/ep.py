@@ -1,0 +1,64 @@
+"""Expert parallel: each rank of an `ep` group holds n_experts / ep of every MoE layer's
+routed experts and exchanges tokens with the others by all-to-all
+(plait/parallel/expert.py; Lepikhin et al. 2020, GShard). It is not an axis of the rank
+grid: it is laid over the ranks that hold parameter copies (the replica axes), cut into
+`ep` groups of consecutive ranks (different experts) and `edp` groups (the same experts,
+whose gradients are summed)."""
+
+from __future__ import annotations
+
+from plait.dims.record import Config, Dimension, Setting
+from plait.parallel.pipeline.registry import SCHEDULES
+
+DISPATCHES = ("assignment", "token")
+
+
+def laid_ranks(group: str, replicas: list[int], i: int, ep: int) -> list[int]:
+    """The ranks of `group` ("ep" or "edp") holding replica position i, with `replicas`
+    the replica ranks in order: ep = positions with the same i // ep, edp = the same
+    i % ep."""
+    if group == "ep":
+        return replicas[(i // ep) * ep:(i // ep + 1) * ep]
+    return replicas[i % ep::ep]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def problems(cfg: Config) -> list[str]:
+    """ep against the model's experts and the replica ranks it is laid over, and the MoE
+    settings that do not survive a split sequence or a two-copy pipeline."""
+    m, p = cfg.model, cfg.parallel
+    if not m.n_experts:
+        return [f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0, e.g. --model "
+                "tiny-moe); use ep=1"] if p.ep > 1 else []
+    n, replicas = m.n_experts, p.dp * p.cp
+    checks = [
+        (n % p.ep != 0, f"parallel.ep={p.ep} does not divide the {n} experts; use one of "
+         f"{_divisors(n)}"),
+        (replicas % p.ep != 0, f"parallel.ep={p.ep} does not divide dp*cp={replicas}"
+         " (expert parallel is laid over the data-parallel ranks); use one of "
+         f"{_divisors(replicas)}"),
+        (m.capacity_factor is not None and (p.cp > 1 or (p.sp and p.tp > 1)),
+         "model.capacity_factor drops tokens per whole sequence, which cp > 1 or sequence "
+         "parallel split over ranks; use dropless routing (capacity_factor=none), or cp=1 "
+         "and sp=false"),
+        (m.bias_update_rate > 0 and p.pp > 1 and p.schedule in SCHEDULES
+         and SCHEDULES[p.schedule].chains > 1,
+         f"model.bias_update_rate with schedule {p.schedule} (two copies of each block see "
+         "different micro-batches, their loads are not summed yet); use another schedule"),
+        (p.ep_dispatch not in DISPATCHES,
+         f"parallel.ep_dispatch={p.ep_dispatch!r}; use 'assignment' or 'token'"),
+    ]
+    return [msg for bad, msg in checks if bad]
+
+
+DIMENSION = Dimension(
+    name="ep", title="expert parallel", strategy="plait.parallel.expert", splits="experts",
+    axis=False, checkpoint="owned", laid_groups=("ep", "edp"), laid_ranks=laid_ranks,
+    settings=(Setting("ep_dispatch", DISPATCHES, "expert parallel's all-to-all: a row per "
+                      "(token, expert) assignment or per token and destination rank "
+                      "(parallel.ep_dispatch, default assignment)"),),
+    color="#8c564b", help="expert-parallel size", problems=problems,
+)

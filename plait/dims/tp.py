@@ -1,0 +1,43 @@
+"""Tensor parallel: the ranks of a `tp` group hold column and row slices of every linear
+layer, the embedding's rows and the LM head's vocabulary, and all-reduce (or, with
+sequence parallel, all-gather and reduce-scatter) inside every block
+(plait/parallel/tensor.py; Shoeybi et al. 2019, Megatron-LM; Korthikanti et al. 2022 for
+sequence parallel)."""
+
+from __future__ import annotations
+
+from plait.dims.record import Config, Dimension
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def problems(cfg: Config) -> list[str]:
+    """Shapes tp must divide (plait/parallel/tensor.py), and sequence parallel."""
+    out: list[str] = []
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp > 1:
+        for what, n in (("n_heads", m.n_heads), ("dim", m.dim), ("ffn_dim", m.ffn_dim)):
+            if n % p.tp:
+                out.append(f"tp={p.tp} does not divide model.{what}={n}; use tp in "
+                           f"{_divisors(n)}")
+        if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
+            out.append(
+                f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
+                f"tp divides them and replicated when they divide tp; use tp in "
+                f"{_divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
+    if p.sp and p.tp == 1:
+        out.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
+                   "--tp > 1 or drop --sp")
+    elif p.sp and t.seq_len % p.tp:
+        out.append(
+            f"sequence parallel splits train.seq_len={t.seq_len} over tp={p.tp}; use a "
+            f"seq_len that is a multiple of {p.tp} (e.g. {t.seq_len - t.seq_len % p.tp})")
+    return out
+
+
+DIMENSION = Dimension(
+    name="tp", title="tensor parallel", strategy="plait.parallel.tensor", splits="hidden",
+    checkpoint="gathered", color="#d62728", help="tensor-parallel size", problems=problems,
+)
