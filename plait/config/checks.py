@@ -114,7 +114,7 @@ def unbuilt_combinations(pp: int, zero: int, schedule: str) -> list[str]:
 
 def moe_problems(cfg: Config) -> list[str]:
     """The MoE block's own settings (plait/model/moe.py); expert parallel's layout is its
-    record's (plait/dims/ep.py)."""
+    record's (plait/dims/)."""
     m = cfg.model
     if not m.n_experts:
         return []

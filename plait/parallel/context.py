@@ -40,6 +40,7 @@ from torch import nn
 from torch.autograd import Function
 
 from plait.comm import ops
+from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.rope import Positions
 from plait.model.transformer import CausalAttentionCore
@@ -380,3 +381,15 @@ def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mod
             mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}")
         stage.seq_shards *= layout.cp
     return layout.positions(mesh.coord(DIM), mesh.device.torch)
+
+
+def context_parallel_stages(stages: dict[int, nn.Module], mesh: ParallelMesh, cfg: Config
+                            ) -> torch.Tensor | None:
+    """With cp > 1, `apply_context_parallel` on this rank's stages in the configured mode
+    and layout; this rank's token positions, or None when the sequence is whole."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return None
+    return apply_context_parallel(stages, mesh, p.cp_mode,
+                                  ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout))
+

@@ -34,7 +34,8 @@ from torch import nn
 from torch.autograd import Function
 
 from plait.comm import ops
-from plait.dims import REPLICAS
+from plait.config import Config
+from plait.dims import AXES, REPLICAS
 from plait.mesh import ParallelMesh
 from plait.model.moe import Experts, MoE
 from plait.placement import PlacementTable, Split
@@ -233,3 +234,22 @@ def finish_moe_step(stages: Iterable[nn.Module], mesh: ParallelMesh, sp: bool,
     ops.all_reduce(imbalance, mesh, "pp", op="max", tag="metrics")
     return {"moe": {"aux_loss": float(extra[0]), "load_max_over_mean": float(imbalance),
                     "dropped_tokens": int(extra[1])}}
+
+
+def prepare_moe_blocks(stages: Iterable[nn.Module], mesh: ParallelMesh, cfg: Config,
+                       placements: PlacementTable) -> None:
+    """Every MoE block of this rank's stages: the balance loss scaled like the token loss;
+    where a sequence is split over ranks (the sequence-splitting dimensions, and tp under
+    sequence parallel) its routing counts summed over them; with ep > 1 only this rank's
+    experts kept, tokens dispatched by all-to-all."""
+    p, t = cfg.parallel, cfg.train
+    split = [d.name for d in AXES if d.splits == "sequence" and mesh.size(d.name) > 1]
+    split += ["tp"] if p.sp and p.tp > 1 else []
+    stages = list(stages)
+    for _, moe in moe_layers(stages):
+        moe.aux_loss_scale = 1.0 / (t.global_batch * t.seq_len)
+        if split:
+            moe.sequence_counts = sequence_counts_over(mesh, split)
+    if mesh.size(DIM) > 1:
+        apply_expert_parallel(stages, mesh, placements, p.ep_dispatch)
+

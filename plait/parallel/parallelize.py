@@ -17,25 +17,26 @@ The order, and why:
    from the name-seeded init, on `mesh.device`. The split *selects* modules and renames
    nothing, so applying the module swaps below to each stage is the same as applying them
    to the whole model first - and no rank ever holds layers it does not run.
-3. **Expert parallel** (`parallel.ep`, MoE models): each MoE block keeps this ep rank's
-   experts (a slice of the stacked weights, an "ep" split in the placement table) and
-   dispatches tokens by all-to-all (plait/parallel/expert.py). Before TP, so that the
+3. **Expert parallel** (MoE models): each MoE block keeps this rank's experts (a slice of
+   the stacked weights, a split in the placement table) and dispatches tokens by
+   all-to-all (plait/parallel/expert.py). Before TP, so that the
    sequence-parallel gradient hooks land on the slices; every MoE block also gets its
    balance-loss scale and, where a sequence is split over ranks, its count reduction.
 4. **Tensor + sequence parallel** (`parallel.tp`, `parallel.sp`): module swaps on each stage
    (column/row-parallel linears, vocab-parallel embedding and head, the vocab-parallel
    loss), on the tp group of the stage's pp coordinate; each swapped parameter's split is
    recorded in the placement table.
-5. **Context parallel** (`parallel.cp`, `parallel.cp_mode`, `parallel.cp_layout`): each
-   attention's parameter-free `core` is swapped for ring (or all-gather) attention over
-   the cp group (plait/parallel/context.py); it composes with TP because it sees only
+5. **Context parallel** (its size, mode and layout): each attention's parameter-free `core`
+   is swapped for ring (or all-gather) attention over its group
+   (plait/parallel/context.py); it composes with TP because it sees only
    this tp rank's heads, and after the split because a core holds no parameters. This
    rank's token positions come back with the parts (`ParallelModel.positions`): the
    runtime indexes each sequence's inputs and targets with them and RoPE rotates by them.
 6. **Data parallel / ZeRO** (`parallel.dp`, `parallel.zero`, `parallel.data_parallel`): the
    gradient-sync + optimizer object over the local parameters (`make_optimizer`: replicated
-   with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed); over
-   dp x cp (the mesh's "dp_cp") when cp > 1, parameters being replicated over cp.
+   with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed), over
+   the replica axes (the mesh's product group of the dimensions whose ranks hold parameter
+   copies: plait/dims/).
 
 Every strategy records where it put each parameter in one `PlacementTable`, returned with
 the parts: the grad norm, full-state gathering and the ZeRO shard index read it.
@@ -52,6 +53,8 @@ from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer, fill_in_place
+from plait.parallel.context import context_parallel_stages
+from plait.parallel.expert import prepare_moe_blocks
 from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
@@ -70,7 +73,7 @@ class ParallelModel:
     partition: Partition  # the layers of each model stage
     optimizer: GradSyncOptimizer  # gradient sync over dp + the update
     placements: PlacementTable  # where each of this rank's parameters lives
-    # cp > 1: this rank's token positions in each sequence (int64 (seq/cp,)); None: all
+    # a split sequence: this rank's token positions in each one (int64); None: all
     positions: torch.Tensor | None = None
 
     @property
@@ -84,10 +87,11 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
     rank of `mesh`, in the order of this module's docstring.
 
     `shard_init` (the dry run, plait/observe/dry_run.py): the stages are allocated but not
-    written until ep and tp have cut them, then each kept tensor is filled at its own size
-    (`fill_in_place`): no full stage is ever written, so the host holds one rank's slices
-    and initialises only those. The values are then not the reference's slices (a dry run's
-    values are meaningless); a real run keeps `False`: slices of the full name-seeded init."""
+    written until expert and tensor parallel have cut them, then each kept tensor is
+    filled at its own size (`fill_in_place`): no full stage is ever written, so the host
+    holds one rank's slices and initialises only those. The values are then not the
+    reference's slices (a dry run's values are meaningless); a real run keeps `False`:
+    slices of the full name-seeded init."""
     on_meta = {p.device.type for p in model.parameters()}
     if on_meta != {"meta"}:
         raise ValueError("parallelize takes the model built on the meta device "
@@ -98,43 +102,15 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
     pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
                           placements, model=model, device=mesh.device.torch,
                           fill=not shard_init)
-    _experts(pipe, mesh, cfg, placements)  # 3. ep (before tp: its hooks see the slices)
+    prepare_moe_blocks(pipe.stages.values(), mesh, cfg, placements)  # 3. (before tp)
     _tensor_parallel(pipe, mesh, cfg, placements)  # 4. tp + sp
     if shard_init:  # in place: the parameter objects the hooks and placements know stay
         for stage in pipe.stages.values():
             fill_in_place(stage, cfg.model, cfg.train.seed)
-    positions = _context_parallel(pipe, mesh, cfg)  # 5. cp
+    positions = context_parallel_stages(pipe.stages, mesh, cfg)  # 5.
     optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 6. dp / ZeRO
     return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,
                          placements, positions)
-
-
-def _experts(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
-             placements: PlacementTable) -> None:
-    """MoE blocks: the balance loss scaled like the token loss; sequences split over ranks
-    (cp, sp) count their routing together; ep > 1 keeps this rank's experts only."""
-    from plait.parallel.expert import apply_expert_parallel, moe_layers, sequence_counts_over
-
-    p, t = cfg.parallel, cfg.train
-    split = [d for d, on in (("cp", p.cp > 1), ("tp", p.sp and p.tp > 1)) if on]
-    for _, moe in moe_layers(pipe.stages.values()):
-        moe.aux_loss_scale = 1.0 / (t.global_batch * t.seq_len)
-        if split:
-            moe.sequence_counts = sequence_counts_over(mesh, split)
-    if mesh.size("ep") > 1:
-        apply_expert_parallel(pipe.stages.values(), mesh, placements, p.ep_dispatch)
-
-
-def _context_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config
-                      ) -> torch.Tensor | None:
-    """Swap each attention core of this rank's stages for the cp ring (or all-gather)."""
-    p = cfg.parallel
-    if p.cp == 1:
-        return None
-    from plait.parallel.context import ContextLayout, apply_context_parallel
-
-    layout = ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout)
-    return apply_context_parallel(pipe.stages, mesh, p.cp_mode, layout)
 
 
 def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
@@ -157,12 +133,12 @@ def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
 def gather_split_state(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable | None,
                        state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (this rank's tensors by `model`'s names) made whole along every dimension
-    that splits parameters: expert slices all-gathered over ep, then tp shards over tp
-    (their padding cut). Collective over those groups; a no-op where they are one rank."""
-    from plait.parallel.expert import gather_expert_state
-    from plait.parallel.tensor import gather_full_state
+    that splits parameters: expert slices all-gathered, then tp shards (their padding
+    cut). Collective over those groups; a no-op where they are one rank."""
+    from plait.parallel import expert, tensor
 
-    for dim, gather in (("ep", gather_expert_state), ("tp", gather_full_state)):
+    for dim, gather in ((expert.DIM, expert.gather_expert_state),
+                        (tensor.DIM, tensor.gather_full_state)):
         if mesh.size(dim) == 1:
             continue
         if placements is None:
