@@ -13,6 +13,7 @@ from plait.config import load_config
 from plait.device.memory import MemoryTracker
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
+from plait.model.loss import microbatch_loss
 from plait.model.transformer import build_model
 from plait.parallel.tensor import (
     apply_tensor_parallel,
@@ -22,7 +23,6 @@ from plait.parallel.tensor import (
 from plait.placement import PlacementTable
 from plait.plan.activations import layer_activation_bytes, model_activation_bytes
 from plait.testing import assert_parity, merge_ranks
-from plait.train.step import microbatch_loss
 
 # ---- parity with the single-process reference --------------------------------------------
 
