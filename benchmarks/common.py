@@ -20,10 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.config import Config, load_config  # noqa: E402
 from plait.device.memory import MemoryTracker  # noqa: E402
+from plait.model.loss import microbatch_loss  # noqa: E402
+from plait.optim import decays  # noqa: E402
 from plait.throughput import mean_step_time  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
-from plait.train.optim import decays, lr_at  # noqa: E402
-from plait.train.step import microbatch_loss  # noqa: E402
+from plait.train.lr_schedule import lr_at  # noqa: E402
 
 WARMUP = 2  # steps left out of the mean step time
 

@@ -155,8 +155,8 @@ def _torch_peer(rank: int, world: int, args, path: str, peer: str):
     import torch.distributed as dist
     from common import wrap_peer  # benchmarks/, on the path as the script's folder
 
+    from plait.model.loss import microbatch_loss
     from plait.model.transformer import build_model
-    from plait.train.step import microbatch_loss
 
     cfg = _peer_config(args, world)
     device = resolve_device(args.device, rank).torch

@@ -21,8 +21,8 @@ steps simulated with each step's own per-stage means and its own time between st
 holds the spread of the durations); the one-step bubble over the span ("span", which
 cannot see one step's forwards overlapping the previous one's end) and its one-step
 simulation ("sim1"), the measured p2p latency the simulator adds to each cross-rank
-dependency and the runtime's gap it adds before each compute (`records.runtime_gap`;
-ms), the check's window at each rank's cut (`records.check_per_rank`, mean over the
+dependency and the runtime's gap it adds before each compute (`runtime_stats.runtime_gap`;
+ms), the check's window at each rank's cut (`runtime_stats.check_per_rank`, mean over the
 ranks; ms), which the simulator lays out there from the second step (and `runtime_gap`
 leaves out); how many steps' prefixes were run again (failed checks: `--grad-clip` above
 the norm keeps them at zero, the case post-validation is built for). Last, post-

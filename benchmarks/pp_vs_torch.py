@@ -15,7 +15,7 @@ forward_one_chunk / backward_one_chunk / backward_weight_one_chunk. plait's own 
 printed beside it: "span" (idle / (pp x span), span from the first rank entering the
 step to the last compute), "sim" the simulator's prediction for the measured per-stage
 durations (F, I, W and a whole B each their own), p2p latency, post time and the runtime's
-gap before each compute (`records.runtime_gap`), each step simulated from its own
+gap before each compute (`runtime_stats.runtime_gap`), each step simulated from its own
 durations and averaged as "span" is, "span-sim" their difference in points, "sim-gap"
 the prediction without the gap, "sim0" without transfers or gap, "pooled" one simulation
 of all steps' mean durations, "replay" each action its

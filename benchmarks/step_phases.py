@@ -18,9 +18,9 @@ import time
 import torch
 
 from plait.config import load_config
+from plait.model.loss import microbatch_loss
 from plait.model.transformer import build_model
 from plait.optim import MixedPrecisionAdamW
-from plait.train.step import microbatch_loss
 
 
 def thread_ms(fn, repeats: int) -> float:

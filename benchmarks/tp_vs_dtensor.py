@@ -33,12 +33,13 @@ from plait.config import load_config  # noqa: E402
 from plait.device.memory import MemoryTracker  # noqa: E402
 from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
+from plait.model.loss import microbatch_loss  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
+from plait.optim import decays  # noqa: E402
 from plait.parallel.tensor import apply_tensor_parallel  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
 from plait.train.loop import train  # noqa: E402
-from plait.train.optim import decays, lr_at  # noqa: E402
-from plait.train.step import microbatch_loss  # noqa: E402
+from plait.train.lr_schedule import lr_at  # noqa: E402
 
 WARMUP = 2
 

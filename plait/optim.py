@@ -9,7 +9,7 @@ fp32 single-process reference can use torch's optimizer as an independent oracle
 
 Its own layer, below `comm` and `parallel` (tests/test_layering.py): the replicated optimizer
 and ZeRO (plait/parallel/) run the same update on whole tensors or on flat shards. The
-schedule and clipping of a training run are in plait/train/optim.py.
+learning-rate schedule of a training run is plait/train/lr_schedule.py's.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
   time many steps may leave out more (`warmup=`, their own constant, stated in each).
 
 Used by: the metrics rows and the run summary (plait/train/loop.py), the final line and
-the summary table (plait/train/report.py), the planner's predicted tokens/s
+the summary table (plait/train/progress.py), the planner's predicted tokens/s
 (plait/plan/estimate.py) and the benchmarks' mean step times (benchmarks/common.py).
 Standard library only, so that every layer may use it.
 """

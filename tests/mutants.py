@@ -162,15 +162,13 @@ def zero_reduce_scatter_average():
 def loss_over_local_tokens():
     from plait.model import loss
     from plait.parallel.pipeline import partition
-    from plait.train import step
 
     token_loss = loss.token_loss
 
     def local(logits, targets, tokens_in_global_batch, loss_fn=None):
         return token_loss(logits, targets, targets.numel(), loss_fn)  # micro-batch mean
 
-    loss.token_loss = local
-    step.token_loss = local  # imported by name: microbatch_loss
+    loss.token_loss = local  # microbatch_loss's too: it reads its module's global
     partition.token_loss = local  # imported by name: the stages' loss
 
 

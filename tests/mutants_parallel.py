@@ -10,27 +10,27 @@ from tests.mutant_kit import Mutant
 
 
 def tp_copy_backward_not_reduced():
-    from plait.comm import regions
+    from plait.comm import autograd
 
     def identity(ctx, g):  # f's adjoint taken as the identity, like g's
         return g, None, None, None
 
     # torch looks the backward up on the Function class at each call
-    regions._CopyToTP.backward = staticmethod(identity)
+    autograd._CopyToTP.backward = staticmethod(identity)
 
 
 def sp_scatter_along_batch():
-    from plait.comm import regions
+    from plait.comm import autograd
 
-    gather, reduce_scatter, chunk = regions._gather_seq, regions._reduce_scatter_seq, \
-        regions._my_chunk
+    gather, reduce_scatter, chunk = autograd._gather_seq, autograd._reduce_scatter_seq, \
+        autograd._my_chunk
 
     # Megatron's (seq, batch, hidden) convention in plait's (batch, seq, hidden) layout: every
     # SP split, gather and reduce-scatter works on axis 0, the batch
-    regions._gather_seq = lambda x, mesh, dim, seq_dim, tag: gather(x, mesh, dim, 0, tag)
-    regions._reduce_scatter_seq = lambda x, mesh, dim, seq_dim, tag: reduce_scatter(
+    autograd._gather_seq = lambda x, mesh, dim, seq_dim, tag: gather(x, mesh, dim, 0, tag)
+    autograd._reduce_scatter_seq = lambda x, mesh, dim, seq_dim, tag: reduce_scatter(
         x, mesh, dim, 0, tag)
-    regions._my_chunk = lambda x, mesh, dim, seq_dim: chunk(x, mesh, dim, 0)
+    autograd._my_chunk = lambda x, mesh, dim, seq_dim: chunk(x, mesh, dim, 0)
 
 
 def vocab_padding_in_softmax():

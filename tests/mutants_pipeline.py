@@ -164,14 +164,14 @@ def dp_rows_overlap():
 
 
 def lr_one_step_ahead():
-    from plait.train import loop, optim
+    from plait.train import loop, lr_schedule
 
-    lr_at = optim.lr_at
+    lr_at = lr_schedule.lr_at
 
     def ahead(step, base_lr, warmup, total, min_ratio):
         return lr_at(step + 1, base_lr, warmup, total, min_ratio)
 
-    optim.lr_at = ahead
+    lr_schedule.lr_at = ahead
     loop.lr_at = ahead  # imported by name: the loop's per-step learning rate
 
 

@@ -160,7 +160,7 @@ def test_layout_text_names_zero_sp_precision_and_recompute():
 
 def test_step_gauges_show_mfu_where_the_peak_is_known():
     from plait.plan.hardware import gpu_by_device_name
-    from plait.train.report import Gauges
+    from plait.train.progress import Gauges
 
     h100 = gpu_by_device_name("NVIDIA H100 80GB HBM3")
     assert h100 is not None and gpu_by_device_name("NVIDIA H100 PCIe") is None

@@ -145,6 +145,14 @@ def test_every_top_level_entry_is_a_layer():
     assert all(_is_module(m) for m in SCHEDULE | {ENTRY_SHIM}), "a named module is gone"
 
 
+def test_no_plait_module_imports_the_parity_oracle():
+    """plait.testing (the oracle's tolerances and comparison) is the tests' side: what
+    production code needs lives in production modules."""
+    found = sorted(_module_name(p) for p in PLAIT.rglob("*.py")
+                   if "plait.testing" in _every_import(p) and _module_name(p) != "plait.testing")
+    assert not found, f"import plait.testing: {found}"
+
+
 def test_loose_helpers_import_no_plait_module():
     for module in LOOSE_HELPERS:
         path = PLAIT.parent.joinpath(*module.split(".")).with_suffix(".py")

@@ -19,7 +19,7 @@ from helpers import config
 from plait.model.presets import PRESETS, ModelConfig
 from plait.model.rope import Positions, apply_rope, rope_tables
 from plait.model.transformer import Attention, RMSNorm, build_model
-from plait.train.optim import lr_at
+from plait.train.lr_schedule import lr_at
 
 SEED = 1234
 

@@ -235,13 +235,13 @@ def test_p2p_median_from_exact_values_and_bounds():
 
 
 def test_each_compute_gap_and_each_step_between():
-    """What a replay lays out from the records (records.gap_each_compute,
+    """What a replay lays out from the records (runtime_stats.gap_each_compute,
     between_each_step): one rank's step from 0, a post 1-2, F at 3-5 (its gap: 3 less the
     post), an I that waited from 5.5 to 7 for its input (its gap: up to the wait, 0.5), a
     W at 8.1 after a wait of 0.1 ms, completing an arrived receive (its gap: all 0.1).
     The other rank ends at 9.5; the next steps start at 12 and 11: with the barrier 2.5
     and 1.5 after the last end, with post-validation 3 after rank 0's own end."""
-    from plait.parallel.pipeline.records import between_each_step, gap_each_compute
+    from plait.parallel.pipeline.runtime_stats import between_each_step, gap_each_compute
 
     rank = (0.0, 10.0, [("F", 0, 0, 3.0, 5.0), ("I", 0, 0, 7.0, 8.0), ("W", 0, 0, 8.1, 9.0)],
             [(3.0, 2.0), (5.5, 1.0), (8.0999, 0.9)], [(1.0, 2.0, 0.1)], [])

@@ -255,7 +255,7 @@ def test_time_between_steps_as_measured():
     over the steps after the first; with the barrier the rank that ended last (the others
     wait for it: the simulator lays that wait out), with post-validation every rank's."""
     from plait.parallel.pipeline.measure import between_steps, runtime_gap, step_periods
-    from plait.parallel.pipeline.records import between_per_rank
+    from plait.parallel.pipeline.runtime_stats import between_per_rank
 
     def rank(t0, t1):  # one compute filling the step's window
         return (t0, t1, [("F", 0, 0, t0, t1)], [(t0, 0.0)], [], [])
@@ -275,7 +275,7 @@ def test_time_between_steps_as_measured():
 
     # measure.runtime_gap: a rank's own time before each compute that did not wait, less
     # the posts in between: 1 (step start -> F0) and 1.5 - 0.5 (F0 -> F1, a post) here;
-    # F2 waited 3.5 for its input (over records._WAITED) and is left out
+    # F2 waited 3.5 for its input (over runtime_stats._WAITED) and is left out
     computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
     one = (0.0, 14.0, computes, [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)], [(4.2, 4.7, 0.1)], [])
     assert runtime_gap([[one]]) == 1.0 and runtime_gap([]) == 0.0
@@ -286,7 +286,7 @@ def test_the_check_window_in_the_records():
     `check` (`check_per_rank`), not runtime work: `runtime_gap` leaves it out as it does
     the posts, and `idle_breakdown` counts it apart (out of `between`, or `lead` when it
     came before the first compute)."""
-    from plait.parallel.pipeline.records import check_per_rank, idle_breakdown, runtime_gap
+    from plait.parallel.pipeline.runtime_stats import check_per_rank, idle_breakdown, runtime_gap
 
     computes = [("F", 0, 0, 1.0, 4.0), ("F", 0, 1, 5.5, 8.0), ("F", 0, 2, 12.0, 13.0)]
     detail = [(1.0, 0.0), (5.5, 0.0), (8.5, 0.0)]

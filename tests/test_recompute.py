@@ -20,6 +20,7 @@ from plait.device.memory import MemoryTracker
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model import transformer
+from plait.model.loss import microbatch_loss
 from plait.model.recompute import Recompute, extra_forward_flops_per_token, op_group
 from plait.parallel.pipeline.measure import write_trace
 from plait.parallel.tensor import apply_tensor_parallel
@@ -27,7 +28,6 @@ from plait.placement import PlacementTable
 from plait.plan.activations import layer_saved_bytes
 from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import train
-from plait.train.step import microbatch_loss
 
 PP_MODEL = ("model.n_layers=4", "model.tie_embeddings=false")
 MODES = [("none", ()), ("full", ()), ("selective", ("attention", "elementwise")),

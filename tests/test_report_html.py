@@ -23,7 +23,7 @@ from helpers import run_layout, token_file
 from plait.cli.main import main
 from plait.observe.figures import MEASURED, PREDICTED
 from plait.observe.html import SECTIONS
-from plait.train.report import human_bytes
+from plait.train.progress import human_bytes
 
 pytest.importorskip("matplotlib", reason="the report's figures need plait[plot]")
 

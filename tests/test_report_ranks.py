@@ -60,7 +60,7 @@ def test_overlap_says_the_exposed_time_beside_the_step():
 
 def test_bubble_table_and_figures_give_one_number_per_definition():
     from plait.observe.figures import bubbles
-    from plait.parallel.pipeline.records import step_bubble
+    from plait.parallel.pipeline.runtime_stats import step_bubble
 
     # two ranks, the last step: rank 0 busy 0-1 and 2-3 ms, rank 1 busy 1-2 ms: span 3 ms
     events = [[["F", 0, 0, 0.0, 0.001], ["B", 0, 0, 0.002, 0.003]],

@@ -204,7 +204,7 @@ def test_planner_uses_the_steady_state_under_post_validation():
 
 
 def test_the_check_at_each_rank_cut():
-    """Post-validation's check (`Durations.check`, measured by records.check_per_rank) is
+    """Post-validation's check (`Durations.check`, measured by runtime_stats.check_per_rank) is
     laid out at each rank's cut (lower.speculative_prefix), from the second step on, idle.
     zb-h2, p=2, m=3 as above: rank 0's cut follows its two forwards (F0.2's receive of
     the first gradient is past it), rank 1's its first forward. Check 0.5: rank 0 runs

@@ -8,11 +8,12 @@ from helpers import batches_for, config, reference, run_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from plait.comm import regions
+from plait.comm import autograd as comm_autograd
 from plait.config import load_config
 from plait.device.memory import MemoryTracker
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
+from plait.model.loss import microbatch_loss
 from plait.model.transformer import build_model
 from plait.parallel.tensor import (
     apply_tensor_parallel,
@@ -22,7 +23,6 @@ from plait.parallel.tensor import (
 from plait.placement import PlacementTable
 from plait.plan.activations import layer_activation_bytes, model_activation_bytes
 from plait.testing import assert_parity, merge_ranks
-from plait.train.step import microbatch_loss
 
 # ---- parity with the single-process reference --------------------------------------------
 
@@ -169,7 +169,7 @@ def _regions(rank, world):
     for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_sp", "gather_from_sp",
                  "all_gather_from_sp", "reduce_scatter_to_sp"):
         xi = x.clone().requires_grad_()
-        y = getattr(regions, name)(xi, mesh)
+        y = getattr(comm_autograd, name)(xi, mesh)
         y.backward(torch.ones_like(y) * (rank + 1))
         out[name] = (y.detach(), xi.grad)
     return out

@@ -358,7 +358,7 @@ def measure_post(mesh: Any, dim: str, calls: int, repeats: int) -> dict[str, Any
 
 def measure_gap(world: int, steps: int, repeats: int) -> dict[str, Any]:
     """plait's pipeline runtime's own time before each compute action that did not wait
-    for its input (`records.runtime_gap`, the simulator's `Durations.gap`: the loop's
+    for its input (`runtime_stats.runtime_gap`, the simulator's `Durations.gap`: the loop's
     Python, completing a receive already there, reaping sends; posts and waits left out),
     measured by training: a 2-layer model of hidden 16 (the dispatch floor's) at pp = 2,
     1F1B over 4 micro-batches, dp = world / 2, `steps` steps (the first left out), on

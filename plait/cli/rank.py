@@ -53,7 +53,7 @@ from plait.train.checks import train_inputs
 from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, resolve_data
 from plait.train.loop import run_layout, train
-from plait.train.report import (
+from plait.train.progress import (
     Gauges,
     final_line,
     plait_warnings,

@@ -1,5 +1,7 @@
-"""All of plait's communication: ledgered collectives (ops), and the ledger they write
-(plait/ledger.py, a layer of its own below the mesh that carries it) re-exported."""
+"""All of plait's communication: ledgered collectives (ops), the differentiable ones that
+autograd runs (autograd: each a collective forward and its adjoint backward), and the
+ledger they write (plait/ledger.py, a layer of its own below the mesh that carries it)
+re-exported."""
 
 from plait.comm.ops import (
     Handle,

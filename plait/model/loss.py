@@ -2,7 +2,11 @@
 
 Dividing each micro-batch's summed loss by the tokens of the *global* batch (not its own)
 makes gradients summed over micro-batches and replicas exactly the gradient of the global
-mean loss. Pure maths on logits: both the training step and a pipeline's last stage use it.
+mean loss, and the logged loss (summed the same way) is the quantity a single-process run
+logs. `token_loss` is pure maths on logits: both the training step and a pipeline's last
+stage use it. `microbatch_loss` is the same loss of a whole model's forward on a
+micro-batch of token rows (the single-process step of tests and benchmarks; the grad norm
+is the optimizer's: plait/parallel/replicated.py).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,3 +32,10 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_bat
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                targets.reshape(-1), reduction="sum")
     return loss_sum / tokens_in_global_batch
+
+
+def microbatch_loss(model: nn.Module, tokens: torch.Tensor, tokens_in_global_batch: int,
+                    loss_fn: LossSum | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy of `tokens` / tokens in the global batch."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    return token_loss(model(inputs), targets, tokens_in_global_batch, loss_fn)

@@ -228,7 +228,7 @@ TABLE_ROWS = {"params": ("parameters",), "grads": ("gradients",),
 def dry_run_table(out: dict[str, Any]) -> str:
     """A dry run's result as text: memory per category, measured beside predicted, and
     the payload bytes per step per mesh dim, the ledger's beside the planner's."""
-    from plait.train.report import human_bytes
+    from plait.train.progress import human_bytes
 
     def gib(x: float) -> str:
         return f"{human_bytes(x):>12}"

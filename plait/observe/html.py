@@ -34,7 +34,7 @@ img { max-width: 100%; display: block; margin: 0.5em 0; }
 
 
 def _bytes(n: float | None) -> str:
-    from plait.train.report import human_bytes
+    from plait.train.progress import human_bytes
 
     return "-" if n is None else human_bytes(n)
 

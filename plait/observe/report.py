@@ -266,7 +266,7 @@ def print_overlap(console: Any, dims: list[dict], step_s: float | None) -> None:
 
 
 def _fmt(n: float | None) -> str:
-    from plait.train.report import human_bytes
+    from plait.train.progress import human_bytes
 
     return "-" if n is None else human_bytes(n)
 

@@ -13,7 +13,7 @@ per-token, so only attention talks. Two ways (`parallel.cp_mode`):
   a rank sends (cp−1) K/V chunks forward and 2(cp−1) backward (K/V, then dK/dV).
 * **allgather** (Dubey et al. 2024, Llama 3, section 3.3.2): all-gather K/V over cp before
   attention, reduce-scatter dK/dV in backward: (cp−1)/cp of the gathered K/V each way.
-  Cheap with GQA's few K/V heads; no overlap.
+  Cheap with GQA's few K/V heads; no overlap (`all_gather_kv`, plait/comm/autograd.py).
 
 Causal masking is exact at chunk granularity: the sequence is cut into equal chunks with
 global ids; a key chunk after the query chunk is skipped, the diagonal one is causal, an
@@ -40,6 +40,7 @@ from torch import nn
 from torch.autograd import Function
 
 from plait.comm import ops
+from plait.comm.autograd import all_gather_kv
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.rope import Positions
@@ -313,24 +314,6 @@ class _RingAttention(Function):
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None
 
 
-class _GatherKV(Function):
-    """All-gather the packed K/V over cp (rank order); backward: reduce-scatter dK/dV."""
-
-    @staticmethod
-    def forward(ctx, kv, mesh: ParallelMesh, tag: str):
-        ctx.mesh, ctx.tag = mesh, tag
-        n = mesh.size(DIM)
-        out = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)
-        ops.all_gather(out, kv.reshape(-1), mesh, DIM, tag=f"{tag}.fwd")
-        return out.view(n, *kv.shape)
-
-    @staticmethod
-    def backward(ctx, g):
-        out = torch.empty(g[0].numel(), dtype=g.dtype, device=g.device)
-        ops.reduce_scatter(out, g.reshape(-1), ctx.mesh, DIM, tag=f"{ctx.tag}.bwd")
-        return out.view(g.shape[1:]), None, None
-
-
 class ContextParallelAttention(nn.Module):
     """The attention core under context parallel (swapped in for `CausalAttentionCore`):
     q, k, v are this rank's tokens (after RoPE at their positions), in `layout` order."""
@@ -357,7 +340,8 @@ class ContextParallelAttention(nn.Module):
         self._checked = True
         if self.mode == "ring":
             return _RingAttention.apply(q, k, v, self.ring)
-        full = _GatherKV.apply(torch.stack([k, v]), self.mesh, self.tag)  # (cp, 2, b, kv, L, d)
+        # (cp, 2, b, kv, L, d)
+        full = all_gather_kv(torch.stack([k, v]), self.mesh, self.tag, DIM)
         kf = full[:, 0].permute(1, 2, 0, 3, 4).flatten(2, 3)  # (b, kv, cp*L, d), rank order
         vf = full[:, 1].permute(1, 2, 0, 3, 4).flatten(2, 3)
         mask = self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)  # key <= query, exact

@@ -15,10 +15,11 @@ One MoE layer's forward on a rank of an ep group of size E, L = n / E local expe
                 ordered by (source rank, local expert); regrouped expert-major
     3. experts: one grouped matmul per weight over the local experts
     4. back:    the reverse all-to-all, in the original order
-Backward is the same all-to-alls reversed (`_AllToAll`). Experts are replicated over tp:
-without sequence parallel every tp rank routes the same tokens (identical gradients, no tp
-reduction); with it each routes its own sequence chunk and MoE gradients are summed over tp
-(the tensor-parallel plan's "sequence" style), counts too for the balance loss.
+Backward is the same all-to-alls reversed (`all_to_all_tokens`, plait/comm/autograd.py).
+Experts are replicated over tp: without sequence parallel every tp rank routes the same
+tokens (identical gradients, no tp reduction); with it each routes its own sequence chunk
+and MoE gradients are summed over tp (the tensor-parallel plan's "sequence" style), counts
+too for the balance loss.
 
 After each step `finish_moe_step` sums every MoE layer's routing statistics over the
 ranks that saw different tokens, updates the auxiliary-loss-free bias (DeepSeek-V3,
@@ -31,9 +32,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.autograd import Function
 
 from plait.comm import ops
+from plait.comm.autograd import all_to_all_tokens
 from plait.config import Config
 from plait.dims import AXES, REPLICAS
 from plait.mesh import ParallelMesh
@@ -47,25 +48,6 @@ def reduce_dim(placements: PlacementTable, p: torch.Tensor, dense_dim: str) -> s
     """Where `p`'s gradient is summed over data-parallel ranks: "edp" for an expert-parallel
     slice, `dense_dim` (dp, or dp_cp under context parallel) for everything else."""
     return "edp" if placements.of(p).split_on(DIM) is not None else dense_dim
-
-
-class _AllToAll(Function):
-    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, out_splits, in_splits, tag):
-        ctx.mesh, ctx.splits, ctx.tag = mesh, (out_splits, in_splits), tag
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        ops.all_to_all(out, x.contiguous(), mesh, DIM, out_splits, in_splits, tag=tag)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ops.all_to_all(back, grad.contiguous(), ctx.mesh, DIM, in_splits, out_splits,
-                       tag=ctx.tag + ".grad")
-        return back, None, None, None, None
 
 
 def expert_major(counts: torch.Tensor) -> torch.Tensor:
@@ -109,12 +91,12 @@ class AllToAllDispatch:
         recv = self._exchange_counts(counts.view(self.size, -1))  # (peer, its experts)
         in_splits, out_splits = counts.view(self.size, -1).sum(1).tolist(), \
             recv.sum(1).tolist()
-        arrived = _AllToAll.apply(flat[slots // k], self.mesh, out_splits, in_splits,
-                                  self.tag)
+        arrived = all_to_all_tokens(flat[slots // k], self.mesh, out_splits, in_splits,
+                                    self.tag)
         order = expert_major(recv)
         y = experts(arrived[order], recv.sum(0))
         back = torch.empty_like(y).index_copy(0, order, y)  # (source, expert)-major again
-        y = _AllToAll.apply(back, self.mesh, in_splits, out_splits, self.tag)
+        y = all_to_all_tokens(back, self.mesh, in_splits, out_splits, self.tag)
         weighted = y * gates[slots].unsqueeze(-1).to(y.dtype)
         combined = weighted.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(
             0, slots, weighted)
@@ -136,11 +118,11 @@ class AllToAllDispatch:
         per_expert, recv_rows = recv[:, :local], recv[:, local]
         a_in, a_out = counts.view(self.size, -1).sum(1).tolist(), per_expert.sum(1).tolist()
         u_in, u_out = send_rows.tolist(), recv_rows.tolist()
-        rows = _AllToAll.apply(flat[uniq % t], self.mesh, u_out, u_in, self.tag)
+        rows = all_to_all_tokens(flat[uniq % t], self.mesh, u_out, u_in, self.tag)
         where = row_in_block.new_empty(sum(a_out))
         ops.all_to_all(where, row_in_block, self.mesh, DIM, a_out, a_in,
                        tag=self.tag + ".rows")
-        g = _AllToAll.apply(gates[slots], self.mesh, a_out, a_in, self.tag + ".gates")
+        g = all_to_all_tokens(gates[slots], self.mesh, a_out, a_in, self.tag + ".gates")
         source = torch.repeat_interleave(torch.arange(self.size, device=counts.device),
                                          per_expert.sum(1))
         row = (recv_rows.cumsum(0) - recv_rows)[source] + where  # into `rows`
@@ -148,7 +130,7 @@ class AllToAllDispatch:
         y = experts(rows[row[order]], per_expert.sum(0))
         y = torch.empty_like(y).index_copy(0, order, y) * g.unsqueeze(-1).to(y.dtype)
         summed = y.new_zeros(rows.shape).index_add(0, row, y)  # one row per token here
-        back = _AllToAll.apply(summed, self.mesh, u_in, u_out, self.tag)
+        back = all_to_all_tokens(summed, self.mesh, u_in, u_out, self.tag)
         return back.new_zeros(flat.shape).index_add(0, uniq % t, back)
 
 

@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd import Function
 
 from plait.comm import ops
-from plait.comm.regions import (
+from plait.comm.autograd import (
     all_gather_from_sp,
     copy_to_tp,
     reduce_from_tp,

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plait.optim import CHUNK as OPT_CHUNK  # elements per foreach chunk
 from plait.plan.activations import FP32
 from plait.plan.eager_sizes import (
     CATEGORIES,
@@ -37,7 +38,6 @@ from plait.plan.eager_sizes import (
     rank_sizes,
     rank_stages,
 )
-from plait.train.optim import CHUNK as OPT_CHUNK  # elements per foreach chunk
 
 if TYPE_CHECKING:
     from plait.config import Config

@@ -24,6 +24,7 @@ from plait.config import Config
 from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
+from plait.optim import clip_coefficient
 from plait.parallel.expert import finish_moe_step
 from plait.parallel.optimizer import GradSyncOptimizer
 from plait.parallel.parallelize import DTYPES, ParallelModel, gather_split_state, parallelize
@@ -33,7 +34,7 @@ from plait.parallel.post_validation import PostValidation
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
-from plait.train.optim import clip_coefficient, lr_at
+from plait.train.lr_schedule import lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
 from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
 

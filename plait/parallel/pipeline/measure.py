@@ -22,7 +22,7 @@ input; and its thread CPU time. After training the records are gathered over the
     cores and the OS time-slices them, which inflates every duration;
   * a Chrome trace and a PNG timeline of the last step, one row per rank.
 The first step is left out when there are several (allocator and thread-pool warm-up).
-The statistics of the gathered records are plait/parallel/pipeline/records.py's.
+The statistics of the gathered records are plait/parallel/pipeline/runtime_stats.py's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from plait.mesh import ParallelMesh
 from plait.parallel.pipeline.draw import draw_timeline, to_chrome_trace
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition
-from plait.parallel.pipeline.records import (
+from plait.parallel.pipeline.runtime import Event, PipelineRuntime
+from plait.parallel.pipeline.runtime_stats import (
     Rank,
     between_each_step,
     between_per_rank,
@@ -54,7 +55,6 @@ from plait.parallel.pipeline.records import (
     step_bubble,
     step_periods,
 )
-from plait.parallel.pipeline.runtime import Event, PipelineRuntime
 from plait.parallel.pipeline.simulate import Durations, SimResult, simulate
 
 _KINDS = ("F", "B", "I", "W")

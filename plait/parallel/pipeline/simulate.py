@@ -13,7 +13,7 @@ An action starts when its rank is free *and* its input has arrived:
   W s, mb   its own I s, mb
 B takes T_I + T_W (or `backward_per_stage`). Before each compute its rank spends `gap` on
 its own runtime work (the loop's Python, completing a receive that has already arrived;
-`records.runtime_gap`), idle, overlapping any wait for the input: start = max(rank free +
+`runtime_stats.runtime_gap`), idle, overlapping any wait for the input: start = max(rank free +
 gap, input there). A transfer is latency `p2p` on the link, counted from the producer's
 compute end: it does not occupy either rank (the runtime posts sends/receives
 asynchronously). Posting does cost the rank something: `post` is the time one batch of
@@ -80,7 +80,7 @@ class Durations:
     gap: float = 0.0
     # post-validation, from the second step on: a rank's time at its cut checking the
     # previous step's update (waiting for the other stages' partials, dropping the copy,
-    # zeroing the gradients); idle, like post. Measured: records.check_per_rank
+    # zeroing the gradients); idle, like post. Measured: runtime_stats.check_per_rank
     check: float = 0.0
     check_per_rank: tuple[float, ...] | None = None  # per rank (length pp), else check
     # a whole B per stage where it is not I + W (measured: one autograd pass is cheaper
