@@ -46,7 +46,6 @@ class ParallelMesh:
               world_size: int | None = None, device: Device = CPU) -> ParallelMesh:
         """Make the mesh for `parallel` on `device`. Needs an initialised process group
         (of `device.backend`) when world > 1."""
-        sizes = {d: getattr(parallel, d) for d in DIMS}
         world = parallel.world_size
         if world > 1:
             if not dist.is_initialized():
@@ -57,7 +56,18 @@ class ParallelMesh:
                 raise ValueError(
                     f"layout needs {world} ranks ({'*'.join(DIMS)}) but the world has "
                     f"{actual}")
-        mesh = cls(sizes=sizes, rank=rank or 0, order=tuple(parallel.order),
+        mesh = cls.arithmetic(parallel, rank or 0, device)
+        if world > 1:
+            mesh._make_groups()
+        return mesh
+
+    @classmethod
+    def arithmetic(cls, parallel: ParallelConfig, rank: int, device: Device = CPU
+                   ) -> ParallelMesh:
+        """The mesh of `parallel` as rank `rank` sees it, without process groups: its
+        coordinates and the ranks of every group it would join (tests, the planner)."""
+        sizes = {d: getattr(parallel, d) for d in DIMS}
+        mesh = cls(sizes=sizes, rank=rank, order=tuple(parallel.order),
                    gpus_per_node=parallel.gpus_per_node, device=device)
         mesh.coords = mesh.coords_of(mesh.rank)
         for d in DIMS:
@@ -70,8 +80,6 @@ class ParallelMesh:
         for name in mesh.laid_groups():
             mesh.group_ranks[name] = mesh.laid_ranks(name)
             mesh.groups[name] = None
-        if world > 1:
-            mesh._make_groups()
         return mesh
 
     def _make_groups(self) -> None:

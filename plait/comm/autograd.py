@@ -218,17 +218,17 @@ class _AllToAll(Function):
 
 
 def all_to_all_tokens(x: torch.Tensor, mesh: ParallelMesh, out_splits: list[int],
-                      in_splits: list[int], tag: str, dim: str = "ep") -> torch.Tensor:
+                      in_splits: list[int], tag: str, dim: str) -> torch.Tensor:
     """Forward: all-to-all of `x`'s rows (`in_splits[r]` rows to rank r, `out_splits[r]`
     from it; `<tag>`). Backward: the reverse all-to-all sends the gradient rows back
     (`<tag>.grad`)."""
     return _AllToAll.apply(x, mesh, out_splits, in_splits, tag, dim)
 
 
-# ---- context parallel ("allgather" mode): K/V over the cp ranks ------------------------------
+# ---- context parallel ("allgather" mode): K/V over its ranks ------------------------------
 
 class _GatherKV(Function):
-    """All-gather the packed K/V over cp (rank order); backward: reduce-scatter dK/dV."""
+    """All-gather the packed K/V over `dim` (rank order); backward: reduce-scatter dK/dV."""
 
     @staticmethod
     def forward(ctx, kv, mesh: ParallelMesh, tag: str, dim: str):
@@ -245,7 +245,7 @@ class _GatherKV(Function):
         return out.view(g.shape[1:]), None, None, None
 
 
-def all_gather_kv(kv: torch.Tensor, mesh: ParallelMesh, tag: str, dim: str = "cp"
+def all_gather_kv(kv: torch.Tensor, mesh: ParallelMesh, tag: str, dim: str
                   ) -> torch.Tensor:
     """Forward: all-gather the packed K/V over `dim` into (n, *kv.shape), rank order
     (`<tag>.fwd`). Backward: reduce-scatter dK/dV, each rank keeping its own (`<tag>.bwd`)."""

@@ -92,11 +92,11 @@ class AllToAllDispatch:
         in_splits, out_splits = counts.view(self.size, -1).sum(1).tolist(), \
             recv.sum(1).tolist()
         arrived = all_to_all_tokens(flat[slots // k], self.mesh, out_splits, in_splits,
-                                    self.tag)
+                                    self.tag, DIM)
         order = expert_major(recv)
         y = experts(arrived[order], recv.sum(0))
         back = torch.empty_like(y).index_copy(0, order, y)  # (source, expert)-major again
-        y = all_to_all_tokens(back, self.mesh, in_splits, out_splits, self.tag)
+        y = all_to_all_tokens(back, self.mesh, in_splits, out_splits, self.tag, DIM)
         weighted = y * gates[slots].unsqueeze(-1).to(y.dtype)
         combined = weighted.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(
             0, slots, weighted)
@@ -118,11 +118,11 @@ class AllToAllDispatch:
         per_expert, recv_rows = recv[:, :local], recv[:, local]
         a_in, a_out = counts.view(self.size, -1).sum(1).tolist(), per_expert.sum(1).tolist()
         u_in, u_out = send_rows.tolist(), recv_rows.tolist()
-        rows = all_to_all_tokens(flat[uniq % t], self.mesh, u_out, u_in, self.tag)
+        rows = all_to_all_tokens(flat[uniq % t], self.mesh, u_out, u_in, self.tag, DIM)
         where = row_in_block.new_empty(sum(a_out))
         ops.all_to_all(where, row_in_block, self.mesh, DIM, a_out, a_in,
                        tag=self.tag + ".rows")
-        g = all_to_all_tokens(gates[slots], self.mesh, a_out, a_in, self.tag + ".gates")
+        g = all_to_all_tokens(gates[slots], self.mesh, a_out, a_in, self.tag + ".gates", DIM)
         source = torch.repeat_interleave(torch.arange(self.size, device=counts.device),
                                          per_expert.sum(1))
         row = (recv_rows.cumsum(0) - recv_rows)[source] + where  # into `rows`
@@ -130,7 +130,7 @@ class AllToAllDispatch:
         y = experts(rows[row[order]], per_expert.sum(0))
         y = torch.empty_like(y).index_copy(0, order, y) * g.unsqueeze(-1).to(y.dtype)
         summed = y.new_zeros(rows.shape).index_add(0, row, y)  # one row per token here
-        back = all_to_all_tokens(summed, self.mesh, u_in, u_out, self.tag)
+        back = all_to_all_tokens(summed, self.mesh, u_in, u_out, self.tag, DIM)
         return back.new_zeros(flat.shape).index_add(0, uniq % t, back)
 
 
