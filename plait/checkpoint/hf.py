@@ -32,7 +32,7 @@ from plait.model.presets import ModelConfig
 from plait.parallel.parallelize import ParallelModel
 
 from .format import CheckpointError
-from .pieces import param_pieces, pieces, publish
+from .pieces import param_pieces, pieces
 
 HF_PREFIX = "hf:"
 SUPPORTED = ("llama", "mistral")
@@ -316,5 +316,5 @@ def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> i
             flat = weights.read(p.name, p.box_offset, p.box_shape, p.start, p.stop)
             p.tensor.copy_(flat.reshape(p.tensor.shape))
             read += flat.numel()
-    publish(par, 0)
+    par.optimizer.finish_load(0)
     return read

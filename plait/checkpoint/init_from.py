@@ -21,7 +21,7 @@ from plait.parallel.parallelize import ParallelModel
 
 from . import hf
 from .format import CheckpointError, read_metadata
-from .pieces import param_pieces, pieces, publish
+from .pieces import param_pieces, pieces
 from .reader import candidates, read_pieces
 
 
@@ -71,4 +71,4 @@ def load_initial(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: st
     path, meta = checkpoint_source(source)
     wanted = [p for p in pieces(par, mesh, cfg.train.optimizer) if p.state == "master"]
     read_pieces(path, meta, wanted + param_pieces(par, mesh))
-    publish(par, 0)
+    par.optimizer.finish_load(0)

@@ -2,16 +2,20 @@
 
 A `Piece` is this rank's live tensor for (parameter name, state) placed in the global,
 unpadded tensor: a box (the tensor-parallel slice, from the PlacementTable's `Split`;
-the whole tensor otherwise) and elements [start, stop) of it (ZeRO's flat shard, from
-`ZeroOptimizer.shard_index()`; the whole box otherwise). States are the optimizer's fp32
-ones: `master` and, for AdamW, `exp_avg` and `exp_avg_sq`. The compute-dtype parameter is
-not saved: after every update it is exactly `master` cast to the compute dtype (both
-optimizers publish it so), and `publish` makes it so again after a load.
+the whole tensor otherwise) and elements [start, stop) of it (ZeRO's flat shard; the
+whole box otherwise). What the rank holds comes from the optimizer's protocol
+(plait/parallel/optimizer.py: `held_states()`, plait/parallel/held.py), whichever strategy
+it is. States are the optimizer's fp32 ones: `master` and, for AdamW, `exp_avg` and
+`exp_avg_sq`. The compute-dtype parameter is not saved: after every update it is exactly
+`master` cast to the compute dtype (every optimizer publishes it so), and the optimizer's
+`finish_load` makes it so again after a load (`params_read_on_load`: those it reads from
+the saved masters instead).
 
 `write` marks the one holder that saves a piece: replicas are written once, by the rank
 at coordinate 0 of every dim the piece is replicated over (the grad norm's rule,
-`PlacementTable.counts_in_norm`); DualPipe's second copies are never written (they equal
-the owned copies) but are filled on load.
+`PlacementTable.counts_in_norm`, with the dims the optimizer shards the state over);
+DualPipe's second copies are never written (they equal the owned copies) but are filled
+on load.
 """
 
 from __future__ import annotations
@@ -22,11 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from plait.mesh import ParallelMesh
-from plait.model.moe import MoE
+from plait.parallel.expert import balance_biases
+from plait.parallel.held import HeldState
 from plait.parallel.parallelize import ParallelModel
-from plait.parallel.replicated import ReplicatedOptimizer, TwoCopyOptimizer
-from plait.parallel.zero import ZeroOptimizer
-from plait.placement import Placement
+from plait.placement import Placement, PlacementTable
 
 from .format import CheckpointError
 
@@ -75,131 +78,49 @@ def _valid(t: torch.Tensor, box_shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def pieces(par: ParallelModel, mesh: ParallelMesh, kind: str) -> list[Piece]:
-    """Every piece this rank holds of the optimizer's fp32 states."""
-    opt = par.optimizer
-    if isinstance(opt, ZeroOptimizer):
-        return _zero_pieces(par, mesh) + state_pieces(par, mesh)
-    if isinstance(opt, ReplicatedOptimizer):  # TwoCopyOptimizer included
-        return _replicated_pieces(par, mesh, kind) + state_pieces(par, mesh)
-    raise CheckpointError(f"checkpointing {type(opt).__name__} is not supported")
+    """Every piece this rank holds of the optimizer's fp32 states (those of `kind`), then
+    of the training state beside them (`state_pieces`)."""
+    states = states_of(kind)
+    placed = (_placed(h, par.placements, mesh) for h in par.optimizer.held_states()
+              if h.state in states)
+    return [p for p in placed if p is not None] + state_pieces(par, mesh)
+
+
+def _placed(h: HeldState, placements: PlacementTable, mesh: ParallelMesh) -> Piece | None:
+    """`h` in the global tensor (None: this rank's elements of it are all padding)."""
+    box = tp_box(h.name, placements.of(h.param), tuple(h.param.shape), mesh)
+    if box is None:
+        return None
+    n = math.prod(box[1])
+    write = (placements.counts_in_norm(h.param, mesh, also_sharded=h.sharded_over)
+             and not h.second_copy)
+    if not h.flat:  # the whole local tensor: its rows inside the global one
+        return Piece(h.name, h.state, *box, 0, n, _valid(h.tensor, box[1]), write)
+    stop = min(h.stop, n)  # padded vocabulary rows are the flat tail of the tensor
+    if stop <= h.start:
+        return None
+    view = h.tensor.reshape(-1)[:stop - h.start]
+    return Piece(h.name, h.state, *box, h.start, stop, view, write)
 
 
 def state_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
     """Training state that is not a parameter: each MoE block's balancing bias (fp32,
     saved as its `master`), whole on every rank of its stage; written by the rank at
     coordinate 0 of dp, cp and tp, DualPipe's owned copy only."""
-    model = par.model
-    stages = model.stages.items() if hasattr(model, "stages") else [("0", model)]
-    owned = getattr(model, "owned", None)
     first = all(mesh.coord(d) == 0 for d in ("dp", "cp", "tp"))
-    out = []
-    for s, stage in stages:
-        for name, m in stage.named_modules():
-            if isinstance(m, MoE):
-                n = m.bias.numel()
-                write = first and (owned is None or int(s) in owned)
-                out.append(Piece(f"{name}.bias", "master", (0,), (n,), 0, n, m.bias, write))
-    return out
-
-
-def named_local(par: ParallelModel) -> list[tuple[str, torch.nn.Parameter, bool]]:
-    """(model name, parameter, owned) of every parameter this rank holds, DualPipe's
-    second copies included (owned = False)."""
-    model = par.model
-    if not hasattr(model, "stages"):  # pp == 1: the Transformer, with the model's names
-        return [(n, p, True) for n, p in model.named_parameters()]
-    return [(n, p, int(s) in model.owned)  # a stage's own names are the model's
-            for s, stage in model.stages.items() for n, p in stage.named_parameters()]
-
-
-def _replicated_pieces(par: ParallelModel, mesh: ParallelMesh, kind: str) -> list[Piece]:
-    opt: ReplicatedOptimizer = par.optimizer
-    o = opt.optim
-    index = {id(p): i for i, p in enumerate(o.params)}
-    two_copies = isinstance(opt, TwoCopyOptimizer)
-    out = []
-    for name, p, owned in named_local(par):
-        pl = par.placements.of(p)
-        box = tp_box(name, pl, tuple(p.shape), mesh)
-        if box is None:
-            continue
-        i = index[id(p)]
-        write = par.placements.counts_in_norm(p, mesh) and (owned or not two_copies)
-        tensors = {"master": o.master[i]}
-        if kind == "adamw":
-            tensors.update(exp_avg=o.exp_avg[i], exp_avg_sq=o.exp_avg_sq[i])
-        n = math.prod(box[1])
-        out.extend(Piece(name, state, *box, 0, n, _valid(t, box[1]), write)
-                   for state, t in tensors.items())
-    return out
-
-
-def _zero_params(par: ParallelModel) -> dict[str, torch.nn.Parameter]:
-    opt: ZeroOptimizer = par.optimizer
-    names = getattr(par.model, "model_names", {})
-    return {names.get(n, n): p for u in opt.units for n, p in zip(u.names, u.params,
-                                                                  strict=True)}
-
-
-def _zero_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
-    opt: ZeroOptimizer = par.optimizer
-    params = _zero_params(par)
-    out = []
-    for e in opt.shard_index():
-        if e.state == "param":  # the compute copy: master cast (module docstring)
-            continue
-        p = params[e.name]
-        pl = par.placements.of(p)
-        box = tp_box(e.name, pl, e.shape, mesh)
-        if box is None:
-            continue
-        n = math.prod(box[1])
-        stop = min(e.stop, n)  # padded vocabulary rows are the flat tail of the tensor
-        if stop <= e.start:
-            continue
-        # the shard's own unit's dim: routed experts shard over edp, the rest over dp (x cp)
-        write = par.placements.counts_in_norm(p, mesh, also_sharded=(opt.units[e.unit].dim,))
-        view = opt.shard_view(e).reshape(-1)[:stop - e.start]
-        out.append(Piece(e.name, e.state, *box, e.start, stop, view, write))
-    return out
+    return [Piece(name, "master", (0,), (t.numel(),), 0, t.numel(), t, first and owned)
+            for name, t, owned in balance_biases(par.model)]
 
 
 def param_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
     """Pieces whose live tensor is the compute parameter itself, to be filled from the
-    saved `master` (ZeRO stages 1 and 2: each rank holds its whole tp-local parameters).
-    Empty where `publish` derives the parameters from the loaded masters instead."""
-    opt = par.optimizer
-    if not isinstance(opt, ZeroOptimizer) or opt.stage == 3:
-        return []
+    saved `master` (the optimizer's `params_read_on_load`: ZeRO stages 1 and 2, where each
+    rank holds its whole tp-local parameters). Empty where the optimizer's `finish_load`
+    derives the parameters from the loaded masters instead."""
     out = []
-    for name, p in _zero_params(par).items():
+    for name, p in par.optimizer.params_read_on_load():
         box = tp_box(name, par.placements.of(p), tuple(p.shape), mesh)
         if box is not None:
             out.append(Piece(name, "master", *box, 0, math.prod(box[1]),
                              _valid(p.data, box[1]), False))
     return out
-
-
-def optimizer_steps(par: ParallelModel) -> int:
-    """The updates the optimizer has made (Adam's bias correction): the step, less any
-    skipped for a non-finite gradient."""
-    opt = par.optimizer
-    return opt.steps if isinstance(opt, ZeroOptimizer) else opt.optim.steps
-
-
-@torch.no_grad()
-def publish(par: ParallelModel, steps: int) -> None:
-    """After a load: the compute parameters from the loaded masters where they are not
-    read directly, and the optimizer's update count `steps`."""
-    opt = par.optimizer
-    if isinstance(opt, ZeroOptimizer):
-        if opt.stage == 3:
-            for u in opt.units:
-                u.shard.copy_(u.master)  # as ZeroOptimizer._publish: the next forward gathers
-        opt.steps = steps
-        return
-    o = opt.optim
-    for m, p in zip(o.master, o.params, strict=True):
-        if m.data_ptr() != p.data_ptr():  # fp32: the master is the parameter's storage
-            p.data.copy_(m)
-    o.steps = steps

@@ -42,7 +42,7 @@ from .format import (
     is_committed,
     read_metadata,
 )
-from .pieces import Piece, param_pieces, pieces, publish
+from .pieces import Piece, param_pieces, pieces
 
 
 class CheckpointWarning(UserWarning):
@@ -203,7 +203,7 @@ def restore(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: str | P
             warnings.warn(f"skipping {path}: {msg}; falling back to an older checkpoint",
                           CheckpointWarning, stacklevel=2)
             continue
-        publish(par, meta["optimizer"]["steps"])
+        par.optimizer.finish_load(meta["optimizer"]["steps"])
         _restore_rng(meta, mesh)
         return meta["step"], path
     raise CheckpointError(f"{source}: no complete, valid checkpoint ("

@@ -38,8 +38,8 @@ from plait import comm
 from plait.config import Config
 from plait.ledger import OUTSIDE_STEP
 from plait.mesh import ParallelMesh
-from plait.model.moe import MoE
 from plait.model.transformer import build_model
+from plait.parallel.expert import moe_layers
 from plait.parallel.parallelize import ParallelModel
 
 from .format import (
@@ -56,7 +56,7 @@ from .format import (
     step_dir,
     write_json,
 )
-from .pieces import optimizer_steps, pieces, states_of
+from .pieces import pieces, states_of
 
 
 def plait_version() -> str:
@@ -77,7 +77,7 @@ def save(par: ParallelModel, mesh: ParallelMesh, cfg: Config, root: Path, step: 
     with _outside_step(mesh):
         tmp = _make_tmp(mesh, root, step)
         snap = _snapshot(par, mesh, cfg, copy=background)
-    progress = {**(progress or {}), "optimizer_steps": optimizer_steps(par)}
+    progress = {**(progress or {}), "optimizer_steps": par.optimizer.steps}
     pending = PendingSave(mesh, cfg, tmp, root, step, progress, keep)
     if not background:
         pending.write(*snap)
@@ -243,7 +243,7 @@ def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
                     # training state beside the parameters (MoE balancing biases)
                     **{f"{n}.bias": {"shape": [m.bias.numel()], "dtype": "float32",
                                      "kind": "buffer", "states": ["master"]}
-                       for n, m in model.named_modules() if isinstance(m, MoE)}},
+                       for n, m in moe_layers([model])}},
         "rng": rng, "block_bytes": BLOCK, "files": files, "chunks": chunks,
     }
     check_coverage(meta)

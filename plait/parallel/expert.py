@@ -140,6 +140,18 @@ def moe_layers(stages: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
             if isinstance(m, MoE)]
 
 
+def balance_biases(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(model name, tensor, owned) of every MoE block's balancing bias this rank holds, its
+    stages in order: training state beside the parameters (fp32, whole on every rank of
+    its stage, updated by `finish_moe_step`), saved by checkpoints as its `master`.
+    `model`: the Transformer (pp = 1) or this rank's PipelineModule; `owned` is False on
+    DualPipe's second copies."""
+    stages = model.stages.items() if hasattr(model, "stages") else [("0", model)]
+    owned = getattr(model, "owned", None)
+    return [(f"{name}.bias", m.bias, owned is None or int(s) in owned)
+            for s, stage in stages for name, m in moe_layers([stage])]
+
+
 def apply_expert_parallel(stages: Iterable[nn.Module], mesh: ParallelMesh,
                           placements: PlacementTable, dispatch: str = "assignment") -> None:
     """Keep this ep rank's experts of every MoE block (rows [r L, (r+1) L) of each stacked

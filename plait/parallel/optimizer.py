@@ -31,6 +31,13 @@ With `parallel.optimizer_sync=post_validation` (plait/parallel/post_validation.p
 `grad_norm()`; `snapshot()` before an optimistic `step(lr)`; once the check is in,
 `drop_snapshot()`, or `restore()` (exactly the state before) and the right `step`; then
 `zero_grad()`.
+
+Checkpoints (plait/checkpoint/pieces.py) read only the protocol, never which strategy it
+is: `steps` (the update count, saved), `held_states()` (what this rank holds of each fp32
+state of each parameter: whole tensors, or ZeRO's flat runs; the live tensors, written
+from and loaded into in place, plait/parallel/held.py), `params_read_on_load()` (compute
+parameters a load fills straight from the saved masters) and, once a load has filled
+those, `finish_load(steps)`.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.parallel.held import HeldState
 from plait.parallel.replicated import ReplicatedOptimizer, TwoCopyOptimizer
 from plait.parallel.zero import ZeroOptimizer
 from plait.placement import PlacementTable
@@ -52,7 +60,10 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class GradSyncOptimizer(Protocol):
-    """Gradient sync over dp + the optimizer, as the training loop drives them."""
+    """Gradient sync over dp + the optimizer, as the training loop drives them and as
+    checkpoints save and load it."""
+
+    mesh: ParallelMesh  # what it syncs over; its ledger counts `full_state`'s gathers
 
     def before_backward(self, last_microbatch: bool) -> None:
         """Before each backward (B or W) of this rank: `last_microbatch` is the stage's
@@ -101,6 +112,26 @@ class GradSyncOptimizer(Protocol):
 
     def memory_sources(self) -> dict[str, list[torch.Tensor]]:
         """The tensors the strategy holds, by category: params, grads, optimizer, comm."""
+
+    @property
+    def steps(self) -> int:
+        """The updates made (Adam's bias correction): the steps taken, less any skipped
+        for a non-finite gradient."""
+
+    def held_states(self) -> list[HeldState]:
+        """What this rank holds of each fp32 state (`master`; AdamW: `exp_avg`,
+        `exp_avg_sq`) of each of its parameters, by the model's names, in an order fixed
+        by the layout: the live tensors (a checkpoint writes them and loads into them)."""
+
+    def params_read_on_load(self) -> list[tuple[str, nn.Parameter]]:
+        """(model name, parameter) of the compute parameters a load fills from the saved
+        masters directly (ZeRO-1/2: whole on every rank, their masters sharded); the
+        others `finish_load` derives."""
+
+    def finish_load(self, steps: int) -> None:
+        """After a load filled `held_states` and `params_read_on_load` in place: the other
+        compute parameters from their masters, and the update count `steps`. No
+        communication."""
 
 
 def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,

@@ -4,7 +4,8 @@
 `TwoCopyOptimizer` is its DualPipe variant, where each rank holds two copies of some
 blocks whose gradients must be summed (`sum_copy_gradients`, a swap with the mirror rank)
 before the norm and the update. Also here: the
-global grad norm over whole (or tp-split) parameters, which both use.
+global grad norm over whole (or tp-split) parameters, which both use, and what a checkpoint
+reads of them (`held_states`: each parameter's states, whole).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from plait.mesh import ParallelMesh
 from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import reduce_dim
+from plait.parallel.held import HeldState
 from plait.parallel.pipeline.ir import Schedule
 from plait.placement import PlacementTable
 
@@ -91,12 +93,23 @@ def local_sq_norm(params: list[nn.Parameter], mesh: ParallelMesh,
     return total
 
 
+def named_local(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
+    """(model name, parameter, owned) of every parameter this rank holds, DualPipe's
+    second copies included (owned = False)."""
+    if not hasattr(model, "stages"):  # pp == 1: the Transformer, with the model's names
+        return [(n, p, True) for n, p in model.named_parameters()]
+    return [(n, p, int(s) in model.owned)  # a stage's own names are the model's
+            for s, stage in model.stages.items() for n, p in stage.named_parameters()]
+
+
 class ReplicatedOptimizer:
     """ZeRO stage 0: data-parallel gradient sync + AdamW over whole, replicated parameters.
 
     A GradSyncOptimizer: DataParallel reduces during the last micro-batch's backward and
     `after_backward(last)` waits for it, so `finish_gradients` has nothing left to do.
     """
+
+    two_copies = False  # TwoCopyOptimizer: the second copies are held, not owned
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, cfg: Config,
                  placements: PlacementTable, dim: str = "dp"):
@@ -162,6 +175,38 @@ class ReplicatedOptimizer:
                     else torch.zeros(q.shape, device=q.device))
                 for n, q in self.model.named_parameters()}
 
+    # ---- checkpoints (GradSyncOptimizer: held_states, params_read_on_load, finish_load) ----
+    @property
+    def steps(self) -> int:
+        return self.optim.steps
+
+    def held_states(self) -> list[HeldState]:
+        """Each parameter's master (and AdamW's moments), whole, in the model's order."""
+        o = self.optim
+        index = {id(p): i for i, p in enumerate(o.params)}
+        out = []
+        for name, p, owned in named_local(self.model):
+            i = index[id(p)]
+            tensors = {"master": o.master[i]}
+            if o.kind == "adamw":
+                tensors.update(exp_avg=o.exp_avg[i], exp_avg_sq=o.exp_avg_sq[i])
+            copy = self.two_copies and not owned
+            out.extend(HeldState(name, state, p, 0, p.numel(), t, second_copy=copy)
+                       for state, t in tensors.items())
+        return out
+
+    def params_read_on_load(self) -> list[tuple[str, nn.Parameter]]:
+        """None: `finish_load` casts every parameter from its loaded master."""
+        return []
+
+    @torch.no_grad()
+    def finish_load(self, steps: int) -> None:
+        o = self.optim
+        for m, p in zip(o.master, o.params, strict=True):
+            if m.data_ptr() != p.data_ptr():  # fp32: the master is the parameter's storage
+                p.data.copy_(m)
+        o.steps = steps
+
     def memory_sources(self) -> dict[str, list[torch.Tensor]]:
         o = self.optim
         # fp32: the master is the parameter's own storage, counted once (as a parameter)
@@ -178,8 +223,11 @@ class TwoCopyOptimizer(ReplicatedOptimizer):
 
     Both copies must step with the sum of their gradients: `finish_gradients` swaps them
     with the mirror rank after the step's backward (not inside it: the runtime may still
-    owe the mirror a transfer) and adds; the norm counts the owned copies only.
+    owe the mirror a transfer) and adds; the norm counts the owned copies only, and
+    checkpoints write them only (`held_states` marks the others `second_copy`).
     """
+
+    two_copies = True
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, cfg: Config,
                  placements: PlacementTable, stages: dict[int, nn.Module], schedule: Schedule,

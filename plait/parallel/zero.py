@@ -21,7 +21,8 @@ variance of that shard only: 12 bytes a parameter / N.
   all-gather is issued (prefetch) as soon as the current one is in place, so it overlaps
   compute. Gradients are reduce-scattered as in stage 2.
 Padding is zero in every gradient, so it never reaches the maths (Adam leaves it at zero).
-`shard_index()` names the shards by parameter and state, padding excluded (zero_index.py).
+`shard_index()` names the shards by parameter and state, padding excluded, and
+`held_states()` gives them to checkpoints (zero_index.py).
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel.replicated import sum_over_world
-from plait.parallel.zero_index import STATES, ShardSlice, build_shard_index
+from plait.parallel.zero_index import NamedShards
 from plait.parallel.zero_units import _Unit, make_units
-from plait.placement import FlatShard, PlacementTable
+from plait.placement import PlacementTable
 
 
-class ZeroOptimizer:
-    """Sharded AdamW state (stage >= 1), gradients (>= 2) and parameters (3) over `dim`."""
+class ZeroOptimizer(NamedShards):
+    """Sharded AdamW state (stage >= 1), gradients (>= 2) and parameters (3) over `dim`;
+    its shards by name, and what checkpoints read and write of them: `NamedShards`."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int,
                  betas: tuple[float, float], eps: float, weight_decay: float,
@@ -101,48 +103,6 @@ class ZeroOptimizer:
                 self._free(u)
                 u.module.register_forward_pre_hook(partial(self._pre_forward, u))
                 u.module.register_forward_hook(partial(self._post_forward, u))
-
-    # ---- the shard index (zero_index.py): built once, read by checkpoints ---------------
-    def _index_shards(self, model: nn.Module) -> None:
-        """Each parameter's FlatShard into the placement table, and the index from them."""
-        model_names = getattr(model, "model_names", {})  # pipeline stages: the model's names
-        named: dict[str, list] = {}
-        for u in self.units:
-            for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
-                self.placements.mark_flat_shard(
-                    p, FlatShard(u.dim, u.index, off, p.numel(), u.k))
-                named.setdefault(u.dim, []).append((model_names.get(name, name), p))
-        self.states = STATES if self.kind == "adamw" else ("param", "master")
-        self._index = tuple(e for d, group in named.items() for e in build_shard_index(
-            group, self.placements, self.mesh.size(d), self.states))
-
-    def shard_index(self, dp_rank: int | None = None) -> list[ShardSlice]:
-        """The slices of every parameter and state that dp rank `dp_rank` (None: this one)
-        holds, padding excluded; any rank's layout can be asked on every rank."""
-        if dp_rank is None:  # each entry's own unit says which rank of its dim this is
-            return [e for e in self._index if e.dp_rank == self.units[e.unit].rank]
-        return [e for e in self._index if e.dp_rank == dp_rank]
-
-    def shard_tensor(self, unit: int, state: str) -> torch.Tensor:
-        """This rank's shard of unit `unit` for `state` (flat; `param`: stage 3's
-        persistent shard, else this rank's part of the gathered compute buffer)."""
-        if state not in self.states:
-            raise KeyError(f"state {state!r}; this optimizer keeps {self.states}")
-        u = self.units[unit]
-        if state == "param":
-            self.settle()
-            return u.shard if self.stage == 3 else u.full[u.lo:u.hi]
-        return getattr(u, state)  # master, exp_avg, exp_avg_sq
-
-    def shard_view(self, entry: ShardSlice) -> torch.Tensor:
-        """The live elements of `entry` on this rank (a flat view, no copy; shaped
-        `entry.view_shape()` when whole rows)."""
-        mine = self.units[entry.unit].rank
-        if entry.dp_rank != mine:
-            raise ValueError(f"{entry.name}: a slice of dp rank {entry.dp_rank}, this is "
-                             f"dp rank {mine}")
-        flat = self.shard_tensor(entry.unit, entry.state)
-        return flat[entry.offset:entry.offset + entry.numel]
 
     # ---- stage 3: gather around use ------------------------------------------------
     def _issue_gather(self, u: _Unit) -> None:

@@ -13,15 +13,26 @@ Ranges speak of this rank's tensor: where tensor parallel splits a parameter tha
 tp-local slice (`shape`, with `splits` and `full_shape` from the PlacementTable saying how
 it sits in the full parameter). Built once, at construction, from each parameter's
 `FlatShard` in the PlacementTable (plait/placement.py): nothing on the training path.
+
+`NamedShards` is ZeroOptimizer's side of it (mixed into the optimizer): the index, the
+live view of each entry, and what a checkpoint reads and writes of them (the
+GradSyncOptimizer's `held_states`, `params_read_on_load`, `finish_load`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from plait.placement import PlacementTable, Split
+from plait.mesh import ParallelMesh
+from plait.parallel.held import HeldState
+from plait.placement import FlatShard, PlacementTable, Split
+
+if TYPE_CHECKING:
+    from plait.parallel.zero_units import _Unit
 
 STATES = ("param", "master", "exp_avg", "exp_avg_sq")
 
@@ -110,3 +121,84 @@ def format_shard_index(entries: list[ShardSlice] | tuple[ShardSlice, ...],
         lines.append(f"{e.dp_rank:>2}  {e.name:<26} {e.state:<10} "
                      f"{f'{e.start}:{e.stop}':<15} {rows:<10} {e.unit:>4} {e.offset:>6}  {shape}")
     return "\n".join(lines)
+
+
+class NamedShards:
+    """ZeroOptimizer's shards by parameter name and state. The optimizer provides `units`,
+    `placements`, `mesh`, `kind`, `stage`, `steps` and `settle()`, and calls
+    `_index_shards(model)` once its units exist."""
+
+    units: list[_Unit]
+    placements: PlacementTable
+    mesh: ParallelMesh
+    kind: str
+    stage: int
+    steps: int
+
+    # ---- the shard index: built once, read by checkpoints -------------------------------
+    def _index_shards(self, model: nn.Module) -> None:
+        """Each parameter's FlatShard into the placement table, and the index from them."""
+        model_names = getattr(model, "model_names", {})  # pipeline stages: the model's names
+        named: dict[str, list] = {}
+        self._by_name: dict[str, nn.Parameter] = {}  # the model's names, in unit order
+        for u in self.units:
+            for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
+                self.placements.mark_flat_shard(
+                    p, FlatShard(u.dim, u.index, off, p.numel(), u.k))
+                self._by_name[model_names.get(name, name)] = p
+                named.setdefault(u.dim, []).append((model_names.get(name, name), p))
+        self.states = STATES if self.kind == "adamw" else ("param", "master")
+        self._index = tuple(e for d, group in named.items() for e in build_shard_index(
+            group, self.placements, self.mesh.size(d), self.states))
+
+    def shard_index(self, dp_rank: int | None = None) -> list[ShardSlice]:
+        """The slices of every parameter and state that dp rank `dp_rank` (None: this one)
+        holds, padding excluded; any rank's layout can be asked on every rank."""
+        if dp_rank is None:  # each entry's own unit says which rank of its dim this is
+            return [e for e in self._index if e.dp_rank == self.units[e.unit].rank]
+        return [e for e in self._index if e.dp_rank == dp_rank]
+
+    def shard_tensor(self, unit: int, state: str) -> torch.Tensor:
+        """This rank's shard of unit `unit` for `state` (flat; `param`: stage 3's
+        persistent shard, else this rank's part of the gathered compute buffer)."""
+        if state not in self.states:
+            raise KeyError(f"state {state!r}; this optimizer keeps {self.states}")
+        u = self.units[unit]
+        if state == "param":
+            self.settle()
+            return u.shard if self.stage == 3 else u.full[u.lo:u.hi]
+        return getattr(u, state)  # master, exp_avg, exp_avg_sq
+
+    def shard_view(self, entry: ShardSlice) -> torch.Tensor:
+        """The live elements of `entry` on this rank (a flat view, no copy; shaped
+        `entry.view_shape()` when whole rows)."""
+        mine = self.units[entry.unit].rank
+        if entry.dp_rank != mine:
+            raise ValueError(f"{entry.name}: a slice of dp rank {entry.dp_rank}, this is "
+                             f"dp rank {mine}")
+        flat = self.shard_tensor(entry.unit, entry.state)
+        return flat[entry.offset:entry.offset + entry.numel]
+
+    # ---- checkpoints (GradSyncOptimizer: held_states, params_read_on_load, finish_load) ----
+    def held_states(self) -> list[HeldState]:
+        """This rank's run of each fp32 state, in `shard_index` order (the compute `param`
+        is left out: it is the master cast). Each run is a shard over its unit's dim:
+        routed experts over edp, the rest over dp (x cp)."""
+        return [HeldState(e.name, e.state, self._by_name[e.name], e.start, e.stop,
+                          self.shard_view(e), flat=True,
+                          sharded_over=(self.units[e.unit].dim,))
+                for e in self.shard_index() if e.state != "param"]
+
+    def params_read_on_load(self) -> list[tuple[str, nn.Parameter]]:
+        """Stages 1, 2: every parameter, whole on each rank while its masters are shards
+        (read from the saved masters: no all-gather). Stage 3: none (`finish_load`)."""
+        return [] if self.stage == 3 else list(self._by_name.items())
+
+    @torch.no_grad()
+    def finish_load(self, steps: int) -> None:
+        """Stage 3: the persistent compute shards from the loaded masters (the next forward
+        gathers them); the update count."""
+        if self.stage == 3:
+            for u in self.units:
+                u.shard.copy_(u.master)
+        self.steps = steps

@@ -66,7 +66,7 @@ def full_state(model: torch.nn.Module, optimizer: GradSyncOptimizer | None = Non
     shards of ZeRO, by the optimizer; tp shards too when `mesh` is given: then collective
     over tp). A pipeline rank returns its own stages' parameters, by the model's names.
     `placements`: the run's (TrainResult.placements), needed where tp splits parameters."""
-    owner = mesh if mesh is not None else getattr(optimizer, "mesh", None)
+    owner = mesh if mesh is not None or optimizer is None else optimizer.mesh
     with owner.ledger.outside_step() if owner is not None else contextlib.nullcontext():
         if optimizer is not None:
             state = optimizer.full_state()
