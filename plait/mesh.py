@@ -153,6 +153,13 @@ class ParallelMesh:
         return sorted(r for r in range(self.world_size)
                       if all(self.coords_of(r)[d] == c[d] for d in self.order if d not in dims))
 
+    def replica_dim(self) -> str:
+        """The group over which the copies of a parameter sum their gradients: the data-
+        parallel axis alone, or the replica axes' product group once another of them
+        (context parallel) splits ranks too."""
+        first, *others = REPLICA_AXES
+        return REPLICAS if any(self.sizes[d] > 1 for d in others) else first
+
     def laid_groups(self) -> list[str]:
         """The groups of the dimensions laid over the replica ranks (plait/dims/)."""
         return [g for d in LAID for g in d.laid_groups]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.dims import AXES
 from plait.mesh import ParallelMesh
 from plait.parallel.expert import balance_biases
 from plait.parallel.held import HeldState
@@ -106,8 +107,9 @@ def _placed(h: HeldState, placements: PlacementTable, mesh: ParallelMesh) -> Pie
 def state_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
     """Training state that is not a parameter: each MoE block's balancing bias (fp32,
     saved as its `master`), whole on every rank of its stage; written by the rank at
-    coordinate 0 of dp, cp and tp, DualPipe's owned copy only."""
-    first = all(mesh.coord(d) == 0 for d in ("dp", "cp", "tp"))
+    coordinate 0 of every axis whose ranks hold copies or gathered shards (plait/dims/:
+    not the pipeline's stages), DualPipe's owned copy only."""
+    first = all(mesh.coord(d.name) == 0 for d in AXES if d.checkpoint != "owned")
     return [Piece(name, "master", (0,), (t.numel(),), 0, t.numel(), t, first and owned)
             for name, t, owned in balance_biases(par.model)]
 

@@ -140,8 +140,7 @@ def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
     """The strategy for cfg.parallel.zero (0: replicated) and, for DualPipe's two model
     copies, the replicated one that sums them (`pipeline`: this rank's stages)."""
     t = cfg.train
-    # parameters are replicated over cp: their gradients are summed over dp x cp
-    dim = "dp_cp" if cfg.parallel.cp > 1 else "dp"
+    dim = mesh.replica_dim()
     two_copies = pipeline is not None and pipeline.schedule.num_chains > 1
     if cfg.parallel.zero == 0 and two_copies:
         return TwoCopyOptimizer(model, mesh, cfg, placements, pipeline.stages,

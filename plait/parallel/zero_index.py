@@ -183,7 +183,7 @@ class NamedShards:
     def held_states(self) -> list[HeldState]:
         """This rank's run of each fp32 state, in `shard_index` order (the compute `param`
         is left out: it is the master cast). Each run is a shard over its unit's dim:
-        routed experts over edp, the rest over dp (x cp)."""
+        routed experts over edp, the rest over the replica axes."""
         return [HeldState(e.name, e.state, self._by_name[e.name], e.start, e.stop,
                           self.shard_view(e), flat=True,
                           sharded_over=(self.units[e.unit].dim,))
