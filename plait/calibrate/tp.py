@@ -49,14 +49,12 @@ def _own_session() -> None:
     """Put this rank in a session of its own, as torchrun starts every rank
     (`start_new_session`): with autogroup scheduling (Linux's default on many distributions)
     each session is one scheduling entity, and ranks in sessions of their own pay more
-    CPU waiting at collectives (pure compute does not change; why the waits cost more is
-    not measured). Measured here
-    (4 ranks on 2 cores, two A/B rounds): the floor's 2-layer selective step
-    took 38.6 and 45.1 ms of CPU in one session against 54.3 and 51.5 in their own, the
-    1-layer 24.0 and 26.4 against 31.3 and 31.5; what a rank of `plait train` or the
-    emulated cluster pays is the latter. Out of the terminal's process group a Ctrl-C no
-    longer reaches the rank itself, so it ends with `plait calibrate` (die_with_parent),
-    as the harness's daemonic children do on a normal exit."""
+    CPU waiting at collectives (pure compute does not change): with 4 ranks on 2 cores
+    the floor's selective step cost about a fifth more CPU in sessions of their own, and
+    that is what a rank of `plait train` or the emulated cluster pays. Out of the
+    terminal's process group a Ctrl-C no longer reaches the rank itself, so it ends with
+    `plait calibrate` (die_with_parent), as the harness's daemonic children do on a normal
+    exit."""
     from plait.launch.local import die_with_parent
 
     with contextlib.suppress(OSError):  # already a session leader: nothing to change
