@@ -137,8 +137,8 @@ def _write(args, rows: list) -> None:
          f"of {args.runs} alternated runs:\n\n" + results.goal_table(rows)],
         "plait's bucketed data parallel / DDP step time, the same model, weights and batches "
         "(goal ≤ 0.90). With --first-bucket-ab the bracket is the ratio with one bucket size "
-        "for every bucket (no 1 MB first bucket). Both run the same work per rank; with 4 "
-        "ranks on 2 cores their step times differ by how the ranks' waits interleave.",
+        "for every bucket (no 1 MB first bucket). Both run the same work per rank; with more "
+        "ranks than cores their step times differ by how the ranks' waits interleave.",
         run=results.run_line(args.load0))
 
 

@@ -173,7 +173,8 @@ def _write(args, rows: list[dict], load0: float) -> None:
           f"{100 * r['cpu']:.0f} %") for r in rows])
     ratios = results.table(
         ("schedule", "post / barrier: period", "fastest step", "simulated period",
-         "steady barrier", "(sim", "replay)", "steady post", "(sim", "replay)"),
+         "steady, barrier", "sim, barrier", "replay, barrier", "steady, post", "sim, post",
+         "replay, post"),
         [(s, *_ratios(rows, s)) for s in args.schedules.split(",")])
     results.write(
         args.write, "Post-validation against the barrier, across steps", [

@@ -309,7 +309,7 @@ def _detail(ours: str, r: dict, diff: float, cpu: float) -> list[str]:
 def _write(args, rows: list, detail: list, load0: float) -> None:
     size = (f"pp = {args.pp}, m = {args.microbatches}, dim {args.dim}, {args.layers} layers, "
             f"seq {args.seq_len}, batch {args.batch}, {args.steps} steps (the median of the "
-            f"last {args.steps - WARMUP}); gloo, one thread per rank.")
+            f"last {args.steps - WARMUP}); gloo, one thread per rank")
     results.write(
         args.write, "Pipeline schedules: plait against torch.distributed.pipelining", [
             f"Goals ({size}):\n\n" + results.goal_table(rows),

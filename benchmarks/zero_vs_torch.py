@@ -129,7 +129,7 @@ def main() -> None:
             "plait / torch step time and peak memory (exact live tensor bytes on rank 0 "
             "during step 1, the same tracker for both): ZeRO-3 against FSDP2 (`fully_shard` "
             "per block), ZeRO-1 and ZeRO-2 against DDP with plait's bucket size. ZeRO-2's "
-            "memory goal is ZeRO-1's peak (the bracket). With 4 ranks on 2 cores the ranks "
+            "memory goal is ZeRO-1's peak (the bracket). With more ranks than cores the ranks "
             "time-slice, so single ratios move by a few per cent between runs.",
             run=results.run_line(load0))
 
