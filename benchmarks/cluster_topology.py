@@ -11,7 +11,7 @@ ledger's inter-node bytes.
 
     python benchmarks/cluster_topology.py [--mbit 100] [--steps 30] [--hardware P.json]
         [--recompute selective] [--hidden 64] [--layers 2] [--heads 4] [--ffn 176]
-        [--seq 128] [--global-batch 16]
+        [--seq 128] [--global-batch 16] [--write docs/results/cluster_topology.md]
 
 Needs root, ip and tc (plait cluster says what is missing). Measures a profile first
 (`plait calibrate --ranks 2`) unless one is given. Step time: the median of the steps
@@ -36,7 +36,8 @@ with the cores shared (plait/plan/host_share.py); "sharing model, measured CPU":
 same sharing model given the measured CPU per rank-step instead of the planner's (and
 the planner's waits: the bubble and the link, the node's ranks in step or not as the
 planner has them), which separates the sharing model's error from the compute model's.
-The 20 % goal is the planner's ratio against the measured one.
+The 20 % goal is the planner's ratio against the measured one. `--write PATH` also
+writes both tables as markdown (docs/results/cluster_topology.md).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from types import SimpleNamespace
 root = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(root), str(root / "tests")]
 
+import results  # noqa: E402
 from helpers import token_file  # noqa: E402
 
 from plait.files import PARTIAL_SUFFIX  # noqa: E402
@@ -65,9 +67,9 @@ from plait.plan import host_share  # noqa: E402
 
 # the model: `tiny` with these fields replaced (vocabulary 256: the test token file's);
 # dp's micro-batch is its whole half of the batch. The default is tiny's own shape (every
-# run in docs/multi_node.md); the flags give larger ones (the closed loop's h 256 prices
-# compute within 15 % at world <= 2; here the emulated links' and collectives' CPU and
-# the link model weigh in too: docs/multi_node.md, "Where a rank's CPU goes").
+# run in docs/results/cluster_topology.md); the flags give larger ones (the closed loop's
+# h 256 prices compute within 15 % at world <= 2; here the emulated links' and
+# collectives' CPU and the link model weigh in too).
 SIZE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 176, "seq": 128, "global_batch": 16}
 
 
@@ -276,6 +278,52 @@ def report(rows: list, args: argparse.Namespace, cores: float) -> None:
           f"{'agrees' if ranking else 'DISAGREES'}")
 
 
+def write(path: Path, rows: list, args: argparse.Namespace, cores: float,
+          load0: float) -> None:
+    """The two tables as markdown: each order's step, and the across / inside ratio."""
+    def ms(x: float | None) -> str:
+        return "-" if not x else f"{x * 1e3:.0f} ms"
+    steps = results.table(
+        ("order", "B", "load", "planner, own core", "planner", "model + CPU", "measured",
+         "CPU / rank-step (sys, gloo)", "planned CPU (comm)", "wire B/step (a node)",
+         "ledger inter-node B/step"),
+        [(name, f"{m['load']:.1f}", f"{m['loadavg']:.1f}", ms(p['own']), ms(p['step']),
+          ms(mod), ms(m['step']),
+          f"{ms(m['cpu'])} ({ms(m['sys'])}, {ms(m['gloo'])})",
+          f"{ms(p['cpu'])} ({ms(p['comm_cpu'])})", f"{m['wire_per_step']:,.0f}",
+          f"{m['ledger_inter_per_step']:,.0f}") for name, _, p, m, mod in rows])
+    (_, _, p_in, m_in, mod_in), (_, _, p_out, m_out, mod_out) = rows
+    measured = m_out["step"] / m_in["step"]
+
+    def ratio(inside: float | None, across: float | None) -> str:
+        if not inside or not across:
+            return "-"
+        r = across / inside
+        return f"{r:.2f} ({r / measured - 1:+.0%})"
+    err = p_out["step"] / p_in["step"] / measured - 1
+    ratios = results.table(
+        ("measured", "planner (error)", "planner, a core per rank", "model + CPU",
+         f"goal ({GOAL:.0%})"),
+        [(f"{measured:.2f}", ratio(p_in["step"], p_out["step"]),
+          ratio(p_in["own"], p_out["own"]), ratio(mod_in, mod_out),
+          "met" if abs(err) <= GOAL else "not met")])
+    size = ", ".join(f"{k} {v}" for k, v in args.size.items())
+    results.write(
+        path, "Tensor parallel inside a node, measured on emulated nodes", [
+            f"dp = 2 × tp = 2 on {NODES} emulated nodes × {RANKS_PER_NODE} ranks (all on this "
+            f"machine's {cores:g} cores), links {args.mbit:g} Mbit/s; tiny with {size}, "
+            f"vocabulary 256, recompute {args.recompute}, fp32, {args.steps} steps (the first "
+            f"{WARMUP} not measured):\n\n{steps}",
+            f"tp across / tp inside (= dp inside / dp across):\n\n{ratios}"],
+        "the same layout with tp inside a node (the default order) and with tp across the "
+        "slow link. The planner (with this machine's profile, the ranks sharing its cores) "
+        "should rank them as measured and give their ratio within 20 %. \"model + CPU\" is "
+        "the planner's cores-sharing model given the measured CPU per rank-step, which tells "
+        "the sharing model's error from the compute model's. B is the runnable sessions of "
+        "other work. The wire carries the ledger's inter-node bytes plus TCP/IP headers.",
+        run=results.run_line(load0))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mbit", type=float, default=100.0, help="each node's link (default 100)")
@@ -286,8 +334,10 @@ def main() -> int:
     for k, v in SIZE.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
                         help=f"default {v}")
+    results.add_write_flag(ap)
     args = ap.parse_args()
     args.size = {k: getattr(args, k) for k in SIZE}
+    load0 = os.getloadavg()[0]
     if args.steps < WARMUP + 3:
         ap.error(f"--steps: give at least {WARMUP + 3} (the first {WARMUP} are not measured)")
     if args.size["global_batch"] % 2:
@@ -317,6 +367,8 @@ def main() -> int:
                     m["load"], RANKS_PER_NODE, p["in_step"]))
             rows.append((name, order, p, m, mod))
     report(rows, args, cores)
+    if args.write:
+        write(Path(args.write), rows, args, cores, load0)
     return 0
 
 

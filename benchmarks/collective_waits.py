@@ -2,6 +2,7 @@
 split into the wait for the other rank to arrive and the time after both have.
 
     python benchmarks/collective_waits.py [--layouts dp2,dp2z3,tp2sp] [--steps 14]
+        [--write docs/results/collective_waits.md]
 
 Trains the closed loop's model (benchmarks/plan_closed_loop.py: `tiny`, vocabulary 256,
 sequence 64, global batch 8, fp32) on two forked gloo ranks (plait.launch.forked's harness),
@@ -17,7 +18,8 @@ to set beside the profile's alpha (`plait calibrate`: the fastest back-to-back c
 its measure_sync (the same split after a compute segment). Per rank and step: wall time,
 the main thread's CPU (time.thread_time) and the process's (time.process_time: gloo's
 threads and the kernel's loopback work too). Steps after the first two; the load average
-beside each layout (the machine is shared: a number is for its load).
+beside each layout (the machine is shared: a number is for its load). `--write PATH` also
+writes the tables as markdown (docs/results/collective_waits.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import numpy as np
 
 root = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(root)]
+
+import results  # noqa: E402
 
 from plait.launch.forked import run_ranks  # noqa: E402
 
@@ -87,8 +91,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="single,single4,dp2,dp2z3,tp2sp")
     ap.add_argument("--steps", type=int, default=14)
+    results.add_write_flag(ap)
     a = ap.parse_args()
     timed = a.steps - SKIP
+    load0 = os.getloadavg()[0]
+    steps_md, calls_md = [], []
     for name in a.layouts.split(","):
         world, flags = LAYOUTS[name]
         sets = [*MODEL, *flags, f"train.steps={a.steps}", "train.warmup_steps=1"]
@@ -99,16 +106,44 @@ def main() -> None:
             d = np.diff(np.asarray(o["marks"]), axis=0)[SKIP:] * 1e3
             print(f"  rank {r}: step {d[:, 0].mean():.1f} ms (fastest {d[:, 0].min():.1f}), "
                   f"main thread CPU {d[:, 1].mean():.1f} ms, process CPU {d[:, 2].mean():.1f}")
+            steps_md.append((name, r, f"{load:.1f}", f"{d[:, 0].mean():.1f}",
+                             f"{d[:, 0].min():.1f}", f"{d[:, 1].mean():.1f}",
+                             f"{d[:, 2].mean():.1f}"))
         if world == 1:
             continue
         print("  | call | per rank-step | ms each: mean (median) | peer late: mean (median) "
               "| after both issued: mean (median, p10) | ms a step: total, peer late, after |")
         for kind, v in _split(out, a.steps).items():
             ms, per = v * 1e3, len(v) / timed / 2
-            print(f"  | {kind} | {per:.1f} | {ms[:, 0].mean():.3f} ({np.median(ms[:, 0]):.3f}) | "
-                  f"{ms[:, 1].mean():.3f} ({np.median(ms[:, 1]):.3f}) | {ms[:, 2].mean():.3f} "
-                  f"({np.median(ms[:, 2]):.3f}, {np.percentile(ms[:, 2], 10):.3f}) | "
-                  + ", ".join(f"{ms[:, i].sum() / timed / 2:.1f}" for i in range(3)) + " |")
+            cells = (f"{per:.1f}", f"{ms[:, 0].mean():.3f} ({np.median(ms[:, 0]):.3f})",
+                     f"{ms[:, 1].mean():.3f} ({np.median(ms[:, 1]):.3f})",
+                     f"{ms[:, 2].mean():.3f} ({np.median(ms[:, 2]):.3f}, "
+                     f"{np.percentile(ms[:, 2], 10):.3f})",
+                     ", ".join(f"{ms[:, i].sum() / timed / 2:.1f}" for i in range(3)))
+            print(f"  | {kind} | " + " | ".join(cells) + " |")
+            calls_md.append((name, kind, *cells))
+    if a.write:
+        _write(a, steps_md, calls_md, load0)
+
+
+def _write(a, steps_md: list, calls_md: list, load0: float) -> None:
+    steps = results.table(("layout", "rank", "load", "step ms", "fastest ms",
+                           "main thread CPU ms", "process CPU ms"), steps_md)
+    calls = results.table(("layout", "call", "per rank-step", "ms each: mean (median)",
+                           "peer late: mean (median)",
+                           "after both issued: mean (median, p10)",
+                           "ms a step: total, peer late, after"), calls_md)
+    results.write(
+        a.write, "Waiting at collectives: two ranks, call by call", [
+            f"Per rank and step ({a.steps} steps, the first {SKIP} left out):\n\n{steps}",
+            f"Each two-rank collective, matched call by call across the ranks:\n\n{calls}"],
+        "a call's time split into the wait for the later rank to arrive (\"peer late\": the "
+        "ranks' compute jitter) and the time after both issued it (the collective with the "
+        "backend's wake-up). The planner prices both from `plait calibrate`'s measure_sync "
+        "(docs/planner_cpu.md); set them beside the profile's α, its fastest back-to-back "
+        "call. single and single4 are one rank doing one and two dp ranks' work, for the "
+        "CPU columns.",
+        run=results.run_line(load0))
 
 
 if __name__ == "__main__":

@@ -115,12 +115,13 @@ def met(value: float, goal: float) -> str:
 
 
 def performance_rows(rows: list[tuple[str, str, str, str]]) -> str:
-    """The lines to paste into docs/performance.md's table for (what, measured, goal,
-    met?): the exact command is this process's, the date and load average are now's."""
+    """The goals' rows for (what, measured, goal, met?), each with the exact command (this
+    process's), the date and the load average now (`--write` puts the same rows in the
+    benchmark's docs/results/ file: benchmarks/results.py)."""
     command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]
-    return "\n".join(["for docs/performance.md:"] + [
+    return "\n".join(["goals:"] + [
         f"| {what} | `{command}` | {measured} | {goal} | {ok} | {when} | {load:.1f} |"
         for what, measured, goal, ok in rows])
 

@@ -2,6 +2,7 @@
 
     python benchmarks/dry_run.py [--model llama3-8b] [--layout tp=8,pp=4,dp=32]
                                  [--seq-len 1024] [--microbatches 4] [--rank first,last]
+                                 [--write docs/results/dry_run.md]
 
 Each rank runs in a process of its own on torch's fake process group (plait/observe/
 dry_run.py): it builds exactly that rank's stages, tensor-parallel slices and optimizer
@@ -11,7 +12,8 @@ measures (`measure_step`: step 0 at ZeRO 0, so one step) with the memory tracker
 prints its measured memory by category beside the planner's eager-runtime prediction for
 the same rank, the ledger's payload bytes per mesh dim beside the planner's, and the wall
 time. fp32, ZeRO 0, micro-batches of one sequence. Run it under `/usr/bin/time -v` for
-the peak RSS (the largest rank's) and the CPU time of both ranks.
+the peak RSS (the largest rank's) and the CPU time of both ranks. `--write PATH` also
+writes the tables as markdown (docs/results/dry_run.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import results  # noqa: E402
 
 from plait.config import load_config  # noqa: E402
 from plait.device import resolve_device  # noqa: E402
@@ -65,7 +69,9 @@ def main() -> None:
                    help="intra-op threads of each rank's process on CPU (default: the cores)")
     p.add_argument("--rank", default="first,last",
                    help="ranks, one after the other: numbers, first, last (default first,last)")
+    results.add_write_flag(p)
     args = p.parse_args()
+    load0 = os.getloadavg()[0]
     cfg, world = _config(args)
     ranks, problems = parse_ranks(args.rank, world)
     if problems:
@@ -81,6 +87,41 @@ def main() -> None:
             if args.json_out:
                 Path(args.json_out).write_text(json.dumps(outs))
             _print(args, out)
+    if args.write:
+        _write(args, outs, load0)
+
+
+def _write(args: argparse.Namespace, outs: list[dict], load0: float) -> None:
+    """Memory by category (GiB) measured and predicted per rank; the ledger's bytes."""
+    mem, wire = [], []
+    for out in outs:
+        pred, peak = out["predicted_memory"], out["memory"]["peak"]
+        coords = ", ".join(f"{k} {v}" for k, v in out["coords"].items())
+        who = f"{out['rank']} ({coords})"
+        mem.append((f"{who} measured", *(f"{peak[c] / 2**30:.3f}" for c in CATS),
+                    f"{out['memory']['peak_total'] / 2**30:.3f}", f"{out['seconds']:.0f} s",
+                    f"{out['cpu_seconds']:.0f} s"))
+        if "not_covered" not in pred:
+            mem.append((f"{out['rank']} predicted",
+                        *(f"{sum(pred[n] for n in PLANNER[c]) / 2**30:.3f}" for c in CATS),
+                        f"{pred['total'] / 2**30:.3f}", "", ""))
+        for dim, b in sorted(out["data_bytes_per_step"].items()):
+            pb = out["predicted_bytes_per_step"].get(dim)
+            wire.append((out["rank"], dim, f"{b:,.0f}", "-" if pb is None else f"{pb:,.0f}"))
+    results.write(
+        args.write, "Dry run at scale", [
+            f"{args.model} {args.layout}, sequence {args.seq_len}, {args.microbatches} "
+            f"micro-batches of one sequence, fp32, ZeRO 0, {args.threads} threads a rank; "
+            "peak memory by category, GiB:\n\n" + results.table(
+                ("rank (coords)", *CATS, "peak total", "wall", "CPU"), mem),
+            "Data bytes per step per mesh dim, the ledger's and the planner's:\n\n"
+            + results.table(("rank", "dim", "ledger", "planner"), wire)],
+        "one rank of the layout built and trained on torch's fake process group: its "
+        "memory by category beside the planner's eager-runtime prediction for that rank, "
+        "and its ledger's payload bytes beside the planner's collectives for its pipeline "
+        "rank (`plait.plan.rank_collectives`). Wall and CPU are the rank's own "
+        "(`/usr/bin/time -v` around the command gives the peak RSS).",
+        run=results.run_line(load0))
 
 
 def _print(args: argparse.Namespace, out: dict) -> None:

@@ -1,6 +1,6 @@
 """GPU check: one table of what plait does on this machine's CUDA GPUs (docs/gpu.md).
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out docs/gpu-check.md] [--budget-s 480]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out gpu-check.md] [--budget-s 480]
     make gpu-check                                   # the same, with the system python3
     PYTHONPATH=. python3 benchmarks/gpu_check.py --device cpu --smoke   # the code paths, tiny
 

@@ -2,7 +2,7 @@
 
     python benchmarks/plan_closed_loop.py [--hardware profile.json] [--steps 20]
         [--hidden 256] [--layers 4] [--heads 4] [--ffn 688] [--seq 128]
-        [--global-batch 8] [--measured DIR]
+        [--global-batch 8] [--measured DIR] [--write docs/results/plan_closed_loop.md]
 
 Measures a profile first (`plait calibrate`) unless one is given; then, for each small
 layout (world <= 2, so ranks do not share cores: one rank, dp=2 ZeRO-0 and ZeRO-3, tp=2
@@ -18,7 +18,8 @@ CPU). fp32 (the runtime's default; bf16 is emulated on this CPU), `tiny` with th
 flags replacing its fields and a 256-token vocabulary (the test token file's). It
 prints the folder it writes the runs to and records the size and steps there;
 `--measured DIR` plans again against the runs kept there at that size (nothing is
-trained): a changed model or profile beside the same measurements.
+trained): a changed model or profile beside the same measurements. `--write PATH` also
+writes both tables as markdown (docs/results/plan_closed_loop.md).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 root = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(root), str(root / "tests")]
 
+import results  # noqa: E402
 from helpers import token_file  # noqa: E402
 
 from plait.plan.host_share import HIDDEN_TERM  # noqa: E402
@@ -108,6 +110,7 @@ def parse_args() -> argparse.Namespace:
     for k, v in SIZE.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
                         help=f"default {v}")
+    results.add_write_flag(ap)
     return ap.parse_args()
 
 
@@ -136,12 +139,12 @@ def main() -> None:
     if not a.hardware:
         print(plait("calibrate", "--out", prof).strip())
     data = str(token_file())
+    load0 = os.getloadavg()[0]
     print(f"load average {os.getloadavg()[0]:.1f} at the start (2 ranks need 2 idle cores); "
           f"goal: within {GOAL:.0%} of the fastest step")
-    print("| layout | predicted s | measured s: mean / median / fastest | error: mean / median "
-          f"/ fastest | goal {GOAL:.0%} | bytes planned / ledger | load |")
+    print(HEADER)
     print("|---|---|---|---|---|---|---|")
-    parts = []
+    parts, lines = [], []
     for name, (gpus, flags) in layouts(size["global_batch"]).items():
         cfg = tmp / f"{name.replace(' ', '-')}.toml"
         plait("plan", "--hardware", prof, *model_flags(size), "--gpus", gpus, *flags,
@@ -154,8 +157,36 @@ def main() -> None:
                                str(cfg.with_suffix(".plan.json")), "--json"))["plan"]
         parts.append((name, json.loads(cfg.with_suffix(".plan.json").read_text())["layout"][
             "time_breakdown_s"], json.loads(metrics.read_text().splitlines()[-1])["ledger"]))
-        print(row(name, rep, "-" if a.measured else f"{os.getloadavg()[0]:.1f}"), flush=True)
+        lines.append(row(name, rep, "-" if a.measured else f"{os.getloadavg()[0]:.1f}"))
+        print(lines[-1], flush=True)
     print_parts(parts)
+    if a.write:
+        write(a.write, size, steps, lines, parts, load0)
+
+
+HEADER = ("| layout | predicted s | measured s: mean / median / fastest | error: mean / median "
+          f"/ fastest | goal {GOAL:.0%} | bytes planned / ledger | load |")
+
+
+def write(path: str, size: dict, steps: int, lines: list[str], parts: list,
+          load0: float) -> None:
+    model = ", ".join(f"{k} {v}" for k, v in size.items())
+    where = results.table(
+        ("layout", "planned: compute", "comm exposed", "bubble + p2p", "optimizer",
+         "collective sync (waits)", "hidden comm CPU", "measured: comm", "comm waited"),
+        [(name, *part_cells(t, ledger)) for name, t, ledger in parts])
+    results.write(
+        path, "The planner's step time against plait's, on this CPU", [
+            f"tiny with {model}, vocabulary 256, fp32, {steps} steps a run (the first "
+            f"untimed):\n\n" + "\n".join([HEADER, "|---|---|---|---|---|---|---|", *lines]),
+            f"Where each planned step goes, ms, beside the ledger's collectives:\n\n{where}"],
+        "each layout planned with this machine's profile (`plait calibrate`), its emitted "
+        "config trained, and the run put beside the plan (`plait report --plan`). The goal "
+        "is the fastest step within 15 % (on a shared machine the least disturbed step); "
+        "the bytes column is the plan's payload bytes per mesh dim over the ledger's. Two "
+        "ranks on two cores wait at every collective for a peer another process holds off "
+        "its core: a loaded machine measures its load, not the layout.",
+        run=results.run_line(load0))
 
 
 def row(name: str, rep: dict, load: str) -> str:
@@ -180,13 +211,18 @@ def print_parts(parts: list) -> None:
           "| collective sync (waits) | hidden comm CPU || measured ms a step: comm | comm "
           "waited")
     for name, t, ledger in parts:
-        comm_ms = 1e3 * (t["tp comm (exposed)"] + t["cp/ep comm (exposed)"]
-                         + t["dp comm (exposed)"])
-        print(f"  {name}: {1e3 * (t['compute'] + t['recompute']):.1f} | {comm_ms:.1f} | "
-              f"{1e3 * t['pipeline bubble + p2p']:.1f} | {1e3 * t['optimizer step']:.1f} | "
-              f"{1e3 * t.get(SYNC_TERM, 0.0):.1f} | {1e3 * t.get(HIDDEN_TERM, 0.0):.1f} || "
-              f"{1e3 * ledger['comm_seconds_per_step']:.1f} | "
-              f"{1e3 * ledger['comm_exposed_seconds_per_step']:.1f}")
+        c = part_cells(t, ledger)
+        print(f"  {name}: {' | '.join(c[:6])} || {' | '.join(c[6:])}")
+
+
+def part_cells(t: dict, ledger: dict) -> list[str]:
+    """Planned compute, comm exposed, bubble + p2p, optimizer, sync waits, hidden comm
+    CPU; measured comm and comm waited: ms a step."""
+    comm_s = t["tp comm (exposed)"] + t["cp/ep comm (exposed)"] + t["dp comm (exposed)"]
+    return [f"{1e3 * x:.1f}" for x in (
+        t["compute"] + t["recompute"], comm_s, t["pipeline bubble + p2p"], t["optimizer step"],
+        t.get(SYNC_TERM, 0.0), t.get(HIDDEN_TERM, 0.0), ledger["comm_seconds_per_step"],
+        ledger["comm_exposed_seconds_per_step"])]
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/pp_vs_torch.py [--pp 4] [--microbatches 8] [--steps 6] [--dim 256]
         [--seq-len 128] [--layers 8] [--schedules 1f1b,interleaved,zb-v,dualpipev]
+        [--write docs/results/pp_vs_torch.md]
 
 gloo on CPU, one thread per rank. For each pair (1f1b / Schedule1F1B, interleaved v=2 /
 ScheduleInterleaved1F1B, zb-v / ScheduleZBVZeroBubble, dualpipev / ScheduleDualPipeV) both
@@ -31,7 +32,8 @@ dualpipe) runs plait's runtime alone, so `--schedules all` prints measured vs si
 for every one.
 The load average before and after is printed: on a shared machine it decides the numbers.
 Goals, printed beside each: plait / torch step time <= 0.90, and plait's
-measured bubble ("span") within 2 points of the simulated one ("sim").
+measured bubble ("span") within 2 points of the simulated one ("sim"). `--write PATH` also
+writes both tables as markdown (docs/results/pp_vs_torch.md).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import results  # noqa: E402
 from common import met, performance_rows  # noqa: E402
 
 from plait.config import load_config  # noqa: E402
@@ -185,7 +188,7 @@ def _bubble(samples, mesh):
 
 def _rank(rank, world, args):
     torch.manual_seed(0)
-    results = {}
+    out = {}
     for ours in args.schedules.split(","):
         cfg = _cfg(args, ours)
         mesh = ParallelMesh.build(cfg.parallel)
@@ -203,7 +206,7 @@ def _rank(rank, world, args):
             if t_step is not None:
                 t_s.append(_timed(t_step))
         rep = pipeline_report(rt, pipe.partition, mesh)["summary"]
-        results[ours] = {
+        out[ours] = {
             "theirs": TORCH.get(ours),
             "plait_s": statistics.median(t for t, _, _ in p_s[WARMUP:]),
             "torch_s": statistics.median(t for t, _, _ in t_s[WARMUP:]) if t_s else None,
@@ -213,7 +216,7 @@ def _rank(rank, world, args):
             "torch_bubble": _bubble(t_s, mesh) if t_s else None,
             "report": rep, "partition": pipe.partition.describe(),
         }
-    return results
+    return out
 
 
 def main() -> None:
@@ -229,6 +232,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--schedules", default="1f1b,interleaved,zb-v,dualpipev",
                     help="comma-separated, or 'all' (the eight; four have no torch peer)")
+    results.add_write_flag(ap)
     args = ap.parse_args()
     if args.schedules == "all":
         args.schedules = ",".join(SCHEDULE_NAMES)
@@ -246,7 +250,7 @@ def main() -> None:
           f"{'span-sim':>11}{'goal':>7}{'':>8}{'sim-gap':>8}{'sim0':>7}{'pooled':>7}{'replay':>7}"
           f"{'p2p ms':>8}"
           f"{'post ms':>8}{'gap ms':>7}{'CPU':>6}{'faults plait/torch':>20}")
-    rows = []
+    rows, detail = [], []
     for ours, r in res.items():
         rep = r["report"]
         d = rep["durations_ms"]
@@ -268,6 +272,7 @@ def main() -> None:
               f"{rep['simulated_bubble_pooled']:>7.1%}{rep['simulated_bubble_replay']:>7.1%}"
               f"{d['p2p']:>8.2f}{d['post']:>8.2f}{d['gap']:>7.2f}{cpu:>6.0%}"
               f"{r['plait_faults']:>11.0f}/{_count(r['torch_faults']):<8}")
+        detail.append(_detail(ours, r, diff, cpu))
         rows.append((f"pp_vs_torch.py: {ours}, measured bubble vs simulated",
                      f"{rep['measured_bubble']:.1%} vs {rep['simulated_bubble']:.1%} "
                      f"({abs(diff):.1f} points)", f"within {BUBBLE_GOAL:g} points",
@@ -283,6 +288,47 @@ def main() -> None:
                       f"{ratios[1]:.2f}, simulated {sim:.2f} (goal for zb-v and dualpipev "
                       "<= 0.33)")
     print(performance_rows(rows))
+    if args.write:
+        _write(args, rows, detail, load0[0])
+
+
+def _detail(ours: str, r: dict, diff: float, cpu: float) -> list[str]:
+    """One schedule's row of the written detail table."""
+    rep, d = r["report"], r["report"]["durations_ms"]
+    torch_ms = "–" if r["torch_s"] is None else f"{r['torch_s'] * 1e3:.1f}"
+    ratio = "–" if r["torch_s"] is None else f"{r['plait_s'] / r['torch_s']:.2f}"
+    torch_bubble = "–" if r["torch_bubble"] is None else f"{r['torch_bubble']:.1%}"
+    return [ours, f"{r['plait_s'] * 1e3:.1f}", torch_ms, ratio, f"{r['plait_bubble']:.1%}",
+            torch_bubble, f"{rep['measured_bubble']:.1%}", f"{rep['simulated_bubble']:.1%}",
+            f"{diff:+.1f}", f"{rep['simulated_bubble_pooled']:.1%}",
+            f"{rep['simulated_bubble_replay']:.1%}", f"{d['p2p']:.2f}", f"{d['post']:.2f}",
+            f"{d['gap']:.2f}", f"{cpu:.0%}",
+            f"{r['plait_faults']:.0f} / {_count(r['torch_faults'])}"]
+
+
+def _write(args, rows: list, detail: list, load0: float) -> None:
+    size = (f"pp = {args.pp}, m = {args.microbatches}, dim {args.dim}, {args.layers} layers, "
+            f"seq {args.seq_len}, batch {args.batch}, {args.steps} steps (the median of the "
+            f"last {args.steps - WARMUP}); gloo, one thread per rank")
+    results.write(
+        args.write, "Pipeline schedules: plait against torch.distributed.pipelining", [
+            f"Goals ({size}):\n\n" + results.goal_table(rows),
+            "Per schedule (ms a step, barrier to barrier; bubbles: \"meas\" 1 − busy / "
+            "(pp × step), \"span\" plait's idle / (pp × span), \"sim\" the simulator per "
+            "step, \"pooled\" one simulation of all steps' means, \"replay\" every action its "
+            "own measured duration):\n\n" + results.table(
+                ("schedule", "plait ms", "torch ms", "ratio", "meas plait", "meas torch",
+                 "span", "sim", "span − sim", "pooled", "replay", "p2p ms", "post ms",
+                 "gap ms", "CPU", "faults plait / torch"), detail)],
+        "plait's runtime and torch's on the same stage modules and micro-batches, steps "
+        "alternated. The step-time ratio is plait / torch (goal ≤ 0.90, for the schedules "
+        "torch implements); the bubble goal is plait's measured span bubble within 2 points "
+        "of the simulator's prediction for the measured durations (docs/pipeline_runtime.md, "
+        "\"Measured bubble vs the prediction\"). Where the replay meets the span and the "
+        "per-step simulation does not, the spread of the durations, not the model's rules, "
+        "is the difference. CPU is the lowest CPU share of compute wall time over the ranks: "
+        "below 100 % the ranks were time-sliced and the numbers are the machine's load.",
+        run=results.run_line(load0))
 
 
 def _count(x: float | None) -> str:

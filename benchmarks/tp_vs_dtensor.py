@@ -1,6 +1,7 @@
 """plait tensor parallel (+SP) vs torch DTensor TP (`parallelize_module`), one run.
 
     python benchmarks/tp_vs_dtensor.py [--tp 2 4] [--steps 8] [--model small]
+        [--write docs/results/tp_vs_dtensor.md]
 
 Both train the same model from the same weights on the same batches: plait through its
 training loop (`train`, its AdamW and grad norm), DTensor through `parallelize_module` with
@@ -10,12 +11,14 @@ Prints mean step time (first 2 steps skipped) and peak bytes of the tensors a fo
 backward allocates on rank 0 (activations, gradients, temporaries; the same dispatch-mode
 tracker for both, looking through DTensor to its local tensors), and their ratios
 plait / DTensor beside the goal: keep the step time ratio at its measured 0.48-0.59
-(goal <= 0.60), memory <= 1.0.
+(goal <= 0.60), memory <= 1.0. `--write PATH` also writes both tables as markdown
+(docs/results/tp_vs_dtensor.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import results  # noqa: E402
 from common import met, performance_rows  # noqa: E402
 
 from plait.config import load_config  # noqa: E402
@@ -169,7 +173,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=4096)
+    results.add_write_flag(ap)
     args = ap.parse_args()
+    load0 = os.getloadavg()[0]
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,6 +204,29 @@ def main() -> None:
     print(f"ratios are plait / DTensor; goals: step time <= {TIME_GOAL:.2f} (keep), "
           f"memory <= {MEMORY_GOAL:.2f}")
     print(performance_rows(table))
+    if args.write:
+        _write(args, rows, table, load0)
+
+
+def _write(args, rows: list, goals: list, load0: float) -> None:
+    detail = results.table(
+        ("tp", "SP", "plait ms", "DTensor ms", "time ratio", "plait peak B", "DTensor peak B",
+         "memory ratio", "max loss difference"),
+        [(tp, "yes" if sp else "no", f"{p_ms:.1f}", f"{d_ms:.1f}", f"{p_ms / d_ms:.3f}",
+          f"{p_pk:,}", f"{d_pk:,}", f"{p_pk / d_pk:.3f}", f"{gap:.1e}")
+         for tp, sp, p_ms, d_ms, p_pk, d_pk, gap in rows])
+    size = (f"model {args.model}, batch {args.batch} × seq {args.seq_len}, gloo CPU, "
+            f"{args.steps} steps (the first {WARMUP} left out)")
+    results.write(
+        args.write, "Tensor parallel against DTensor",
+        [f"Goals ({size}):\n\n" + results.goal_table(goals),
+         f"Per layout:\n\n{detail}"],
+        "plait's tensor parallel (and sequence parallel) / DTensor's `parallelize_module` "
+        "with `loss_parallel`: the mean step time and the peak bytes a forward + backward "
+        "allocates on rank 0, the same tracker for both (DTensor counted by its local "
+        "tensors). The step-time goal keeps the ratio where it was first measured, 0.48-0.59 "
+        "(≤ 0.60); memory ≤ 1.",
+        run=results.run_line(load0))
 
 
 TIME_GOAL, MEMORY_GOAL = 0.60, 1.0  # step time measured at 0.48-0.59: "keep"

@@ -1,7 +1,7 @@
 """plait ZeRO-3 vs torch FSDP2 (fully_shard); plait ZeRO-1/2 vs torch DDP.
 
     python benchmarks/zero_vs_torch.py [--world 4] [--steps 10] [--model small]
-        [--runs 3] [--stages 3,1,2]
+        [--runs 3] [--stages 3,1,2] [--write docs/results/zero_vs_torch.md]
 
 Same model, weights, data, AdamW and clipping; gloo on CPU, one thread per rank, fp32.
 Step time: each run's mean over its steps after warm-up; the median of `--runs` runs,
@@ -9,15 +9,18 @@ plait's and the peer's alternated so that machine noise hits both alike. Peak me
 peak of live tensor bytes on rank 0 during step 1 (plait.device.memory.MemoryTracker, the same
 measurement for every contender). Ratios are plait / torch, each printed beside its goal
 (ZeRO-3 / FSDP2 time <= 0.75 and memory <= 1.0; ZeRO-1 and ZeRO-2 / DDP time <=
-0.90, ZeRO-2's memory <= ZeRO-1's).
+0.90, ZeRO-2's memory <= ZeRO-1's). `--write PATH` also writes the goals' rows as
+markdown (docs/results/zero_vs_torch.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
+import results
 import torch
 from common import (
     WARMUP,
@@ -79,7 +82,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=3, help="timed runs of each, alternated")
     ap.add_argument("--stages", default="3,1,2", help="ZeRO stages to run, in this order")
+    results.add_write_flag(ap)
     args = ap.parse_args()
+    load0 = os.getloadavg()[0]
     torch.set_num_threads(1)
     peer_of = {3: "fsdp2", 1: "ddp", 2: "ddp"}
     pairs = [(int(s), peer_of[int(s)]) for s in args.stages.split(",")]
@@ -116,6 +121,17 @@ def main() -> None:
                          f" (ZeRO-2 / ZeRO-1 {m_value:.3f})" if m_text == "≤ ZeRO-1" else ""),
                       m_text, mem_ok)]
         print(performance_rows(rows))
+    if args.write:
+        results.write(
+            args.write, "ZeRO against torch's FSDP2 and DDP",
+            [f"Model {args.model}, dp = {args.world} (gloo, CPU), fp32, {args.steps} steps, "
+             f"the median of {args.runs} alternated runs:\n\n" + results.goal_table(rows)],
+            "plait / torch step time and peak memory (exact live tensor bytes on rank 0 "
+            "during step 1, the same tracker for both): ZeRO-3 against FSDP2 (`fully_shard` "
+            "per block), ZeRO-1 and ZeRO-2 against DDP with plait's bucket size. ZeRO-2's "
+            "memory goal is ZeRO-1's peak (the bracket). With more ranks than cores the ranks "
+            "time-slice, so single ratios move by a few per cent between runs.",
+            run=results.run_line(load0))
 
 
 def _each_ms(runs: list[dict]) -> str:

@@ -5,7 +5,7 @@ beyond the planner's per-operation and per-collective prices (plait/plan/profile
 Why: at the dispatch floor (a model whose GEMMs cost nothing) tp halves a layer's FLOPs,
 not its operations, and SP's gathers and scatters add reshapes, the collectives' Python
 calls and the backend's own threads (gloo's event loop, its copies). Measured on a
-2-core machine (docs/multi_node.md, "Where a rank's CPU goes"): the `tiny`
+2-core machine (docs/planner_cpu.md, shared cores): the `tiny`
 model's tp=2 rank used 18.6-20.7 ms of CPU a step on its main thread where the planner
 gave it 10.4, and gloo's threads 7.8 ms a step with a core per rank but 16.7 ms with four
 ranks on the two cores (its event loop spins while a pair's lock is held, longer when the
@@ -13,7 +13,7 @@ holder is descheduled), which calls timed alone (the profile's `comm_cpu`) canno
 
 Those are CPU a rank's compute competes with only where its host's cores are shared (on
 a core of its own the backend's threads run beside the rank's compute, and the CPU
-closed loop's tp2 SP step, planned without this, is within 15 %: docs/planner.md), so
+closed loop's tp2 SP step, planned without this, is within 15 %: docs/planner_cpu.md), so
 the floor's training step (steps.runtime_steps: plait's own step, tp = 2, SP
 on, 1 and 2 layers, recompute none and selective) is trained on twice as many forked
 gloo ranks as the host has cores (dp = cores x tp 2, every core held by two ranks, as

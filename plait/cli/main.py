@@ -287,7 +287,7 @@ def _add_all_commands(sub) -> None:
     add_train_args(train)
     train.add_argument("--nproc", type=int, metavar="N",
                        help="ranks to launch (default: the layout's world size)")
-    dry = train.add_argument_group("dry run (docs/architecture.md, Dry run)")
+    dry = train.add_argument_group("dry run (docs/dry_run.md)")
     dry.add_argument("--dry-run", action="store_true",
                      help="build and train one rank of the layout in this process on torch's "
                      "fake process group (no communication): its memory by category and its "
@@ -339,7 +339,7 @@ def _add_all_commands(sub) -> None:
     report_cli.add_parser(sub)
     checkpoint_cli.add_parser(sub)
     eval_cli.add_parsers(sub)  # plait eval, plait export (docs/huggingface.md)
-    calibrate_cli.add_parser(sub)  # plait calibrate (docs/planner.md, Hardware profiles)
+    calibrate_cli.add_parser(sub)  # plait calibrate (docs/planner_cpu.md)
     cluster_cli.add_parser(sub)  # plait cluster (docs/multi_node.md, emulated nodes)
     prep.add_argument("--debug", action="store_true",  # `data` itself takes none
                       help="show Python tracebacks (by default an error is one line)")

@@ -5,7 +5,7 @@ tensor autograd keeps for backward, per layer and micro-batch, and divide what T
 Per rank, with b micro-batch, s sequence, h hidden, a query heads, f SwiGLU width, t = tp,
 h_t = h/t, a_t = a/t, f_t = f/t, k_t = this rank's KV width (n_kv·d/t when t divides the KV
 heads, one head d otherwise), e = bytes of the activation dtype (4 fp32, 2 bf16), in bytes
-(docs/tensor_parallel.md has the table for fp32, docs/planner.md the eager runtime model):
+(docs/tensor_parallel.md has the table for fp32, docs/planner_memory.md the eager runtime model):
 
     one RMSNorm, no SP          4·bsh + 4·bs + 2e·bsh        (x in fp32, rsqrt, x·rsqrt or its
                                                                cast, the output)

@@ -20,7 +20,7 @@ Moments considered, per pipeline rank, walking the rank's action list of the sch
   * post-validation (`parallel.optimizer_sync`): the update holds the optimizer states'
     copy, and the next step's forward-only prefix (`lower.speculative_prefix`) holds it
     and the step's gradients until the check at its end drops both.
-Every term is derived in docs/planner.md ("The eager runtime"). The per-layer saved
+Every term is derived in docs/planner_memory.md. The per-layer saved
 tensors come from plait/plan/activations.py: one formula for our block.
 """
 

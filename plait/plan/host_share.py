@@ -40,7 +40,7 @@ R + B <= C. Past it, the model:
   the planner's in-step wait, and no rank of the host computes during it, T = W_link +
   the shared step of the rest. Measured on the emulated cluster (tp inside, dp across):
   given the measured CPU, the drifting model read 132 ms against 181 measured, this one
-  166 (docs/multi_node.md).
+  166 (docs/planner_cpu.md).
 - Collectives' CPU, where a profile measured it (comm_cpu: every thread of a rank per
   call, the caller's and gloo's): a call's CPU is D and the rest of its exposed time W,
   on the link or waiting for the peer (`comm_split`); without it, as in the first item.

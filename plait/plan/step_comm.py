@@ -312,8 +312,8 @@ def sync_after(segment: Num, eff: Efficiency) -> Num:
     """The mean seconds a blocking collective takes past its alpha-beta price once the
     last rank has arrived, after `segment` seconds of compute: the profile's per-segment
     measurements through the same power law (measured here: it grows with the compute
-    before the call; heavy-tailed, so a mean over every call: docs/planner.md, "The sync
-    extra is a mean"), or its one mean
+    before the call; heavy-tailed, so a mean over every call: docs/planner_cpu.md), or its one
+    mean
     `sync_extra` where those are not in the profile."""
     if len(eff.sync_after) != len(eff.desync_compute) or not eff.sync_after:
         return eff.sync_extra + 0.0 * np.asarray(segment, dtype=float)

@@ -122,7 +122,7 @@ _SETTING_HELP = {
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
     "init-from": "starting weights: a Hugging Face directory hf:DIR or a plait checkpoint",
     "optimizer-sync": "pipelines: update after one global grad-norm check, or each stage "
-    "at once, validated and rolled back on failure (docs/pipeline.md)",
+    "at once, validated and rolled back on failure (docs/pipeline_runtime.md)",
 }
 
 

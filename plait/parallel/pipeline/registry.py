@@ -4,7 +4,7 @@ Read by config validation (`plait/config/schema.py`), the partition (`partition.
 build (`build_pipeline`), `plait simulate` (`cli.py`), `plait train --schedule` and the
 planner (`plait/plan/`: bubble, search, memory, estimate, cli). A new schedule is one
 entry in `SCHEDULES` (its builder in `schedules.py`, its rules in `rules.py` if new ones
-are needed) plus its tests; docs/pipeline.md, "Adding a schedule".
+are needed) plus its tests; docs/pipeline_schedules.md, "Adding a schedule".
 
 The entry points (`build_schedule`, `validate_schedule_request`, `natural_virtual_stages`,
 `num_model_stages`, `closed_form_bubble`, `paper_bubble_time`) are here and not in

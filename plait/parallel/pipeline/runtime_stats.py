@@ -21,7 +21,7 @@ from plait.parallel.pipeline.runtime import Detail, Event
 # receive that has already arrived costs a wait() call too: 50-150 us with gloo at pp = 2
 # on this CPU (more when the rank is time-sliced), so a 20 us threshold took those for
 # waits and their latency, the time the input sat unused, for a transfer's (interleaved's
-# p2p read 61 ms against a true 1 ms; docs/performance.md). A real wait at pp = 2 there
+# p2p read 61 ms against a true 1 ms; docs/pipeline_runtime.md). A real wait at pp = 2 there
 # was 9-244 ms. One millisecond between the two; a shorter real wait is then a bound.
 _WAITED = 1e-3
 # step start, step end, compute events, their details, (start, end, CPU) of each post,
