@@ -27,12 +27,12 @@ PARITY_TOLERANCES = {
     "fp32-tp": {"loss_rtol": 5.8e-7, "norm_rtol": 5.4e-6, "grad_rtol": 3.8e-6,
                 "param_atol": 8e-5, "aux_rtol": 1.1e-7, "bias_atol": 0.0},
     # fp32 context parallel: attention's softmax merged block by block (ring) or over a
-    # permuted key order (all-gather), dK/dV summed over the cp ranks
-    "fp32-cp": {"loss_rtol": 6.5e-7, "norm_rtol": 4.3e-6, "grad_rtol": 3.8e-6,
-                "param_atol": 8e-5, "aux_rtol": 1.4e-7, "bias_atol": 0.0},
-    # fp32 tp or cp with grouped KV heads: a KV head's gradient summed over the query heads
-    # of several ranks; Adam's g/sqrt(v) turns a rounding difference in a rarely seen
-    # token's embedding row into up to ~lr of movement
+    # permuted key order (all-gather), dK/dV summed over its ranks
+    "fp32-context": {"loss_rtol": 6.5e-7, "norm_rtol": 4.3e-6, "grad_rtol": 3.8e-6,
+                     "param_atol": 8e-5, "aux_rtol": 1.4e-7, "bias_atol": 0.0},
+    # fp32 tensor or context parallel with grouped KV heads: a KV head's gradient summed
+    # over the query heads of several ranks; Adam's g/sqrt(v) turns a rounding difference
+    # in a rarely seen token's embedding row into up to ~lr of movement
     "fp32-gqa": {"loss_rtol": 5.4e-7, "norm_rtol": 3.5e-6, "grad_rtol": 3.1e-6,
                  "param_atol": 2.1e-4},
     # bf16 compute, fp32 masters and moments: element-wise parameter bounds mean nothing

@@ -92,7 +92,7 @@ def test_zigzag_balances_the_causal_work(cp):
 
 # ---- parity of the composed layouts with the single-process reference --------------------
 
-def _check(outs, *model_sets, precision="fp32-cp"):
+def _check(outs, *model_sets, precision="fp32-context"):
     """Every rank's loss and grad norm, every gradient and parameter (gathered: replicas
     and cp ranks agree exactly), with clipping active at every step."""
     assert_parity(merge_ranks(outs), reference(*model_sets), precision)

@@ -97,7 +97,7 @@ SGD_LAYOUTS = {
     "dp2-zero3": (("parallel.dp=2", "parallel.zero=3"), "fp32"),
     "dp2-tp2-sp": (("parallel.dp=2", "parallel.tp=2", "parallel.sp=true"), "fp32-tp"),
     "pp2": (("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4"), "fp32"),
-    "cp2": (("parallel.cp=2",), "fp32-cp"),
+    "cp2": (("parallel.cp=2",), "fp32-context"),
     "dp2-ep2": (("parallel.dp=2", "parallel.ep=2", *MOE), "fp32"),
 }
 

@@ -76,7 +76,7 @@ def precision_of(row: str) -> str:
     if lv["precision"] == "bf16":
         return "bf16-moe" if lv["ep"] != "dense" else "bf16"
     if lv["cp"] != "cp1":
-        return "fp32-cp"
+        return "fp32-context"
     return "fp32-tp" if lv["tp"] != "tp1" else "fp32"
 
 
@@ -172,7 +172,7 @@ def test_round_trip_continues_within_parity(src, dst):
     run = {"losses": head["losses"][:ROUND_TRIP_STEP] + resumed[0]["losses"],
            "grad_norms": head["grad_norms"][:ROUND_TRIP_STEP] + resumed[0]["grad_norms"],
            "params": merge_ranks(resumed)["params"]}
-    order = ["fp32", "fp32-tp", "fp32-cp", "bf16", "bf16-moe"]
+    order = ["fp32", "fp32-tp", "fp32-context", "bf16", "bf16-moe"]
     precision = max(precision_of(src), precision_of(dst), key=order.index)
     init = initial_params(*parse(src)["model"], f"train.steps={STEPS}")
     assert_parity(run, row_reference(src), precision, init=init)

@@ -192,7 +192,7 @@ def test_post_validation_with_zero1_tp_cp_bf16_and_pp4():
                   "fp32"),
         "tp": ([*base, "parallel.tp=2", "parallel.schedule=zb-h2"], "fp32-tp"),
         "cp bf16": ([*base, "parallel.cp=2", "train.precision=bf16",
-                     "parallel.schedule=zb-h1"], "fp32-cp"),
+                     "parallel.schedule=zb-h1"], "fp32-context"),
         "pp4": ([LAYERS, STEPS, "parallel.pp=4", "parallel.microbatches=4", clip,
                  "parallel.schedule=zb-h2"], "fp32"),
     }
