@@ -4,9 +4,9 @@ For a grid of layouts of one model on 8 ranks (every factorisation tp x pp x dp 
 cp <= 2, every schedule, ZeRO 0-3, every recompute mode, micro-batches of 1 and 2): the
 planner's `layout_problems` is empty exactly when the runtime's `validate` is. Both read
 `unbuilt_combinations` (ZeRO with pipelines) and the schedule registry's rules; the
-planner's search asks every rule a build does (`ScheduleSpec.planner_rules`). Convention:
-the planner's `sp` means sequence parallel wherever tp > 1 (the runtime's `parallel.sp`
-is refused at tp = 1), and plan evaluates the model's own shape.
+planner's search asks every rule a build does (`plait.plan.schedule_facts.planner_rules`).
+Convention: the planner's `sp` means sequence parallel wherever tp > 1 (the runtime's
+`parallel.sp` is refused at tp = 1), and plan evaluates the model's own shape.
 """
 
 import dataclasses

@@ -28,6 +28,7 @@ from plait.plan.compute import (
 )
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import dualpipe_copies
+from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
 from plait.plan.step_comm import (
     SYNC_TERM,
@@ -154,7 +155,7 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     terms = memory.param_terms(shape, tp, b.ep)
     dense_l, expert_l, emb, head = terms.layer, terms.expert, terms.embedding, terms.head
     dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
-    both_ends = schedule_spec(b.sched).head_on_first_rank
+    both_ends = facts(b.sched).head_on_first_rank
     # an MoE model's leading dense layers sit on the first stage (counted there only:
     # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
     nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0

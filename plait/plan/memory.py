@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape, activation_terms, per_rank_bytes, selective_terms
 
 Num = Any
@@ -138,7 +138,7 @@ def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recomp
 def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
     """Closed-form micro-batch x chunk activation sets alive at the peak on the first and
     on the last pipeline rank (used for ranking; shown numbers come from the simulator):
-    the registry entry's `peak_inflight`, with its citations.
+    the schedule's `peak_inflight` (plait/plan/schedule_facts.py), with its citations.
 
     1f1b: p on rank 0 (Narayanan et al. 2021); interleaved: p*v + p - 1 chunks of L/(pv)
     layers, i.e. the (1 + (p-1)/(pv)) penalty (Korthikanti et al. 2022, sec. 4.2.3 /
@@ -147,7 +147,7 @@ def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
     """
     p, m, v = (np.asarray(x, dtype=float) for x in (pp, m, v))
     one = np.ones_like(p * m)
-    first, last = schedule_spec(schedule).peak_inflight(p, m, v, np.minimum)
+    first, last = facts(schedule).peak_inflight(p, m, v, np.minimum)
     return first * one, last * one
 
 

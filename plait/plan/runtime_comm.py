@@ -42,6 +42,7 @@ from plait.plan import comm, memory
 from plait.plan.basis import Basis, Layout, Training
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
+from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
 
 
@@ -93,7 +94,7 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     rerun = 1.0 if recomputed and spec.split_backward else 0.0
     # the head (and the loss) sit on the last rank, or on rank 0 with the embedding (V
     # shapes), or everything on the one rank without a pipeline: the most loaded rank
-    embed = np.where((b.pp == 1) | spec.head_on_first_rank, 1.0, 0.0)
+    embed = np.where((b.pp == 1) | facts(b.sched).head_on_first_rank, 1.0, 0.0)
     emb_m, head_m = (embed * m, m) if ends is None else ends
     out: list[comm.Collective] = []
 

@@ -30,6 +30,7 @@ from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import Cluster
 from plait.plan.memory import RECOMPUTE
+from plait.plan.schedule_facts import planner_rules, search_schedules
 from plait.plan.shape import ATTENTION, Shape
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -92,7 +93,7 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
 
 
 def _schedule_hint(s: str, p: int, m: int, v: int, layers: int, stages: int) -> str:
-    needs = " and ".join(rule.brief for rule in SCHEDULES[s].planner_rules)
+    needs = " and ".join(rule.brief for rule in planner_rules(s))
     return (f"schedule {s} with pp={p}, {m} micro-batches, virtual stages {v} is not valid "
             f"({stages} stages for {layers} layers; {s} needs {needs}, and a layer per stage)")
 
@@ -102,18 +103,19 @@ def _schedule_ok(s: str, pp: np.ndarray, m: np.ndarray, v: int, layers: int) -> 
     registry rules as the search applies them, and a layer for every stage."""
     spec = SCHEDULES[s]
     ok = np.ones(np.shape(pp), dtype=bool)
-    for rule in spec.planner_rules:
+    for rule in planner_rules(s):
         ok = ok & rule.holds(pp, m, v)
     return ok & (spec.model_stages(pp, v) <= layers)
 
 
 def _schedule_variants() -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs the search scores, in the registry's search order;
+    """(schedule, virtual stages) pairs the search scores, in the planner's search order;
     a free stage count (interleaved) is tried at each of VIRTUAL_STAGES."""
     out = []
-    for spec in sorted(SCHEDULES.values(), key=lambda spec: spec.search_order):
+    for name in search_schedules():
+        spec = SCHEDULES[name]
         vs = VIRTUAL_STAGES if spec.free_virtual_stages else (spec.virtual_stages,)
-        out += [(spec.name, v) for v in vs]
+        out += [(name, v) for v in vs]
     return out
 
 

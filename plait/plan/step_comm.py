@@ -17,6 +17,7 @@ from plait.plan.basis import Basis, ChunkTimes, Layout, Training
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.runtime_comm import layer_visits, tp_collectives
+from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
 
 TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
@@ -107,7 +108,7 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     bw, al = comm.link(cluster.gpu, ep_intra, eff.link_efficiency)
     s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / b.moe_split
     t_a2a = comm.gather_like(s_a2a, ep, bw, al)
-    if schedule_spec(b.sched).pairs_forward_with_backward and np.all(pp > 1):
+    if facts(b.sched).pairs_forward_with_backward and np.all(pp > 1):
         ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
         ep_exp_b = np.maximum(2 * t_a2a - 2 * b.lt.forward, 0)
         how = "the other micro-batch's compute (DualPipe)"
@@ -131,7 +132,7 @@ def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
     spec, two = schedule_spec(sched), np.asarray(pp) == 2
     if spec.chains > 1:
         v = 1.0
-    elif spec.head_on_first_rank:  # V shape
+    elif facts(sched).head_on_first_rank:  # V shape
         return np.where(two, 2.0, 4.0)
     return 2.0 * v - np.where(two, 1.0, 0.0)
 
