@@ -39,8 +39,8 @@ from plait.ledger import control_bytes, data_bytes_by_dim
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.plan import estimate_config, rank_collectives
+from plait.plan.comm.rank import bytes_by_dim
 from plait.plan.eager import not_covered
-from plait.plan.rank_comm import bytes_by_dim
 from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import full_state, train
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from plait.plan.comm.rank import rank_collectives
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import GPU, Cluster
-from plait.plan.rank_comm import rank_collectives
 from plait.plan.search import search
 from plait.plan.shape import Shape, from_model_config
 

@@ -2,8 +2,8 @@
 `Layout` (one layout, or a batch of them as numpy arrays), `Basis` (the layout's sizes as
 float arrays, built by estimate.py's `_basis`) and `ChunkTimes` (the durations of one
 layer and one pipeline chunk). A module of their own so that estimate.py, which builds
-them, and step_comm.py / runtime_comm.py, which read them, import one place instead of
-each other.
+them, and the communication model (plait/plan/comm/), which reads them, import one place
+instead of each other.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Layout:
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022)
     cp_mode: str = "ring"  # "ring" (Liu et al. 2023) | "allgather" K/V (Llama 3)
     # plait's own train.recompute when the layout is a plait config; it decides which
-    # collectives the runtime replays (plait/plan/runtime_comm.py). None: `recompute`, but
+    # collectives the runtime replays (plait/plan/comm/layer.py). None: `recompute`, but
     # "none" for math's selective (only the attention core is redone, no collective)
     runtime_recompute: str | None = None
     attention: str = "flash"  # the kernel (shape.ATTENTION): what attention keeps, computes

@@ -14,8 +14,12 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, comm, host_share, memory
+from plait.plan import bubble, host_share, memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
+from plait.plan.comm import price
+from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.comm.sync import SYNC_TERM, sync_seconds
 from plait.plan.compute import (
     Efficiency,
     gemm_time,
@@ -27,18 +31,8 @@ from plait.plan.compute import (
     tp_floor_seconds,
 )
 from plait.plan.hardware import Cluster
-from plait.plan.runtime_comm import dualpipe_copies
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
-from plait.plan.step_comm import (
-    SYNC_TERM,
-    TP_COLLECTIVES_FWD,
-    LayerComm,
-    dp_exposed_time,
-    layer_comm,
-    pp_p2p,
-    sync_seconds,
-)
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
@@ -52,7 +46,7 @@ class Estimate:
     memory_total: Num
     peak_rank: Num  # "first" or "last" pipeline rank
     fits: Num
-    collectives: list[comm.Collective]
+    collectives: list[price.Collective]
     time: dict[str, Num]  # step-time breakdown, seconds
     step_time: Num
     tokens_per_s: Num
@@ -80,7 +74,7 @@ def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     cpr = _f(bubble.chunks_per_rank(sched, v))
     chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
     saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e, lay.attention)
-    strides = comm.order_strides(lay.order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, ep)
+    strides = price.order_strides(lay.order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, ep)
     return Basis(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),

@@ -7,8 +7,8 @@ the rank that holds the head and the loss holds fewer layers (llama3-8b at pp = 
 32 on the last stage), and the ends differ from the middle: only the first stage's rank
 runs the embedding, only the last's the head and the loss, an end rank sends one way.
 A dry run (plait/observe/dry_run.py) compares one rank's ledger with that rank's own
-collectives: the same formulas (plait/plan/step_comm.py, runtime_comm.py) fed what the
-rank holds in the runtime (`RankPart`).
+collectives: the same formulas (plait/plan/comm/layer.py, step.py) fed what the rank holds
+in the runtime (`RankPart`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import numpy as np
 
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import comm, memory
+from plait.plan import memory
+from plait.plan.comm import price
+from plait.plan.comm.layer import layer_comm
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
 from plait.plan.eager_sizes import rank_stages
 from plait.plan.estimate import _basis, _chunk_times
-from plait.plan.runtime_comm import dualpipe_copies
-from plait.plan.step_comm import dp_exposed_time, layer_comm, pp_p2p
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -76,7 +77,7 @@ def rank_params(shape: Shape, tp: float, ep: float, part: RankPart) -> tuple[flo
     return float(dense), float(expert)
 
 
-def rank_collectives(cfg: Config, pp_rank: int) -> list[comm.Collective]:
+def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
     """Pipeline rank `pp_rank`'s collectives per step (every tp, cp, dp rank of it issues
     the same; ep's all-to-alls at a balanced routing): `evaluate`'s list, for that rank."""
     from plait.plan import config_inputs
@@ -99,7 +100,7 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[comm.Collective]:
     return colls
 
 
-def bytes_by_dim(collectives: list[comm.Collective], ep: int) -> dict[str, float]:
+def bytes_by_dim(collectives: list[price.Collective], ep: int) -> dict[str, float]:
     """The planner's payload bytes per step per dim (size x count), named as
     plait.ledger.data_bytes_by_dim names the ledger's: with ep = 1 the routed experts'
     gradients sync with the rest (one group: the runtime's one bucketed sync); DualPipe's

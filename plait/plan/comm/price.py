@@ -87,7 +87,7 @@ class Collective:
     algorithm: str = "ring"
     # of `count`, the calls per step the issuing rank waits on at once (a synchronous call,
     # or an async one waited before any compute runs beside it): those pay a measured
-    # profile's collective sync (plait/plan/step_comm.py's sync_seconds). None: every call
+    # profile's collective sync (plait/plan/comm/sync.py's sync_seconds). None: every call
     blocking: Num = None
 
     @property

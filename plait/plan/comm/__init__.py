@@ -1,0 +1,46 @@
+"""The planner's communication model: every collective a layout's step issues, what one
+call costs and how much of it the compute hides.
+
+  price.py   one call's time (alpha-beta, Hockney: ring and tree all-reduce, all-gather,
+             reduce-scatter, all-to-all, p2p), the link a group uses (`intra_node`,
+             `order_strides`: the mesh order) and the `Collective` record every list holds
+  layer.py   the collectives inside a layer, per micro-batch (tensor, context and expert
+             parallel) and their exposed time
+  step.py    the collectives around the layers (the pipeline's sends, the gradient sync
+             over the replicas, the step's closing all-reduces) and their exposed time
+  sync.py    a measured profile's waits at blocking collectives (the GPU presets: none)
+  rank.py    one pipeline rank's list, from the runtime's own partition (a dry run's and
+             `plait report`'s comparison with the ledger)
+
+Which collective of which dimension is priced where (`Collective.dim` names the group;
+"edp": the ranks holding the same routed experts, "world": every rank):
+
+  dim    collective                                  priced in              step-time line
+  tp     2 all-reduces a layer forward, 2 backward,  layer.layer_comm       tp comm (exposed)
+         replayed under recompute (Megatron's count;
+         the runtime's list: layer.tp_collectives)
+  cp     ring: K/V p2p hops, cp-1 forward, 2(cp-1)   layer._cp_exposure     cp/ep comm (exposed)
+         backward, behind each block's attention;
+         allgather: K/V all-gather forward, dK/dV
+         reduce-scatter backward, exposed
+  ep     all-to-all dispatch + combine, forward and  layer._ep_exposure     cp/ep comm (exposed)
+         backward (DualPipe: behind the paired
+         micro-batch's compute)
+  pp     a send per stage boundary crossed, forward  step.pp_p2p            pipeline bubble + p2p
+         and backward                                                       (simulated)
+  pp     DualPipe's swap of its copies' gradients    step.dualpipe_copies   listed, not timed
+  dp     ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter  step.dp_exposed_time   dp comm (exposed)
+         + all-gather; ZeRO-3 all-gather forward and
+         backward + reduce-scatter: the dense
+         parameters' gradients over the replicas
+  edp    the same for the routed experts             step.dp_exposed_time   dp comm (exposed)
+  world  the grad norm's all-reduce (8 bytes)        step.step_end_         dp comm (exposed)
+                                                     collectives
+  pp, cp, the logged loss's all-reduces (8 bytes)    step.step_end_         dp comm (exposed)
+  dp                                                 collectives
+  any    the wait for the last rank, the extra       sync.sync_seconds      collective sync
+         after it (a measured profile)                                      (waits)
+
+The step-end all-reduces are priced under a measured profile only (`Efficiency.
+runtime_comm`), as is the runtime's tp list instead of Megatron's count.
+"""
