@@ -17,7 +17,7 @@ sys.path[:0] = [str(root), str(root / "tests")]
 from helpers import config, run_layout, token_file  # noqa: E402
 from test_predict_vs_measured import CATS, LAYOUTS, MEASURE  # noqa: E402
 
-from plait.plan.eager import eager_memory_by_rank  # noqa: E402
+from plait.plan.runtime_memory import eager_memory_by_rank  # noqa: E402
 from plait.train.data import TokenFile  # noqa: E402
 
 torch.set_num_threads(1)

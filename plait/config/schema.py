@@ -28,7 +28,7 @@ from plait.model.presets import PRESETS, ModelConfig
 FIRST_BUCKET_MB = 1.0
 # ZeRO's gradient reduce-scatters in flight during backward (plait/parallel/zero.py): each
 # more holds one more unit's flat gradient, its output and gloo's chunks (the eager memory
-# model, plan/eager_sizes.py). One: with 4 ranks on 2 cores a second in flight was slower
+# model, plan/runtime_memory_sizes.py). One: with 4 ranks on 2 cores a second in flight was slower
 # (zero_vs_torch.py --stages 1,3 A/B: ZeRO-1 / DDP 1.034 with two, 0.935 and
 # 0.948 with one; docs/performance.md); on a GPU, where the collective runs beside the
 # compute, two may pay (a setting to measure there)

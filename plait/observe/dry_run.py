@@ -201,8 +201,8 @@ def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
 
 def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
     """The eager model's peak for this pipeline rank, or why it has none."""
-    from plait.plan.eager import eager_memory_by_rank, not_covered
-    from plait.plan.eager_sizes import token_file_windows
+    from plait.plan.runtime_memory import eager_memory_by_rank, not_covered
+    from plait.plan.runtime_memory_sizes import token_file_windows
 
     why = not_covered(cfg)
     if why is not None:

@@ -30,9 +30,10 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
     """Predicted peak bytes per category on the most loaded rank for a plait Config.
 
     kernels="fused" (default, GPU planning): the search's model, below. kernels="eager":
-    what plait's own CPU runtime holds at its peak moment (plait/plan/eager.py, sizes in
-    plait/plan/eager_sizes.py); tests/test_predict_vs_measured.py compares it with the
-    runtime's MemoryTracker.
+    what plait's own CPU runtime holds at its peak moment (plait/plan/runtime_memory.py,
+    sizes in plait/plan/runtime_memory_sizes.py); tests/test_predict_vs_measured.py
+    compares it with the runtime's MemoryTracker, tests/test_plan_memory_agree.py its
+    model states with the fused model's.
     `data_windows` (eager only): windows of the token file, for the loader's permutation.
 
     Categories are the ledger's: parameters, gradients, optimizer states, activations
@@ -44,7 +45,7 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
     exceeds: compare a CPU run with kernels="eager".
     """
     if kernels == "eager":
-        from plait.plan.eager import eager_memory
+        from plait.plan.runtime_memory import eager_memory
 
         return eager_memory(cfg, data_windows)  # type: ignore[return-value]
     if kernels != "fused":

@@ -2,7 +2,7 @@
 
 On the CPU every rank of a machine holds its parameters, gradients and optimizer states
 in that machine's RAM. Their bytes come from the planner's model of plait's runtime
-(`plait.plan.eager_sizes.rank_sizes`: the same numbers `plait plan` and the dry run's
+(`plait.plan.runtime_memory_sizes.rank_sizes`: the same numbers `plait plan` and the dry run's
 prediction use, exact for plait's CPU runtime): a lower bound on what the run needs, since
 activations, the data and the interpreter come on top. A run whose model states alone
 exceed the memory the kernel reports available is refused with the numbers and what to
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from plait.config import Config
 from plait.device.host import mem_available_bytes
-from plait.plan.eager_sizes import rank_sizes
+from plait.plan.runtime_memory_sizes import rank_sizes
 
 GIB = 2**30
 

@@ -1,7 +1,13 @@
 """Memory per rank, by the ledger's categories: parameters, gradients, optimizer states,
-activations (+ logits), communication buffers.
+activations (+ logits), communication buffers: the closed-form model the search and
+`plait plan` use (`predict_memory(cfg)`, kernels="fused").
 
-All functions take numpy arrays or scalars for the numeric layout sizes.
+All functions take numpy arrays or scalars for the numeric layout sizes: the search scores
+every layout at once, for a GPU stack (fused kernels, flash attention). plait's own eager
+CPU runtime keeps temporaries no fused kernel does, so a second model walks its schedule
+moment by moment (plait/plan/runtime_memory.py, kernels="eager"); where both describe the
+same bytes, the model states at the step's end, they agree
+(tests/test_plan_memory_agree.py).
 
 Model states (Rajbhandari et al. 2020, "ZeRO", section 5): with Psi parameters, 2 bytes of
 fp16/bf16 parameters, 2 of gradients and K = 12 of Adam state (fp32 master copy, momentum,

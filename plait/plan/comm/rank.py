@@ -24,8 +24,8 @@ from plait.plan import memory
 from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
-from plait.plan.eager_sizes import rank_stages
 from plait.plan.estimate import _basis, _chunk_times
+from plait.plan.runtime_memory_sizes import rank_stages
 
 if TYPE_CHECKING:
     from plait.config import Config

@@ -1,10 +1,16 @@
-"""Memory of plait's own CPU runtime through one training step: `kernels="eager"`.
+"""Memory of plait's own (eager, CPU) runtime through one training step, moment by moment:
+`predict_memory(cfg, kernels="eager")`.
 
-The default planner (`kernels="fused"`) sums per-category maxima for a GPU stack (fused
-RMSNorm/SwiGLU, flash attention, NCCL). This model instead follows what plait's eager CPU
-runtime keeps alive, moment by moment, and returns the categories *at the peak moment* of
-the most loaded rank: the quantity the runtime's `MemoryTracker` measures (peak of live
-tensor bytes, classified params / grads / optimizer / comm / activations).
+The planner has two memory models, and needs both. plait/plan/memory.py is closed-form and
+vectorised: it scores the search's ~10^5 layouts at once, for a GPU stack (fused
+RMSNorm/SwiGLU, flash attention, NCCL), as per-category maxima on the most loaded rank.
+This one walks one configuration's schedule action by action, for plait's eager runtime
+whose temporaries (fp32 norm inputs, unfused SwiGLU buffers, gloo's chunks, bucket copies)
+no fused kernel keeps, and returns the categories *at the peak moment* of the most loaded
+rank: the quantity the runtime's `MemoryTracker` measures (peak of live tensor bytes,
+classified params / grads / optimizer / comm / activations); tests hold it to the tracker
+within 5 %. Where both describe the same bytes, the model states at the step's end, they
+agree (tests/test_plan_memory_agree.py).
 
 Moments considered, per pipeline rank, walking the rank's action list of the schedule
 (`build_schedule`; pp = 1 is the one-stage F, B per micro-batch case):
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.plan.activations import FP32
-from plait.plan.eager_sizes import (
+from plait.plan.runtime_memory_sizes import (
     CATEGORIES,
     Moment,
     RankSizes,
