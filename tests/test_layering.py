@@ -246,7 +246,6 @@ def import_cycles(imports) -> set[frozenset[str]]:
 # modules that import each other inside functions only (no cycle at import time, but two
 # modules a reader has to take in together): a ratchet, each may go, none may be added
 KNOWN_LAZY_CYCLES = {
-    frozenset({"plait.plan", "plait.plan.comm.rank"}),
     frozenset({"plait.observe.html", "plait.observe.report", "plait.observe.visuals"}),
 }
 

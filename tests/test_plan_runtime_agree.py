@@ -17,8 +17,8 @@ import pytest
 from helpers import config
 
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, natural_virtual_stages
-from plait.plan import _HOST
 from plait.plan.estimate import Layout, Training
+from plait.plan.from_config import PLACEHOLDER_GPU
 from plait.plan.hardware import Cluster
 from plait.plan.search import layout_problems, search
 from plait.plan.shape import from_model_config
@@ -50,8 +50,8 @@ def _plan_problems(tp, pp, dp, cp, schedule, zero, rec, mbs):
     shape = from_model_config(BASE.model, BASE.train.seq_len)
     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, schedule=schedule,
                  v=natural_virtual_stages(schedule, None), zero=zero, recompute=rec, sp=True)
-    return layout_problems(shape, Cluster(_HOST, WORLD), Training(BASE.train.global_batch),
-                           lay)
+    return layout_problems(shape, Cluster(PLACEHOLDER_GPU, WORLD),
+                           Training(BASE.train.global_batch), lay)
 
 
 def test_plan_valid_equals_runtime_valid():

@@ -213,10 +213,9 @@ def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
 def _predicted_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
     """The planner's payload bytes per step by mesh dim for this pipeline rank: its own
     collectives, from the runtime's partition (plait/plan/comm/rank.py)."""
-    from plait.plan import rank_collectives
-    from plait.plan.comm.rank import bytes_by_dim
+    from plait.plan.comm.rank import rank_bytes_by_dim
 
-    return bytes_by_dim(rank_collectives(cfg, pp_rank), cfg.parallel.ep)
+    return rank_bytes_by_dim(cfg, pp_rank)
 
 
 # measured category -> the planner's categories it stands beside

@@ -43,4 +43,18 @@ Which collective of which dimension is priced where (`Collective.dim` names the 
 
 The step-end all-reduces are priced under a measured profile only (`Efficiency.
 runtime_comm`), as is the runtime's tp list instead of Megatron's count.
+
+The step-time lines of the collectives' exposed time (`EXPOSED_TERMS`) and the dimensions
+whose collectives run inside every layer (`PER_LAYER_DIMS`) are named here, for the step
+time (plait/plan/estimate.py) and the shared-cores model (plait/plan/host_share.py). This
+package imports nothing at import time: its modules import the planner's types.
 """
+
+EXCHANGE_TERM = "cp/ep comm (exposed)"  # layer.py: the K/V exchange and the all-to-alls
+# each step-time line of exposed communication and the dimensions whose collectives it is
+EXPOSED_TERMS: dict[str, tuple[str, ...]] = {"tp comm (exposed)": ("tp",),
+                                             EXCHANGE_TERM: ("cp", "ep"),
+                                             "dp comm (exposed)": ("dp",)}
+# dimensions with collectives inside every layer (layer.py): ranks that share one group of
+# them wait for each other at every layer
+PER_LAYER_DIMS = ("tp", "cp", "ep")

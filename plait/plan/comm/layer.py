@@ -57,10 +57,16 @@ class LayerComm:
     colls: list[price.Collective]
     t_ar: Num  # one tp all-reduce (or all-gather + reduce-scatter pair)
     tp_count: Num  # tp collectives per step on one rank
-    cp_exp_f: Num
-    cp_exp_b: Num
-    ep_exp_f: Num
-    ep_exp_b: Num
+    # exposed seconds per layer, forward and backward, of the split sequence's K/V
+    # exchange (cp) and of the routed experts' all-to-alls (ep)
+    seq_exp_f: Num
+    seq_exp_b: Num
+    expert_exp_f: Num
+    expert_exp_b: Num
+
+    def exchange_exposed(self) -> Num:
+        """Both exchanges' exposed seconds per layer and micro-batch (`EXCHANGE_TERM`)."""
+        return self.seq_exp_f + self.seq_exp_b + self.expert_exp_f + self.expert_exp_b
 
 
 def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
@@ -218,7 +224,7 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
         add("all-reduce (SP norm gains' grads)", g, 2 * visits + head_m,
             price.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
         if shape.moe:  # one call per MoE weight; size: all of a layer's on this rank
-            g = (shape.dense_mlp_params() + shape.expert_params() / b.ep) * b.e
+            g = (shape.dense_mlp_params() + shape.expert_params() / b.expert_split) * b.e
             add("all-reduce (SP MoE weights' grads)", g, visits,
                 price.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
     else:

@@ -18,9 +18,12 @@ Counts per step on the most loaded rank (s = one micro-batch's activation on a r
 
 from __future__ import annotations
 
+from functools import reduce
+
 import numpy as np
 
 from plait.config import FIRST_BUCKET_MB, ParallelConfig
+from plait.dims import DIMENSIONS, LOSS_SUMMED, REPLICA_AXES
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
@@ -67,14 +70,16 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
 
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
-                    over_ep: bool = False) -> Num:
+                    experts: bool = False) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
-    over dp x cp, or over its edp part when `over_ep`: routed experts); appends the
-    collectives (dim "dp" or "edp")."""
+    over the replicas, or with `experts` routed experts', over the replicas that hold the
+    same experts, "edp"); appends the collectives (dim "dp" or "edp")."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     m = b.m
-    # the gradients are reduced over dp x cp: inside a node when both dims' groups are
-    span = np.maximum(np.where(b.dp > 1, b.span("dp"), 1), np.where(b.cp > 1, b.span("cp"), 1))
+    # the gradients are reduced over the replicas: inside a node when every replica
+    # axis's groups are
+    span = reduce(np.maximum, [np.where(b.sizes[name] > 1, b.span(name), 1)
+                               for name in REPLICA_AXES])
     dp_intra = span <= cluster.gpus_per_node
     bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
@@ -82,7 +87,7 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     # the machine overlaps the two (a measured profile's; all of it on a GPU)
     f_mb = b.cpr * ct.f_c * eff.comm_overlap
     b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
-    n = b.dp * b.cp / (b.ep if over_ep else 1.0)
+    n = b.replicas / (b.expert_split if experts else 1.0)
     # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
     # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES; a
     # pipeline stage is one unit) under a measured profile; one collective of all the
@@ -132,13 +137,13 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         dp_exposed = dp_exposed + exp
         if np.any(n > 1):
             per_unit = op != "all-reduce (grads)"  # ZeRO's: `units` calls of size / units
-            colls.append(price.Collective("edp" if over_ep else "dp", op,
+            colls.append(price.Collective("edp" if experts else "dp", op,
                                          size / units if per_unit else size,
                                          np.asarray(count, dtype=float)
                                          * (units if per_unit else 1.0), n, dp_intra,
                                          t_each / units if per_unit else t_each, exp, how,
                                          blocking=np.asarray(blocking, dtype=float)))
-    if eff.runtime_comm and not over_ep:
+    if eff.runtime_comm and not experts:
         dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
     return dp_exposed
 
@@ -162,20 +167,23 @@ def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basi
                          colls: list[price.Collective]) -> Num:
     """Exposed seconds of the runtime's all-reduces after the micro-batches (counted in
     "dp comm (exposed)"): the grad norm's partial sums over the world when any parameter
-    is sharded (ZeRO, tp, pp, ep: plait/parallel/replicated.py) and the logged loss over
-    pp, cp and dp (plait/train/loop.py); latency-bound, on the critical path. Where dp is
+    is sharded (ZeRO, or a dimension whose ranks hold different parameters:
+    plait/parallel/replicated.py) and the logged loss over the dimensions that sum it, in
+    their order (plait/train/loop.py); latency-bound, on the critical path. Where dp is
     the whole mesh and the norm has an all-reduce, the logged loss rides in it (one call of
     two float64s: GradSyncOptimizer.grad_norm's `summed_with`)."""
-    world = b.tp * b.pp * b.dp * b.cp
-    sharded = (lay.zero >= 1) | (b.tp > 1) | (b.pp > 1) | (b.ep > 1)
+    world = b.world
+    sharded = lay.zero >= 1
+    for d in DIMENSIONS:
+        if not d.replicates_params:
+            sharded = sharded | (b.sizes[d.name] > 1)
     folded = sharded & (world == b.dp) & (world > 1)
     total = 0.0
-    for dim, n, what, size in (
-            ("world", np.where(sharded, world, 1.0), "grad norm",
-             np.where(folded, 2 * STEP_END_BYTES, STEP_END_BYTES)),
-            ("pp", b.pp, "logged loss", STEP_END_BYTES),
-            ("cp", b.cp, "logged loss", STEP_END_BYTES),
-            ("dp", np.where(folded, 1.0, b.dp), "logged loss", STEP_END_BYTES)):
+    calls = [("world", np.where(sharded, world, 1.0), "grad norm",
+              np.where(folded, 2 * STEP_END_BYTES, STEP_END_BYTES))]
+    calls += [(name, np.where(folded, 1.0, b.dp) if name == "dp" else b.sizes[name],
+               "logged loss", STEP_END_BYTES) for name in LOSS_SUMMED]
+    for dim, n, what, size in calls:
         span = world if dim == "world" else b.span(dim)
         intra = span <= cluster.gpus_per_node
         bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
