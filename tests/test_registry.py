@@ -64,7 +64,7 @@ def test_clis_offer_exactly_the_registry():
 
 
 def test_planner_searches_and_accepts_exactly_the_registry():
-    variants = search._schedule_variants()
+    variants = search.schedule_variants()
     assert {name for name, _ in variants} == set(SCHEDULE_NAMES)
     for name, v in variants:
         assert v == schedule_spec(name).virtual_stages or schedule_spec(name).free_virtual_stages

@@ -109,7 +109,7 @@ def _schedule_ok(s: str, pp: np.ndarray, m: np.ndarray, v: int, layers: int) -> 
     return ok & (spec.model_stages(pp, v) <= layers)
 
 
-def _schedule_variants() -> list[tuple[str, int]]:
+def schedule_variants() -> list[tuple[str, int]]:
     """(schedule, virtual stages) pairs the search scores, in the planner's search order;
     a free stage count (interleaved) is tried at each of VIRTUAL_STAGES."""
     out = []
@@ -191,7 +191,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     scored: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict]] = []
     considered = 0
     orders = search_orders(shape, cluster)
-    for sched, v in [("none", 1)] + _schedule_variants():
+    for sched, v in [("none", 1)] + schedule_variants():
         mask = (c["pp"] == 1) if sched == "none" else (c["pp"] > 1) & _schedule_ok(
             sched, c["pp"], m, v, shape.layers)
         if not mask.any():

@@ -15,31 +15,34 @@ call costs and how much of it the compute hides.
 Which collective of which dimension is priced where (`Collective.dim` names the group;
 "edp": the ranks holding the same routed experts, "world": every rank):
 
-  dim    collective                                  priced in              step-time line
-  tp     2 all-reduces a layer forward, 2 backward,  layer.layer_comm       tp comm (exposed)
-         replayed under recompute (Megatron's count;
-         the runtime's list: layer.tp_collectives)
-  cp     ring: K/V p2p hops, cp-1 forward, 2(cp-1)   layer._cp_exposure     cp/ep comm (exposed)
-         backward, behind each block's attention;
-         allgather: K/V all-gather forward, dK/dV
-         reduce-scatter backward, exposed
-  ep     all-to-all dispatch + combine, forward and  layer._ep_exposure     cp/ep comm (exposed)
-         backward (DualPipe: behind the paired
-         micro-batch's compute)
-  pp     a send per stage boundary crossed, forward  step.pp_p2p            pipeline bubble + p2p
-         and backward                                                       (simulated)
-  pp     DualPipe's swap of its copies' gradients    step.dualpipe_copies   listed, not timed
-  dp     ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter  step.dp_exposed_time   dp comm (exposed)
-         + all-gather; ZeRO-3 all-gather forward and
-         backward + reduce-scatter: the dense
-         parameters' gradients over the replicas
-  edp    the same for the routed experts             step.dp_exposed_time   dp comm (exposed)
-  world  the grad norm's all-reduce (8 bytes)        step.step_end_         dp comm (exposed)
-                                                     collectives
-  pp, cp, the logged loss's all-reduces (8 bytes)    step.step_end_         dp comm (exposed)
-  dp                                                 collectives
-  any    the wait for the last rank, the extra       sync.sync_seconds      collective sync
-         after it (a measured profile)                                      (waits)
+  dim    collective                             priced in (module.function)  step-time line
+  tp     2 all-reduces a layer forward, 2       layer.layer_comm             tp comm
+         backward, replayed under recompute                                  (exposed)
+         (Megatron's count; the runtime's list:
+         layer.tp_collectives)
+  cp     ring: K/V p2p hops, cp-1 forward,      layer._cp_exposure           cp/ep comm
+         2(cp-1) backward, behind each block's                               (exposed)
+         attention; allgather: K/V all-gather
+         forward, dK/dV reduce-scatter
+         backward, exposed
+  ep     all-to-all dispatch + combine, forward layer._ep_exposure           cp/ep comm
+         and backward (DualPipe: behind the                                  (exposed)
+         paired micro-batch's compute)
+  pp     a send per stage boundary crossed,     step.pp_p2p                  pipeline bubble
+         forward and backward                                                + p2p (simulated)
+  pp     DualPipe's swap of its copies'         step.dualpipe_copies         listed, not timed
+         gradients
+  dp     ZeRO-0 all-reduce; ZeRO-1/2 reduce-    step.dp_exposed_time         dp comm
+         scatter + all-gather; ZeRO-3 all-                                   (exposed)
+         gather forward and backward + reduce-
+         scatter: the dense parameters'
+         gradients over the replicas
+  edp    the same for the routed experts        step.dp_exposed_time         dp comm (exp.)
+  world  the grad norm's all-reduce (8 bytes)   step.step_end_collectives    dp comm (exp.)
+  pp,    the logged loss's all-reduces (8       step.step_end_collectives    dp comm (exp.)
+  cp, dp bytes each)
+  any    the wait for the last rank, the extra  sync.sync_seconds            collective sync
+         after it (a measured profile)                                       (waits)
 
 The step-end all-reduces are priced under a measured profile only (`Efficiency.
 runtime_comm`), as is the runtime's tp list instead of Megatron's count.
