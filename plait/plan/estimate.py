@@ -57,7 +57,8 @@ class Estimate:
 
 
 def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
-                 lc: LayerComm) -> ChunkTimes:
+                lc: LayerComm) -> ChunkTimes:
+    """One layer's F, I, W with its exposed collectives, the head's, and one chunk's."""
     lt, gpu = b.lt, cluster.gpu
     f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.seq_exp_f + lc.expert_exp_f
     i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
@@ -73,7 +74,7 @@ def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b:
         + eff.op_seconds * eff.outside_ops + tp_out  # embedding, norm, head, loss: ops
     n = b.chunk_layers
     return ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
-                       n * i_layer, n * w_layer, policy, tp_cpu)
+                      n * i_layer, n * w_layer, policy, tp_cpu)
 
 
 def _pipeline_time(shape: Shape, b: Basis, ct: ChunkTimes, t_pp: Num, simulate: bool,

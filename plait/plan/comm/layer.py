@@ -70,7 +70,7 @@ class LayerComm:
 
 
 def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
-                b: Basis, ends: tuple[Num, Num] | None = None) -> LayerComm:
+               b: Basis, ends: tuple[Num, Num] | None = None) -> LayerComm:
     """`ends`: tp_collectives' (one pipeline rank's embedding and head micro-batches)."""
     colls: list[price.Collective] = []
     gpu, gpn = cluster.gpu, cluster.gpus_per_node
