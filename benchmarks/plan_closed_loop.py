@@ -40,8 +40,8 @@ sys.path[:0] = [str(root), str(root / "tests")]
 import results  # noqa: E402
 from helpers import token_file  # noqa: E402
 
+from plait.plan.comm.sync import SYNC_TERM  # noqa: E402
 from plait.plan.host_share import HIDDEN_TERM  # noqa: E402
-from plait.plan.step_comm import SYNC_TERM  # noqa: E402
 
 # the model: `tiny` with these fields replaced (vocabulary 256: the test token file's).
 # The default's steps are ~50-150 ms on one core of a 2-core machine: long enough that

@@ -22,7 +22,7 @@ from helpers import MEMORY_CATS as CATS  # noqa: E402
 from helpers import config, run_layout, token_file  # noqa: E402
 from test_predict_vs_measured import LAYOUTS, MEASURE  # noqa: E402
 
-from plait.plan.eager import eager_memory_by_rank  # noqa: E402
+from plait.plan.runtime_memory import eager_memory_by_rank  # noqa: E402
 from plait.train.data import TokenFile  # noqa: E402
 
 HEADER = ("layout", "rank", "peak moment", "total", *CATS)

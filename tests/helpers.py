@@ -140,7 +140,7 @@ def cli_pipeline_run(d: Path) -> dict:
     return {"dir": d, "metrics": lines[:-1], "summary": lines[-1], "path": d / "m.jsonl"}
 
 
-# ---- measured memory against the planner's eager model (plait.plan.eager) ---------------
+# ---- measured memory against the planner's eager model (plait.plan.runtime_memory) ---------------
 # tracker category -> planner categories
 MEMORY_CATS = {"params": ("parameters",), "grads": ("gradients",),
                "optimizer": ("optimizer states",), "comm": ("communication buffers",),
@@ -172,7 +172,7 @@ def data_windows(cfg: Config) -> int:
 def assert_ranks_memory_match(outs: list[dict], cfg: Config, where: str) -> None:
     """Every rank's measured peak (`train.memory_step=1`) against the eager model of its
     pipeline rank (mesh order tp, cp, pp, dp: innermost first)."""
-    from plait.plan.eager import eager_memory_by_rank
+    from plait.plan.runtime_memory import eager_memory_by_rank
 
     by_pp = eager_memory_by_rank(cfg, data_windows(cfg))
     stride = cfg.parallel.tp * cfg.parallel.cp

@@ -20,7 +20,7 @@ import test_matrix as T  # noqa: E402
 from helpers import config, initial_params  # noqa: E402
 from matrix import FACTORS, ROWS, STEPS, coverable_pairs, parse, validity  # noqa: E402
 
-from plait.plan.eager import not_covered  # noqa: E402
+from plait.plan.runtime_memory import not_covered  # noqa: E402
 from plait.testing import merge_ranks, parity_errors  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "parity.md"

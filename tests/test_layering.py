@@ -254,7 +254,6 @@ def import_cycles(imports) -> set[frozenset[str]]:
 # modules that import each other inside functions only (no cycle at import time, but two
 # modules a reader has to take in together): a ratchet, each may go, none may be added
 KNOWN_LAZY_CYCLES = {
-    frozenset({"plait.plan", "plait.plan.rank_comm"}),
     frozenset({"plait.observe.html", "plait.observe.report", "plait.observe.visuals"}),
 }
 

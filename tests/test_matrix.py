@@ -39,8 +39,8 @@ from plait.ledger import control_bytes, data_bytes_by_dim
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.plan import estimate_config, rank_collectives
-from plait.plan.eager import not_covered
-from plait.plan.rank_comm import bytes_by_dim
+from plait.plan.comm.rank import bytes_by_dim
+from plait.plan.runtime_memory import not_covered
 from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import full_state, train
 
@@ -154,7 +154,7 @@ def test_row_equals_the_single_process_run(row):
 def test_row_memory_equals_the_eager_model(row):
     """Peak live bytes per rank and by category at the peak within 5 % of the planner's
     eager model (tests/helpers.py, assert_ranks_memory_match); the rows it does not cover
-    are in docs/parity.md with its reason (plait.plan.eager.not_covered)."""
+    are in docs/parity.md with its reason (plait.plan.runtime_memory.not_covered)."""
     assert_ranks_memory_match(row_run(row), config(*row_sets(row)), row)
 
 

@@ -160,7 +160,7 @@ def test_measured_collective_cpu_is_work_and_the_rest_a_wait():
 
 
 def test_node_ranks_in_step_only_as_one_group_of_a_per_layer_dimension():
-    from plait.plan.comm import Collective
+    from plait.plan.comm.price import Collective
 
     def coll(dim: str, group: int, intra: bool) -> Collective:
         return Collective(dim, "all-gather", 1.0, 2.0, group, intra, 0.0, 0.0, "")

@@ -325,8 +325,8 @@ def test_sync_fit_and_the_wait_for_the_last_rank():
     assert fit_sync(None, link) == fit_sync(raw, None) == {
         "sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
         "sync_per_byte": 0.0}
+    from plait.plan.comm.sync import desync_wait
     from plait.plan.compute import Efficiency
-    from plait.plan.step_comm import desync_wait
 
     eff = Efficiency(1.0, 1.0, 1.0, 0.0, desync_compute=got["desync_compute"],
                      desync_wait=got["desync_wait"])
@@ -359,7 +359,7 @@ def test_sync_priced_for_blocking_calls_by_segment(tmp_path):
     (sync_after) and the wait, both power laws in L = C/K,
     and the extra's growth per byte up to the largest call measured (128 KiB in a profile
     without `sync_bytes_measured`), held there beyond it."""
-    from plait.plan.step_comm import SYNC_TERM
+    from plait.plan.comm.sync import SYNC_TERM
 
     path, prof = tmp_path / "p.json", _profile()
     prof["fit"]["sync"] = {"sync_extra": 1.5e-3, "desync_compute": [1e-3, 4e-3],
@@ -391,7 +391,7 @@ def test_sync_priced_per_collective_call(tmp_path):
     """Under a profile with sync numbers, every call over a group > 1 (not the pipeline's
     sends) pays sync_extra plus the wait for the last rank after compute / calls; the
     step grows by exactly that line. Without them (the presets) there is no such line."""
-    from plait.plan.step_comm import SYNC_TERM
+    from plait.plan.comm.sync import SYNC_TERM
 
     path, prof = tmp_path / "p.json", _profile()
     base = _plan_json(path, prof, "--gpus", "2", "--layout", "tp=2", "--zero", "0")

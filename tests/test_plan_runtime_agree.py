@@ -4,9 +4,9 @@ For a grid of layouts of one model on 8 ranks (every factorisation tp x pp x dp 
 cp <= 2, every schedule, ZeRO 0-3, every recompute mode, micro-batches of 1 and 2): the
 planner's `layout_problems` is empty exactly when the runtime's `validate` is. Both read
 `unbuilt_combinations` (ZeRO with pipelines) and the schedule registry's rules; the
-planner's search asks every rule a build does (`ScheduleSpec.planner_rules`). Convention:
-the planner's `sp` means sequence parallel wherever tp > 1 (the runtime's `parallel.sp`
-is refused at tp = 1), and plan evaluates the model's own shape.
+planner's search asks every rule a build does (`plait.plan.schedule_facts.planner_rules`).
+Convention: the planner's `sp` means sequence parallel wherever tp > 1 (the runtime's
+`parallel.sp` is refused at tp = 1), and plan evaluates the model's own shape.
 """
 
 import dataclasses
@@ -17,8 +17,8 @@ import pytest
 from helpers import config
 
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, natural_virtual_stages
-from plait.plan import _HOST
 from plait.plan.estimate import Layout, Training
+from plait.plan.from_config import PLACEHOLDER_GPU
 from plait.plan.hardware import Cluster
 from plait.plan.search import layout_problems, search
 from plait.plan.shape import from_model_config
@@ -50,8 +50,8 @@ def _plan_problems(tp, pp, dp, cp, schedule, zero, rec, mbs):
     shape = from_model_config(BASE.model, BASE.train.seq_len)
     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, schedule=schedule,
                  v=natural_virtual_stages(schedule, None), zero=zero, recompute=rec, sp=True)
-    return layout_problems(shape, Cluster(_HOST, WORLD), Training(BASE.train.global_batch),
-                           lay)
+    return layout_problems(shape, Cluster(PLACEHOLDER_GPU, WORLD),
+                           Training(BASE.train.global_batch), lay)
 
 
 def test_plan_valid_equals_runtime_valid():

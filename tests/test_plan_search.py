@@ -2,8 +2,9 @@
 
 import pytest
 
-from plait.plan import bubble, comm
+from plait.plan import bubble
 from plait.plan.calibration import EFFICIENCY
+from plait.plan.comm import price
 from plait.plan.estimate import Layout, Training, evaluate
 from plait.plan.hardware import Cluster, get_gpu
 from plait.plan.search import PlanError, layout_problems, numeric_candidates, search
@@ -84,13 +85,13 @@ def test_layout_problems_name_the_fix():
 
 def test_ring_all_reduce_and_tree():
     # 1 GB over 8 ranks at 100 GB/s, no latency: 2 * 7/8 * 10 ms
-    t, tree = comm.all_reduce(1e9, 8, 100e9, 0.0)
+    t, tree = price.all_reduce(1e9, 8, 100e9, 0.0)
     assert float(t) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9) and not bool(tree)
     # a tiny message over many ranks: tree (log n latency) beats ring (n latency)
-    t, tree = comm.all_reduce(1e3, 1024, 100e9, 10e-6)
+    t, tree = price.all_reduce(1e3, 1024, 100e9, 10e-6)
     assert bool(tree) and float(t) < 2 * 1023 * 10e-6
-    assert float(comm.gather_like(1e9, 4, 100e9, 0.0)) == pytest.approx(3 / 4 * 1e-2)
-    assert bool(comm.intra_node(1, 8, 8)) and not bool(comm.intra_node(8, 2, 8))
+    assert float(price.gather_like(1e9, 4, 100e9, 0.0)) == pytest.approx(3 / 4 * 1e-2)
+    assert bool(price.intra_node(1, 8, 8)) and not bool(price.intra_node(8, 2, 8))
 
 
 def test_closed_form_matches_simulator_for_1f1b():

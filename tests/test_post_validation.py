@@ -36,7 +36,7 @@ from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.partition import build_pipeline
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
 from plait.parallel.pipeline.runtime import PipelineRuntime
-from plait.plan.eager import eager_memory_by_rank
+from plait.plan.runtime_memory import eager_memory_by_rank
 from plait.testing import assert_parity, merge_ranks
 from plait.train import loop
 from plait.train.reference import Reference

@@ -1,4 +1,4 @@
-"""One pipeline rank's collectives (plait/plan/rank_comm.py): what `rank_part` reads from
+"""One pipeline rank's collectives (plait/plan/comm/rank.py): what `rank_part` reads from
 the runtime's partition and schedule, summed over the ranks, is the whole model and every
 boundary once; the bytes it prices are each rank's own (tests/test_matrix.py and
 tests/test_dry_run.py compare them with the ledgers of real and dry runs)."""
@@ -8,7 +8,7 @@ from helpers import config
 
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, natural_virtual_stages
 from plait.plan import estimate_config, rank_collectives
-from plait.plan.rank_comm import bytes_by_dim, rank_part
+from plait.plan.comm.rank import bytes_by_dim, rank_part
 
 M = 8  # dualpipev at pp = 4 needs 2 pp - 1
 

@@ -23,7 +23,8 @@ from plait.model.presets import PRESETS, ModelConfig
 # pure Python, no torch: the schedule layer sits below config (tests/test_layering.py)
 
 # bucketed DP's first bucket cap in MB (torch DDP's 1 MiB first bucket): its all-reduce
-# starts early in backward (plait/parallel/data.py; the planner's last bucket, step_comm.py)
+# starts early in backward (plait/parallel/data.py; the planner's last bucket,
+# plait/plan/comm/step.py)
 FIRST_BUCKET_MB = 1.0
 # ZeRO's gradient reduce-scatters in flight during backward (plait/parallel/zero.py): each
 # more holds one more unit's flat gradient, its output and gloo's chunks (the eager memory

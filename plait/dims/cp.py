@@ -6,10 +6,11 @@ gradients are summed over cp with dp's."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension, Setting
+from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting
 
 MODES = ("ring", "allgather")
 LAYOUTS = ("zigzag", "contiguous")
+PLAN_MAX = 32  # the planner's search tries powers of two up to this
 
 
 def chunks(cp: int, layout: str) -> int:
@@ -37,6 +38,22 @@ def problems(cfg: Config) -> list[str]:
     return [problem for broken, problem in checks if broken]
 
 
+def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
+    """The planner's cp: powers of two up to PLAN_MAX that cut the sequence into the
+    zigzag layout's chunks (causal load balancing)."""
+    return [c for c in sizes if c == 1 or not (shape.seq % chunks(c, "zigzag")
+                                              or c & (c - 1) or c > PLAN_MAX)]
+
+
+def plan_problems(lay: Planned, shape: ModelShape) -> list[str]:
+    """A planned cp against the sequence it cuts into zigzag chunks."""
+    cp = lay.sizes["cp"]
+    if cp > 1 and shape.seq % chunks(cp, "zigzag"):
+        return [f"cp={cp}: the sequence {shape.seq} must split into 2*cp chunks (causal load "
+                "balancing)"]
+    return []
+
+
 DIMENSION = Dimension(
     name="cp", title="context parallel", strategy="plait.parallel.context",
     splits="sequence", replicates_params=True, sums_loss=True, checkpoint="copies",
@@ -45,4 +62,5 @@ DIMENSION = Dimension(
               Setting("cp_layout", LAYOUTS, "context parallel: load-balanced zigzag chunks "
                       "(parallel.cp_layout, default zigzag) or contiguous slices")),
     color="#17becf", help="context-parallel size", problems=problems,
+    plan_sizes=plan_sizes, plan_problems=plan_problems,
 )

@@ -7,7 +7,7 @@ whose gradients are summed)."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension, Setting
+from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting
 from plait.parallel.pipeline.registry import SCHEDULES
 
 DISPATCHES = ("assignment", "token")
@@ -54,6 +54,22 @@ def problems(cfg: Config) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
+def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
+    """The planner's ep, of the divisors of the replicas: those dividing the experts (1
+    for a dense model)."""
+    return [e for e in sizes if shape.experts % e == 0] if shape.moe else [1]
+
+
+def plan_problems(lay: Planned, shape: ModelShape) -> list[str]:
+    """A planned ep against the experts and the replicas it is laid over."""
+    ep, replicas = lay.sizes["ep"], lay.replicas
+    if shape.moe and (shape.experts % ep or replicas % ep):
+        return [f"ep={ep} must divide the {shape.experts} experts and dp*cp={replicas}"]
+    if not shape.moe and ep != 1:
+        return [f"ep={ep} needs an MoE model (--experts); use ep=1"]
+    return []
+
+
 DIMENSION = Dimension(
     name="ep", title="expert parallel", strategy="plait.parallel.expert", splits="experts",
     axis=False, checkpoint="owned", laid_groups=("ep", "edp"), laid_ranks=laid_ranks,
@@ -61,4 +77,5 @@ DIMENSION = Dimension(
                       "(token, expert) assignment or per token and destination rank "
                       "(parallel.ep_dispatch, default assignment)"),),
     color="#8c564b", help="expert-parallel size", problems=problems,
+    plan_sizes=plan_sizes, plan_problems=plan_problems,
 )

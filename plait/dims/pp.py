@@ -5,7 +5,7 @@ Qi et al. 2024, zero bubble). The loss is computed on the last stage."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension
+from plait.dims.record import Config, Dimension, ModelShape
 from plait.parallel.pipeline.registry import (
     SCHEDULES,
     natural_virtual_stages,
@@ -31,8 +31,14 @@ def problems(cfg: Config) -> list[str]:
     return out
 
 
+def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
+    """The planner's pp: at most a stage per layer (its schedule's rules are the search's,
+    plait/plan/search.py)."""
+    return [p for p in sizes if p <= shape.layers]
+
+
 DIMENSION = Dimension(
     name="pp", title="pipeline parallel", strategy="plait.parallel.pipeline.runtime",
     splits="layers", sums_loss=True, checkpoint="owned", color="#9467bd",
-    help="pipeline stages", problems=problems,
+    help="pipeline stages", problems=problems, plan_sizes=plan_sizes,
 )

@@ -2,10 +2,11 @@
 
 A dimension's record names its config field and CLI flag, checks its settings, says which
 process groups the mesh makes for it, what is summed over its ranks, how checkpoints treat
-its ranks, and what it divides for the planner. Code outside the dimension's own strategy
-module reads these fields instead of naming the dimension: the mesh builds groups from
-them, the training loop reduces the loss over the dimensions that say so, the checkpoint
-writer picks its writing ranks from them, the planner sizes a layout from them.
+its ranks, and what it divides for the planner, which sizes it searches and which
+planned sizes it refuses. Code outside the dimension's own strategy module reads these
+fields instead of naming the dimension: the mesh builds groups from them, the training
+loop reduces the loss over the dimensions that say so, the checkpoint writer picks its
+writing ranks from them, the planner sizes a layout from them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from typing import Any
 # plait.config.Config, the layer above: a record's checks read its model, parallel and
 # train settings
 Config = Any
+# plait.plan's types, a layer above too: a planned layout (`Layout`: `sizes` by record
+# name, `sp`, `replicas`, `seq_split`) and the model's shape (`Shape`: seq, heads,
+# kv_heads, layers, experts, moe)
+Planned = Any
+ModelShape = Any
+
+
+def _every_size(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
+    return sizes
 
 # What a dimension's ranks divide between them (the planner's and the docs' vocabulary).
 SPLITS = ("batch", "layers", "sequence", "hidden", "experts")
@@ -65,6 +75,13 @@ class Dimension:
     color: str = "#7f7f7f"  # its collectives on timelines
     help: str = ""  # the `--<name>` flag's help
     problems: Callable[[Config], list[str]] = field(default=lambda cfg: [])
+    # the planner (plait/plan/search.py): of the divisors of the ranks left for it (an
+    # axis) or of the replicas (a laid dimension), the sizes its search tries for the
+    # model `shape` on nodes of `ranks_per_node`; and every reason a planned layout's size
+    # is invalid, each naming the fix (the planner's words: flags, not config fields)
+    plan_sizes: Callable[[list[int], ModelShape, int], list[int]] = _every_size
+    plan_problems: Callable[[Planned, ModelShape], list[str]] = field(
+        default=lambda lay, shape: [])
 
     @property
     def field(self) -> str:

@@ -6,11 +6,16 @@ sequence parallel)."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension
+from plait.dims.record import Config, Dimension, ModelShape, Planned
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def splits_kv_heads(tp: int, kv_heads: int) -> bool:
+    """KV heads are split when tp divides them and replicated when they divide tp."""
+    return not (kv_heads % tp and tp % kv_heads)
 
 
 def problems(cfg: Config) -> list[str]:
@@ -22,7 +27,7 @@ def problems(cfg: Config) -> list[str]:
             if n % p.tp:
                 out.append(f"tp={p.tp} does not divide model.{what}={n}; use tp in "
                            f"{_divisors(n)}")
-        if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
+        if not splits_kv_heads(p.tp, m.n_kv_heads):
             out.append(
                 f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
                 f"tp divides them and replicated when they divide tp; use tp in "
@@ -37,7 +42,30 @@ def problems(cfg: Config) -> list[str]:
     return out
 
 
+def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
+    """The planner's tp: inside a node (Stanford CS336, lecture 8's rule), dividing the
+    heads (and splitting or replicating the KV heads)."""
+    return [t for t in sizes if t <= ranks_per_node and shape.heads % t == 0
+            and splits_kv_heads(t, shape.kv_heads)]
+
+
+def plan_problems(lay: Planned, shape: ModelShape) -> list[str]:
+    """A planned tp against the heads, and sequence parallel's split of each rank's
+    tokens (the sequence's share on a context-parallel rank)."""
+    tp, tokens = lay.sizes["tp"], shape.seq // lay.seq_split
+    checks = [
+        (shape.heads % tp or not splits_kv_heads(tp, shape.kv_heads),
+         f"tp={tp} must divide the {shape.heads} attention heads (and the {shape.kv_heads} "
+         "KV heads, or be a multiple of them)"),
+        (lay.sp and tp > 1 and tokens % tp,
+         f"sequence parallel splits each cp rank's {tokens} tokens over tp={tp}; use a "
+         f"sequence that is a multiple of {lay.seq_split * tp}"),
+    ]
+    return [msg for bad, msg in checks if bad]
+
+
 DIMENSION = Dimension(
     name="tp", title="tensor parallel", strategy="plait.parallel.tensor", splits="hidden",
     checkpoint="gathered", color="#d62728", help="tensor-parallel size", problems=problems,
+    plan_sizes=plan_sizes, plan_problems=plan_problems,
 )

@@ -201,8 +201,8 @@ def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
 
 def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
     """The eager model's peak for this pipeline rank, or why it has none."""
-    from plait.plan.eager import eager_memory_by_rank, not_covered
-    from plait.plan.eager_sizes import token_file_windows
+    from plait.plan.runtime_memory import eager_memory_by_rank, not_covered
+    from plait.plan.runtime_memory_sizes import token_file_windows
 
     why = not_covered(cfg)
     if why is not None:
@@ -212,11 +212,10 @@ def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
 
 def _predicted_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
     """The planner's payload bytes per step by mesh dim for this pipeline rank: its own
-    collectives, from the runtime's partition (plait/plan/rank_comm.py)."""
-    from plait.plan import rank_collectives
-    from plait.plan.rank_comm import bytes_by_dim
+    collectives, from the runtime's partition (plait/plan/comm/rank.py)."""
+    from plait.plan.comm.rank import rank_bytes_by_dim
 
-    return bytes_by_dim(rank_collectives(cfg, pp_rank), cfg.parallel.ep)
+    return rank_bytes_by_dim(cfg, pp_rank)
 
 
 # measured category -> the planner's categories it stands beside

@@ -5,7 +5,7 @@
 
 Memory: the step `train.memory_step` of the metrics file carries the lead rank's (rank 0's)
 measured peak by category (plait/device/memory.py); it is compared with the planner's
-prediction for that rank, `plait.plan.eager.eager_memory_by_rank` (kernels="eager": plait's
+prediction for that rank, `plait.plan.runtime_memory.eager_memory_by_rank` (kernels="eager": plait's
 CPU runtime; one cost model, the code `plait plan` uses). Communication: the summary's
 ledger (payload bytes per step per collective@dim, rank 0) beside the planner's
 collectives of the same rank (`plait.plan.rank_collectives` for pipeline rank 0: payload
@@ -113,8 +113,8 @@ def _flags_given(args: argparse.Namespace) -> bool:
 def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     """The comparison as data: memory by category, communication by collective and dim."""
     from plait.plan import rank_collectives
-    from plait.plan.eager import eager_memory_by_rank, not_covered
-    from plait.plan.eager_sizes import token_file_windows
+    from plait.plan.runtime_memory import eager_memory_by_rank, not_covered
+    from plait.plan.runtime_memory_sizes import token_file_windows
 
     out: dict[str, Any] = {"layout": summary.get("layout"), "memory": None,
                            "communication": None, "notes": []}

@@ -1,6 +1,6 @@
 """Cutting a model's tensors into buckets the way backward produces their gradients: the
 one rule behind bucketed data parallel's all-reduces (data.py), ZeRO-1/2's units
-(zero_units.py) and the planner's eager memory model of them (plait/plan/eager_sizes.py).
+(zero_units.py) and the planner's eager memory model of them (plait/plan/runtime_memory_sizes.py).
 Plain numbers, no torch: the planner imports it without torch."""
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ fp32 rsqrt, the normalised value (fp32) or its cast back to e bytes, and the out
 the first three are sequence chunks, and the linears keep the all-gathered output.
 Dropout does not exist in our block, so Korthikanti's mask terms (sbh per dropout) vanish.
 For fp32 (e = 4) these are the TP engineer's element counts × 4, unchanged.
-Under context parallel s is the rank's s/cp tokens: ring attention keeps q, the packed
-K/V, the output and its log-sum-exp, the same tensors (measured equal at cp = 1, 2, 4,
-tests/test_context_parallel.py).
+Under context parallel s is the rank's share of the sequence: ring attention keeps q, the
+packed K/V, the output and its log-sum-exp, the same tensors (measured equal on 1, 2 and 4
+context-parallel ranks, tests/test_context_parallel.py).
 
 Recomputation (plait/model/recompute.py, `layer_saved_bytes`): full keeps the block's
 input, e·b·s_l·h (s_l = s/t under SP: the residual stream is a sequence chunk); selective

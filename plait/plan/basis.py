@@ -1,18 +1,88 @@
 """The planner's inputs and the sizes every formula derives from them: `Training` (the run),
 `Layout` (one layout, or a batch of them as numpy arrays), `Basis` (the layout's sizes as
-float arrays, built by estimate.py's `_basis`) and `ChunkTimes` (the durations of one
-layer and one pipeline chunk). A module of their own so that estimate.py, which builds
-them, and step_comm.py / runtime_comm.py, which read them, import one place instead of
-each other.
+float arrays and what every later step derives from them, `basis_of`) and `ChunkTimes`
+(the durations of one layer and one pipeline chunk). A module of their own so that
+estimate.py, which builds them, and the communication model (plait/plan/comm/), which
+reads them, import one place instead of each other.
+
+A layout's sizes are the dimension records' (plait/dims/): `sizes` by record name, each
+also an attribute (`lay.tp`), and the quantities the formulas mean, read from what the
+records say each dimension splits: `replicas` (the ranks holding copies of the
+parameters: gradients are summed over them, ZeRO shards over them), `seq_split` (the
+ranks one sequence is split over), `expert_split` (the ranks the routed experts are split
+over) and `world`. The planner's formulas name those, not the dimensions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from plait.config import DEFAULT_ORDER
+import numpy as np
+
+from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.plan.compute import LayerTimes, Num
+from plait.plan import bubble, host_share, memory
+from plait.plan.comm import price
+from plait.plan.compute import Efficiency, LayerTimes, Num, layer_times
+from plait.plan.hardware import Cluster
+from plait.plan.shape import Shape
+
+# How the planner writes a layout (labels, `--layout`, the JSON's "layout"): these sizes
+# always, in this order, then every other dimension's in the records' order (a label
+# names those only where they are not 1)
+ALWAYS_WRITTEN = ("tp", "pp", "dp")
+WRITTEN = ALWAYS_WRITTEN + tuple(d.name for d in DIMENSIONS if d.name not in ALWAYS_WRITTEN)
+SEQUENCE_SPLIT = tuple(d.name for d in DIMENSIONS if d.splits == "sequence")
+EXPERT_SPLIT = tuple(d.name for d in DIMENSIONS if d.splits == "experts")
+
+
+def product(sizes: Mapping[str, Num], names: Iterable[str]) -> Num:
+    """The product of `sizes` over `names`, in that order (1 for none)."""
+    out: Num = 1
+    for name in names:
+        out = out * sizes[name]
+    return out
+
+
+class Sizes:
+    """A layout's dimension sizes (`sizes`, by record name) and what they mean."""
+
+    sizes: dict[str, Num]
+
+    @property
+    def world(self) -> Num:
+        """Ranks in all: the product of the rank grid's axes."""
+        return product(self.sizes, (d.name for d in AXES))
+
+    @property
+    def replicas(self) -> Num:
+        """Ranks holding whole copies of the parameters (the records that replicate them):
+        their gradients are summed over these, ZeRO shards over them, and a laid
+        dimension (expert parallel) cuts its groups from them."""
+        return product(self.sizes, REPLICA_AXES)
+
+    @property
+    def seq_split(self) -> Num:
+        """Ranks one sequence is split over: each holds tokens / seq_split of it."""
+        return product(self.sizes, SEQUENCE_SPLIT)
+
+    @property
+    def expert_split(self) -> Num:
+        """Ranks an MoE layer's routed experts are split over."""
+        return product(self.sizes, EXPERT_SPLIT)
+
+    def laid(self) -> dict[str, Num]:
+        """The sizes of the dimensions laid over the replicas, not axes of the grid."""
+        return {d.name: self.sizes[d.name] for d in LAID}
+
+
+def _size_of(name: str) -> property:
+    return property(lambda self: self.sizes[name], doc=f"the {BY_NAME[name].title} size")
+
+
+for _d in DIMENSIONS:  # lay.tp, b.pp, ...: each record's size by its name
+    setattr(Sizes, _d.name, _size_of(_d.name))
 
 
 @dataclass
@@ -26,34 +96,48 @@ class Training:
     optimizer_sync: str = "barrier"
 
 
-@dataclass
-class Layout:
-    """One layout; numeric fields may be numpy arrays (a batch of layouts)."""
+@dataclass(init=False)
+class Layout(Sizes):
+    """One layout; numeric fields may be numpy arrays (a batch of layouts). The sizes are
+    given by record name, `Layout(tp=8, pp=2, dp=4)` (1 for a dimension not given), or
+    as a mapping, `Layout({"tp": 8}, ...)`."""
 
-    tp: Num = 1
-    pp: Num = 1
-    dp: Num = 1
-    cp: Num = 1
-    ep: Num = 1
-    mbs: Num = 1  # sequences per micro-batch
-    schedule: str = "1f1b"
-    v: Num = 1  # virtual stages per rank (interleaved)
-    zero: int = 1
+    sizes: dict[str, Num]  # every dimension's size, by record name
+    mbs: Num  # sequences per micro-batch
+    schedule: str
+    v: Num  # virtual stages per rank (interleaved)
+    zero: int
     # none | selective | full (memory.layer_activations): nothing, the attention kernel's
     # probabilities (math) or plait's operator policy over `recompute_ops` (flash), all but
     # the layer input
-    recompute: str = "none"
-    sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022)
-    cp_mode: str = "ring"  # "ring" (Liu et al. 2023) | "allgather" K/V (Llama 3)
+    recompute: str
+    sp: bool  # sequence parallelism with TP (Korthikanti et al. 2022)
+    cp_mode: str  # context parallel's K/V: "ring" (Liu et al. 2023) | "allgather" (Llama 3)
     # plait's own train.recompute when the layout is a plait config; it decides which
-    # collectives the runtime replays (plait/plan/runtime_comm.py). None: `recompute`, but
+    # collectives the runtime replays (plait/plan/comm/layer.py). None: `recompute`, but
     # "none" for math's selective (only the attention core is redone, no collective)
-    runtime_recompute: str | None = None
-    attention: str = "flash"  # the kernel (shape.ATTENTION): what attention keeps, computes
-    recompute_ops: tuple[str, ...] = DEFAULT_OPS  # selective with flash: groups recomputed
+    runtime_recompute: str | None
+    attention: str  # the kernel (shape.ATTENTION): what attention keeps, computes
+    recompute_ops: tuple[str, ...]  # selective with flash: groups recomputed
     # the mesh's order, innermost first (parallel.order): which groups stay inside a node.
     # The default keeps tp innermost; a custom order is modelled for dense layouts
-    order: tuple[str, ...] = DEFAULT_ORDER
+    order: tuple[str, ...]
+
+    def __init__(self, sizes: Mapping[str, Num] | None = None, mbs: Num = 1,
+                 schedule: str = "1f1b", v: Num = 1, zero: int = 1, recompute: str = "none",
+                 sp: bool = True, cp_mode: str = "ring", runtime_recompute: str | None = None,
+                 attention: str = "flash", recompute_ops: tuple[str, ...] = DEFAULT_OPS,
+                 order: tuple[str, ...] = DEFAULT_ORDER, **by_name: Num) -> None:
+        unknown = sorted(set(sizes or {}) - set(BY_NAME)) + sorted(set(by_name) - set(BY_NAME))
+        if unknown:
+            raise TypeError(f"Layout: no dimension {', '.join(unknown)}; the dimensions are "
+                            f"{', '.join(BY_NAME)}")
+        self.sizes = {d.name: (sizes or {}).get(d.name, by_name.get(d.name, 1))
+                      for d in DIMENSIONS}
+        self.mbs, self.schedule, self.v, self.zero = mbs, schedule, v, zero
+        self.recompute, self.sp, self.cp_mode = recompute, sp, cp_mode
+        self.runtime_recompute, self.attention = runtime_recompute, attention
+        self.recompute_ops, self.order = recompute_ops, order
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:
@@ -63,25 +147,20 @@ class Layout:
         return self.recompute
 
     def label(self) -> str:
-        s = f"tp={self.tp},pp={self.pp},dp={self.dp}"
-        if self.cp != 1:
-            s += f",cp={self.cp}"
-        if self.ep != 1:
-            s += f",ep={self.ep}"
+        s = ",".join(f"{name}={self.sizes[name]}" for name in ALWAYS_WRITTEN)
+        s += "".join(f",{name}={self.sizes[name]}" for name in WRITTEN[len(ALWAYS_WRITTEN):]
+                     if self.sizes[name] != 1)
         if tuple(self.order) != DEFAULT_ORDER:  # innermost first (parallel.order)
             s += f" order {','.join(self.order)}"
         return s
 
 
 @dataclass(frozen=True)
-class Basis:
-    """The layout's sizes as float arrays and what every later step derives from them."""
+class Basis(Sizes):
+    """The layout's sizes as float arrays and what every later step derives from them
+    (`basis_of`)."""
 
-    tp: Num
-    pp: Num
-    dp: Num
-    cp: Num
-    ep: Num
+    sizes: dict[str, Num]  # every dimension's size, by record name
     mbs: Num
     v: Num
     sched: str  # the layout's schedule; "1f1b" unless every layout has pp > 1
@@ -91,20 +170,51 @@ class Basis:
     # where other ranks share the host (a measured profile's concurrent_gemm)
     gemm_scale: float
     m: Num  # micro-batches per step
-    tokens: Num  # tokens of one micro-batch on one rank (the sequence split over cp)
+    tokens: Num  # tokens of one micro-batch on one rank (the sequence split: seq_split)
     cpr: Num  # pipeline chunks per rank
     chunk_layers: Num
     rank_layers: Num
     saved: Num  # bytes one layer saves per micro-batch under the layout's recompute
     lt: LayerTimes  # forward times of one layer per micro-batch
     moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
-    strides: dict[str, Num]  # rank distance between neighbours along each dim (the order)
+    strides: dict[str, Num]  # rank distance between neighbours along each axis (the order)
 
     def span(self, dim: str) -> Num:
         """Ranks from the first to past the last of a `dim` group: inside one node when
         at most gpus_per_node (ranks are numbered node by node)."""
-        return self.strides[dim] * getattr(self, dim)
+        return self.strides[dim] * self.sizes[dim]
 
+
+def _f(x: Num) -> Num:
+    return np.asarray(x, dtype=float)
+
+
+def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
+             eff: Efficiency) -> Basis:
+    """The basis every formula of `evaluate` (plait/plan/estimate.py) reads for `lay`."""
+    sizes = {name: _f(size) for name, size in lay.sizes.items()}
+    tp, pp, dp, mbs, v = sizes["tp"], sizes["pp"], sizes["dp"], _f(lay.mbs), _f(lay.v)
+    seq_split = product(sizes, SEQUENCE_SPLIT)
+    sched = lay.schedule if np.all(pp > 1) else "1f1b"
+    e = memory.PRECISIONS[train.precision][3]
+    peak_scale = cluster.gpu.fp32_peak_ratio if train.precision == "fp32" else 1.0
+    shared_host = host_share.host_ranks(cluster) > 1
+    gemm_scale = peak_scale * (eff.concurrent_gemm if shared_host else 1.0)
+    tokens = mbs * shape.seq / seq_split
+    cpr = _f(bubble.chunks_per_rank(sched, v))
+    chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
+    saved_none = memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, "none", e,
+                                          lay.attention)
+    return Basis(
+        sizes=sizes, mbs=mbs, v=v, sched=sched, e=e,
+        peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
+        tokens=tokens, cpr=cpr,
+        chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
+        saved=memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, lay.recompute, e,
+                                       lay.attention, lay.recompute_ops),
+        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
+                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
+        strides=price.order_strides(lay.order, sizes))
 
 
 @dataclass
@@ -123,3 +233,7 @@ class ChunkTimes:
     w_c: Num
     policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
     tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
+
+
+__all__ = ["ALWAYS_WRITTEN", "WRITTEN", "Basis", "ChunkTimes", "Layout", "Sizes", "Training",
+           "basis_of", "product"]

@@ -12,7 +12,7 @@ shapes). Closed forms of the step (busy + bubble) on the slowest rank:
   dualpipe(v)    c m (F+I+W) + (p/2 - 1)(F + 2I - 2W) DeepSeek-V3 report, Table 2, with
                                                       F&B = F + B (no overlap modelled)
 plus 2(p-1) p2p transfers on the fill/drain path. Each schedule's bubble term is its
-registry entry's `ranking_bubble` (plait/parallel/pipeline/registry.py).
+planner facts' `ranking_bubble` (plait/plan/schedule_facts.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import build_schedule, schedule_spec
+from plait.plan.schedule_facts import facts, planner_rules
 
 Num = Any
 
@@ -56,7 +57,7 @@ def closed_form(schedule: str, pp: Num, m: Num, v: Num, f: Num, i: Num, w: Num,
     b = f + i + w
     c = spec.stages_per_rank(np.asarray(v, dtype=float))
     busy = m * c * b / spec.chains  # each chain runs its share of the micro-batches
-    slots, idle = spec.ranking_bubble(p, f, i, w)
+    slots, idle = facts(schedule).ranking_bubble(p, f, i, w)
     bubble = np.maximum(slots, 0) * np.maximum(idle, 0)
     return np.where(p > 1, busy + bubble + 2 * (p - 1) * p2p, m * c * b)
 
@@ -64,7 +65,7 @@ def closed_form(schedule: str, pp: Num, m: Num, v: Num, f: Num, i: Num, w: Num,
 def _valid_m(schedule: str, p: int, v: int, target: int) -> int:
     """The smallest micro-batch count >= target, and >= p (a steady state to extrapolate
     from), the search accepts for the schedule."""
-    rules = schedule_spec(schedule).planner_rules
+    rules = planner_rules(schedule)
     start = max(target, p)
     for m in range(start, 2 * start + 2 * p):  # a multiple of p, or of 2, lies in there
         if all(rule.holds(p, m, v) for rule in rules):
@@ -75,7 +76,7 @@ def _valid_m(schedule: str, p: int, v: int, target: int) -> int:
 def _peaks_grow_with_m(schedule: str, p: int, v: int) -> bool:
     """Whether the closed-form peak activations keep growing with m (gpipe: all m in
     flight): then a short run's peaks are not a long run's, so it is never extrapolated."""
-    peaks, big = schedule_spec(schedule).peak_inflight, 1 << 40
+    peaks, big = facts(schedule).peak_inflight, 1 << 40
     return peaks(p, big, v, min) != peaks(p, 2 * big, v, min)
 
 
@@ -111,7 +112,7 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
     sched = _build(schedule, pp, m, v, ratios)
     # memory counts a micro-batch's activations from F to W (or B): after I a W still
     # holds its weight-gradient inputs (Qi et al. 2023, Table 1), as the closed forms'
-    # `peak_inflight` bounds do (registry.py); for F/B schedules it is the count to B
+    # `peak_inflight` bounds do (schedule_facts.py); for F/B schedules it is the count to B
     peaks = tuple(peak_activations(sched, until="W"))
     if optimizer_sync == "barrier":
         r = simulate(sched, d, events=False)  # the figures only: no per-event tuples

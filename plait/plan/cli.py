@@ -12,13 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from plait.config import DEFAULT_ORDER
+from plait.dims import DEFAULT_ORDER
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
 from plait.plan import host_share
+from plait.plan.basis import WRITTEN
 from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
 from plait.plan.emit import emit_plan
-from plait.plan.estimate import Estimate, Layout, Training, evaluate
+from plait.plan.estimate import Estimate, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
 from plait.plan.goodput import (
     Failures,
@@ -30,7 +31,13 @@ from plait.plan.goodput import (
     layouts_goodput,
 )
 from plait.plan.hardware import GB, GPUS, Cluster
-from plait.plan.inputs import apply_defaults, micro_batch_size, plan_flag_problems
+from plait.plan.inputs import (
+    DEFAULT_ORDER_TEXT,
+    OPTIONAL_SIZES,
+    apply_defaults,
+    parse_layout,
+    plan_flag_problems,
+)
 from plait.plan.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE
 from plait.plan.model_flags import (
     RUNTIME_NOTE,
@@ -92,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "rank waits for the last; default) or post_validation (the simulated "
                    "pipeline time is the steady state of consecutive steps)")
     lay = p.add_argument_group("one layout (instead of searching)")
-    lay.add_argument("--layout", help="e.g. tp=8,pp=8,dp=16[,cp=2,ep=8]")
+    lay.add_argument("--layout", help=f"e.g. tp=8,pp=8,dp=16[{OPTIONAL_SIZES}]")
     lay.add_argument("--micro-batch-size", "--microbatch", dest="microbatch", type=int,
                      default=None, metavar="N",
                      help="sequences per micro-batch, as plait train's (default 1)")
@@ -111,9 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
                      help="default 1 (plait train's default: 0)")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
-    lay.add_argument("--order", default="tp,cp,pp,dp", metavar="DIMS",
+    lay.add_argument("--order", default=",".join(DEFAULT_ORDER), metavar="DIMS",
                      help="the mesh order, innermost first, as parallel.order (default "
-                     "tp,cp,pp,dp: tp inside a node); decides which groups cross nodes")
+                     f"{','.join(DEFAULT_ORDER)}: tp inside a node); decides which groups "
+                     "cross nodes")
     add_goodput_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
@@ -155,31 +163,6 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
                                     args.optimizer_sync)
 
 
-def parse_layout(text: str, args: argparse.Namespace, global_batch: int) -> Layout:
-    sizes = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        k = k.strip()
-        if k not in sizes or not v.strip().isdigit() or int(v) < 1:
-            raise PlanError(f"bad layout item {part!r}: use tp=N,pp=N,dp=N[,cp=N,ep=N]")
-        sizes[k] = int(v)
-    v = args.virtual_stages
-    spec = schedule_spec(args.schedule)
-    if not spec.free_virtual_stages and spec.virtual_stages > 1:
-        v = spec.virtual_stages  # the V schedules fix 2 per rank, whatever the flag says
-    order = tuple(d.strip() for d in getattr(args, "order", "tp,cp,pp,dp").split(","))
-    if sorted(order) != ["cp", "dp", "pp", "tp"]:
-        raise PlanError(f"--order {args.order}: name each of tp, cp, pp, dp once, innermost "
-                        "first, e.g. tp,cp,pp,dp")
-    if order != ("tp", "cp", "pp", "dp") and sizes["ep"] > 1:
-        raise PlanError(f"--order {args.order}: a custom order is modelled for dense "
-                        "layouts only; leave out ep or --order")
-    mbs = micro_batch_size(args, sizes["dp"], global_batch)
-    return Layout(**sizes, mbs=mbs, schedule=args.schedule, v=v, zero=args.zero,
-                  recompute=args.recompute, sp=not args.no_sp, attention=args.attention,
-                  order=order)
-
-
 def _num(x: Any) -> Any:
     if isinstance(x, np.ndarray | np.generic):
         return x.item()
@@ -189,7 +172,7 @@ def _num(x: Any) -> Any:
 def to_dict(e: Estimate) -> dict[str, Any]:
     lay = e.layout
     return {
-        "layout": {k: _num(getattr(lay, k)) for k in ("tp", "pp", "dp", "cp", "ep")},
+        "layout": {k: _num(lay.sizes[k]) for k in WRITTEN},
         "microbatch": _num(lay.mbs), "microbatches": _num(e.microbatches),
         "schedule": lay.schedule, "virtual_stages": _num(lay.v), "zero": lay.zero,
         "recompute": lay.recompute, "attention": lay.attention, "sequence_parallel": lay.sp,
@@ -305,7 +288,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         est = evaluate(shape, cluster, train, lay, eff, simulate=True)
         notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
         return [est], notes, {}
-    if getattr(args, "order", "tp,cp,pp,dp") != "tp,cp,pp,dp":
+    if getattr(args, "order", DEFAULT_ORDER_TEXT) != DEFAULT_ORDER_TEXT:
         raise PlanError(f"--order {args.order}: the search tries every mesh order itself "
                         "and says which it recommends; give --layout too to evaluate one "
                         "layout under --order")

@@ -68,7 +68,7 @@ class Efficiency:
     # the share of a collective that compute issued beside it hides (plait calibrate's
     # measured overlap; 1 for the GPU presets: copy engines and SMs run both at once)
     comm_overlap: float = 1.0
-    # price the collectives plait's runtime issues (plait/plan/runtime_comm.py's list, one
+    # price the collectives plait's runtime issues (plait/plan/comm/layer.py's tp list, one
     # per ZeRO unit, the step's grad-norm and loss all-reduces) instead of Megatron's count,
     # on which the calibration set was fitted: a measured profile's (plait's own runtime)
     runtime_comm: bool = False
@@ -79,7 +79,7 @@ class Efficiency:
     # calibrate's measure_sync; none for the GPU presets, whose calibration set has them
     # inside its fit): the mean seconds past the alpha-beta price once every rank has
     # arrived, and the mean wait for the last rank to arrive after `desync_compute`
-    # seconds of compute on each (two points of a power law: plait/plan/step_comm.py)
+    # seconds of compute on each (two points of a power law: plait/plan/comm/sync.py)
     sync_extra: float = 0.0
     desync_compute: tuple[float, ...] = ()
     desync_wait: tuple[float, ...] = ()

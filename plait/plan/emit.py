@@ -1,7 +1,7 @@
 """`plait plan --emit-config run.toml`: the chosen layout as a config `plait train` runs.
 
-The config is built as a plait `Config` and validated for its world size (tp·pp·dp·cp
-ranks) with the same `validate()` `plait train` runs, so a file this writes is one
+The config is built as a plait `Config` and validated for its world size (the product of
+the axes' sizes) with the same `validate()` `plait train` runs, so a file this writes is one
 `plait train --config run.toml --nproc N` (or torchrun with N ranks) accepts. Beside it,
 `run.plan.json` holds the plan of that layout (the `plait plan --json` entry, the
 hardware it was planned for, goodput when asked): `plait report --metrics m.jsonl --plan
@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from plait.config import Config, ParallelConfig, TrainConfig
+from plait.dims import DIMENSIONS
 from plait.files import atomic_output
 from plait.model.presets import PRESETS, ModelConfig
 from plait.parallel.pipeline.registry import schedule_spec
@@ -65,8 +66,8 @@ def layout_config(est: Estimate, shape: Shape, cluster: Cluster, train: Training
     pp = int(lay.pp)
     spec = schedule_spec(lay.schedule)
     par = ParallelConfig(
-        dp=int(lay.dp), tp=int(lay.tp), pp=pp, cp=int(lay.cp), ep=int(lay.ep),
-        zero=int(lay.zero), sp=bool(lay.sp) and int(lay.tp) > 1, cp_mode=lay.cp_mode,
+        **{d.name: int(lay.sizes[d.name]) for d in DIMENSIONS}, zero=int(lay.zero),
+        sp=bool(lay.sp) and int(lay.tp) > 1, cp_mode=lay.cp_mode,
         schedule=lay.schedule if pp > 1 else "1f1b",
         virtual_stages=int(lay.v) if pp > 1 and spec.free_virtual_stages else None,
         microbatches=int(est.microbatches), gpus_per_node=cluster.gpus_per_node,
@@ -91,7 +92,8 @@ def _toml_value(v: Any) -> str:
 # written whatever the defaults are, so the file keeps its layout if a default changes
 _ALWAYS = {"model": {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                      "max_seq_len"},
-           "parallel": {"dp", "tp", "pp", "cp", "ep", "zero", "sp", "schedule", "microbatches"},
+           "parallel": {*(d.name for d in DIMENSIONS), "zero", "sp", "schedule",
+                        "microbatches"},
            "train": {"global_batch", "seq_len", "precision", "optimizer", "recompute"}}
 
 

@@ -14,30 +14,24 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, comm, host_share, memory
-from plait.plan.basis import Basis, ChunkTimes, Layout, Training
+from plait.plan import bubble, host_share, memory
+from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
+from plait.plan.comm import EXCHANGE_TERM, price
+from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.comm.sync import SYNC_TERM, sync_seconds
 from plait.plan.compute import (
     Efficiency,
     gemm_time,
     hardware_flops_per_token,
     head_flops,
-    layer_times,
     model_flops_per_token,
     recompute_seconds,
     tp_floor_seconds,
 )
 from plait.plan.hardware import Cluster
-from plait.plan.runtime_comm import dualpipe_copies
+from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
-from plait.plan.step_comm import (
-    SYNC_TERM,
-    TP_COLLECTIVES_FWD,
-    LayerComm,
-    dp_exposed_time,
-    layer_comm,
-    pp_p2p,
-    sync_seconds,
-)
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
@@ -51,7 +45,7 @@ class Estimate:
     memory_total: Num
     peak_rank: Num  # "first" or "last" pipeline rank
     fits: Num
-    collectives: list[comm.Collective]
+    collectives: list[price.Collective]
     time: dict[str, Num]  # step-time breakdown, seconds
     step_time: Num
     tokens_per_s: Num
@@ -62,42 +56,13 @@ class Estimate:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _f(x: Num) -> Num:
-    return np.asarray(x, dtype=float)
-
-
-def _basis(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
-           eff: Efficiency) -> Basis:
-    tp, pp, dp, cp, ep, mbs, v = (_f(x) for x in (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep,
-                                                 lay.mbs, lay.v))
-    sched = lay.schedule if np.all(pp > 1) else "1f1b"
-    e = memory.PRECISIONS[train.precision][3]
-    peak_scale = cluster.gpu.fp32_peak_ratio if train.precision == "fp32" else 1.0
-    shared_host = host_share.host_ranks(cluster) > 1
-    gemm_scale = peak_scale * (eff.concurrent_gemm if shared_host else 1.0)
-    tokens = mbs * shape.seq / cp
-    cpr = _f(bubble.chunks_per_rank(sched, v))
-    chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
-    saved_none = memory.layer_activations(shape, mbs, tp, cp, lay.sp, "none", e, lay.attention)
-    strides = comm.order_strides(lay.order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, ep)
-    return Basis(
-        tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, v=v, sched=sched, e=e,
-        peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
-        tokens=tokens, cpr=cpr,
-        chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
-        saved=memory.layer_activations(shape, mbs, tp, cp, lay.sp, lay.recompute, e,
-                                       lay.attention, lay.recompute_ops),
-        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
-                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
-        strides=strides)
-
-
-def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
-                 lc: LayerComm) -> ChunkTimes:
+def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
+                lc: LayerComm) -> ChunkTimes:
+    """One layer's F, I, W with its exposed collectives, the head's, and one chunk's."""
     lt, gpu = b.lt, cluster.gpu
-    f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.cp_exp_f + lc.ep_exp_f
+    f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.seq_exp_f + lc.expert_exp_f
     i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
-        + lc.cp_exp_b + lc.ep_exp_b
+        + lc.seq_exp_b + lc.expert_exp_b
     w_layer = lt.gemm_fwd
     policy = eff.policy_layer_seconds if lay.runtime_mode() == "selective" else 0.0
     tp_cpu, tp_out = tp_floor_seconds(eff, b.tp, lay.runtime_mode(), host_share.applies(cluster))
@@ -105,11 +70,11 @@ def _chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b
     f_layer = f_layer + tp_cpu / 3
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
-    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.cp, b.e) / gpu.hbm_bw \
+    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.seq_split, b.e) / gpu.hbm_bw \
         + eff.op_seconds * eff.outside_ops + tp_out  # embedding, norm, head, loss: ops
     n = b.chunk_layers
     return ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
-                       n * i_layer, n * w_layer, policy, tp_cpu)
+                      n * i_layer, n * w_layer, policy, tp_cpu)
 
 
 def _pipeline_time(shape: Shape, b: Basis, ct: ChunkTimes, t_pp: Num, simulate: bool,
@@ -151,10 +116,12 @@ class _RankMemory:
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
                  info: dict[str, Any], simulate: bool) -> _RankMemory:
     tp, pp, m, cpr = b.tp, b.pp, b.m, b.cpr
-    terms = memory.param_terms(shape, tp, b.ep)
+    terms = memory.param_terms(shape, tp, b.expert_split)
     dense_l, expert_l, emb, head = terms.layer, terms.expert, terms.embedding, terms.head
-    dshard, eshard = b.dp * b.cp, b.dp * b.cp / b.ep
-    both_ends = schedule_spec(b.sched).head_on_first_rank
+    # dense parameters are copied on every replica, routed experts on the replicas that
+    # hold the same experts
+    dshard, eshard = b.replicas, b.replicas / b.expert_split
+    both_ends = facts(b.sched).head_on_first_rank
     # an MoE model's leading dense layers sit on the first stage (counted there only:
     # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
     nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0
@@ -169,8 +136,8 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
         in0, in_last = float(info["peaks"][0]), float(info["peaks"][-1])
         if both_ends:
             in_last = in0
-    logits = memory.logits_bytes(shape, b.mbs, tp, b.cp, b.e)
-    buffers = memory.comm_buffers(shape, b.mbs, tp, b.cp, b.ep, pp, lay.zero,
+    logits = memory.logits_bytes(shape, b.mbs, tp, b.seq_split, b.e)
+    buffers = memory.comm_buffers(shape, b.mbs, tp, b.seq_split, pp, lay.zero,
                                   dense_l + expert_l, lay.sp, train.precision)
 
     kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
@@ -198,7 +165,7 @@ def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
                     pr: Num) -> Num:
     """The optimizer step: reading and writing the rank's (ZeRO: shard of the) states."""
     pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
-    opt_shard = b.dp * b.cp if lay.zero >= 1 else 1.0
+    opt_shard = b.replicas if lay.zero >= 1 else 1.0
     return pr / opt_shard * (2 * kb + gb + pb) / cluster.gpu.hbm_bw
 
 
@@ -210,8 +177,7 @@ def _time_breakdown(lay: Layout, b: Basis, lc: LayerComm, ct: ChunkTimes, pipe: 
         "compute": m * (cpr * b.chunk_layers * (3 * lt.forward + ct.tp_cpu) + ct.head_f
                         + 2 * ct.head_g) / schedule_spec(b.sched).chains,
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
-        "cp/ep comm (exposed)": (lc.cp_exp_f + lc.cp_exp_b + lc.ep_exp_f + lc.ep_exp_b)
-        * b.rank_layers * m,
+        EXCHANGE_TERM: lc.exchange_exposed() * b.rank_layers * m,
         # the replayed tp collectives are in "tp comm" (its count has them): not twice
         "recompute": m * cpr * b.chunk_layers * (recompute_seconds(
             lay, lt, ct.f_layer - ct.tp_cpu / 3) + ct.policy - (
@@ -233,21 +199,21 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
              simulate: bool = False) -> Estimate:
     """Memory, collectives, compute, pipeline and step time of `lay` (numeric fields may
     be arrays: a batch of layouts scored at once)."""
-    b = _basis(shape, cluster, train, lay, eff)
+    b = basis_of(shape, cluster, train, lay, eff)
     lc = layer_comm(shape, cluster, lay, eff, b)
     colls = lc.colls
-    ct = _chunk_times(shape, cluster, lay, eff, b, lc)
+    ct = chunk_times(shape, cluster, lay, eff, b, lc)
     t_pp = pp_p2p(shape, cluster, eff, b, colls, lay.sp)
     pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate, train.optimizer_sync,
                                      eff.p2p_post, eff.pipeline_gap)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
-    # dense parameters sync over dp x cp, routed experts over the expert-data-parallel
-    # ranks (dp x cp / ep) that hold the same experts (plait/parallel/expert.py)
+    # dense parameters sync over the replicas, routed experts over the replicas that hold
+    # the same experts (plait/parallel/expert.py)
     dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, rm.params - rm.expert_params,
-                             colls)
+                                 colls)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
-                                              rm.expert_params, colls, over_ep=True)
+                                                  rm.expert_params, colls, experts=True)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params))
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
@@ -262,7 +228,7 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         time[host_share.HIDDEN_TERM], step = hidden, step + hidden
     step = host_share.apply(cluster, time, colls, step, eff.comm_cpu_call,  # CPU hosts
                             eff.comm_cpu_byte)
-    n_gpu = b.tp * b.pp * b.dp * b.cp
+    n_gpu = b.world
     tokens_step = tokens_per_step(train.global_batch, shape.seq)
     model_flops, hw_flops = _step_flops(shape, train, lay, b)
     gpu = cluster.gpu

@@ -8,6 +8,7 @@ Stanford CS336, lecture 8 (parallelism), checked one by one.
 
 from __future__ import annotations
 
+from plait.dims import REPLICA_AXES
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.estimate import Estimate, Training
 from plait.plan.hardware import GB, Cluster
@@ -62,8 +63,8 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
                  f"({pb + gb + kb} B/param x {params(shape.num_params())} params) against "
                  f"{nbytes(cap)} usable per GPU, so they must be cut at least "
                  f"{max(1, -(-states // cap)):.0f} ways; this layout cuts them by tp*pp="
-                 f"{lay.tp * lay.pp}" + (f" and ZeRO-{lay.zero} over dp*cp={lay.dp * lay.cp}"
-                                         if lay.zero else "") + ".")
+                 f"{lay.tp * lay.pp}" + (f" and ZeRO-{lay.zero} over {'*'.join(REPLICA_AXES)}="
+                                         f"{lay.replicas}" if lay.zero else "") + ".")
     tp_rule = by.get(f"tp={gpn}")
     if lay.tp == gpn:
         lines.append(f"Rule 'TP up to the node size' held: tp={gpn} keeps TP collectives on "
@@ -88,7 +89,9 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
 
     # 2. scale with DP, batch consumed
     per_replica = train.global_batch // lay.dp
-    lines.append(f"Then DP: dp={lay.dp}" + (f" x cp={lay.cp}" if lay.cp > 1 else "")
+    replicas = " x ".join(f"{name}={lay.sizes[name]}" for name in REPLICA_AXES
+                          if name == "dp" or lay.sizes[name] > 1)
+    lines.append(f"Then DP: {replicas}"
                  + f" replicas; DP and PP consume batch: {train.global_batch} sequences / dp "
                  f"= {per_replica} per replica = {int(best.microbatches)} micro-batches of "
                  f"{lay.mbs}" + (f" for {lay.pp} stages" if lay.pp > 1 else "") + ".")

@@ -2,7 +2,7 @@
 
 On the CPU every rank of a machine holds its parameters, gradients and optimizer states
 in that machine's RAM. Their bytes come from the planner's model of plait's runtime
-(`plait.plan.eager_sizes.rank_sizes`: the same numbers `plait plan` and the dry run's
+(`plait.plan.runtime_memory_sizes.rank_sizes`: the same numbers `plait plan` and the dry run's
 prediction use, exact for plait's CPU runtime): a lower bound on what the run needs, since
 activations, the data and the interpreter come on top. A run whose model states alone
 exceed the memory the kernel reports available is refused with the numbers and what to
@@ -16,7 +16,8 @@ from collections.abc import Iterable
 
 from plait.config import Config
 from plait.device.host import mem_available_bytes
-from plait.plan.eager_sizes import rank_sizes
+from plait.dims import DEFAULT_ORDER
+from plait.plan.runtime_memory_sizes import rank_sizes
 
 GIB = 2**30
 
@@ -25,7 +26,10 @@ def model_state_bytes(cfg: Config, rank: int) -> dict[str, float]:
     """Parameters, gradients and optimizer states of global rank `rank` (its pipeline
     stage's shards), in bytes. Gradients: ZeRO-2/3 hold at most their shard."""
     p = cfg.parallel
-    pp_rank = (rank // (p.tp * p.cp)) % p.pp  # mesh order, innermost first: tp, cp, pp, dp
+    inside = 1  # ranks inside a pipeline stage: the axes before pp in the default order
+    for name in DEFAULT_ORDER[:DEFAULT_ORDER.index("pp")]:
+        inside *= getattr(p, name)
+    pp_rank = (rank // inside) % p.pp
     sz = rank_sizes(cfg, pp_rank, 0)
     grads = sz.grad_shards if p.zero >= 2 else sz.grads_full
     # post-validation's copy of the optimizer states lives from one update to the next check

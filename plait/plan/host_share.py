@@ -34,8 +34,9 @@ R + B <= C. Past it, the model:
   better than ranks in step.
 
 - Node ranks in step: where a node's ranks are one group of a dimension with collectives
-  in every layer (tp, cp, ep inside the node: `in_step`), they wait for each other at
-  every layer and reach a link wait at the same point of the step (dp's gradient
+  in every layer (tensor, context, expert parallel: the communication model's
+  PER_LAYER_DIMS; inside the node: `in_step`), they wait for each other at every layer
+  and reach a link wait at the same point of the step (dp's gradient
   all-reduce after the backward) together: then the link wait is every rank's at once,
   the planner's in-step wait, and no rank of the host computes during it, T = W_link +
   the shared step of the rest. Measured on the emulated cluster (tp inside, dp across):
@@ -65,13 +66,16 @@ from typing import Any
 
 import numpy as np
 
+from plait.plan.comm import EXPOSED_TERMS, PER_LAYER_DIMS
 from plait.plan.hardware import Cluster
 
 Num = Any
 TERM = "host cores shared"  # the step-time breakdown's line for it
-WAIT_TERMS = {"pipeline bubble + p2p": None, "collective sync (waits)": None,
-              "tp comm (exposed)": ("tp",), "cp/ep comm (exposed)": ("cp", "ep"),
-              "dp comm (exposed)": ("dp",)}
+# the step-time lines a rank waits in: the bubble and the sync waits (None), and each
+# collective's exposed time (the communication model's lines, with the dimensions whose
+# collectives they are)
+WAIT_TERMS: dict[str, tuple[str, ...] | None] = {
+    "pipeline bubble + p2p": None, "collective sync (waits)": None, **EXPOSED_TERMS}
 
 
 def host_ranks(cluster: Cluster) -> int:
@@ -161,11 +165,6 @@ def comm_split(time: dict[str, Num], colls: list, cpu_call: float, cpu_byte: flo
     return cpu, link, local
 
 
-# dimensions with collectives inside every layer: ranks that share one group of them wait
-# for each other at every layer, and so leave the layers (and reach the step's end) together
-IN_STEP_DIMS = ("tp", "cp", "ep")
-
-
 def in_step(colls: list, node_ranks: int) -> Num:
     """Whether a node's ranks run in step: its ranks are one group of the per-layer
     dimensions inside the node (their group sizes, where inside, multiply to a node's
@@ -173,7 +172,7 @@ def in_step(colls: list, node_ranks: int) -> Num:
     all-reduce after the backward) is every rank's at once."""
     span = {}
     for c in colls:
-        if c.dim in IN_STEP_DIMS:
+        if c.dim in PER_LAYER_DIMS:  # they leave the layers (and the step) together
             size = np.where(np.asarray(c.intra, dtype=bool) & (np.asarray(c.count) > 0),
                             np.asarray(c.group, dtype=float), 1.0)
             span[c.dim] = np.maximum(span.get(c.dim, 1.0), size)

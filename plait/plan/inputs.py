@@ -1,4 +1,5 @@
-"""Every `plait plan` flag checked for range and finiteness before any search starts.
+"""Every `plait plan` flag checked for range and finiteness before any search starts, and
+`--layout` (with `--order`) read into a `Layout`.
 
 The limits are what the planner enumerates in seconds (divisors by trial division to
 sqrt(n), micro-batch sizes up to 16, pipelines simulated or extrapolated); past them a
@@ -9,6 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
+
+from plait.dims import DEFAULT_ORDER, LAID
+from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan.basis import ALWAYS_WRITTEN, WRITTEN, Layout
+from plait.plan.search import PlanError
 
 MAX_GPUS = 1 << 24  # 16,777,216
 MAX_GLOBAL_BATCH = 1 << 24  # sequences per step
@@ -60,7 +66,7 @@ def _float_problems(args: argparse.Namespace) -> list[str]:
 
 
 def layout_text_problems(text: str | None) -> list[str]:
-    """`--layout`: non-empty, each of tp, pp, dp, cp, ep at most once as NAME=N, N >= 1."""
+    """`--layout`: non-empty, each dimension at most once as NAME=N, N >= 1."""
     if text is None:
         return []
     if not text.strip():
@@ -69,10 +75,9 @@ def layout_text_problems(text: str | None) -> list[str]:
     problems, seen = [], set()
     for part in text.split(","):
         name, eq, value = (s.strip() for s in part.partition("="))
-        if name not in ("tp", "pp", "dp", "cp", "ep") or not eq or not value.isdigit() \
-                or int(value) < 1:
-            problems.append(f"--layout item {part.strip()!r}: use NAME=N with NAME one of tp, "
-                            "pp, dp, cp, ep and N >= 1, e.g. tp=8,pp=4,dp=2")
+        if name not in WRITTEN or not eq or not value.isdigit() or int(value) < 1:
+            problems.append(f"--layout item {part.strip()!r}: use NAME=N with NAME one of "
+                            f"{', '.join(WRITTEN)} and N >= 1, e.g. tp=8,pp=4,dp=2")
         elif name in seen:
             problems.append(f"--layout gives {name} twice ({text}); give each size once")
         seen.add(name)
@@ -123,8 +128,6 @@ def apply_defaults(args: argparse.Namespace) -> list[str]:
 def micro_batch_size(args: argparse.Namespace, dp: int, global_batch: int) -> int:
     """Sequences per micro-batch: --micro-batch-size, or plait train's --microbatches (a
     count per data-parallel replica) converted; 1 when neither is given."""
-    from plait.plan.search import PlanError
-
     count, size = getattr(args, "microbatches", None), args.microbatch
     if count is None:
         return size or 1
@@ -137,3 +140,41 @@ def micro_batch_size(args: argparse.Namespace, dp: int, global_batch: int) -> in
         raise PlanError(f"--microbatches {count} means {per_replica // count} sequences per "
                         f"micro-batch, but --micro-batch-size is {size}; give one of them")
     return per_replica // count
+
+
+# `--layout`'s sizes the planner writes only where they are not 1, as items
+OPTIONAL_SIZES = "".join(f",{name}=N" for name in WRITTEN[len(ALWAYS_WRITTEN):])
+DEFAULT_ORDER_TEXT = ",".join(DEFAULT_ORDER)
+
+
+def _layout_order(args: argparse.Namespace, sizes: dict[str, int]) -> tuple[str, ...]:
+    """`--order`: each axis once; a custom one only where no laid dimension is > 1."""
+    order = tuple(d.strip() for d in getattr(args, "order", DEFAULT_ORDER_TEXT).split(","))
+    if sorted(order) != sorted(DEFAULT_ORDER):
+        raise PlanError(f"--order {args.order}: name each of {', '.join(DEFAULT_ORDER)} once, "
+                        f"innermost first, e.g. {DEFAULT_ORDER_TEXT}")
+    laid = [d.name for d in LAID]
+    if order != DEFAULT_ORDER and any(sizes[name] > 1 for name in laid):
+        raise PlanError(f"--order {args.order}: a custom order is modelled for dense "
+                        f"layouts only; leave out {' and '.join(laid)} or --order")
+    return order
+
+
+def parse_layout(text: str, args: argparse.Namespace, global_batch: int) -> Layout:
+    sizes = {name: 1 for name in WRITTEN}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip()
+        if k not in sizes or not v.strip().isdigit() or int(v) < 1:
+            raise PlanError(f"bad layout item {part!r}: use "
+                            f"{','.join(f'{n}=N' for n in ALWAYS_WRITTEN)}[{OPTIONAL_SIZES}]")
+        sizes[k] = int(v)
+    v = args.virtual_stages
+    spec = schedule_spec(args.schedule)
+    if not spec.free_virtual_stages and spec.virtual_stages > 1:
+        v = spec.virtual_stages  # the V schedules fix 2 per rank, whatever the flag says
+    order = _layout_order(args, sizes)
+    mbs = micro_batch_size(args, sizes["dp"], global_batch)
+    return Layout(sizes, mbs=mbs, schedule=args.schedule, v=v, zero=args.zero,
+                  recompute=args.recompute, sp=not args.no_sp, attention=args.attention,
+                  order=order)

@@ -1,7 +1,13 @@
 """Memory per rank, by the ledger's categories: parameters, gradients, optimizer states,
-activations (+ logits), communication buffers.
+activations (+ logits), communication buffers: the closed-form model the search and
+`plait plan` use (`predict_memory(cfg)`, kernels="fused").
 
-All functions take numpy arrays or scalars for the numeric layout sizes.
+All functions take numpy arrays or scalars for the numeric layout sizes: the search scores
+every layout at once, for a GPU stack (fused kernels, flash attention). plait's own eager
+CPU runtime keeps temporaries no fused kernel does, so a second model walks its schedule
+moment by moment (plait/plan/runtime_memory.py, kernels="eager"); where both describe the
+same bytes, the model states at the step's end, they agree
+(tests/test_plan_memory_agree.py).
 
 Model states (Rajbhandari et al. 2020, "ZeRO", section 5): with Psi parameters, 2 bytes of
 fp16/bf16 parameters, 2 of gradients and K = 12 of Adam state (fp32 master copy, momentum,
@@ -25,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape, activation_terms, per_rank_bytes, selective_terms
 
 Num = Any
@@ -63,25 +69,27 @@ def snapshot_bytes(optimizer: str) -> int:
 
 
 class ParamTerms(NamedTuple):
-    """Parameters a rank holds per piece of the model under tp x ep (numbers or arrays)."""
+    """Parameters a rank holds per piece of the model under tp and the experts' split
+    (numbers or arrays)."""
 
     layer: Num  # a (MoE: its dense part; dense model: whole) layer
-    expert: Num  # a MoE layer's routed experts on this ep rank
+    expert: Num  # a MoE layer's routed experts on this rank
     dense_layer: Num  # an MoE model's leading dense layer
     embedding: Num
     head: Num  # the output projection and the final norm
 
 
-def param_terms(shape: Shape, tp: Num, ep: Num) -> ParamTerms:
+def param_terms(shape: Shape, tp: Num, expert_split: Num) -> ParamTerms:
     """plait replicates an MoE block over tp (plait/parallel/expert.py): its router and
-    shared experts are whole on every tp rank, its routed experts split over ep only;
+    shared experts are whole on every tp rank, its routed experts split over the
+    `expert_split` ranks of expert parallelism only;
     norm gains are whole on every tp rank too (plait/parallel/tensor.py replicates them)."""
     mlp_tp = 1.0 if shape.moe else tp
     norms = shape.norm_params()
     final_norm = shape.hidden
     return ParamTerms(
         layer=(shape.attn_params() - norms) / tp + norms + shape.dense_mlp_params() / mlp_tp,
-        expert=shape.expert_params() / ep,
+        expert=shape.expert_params() / expert_split,
         dense_layer=(shape.dense_layer_params() - norms) / tp + norms,
         embedding=shape.embedding_params() / tp,
         head=(shape.head_params() - final_norm) / tp + final_norm)
@@ -106,7 +114,8 @@ def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",
     }
 
 
-def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recompute: str,
+def layer_activations(shape: Shape, mbs: Num, tp: Num, seq_split: Num, sp: bool,
+                      recompute: str,
                       act_bytes: int = 2, attention: str = "flash",
                       ops: tuple[str, ...] = DEFAULT_OPS) -> Num:
     """Bytes one layer keeps for one micro-batch on one rank under `recompute`:
@@ -120,11 +129,11 @@ def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recomp
       full       the layer input only.
 
     Korthikanti et al. 2022, section 4 / Table 2 are the `--arch gpt`, math sums.
-    Context parallelism splits the sequence: each rank keeps s/cp tokens (its queries
-    attend to all s keys)."""
+    A sequence split over `seq_split` ranks (context parallelism): each rank keeps
+    s / seq_split tokens (its queries attend to all s keys)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
-    tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(cp, dtype=float)
+    tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(seq_split, dtype=float)
     terms = activation_terms(shape, act_bytes, attention=attention)
     if recompute == "full":
         terms = [t for t in terms if t.keep_full]
@@ -138,7 +147,7 @@ def layer_activations(shape: Shape, mbs: Num, tp: Num, cp: Num, sp: bool, recomp
 def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
     """Closed-form micro-batch x chunk activation sets alive at the peak on the first and
     on the last pipeline rank (used for ranking; shown numbers come from the simulator):
-    the registry entry's `peak_inflight`, with its citations.
+    the schedule's `peak_inflight` (plait/plan/schedule_facts.py), with its citations.
 
     1f1b: p on rank 0 (Narayanan et al. 2021); interleaved: p*v + p - 1 chunks of L/(pv)
     layers, i.e. the (1 + (p-1)/(pv)) penalty (Korthikanti et al. 2022, sec. 4.2.3 /
@@ -147,30 +156,32 @@ def inflight_chunks(schedule: str, pp: Num, m: Num, v: Num) -> tuple[Num, Num]:
     """
     p, m, v = (np.asarray(x, dtype=float) for x in (pp, m, v))
     one = np.ones_like(p * m)
-    first, last = schedule_spec(schedule).peak_inflight(p, m, v, np.minimum)
+    first, last = facts(schedule).peak_inflight(p, m, v, np.minimum)
     return first * one, last * one
 
 
-def logits_bytes(shape: Shape, mbs: Num, tp: Num, cp: Num, act_bytes: int = 2) -> Num:
+def logits_bytes(shape: Shape, mbs: Num, tp: Num, seq_split: Num, act_bytes: int = 2) -> Num:
     """Logits of one micro-batch on the last stage: the activation-dtype logits kept for the
-    backward plus the fp32 copy the loss computes softmax in (vocab-parallel over tp)."""
-    tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(cp, dtype=float)
+    backward plus the fp32 copy the loss computes softmax in (vocab-parallel over tp), for
+    the rank's s / seq_split tokens."""
+    tokens = np.asarray(mbs, dtype=float) * shape.seq / np.asarray(seq_split, dtype=float)
     return tokens * shape.vocab * (act_bytes + 4) / np.asarray(tp, dtype=float)
 
 
-def comm_buffers(shape: Shape, mbs: Num, tp: Num, cp: Num, ep: Num, pp: Num, zero: int,
+def comm_buffers(shape: Shape, mbs: Num, tp: Num, seq_split: Num, pp: Num, zero: int,
                  layer_params_rank: Num, sp: bool, precision: str) -> Num:
     """Transient buffers alive at the peak: the SP all-gather output, pipeline send/recv,
-    ring-attention K/V double buffer, MoE dispatch/combine, ZeRO-3's gathered layer (the
-    current and the prefetched one) and its unsharded gradient before reduce-scatter."""
+    the split sequence's ring-attention K/V double buffer, MoE dispatch/combine, ZeRO-3's
+    gathered layer (the current and the prefetched one) and its unsharded gradient before
+    reduce-scatter."""
     e = PRECISIONS[precision][3]
     pb, gb, _ = state_bytes(precision, "adam")
-    tp, cp, ep, pp = (np.asarray(x, dtype=float) for x in (tp, cp, ep, pp))
-    tokens = np.asarray(mbs, dtype=float) * shape.seq / cp
+    tp, seq_split, pp = (np.asarray(x, dtype=float) for x in (tp, seq_split, pp))
+    tokens = np.asarray(mbs, dtype=float) * shape.seq / seq_split
     act = tokens * shape.hidden * e
     total = np.where(tp > 1, act, 0.0) if sp else 0.0
     total = total + np.where(pp > 1, 2 * act / (tp if sp else 1.0), 0.0)
-    total = total + np.where(cp > 1, 2 * 2 * tokens * shape.kv_dim * e / tp, 0.0)
+    total = total + np.where(seq_split > 1, 2 * 2 * tokens * shape.kv_dim * e / tp, 0.0)
     if shape.moe:
         # dispatch and combine buffers; the block is replicated over tp, its tokens split
         # over tp only under SP

@@ -19,7 +19,7 @@ A profile (JSON, written by plait/calibrate/machine.py) holds the raw measuremen
 - collectives, per op and group size n: the ledger's algorithmic bytes per rank and
   seconds -> t = steps x alpha + bytes / B by least squares (steps: 2(n-1) ring steps for
   all-reduce, n-1 for all-gather / reduce-scatter), the alpha-beta terms of
-  plait/plan/comm.py. The planner's links take all-reduce's B and alpha of the largest
+  plait/plan/comm/price.py. The planner's links take all-reduce's B and alpha of the largest
   group (one machine: intra- and inter-node alike, there being no second node measured),
   and link_efficiency = 1 (B is achieved bandwidth, not a datasheet's).
   The CPU seconds per call of every thread of the rank (the caller's, gloo's) -> comm_cpu,
@@ -29,7 +29,7 @@ A profile (JSON, written by plait/calibrate/machine.py) holds the raw measuremen
   the alpha-beta fit's price of that call (fitted on the fastest call of back-to-back
   runs), per segment of compute -> sync_after (their mean: sync_extra), a larger call's
   more per byte (the calls' medians) -> sync_per_byte; the mean wait for the last rank
-  after each segment -> desync_compute / desync_wait (plait/plan/step_comm.py's
+  after each segment -> desync_compute / desync_wait (plait/plan/comm/sync.py's
   sync_seconds: the blocking calls only).
   The sync numbers are means over every call of the repeats (a call's extra is
   heavy-tailed here: a median flipped between its modes from calibrate to calibrate);
@@ -51,7 +51,7 @@ A profile (JSON, written by plait/calibrate/machine.py) holds the raw measuremen
   cores are shared: fit_tp_floor).
 - concurrent GEMMs: a few fp32 shapes timed on every rank at once -> concurrent_gemm, the
   median of alone / together seconds (<= 1): the GEMM (and attention) rate of a rank
-  whose host runs other ranks too (plait/plan/estimate.py's _basis).
+  whose host runs other ranks too (plait/plan/basis.py's basis_of).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def fit_sync(s: dict[str, Any] | None, link: dict[str, float] | None) -> dict[st
     if not s or not link:
         return {"sync_extra": 0.0, "desync_compute": (), "desync_wait": (), "sync_after": (),
                 "sync_per_byte": 0.0}
-    from plait.plan.comm import all_reduce
+    from plait.plan.comm.price import all_reduce
 
     def extra(row: dict[str, Any], size: float, key: str = "after_seconds") -> float:
         return float(row.get(key, row["after_seconds"])) - float(all_reduce(
@@ -277,7 +277,7 @@ def fit_sync_spread(s: dict[str, Any] | None, link: dict[str, float] | None
     mean over every call (`fit_sync`)."""
     if not s or not link or not all("after_repeats" in r for r in s["segments"]):
         return []
-    from plait.plan.comm import all_reduce
+    from plait.plan.comm.price import all_reduce
 
     price = float(all_reduce(s["bytes"], s["group"], link["bandwidth_Bps"],
                              link["alpha_s"])[0])

@@ -1,11 +1,17 @@
 """Enumerate every valid layout, score them all at once, rank, simulate the best.
 
-Mesh order: the vectorised pass scores every layout in the default order (tp, cp, pp,
-dp innermost first: tp inside a node); each layout the simulator re-ranks is then also
+Mesh order: the vectorised pass scores every layout in the records' default order
+(innermost first: tp inside a node); each layout the simulator re-ranks is then also
 scored under every other order that places its groups differently (`best_order`), and
 keeps the fastest (the default on a tie).
 
-Speed: the numeric sizes (tp, cp, pp, dp, ep, micro-batch size) become numpy arrays and
+Candidates: each dimension's record says which of its sizes the search tries
+(`Dimension.plan_sizes`: tp inside a node, a sequence split into whole chunks, ...): the
+rank grid's axes nested in the default order, the batch axis (dp) taking the ranks left,
+the dimensions laid over the replicas last; the records' `plan_problems` refuse a planned
+size.
+
+Speed: the numeric sizes (every dimension's, micro-batch size) become numpy arrays and
 `estimate.evaluate` scores one array per (schedule, virtual stages, ZeRO stage,
 recompute) combination — about a hundred vectorised calls instead of a Python loop over
 ~10^5 layouts. Pipelines are ranked by their closed forms; the best `simulate_top`
@@ -16,20 +22,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from plait.config import DEFAULT_ORDER
 from plait.config.checks import unbuilt_combinations
+from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
+from plait.plan.basis import WRITTEN, product
 from plait.plan.bubble import stages_per_chain
 from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import Cluster
 from plait.plan.memory import RECOMPUTE
+from plait.plan.schedule_facts import planner_rules, search_schedules
 from plait.plan.shape import ATTENTION, Shape
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -46,25 +54,22 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+# the rank grid's axes, written as a layout writes them (the product the GPUs must be)
+GRID = tuple(name for name in WRITTEN if BY_NAME[name].axis)
+
+
 def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout) -> list[str]:
-    """Every reason the layout is invalid (empty when valid), each naming the fix."""
+    """Every reason the layout is invalid (empty when valid), each naming the fix: the
+    product of the axes, each dimension's own (its record's `plan_problems`), the batch,
+    the schedule, the ZeRO stage and the recompute mode and attention kernel."""
     n = cluster.n_gpus
     out = []
-    prod = lay.tp * lay.pp * lay.dp * lay.cp
+    prod = lay.world
     if prod != n:
-        out.append(f"layout tp*pp*dp*cp = {lay.tp}*{lay.pp}*{lay.dp}*{lay.cp} = {prod} does not "
-                   f"multiply to the GPU count {n}; change a size or --gpus {prod}")
-    if shape.heads % lay.tp or (shape.kv_heads % lay.tp and lay.tp % shape.kv_heads):
-        out.append(f"tp={lay.tp} must divide the {shape.heads} attention heads (and the "
-                   f"{shape.kv_heads} KV heads, or be a multiple of them)")
-    if lay.cp > 1 and shape.seq % (2 * lay.cp):
-        out.append(f"cp={lay.cp}: the sequence {shape.seq} must split into 2*cp chunks "
-                   "(causal load balancing)")
-    if shape.moe and (shape.experts % lay.ep or (lay.dp * lay.cp) % lay.ep):
-        out.append(f"ep={lay.ep} must divide the {shape.experts} experts and dp*cp="
-                   f"{lay.dp * lay.cp}")
-    if not shape.moe and lay.ep != 1:
-        out.append(f"ep={lay.ep} needs an MoE model (--experts); use ep=1")
+        out.append(f"layout {'*'.join(GRID)} = {'*'.join(str(lay.sizes[d]) for d in GRID)} "
+                   f"= {prod} does not multiply to the GPU count {n}; change a size or "
+                   f"--gpus {prod}")
+    out += [msg for d in DIMENSIONS for msg in d.plan_problems(lay, shape)]
     if train.global_batch % (lay.dp * lay.mbs):
         out.append(f"global batch {train.global_batch} sequences is not divisible by dp*"
                    f"micro-batch = {lay.dp}*{lay.mbs}")
@@ -77,9 +82,6 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
                             shape.layers)[0]:
             out.append(_schedule_hint(lay.schedule, lay.pp, m, lay.v, shape.layers,
                                       stages_per_chain(lay.schedule, lay.pp, lay.v)))
-    if lay.sp and lay.tp > 1 and (shape.seq // lay.cp) % lay.tp:
-        out.append(f"sequence parallel splits each cp rank's {shape.seq // lay.cp} tokens "
-                   f"over tp={lay.tp}; use a sequence that is a multiple of {lay.cp * lay.tp}")
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"zero={lay.zero}: use 0, 1, 2 or 3")
     else:  # what the runtime has not built (plait/config/checks.py): refused alike
@@ -92,7 +94,7 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
 
 
 def _schedule_hint(s: str, p: int, m: int, v: int, layers: int, stages: int) -> str:
-    needs = " and ".join(rule.brief for rule in SCHEDULES[s].planner_rules)
+    needs = " and ".join(rule.brief for rule in planner_rules(s))
     return (f"schedule {s} with pp={p}, {m} micro-batches, virtual stages {v} is not valid "
             f"({stages} stages for {layers} layers; {s} needs {needs}, and a layer per stage)")
 
@@ -102,45 +104,65 @@ def _schedule_ok(s: str, pp: np.ndarray, m: np.ndarray, v: int, layers: int) -> 
     registry rules as the search applies them, and a layer for every stage."""
     spec = SCHEDULES[s]
     ok = np.ones(np.shape(pp), dtype=bool)
-    for rule in spec.planner_rules:
+    for rule in planner_rules(s):
         ok = ok & rule.holds(pp, m, v)
     return ok & (spec.model_stages(pp, v) <= layers)
 
 
-def _schedule_variants() -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs the search scores, in the registry's search order;
+def schedule_variants() -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs the search scores, in the planner's search order;
     a free stage count (interleaved) is tried at each of VIRTUAL_STAGES."""
     out = []
-    for spec in sorted(SCHEDULES.values(), key=lambda spec: spec.search_order):
+    for name in search_schedules():
+        spec = SCHEDULES[name]
         vs = VIRTUAL_STAGES if spec.free_virtual_stages else (spec.virtual_stages,)
-        out += [(spec.name, v) for v in vs]
+        out += [(name, v) for v in vs]
     return out
 
 
+# the axes the search nests, in the default order; the batch axis takes the ranks left
+BATCH = next(d.name for d in AXES if d.splits == "batch")
+NESTED = tuple(name for name in DEFAULT_ORDER if name != BATCH)
+COLUMNS = (*(d.name for d in DIMENSIONS), "mbs")
+
+
+def _axis_sizes(ranks: int, shape: Shape, node: int, axes: tuple[str, ...] = NESTED
+                ) -> Iterator[dict[str, int]]:
+    """Every size of `axes` (nested in order, each its record's `plan_sizes` of the
+    divisors of the ranks left) with the batch axis's, the ranks left after them."""
+    if not axes:
+        yield {BATCH: ranks}
+        return
+    d = BY_NAME[axes[0]]
+    for size in d.plan_sizes(divisors(ranks), shape, node):
+        for rest in _axis_sizes(ranks // size, shape, node, axes[1:]):
+            yield {d.name: size, **rest}
+
+
+def _laid_sizes(axes: dict[str, int], shape: Shape, node: int) -> list[dict[str, int]]:
+    """The sizes of the dimensions laid over the replicas, from the divisors of those."""
+    replicas = product(axes, REPLICA_AXES)
+    options = [d.plan_sizes(divisors(replicas), shape, node) for d in LAID]
+    return [dict(zip((d.name for d in LAID), sizes, strict=True))
+            for sizes in itertools.product(*options)]
+
+
 def numeric_candidates(shape: Shape, cluster: Cluster, train: Training) -> dict[str, np.ndarray]:
-    """All (tp, cp, ep, pp, dp, mbs) meeting divisibility, as parallel arrays."""
+    """Every dimension's size and the micro-batch size meeting divisibility, as parallel
+    arrays keyed by record name (and "mbs")."""
     n, gpn, b = cluster.n_gpus, cluster.gpus_per_node, train.global_batch
     rows = []
-    for tp in divisors(n):
-        if tp > gpn or shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-            continue  # TP inside a node (CS336 lecture 8's rule)
-        for cp in divisors(n // tp):
-            if cp > 1 and (shape.seq % (2 * cp) or cp & (cp - 1) or cp > 32):
-                continue
-            for pp in divisors(n // (tp * cp)):
-                if pp > shape.layers:
-                    continue
-                dp = n // (tp * cp * pp)
-                if b % dp:
-                    continue  # DP consumes batch: every replica needs whole sequences
-                eps = [e for e in divisors(dp * cp) if shape.experts % e == 0] \
-                    if shape.moe else [1]
-                for mbs in divisors(b // dp):
-                    if mbs > MAX_MICROBATCH:
-                        break
-                    rows.extend((tp, cp, ep, pp, dp, mbs) for ep in eps)
-    a = np.array(rows, dtype=np.int64).reshape(-1, 6)
-    return {k: a[:, j] for j, k in enumerate(("tp", "cp", "ep", "pp", "dp", "mbs"))}
+    for axes in _axis_sizes(n, shape, gpn):
+        dp = axes[BATCH]
+        if b % dp:
+            continue  # DP consumes batch: every replica needs whole sequences
+        laid = [{**axes, **sizes} for sizes in _laid_sizes(axes, shape, gpn)]
+        for mbs in divisors(b // dp):
+            if mbs > MAX_MICROBATCH:
+                break
+            rows.extend((*(sizes[name] for name in COLUMNS[:-1]), mbs) for sizes in laid)
+    a = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return {k: a[:, j] for j, k in enumerate(COLUMNS)}
 
 
 @dataclass
@@ -161,7 +183,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     the `attention` kernel (shape.ATTENTION)."""
     seconds = cost or (lambda e: e.step_time)
     c = numeric_candidates(shape, cluster, train)
-    if len(c["tp"]) == 0:
+    if len(c["mbs"]) == 0:
         raise PlanError(f"no layout divides {cluster.n_gpus} GPUs with a global batch of "
                         f"{train.global_batch} sequences; use a batch divisible by more "
                         "data-parallel sizes or another GPU count")
@@ -169,7 +191,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
     scored: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict]] = []
     considered = 0
     orders = search_orders(shape, cluster)
-    for sched, v in [("none", 1)] + _schedule_variants():
+    for sched, v in [("none", 1)] + schedule_variants():
         mask = (c["pp"] == 1) if sched == "none" else (c["pp"] > 1) & _schedule_ok(
             sched, c["pp"], m, v, shape.layers)
         if not mask.any():
@@ -179,8 +201,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             if unbuilt_combinations(1 if sched == "none" else 2, zero, sched):
                 continue  # the runtime refuses it (a group's pp are all 1 or all > 1)
             for rec in RECOMPUTE:
-                lay = Layout(tp=c["tp"][idx], pp=c["pp"][idx], dp=c["dp"][idx],
-                             cp=c["cp"][idx], ep=c["ep"][idx], mbs=c["mbs"][idx],
+                lay = Layout({d.name: c[d.name][idx] for d in DIMENSIONS}, mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
                              recompute=rec, sp=True, attention=attention)
                 est, t, choice = _best_of_orders(shape, cluster, train, eff, lay, seconds,
@@ -201,8 +222,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
 
     def layout_at(j: int) -> Layout:
         r, g = rows[j], scored[group[j]][3]
-        return Layout(tp=int(c["tp"][r]), pp=int(c["pp"][r]), dp=int(c["dp"][r]),
-                      cp=int(c["cp"][r]), ep=int(c["ep"][r]), mbs=int(c["mbs"][r]),
+        return Layout({d.name: int(c[d.name][r]) for d in DIMENSIONS}, mbs=int(c["mbs"][r]),
                       schedule=g["schedule"], v=g["v"], zero=g["zero"],
                       recompute=g["recompute"], sp=True, attention=attention,
                       order=orders[int(g["order"][j - starts[group[j]]])])
@@ -247,9 +267,9 @@ def _best_by(c: dict[str, np.ndarray], rows: np.ndarray, group: np.ndarray, scor
 
     for tp in np.unique(c["tp"]):
         out[f"tp={tp}"] = best(c["tp"][rows] == tp)
-    out["pp=1"] = best(c["pp"][rows] == 1)
-    out["pp>1"] = best(c["pp"][rows] > 1)
-    out["cp=1"] = best(c["cp"][rows] == 1)
+    for d in DIMENSIONS:  # with and without each dimension
+        out[f"{d.name}=1"] = best(c[d.name][rows] == 1)
+        out[f"{d.name}>1"] = best(c[d.name][rows] > 1)
     for z in range(4):
         out[f"zero={z}"] = best(zero == z)
     for r in RECOMPUTE:
@@ -261,7 +281,7 @@ def search_orders(shape: Shape, cluster: Cluster) -> list[tuple[str, ...]]:
     """The mesh orders the vectorised pass scores: the default, and each other dim
     innermost (the rest in the default's order), on more than one node of a dense model
     (the orders of one node place every group alike; expert parallelism's groups assume
-    the default: comm.order_strides)."""
+    the default: comm.price.order_strides)."""
     if shape.moe or cluster.n_gpus <= cluster.gpus_per_node:
         return [DEFAULT_ORDER]
     return [DEFAULT_ORDER] + [(d, *(x for x in DEFAULT_ORDER if x != d))
@@ -287,9 +307,10 @@ def _best_of_orders(shape: Shape, cluster: Cluster, train: Training, eff: Effici
 def distinct_orders(lay: Layout, gpus_per_node: int) -> list[tuple[str, ...]]:
     """The mesh orders (innermost first) that place `lay`'s groups differently, the
     default first: two orders whose dims of size > 1 have the same strides build the same
-    groups. Only the default for expert parallelism (comm.order_strides) or one node."""
-    sizes = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp}
-    if lay.ep > 1 or sizes["tp"] * sizes["cp"] * sizes["pp"] * sizes["dp"] <= gpus_per_node:
+    groups. Only the default for a dimension laid over the replicas (expert parallelism:
+    comm.price.order_strides) or one node."""
+    sizes = lay.sizes
+    if any(size > 1 for size in lay.laid().values()) or lay.world <= gpus_per_node:
         return [DEFAULT_ORDER]
     seen, out = set(), []
     for order in [DEFAULT_ORDER, *itertools.permutations(DEFAULT_ORDER)]:
@@ -324,6 +345,7 @@ def order_notes(best: Estimate) -> list[str]:
         return []
     crossing = [c.dim for c in best.collectives if not bool(c.intra)]
     return [f"Mesh order recommended: {','.join(order)} (innermost first; parallel.order, "
-            "which --emit-config writes): it beats the default tp,cp,pp,dp for this layout"
+            f"which --emit-config writes): it beats the default {','.join(DEFAULT_ORDER)} for "
+            "this layout"
             + (f"; across nodes: {', '.join(dict.fromkeys(crossing))}" if crossing else "")
             + "."]

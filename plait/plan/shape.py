@@ -221,7 +221,7 @@ def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None,
     """The tensors one layer saves for its backward pass with nothing recomputed, per token.
 
     `seq` is the key length each query attends to (the full sequence, also under context
-    parallelism, whose rank holds s/cp queries against all s keys). `attention`: the
+    parallelism, whose rank holds its share of the queries against all s keys). `attention`: the
     kernel (ATTENTION): flash keeps a log-sum-exp, math the probabilities.
     gpt + math: Korthikanti et al. 2022, section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh,
     LayerNorms 4sbh, with 2-byte activations and 1-byte dropout masks); with flash the

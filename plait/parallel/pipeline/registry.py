@@ -2,9 +2,12 @@
 
 Read by config validation (`plait/config/schema.py`), the partition (`partition.py`), the runtime
 build (`build_pipeline`), `plait simulate` (`cli.py`), `plait train --schedule` and the
-planner (`plait/plan/`: bubble, search, memory, estimate, cli). A new schedule is one
-entry in `SCHEDULES` (its builder in `schedules.py`, its rules in `rules.py` if new ones
-are needed) plus its tests; docs/pipeline_schedules.md, "Adding a schedule".
+planner (`plait/plan/`: bubble, search, memory, estimate, cli). What only the planner's
+formulas read (its ranking bubble, peak in-flight activations, search order and extra
+search rules, the placement facts its costs use) is its own, keyed by these names
+(plait/plan/schedule_facts.py). A new schedule is one entry in `SCHEDULES` (its builder in
+`schedules.py`, its rules in `rules.py` if new ones are needed), its planner facts, and
+their tests; docs/pipeline_schedules.md, "Adding a schedule".
 
 The entry points (`build_schedule`, `validate_schedule_request`, `natural_virtual_stages`,
 `num_model_stages`, `closed_form_bubble`, `paper_bubble_time`) are here and not in
@@ -40,9 +43,6 @@ class ScheduleSpec:
     build: Callable[..., Schedule]  # (p, m, v), or (p, m, v, durations, layout) if
     # list_scheduled
     rules: tuple[Rule, ...]  # what it needs of (p, m, v), in the order problems are shown
-    # the planner scores schedules in this order, and of layouts with equal closed-form
-    # step times the earlier wins (1f1b before gpipe: the same time, less memory)
-    search_order: int
     # v when not given; fixed unless free_virtual_stages (interleaved: any v >= 2)
     virtual_stages: int = 1
     free_virtual_stages: bool = False
@@ -54,18 +54,6 @@ class ScheduleSpec:
     # its conditions fail); `paper_bubble`: the bubble time as the papers state it.
     sync_bubble: Bubble | None = None
     paper_bubble: Bubble | None = None
-    # --- the planner (plait/plan/); the defaults are 1F1B's ---
-    # its ranking bubble on the slowest rank, (slots, idle per slot) for (p, F, I, W):
-    # the bubble is slots x idle, each clipped at 0; elementwise on arrays
-    ranking_bubble: Callable[[Num, Num, Num, Num], tuple[Num, Num]] = lambda p, f, i, w: (
-        p - 1, f + i + w)
-    # peak in-flight (micro-batch x stage) activation sets on the first and the last rank
-    # for (p, m, v, minimum), `minimum` elementwise (numpy's); the simulator's replace them
-    peak_inflight: Callable[..., tuple[Num, Num]] = lambda p, m, v, lo: (lo(p, m), 1)
-    # what the search asks beyond `rules` (see the entries; `planner_rules`)
-    search_rules: tuple[Rule, ...] | None = None
-    head_on_first_rank: bool = False  # a chain's last stage (LM head) sits on rank 0 too
-    pairs_forward_with_backward: bool = False  # DualPipe's F&B chunks hide all-to-alls
 
     def v_of(self, v: Num) -> Num:
         """The stages per rank of each chain a build really uses (fixed unless free)."""
@@ -79,12 +67,6 @@ class ScheduleSpec:
         """Blocks the layers are cut into, one chain's stages (DualPipe's copies share)."""
         return pp * self.v_of(v)
 
-    @property
-    def planner_rules(self) -> tuple[Rule, ...]:
-        """What the planner's search asks: every rule a build needs, and its own extras
-        (never less: `plait plan` offers only what `plait train` runs)."""
-        return self.rules + (self.search_rules or ())
-
 
 # --- the table ----------------------------------------------------------------------------
 
@@ -96,65 +78,47 @@ def _fill_and_drain(p: int, m: int, f: float, i: float, w: float) -> float:
 
 SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec(  # Huang et al. 2019: all forwards, then all backwards
-        "gpipe", b.build_gpipe, (r.one_stage_per_rank(),), search_order=1,
-        sync_bubble=_fill_and_drain, paper_bubble=_fill_and_drain,
-        peak_inflight=lambda p, m, v, lo: (m, m)),
+        "gpipe", b.build_gpipe, (r.one_stage_per_rank(),),
+        sync_bubble=_fill_and_drain, paper_bubble=_fill_and_drain),
     ScheduleSpec(  # PipeDream-Flush, Narayanan et al. 2021
         "1f1b", b.build_1f1b, (r.one_stage_per_rank(alternatives=r.SEVERAL_STAGES_ELSEWHERE),),
-        search_order=0, sync_bubble=_fill_and_drain, paper_bubble=_fill_and_drain),
+        sync_bubble=_fill_and_drain, paper_bubble=_fill_and_drain),
     ScheduleSpec(  # Narayanan et al. 2021 s2.2: (p-1)/(v m) of the ideal time
         "interleaved", b.build_interleaved,
-        (r.SEVERAL_STAGES_PER_RANK, r.MICROBATCHES_MULTIPLE_OF_PP), search_order=7,
+        (r.SEVERAL_STAGES_PER_RANK, r.MICROBATCHES_MULTIPLE_OF_PP),
         virtual_stages=2, free_virtual_stages=True,
-        sync_bubble=_fill_and_drain, paper_bubble=_fill_and_drain,
-        # p*v + p - 1 chunks of L/(pv) layers: the (1 + (p-1)/(pv)) penalty (Korthikanti
-        # et al. 2022, sec. 4.2.3 / Megatron)
-        peak_inflight=lambda p, m, v, lo: (lo(p * v + p - 1, m * v),
-                                           lo((v - 1) * p + 1, m * v))),
+        sync_bubble=_fill_and_drain, paper_bubble=_fill_and_drain),
     ScheduleSpec(  # Qi et al. 2023 s2.1: 1F1B's memory, W's deferred by r
         "zb-h1", b.build_zb_h1,
         (r.one_stage_per_rank(alternatives=r.SEVERAL_STAGES_ELSEWHERE),
-         r.MICROBATCHES_AT_LEAST_PP), search_order=2, split_backward=True,
+         r.MICROBATCHES_AT_LEAST_PP), split_backward=True,
         # needs T_W <= T_F, T_I
         sync_bubble=lambda p, m, f, i, w: (p - 1) * (f + i - w)
         if m >= p and w <= f and w <= i else None,
-        paper_bubble=lambda p, m, f, i, w: (p - 1) * (f + i - w) if m >= p else None,
-        ranking_bubble=lambda p, f, i, w: (p - 1, f + i - w)),
+        paper_bubble=lambda p, m, f, i, w: (p - 1) * (f + i - w) if m >= p else None),
     ScheduleSpec(  # Qi et al. 2023 s2.2: 2p-1 activations on rank 0, the parallelogram
         "zb-h2", b.build_zb_h2,
         (r.one_stage_per_rank(alternatives=r.SEVERAL_STAGES_ELSEWHERE),
-         r.MICROBATCHES_AT_LEAST_PP), search_order=3, split_backward=True,
+         r.MICROBATCHES_AT_LEAST_PP), split_backward=True,
         # the fill triangle the paper's parallelogram leaves under a synchronous step
         # (derived here, checked by tests/test_schedules.py)
         sync_bubble=lambda p, m, f, i, w: (p - 1) * f
         if m >= 2 * p - 1 and w <= f and w <= i <= 2 * w else None,
         paper_bubble=lambda p, m, f, i, w: (p - 1) * (f + i - 2 * w)
-        if m >= 2 * p - 1 else None,
-        ranking_bubble=lambda p, f, i, w: (p - 1, f + i - 2 * w),
-        peak_inflight=lambda p, m, v, lo: (lo(2 * p - 1, m), lo(p, m))),
+        if m >= 2 * p - 1 else None),
     ScheduleSpec(  # Qi et al. 2024 s6: a V, 2p stage activations per rank (1F1B's peak)
         "zb-v", b.build_zb_v, (r.TWO_STAGES_IN_A_V, r.MICROBATCHES_AT_LEAST_PP),
-        search_order=4, virtual_stages=2, split_backward=True, list_scheduled=True,
-        ranking_bubble=lambda p, f, i, w: (p - 1, f + i - 2 * w),
-        peak_inflight=lambda p, m, v, lo: (lo(2 * p, 2 * m), 1), head_on_first_rank=True),
+        virtual_stages=2, split_backward=True, list_scheduled=True),
     ScheduleSpec(  # DualPipe "cut in half" onto a V (DeepSeek), B split in the tail
         "dualpipev", b.build_dualpipev, (r.TWO_STAGES_IN_A_V, r.MICROBATCHES_FILL_THE_V),
-        search_order=5, virtual_stages=2, split_backward=True,
-        ranking_bubble=lambda p, f, i, w: (p / 2 - 1, f + 2 * i - 2 * w),
-        peak_inflight=lambda p, m, v, lo: (lo(2 * (p + 1), 2 * m), 1),
-        head_on_first_rank=True, pairs_forward_with_backward=True),
+        virtual_stages=2, split_backward=True),
     ScheduleSpec(  # DeepSeek-V3 report s3.2.1: two copies, m/2 micro-batches each way
         "dualpipe", b.build_dualpipe,
         (r.one_stage_per_rank("one stage of each of its two model copies"), r.EVEN_PP,
-         r.HALF_THE_MICROBATCHES_EACH_WAY), search_order=6, chains=2, split_backward=True,
+         r.HALF_THE_MICROBATCHES_EACH_WAY), chains=2, split_backward=True,
         list_scheduled=True,
         # Table 2 with T_F&B = T_F + T_B (no F/B overlap modelled): a bound, not an identity
-        paper_bubble=lambda p, m, f, i, w: (p / 2 - 1) * (f + 2 * i - w),
-        ranking_bubble=lambda p, f, i, w: (p / 2 - 1, f + 2 * i - 2 * w),
-        peak_inflight=lambda p, m, v, lo: (lo(p + 1, m), 1),  # p+1 stages' worth
-        # the search also asks m >= p, as it always has (kept so its outputs hold)
-        search_rules=(r.MICROBATCHES_AT_LEAST_PP,),
-        head_on_first_rank=True, pairs_forward_with_backward=True),
+        paper_bubble=lambda p, m, f, i, w: (p / 2 - 1) * (f + 2 * i - w)),
 )}
 
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)

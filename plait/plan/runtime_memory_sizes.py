@@ -1,9 +1,10 @@
-"""The sizes the eager memory model (plait/plan/eager.py) is built from, per pipeline rank.
+"""The sizes the runtime memory model (plait/plan/runtime_memory.py) is built from, per
+pipeline rank.
 
 From the configuration alone: the model's shapes per tensor-parallel rank, the stages a
 pipeline rank holds, its ZeRO units and shards, model-state bytes by category, and what
 one micro-batch keeps between its forward and backward (`RankSizes`, made once by
-`rank_sizes`). eager.py walks the schedule with these to find the peak moment.
+`rank_sizes`). runtime_memory.py walks the schedule with these to find the peak moment.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Memory of plait's own CPU runtime through one training step: `kernels="eager"`.
-
-The default planner (`kernels="fused"`) sums per-category maxima for a GPU stack (fused
-RMSNorm/SwiGLU, flash attention, NCCL). This model instead follows what plait's eager CPU
-runtime keeps alive, moment by moment, and returns the categories *at the peak moment* of
-the most loaded rank: the quantity the runtime's `MemoryTracker` measures (peak of live
-tensor bytes, classified params / grads / optimizer / comm / activations).
+"""Memory of plait's own (eager, CPU) runtime through one training step, moment by moment:
+`predict_memory(cfg, kernels="eager")`. The planner needs two memory models: memory.py's
+closed form scores the search's ~10^5 layouts at once for a GPU stack (fused kernels,
+flash attention, NCCL); this one walks one configuration's schedule through the eager
+runtime's temporaries (fp32 norm inputs, unfused SwiGLU buffers, gloo's chunks, bucket
+copies) and returns the categories *at the peak moment* of the most loaded rank: what the
+runtime's `MemoryTracker` measures (live tensor bytes: params / grads / optimizer / comm /
+activations), within 5 %. Where both describe the same bytes, the model states at the
+step's end, they agree (tests/test_plan_memory_agree.py).
 
 Moments considered, per pipeline rank, walking the rank's action list of the schedule
 (`build_schedule`; pp = 1 is the one-stage F, B per micro-batch case):
@@ -29,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plait.dims import DIMENSIONS
 from plait.optim import CHUNK as OPT_CHUNK  # elements per foreach chunk
 from plait.plan.activations import FP32
-from plait.plan.eager_sizes import (
+from plait.plan.runtime_memory_sizes import (
     CATEGORIES,
     Moment,
     RankSizes,
@@ -329,17 +332,19 @@ def not_covered(cfg: Config) -> str | None:
     Covered and checked against the tracker (tests/test_predict_vs_measured.py): dp with
     ZeRO 0-3, tp (+SP), pp with F/B schedules, and tp x pp with them. Not covered: the
     deferred weight work of I/W-split schedules, and ZeRO with pp (measured 12-22 % under
-    and 7 % over the tracker at pp=2), and context parallel (its ring buffers, the
-    fp32 partial outputs and scores of each block are not modelled), and the MoE block."""
+    and 7 % over the tracker at pp=2), and a sequence split over ranks (context parallel:
+    its ring buffers, the fp32 partial outputs and scores of each block are not
+    modelled), and the MoE block."""
     p = cfg.parallel
     if cfg.model.n_experts:
         return (f"model.n_experts={cfg.model.n_experts}: the eager memory model has no MoE "
                 "block (router scores, dispatch order, per-expert activations); predict "
                 "with kernels='fused' (the planner's GPU model)")
-    if p.cp > 1:
-        return (f"cp={p.cp}: the eager memory model does not follow context parallel's "
-                "attention (ring K/V buffers, per-block scores); predict with "
-                "kernels='fused', whose activations fall as 1/cp")
+    for d in DIMENSIONS:  # a split sequence's attention
+        if d.splits == "sequence" and getattr(p, d.name) > 1:
+            return (f"{d.name}={getattr(p, d.name)}: the eager memory model does not follow "
+                    f"{d.title}'s attention (ring K/V buffers, per-block scores); predict "
+                    f"with kernels='fused', whose activations fall as 1/{d.name}")
     if p.pp == 1:
         return None
     sched, _ = rank_stages(cfg, 0)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.dims import DEFAULT_ORDER, LAID
 from plait.plan.hardware import GPU
 
 Num = Any  # float or numpy array
@@ -27,18 +28,23 @@ Num = Any  # float or numpy array
 
 def intra_node(stride: Num, size: Num, gpus_per_node: int) -> Num:
     """Whether a group of `size` ranks spaced `stride` apart stays inside one node (ranks
-    are numbered node by node; default order tp, cp, pp, dp innermost first)."""
+    are numbered node by node, in the mesh order: `order_strides`)."""
     return np.asarray(stride) * np.asarray(size) <= gpus_per_node
 
 
-def order_strides(order: tuple[str, ...], sizes: dict[str, Num], ep: Num) -> dict[str, Num]:
-    """The rank distance between neighbours along each dim of the mesh `order` (innermost
-    first, parallel.order): with `intra_node`, which groups cross nodes."""
-    if sorted(order) != sorted(sizes):
-        raise ValueError(f"order {','.join(order)}: name each of tp, cp, pp, dp once")
-    if tuple(order) != ("tp", "cp", "pp", "dp") and np.any(np.asarray(ep) > 1):
-        raise ValueError("a mesh order other than tp,cp,pp,dp is modelled for dense "
-                         "layouts only (expert parallel's groups assume the default)")
+def order_strides(order: tuple[str, ...], sizes: dict[str, Num]) -> dict[str, Num]:
+    """The rank distance between neighbours along each axis of the mesh `order` (innermost
+    first, parallel.order), from every dimension's `sizes` by record name: with
+    `intra_node`, which groups cross nodes. A dimension laid over the replicas (expert
+    parallel) has its groups modelled in the default order only."""
+    if sorted(order) != sorted(DEFAULT_ORDER):
+        raise ValueError(f"order {','.join(order)}: name each of {', '.join(DEFAULT_ORDER)} "
+                         "once")
+    if tuple(order) != DEFAULT_ORDER and any(np.any(np.asarray(sizes[d.name]) > 1)
+                                             for d in LAID):
+        laid = " and ".join(f"{d.title}'s" for d in LAID)
+        raise ValueError(f"a mesh order other than {','.join(DEFAULT_ORDER)} is modelled for "
+                         f"dense layouts only ({laid} groups assume the default)")
     strides, stride = {}, 1.0
     for d in order:
         strides[d], stride = stride, stride * sizes[d]
@@ -75,7 +81,7 @@ def p2p(size: Num, bw: Num, alpha: Num) -> Num:
 class Collective:
     """One kind of collective a rank issues per step (fields may be arrays in a search)."""
 
-    dim: str  # tp, cp, pp, dp, ep
+    dim: str  # a dimension's record name, a laid group's ("edp"), or "world"
     op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, p2p
     size: Num  # bytes per call (see the module docstring)
     count: Num  # calls per step on the most loaded rank
@@ -87,7 +93,7 @@ class Collective:
     algorithm: str = "ring"
     # of `count`, the calls per step the issuing rank waits on at once (a synchronous call,
     # or an async one waited before any compute runs beside it): those pay a measured
-    # profile's collective sync (plait/plan/step_comm.py's sync_seconds). None: every call
+    # profile's collective sync (plait/plan/comm/sync.py's sync_seconds). None: every call
     blocking: Num = None
 
     @property

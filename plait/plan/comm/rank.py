@@ -7,8 +7,8 @@ the rank that holds the head and the loss holds fewer layers (llama3-8b at pp = 
 32 on the last stage), and the ends differ from the middle: only the first stage's rank
 runs the embedding, only the last's the head and the loss, an end rank sends one way.
 A dry run (plait/observe/dry_run.py) compares one rank's ledger with that rank's own
-collectives: the same formulas (plait/plan/step_comm.py, runtime_comm.py) fed what the
-rank holds in the runtime (`RankPart`).
+collectives: the same formulas (plait/plan/comm/layer.py, step.py) fed what the rank holds
+in the runtime (`RankPart`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import numpy as np
 
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import comm, memory
-from plait.plan.eager_sizes import rank_stages
-from plait.plan.estimate import _basis, _chunk_times
-from plait.plan.runtime_comm import dualpipe_copies
-from plait.plan.step_comm import dp_exposed_time, layer_comm, pp_p2p
+from plait.plan import memory
+from plait.plan.basis import basis_of
+from plait.plan.comm import price
+from plait.plan.comm.layer import layer_comm
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.estimate import chunk_times
+from plait.plan.from_config import config_inputs
+from plait.plan.runtime_memory_sizes import rank_stages
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -60,10 +63,11 @@ def rank_part(cfg: Config, pp_rank: int) -> RankPart:
     return RankPart(pp_rank, tuple(layers), emb, head, sends)
 
 
-def rank_params(shape: Shape, tp: float, ep: float, part: RankPart) -> tuple[float, float]:
+def rank_params(shape: Shape, tp: float, expert_split: float, part: RankPart
+                ) -> tuple[float, float]:
     """(dense, routed-expert) parameters on the rank: its layers (an MoE model's leading
     `dense_layers` dense), the embedding and the head where its stages hold them."""
-    t = memory.param_terms(shape, tp, ep)
+    t = memory.param_terms(shape, tp, expert_split)
     dense = expert = 0.0
     for layer in part.layers:
         if shape.moe and layer < shape.dense_layers:
@@ -76,37 +80,43 @@ def rank_params(shape: Shape, tp: float, ep: float, part: RankPart) -> tuple[flo
     return float(dense), float(expert)
 
 
-def rank_collectives(cfg: Config, pp_rank: int) -> list[comm.Collective]:
-    """Pipeline rank `pp_rank`'s collectives per step (every tp, cp, dp rank of it issues
-    the same; ep's all-to-alls at a balanced routing): `evaluate`'s list, for that rank."""
-    from plait.plan import config_inputs
-
+def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
+    """Pipeline rank `pp_rank`'s collectives per step (every rank of its stage issues the
+    same; the experts' all-to-alls at a balanced routing): `evaluate`'s list, for that
+    rank."""
     shape, cluster, train, lay, eff = config_inputs(cfg)
     part = rank_part(cfg, pp_rank)
-    b = replace(_basis(shape, cluster, train, lay, eff), rank_layers=float(len(part.layers)))
+    b = replace(basis_of(shape, cluster, train, lay, eff), rank_layers=float(len(part.layers)))
     ends = (float(part.embedding_microbatches), float(part.head_microbatches))
     lc = layer_comm(shape, cluster, lay, eff, b, ends)
     colls = lc.colls
-    ct = _chunk_times(shape, cluster, lay, eff, b, lc)
+    ct = chunk_times(shape, cluster, lay, eff, b, lc)
     pp_p2p(shape, cluster, eff, b, colls, lay.sp, sends=float(part.sends))
-    dense, expert = rank_params(shape, b.tp, b.ep, part)
-    # as in `evaluate`: dense parameters sync over dp x cp, routed experts over edp
+    dense, expert = rank_params(shape, b.tp, b.expert_split, part)
+    # as in `evaluate`: dense parameters sync over the replicas, routed experts over edp
     dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls)
     if shape.moe:
-        dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, over_ep=True)
+        dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, dense + expert))
     return colls
 
 
-def bytes_by_dim(collectives: list[comm.Collective], ep: int) -> dict[str, float]:
+def bytes_by_dim(collectives: list[price.Collective], expert_split: int
+                 ) -> dict[str, float]:
     """The planner's payload bytes per step per dim (size x count), named as
-    plait.ledger.data_bytes_by_dim names the ledger's: with ep = 1 the routed experts'
-    gradients sync with the rest (one group: the runtime's one bucketed sync); DualPipe's
-    copy swap is "pp_copies"."""
+    plait.ledger.data_bytes_by_dim names the ledger's: with the experts whole on every
+    rank (expert_split = 1) the routed experts' gradients sync with the rest (one group:
+    the runtime's one bucketed sync); DualPipe's copy swap is "pp_copies"."""
     out: dict[str, float] = {}
     for c in collectives:
-        dim = "dp" if c.dim == "edp" and ep == 1 else c.dim
+        dim = "dp" if c.dim == "edp" and expert_split == 1 else c.dim
         dim = "pp_copies" if "copies" in c.op else dim
         out[dim] = out.get(dim, 0.0) + float(c.size * c.count)
     return out
+
+
+def rank_bytes_by_dim(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """`bytes_by_dim` of pipeline rank `pp_rank`'s collectives (`rank_collectives`)."""
+    expert_split = config_inputs(cfg)[3].expert_split
+    return bytes_by_dim(rank_collectives(cfg, pp_rank), expert_split)

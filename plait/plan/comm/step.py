@@ -1,0 +1,210 @@
+"""The collectives around the layers, once or per micro-batch in a step: the pipeline's
+sends (and DualPipe's swap of its copies' gradients), the gradient synchronisation over
+the replicas (data parallel and ZeRO; the routed experts' over the ranks holding the same
+experts) and the step's closing all-reduces (the grad norm, the logged loss).
+
+Counts per step on the most loaded rank (s = one micro-batch's activation on a rank):
+
+  pp                  a send per stage boundary the rank's stages cross, forward and
+                      backward; the full activation (plait does not split it over tp; SP
+                      already has); DualPipe also swaps the two copies' gradients
+  dp (edp)            ZeRO-0: the gradients all-reduced once, bucketed; ZeRO-1/2: reduce-
+                      scattered (each micro-batch's under ZeRO-2) and the parameters
+                      all-gathered after the update; ZeRO-3: all-gathered before each
+                      forward and backward, reduce-scattered after each backward
+  step end            8-byte all-reduces: the grad norm's partial sums over the world,
+                      the logged loss over the dimensions that sum it
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+import numpy as np
+
+from plait.config import FIRST_BUCKET_MB, ParallelConfig
+from plait.dims import DIMENSIONS, LOSS_SUMMED, REPLICA_AXES
+from plait.parallel.pipeline.registry import schedule_spec
+from plait.plan import memory
+from plait.plan.basis import Basis, ChunkTimes, Layout, Training
+from plait.plan.comm import price
+from plait.plan.compute import Efficiency, Num
+from plait.plan.hardware import Cluster
+from plait.plan.schedule_facts import facts
+from plait.plan.shape import Shape
+
+
+def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
+    """Sends of one micro-batch on the busiest rank: a stage boundary its stages cross,
+    forward and backward. Looping placements (stage s on rank s mod pp): v each way on a
+    middle rank, one fewer at pp = 2 (both ranks are ends); V shapes (stages r and
+    2pp-1-r on rank r): the turn is local, 2 each way in the middle, 1 at pp = 2;
+    DualPipe: each micro-batch runs one chain, like v = 1."""
+    spec, two = schedule_spec(sched), np.asarray(pp) == 2
+    if spec.chains > 1:
+        v = 1.0
+    elif facts(sched).head_on_first_rank:  # V shape
+        return np.where(two, 2.0, 4.0)
+    return 2.0 * v - np.where(two, 1.0, 0.0)
+
+
+def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
+           colls: list[price.Collective], sp: bool = False, sends: Num | None = None) -> Num:
+    """One pipeline send's time (0 without a pipeline); appends pp's collective. `sends`:
+    one pipeline rank's per step (its lowered schedule's); None: the busiest rank's."""
+    pp_intra = price.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
+    bw, al = price.link(cluster.gpu, pp_intra, eff.link_efficiency)
+    # the time: Megatron's scatter/gather optimisation sends 1/tp of the activation per
+    # rank (Narayanan et al. 2021, sec. 4.1), on which the calibration was fitted. The
+    # list: plait's runtime sends the whole activation from every tp rank (not built
+    # yet), under SP already split over tp
+    t_pp = np.where(b.pp > 1, price.p2p(b.tokens * shape.hidden * b.e / b.tp, bw, al), 0.0)
+    if np.any(b.pp > 1):
+        s_pp = b.tokens * shape.hidden * b.e / (b.tp if sp else 1.0)
+        n = pp_sends_per_microbatch(b.sched, b.pp, b.v) * b.m if sends is None else sends
+        colls.append(price.Collective("pp", "send (activations, gradients)", s_pp, n, 2,
+                                     pp_intra, price.p2p(s_pp, bw, al), 0.0,
+                                     "inside the pipeline timeline (simulated)"))
+    return t_pp
+
+
+def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
+                    b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
+                    experts: bool = False) -> Num:
+    """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
+    over the replicas, or with `experts` routed experts', over the replicas that hold the
+    same experts, "edp"); appends the collectives (dim "dp" or "edp")."""
+    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    m = b.m
+    # the gradients are reduced over the replicas: inside a node when every replica
+    # axis's groups are
+    span = reduce(np.maximum, [np.where(b.sizes[name] > 1, b.span(name), 1)
+                               for name in REPLICA_AXES])
+    dp_intra = span <= cluster.gpus_per_node
+    bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
+    g_bytes, p_bytes = pr * gb, pr * pb
+    # one micro-batch on this rank: the compute that can hide a collective, as much as
+    # the machine overlaps the two (a measured profile's; all of it on a GPU)
+    f_mb = b.cpr * ct.f_c * eff.comm_overlap
+    b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
+    n = b.replicas / (b.expert_split if experts else 1.0)
+    # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
+    # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES; a
+    # pipeline stage is one unit) under a measured profile; one collective of all the
+    # bytes in Megatron's count
+    modules = b.rank_layers + 3
+    if lay.zero in (1, 2):
+        modules = np.minimum(modules, np.maximum(np.ceil(p_bytes / BUCKET_BYTES), 1.0))
+    units = np.where(b.pp > 1, 1.0, modules) if eff.runtime_comm else 1.0
+    t_ar_dp, _ = price.all_reduce(g_bytes, n, bw, al)
+    t_rs = units * price.gather_like(g_bytes / units, n, bw, al)
+    t_ag = units * price.gather_like(p_bytes / units, n, bw, al)
+    # the runtime's last gradient collective starts when the backward is done: nothing
+    # hides it (ZeRO-0: the last bucket's all-reduce, plait/parallel/data.py; ZeRO: the
+    # embedding unit's reduce-scatter); Megatron's count hides all behind the backward
+    last_ar, last_rs = 0.0, 0.0
+    if eff.runtime_comm:
+        last_ar = price.all_reduce(last_bucket_bytes(g_bytes), n, bw, al)[0]
+        last_rs = t_rs / units
+    # the last value: calls a step the rank waits on at once (`Collective.blocking`): of
+    # bucketed DP's all-reduces the last bucket's, issued when the backward ends; of ZeRO's
+    # reduce-scatters the last unit's of each round (the others complete behind the rest
+    # of the backward, plait/parallel/zero.py); of ZeRO-1/2's parameter all-gathers, issued
+    # together after the update, the first unit's (each later one is waited on before its
+    # unit's forward, behind the units before it); of ZeRO-3's all-gathers the first
+    # unit's of each forward and each backward (every later unit's was prefetched)
+    dp_colls: list[tuple[str, Num, Num, Num, Num, str, Num]] = []
+    if lay.zero == 0:
+        exp = np.maximum(t_ar_dp - b_mb, last_ar)
+        dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward", 1))
+    elif lay.zero in (1, 2):
+        k = m if lay.zero == 2 else 1
+        exp_rs = k * np.maximum(t_rs - b_mb, last_rs)
+        dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
+                         "each backward" if lay.zero == 2 else "last backward", k))
+        dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
+                         np.maximum(t_ag - f_mb, 0), "first forward", 1))
+    else:
+        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, 2 * m, t_ag,
+                         m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
+                         "the layer before (prefetch)", 2 * m))
+        dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
+                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
+                         m))
+    dp_exposed = 0.0
+    for op, size, count, t_each, exp, how, blocking in dp_colls:
+        exp = np.where(n > 1, exp, 0.0)
+        dp_exposed = dp_exposed + exp
+        if np.any(n > 1):
+            per_unit = op != "all-reduce (grads)"  # ZeRO's: `units` calls of size / units
+            colls.append(price.Collective("edp" if experts else "dp", op,
+                                         size / units if per_unit else size,
+                                         np.asarray(count, dtype=float)
+                                         * (units if per_unit else 1.0), n, dp_intra,
+                                         t_each / units if per_unit else t_each, exp, how,
+                                         blocking=np.asarray(blocking, dtype=float)))
+    if eff.runtime_comm and not experts:
+        dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
+    return dp_exposed
+
+
+BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
+FIRST_BUCKET_BYTES = FIRST_BUCKET_MB * 2**20  # its smaller first bucket (data.py)
+
+
+def last_bucket_bytes(g_bytes: Num) -> Num:
+    """About the bytes of bucketed DP's last bucket, the one nothing hides: after the
+    first bucket (FIRST_BUCKET_BYTES) every bucket holds BUCKET_BYTES; a gradient within
+    the first bucket is one bucket."""
+    return np.where(g_bytes <= FIRST_BUCKET_BYTES, g_bytes,
+                    np.minimum(g_bytes - FIRST_BUCKET_BYTES, BUCKET_BYTES))
+
+
+STEP_END_BYTES = 8  # the grad norm's partial sum and the logged loss, one float64 each
+
+
+def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
+                         colls: list[price.Collective]) -> Num:
+    """Exposed seconds of the runtime's all-reduces after the micro-batches (counted in
+    "dp comm (exposed)"): the grad norm's partial sums over the world when any parameter
+    is sharded (ZeRO, or a dimension whose ranks hold different parameters:
+    plait/parallel/replicated.py) and the logged loss over the dimensions that sum it, in
+    their order (plait/train/loop.py); latency-bound, on the critical path. Where dp is
+    the whole mesh and the norm has an all-reduce, the logged loss rides in it (one call of
+    two float64s: GradSyncOptimizer.grad_norm's `summed_with`)."""
+    world = b.world
+    sharded = lay.zero >= 1
+    for d in DIMENSIONS:
+        if not d.replicates_params:
+            sharded = sharded | (b.sizes[d.name] > 1)
+    folded = sharded & (world == b.dp) & (world > 1)
+    total = 0.0
+    calls = [("world", np.where(sharded, world, 1.0), "grad norm",
+              np.where(folded, 2 * STEP_END_BYTES, STEP_END_BYTES))]
+    calls += [(name, np.where(folded, 1.0, b.dp) if name == "dp" else b.sizes[name],
+               "logged loss", STEP_END_BYTES) for name in LOSS_SUMMED]
+    for dim, n, what, size in calls:
+        span = world if dim == "world" else b.span(dim)
+        intra = span <= cluster.gpus_per_node
+        bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
+        t, _ = price.all_reduce(size, n, bw, al)
+        total = total + t
+        if np.any(n > 1):
+            colls.append(price.Collective(dim, f"all-reduce ({what}, float64)", size,
+                                         np.where(n > 1, 1.0, 0.0), n, intra, t, t,
+                                         "none: after the micro-batches"))
+    return total
+
+
+def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: Basis,
+                    rank_params: Num) -> price.Collective:
+    """DualPipe's swap of the two copies' gradients with the mirror rank: every gradient
+    the rank holds, in the compute dtype, once a step (a send; the receive is the
+    mirror's send)."""
+    _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    intra = price.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
+    bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
+    size = rank_params * gb
+    return price.Collective("pp", "send (DualPipe copies' gradients)", size, 1.0, 2, intra,
+                           price.p2p(size, bw, al), price.p2p(size, bw, al),
+                           "none: after the last backward")
