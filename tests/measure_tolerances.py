@@ -4,6 +4,11 @@ tolerance class and check, and the table in docs/parity.md rewritten from them.
 
     .venv/bin/python tests/measure_tolerances.py           # the suite's parity tests (~5 min)
     .venv/bin/python tests/measure_tolerances.py --from runs.jsonl   # table from a record
+    .venv/bin/python tests/measure_tolerances.py --keep after.jsonl --same-as before.jsonl
+
+`--same-as`: a refactor's proof that nothing changed in behaviour: every comparison's
+errors (each test, tolerance class and check) equal to the last digit to those of an
+earlier record (made with `--keep` on the earlier commit); exit 1 otherwise.
 
 A bound must sit between the worst error measured over the layouts it covers and 3x that
 error (tests/test_parity_tolerances.py holds plait.testing.PARITY_TOLERANCES to the table);
@@ -77,6 +82,27 @@ def table(worst: dict[tuple[str, str], tuple[float, str, int]]) -> tuple[str, li
     return "\n".join(rows), problems
 
 
+def errors_by_comparison(lines: list[dict]) -> dict[tuple[str, str], list[str]]:
+    """(test, class) -> each of its records' errors by check, canonical and sorted."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for rec in lines:
+        errors = {k: err for k, (err, _) in rec["errors"].items()}
+        out.setdefault((rec["test"], rec["precision"]), []).append(
+            json.dumps(errors, sort_keys=True))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def same_as(before: list[dict], after: list[dict]) -> list[str]:
+    """Where `after`'s comparisons differ from `before`'s (missing ones included)."""
+    a, b = errors_by_comparison(before), errors_by_comparison(after)
+    diffs = [f"{k[0]} [{k[1]}]: " + ("only before" if k not in b else "only after"
+                                     if k not in a else "errors differ")
+             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    print(f"{len(set(a) | set(b)) - len(diffs)} of {len(set(a) | set(b))} comparisons "
+          "carry the same errors")
+    return diffs
+
+
 def rewrite_doc(text: str) -> None:
     doc = DOC.read_text()
     head, rest = doc.split(BEGIN, 1)
@@ -90,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the table from this record instead of running the tests")
     ap.add_argument("--keep", type=Path, help="keep the record at this path")
     ap.add_argument("--no-write", action="store_true", help="print only; leave the doc")
+    ap.add_argument("--same-as", type=Path, metavar="BEFORE.jsonl",
+                    help="also check every comparison's errors equal this earlier record's")
     args = ap.parse_args(argv)
     if args.source is None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {DOC.relative_to(ROOT)}")
     for p in problems:
         print(f"outside [1, {MAX_HEADROOM:g}] x worst: {p}")
-    return 1 if problems else 0
+    changed = []
+    if args.same_as is not None:
+        before = [json.loads(x) for x in args.same_as.read_text().splitlines()]
+        changed = same_as(before, lines)
+        for c in changed:
+            print(f"changed: {c}")
+    return 1 if problems or changed else 0
 
 
 if __name__ == "__main__":

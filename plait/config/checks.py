@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plait.dims import DIMS
+from plait.dims.record import divisors_text
 from plait.model.recompute_settings import MODES as RECOMPUTE_MODES
 from plait.model.recompute_settings import ops_problems
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
@@ -18,9 +19,6 @@ from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 if TYPE_CHECKING:
     from plait.config.schema import Config
 
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
@@ -58,7 +56,7 @@ def model_problems(cfg: Config) -> list[str]:
     if m.n_heads % m.n_kv_heads:
         problems.append(
             f"model.n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}; use one "
-            f"of {_divisors(m.n_heads)}"
+            f"of {divisors_text(m.n_heads)}"
         )
     if m.dim % m.n_heads:
         problems.append(f"model.dim={m.dim} is not a multiple of n_heads={m.n_heads}")
@@ -162,14 +160,14 @@ def batch_problems(cfg: Config) -> list[str]:
         problems.append(
             f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
             f"{p.dp}) do not split into {p.microbatches} micro-batches; use one of "
-            f"{_divisors(per_replica)}"
+            f"{divisors_text(per_replica)}"
         )
     if t.micro_batch_size is None:
         return problems + _derived_split_problems(cfg, per_replica)
     if t.micro_batch_size < 1 or per_replica % t.micro_batch_size:
         problems.append(
             f"train.micro_batch_size={t.micro_batch_size} does not divide the "
-            f"{per_replica} sequences per replica; use one of {_divisors(per_replica)}"
+            f"{per_replica} sequences per replica; use one of {divisors_text(per_replica)}"
         )
     elif p.microbatches is not None and p.microbatches * t.micro_batch_size != per_replica:
         problems.append(
@@ -190,7 +188,7 @@ def _derived_split_problems(cfg: Config, per_replica: int) -> list[str]:
     return [f"{per_replica} sequences per replica (global_batch {t.global_batch} / dp "
             f"{p.dp}) do not split into the pp={p.pp} micro-batches a pipeline takes by "
             f"default; use --global-batch {fits} (a multiple of dp x pp = {p.dp * p.pp}), or "
-            f"--microbatches one of {_divisors(per_replica)}"]
+            f"--microbatches one of {divisors_text(per_replica)}"]
 
 
 def train_problems(cfg: Config) -> list[str]:

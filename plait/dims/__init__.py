@@ -30,10 +30,6 @@ LOSS_SUMMED = tuple(d.name for split in ("layers", "sequence", "batch") for d in
                     if d.sums_loss and d.splits == split)
 
 
-def dimension(name: str) -> Dimension:
-    return BY_NAME[name]
-
-
 def problems(cfg) -> list[str]:
     """Every dimension's own checks, innermost first."""
     return [msg for d in DIMENSIONS for msg in d.problems(cfg)]
@@ -41,4 +37,4 @@ def problems(cfg) -> list[str]:
 
 __all__ = ["AXES", "BY_NAME", "CHECKPOINT_ROLES", "DEFAULT_ORDER", "DIMENSIONS", "DIMS",
            "LAID", "LOSS_SUMMED", "REPLICAS", "REPLICA_AXES", "SPLITS", "Dimension",
-           "Setting", "dimension", "problems"]
+           "Setting", "problems"]

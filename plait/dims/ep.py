@@ -7,7 +7,7 @@ whose gradients are summed)."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting
+from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting, divisors_text
 from plait.parallel.pipeline.registry import SCHEDULES
 
 DISPATCHES = ("assignment", "token")
@@ -22,9 +22,6 @@ def laid_ranks(group: str, replicas: list[int], i: int, ep: int) -> list[int]:
     return replicas[i % ep::ep]
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
 
 def problems(cfg: Config) -> list[str]:
     """ep against the model's experts and the replica ranks it is laid over, and the MoE
@@ -36,10 +33,10 @@ def problems(cfg: Config) -> list[str]:
     n, replicas = m.n_experts, p.dp * p.cp
     checks = [
         (n % p.ep != 0, f"parallel.ep={p.ep} does not divide the {n} experts; use one of "
-         f"{_divisors(n)}"),
+         f"{divisors_text(n)}"),
         (replicas % p.ep != 0, f"parallel.ep={p.ep} does not divide dp*cp={replicas}"
          " (expert parallel is laid over the data-parallel ranks); use one of "
-         f"{_divisors(replicas)}"),
+         f"{divisors_text(replicas)}"),
         (m.capacity_factor is not None and (p.cp > 1 or (p.sp and p.tp > 1)),
          "model.capacity_factor drops tokens per whole sequence, which cp > 1 or sequence "
          "parallel split over ranks; use dropless routing (capacity_factor=none), or cp=1 "

@@ -37,6 +37,12 @@ SPLITS = ("batch", "layers", "sequence", "hidden", "experts")
 CHECKPOINT_ROLES = ("copies", "gathered", "owned")
 
 
+def divisors_text(n: int) -> str:
+    """n's divisors, "1, 2, 4": what a check offers in place of a size that does not
+    divide n."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 @dataclass(frozen=True)
 class Setting:
     """A setting of the dimension beside its size: `--flag` sets `parallel.<key>`."""

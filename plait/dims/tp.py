@@ -6,11 +6,7 @@ sequence parallel)."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension, ModelShape, Planned
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+from plait.dims.record import Config, Dimension, ModelShape, Planned, divisors_text
 
 
 def splits_kv_heads(tp: int, kv_heads: int) -> bool:
@@ -26,12 +22,12 @@ def problems(cfg: Config) -> list[str]:
         for what, n in (("n_heads", m.n_heads), ("dim", m.dim), ("ffn_dim", m.ffn_dim)):
             if n % p.tp:
                 out.append(f"tp={p.tp} does not divide model.{what}={n}; use tp in "
-                           f"{_divisors(n)}")
+                           f"{divisors_text(n)}")
         if not splits_kv_heads(p.tp, m.n_kv_heads):
             out.append(
                 f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
                 f"tp divides them and replicated when they divide tp; use tp in "
-                f"{_divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
+                f"{divisors_text(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
     if p.sp and p.tp == 1:
         out.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
                    "--tp > 1 or drop --sp")
