@@ -108,23 +108,28 @@ class ParallelMesh:
                     group = dist.new_group(list(ranks))
                     if self.rank in ranks:
                         self.groups[name] = group
+        made: dict[frozenset, dist.ProcessGroup] = {}
         for name in self.laid_groups():
-            self.groups[name] = self._subgroup(name)
+            self.groups[name] = self._subgroup(name, made)
 
-    def _subgroup(self, name: str) -> dist.ProcessGroup | None:
-        """The process group of laid group `name` (None when it is one rank, or the whole
-        replica group when it is all of it)."""
+    def _subgroup(self, name: str, made: dict[frozenset, dist.ProcessGroup]
+                  ) -> dist.ProcessGroup | None:
+        """The process group of laid group `name`: None when it is one rank; the replica
+        group when it is all of it; an earlier laid group's when it cuts the ranks the same
+        way (`made`, by partition: hybrid sharding's groups without replica groups)."""
         mine = self.group_ranks[name]
         if len(mine) == 1:
             return None
         if mine == self.group_ranks[REPLICAS]:
             return self.groups[REPLICAS]
-        group = None  # collective over the world: every rank makes every group, in order
-        for ranks in sorted({tuple(self.laid_ranks(name, r)) for r in range(self.world_size)}):
-            made = dist.new_group(list(ranks))
-            if self.rank in ranks:
-                group = made
-        return group
+        partition = frozenset(tuple(self.laid_ranks(name, r)) for r in range(self.world_size))
+        if partition not in made:
+            # new_group is collective over the world: every rank makes every group, in order
+            for ranks in sorted(partition):
+                group = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    made[partition] = group
+        return made[partition]
 
     # ---- rank arithmetic (pure, so tests and the planner can use it without groups) ----
     def strides(self) -> dict[str, int]:
@@ -170,7 +175,7 @@ class ParallelMesh:
         rank = self.rank if rank is None else rank
         ranks = self.ranks_across(REPLICA_AXES, rank)
         owner = next(d for d in LAID if name in d.laid_groups)
-        return owner.laid_ranks(name, ranks, ranks.index(rank), self.laid[owner.name])
+        return owner.laid_ranks(name, ranks, ranks.index(rank), self.laid)
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -205,6 +210,15 @@ class ParallelMesh:
 
     def link(self, dim: str) -> str:
         return "inter" if self.crosses_nodes(dim) else "intra"
+
+    def shard_groups(self) -> tuple[dict[str, str], str | None]:
+        """Where ZeRO shards each reduction group's parameters, and the group that holds
+        copies of the shards (None: none). With hybrid sharding (dp_replicate > 1) the
+        replica group's parameters shard over "dp_shard" and the experts' copies over
+        "edp_shard", and "dp_replicate" holds the copies; else each shards over itself."""
+        if self.laid.get("dp_replicate", 1) == 1:
+            return {}, None
+        return {self.replica_dim(): "dp_shard", "edp": "edp_shard"}, "dp_replicate"
 
     def describe(self) -> str:
         parts = [f"{d}={self.sizes[d]}" for d in reversed(self.order)]

@@ -49,6 +49,8 @@ SGD = ("train.optimizer=sgd", "train.weight_decay=0")  # plain SGD: masters only
 MOE = ("model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=32",
        "model.n_shared_experts=1", "model.aux_loss_coef=0.01", "model.bias_update_rate=0.01")
 EP2_Z1 = (*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.zero=1")
+# hybrid sharding: ZeRO inside 2-rank shard groups, copies in the other group (one writes)
+HYBRID_Z3 = ("parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=3")
 
 
 # the first model built on meta imports torch's reference ops (~10 s a process on a busy
@@ -161,7 +163,8 @@ def test_runs_of_boxes_and_ranges_cover_the_right_elements():
 
 # ---- item 2: exact resume on the same layout ---------------------------------------------
 @pytest.mark.parametrize("sets", [(), DP2_Z2, ("parallel.dp=2", "parallel.zero=3"),
-                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1, EP2_Z1, ZBH2_POST],
+                                  PP2_TP2_SP, DUALPIPE, BF16_DP2_Z1, EP2_Z1, ZBH2_POST,
+                                  HYBRID_Z3],
                          ids=lambda s: "+".join(s) or "single")
 def test_resume_same_layout_is_bit_identical(sets):
     # bf16 too: the compute parameter is its master cast, after an update and after a load
@@ -196,6 +199,8 @@ PAIRS = [  # the parity matrix has 11 more round trips between its rows (tests/t
     ((*SGD, *DP2_Z2), (*SGD, *TP2)),  # SGD: no moments saved or needed
     (EP2_Z1, (*MOE, "parallel.dp=2", "parallel.tp=2")),  # experts over ep -> replicated
     ((*MOE, "parallel.tp=2"), (*MOE, "parallel.dp=4", "parallel.ep=4", "parallel.zero=3")),
+    (HYBRID_Z3, DP2_Z2),  # 2 x 2 hybrid -> plain dp on 2 ranks
+    (DP4_Z1, ("parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=2")),  # 4x1 -> 2x2
 ]
 
 

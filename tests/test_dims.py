@@ -58,10 +58,13 @@ def test_mesh_makes_every_declared_group(rank):
                                      *(g for d in LAID for g in d.laid_groups)}
     replicas = mesh.group_ranks[REPLICAS]
     assert len(replicas) == 6 and rank in replicas
-    for d in LAID:  # the laid groups tile the replica ranks: rank's groups cross once
-        first, copies = (mesh.group_ranks[g] for g in d.laid_groups)
+    for d in LAID:  # the first and the last (the copies) laid groups tile the replica
+        # ranks: rank's groups cross once; any between cut the copies by the first
+        first, *between, copies = (mesh.group_ranks[g] for g in d.laid_groups)
         assert set(first) & set(copies) == {rank}
         assert len(first) * len(copies) == len(replicas)
+        for group in between:
+            assert rank in group and set(group) <= set(copies)
 
 
 def test_every_dimension_checks_itself():

@@ -28,7 +28,7 @@ def test_layout_json():
     assert rc == 0
     doc = json.loads(out)
     lay = doc["layouts"][0]
-    assert lay["layout"] == {"tp": 8, "pp": 8, "dp": 16, "cp": 1, "ep": 1}
+    assert lay["layout"] == {"tp": 8, "pp": 8, "dp": 16, "cp": 1, "ep": 1, "dp_replicate": 1}
     assert lay["microbatches"] == 64 and lay["schedule"] == "interleaved"
     mem = lay["memory_bytes"]
     assert set(mem) >= {"parameters", "gradients", "optimizer states", "activations",

@@ -24,11 +24,11 @@ def test_what_the_sizes_mean():
     assert lay.world == 2 * 2 * 4 * 2  # the axes; ep is laid over the replicas
     assert lay.replicas == 4 * 2 and set(REPLICA_AXES) == {"dp", "cp"}
     assert (lay.seq_split, lay.expert_split) == (2, 4)
-    assert lay.laid() == {"ep": 4}
+    assert lay.laid() == {"ep": 4, "dp_replicate": 1}
 
 
 def test_label_and_written_order():
-    assert WRITTEN == ("tp", "pp", "dp", "cp", "ep")
+    assert WRITTEN == ("tp", "pp", "dp", "cp", "ep", "dp_replicate")
     assert Layout(tp=8, pp=2, dp=4).label() == "tp=8,pp=2,dp=4"
     assert Layout(tp=8, dp=4, ep=2).label() == "tp=8,pp=1,dp=4,ep=2"
     assert Layout(tp=2, dp=2, order=("dp", "tp", "cp", "pp")).label() == \

@@ -94,7 +94,7 @@ def _placed(h: HeldState, placements: PlacementTable, mesh: ParallelMesh) -> Pie
         return None
     n = math.prod(box[1])
     write = (placements.counts_in_norm(h.param, mesh, also_sharded=h.sharded_over)
-             and not h.second_copy)
+             and not h.second_copy and all(mesh.coord(d) == 0 for d in h.copies_over))
     if not h.flat:  # the whole local tensor: its rows inside the global one
         return Piece(h.name, h.state, *box, 0, n, _valid(h.tensor, box[1]), write)
     stop = min(h.stop, n)  # padded vocabulary rows are the flat tail of the tensor

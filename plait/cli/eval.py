@@ -50,7 +50,7 @@ USER_ERRORS = (ConfigError, DataError, DeviceError, CheckpointError)
 EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
                      "--global-batch", "--micro-batch-size", "--microbatches",
                      "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
-                     *(f"--{d.name}" for d in DIMENSIONS),
+                     *(f"--{d.name.replace('_', '-')}" for d in DIMENSIONS),
                      *(s.flag for d in DIMENSIONS for s in d.settings))
 
 

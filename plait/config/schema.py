@@ -62,6 +62,11 @@ class ConfigError(ValueError):
 @dataclass
 class ParallelConfig:
     dp: int = 1
+    # hybrid sharding (plait/dims/dp_replicate.py): ZeRO shards over dp_shard ranks (x cp)
+    # and all-reduces the reduced shards over dp_replicate groups; dp = dp_shard x
+    # dp_replicate (dp_shard 0: dp / dp_replicate; load_config derives dp from both)
+    dp_shard: int = 0
+    dp_replicate: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -316,4 +321,13 @@ def load_config(
             problems.extend(e.problems)
     if problems:
         raise ConfigError(problems)
+    _derive_dp(cfg, explicit_dp=any(k == "parallel.dp" for k, v in items if v is not None))
     return cfg
+
+
+def _derive_dp(cfg: Config, explicit_dp: bool) -> None:
+    """dp from hybrid sharding's two sizes when they are given and dp is not (validation
+    names a dp given that is not their product)."""
+    p = cfg.parallel
+    if p.dp_shard > 0 and p.dp_replicate > 0 and not explicit_dp:
+        p.dp = p.dp_shard * p.dp_replicate

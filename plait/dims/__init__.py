@@ -1,7 +1,8 @@
 """The parallel dimensions, one record each (record.py: `Dimension`), in the mesh's
 default order, innermost first: tensor parallel stays inside a node (Stanford CS336,
-lecture 8 (parallelism); Llama 3 used the same order). Expert parallel comes last: it is
-not an axis of the rank grid but laid over the replica axes.
+lecture 8 (parallelism); Llama 3 used the same order). Expert parallel and hybrid
+sharding's replica groups come last: they are not axes of the rank grid but laid over the
+replica axes.
 
 Adding a dimension is its strategy module (plait/parallel/), its record here and their
 tests; the mesh, the config checks and flags, the training loop's reductions, the
@@ -10,11 +11,11 @@ checkpoint writer and the timeline read the records.
 
 from __future__ import annotations
 
-from plait.dims import cp, dp, ep, pp, tp
+from plait.dims import cp, dp, dp_replicate, ep, pp, tp
 from plait.dims.record import CHECKPOINT_ROLES, SPLITS, Dimension, Setting
 
 DIMENSIONS: tuple[Dimension, ...] = (tp.DIMENSION, cp.DIMENSION, pp.DIMENSION,
-                                     dp.DIMENSION, ep.DIMENSION)
+                                     dp.DIMENSION, ep.DIMENSION, dp_replicate.DIMENSION)
 BY_NAME = {d.name: d for d in DIMENSIONS}
 AXES = tuple(d for d in DIMENSIONS if d.axis)  # the rank grid's axes
 DEFAULT_ORDER = tuple(d.name for d in AXES)  # innermost first

@@ -13,13 +13,18 @@ from plait.parallel.pipeline.registry import SCHEDULES
 DISPATCHES = ("assignment", "token")
 
 
-def laid_ranks(group: str, replicas: list[int], i: int, ep: int) -> list[int]:
-    """The ranks of `group` ("ep" or "edp") holding replica position i, with `replicas`
-    the replica ranks in order: ep = positions with the same i // ep, edp = the same
-    i % ep."""
+def laid_ranks(group: str, replicas: list[int], i: int, laid: dict[str, int]) -> list[int]:
+    """The ranks of `group` holding replica position i, with `replicas` the replica ranks
+    in order: "ep" = positions with the same i // ep, "edp" = the same i % ep (the copies
+    of the same experts), "edp_shard" = the copies inside i's hybrid-sharding shard group
+    (plait/dims/dp_replicate.py: ZeRO shards experts over it; all of edp without one)."""
+    ep = laid["ep"]
     if group == "ep":
         return replicas[(i // ep) * ep:(i // ep + 1) * ep]
-    return replicas[i % ep::ep]
+    if group == "edp":
+        return replicas[i % ep::ep]
+    shard = len(replicas) // laid.get("dp_replicate", 1)
+    return [r for j, r in enumerate(replicas) if j // shard == i // shard and j % ep == i % ep]
 
 
 
@@ -45,6 +50,12 @@ def problems(cfg: Config) -> list[str]:
          and SCHEDULES[p.schedule].chains > 1,
          f"model.bias_update_rate with schedule {p.schedule} (two copies of each block see "
          "different micro-batches, their loads are not summed yet); use another schedule"),
+        (p.dp_replicate > 1 and replicas % p.dp_replicate == 0
+         and (replicas // p.dp_replicate) % p.ep,
+         f"parallel.ep={p.ep} with dp_replicate={p.dp_replicate}: ZeRO shards the experts "
+         f"inside each shard group of dp*cp/dp_replicate={replicas // p.dp_replicate} "
+         f"ranks, which ep must divide; use ep one of "
+         f"{divisors_text(replicas // p.dp_replicate)}, or a smaller dp_replicate"),
         (p.ep_dispatch not in DISPATCHES,
          f"parallel.ep_dispatch={p.ep_dispatch!r}; use 'assignment' or 'token'"),
     ]
@@ -69,7 +80,7 @@ def plan_problems(lay: Planned, shape: ModelShape) -> list[str]:
 
 DIMENSION = Dimension(
     name="ep", title="expert parallel", strategy="plait.parallel.expert", splits="experts",
-    axis=False, checkpoint="owned", laid_groups=("ep", "edp"), laid_ranks=laid_ranks,
+    axis=False, checkpoint="owned", laid_groups=("ep", "edp_shard", "edp"), laid_ranks=laid_ranks,
     settings=(Setting("ep_dispatch", DISPATCHES, "expert parallel's all-to-all: a row per "
                       "(token, expert) assignment or per token and destination rank "
                       "(parallel.ep_dispatch, default assignment)"),),

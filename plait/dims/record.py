@@ -76,8 +76,11 @@ class Dimension:
     settings: tuple[Setting, ...] = ()
     # the process groups it adds beyond an axis's own; for a laid dimension, the name of
     # each group and the function that cuts this rank's group from the replica ranks
+    # (given the replica ranks in order, this rank's position, and every laid size); the
+    # last group is the one whose ranks hold copies of the same slice (the grad norm and
+    # checkpoints count one of them, plait/placement.py)
     laid_groups: tuple[str, ...] = ()
-    laid_ranks: Callable[[str, list[int], int, int], list[int]] | None = None
+    laid_ranks: Callable[[str, list[int], int, dict[str, int]], list[int]] | None = None
     color: str = "#7f7f7f"  # its collectives on timelines
     help: str = ""  # the `--<name>` flag's help
     problems: Callable[[Config], list[str]] = field(default=lambda cfg: [])

@@ -25,8 +25,9 @@ class HeldState:
     `flat`: `tensor` is the run's stop - start elements, flat (ZeRO's shard); else it is the
     whole local tensor, shaped like `param` (start 0, stop its numel). `sharded_over`: the
     mesh dims whose ranks hold different runs (ZeRO's unit dim), beside the placement's own
-    splits. `second_copy`: a copy equal to one held elsewhere (DualPipe's chain 1): never
-    written, filled on load."""
+    splits. `copies_over`: mesh groups whose ranks hold the same run (hybrid sharding's
+    replica groups): only their coordinate 0 writes it. `second_copy`: a copy equal to one
+    held elsewhere (DualPipe's chain 1): never written, filled on load."""
 
     name: str  # the model's parameter name
     state: str  # master | exp_avg | exp_avg_sq
@@ -36,4 +37,5 @@ class HeldState:
     tensor: torch.Tensor
     flat: bool = False
     sharded_over: tuple[str, ...] = ()
+    copies_over: tuple[str, ...] = ()
     second_copy: bool = False

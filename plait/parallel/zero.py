@@ -63,6 +63,8 @@ class ZeroOptimizer(NamedShards):
                 raise ValueError("ZeRO shards each parameter in one unit: untie embeddings")
             seen.add(id(p))
         self.mesh, self.stage, self.dim = mesh, stage, dim
+        # hybrid sharding: the ranks holding copies of this rank's shards (None: no copies)
+        self.replicate = mesh.shard_groups()[1]
         self.placements = placements or PlacementTable()
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
@@ -218,6 +220,20 @@ class ZeroOptimizer(NamedShards):
                 self._free(u)
         self._next_rs = 0
         self.in_backward = False
+        if last_microbatch:
+            self._sum_shard_copies()
+
+    def _sum_shard_copies(self) -> None:
+        """Hybrid sharding: each reduced gradient shard summed over the ranks holding the
+        same shard, once a step: 1/N of the gradient crosses between shard groups (a ring
+        all-reduce moves 2(M-1)/M of it a rank, the bytes of a reduce-scatter and an
+        all-gather together, in one collective)."""
+        if self.replicate is None:
+            return
+        handles = [comm.all_reduce(u.grad_shard, self.mesh, self.replicate, async_op=True,
+                                   tag="grads") for u in self.units]
+        for h in handles:
+            h.wait()
 
     def finish_gradients(self) -> None:
         """Nothing: the last `after_backward` completed every reduce-scatter."""
@@ -231,6 +247,8 @@ class ZeroOptimizer(NamedShards):
         """This rank's share of the squared norm (float64, (1,)); summed over the world
         it is the norm squared."""
         total = torch.zeros(1, dtype=torch.float64, device=self.mesh.device.torch)
+        if self.replicate is not None and self.mesh.coord(self.replicate):
+            return total  # a copy of replicate coordinate 0's shards
         for u in self.units:
             if u.grad_shard is None:
                 continue

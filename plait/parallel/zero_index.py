@@ -134,6 +134,7 @@ class NamedShards:
     kind: str
     stage: int
     steps: int
+    replicate: str | None
 
     # ---- the shard index: built once, read by checkpoints -------------------------------
     def _index_shards(self, model: nn.Module) -> None:
@@ -186,7 +187,8 @@ class NamedShards:
         routed experts over edp, the rest over the replica axes."""
         return [HeldState(e.name, e.state, self._by_name[e.name], e.start, e.stop,
                           self.shard_view(e), flat=True,
-                          sharded_over=(self.units[e.unit].dim,))
+                          sharded_over=(self.units[e.unit].dim,),
+                          copies_over=(self.replicate,) if self.replicate else ())
                 for e in self.shard_index() if e.state != "param"]
 
     def params_read_on_load(self) -> list[tuple[str, nn.Parameter]]:

@@ -119,13 +119,17 @@ def zero_unit_groups(model: nn.Module, cap_bytes: float | None
 def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable, dim: str,
                moments: bool, cap_bytes: float | None) -> list[_Unit]:
     """One unit per group of `zero_unit_groups` and reduction dim: expert-parallel slices
-    are sharded over "edp" (the ranks holding the same experts), the rest over `dim`."""
+    are sharded over "edp" (the ranks holding the same experts), the rest over `dim`;
+    with hybrid sharding over the part of that group inside this rank's shard group
+    (`ParallelMesh.shard_groups`)."""
+    shard_of, _ = mesh.shard_groups()
     units: list[_Unit] = []
     for group in zero_unit_groups(model, cap_bytes):
         by_dim: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for prefix, module in group:
             for name, p in module.named_parameters():
                 d = reduce_dim(placements, p, dim)
+                d = shard_of.get(d, d)
                 by_dim.setdefault(d, []).append((f"{prefix}{name}", p))
         for d, named in by_dim.items():
             units.append(_Unit(len(units), group[0][1], named, d, mesh.size(d),

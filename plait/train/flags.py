@@ -28,7 +28,7 @@ TRAIN_FLAGS = {
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "init_from": "train.init_from",
-    "optimizer_sync": "parallel.optimizer_sync",
+    "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     # each parallel dimension's size and its own settings (plait/dims/)
     **{d.name: d.field for d in DIMENSIONS},
     **{s.key: f"parallel.{s.key}" for d in DIMENSIONS for s in d.settings},
@@ -58,7 +58,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="token file (.bin); default: the embedded corpus")
     p.add_argument("--data-dir", help=DATA_DIR_HELP)
     for name in ("steps", "seed", "global-batch", "seq-len", "micro-batch-size",
-                 *DIMS, *(d.name for d in LAID), "zero", "microbatches",
+                 *DIMS, *(d.name.replace("_", "-") for d in LAID), "dp-shard", "zero",
+                 "microbatches",
                  "virtual-stages", "gpus-per-node"):
         p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))
     p.add_argument("--lr", type=float, help=_setting_help("lr"))
@@ -113,7 +114,10 @@ _SETTING_HELP = {
     "steps": "optimizer steps", "seed": "seed of the weights and the data order",
     "global-batch": "sequences per optimizer step, over all replicas",
     "seq-len": "tokens per sequence", "micro-batch-size": "sequences per micro-batch per "
-    "replica (or give --microbatches)", **{d.name: d.help for d in DIMENSIONS},
+    "replica (or give --microbatches)",
+    **{d.name.replace("_", "-"): d.help for d in DIMENSIONS},
+    "dp-shard": "hybrid sharding: ranks ZeRO shards over, dp = dp_shard x dp_replicate "
+    "(0: dp / dp_replicate)",
     "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
     "virtual-stages": "pipeline stages per rank", "gpus-per-node": "ranks per node",
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "

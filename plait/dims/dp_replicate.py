@@ -1,0 +1,68 @@
+"""Hybrid sharding: ZeRO shards inside groups of `dp_shard` replica ranks and the groups
+are replicas of each other (Zhao et al. 2023, "PyTorch FSDP", section 3.2.2: hybrid
+sharding; DeepSpeed's ZeRO++ hpZ, Wang et al. 2023). Each layer's all-gathers and
+reduce-scatters stay inside a shard group (a node, when it fits one), and only the
+already-reduced gradient shards cross between groups, all-reduced over `dp_replicate`
+(plait/parallel/zero.py). dp = dp_shard x dp_replicate.
+
+It is not an axis of the rank grid: it is laid over the replica ranks (the product of the
+replica axes, plait/dims/__init__.py, in the mesh's order), cut into `dp_shard` groups of
+consecutive positions (S = replicas / dp_replicate of them: where the sequence is split
+too, the shard group spans that split, as ZeRO over the whole replica group does) and
+`dp_replicate` groups (the ranks at the same position in every shard group: they hold
+the same shard)."""
+
+from __future__ import annotations
+
+from plait.dims.record import Config, Dimension, ModelShape, Planned, divisors_text
+
+
+def laid_ranks(group: str, replicas: list[int], i: int, laid: dict[str, int]) -> list[int]:
+    """The ranks of `group` ("dp_shard" or "dp_replicate") holding replica position i,
+    with `replicas` the replica ranks in order."""
+    shard = len(replicas) // laid["dp_replicate"]
+    if group == "dp_shard":
+        return replicas[(i // shard) * shard:(i // shard + 1) * shard]
+    return replicas[i % shard::shard]
+
+
+def problems(cfg: Config) -> list[str]:
+    """dp_replicate against dp, dp_shard and ZeRO: it only cuts ZeRO's shard groups."""
+    p = cfg.parallel
+    m, n = p.dp_replicate, p.dp_shard
+    if m < 1 or n < 0:
+        return [f"parallel.dp_replicate={m} must be >= 1 and parallel.dp_shard={n} >= 1 "
+                "(0: dp / dp_replicate)"]
+    checks = [
+        (p.dp % m != 0, f"parallel.dp_replicate={m} does not divide dp={p.dp}; use one of "
+         f"{divisors_text(p.dp)}"),
+        (n > 0 and n * m != p.dp, f"parallel.dp_shard={n} x dp_replicate={m} = {n * m} "
+         f"but dp={p.dp}; give dp = dp_shard x dp_replicate (or leave dp out)"),
+        (m > 1 and p.zero == 0, f"parallel.dp_replicate={m} with zero=0: nothing is "
+         "sharded, every rank already holds a replica; use --dp alone, or --zero 1, 2 or 3 "
+         "to shard inside each dp_shard group"),
+    ]
+    return [msg for bad, msg in checks if bad]
+
+
+def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
+    """The planner does not search replica groups yet: every ZeRO layout shards over all
+    its replicas."""
+    return [1]
+
+
+def plan_problems(lay: Planned, shape: ModelShape) -> list[str]:
+    m = lay.sizes.get("dp_replicate", 1)
+    if lay.replicas % m:
+        return [f"dp_replicate={m} must divide the {lay.replicas} replica ranks"]
+    return []
+
+
+DIMENSION = Dimension(
+    name="dp_replicate", title="hybrid sharding", strategy="plait.parallel.zero",
+    splits="batch", axis=False, checkpoint="copies",
+    laid_groups=("dp_shard", "dp_replicate"), laid_ranks=laid_ranks, color="#2ca02c",
+    help="hybrid sharding's replica groups: dp = dp_shard x dp_replicate; ZeRO shards "
+    "inside each dp_shard group and all-reduces the reduced shards over these",
+    problems=problems, plan_sizes=plan_sizes, plan_problems=plan_problems,
+)
