@@ -35,7 +35,7 @@ def problems(cfg: Config) -> list[str]:
                 "(0: dp / dp_replicate)"]
     checks = [
         (p.dp % m != 0, f"parallel.dp_replicate={m} does not divide dp={p.dp}; use one of "
-         f"{divisors_text(p.dp)}"),
+         f"{divisors_text(p.dp)}, or give dp = dp_shard x dp_replicate (--dp-shard N)"),
         (n > 0 and n * m != p.dp, f"parallel.dp_shard={n} x dp_replicate={m} = {n * m} "
          f"but dp={p.dp}; give dp = dp_shard x dp_replicate (or leave dp out)"),
         (m > 1 and p.zero == 0, f"parallel.dp_replicate={m} with zero=0: nothing is "

@@ -253,7 +253,8 @@ class ZeroOptimizer(NamedShards):
             if u.grad_shard is None:
                 continue
             for a, b, p in u.segments():
-                if self.placements.counts_in_norm(p, self.mesh, also_sharded=(u.dim,)):
+                if self.placements.counts_in_norm(p, self.mesh,
+                                                  also_sharded=(u.reduced_over,)):
                     total += u.grad_shard[a:b].double().pow(2).sum()
         return total
 

@@ -187,7 +187,7 @@ class NamedShards:
         routed experts over edp, the rest over the replica axes."""
         return [HeldState(e.name, e.state, self._by_name[e.name], e.start, e.stop,
                           self.shard_view(e), flat=True,
-                          sharded_over=(self.units[e.unit].dim,),
+                          sharded_over=(self.units[e.unit].reduced_over,),
                           copies_over=(self.replicate,) if self.replicate else ())
                 for e in self.shard_index() if e.state != "param"]
 

@@ -18,12 +18,17 @@ class _Unit:
     """One or more modules' parameters as a flat, padded buffer and this rank's shard of it."""
 
     def __init__(self, index: int, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 dim: str, n: int, rank: int, moments: bool = True):
+                 dim: str, n: int, rank: int, moments: bool = True,
+                 reduced_over: str | None = None):
         """`named`: the unit's parameters by name, `module` the first of the unit's modules
         to run forward (its hooks are the unit's); sharded over mesh dim `dim` (n ranks,
         this one at `rank`)."""
         self.index, self.module = index, module
         self.dim, self.n, self.rank = dim, n, rank
+        # the group whose ranks' gradients the unit sums (the replica group, or the
+        # experts' copies): `dim` itself, or with hybrid sharding the group `dim` is the
+        # shard part of (the grad norm and checkpoints count a shard once over it)
+        self.reduced_over = reduced_over or dim
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.numel = sum(p.numel() for p in self.params)
@@ -129,9 +134,9 @@ def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable,
         for prefix, module in group:
             for name, p in module.named_parameters():
                 d = reduce_dim(placements, p, dim)
-                d = shard_of.get(d, d)
                 by_dim.setdefault(d, []).append((f"{prefix}{name}", p))
         for d, named in by_dim.items():
-            units.append(_Unit(len(units), group[0][1], named, d, mesh.size(d),
-                               mesh.coord(d), moments))
+            shard = shard_of.get(d, d)
+            units.append(_Unit(len(units), group[0][1], named, shard, mesh.size(shard),
+                               mesh.coord(shard), moments, reduced_over=d))
     return units
