@@ -28,6 +28,19 @@ def test_parity_and_replicas_hold_the_same_shards(stage):
     assert_parity(merge_ranks(outs), reference())
 
 
+def test_pipeline_with_post_validation_and_the_i_w_split():
+    """Each stage updates optimistically and checks the norm afterwards: the norm's shards
+    are counted once over the shard groups' copies (an over-count would fail the check's
+    parity, an under-count the clipping)."""
+    from helpers import run_layout
+
+    model = ("model.n_layers=4", "model.tie_embeddings=false")
+    outs = run_layout(*model, "parallel.dp_shard=2", "parallel.dp_replicate=2",
+                      "parallel.zero=1", "parallel.pp=2", "parallel.schedule=zb-h2",
+                      "parallel.microbatches=2", "parallel.optimizer_sync=post_validation")
+    assert_parity(merge_ranks(outs), reference(*model))
+
+
 def _unit_bytes(n: int, stage: int) -> list[int]:
     """Each unit's fp32 bytes, padded to a multiple of n (zero_units.py's units)."""
     from plait.model.transformer import build_model
