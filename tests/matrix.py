@@ -4,7 +4,8 @@ A row is one layout in a short notation, one token per setting, e.g.
 
     dp2 z1 tp2 sp pp2:1f1b cp2:ring moe ep2 bf16 rc
 
-`dpN` data parallel, `zN` ZeRO stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
+`dpN` data parallel (`dpNxM`: hybrid sharding, dp_shard N x dp_replicate M), `zN` ZeRO
+stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
 `ppN:SCHEDULE` pipeline, `cpN:MODE` context parallel (ring | allgather), `moe` the MoE
 model (`epN` experts over ep ranks), `bf16` bf16 compute with fp32 masters, `rc` full
 recomputation, `rcs` selective (plait/model/recompute.py's default ops). Omitted: dp1 z0
@@ -25,6 +26,7 @@ as a silently different matrix).
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections.abc import Iterable
 
@@ -41,7 +43,7 @@ STEPS = 3
 ROUND_TRIP_STEP = 1
 
 FACTORS: dict[str, tuple[str, ...]] = {
-    "dp": ("dp1", "dp2", "dp4"),
+    "dp": ("dp1", "dp2", "dp4", "dp2x2"),
     "zero": ("z0", "z1", "z2", "z3"),
     "tp": ("tp1", "tp2", "tp2+sp"),
     "pp": ("pp1", "pp2", "pp4"),
@@ -117,6 +119,14 @@ ROWS: tuple[str, ...] = (
     'pp2:dualpipe cp2:allgather rcs',
     'tp2 pp2:zb-h1 moe',
     'dp2 z1 pp4:zb-h2 rcs',
+    'dp2x2 z3 moe ep2',
+    'dp2x2 z2 rc',
+    'dp2x2 z1 moe bf16',
+    'dp2x2 z3 cp2:ring moe ep4',
+    'dp2x2 z3 tp2 sp rcs',
+    'dp2x2 z3 tp2 moe ep2',
+    'dp2x2 z3 cp2:allgather moe ep4',
+    'dp2x2 z1 pp2:zb-v moe ep2',
 )
 
 
@@ -131,7 +141,11 @@ def parse(row: str) -> dict:
     for tok in tokens:
         if tok in ("moe", "sp"):
             continue
-        if tok.startswith("dp"):
+        if tok.startswith("dp") and "x" in tok:
+            levels["dp"] = tok
+            shard, replicate = tok[2:].split("x")
+            sets += [f"parallel.dp_shard={shard}", f"parallel.dp_replicate={replicate}"]
+        elif tok.startswith("dp"):
             levels["dp"] = tok
             sets.append(f"parallel.dp={tok[2:]}")
         elif tok[0] == "z":
@@ -164,7 +178,7 @@ def parse(row: str) -> dict:
             raise ValueError(f"matrix row {row!r}: unknown token {tok!r}")
     if moe and levels["ep"] == "dense":
         levels["ep"] = "moe ep1"
-    dp, pp = int(levels["dp"][2:]), int(levels["pp"][2:])
+    dp, pp = dp_size(levels["dp"]), int(levels["pp"][2:])
     # pipelines take 4 micro-batches where a replica's 8/dp sequences allow it (schedules
     # need m >= pp, dualpipev 2pp - 1); without a pipeline 2, to exercise accumulation
     micro = min(4, 8 // dp) if pp > 1 else 2
@@ -271,8 +285,13 @@ def greedy_cover(candidates: list[str]) -> list[str]:
     return chosen
 
 
+def dp_size(level: str) -> int:
+    """dp of a level: "dp4" is 4, "dp2x2" (shard x replicate) 4."""
+    return math.prod(int(n) for n in level[2:].split("x"))
+
+
 def _levels_world(lv: dict[str, str]) -> int:
-    return (int(lv["dp"][2:]) * int(lv["tp"][2]) * int(lv["pp"][2:])
+    return (dp_size(lv["dp"]) * int(lv["tp"][2]) * int(lv["pp"][2:])
             * int(lv["cp"][2]))
 
 

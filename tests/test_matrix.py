@@ -59,6 +59,10 @@ ROUND_TRIPS = (
     ("dp2 z1 pp2:zb-v moe ep2", "z2 tp2 cp2:allgather moe ep2"),
     ("moe", "dp4 z1 pp2:zb-v moe ep4"),  # 1 rank -> 8
     ("z1 pp2:dualpipev cp2:allgather bf16", "tp2 sp pp4:dualpipe bf16"),
+    # hybrid sharding over dp x cp, experts unsharded in their shard groups: one copy of
+    # each shard written -> 1 rank
+    ("dp2x2 z3 cp2:ring moe ep4", "moe"),
+    ("dp4 z3 moe ep4", "dp2x2 z3 tp2 moe ep2"),  # ZeRO-3 over 4 -> over 2, copied twice
 )
 SOURCES = {src for src, _ in ROUND_TRIPS}
 

@@ -43,14 +43,17 @@ from plait.train.data import DataError, TokenFile
 from plait.train.flags import add_config_args, config_from_args
 
 USER_ERRORS = (ConfigError, DataError, DeviceError, CheckpointError)
+ZERO_STRATEGY = "plait.parallel.zero"  # a record of ZeRO's (how it shards): not evaluation's
 
 
 # the configuration flags an evaluation reads: the layout and the batch shape; not the
-# training ones (steps, lr, ZeRO, recompute, ...), nor --model (the model is --init-from's)
+# training ones (steps, lr, ZeRO and its replica groups, recompute, ...), nor --model (the
+# model is --init-from's)
 EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
                      "--global-batch", "--micro-batch-size", "--microbatches",
                      "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
-                     *(f"--{d.name.replace('_', '-')}" for d in DIMENSIONS),
+                     *(f"--{d.name.replace('_', '-')}" for d in DIMENSIONS
+                       if d.strategy != ZERO_STRATEGY),
                      *(s.flag for d in DIMENSIONS for s in d.settings))
 
 
