@@ -122,8 +122,11 @@ class PlacementTable:
         splits its gradient over, e.g. ZeRO's dp); a slice replicated within a split dim
         counts on its first holder only."""
         pl = self.of(p)
-        # a product dim (ZeRO's shards over the replica axes, "dp_cp") names its parts
-        sharded = pl.sharded_dims + tuple(d for s in also_sharded for d in s.split("_"))
+        # a product dim (ZeRO's shards over the replica axes, "dp_cp") names its parts; a
+        # hybrid-sharding shard group ("dp_shard") spans the parts of the group it cuts
+        spans = {shard: whole for whole, shard in mesh.shard_groups()[0].items()}
+        sharded = pl.sharded_dims + tuple(d for s in also_sharded
+                                          for d in spans.get(s, s).split("_"))
         laid = [d for d in LAID if d.name in sharded]
         # a slice of a laid dimension (an expert slice) replaces the replica axes by its
         # own groups: the first of them holds the slice, the others (edp) its copies

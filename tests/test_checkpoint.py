@@ -201,6 +201,7 @@ PAIRS = [  # the parity matrix has 11 more round trips between its rows (tests/t
     ((*MOE, "parallel.tp=2"), (*MOE, "parallel.dp=4", "parallel.ep=4", "parallel.zero=3")),
     (HYBRID_Z3, DP2_Z2),  # 2 x 2 hybrid -> plain dp on 2 ranks
     (DP4_Z1, ("parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=2")),  # 4x1 -> 2x2
+    ((*HYBRID_Z3, "parallel.cp=2"), DP2_Z2),  # shard groups spanning cp: every cp rank writes
 ]
 
 

@@ -10,7 +10,7 @@ from helpers import config, reference, shared_run
 from plait.config import load_config
 from plait.ledger import data_bytes_by_dim
 from plait.mesh import ParallelMesh
-from plait.plan import estimate_config
+from plait.plan import estimate_config, rank_collectives
 from plait.plan.comm.rank import bytes_by_dim, rank_bytes_by_dim
 from plait.testing import assert_parity, merge_ranks
 
@@ -29,6 +29,16 @@ def test_parity_and_replicas_hold_the_same_shards(stage):
     # merge_ranks asserts every rank's gathered parameters equal exactly: a shard and its
     # copy in the other shard group step with the same summed gradient
     assert_parity(merge_ranks(outs), reference())
+
+
+@pytest.mark.parametrize("sets, precision", [
+    (("parallel.cp=2", "parallel.zero=3"), "fp32-context"),
+    (("parallel.tp=2", "parallel.sp=true", "parallel.zero=3"), "fp32-tp"),
+], ids=["cp2", "tp2"])
+def test_parity_beside_a_split_of_the_sequence_or_the_weights(sets, precision):
+    """With cp the shard group spans the cp ranks (2 dp x 2 cp): each shard counts once in
+    the grad norm (on every cp rank, not only cp coordinate 0); with tp each tp slice."""
+    assert_parity(merge_ranks(shared_run(*HYBRID, *sets)), reference(), precision)
 
 
 def _unit_bytes(n: int, stage: int) -> list[int]:
@@ -84,6 +94,21 @@ def test_ledger_equals_the_planner(stage):
         for step in range(2):
             got = data_bytes_by_dim([r for r in out["ledger"] if r["step"] == step])
             assert got == pytest.approx(planned, rel=1e-12), (step, got, planned)
+
+
+def test_with_a_pipeline_parity_and_each_ranks_bytes_are_its_pipeline_ranks():
+    """ZeRO-1 inside a pipeline stage's shard groups (the planner searches it): parity, and
+    each rank's bytes per group those of its own pipeline rank in the planner
+    (`rank_collectives`: the stages hold different layers, so different shards)."""
+    sets = (*HYBRID, "parallel.pp=2", "parallel.zero=1", "model.tie_embeddings=false")
+    outs = shared_run(*sets)
+    assert_parity(merge_ranks(outs), reference("model.tie_embeddings=false"))
+    cfg = config(*sets)
+    own = [bytes_by_dim(rank_collectives(cfg, pp_rank), 1) for pp_rank in range(2)]
+    assert own[0] != own[1] and all(set(o) == {"pp", "dp_shard", "dp_replicate"} for o in own)
+    for rank, out in enumerate(outs):  # pp is the innermost axis here: rank % 2
+        got = data_bytes_by_dim([r for r in out["ledger"] if r["step"] == 1])
+        assert got == pytest.approx(own[rank % 2], rel=1e-12), (rank, got)
 
 
 def test_groups_cut_the_replica_ranks_into_shard_blocks_and_their_copies():
