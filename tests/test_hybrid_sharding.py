@@ -31,14 +31,21 @@ def test_parity_and_replicas_hold_the_same_shards(stage):
     assert_parity(merge_ranks(outs), reference())
 
 
-@pytest.mark.parametrize("sets, precision", [
-    (("parallel.cp=2", "parallel.zero=3"), "fp32-context"),
-    (("parallel.tp=2", "parallel.sp=true", "parallel.zero=3"), "fp32-tp"),
-], ids=["cp2", "tp2"])
-def test_parity_beside_a_split_of_the_sequence_or_the_weights(sets, precision):
+MOE = ("model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=32",
+       "model.n_shared_experts=1", "model.aux_loss_coef=0.01")
+
+
+@pytest.mark.parametrize("sets, model, precision", [
+    (("parallel.cp=2", "parallel.zero=3"), (), "fp32-context"),
+    (("parallel.tp=2", "parallel.sp=true", "parallel.zero=3"), (), "fp32-tp"),
+    (("parallel.ep=2", "parallel.zero=2"), MOE, "fp32"),
+], ids=["cp2", "tp2", "ep2"])
+def test_parity_beside_a_split_of_the_sequence_weights_or_experts(sets, model, precision):
     """With cp the shard group spans the cp ranks (2 dp x 2 cp): each shard counts once in
-    the grad norm (on every cp rank, not only cp coordinate 0); with tp each tp slice."""
-    assert_parity(merge_ranks(shared_run(*HYBRID, *sets)), reference(), precision)
+    the grad norm (on every cp rank, not only cp coordinate 0); with tp each tp slice; with
+    ep the routed experts shard over their copies inside the shard group (edp_shard)."""
+    outs = shared_run(*HYBRID, *model, *sets)
+    assert_parity(merge_ranks(outs), reference(*model), precision)
 
 
 def _unit_bytes(n: int, stage: int) -> list[int]:

@@ -113,3 +113,15 @@ def test_search_offers_a_node_split_and_picks_the_faster(monkeypatch):
                      recompute=best.layout.recompute, attention=best.layout.attention)
     assert float(evaluate(SHAPE, CLUSTER, TRAIN, unsplit, EFFICIENCY).step_time) > \
         float(best.step_time)
+
+
+def test_the_search_says_hybrid_sharding_paid():
+    rc, out = plan("--model", "llama3-8b", "--gpus", "256", "--global-batch", "512", "--top",
+                   "1", "--json")
+    assert rc == 0, out
+    doc = json.loads(out)
+    assert doc["layouts"][0]["layout"]["dp_replicate"] == 32  # one node's 8 ranks a group
+    words = " ".join(doc["explanation"])
+    assert "over shard groups of 8 of the dp*cp=256 replicas (hybrid sharding: " \
+        "dp_replicate=32 copies of each shard)" in words
+    assert "Hybrid sharding pays: ZeRO's collectives stay inside shard groups of 8 ranks" in words
