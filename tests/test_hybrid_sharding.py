@@ -8,7 +8,10 @@ import pytest
 from helpers import config, reference, shared_run
 
 from plait.config import load_config
+from plait.ledger import data_bytes_by_dim
 from plait.mesh import ParallelMesh
+from plait.plan import estimate_config
+from plait.plan.comm.rank import bytes_by_dim, rank_bytes_by_dim
 from plait.testing import assert_parity, merge_ranks
 
 HYBRID = ("parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.microbatches=2")
@@ -78,6 +81,22 @@ def test_ledger_bytes_on_each_group(stage):
             assert {r["op"] for r in over} == {"all_reduce"}
             assert sum(r["sent"] for r in over) == pytest.approx(across, rel=1e-12)
             assert {r["dim"] for r in recs} == {"dp_shard", "dp_replicate"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ledger_equals_the_planner(stage):
+    """Every rank's data bytes per group in each step equal the planner's collectives
+    (size x count), exactly: the busiest rank's (`evaluate`) and the pipeline rank's own
+    (`rank_collectives`); ZeRO's inside "dp_shard", the shards' all-reduce over
+    "dp_replicate" (tests/test_matrix.py makes the same comparison for the other rows)."""
+    cfg = config(*HYBRID, f"parallel.zero={stage}")
+    planned = bytes_by_dim(estimate_config(cfg).collectives, cfg.parallel.ep)
+    assert set(planned) == {"dp_shard", "dp_replicate"}
+    assert rank_bytes_by_dim(cfg, 0) == planned
+    for out in _run(stage):
+        for step in range(2):
+            got = data_bytes_by_dim([r for r in out["ledger"] if r["step"] == step])
+            assert got == pytest.approx(planned, rel=1e-12), (step, got, planned)
 
 
 def test_groups_cut_the_replica_ranks_into_shard_blocks_and_their_copies():

@@ -36,6 +36,7 @@ def plan(*argv: str) -> tuple[int, str]:
                         "--model", "small"), {"virtual_stages": 2, "zero": 1}),
     ("2", "cp=2", ("--recompute", "full"), {"cp": 2}),
     ("2", "tp=2", ("--recompute", "selective", "--zero", "0"), {"tp": 2}),
+    ("4", "dp=4,dp_replicate=2", ("--zero", "2"), {"dp": 4, "dp_replicate": 2, "zero": 2}),
 ])
 def test_emitted_config_loads_and_validates(tmp_path, gpus, layout, extra, want):
     path = tmp_path / "run.toml"

@@ -7,7 +7,7 @@ code). The model states do not: at the step's end (the grad norm, before the opt
 temporaries) the runtime model's parameters, gradients and optimizer states on the closed
 form's most loaded pipeline rank are the closed form's, to the byte, for data parallel
 with every ZeRO stage, tensor parallel with and without SP, pipelines, both precisions,
-both optimizers and post-validation's copy of the optimizer states.
+both optimizers, post-validation's copy of the optimizer states and hybrid sharding.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ LAYOUTS = [
     ["parallel.pp=2", "parallel.dp=2", "parallel.tp=2", "parallel.microbatches=2"],
     ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
      "parallel.optimizer_sync=post_validation"],
+    # hybrid sharding: the states sharded over a shard group of 2, not dp = 4
+    *[["parallel.dp_shard=2", "parallel.dp_replicate=2", f"parallel.zero={z}"]
+      for z in (1, 2, 3)],
+    ["parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=3", "parallel.tp=2",
+     "parallel.sp=true", "train.precision=bf16"],
 ]
 
 

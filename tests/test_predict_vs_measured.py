@@ -33,6 +33,11 @@ LAYOUTS = {
     "dp4 zero3 fp32": ["parallel.dp=4", "parallel.zero=3"],
     "dp2 zero3 bf16 m2 recompute": ["parallel.dp=2", "parallel.zero=3", "train.precision=bf16",
                                     "parallel.microbatches=2", "train.recompute=full"],
+    # hybrid sharding: ZeRO over shard groups of 2 ranks, the shards' copies in the other
+    "dp2x2 zero1 bf16": ["parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=1",
+                         "train.precision=bf16"],
+    "dp2x2 zero3 fp32 m2": ["parallel.dp_shard=2", "parallel.dp_replicate=2",
+                            "parallel.zero=3", "parallel.microbatches=2"],
     "tp2": ["parallel.tp=2"],
     "tp2 sp bf16": ["parallel.tp=2", "parallel.sp=true", "train.precision=bf16"],
     "tp2 sp recompute": ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"],

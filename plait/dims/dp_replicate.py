@@ -46,16 +46,34 @@ def problems(cfg: Config) -> list[str]:
 
 
 def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
-    """The planner does not search replica groups yet: every ZeRO layout shards over all
-    its replicas."""
+    """The planner's dp_replicate, of the divisors of the replicas (`sizes`, the last is
+    all of them): 1 (ZeRO over every replica) and the split whose shard group is the
+    replica ranks one node holds (`ranks_per_node`, for a laid dimension the consecutive
+    replica ranks inside a node), where that is more than one and less than all: ZeRO's
+    per-layer collectives on the node's links, only the shards' all-reduce across nodes."""
+    replicas, node = sizes[-1], ranks_per_node
+    if 1 < node < replicas and replicas % node == 0:
+        return [1, replicas // node]
     return [1]
 
 
 def plan_problems(lay: Planned, shape: ModelShape) -> list[str]:
-    m = lay.sizes.get("dp_replicate", 1)
-    if lay.replicas % m:
-        return [f"dp_replicate={m} must divide the {lay.replicas} replica ranks"]
-    return []
+    """A planned dp_replicate against dp, ZeRO and the experts' split (the planner's side
+    of `problems`)."""
+    m, dp = lay.sizes["dp_replicate"], lay.sizes["dp"]
+    if dp % m:
+        return [f"dp_replicate={m} must divide dp={dp}; use one of {divisors_text(dp)}"]
+    out = []
+    if m > 1 and lay.zero == 0:
+        out.append(f"dp_replicate={m} with zero=0: nothing is sharded; use --zero 1, 2 or 3 "
+                   "(ZeRO inside each shard group), or dp_replicate=1")
+    shard = lay.replicas // m
+    if m > 1 and shard % lay.expert_split:
+        out.append(f"dp_replicate={m}: ZeRO shards the experts inside each shard group of "
+                   f"{shard} replica ranks, which the expert-parallel size "
+                   f"{lay.expert_split} must divide; use a smaller dp_replicate or "
+                   "expert-parallel size")
+    return out
 
 
 DIMENSION = Dimension(

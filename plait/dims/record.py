@@ -86,8 +86,9 @@ class Dimension:
     problems: Callable[[Config], list[str]] = field(default=lambda cfg: [])
     # the planner (plait/plan/search.py): of the divisors of the ranks left for it (an
     # axis) or of the replicas (a laid dimension), the sizes its search tries for the
-    # model `shape` on nodes of `ranks_per_node`; and every reason a planned layout's size
-    # is invalid, each naming the fix (the planner's words: flags, not config fields)
+    # model `shape` on nodes of `ranks_per_node` (a laid dimension: the consecutive
+    # replica ranks one node holds); and every reason a planned layout's size is invalid,
+    # each naming the fix (the planner's words: flags, not config fields)
     plan_sizes: Callable[[list[int], ModelShape, int], list[int]] = _every_size
     plan_problems: Callable[[Planned, ModelShape], list[str]] = field(
         default=lambda lay, shape: [])

@@ -8,9 +8,11 @@ reads them, import one place instead of each other.
 A layout's sizes are the dimension records' (plait/dims/): `sizes` by record name, each
 also an attribute (`lay.tp`), and the quantities the formulas mean, read from what the
 records say each dimension splits: `replicas` (the ranks holding copies of the
-parameters: gradients are summed over them, ZeRO shards over them), `seq_split` (the
-ranks one sequence is split over), `expert_split` (the ranks the routed experts are split
-over) and `world`. The planner's formulas name those, not the dimensions.
+parameters: gradients are summed over them), `seq_split` (the ranks one sequence is split
+over), `expert_split` (the ranks the routed experts are split over), `shard_copies` (the
+copies of each ZeRO shard: hybrid sharding's replica groups) and `zero_split` (the ranks
+ZeRO shards a parameter's states over: replicas / shard_copies) and `world`. The planner's
+formulas name those, not the dimensions.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ ALWAYS_WRITTEN = ("tp", "pp", "dp")
 WRITTEN = ALWAYS_WRITTEN + tuple(d.name for d in DIMENSIONS if d.name not in ALWAYS_WRITTEN)
 SEQUENCE_SPLIT = tuple(d.name for d in DIMENSIONS if d.splits == "sequence")
 EXPERT_SPLIT = tuple(d.name for d in DIMENSIONS if d.splits == "experts")
+# laid over the replicas and splitting the batch: groups of replicas that hold copies of
+# each other's ZeRO shards (hybrid sharding)
+SHARD_COPIES = tuple(d.name for d in LAID if d.splits == "batch")
 
 
 def product(sizes: Mapping[str, Num], names: Iterable[str]) -> Num:
@@ -71,6 +76,19 @@ class Sizes:
     def expert_split(self) -> Num:
         """Ranks an MoE layer's routed experts are split over."""
         return product(self.sizes, EXPERT_SPLIT)
+
+    @property
+    def shard_copies(self) -> Num:
+        """Copies of each ZeRO shard (hybrid sharding's replica groups; 1 without): ZeRO
+        shards inside groups of `zero_split` replicas, and the copies all-reduce the
+        reduced gradient shards."""
+        return product(self.sizes, SHARD_COPIES)
+
+    @property
+    def zero_split(self) -> Num:
+        """Ranks ZeRO shards a parameter's states over (its dense ones; routed experts'
+        over zero_split / expert_split): the replicas, or one shard group of them."""
+        return self.replicas / self.shard_copies
 
     def laid(self) -> dict[str, Num]:
         """The sizes of the dimensions laid over the replicas, not axes of the grid."""
@@ -235,5 +253,5 @@ class ChunkTimes:
     tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
 
 
-__all__ = ["ALWAYS_WRITTEN", "WRITTEN", "Basis", "ChunkTimes", "Layout", "Sizes", "Training",
-           "basis_of", "product"]
+__all__ = ["ALWAYS_WRITTEN", "SHARD_COPIES", "WRITTEN", "Basis", "ChunkTimes", "Layout",
+           "Sizes", "Training", "basis_of", "product"]

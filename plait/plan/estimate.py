@@ -119,8 +119,9 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     terms = memory.param_terms(shape, tp, b.expert_split)
     dense_l, expert_l, emb, head = terms.layer, terms.expert, terms.embedding, terms.head
     # dense parameters are copied on every replica, routed experts on the replicas that
-    # hold the same experts
-    dshard, eshard = b.replicas, b.replicas / b.expert_split
+    # hold the same experts; ZeRO shards over them, or over one shard group of them
+    # (hybrid sharding: zero_split)
+    dshard, eshard = b.zero_split, b.zero_split / b.expert_split
     both_ends = facts(b.sched).head_on_first_rank
     # an MoE model's leading dense layers sit on the first stage (counted there only:
     # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
@@ -165,7 +166,7 @@ def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
                     pr: Num) -> Num:
     """The optimizer step: reading and writing the rank's (ZeRO: shard of the) states."""
     pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
-    opt_shard = b.replicas if lay.zero >= 1 else 1.0
+    opt_shard = b.zero_split if lay.zero >= 1 else 1.0
     return pr / opt_shard * (2 * kb + gb + pb) / cluster.gpu.hbm_bw
 
 

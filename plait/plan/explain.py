@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from plait.dims import REPLICA_AXES
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan.estimate import Estimate, Training
+from plait.plan.basis import SHARD_COPIES
+from plait.plan.estimate import Estimate, Layout, Training
 from plait.plan.hardware import GB, Cluster
 from plait.plan.memory import state_bytes
 from plait.plan.shape import Shape
@@ -42,6 +43,33 @@ def why_no_fit(est: Estimate, cluster: Cluster, train: Training) -> str:
             "batch/sequence.")
 
 
+def _zero_ranks(lay: Layout) -> str:
+    """The ranks ZeRO shards over, in words: the replicas, or hybrid sharding's shard
+    group of them."""
+    whole = f"{'*'.join(REPLICA_AXES)}={lay.replicas}"
+    if lay.shard_copies == 1:
+        return whole
+    copies = ",".join(f"{name}={lay.sizes[name]}" for name in SHARD_COPIES)
+    return (f"shard groups of {int(lay.zero_split)} of the {whole} replicas (hybrid sharding: "
+            f"{copies} copies of each shard)")
+
+
+def _hybrid_lines(lay: Layout, by: dict[str, float | None], t: float) -> list[str]:
+    """Whether hybrid sharding pays: the best layout with and without copies of shards."""
+    key = "+".join(SHARD_COPIES)
+    alone, split = by.get(f"{key}=1"), by.get(f"{key}>1")
+    if lay.shard_copies > 1:
+        return [f"Hybrid sharding pays: ZeRO's collectives stay inside shard groups of "
+                f"{int(lay.zero_split)} ranks and only the reduced gradient shards (1/"
+                f"{int(lay.zero_split)} of the gradients) are all-reduced over the copies; "
+                + ("no layout without it fits." if alone is None else
+                   f"the best layout sharding over every replica is {_pct(alone, t)}.")]
+    if lay.zero and split is not None:
+        return [f"No hybrid sharding: ZeRO over every replica; the best layout with "
+                f"{key}>1 is {_pct(split, t)}."]
+    return []
+
+
 def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
             best_by: dict[str, float | None] | None = None,
             runner_up: Estimate | None = None) -> list[str]:
@@ -63,8 +91,8 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
                  f"({pb + gb + kb} B/param x {params(shape.num_params())} params) against "
                  f"{nbytes(cap)} usable per GPU, so they must be cut at least "
                  f"{max(1, -(-states // cap)):.0f} ways; this layout cuts them by tp*pp="
-                 f"{lay.tp * lay.pp}" + (f" and ZeRO-{lay.zero} over {'*'.join(REPLICA_AXES)}="
-                                         f"{lay.replicas}" if lay.zero else "") + ".")
+                 f"{lay.tp * lay.pp}" + (f" and ZeRO-{lay.zero} over {_zero_ranks(lay)}"
+                                         if lay.zero else "") + ".")
     tp_rule = by.get(f"tp={gpn}")
     if lay.tp == gpn:
         lines.append(f"Rule 'TP up to the node size' held: tp={gpn} keeps TP collectives on "
@@ -108,6 +136,7 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
     elif by.get("zero=1") is not None:
         lines.append(f"No ZeRO: replicated states fit and ZeRO-1 would be "
                      f"{_pct(by['zero=1'], t)} (its all-gather is exposed).")
+    lines += _hybrid_lines(lay, by, t)
     rn = by.get("recompute=none")
     if lay.recompute != "none":
         lines.append(f"Recompute {lay.recompute}: " + (

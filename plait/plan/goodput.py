@@ -83,9 +83,10 @@ def checkpoint_bytes(est: Estimate, shape: Shape, train: Training) -> tuple[Num,
     rank = np.asarray(est.extra["rank_params"], dtype=float)
     experts = np.asarray(est.extra["rank_expert_params"], dtype=float)
     if lay.zero >= 1:
-        # ZeRO shards the dense states over the replicas, the routed experts' over the
+        # ZeRO shards the dense states over the replicas (hybrid sharding: one shard
+        # group of them; a copy's first holder writes it), the routed experts' over the
         # replicas that hold the same experts
-        dshard = np.asarray(lay.replicas, dtype=float)
+        dshard = np.asarray(lay.zero_split, dtype=float)
         rank = (rank - experts) / dshard + experts / (dshard / np.asarray(lay.expert_split,
                                                                           dtype=float))
     return rank * per_param, float(shape.num_params() * per_param)

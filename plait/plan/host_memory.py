@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from plait.config import Config
 from plait.device.host import mem_available_bytes
 from plait.dims import DEFAULT_ORDER
-from plait.plan.runtime_memory_sizes import rank_sizes
+from plait.plan.runtime_memory_sizes import rank_sizes, zero_ranks
 
 GIB = 2**30
 
@@ -56,8 +56,9 @@ def host_memory_problem(cfg: Config, ranks: Iterable[int], device_type: str = "c
     parts = ", ".join(f"{k} {v / GIB:,.2f}" for k, v in biggest.items())
     fixes = ["a smaller --model"]
     p = cfg.parallel
-    if p.dp > 1 and p.zero < 3:
-        fixes.append(f"--zero 3 (shards all three over the {p.dp} data-parallel ranks)")
+    if zero_ranks(cfg) > 1 and p.zero < 3:
+        fixes.append(f"--zero 3 (shards all three over the {zero_ranks(cfg)} data-parallel "
+                     "ranks it shards over)")
     fixes.append("more machines (torchrun -m plait.train on each), so that each holds "
                  "fewer ranks")
     return (f"the model states of the {len(ranks)} rank(s) on this machine need "

@@ -9,6 +9,7 @@ one micro-batch keeps between its forward and backward (`RankSizes`, made once b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from plait.plan.activations import (
     layer_saved_bytes,
     norm_bytes,
 )
+from plait.plan.basis import SHARD_COPIES
 from plait.plan.memory import snapshot_bytes
 
 if TYPE_CHECKING:
@@ -354,7 +356,7 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
     tok_l = tok // t if sp else tok
     sched, stages = rank_stages(cfg, rank)
     cap = p.bucket_mb * 2**20 if p.zero in (1, 2) else None
-    units, k, padded = _rank_units(sh, stages, p.pp, p.dp, cap, pb)
+    units, k, padded = _rank_units(sh, stages, p.pp, zero_ranks(cfg), cap, pb)
     params, optim, grads_full, grad_shards = _model_state_bytes(units, k, padded, p.zero, e,
                                                                 pb)
     tp_ids = (8 * tok + tok) if t > 1 else 0
@@ -374,6 +376,13 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
         loss_fwd=loss_fwd, loss_bwd=loss_bwd, mlp_bwd=e * tok * h + 2 * e * tok * f_t,
         dy=e * tok * h, dprod=e * tok * f_t, recv=e * tok_l * h, w2=h * f_t * pb,
         layer_numel=sum(sh["layer"]), snapshot=_snapshot_bytes(cfg, units, k))
+
+
+def zero_ranks(cfg: Config) -> int:
+    """Ranks ZeRO shards a unit over in the layouts this model covers (no sequence split):
+    dp, or with hybrid sharding one shard group of it (the copies hold the same shards)."""
+    p = cfg.parallel
+    return p.dp // math.prod(getattr(p, name) for name in SHARD_COPIES)
 
 
 def _snapshot_bytes(cfg: Config, units: list[ZeroUnit], k: dict) -> float:

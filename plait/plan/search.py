@@ -31,8 +31,9 @@ import numpy as np
 from plait.config.checks import unbuilt_combinations
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
-from plait.plan.basis import WRITTEN, product
+from plait.plan.basis import SHARD_COPIES, WRITTEN, product
 from plait.plan.bubble import stages_per_chain
+from plait.plan.comm import price
 from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate, Layout, Training, evaluate
 from plait.plan.hardware import Cluster
@@ -140,11 +141,26 @@ def _axis_sizes(ranks: int, shape: Shape, node: int, axes: tuple[str, ...] = NES
 
 
 def _laid_sizes(axes: dict[str, int], shape: Shape, node: int) -> list[dict[str, int]]:
-    """The sizes of the dimensions laid over the replicas, from the divisors of those."""
-    replicas = product(axes, REPLICA_AXES)
-    options = [d.plan_sizes(divisors(replicas), shape, node) for d in LAID]
-    return [dict(zip((d.name for d in LAID), sizes, strict=True))
-            for sizes in itertools.product(*options)]
+    """The sizes of the dimensions laid over the replicas, from the divisors of those and
+    the consecutive replica ranks one node holds (`node_replicas`); a combination a
+    record's `plan_problems` refuses is left out."""
+    replicas = divisors(product(axes, REPLICA_AXES))
+    options = [d.plan_sizes(replicas, shape, node_replicas(axes, node)) for d in LAID]
+    out = []
+    for sizes in itertools.product(*options):
+        laid = dict(zip((d.name for d in LAID), sizes, strict=True))
+        lay = Layout({**axes, **laid})
+        if not any(d.plan_problems(lay, shape) for d in LAID):
+            out.append(laid)
+    return out
+
+
+def node_replicas(axes: dict[str, int], node: int) -> int:
+    """The most consecutive replica ranks (a divisor of the replicas) inside one node, in
+    the default mesh order (the one a laid dimension is modelled in)."""
+    strides = price.order_strides(DEFAULT_ORDER, axes)
+    return max(b for b in divisors(product(axes, REPLICA_AXES))
+               if price.replica_block_span(DEFAULT_ORDER, axes, strides, b) <= node)
 
 
 def numeric_candidates(shape: Shape, cluster: Cluster, train: Training) -> dict[str, np.ndarray]:
@@ -188,6 +204,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
                         f"{train.global_batch} sequences; use a batch divisible by more "
                         "data-parallel sizes or another GPU count")
     m = train.global_batch // (c["dp"] * c["mbs"])
+    copies = product(c, SHARD_COPIES)
     scored: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict]] = []
     considered = 0
     orders = search_orders(shape, cluster)
@@ -196,10 +213,13 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             sched, c["pp"], m, v, shape.layers)
         if not mask.any():
             continue
-        idx = np.nonzero(mask)[0]
         for zero in (0, 1, 2, 3):
             if unbuilt_combinations(1 if sched == "none" else 2, zero, sched):
                 continue  # the runtime refuses it (a group's pp are all 1 or all > 1)
+            # ZeRO-0 shards nothing: copies of shards (hybrid sharding) need a stage
+            idx = np.nonzero(mask & ((copies == 1) if zero == 0 else True))[0]
+            if not len(idx):
+                continue
             for rec in RECOMPUTE:
                 lay = Layout({d.name: c[d.name][idx] for d in DIMENSIONS}, mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
@@ -296,9 +316,15 @@ def _best_of_orders(shape: Shape, cluster: Cluster, train: Training, eff: Effici
     est = evaluate(shape, cluster, train, lay, eff)
     best = np.asarray(seconds(est), dtype=float)
     choice = np.zeros(np.shape(best), dtype=int)
+    # a dimension laid over the replicas is modelled in the default order only: those
+    # layouts keep it (scored here at laid sizes 1, never chosen)
+    laid = np.logical_or.reduce([np.asarray(size) > 1 for size in lay.laid().values()])
+    flat = {**lay.sizes, **{name: 1 for name in lay.laid()}}
     for k, order in enumerate(orders[1:], 1):
-        t = np.asarray(seconds(evaluate(shape, cluster, train, replace(lay, order=order),
-                                        eff)), dtype=float)
+        t = np.asarray(seconds(evaluate(shape, cluster, train,
+                                        replace(lay, sizes=flat, order=order), eff)),
+                       dtype=float)
+        t = np.where(laid, np.inf, t)
         choice = np.where(t < best, k, choice)
         best = np.minimum(best, t)
     return est, best, choice

@@ -13,7 +13,9 @@ call costs and how much of it the compute hides.
              `plait report`'s comparison with the ledger)
 
 Which collective of which dimension is priced where (`Collective.dim` names the group;
-"edp": the ranks holding the same routed experts, "world": every rank):
+"edp": the ranks holding the same routed experts, "world": every rank; hybrid
+sharding's groups, plait/dims/dp_replicate.py: "dp_shard", the replicas ZeRO shards
+over, "edp_shard" the experts' copies in it, "dp_replicate" the copies of a shard):
 
   dim    collective                             priced in (module.function)  step-time line
   tp     2 all-reduces a layer forward, 2       layer.layer_comm             tp comm
@@ -38,6 +40,13 @@ Which collective of which dimension is priced where (`Collective.dim` names the 
          scatter: the dense parameters'
          gradients over the replicas
   edp    the same for the routed experts        step.dp_exposed_time         dp comm (exp.)
+  dp_    hybrid sharding: ZeRO's as above,      step.dp_exposed_time         dp comm
+  shard  inside a shard group of replicas                                    (exposed)
+  (edp_  (edp_shard: the routed experts')
+  shard)
+  dp_    hybrid sharding: each reduced          step.shard_copies_sync       dp comm
+  repli- gradient shard all-reduced over its                                 (exposed)
+  cate   copies, once a step
   world  the grad norm's all-reduce (8 bytes)   step.step_end_collectives    dp comm (exp.)
   pp,    the logged loss's all-reduces (8       step.step_end_collectives    dp comm (exp.)
   cp, dp bytes each)
@@ -57,7 +66,8 @@ EXCHANGE_TERM = "cp/ep comm (exposed)"  # layer.py: the K/V exchange and the all
 # each step-time line of exposed communication and the dimensions whose collectives it is
 EXPOSED_TERMS: dict[str, tuple[str, ...]] = {"tp comm (exposed)": ("tp",),
                                              EXCHANGE_TERM: ("cp", "ep"),
-                                             "dp comm (exposed)": ("dp",)}
+                                             "dp comm (exposed)": ("dp", "dp_shard",
+                                                                   "dp_replicate")}
 # dimensions with collectives inside every layer (layer.py): ranks that share one group of
 # them wait for each other at every layer
 PER_LAYER_DIMS = ("tp", "cp", "ep")

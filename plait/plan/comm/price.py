@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.dims import DEFAULT_ORDER, LAID
+from plait.dims import DEFAULT_ORDER, LAID, REPLICA_AXES
 from plait.plan.hardware import GPU
 
 Num = Any  # float or numpy array
@@ -49,6 +49,21 @@ def order_strides(order: tuple[str, ...], sizes: dict[str, Num]) -> dict[str, Nu
     for d in order:
         strides[d], stride = stride, stride * sizes[d]
     return strides
+
+
+def replica_block_span(order: tuple[str, ...], sizes: dict[str, Num],
+                       strides: dict[str, Num], block: Num) -> Num:
+    """Ranks from the first to past the last of `block` consecutive replica positions (the
+    replica ranks in rank order: the replica axes of the mesh `order`, innermost first,
+    `strides` from `order_strides`): hybrid sharding's shard group (block = its ranks) or
+    the whole replica group (block = the replicas; a copies group spans it too). Inside
+    one node when at most gpus_per_node."""
+    rem, span = np.asarray(block, dtype=float), np.asarray(1.0)
+    for name in (d for d in order if d in REPLICA_AXES):
+        take = np.minimum(rem, np.asarray(sizes[name], dtype=float))  # its positions covered
+        span = np.where(take > 1, strides[name] * take, span)
+        rem = rem / take
+    return span
 
 
 def link(gpu: GPU, intra: Num, efficiency: float) -> tuple[Num, Num]:

@@ -107,10 +107,12 @@ def bytes_by_dim(collectives: list[price.Collective], expert_split: int
     """The planner's payload bytes per step per dim (size x count), named as
     plait.ledger.data_bytes_by_dim names the ledger's: with the experts whole on every
     rank (expert_split = 1) the routed experts' gradients sync with the rest (one group:
-    the runtime's one bucketed sync); DualPipe's copy swap is "pp_copies"."""
+    the runtime's one bucketed sync, or hybrid sharding's one set of units); DualPipe's
+    copy swap is "pp_copies"."""
     out: dict[str, float] = {}
+    whole = {"edp": "dp", "edp_shard": "dp_shard"} if expert_split == 1 else {}
     for c in collectives:
-        dim = "dp" if c.dim == "edp" and expert_split == 1 else c.dim
+        dim = whole.get(c.dim, c.dim)
         dim = "pp_copies" if "copies" in c.op else dim
         out[dim] = out.get(dim, 0.0) + float(c.size * c.count)
     return out

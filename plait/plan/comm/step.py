@@ -12,18 +12,19 @@ Counts per step on the most loaded rank (s = one micro-batch's activation on a r
                       scattered (each micro-batch's under ZeRO-2) and the parameters
                       all-gathered after the update; ZeRO-3: all-gathered before each
                       forward and backward, reduce-scattered after each backward
+  dp_shard            hybrid sharding: ZeRO's collectives as above, inside a shard group
+  (edp_shard),        of replicas; after the last backward each unit's reduced gradient
+  dp_replicate        shard all-reduced over the ranks holding copies of it, once a step
   step end            8-byte all-reduces: the grad norm's partial sums over the world,
                       the logged loss over the dimensions that sum it
 """
 
 from __future__ import annotations
 
-from functools import reduce
-
 import numpy as np
 
 from plait.config import FIRST_BUCKET_MB, ParallelConfig
-from plait.dims import DIMENSIONS, LOSS_SUMMED, REPLICA_AXES
+from plait.dims import DIMENSIONS, LOSS_SUMMED
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
@@ -73,21 +74,18 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
                     experts: bool = False) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
-    same experts, "edp"); appends the collectives (dim "dp" or "edp")."""
+    same experts, "edp"); appends the collectives (dim "dp" or "edp"; with hybrid
+    sharding ZeRO's run inside a shard group, "dp_shard" or "edp_shard", and the shards'
+    all-reduce over "dp_replicate": `shard_copies_sync`)."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     m = b.m
-    # the gradients are reduced over the replicas: inside a node when every replica
-    # axis's groups are
-    span = reduce(np.maximum, [np.where(b.sizes[name] > 1, b.span(name), 1)
-                               for name in REPLICA_AXES])
-    dp_intra = span <= cluster.gpus_per_node
+    dim, n, dp_intra = zero_group(cluster, lay, b, experts)
     bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
     # one micro-batch on this rank: the compute that can hide a collective, as much as
     # the machine overlaps the two (a measured profile's; all of it on a GPU)
     f_mb = b.cpr * ct.f_c * eff.comm_overlap
     b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
-    n = b.replicas / (b.expert_split if experts else 1.0)
     # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
     # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES; a
     # pipeline stage is one unit) under a measured profile; one collective of all the
@@ -137,15 +135,56 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         dp_exposed = dp_exposed + exp
         if np.any(n > 1):
             per_unit = op != "all-reduce (grads)"  # ZeRO's: `units` calls of size / units
-            colls.append(price.Collective("edp" if experts else "dp", op,
+            colls.append(price.Collective(dim, op,
                                          size / units if per_unit else size,
                                          np.asarray(count, dtype=float)
                                          * (units if per_unit else 1.0), n, dp_intra,
                                          t_each / units if per_unit else t_each, exp, how,
                                          blocking=np.asarray(blocking, dtype=float)))
+    if lay.zero >= 1:
+        dp_exposed = dp_exposed + shard_copies_sync(cluster, lay, eff, b, g_bytes / n,
+                                                    units, colls)
     if eff.runtime_comm and not experts:
         dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
     return dp_exposed
+
+
+def zero_group(cluster: Cluster, lay: Layout, b: Basis, experts: bool = False
+               ) -> tuple[str, Num, Num]:
+    """(name, ranks, inside a node) of the group ZeRO's collectives (or ZeRO-0's
+    all-reduce) run over: the replicas ("dp"; routed experts: the replicas holding the
+    same experts, "edp"), or with hybrid sharding one shard group of them, consecutive
+    replica ranks ("dp_shard", "edp_shard": the runtime's names,
+    plait/dims/dp_replicate.py). A batch of layouts with any hybrid one names every
+    layout's group by the hybrid name (the sizes are each layout's own)."""
+    hybrid = bool(np.any(np.asarray(b.shard_copies) > 1))
+    name = ("edp" if experts else "dp") + ("_shard" if hybrid else "")
+    span = price.replica_block_span(lay.order, b.sizes, b.strides, b.zero_split)
+    n = b.zero_split / (b.expert_split if experts else 1.0)
+    return name, n, span <= cluster.gpus_per_node
+
+
+def shard_copies_sync(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
+                      shard_bytes: Num, units: Num, colls: list[price.Collective]) -> Num:
+    """Hybrid sharding's exposed seconds: once a step, after the last reduce-scatter, each
+    unit's reduced gradient shard (`shard_bytes` in all, on this rank) all-reduced over
+    the ranks holding copies of it ("dp_replicate": the same position in every shard
+    group, spanning the whole replica group: usually across nodes). Issued together and
+    waited on before the update, nothing hides them (plait/parallel/zero.py's
+    `_sum_shard_copies`); appends the collective. 0 without copies."""
+    copies = np.asarray(b.shard_copies, dtype=float)
+    if not np.any(copies > 1):
+        return 0.0
+    span = price.replica_block_span(lay.order, b.sizes, b.strides, b.replicas)
+    intra = span <= cluster.gpus_per_node
+    bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
+    t_each, _ = price.all_reduce(shard_bytes / units, copies, bw, al)
+    count = np.where(copies > 1, units, 0.0)
+    colls.append(price.Collective("dp_replicate", "all-reduce (grad shards)",
+                                 shard_bytes / units, count, copies, intra, t_each,
+                                 count * t_each, "none: after the last backward",
+                                 blocking=np.where(copies > 1, 1.0, 0.0)))
+    return count * t_each
 
 
 BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
