@@ -55,15 +55,16 @@ import results
 from emulated_nodes import (  # puts the repository on the path for plait's imports below
     NODES,
     RANKS_PER_NODE,
-    SIZE,
     WARMUP,
+    add_run_flags,
     measure,
     model_flags,
+    parse_run_flags,
     plait,
 )
 
-from plait.launch.cluster import capability_problem  # noqa: E402
-from plait.plan import host_share  # noqa: E402
+from plait.launch.cluster import capability_problem
+from plait.plan import host_share
 
 ORDERS = {"tp inside, dp across (default)": "tp,cp,pp,dp",
           "tp across, dp inside": "dp,tp,cp,pp"}
@@ -181,22 +182,11 @@ def write(path: Path, rows: list, args: argparse.Namespace, cores: float,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mbit", type=float, default=100.0, help="each node's link (default 100)")
-    ap.add_argument("--steps", type=int, default=30,
-                    help=f"default 30; the first {WARMUP} are not measured")
+    add_run_flags(ap, mbit=100.0)
     ap.add_argument("--hardware", type=Path, help="a `plait calibrate` profile")
-    ap.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
-    for k, v in SIZE.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
-                        help=f"default {v}")
     results.add_write_flag(ap)
-    args = ap.parse_args()
-    args.size = {k: getattr(args, k) for k in SIZE}
+    args = parse_run_flags(ap, dp=2)
     load0 = os.getloadavg()[0]
-    if args.steps < WARMUP + 3:
-        ap.error(f"--steps: give at least {WARMUP + 3} (the first {WARMUP} are not measured)")
-    if args.size["global_batch"] % 2:
-        ap.error("--global-batch: give an even number (dp 2)")
     model = model_flags(args.size, args.recompute)
     problem = capability_problem()
     if problem:

@@ -14,6 +14,7 @@ it "sys", the kernel's part (the emulated links' and the loopback's TCP stacks),
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -52,6 +53,30 @@ def model_flags(size: dict[str, int], recompute: str, zero: int = 0, dp: int = 2
             "--seq", str(size["seq"]), "--global-batch", str(size["global_batch"]),
             "--microbatch", str(size["global_batch"] // dp), "--precision", "fp32",
             "--recompute", recompute, "--zero", str(zero)]
+
+
+def add_run_flags(ap: argparse.ArgumentParser, mbit: float) -> None:
+    """The flags of a run across emulated nodes: the link, the steps, the model's size."""
+    ap.add_argument("--mbit", type=float, default=mbit,
+                    help=f"each node's link (default {mbit:g})")
+    ap.add_argument("--steps", type=int, default=30,
+                    help=f"default 30; the first {WARMUP} are not measured")
+    ap.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
+    for k, v in SIZE.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
+                        help=f"default {v}")
+
+
+def parse_run_flags(ap: argparse.ArgumentParser, dp: int) -> argparse.Namespace:
+    """The parsed flags, the model's size as `args.size`; refused: too few steps to
+    measure, a batch the dp replicas cannot split."""
+    args = ap.parse_args()
+    args.size = {k: getattr(args, k) for k in SIZE}
+    if args.steps < WARMUP + 3:
+        ap.error(f"--steps: give at least {WARMUP + 3} (the first {WARMUP} are not measured)")
+    if args.size["global_batch"] % dp:
+        ap.error(f"--global-batch: give a multiple of {dp} (dp {dp})")
+    return args
 
 
 def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
