@@ -74,6 +74,9 @@ def write(path: str, runs: dict, args: argparse.Namespace, load0: float) -> None
     results.write(
         path, "Hybrid sharding against torch's HSDP",
         [f"{_setting(args)}:\n\n" + results.goal_table(_goal_rows(runs)),
+         f"Each run's step time (ms), in the order run: plait {each_ms(runs['mine'])}; HSDP "
+         f"{each_ms(runs['theirs'])}. Peaks: plait {runs['plait_peak']:,} B, HSDP "
+         f"{runs['peer_peak']:,} B.",
          "The losses of the first timed run of each:\n\n" + results.table(
              ("step", "plait loss", "HSDP loss", "gap"),
              _loss_rows(runs["mine"][0], runs["theirs"][0]))],
