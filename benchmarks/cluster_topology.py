@@ -13,7 +13,8 @@ ledger's inter-node bytes.
         [--recompute selective] [--hidden 64] [--layers 2] [--heads 4] [--ffn 176]
         [--seq 128] [--global-batch 16] [--write docs/results/cluster_topology.md]
 
-Needs root, ip and tc (plait cluster says what is missing). Measures a profile first
+Needs root, ip and tc (plait cluster says what is missing); the runs and their measures
+are benchmarks/emulated_nodes.py's. Measures a profile first
 (`plait calibrate --ranks 2`) unless one is given. Step time: the median of the steps
 after the first WARMUP (on a shared machine the median resists a disturbed step), the
 steady step the planner predicts: in runs of 8 steps the window from the second step on
@@ -45,60 +46,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-root = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(root), str(root / "tests")]
+import results
+from emulated_nodes import (  # puts the repository on the path for plait's imports below
+    NODES,
+    RANKS_PER_NODE,
+    WARMUP,
+    add_run_flags,
+    measure,
+    model_flags,
+    parse_run_flags,
+    plait,
+)
 
-import results  # noqa: E402
-from helpers import token_file  # noqa: E402
-
-from plait.files import PARTIAL_SUFFIX  # noqa: E402
-from plait.launch.cluster import capability_problem  # noqa: E402
-from plait.plan import host_share  # noqa: E402
-
-# the model: `tiny` with these fields replaced (vocabulary 256: the test token file's);
-# dp's micro-batch is its whole half of the batch. The default is tiny's own shape (every
-# run in docs/results/cluster_topology.md); the flags give larger ones (the closed loop's
-# h 256 prices compute within 15 % at world <= 2; here the emulated links' and
-# collectives' CPU and the link model weigh in too).
-SIZE = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 176, "seq": 128, "global_batch": 16}
-
-
-def model_flags(size: dict[str, int], recompute: str) -> list[str]:
-    """One meaning in plan and train (the emitted config carries the shape)."""
-    return ["--model", "tiny", "--vocab", "256", "--hidden", str(size["hidden"]),
-            "--layers", str(size["layers"]), "--heads", str(size["heads"]),
-            "--kv-heads", str(size["heads"]), "--ffn", str(size["ffn"]),
-            "--seq", str(size["seq"]), "--global-batch", str(size["global_batch"]),
-            "--microbatch", str(size["global_batch"] // 2), "--precision", "fp32",
-            "--recompute", recompute, "--zero", "0"]
-
+from plait.launch.cluster import capability_problem
+from plait.plan import host_share
 
 ORDERS = {"tp inside, dp across (default)": "tp,cp,pp,dp",
           "tp across, dp inside": "dp,tp,cp,pp"}
-RANKS_PER_NODE = 2
-
-
-NODES = 2
-WARMUP = 5  # steps not measured: the step median and the CPU window start after them
 GOAL = 0.20  # the planner's ratio within 20 % of the measured one
-
-
-def plait(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
-                       text=True, timeout=timeout, cwd=root)
-    if r.returncode:
-        raise SystemExit(f"plait {' '.join(args[:3])} ... failed:\n{r.stderr[-3000:]}")
-    return r
 
 
 def predict(order: str, profile: Path, mbit: float, out: Path, load: float,
@@ -124,120 +94,6 @@ def predict(order: str, profile: Path, mbit: float, out: Path, load: float,
     return {"step": lay["step_time_s"], "own": own, "cpu": float(cpu), "comm_cpu": float(comm),
             "bubble": float(bubble), "link": float(link),
             "in_step": bool(host_share.in_step(colls, RANKS_PER_NODE))}
-
-
-def _runnable_groups(own: str) -> int:
-    """Scheduling entities with a runnable task now: with autogroup (Linux's default here:
-    /proc/sys/kernel/sched_autogroup_enabled) the scheduler shares the cores among
-    sessions first, so a session counts once, whatever its runnable tasks (torchrun starts
-    each rank in a session of its own); without it, each task. `own` (this sampler's
-    group) is left out."""
-    groups = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if stat.read_text().rsplit(")", 1)[1].split()[0] != "R":
-                continue
-            group = (stat.parent / "autogroup").read_text().split()[0] if AUTOGROUP \
-                else stat.parent.name
-        except (OSError, IndexError):
-            continue  # ended meanwhile
-        if group != own:
-            groups.add(group)
-    return len(groups)
-
-
-AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled").is_file() and \
-    Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
-
-
-def background_load(seconds: float = 3.0) -> float:
-    """Runnable scheduling entities of other work (`_runnable_groups`), averaged over
-    `seconds` just before a run (this benchmark's own session left out)."""
-    own = Path("/proc/self/autogroup").read_text().split()[0] if AUTOGROUP else str(os.getpid())
-    counts = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        counts.append(_runnable_groups(own))
-        time.sleep(0.05)
-    return statistics.mean(counts)
-
-
-def _stat_cpu(stat: Path) -> tuple[float, float]:
-    """(user + system, system) CPU seconds of a /proc stat file."""
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick
-
-
-def _cpu_seconds(prefix: str) -> tuple[float, float, float]:
-    """CPU seconds of every process in the namespaces named `prefix`*: all (user +
-    system), the system part, and that of the backend's threads (gloo's: their names
-    start with gloo or pt_gloo)."""
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    total, system, backend = 0.0, 0.0, 0.0
-    for name in (x.split()[0] for x in names.splitlines() if x.startswith(prefix)):
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
-                              text=True).stdout.split()
-        for pid in pids:
-            try:
-                cpu, sys_cpu = _stat_cpu(Path(f"/proc/{pid}/stat"))
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    if (task / "comm").read_text().startswith(("gloo", "pt_gloo")):
-                        backend += _stat_cpu(task / "stat")[0]
-            except OSError:
-                continue  # ended meanwhile
-            total, system = total + cpu, system + sys_cpu
-    return total, system, backend
-
-
-def _watch_cpu(proc: subprocess.Popen, partial: Path, steps: int, out: dict) -> None:
-    """CPU seconds of the run's processes when the metrics hold WARMUP rows and steps - 1."""
-    prefix, marks = f"plaitc-{proc.pid}-", {WARMUP: None, steps - 1: None}
-    while proc.poll() is None and any(v is None for v in marks.values()):
-        try:
-            rows = partial.read_text().count("\n")
-        except OSError:
-            rows = 0
-        for k in marks:
-            if marks[k] is None and rows >= k:
-                marks[k] = (rows, _cpu_seconds(prefix))
-        time.sleep(0.02)
-    if all(marks.values()):
-        (r0, (c0, s0, g0)), (r1, (c1, s1, g1)) = marks[WARMUP], marks[steps - 1]
-        if r1 > r0:
-            rank_steps = (r1 - r0) * NODES * RANKS_PER_NODE
-            out["cpu_per_rank_step"] = (c1 - c0) / rank_steps
-            out["sys_per_rank_step"] = (s1 - s0) / rank_steps
-            out["gloo_per_rank_step"] = (g1 - g0) / rank_steps
-
-
-def measure(config: Path, mbit: float, steps: int, work: Path) -> dict:
-    metrics = work / f"{config.stem}.jsonl"
-    load = background_load()
-    cmd = [sys.executable, "-m", "plait.cli", "cluster", "--nnodes", str(NODES),
-           "--inter-node-mbit", str(mbit), "--", "--config", str(config), "--data",
-           str(token_file()), "--steps", str(steps), "--quiet", "--metrics-out",
-           str(metrics), "--timeout", "300"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=root)
-    cpu: dict = {}
-    watcher = threading.Thread(target=_watch_cpu, daemon=True, args=(
-        proc, metrics.with_name(metrics.name + PARTIAL_SUFFIX), steps, cpu))
-    watcher.start()
-    _, stderr = proc.communicate(timeout=900)
-    watcher.join(timeout=5)
-    if proc.returncode:
-        raise SystemExit(f"plait cluster failed:\n{stderr[-3000:]}")
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    summary, steps_rows = rows[-1], rows[:-1]
-    sent = [int(b.replace(",", "")) for b in re.findall(r"node \d+ sent ([\d,]+) B", stderr)]
-    per_step = summary["ledger"]["per_step"]
-    ledger_inter = sum(row["sent_inter"] for row in per_step.values())  # rank 0, per step
-    return {"step": statistics.median(s["step_time"] for s in steps_rows[WARMUP:]),
-            "wire_per_step": max(sent) / steps, "load": load,
-            "loadavg": os.getloadavg()[0], "cpu": cpu.get("cpu_per_rank_step"),
-            "sys": cpu.get("sys_per_rank_step"), "gloo": cpu.get("gloo_per_rank_step"),
-            "ledger_inter_per_step": RANKS_PER_NODE * ledger_inter}  # a node's ranks
 
 
 def _ratio_line(name: str, inside: float, across: float, measured: float) -> str:
@@ -326,22 +182,11 @@ def write(path: Path, rows: list, args: argparse.Namespace, cores: float,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mbit", type=float, default=100.0, help="each node's link (default 100)")
-    ap.add_argument("--steps", type=int, default=30,
-                    help=f"default 30; the first {WARMUP} are not measured")
+    add_run_flags(ap, mbit=100.0)
     ap.add_argument("--hardware", type=Path, help="a `plait calibrate` profile")
-    ap.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
-    for k, v in SIZE.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
-                        help=f"default {v}")
     results.add_write_flag(ap)
-    args = ap.parse_args()
-    args.size = {k: getattr(args, k) for k in SIZE}
+    args = parse_run_flags(ap, dp=2)
     load0 = os.getloadavg()[0]
-    if args.steps < WARMUP + 3:
-        ap.error(f"--steps: give at least {WARMUP + 3} (the first {WARMUP} are not measured)")
-    if args.size["global_batch"] % 2:
-        ap.error("--global-batch: give an even number (dp 2)")
     model = model_flags(args.size, args.recompute)
     problem = capability_problem()
     if problem:

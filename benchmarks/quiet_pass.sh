@@ -17,6 +17,8 @@ run() {
   echo "rc=$?" >> "$out/$name.txt"
 }
 run zero "$py" benchmarks/zero_vs_torch.py --runs 3 --write "$res/zero_vs_torch.md"
+run hsdp "$py" benchmarks/hsdp_vs_torch.py --model tiny --steps 8 --runs 5 \
+  --write "$res/hsdp_vs_torch.md"
 run dp "$py" benchmarks/dp_vs_ddp.py --first-bucket-ab --runs 3 --write "$res/dp_vs_ddp.md"
 run pp "$py" benchmarks/pp_vs_torch.py --pp 2 --microbatches 8 --dim 512 --layers 8 \
   --batch 16 --steps 4 --schedules all --write "$res/pp_vs_torch.md"

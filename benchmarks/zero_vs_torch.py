@@ -22,55 +22,9 @@ from pathlib import Path
 
 import results
 import torch
-from common import (
-    WARMUP,
-    batches,
-    bench_config,
-    max_loss_gap,
-    median_ms,
-    met,
-    performance_rows,
-    torch_adamw,
-    torch_loop,
-    wrap_peer,
-)
+from common import alternated, each_ms, max_loss_gap, met, performance_rows
 
-from plait.launch.forked import run_ranks
-from plait.mesh import ParallelMesh
-from plait.model.transformer import build_model
-from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
-from plait.train.loop import train
-
-
-def _plait(rank, world, args, path, stage, measure):
-    cfg = bench_config(args.model, world, args.steps, args.seq_len, args.vocab,
-                       f"parallel.zero={stage}", f"train.memory_step={1 if measure else -1}")
-    res = train(cfg, ParallelMesh.build(cfg.parallel), batches(cfg, path))
-    peak = res.metrics[1].get("memory", {}).get("peak_total")
-    return {"times": [m["step_time"] for m in res.metrics], "losses": res.losses, "peak": peak}
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _torch(rank, world, args, path, peer, measure):
-    cfg = bench_config(args.model, world, args.steps, args.seq_len, args.vocab)
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    wrapped = wrap_peer(model, peer, cfg.parallel.bucket_mb)
-    named = list(model.named_parameters())
-    optim = torch_adamw(named, cfg)
-
-    def sources():
-        state = [_local(v) for s in optim.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor)]
-        return {"params": [_local(p) for _, p in named],
-                "grads": [_local(p.grad) for _, p in named if p.grad is not None],
-                "optimizer": state}
-
-    return torch_loop(wrapped, [p for _, p in named], optim, cfg, batches(cfg, path), rank,
-                      world, args.steps, memory_step=1 if measure else -1, sources=sources)
 
 
 def main() -> None:
@@ -97,15 +51,10 @@ def main() -> None:
               f"{'goal':>9}{'':>9}{'loss gap':>10}")
         rows, peaks = [], {}
         for stage, peer in pairs:
-            mine, theirs = [], []
-            for _ in range(args.runs):  # alternate, so machine noise hits both alike
-                mine.append(run_ranks(_plait, args.world, args, path, stage, False,
-                                      timeout=900)[0])
-                theirs.append(run_ranks(_torch, args.world, args, path, peer, False,
-                                        timeout=900)[0])
-            pm = run_ranks(_plait, args.world, args, path, stage, True, timeout=900)[0]["peak"]
-            tm = run_ranks(_torch, args.world, args, path, peer, True, timeout=900)[0]["peak"]
-            p_ms, t_ms = median_ms(mine), median_ms(theirs)
+            runs = alternated(args, path, (f"parallel.zero={stage}",), peer)
+            mine, theirs = runs["mine"], runs["theirs"]
+            p_ms, t_ms = runs["plait_ms"], runs["peer_ms"]
+            pm, tm = runs["plait_peak"], runs["peer_peak"]
             peaks[stage] = pm
             t_goal, m_goal, m_value, m_text = _goals(stage, pm, tm, peaks)
             time_ok, mem_ok = met(p_ms / t_ms, t_goal), met(m_value, m_goal)
@@ -114,7 +63,7 @@ def main() -> None:
                   f"{pm / 2**20:>11.2f} MiB{tm / 2**20:>10.2f} MiB{pm / tm:>11.3f}"
                   f"{m_text:>9}{mem_ok:>9}{max_loss_gap(mine[0], theirs[0]):>10.1e}"
                   + (f"  (peak / ZeRO-1's {m_value:.3f})" if m_text == "≤ ZeRO-1" else ""))
-            print(f"{'':18}runs (ms): plait {_each_ms(mine)}, peer {_each_ms(theirs)}")
+            print(f"{'':18}runs (ms): plait {each_ms(mine)}, peer {each_ms(theirs)}")
             name = f"zero_vs_torch.py: ZeRO-{stage} / {'FSDP2' if peer == 'fsdp2' else 'DDP'}"
             rows += [(f"{name}, step time", f"{p_ms / t_ms:.3f}", f"≤ {t_goal:.2f}", time_ok),
                      (f"{name}, peak memory", f"{pm / tm:.3f}" + (
@@ -132,10 +81,6 @@ def main() -> None:
             "memory goal is ZeRO-1's peak (the bracket). With more ranks than cores the ranks "
             "time-slice, so single ratios move by a few per cent between runs.",
             run=results.run_line(load0))
-
-
-def _each_ms(runs: list[dict]) -> str:
-    return " ".join(f"{mean_step_time(r['times'], warmup=WARMUP) * 1e3:.1f}" for r in runs)
 
 
 def _goals(stage: int, pm: float, tm: float, peaks: dict) -> tuple[float, float, float, str]:
