@@ -15,11 +15,7 @@ ledger's collectives by the algorithms gloo runs them with (a ring all-gather se
 the next rank of the group; plait's reduce-scatter on gloo is a direct all-to-all; a
 ring all-reduce), the ledger's inter-node bytes (every byte a rank sends in a group that
 spans nodes) and the planner's (`plait plan --layout ... --json`: its collectives on an
-inter-node link, each rank's ring share). Where the planner does not price dp_replicate
-(it plans every ZeRO layout as sharded over all replicas), the planned bytes of the
-hybrid layout are the ledger's formula instead (tests/test_hybrid_sharding.py: each
-rank all-reduces its 1/dp_shard of the gradients over dp_replicate once a step,
-2(m-1)/m of it a rank), and the output says so. Beside them, the step time (the median
+inter-node link, each rank's ring share). Beside them, the step time (the median
 after the warm-up steps, benchmarks/emulated_nodes.py) and the losses of both runs,
 which train the same model on the same batches. Needs root, ip and tc.
 """
@@ -53,7 +49,6 @@ from plait.mesh import ParallelMesh
 WORLD = NODES * RANKS_PER_NODE
 LAYOUTS = {"ZeRO-3 over dp = 4": "dp=4",
            "dp_shard 2 × dp_replicate 2, ZeRO-3": "dp=4,dp_replicate=2"}
-HYBRID_DIMS = ("dp_shard", "dp_replicate")
 
 
 def plan(layout: str, model: list[str], out: Path) -> dict:
@@ -69,17 +64,11 @@ def _ring_op(planned_op: str) -> str:
     return planned_op.split()[0].replace("-", "_")
 
 
-def planned_inter(lay: dict) -> tuple[float, str]:
-    """A node's inter-node bytes per step as planned, and where the number comes from."""
-    m = int(lay["layout"].get("dp_replicate", 1))
-    colls = lay["collectives"]
-    if m > 1 and not any(c["dim"] in HYBRID_DIMS for c in colls):
-        n = int(lay["layout"]["dp"]) // m
-        grads = sum(c["bytes"] for c in colls if c["op"].startswith("reduce-scatter"))
-        return RANKS_PER_NODE * 2 * (m - 1) / m * grads / n, "ledger formula"
+def planned_inter(lay: dict) -> float:
+    """A node's inter-node bytes per step as planned."""
     per_rank = sum(ring_bytes(_ring_op(c["op"]), c["bytes"], int(c["group"]))[0] * c["count"]
-                   for c in colls if c["link"] == "inter-node")
-    return RANKS_PER_NODE * per_rank, "planner"
+                   for c in lay["collectives"] if c["link"] == "inter-node")
+    return RANKS_PER_NODE * per_rank
 
 
 def _node(rank: int) -> int:
@@ -111,7 +100,7 @@ def run_layout(name: str, layout: str, args: argparse.Namespace, work: Path) -> 
     config = work / f"{layout.replace(',', '_').replace('=', '')}.toml"
     lay = plan(layout, model_flags(args.size, args.recompute, zero=3, dp=4), config)
     m = measure(config, args.mbit, args.steps, work)
-    m["planned"], m["planned_from"] = planned_inter(lay)
+    m["planned"] = planned_inter(lay)
     m["by_algorithm"] = wire_by_algorithm(m["ledger_rows"], config)
     m["name"] = name
     return m
@@ -120,11 +109,11 @@ def run_layout(name: str, layout: str, args: argparse.Namespace, work: Path) -> 
 def _bytes_rows(runs: list[dict]) -> list[tuple]:
     return [(m["name"], f"{m['step'] * 1e3:.0f} ms", f"{m['wire_per_step']:,.0f}",
              f"{m['by_algorithm']:,.0f}", f"{m['ledger_inter_per_step']:,.0f}",
-             f"{m['planned']:,.0f} ({m['planned_from']})") for m in runs]
+             f"{m['planned']:,.0f}") for m in runs]
 
 
 BYTES_HEADER = ("layout", "step (median)", "wire B/step (a node)",
-                "by gloo's algorithms", "ledger inter-node", "planned inter-node (from)")
+                "by gloo's algorithms", "ledger inter-node", "planned inter-node")
 
 
 def _ratio_row(flat: dict, hybrid: dict) -> tuple:
@@ -159,10 +148,6 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
     print(results.table(BYTES_HEADER, [*_bytes_rows(runs), _ratio_row(*runs)]))
     print(results.table(("layout", "op@group", "calls", "payload B", "sent B", "inter-node B"),
                         _group_rows(runs)))
-    if any(m["planned_from"] != "planner" for m in runs):
-        print("note: the planner on this branch does not price dp_replicate (it plans the "
-              "hybrid layout as ZeRO-3 over all 4 ranks); the hybrid row's planned bytes "
-              "are the ledger's formula, 2(m-1)/m x grads / dp_shard a rank")
     print(_loss_line(runs))
 
 
@@ -188,11 +173,6 @@ def write(path: Path, runs: list[dict], args: argparse.Namespace, load0: float) 
             ("layout", "op@group", "calls", "payload B", "sent B", "inter-node B"),
             _group_rows(runs)),
         _loss_line(runs) + "."]
-    if any(m["planned_from"] != "planner" for m in runs):
-        sections.append("The planner does not price dp_replicate yet (it plans the hybrid "
-                        "layout as ZeRO-3 over all four ranks): the hybrid row's planned "
-                        "bytes are the ledger's formula of tests/test_hybrid_sharding.py, "
-                        "2(m − 1)/m × the gradients / dp_shard a rank.")
     results.write(path, "Hybrid sharding on the links, measured on emulated nodes",
                   sections, SHOWS, run=results.run_line(load0))
 
