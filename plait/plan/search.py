@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from plait.config.checks import unbuilt_combinations
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 from plait.plan.basis import WRITTEN, product
@@ -84,8 +83,6 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
                                       stages_per_chain(lay.schedule, lay.pp, lay.v)))
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"zero={lay.zero}: use 0, 1, 2 or 3")
-    else:  # what the runtime has not built (plait/config/checks.py): refused alike
-        out += unbuilt_combinations(lay.pp, lay.zero, lay.schedule)
     if lay.recompute not in RECOMPUTE:
         out.append(f"recompute={lay.recompute!r}: use one of {', '.join(RECOMPUTE)}")
     if lay.attention not in ATTENTION:
@@ -198,8 +195,6 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             continue
         idx = np.nonzero(mask)[0]
         for zero in (0, 1, 2, 3):
-            if unbuilt_combinations(1 if sched == "none" else 2, zero, sched):
-                continue  # the runtime refuses it (a group's pp are all 1 or all > 1)
             for rec in RECOMPUTE:
                 lay = Layout({d.name: c[d.name][idx] for d in DIMENSIONS}, mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
