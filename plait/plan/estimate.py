@@ -18,7 +18,7 @@ from plait.plan import bubble, host_share, memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
-from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p, zero3_bytes
 from plait.plan.comm.sync import SYNC_TERM, sync_seconds
 from plait.plan.compute import (
     Efficiency,
@@ -111,6 +111,9 @@ class _RankMemory:
     use_first: Num  # the first pipeline rank is the most loaded
     params: Num  # parameters on the rank (dense of the larger end, plus experts)
     expert_params: Num  # of which routed experts (their gradients sync over edp)
+    first_dense: Num  # dense parameters of the first end (it holds the embedding)
+    last_dense: Num
+    embedding_params: Num
 
 
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
@@ -158,7 +161,7 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
     ex_p = np.maximum(ex_first, ex_last)
     return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
-                       np.maximum(first_p, last_p) + ex_p, ex_p)
+                       np.maximum(first_p, last_p) + ex_p, ex_p, first_p, last_p, emb)
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
@@ -209,13 +212,20 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over the replicas, routed experts over the replicas that hold
     # the same experts (plait/parallel/expert.py)
-    dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, rm.params - rm.expert_params,
-                                 colls)
+    dense, emb = rm.params - rm.expert_params, 0.0
+    if lay.zero == 3:  # the end that moves more: the first gathers its embedding less often
+        first = zero3_bytes(train, lay, b, rm.first_dense, rm.embedding_params)
+        take_first = first >= zero3_bytes(train, lay, b, rm.last_dense, 0.0)
+        dense = np.where(take_first, rm.first_dense, rm.last_dense)
+        emb = np.where(take_first, rm.embedding_params, 0.0)
+    dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
+                                 forward_only=emb)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                                   rm.expert_params, colls, experts=True)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
-        colls.append(dualpipe_copies(cluster, train, eff, b, rm.params))
+        colls.append(dualpipe_copies(cluster, train, eff, b, rm.params - rm.expert_params,
+                                     rm.expert_params, lay.zero))
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)

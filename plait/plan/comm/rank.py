@@ -93,12 +93,14 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
     ct = chunk_times(shape, cluster, lay, eff, b, lc)
     pp_p2p(shape, cluster, eff, b, colls, lay.sp, sends=float(part.sends))
     dense, expert = rank_params(shape, b.tp, b.expert_split, part)
+    embedding = memory.param_terms(shape, b.tp, b.expert_split).embedding
     # as in `evaluate`: dense parameters sync over the replicas, routed experts over edp
-    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls)
+    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
+                    forward_only=embedding if part.embedding_microbatches else 0.0)
     if shape.moe:
         dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
-        colls.append(dualpipe_copies(cluster, train, eff, b, dense + expert))
+        colls.append(dualpipe_copies(cluster, train, eff, b, dense, expert, lay.zero))
     return colls
 
 

@@ -9,9 +9,10 @@ Counts per step on the most loaded rank (s = one micro-batch's activation on a r
                       backward; the full activation (plait does not split it over tp; SP
                       already has); DualPipe also swaps the two copies' gradients
   dp (edp)            ZeRO-0: the gradients all-reduced once, bucketed; ZeRO-1/2: reduce-
-                      scattered (each micro-batch's under ZeRO-2) and the parameters
-                      all-gathered after the update; ZeRO-3: all-gathered before each
-                      forward and backward, reduce-scattered after each backward
+                      scattered (each micro-batch's under ZeRO-2 without pp; once a step
+                      with pp) and the parameters all-gathered after the update; ZeRO-3:
+                      all-gathered before each forward and backward (`zero3_gathers`),
+                      reduce-scattered as ZeRO-2's
   step end            8-byte all-reduces: the grad norm's partial sums over the world,
                       the logged loss over the dimensions that sum it
 """
@@ -68,14 +69,50 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     return t_pp
 
 
+def zero_reduce_scatters(lay: Layout, b: Basis) -> Num:
+    """Reduce-scatters of each ZeRO unit per step: ZeRO-2/3 without pp one a micro-batch;
+    ZeRO-1, and every stage under pp (whole gradients accumulate over the stage's
+    micro-batches, plait/parallel/zero.py), one."""
+    if lay.zero < 2:
+        return np.ones_like(b.pp)
+    return np.where(b.pp > 1, 1.0, b.m)
+
+
+def zero3_gathers(lay: Layout, b: Basis) -> tuple[Num, Num]:
+    """ZeRO-3's all-gathers per step: (of every unit of the rank, of its units whose input
+    takes a gradient: all but the embedding). `parallel.zero3_gather = "step"`: each unit
+    once. "microbatch": without pp, two a micro-batch (forward, backward) of every unit;
+    with pp, on each stage's m / chains micro-batches, one in the forward (two where the
+    backward is split and recomputed: F runs without a graph, I runs it again) and one in
+    the backward of each unit that computes an input gradient (B or I; not W, which reads
+    no weight, nor the embedding, whose token ids take none)."""
+    ones = np.ones_like(b.pp)
+    if lay.zero3_gather == "step":
+        return ones, 0.0 * ones
+    spec = schedule_spec(b.sched)
+    m_stage = b.m / spec.chains
+    forward = (2.0 if spec.split_backward and lay.runtime_mode() != "none" else 1.0) * m_stage
+    return np.where(b.pp > 1, forward, 2.0 * b.m), np.where(b.pp > 1, m_stage, 0.0)
+
+
+def zero3_bytes(train: Training, lay: Layout, b: Basis, pr: Num, forward_only: Num) -> Num:
+    """ZeRO-3's gathered and reduce-scattered bytes per step of a rank holding `pr`
+    parameters (`forward_only` of them gathered for forwards only: `dp_exposed_time`)."""
+    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    every, with_input = zero3_gathers(lay, b)
+    return (pr * (gb * zero_reduce_scatters(lay, b) + pb * (every + with_input))
+            - forward_only * pb * with_input)
+
+
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
-                    experts: bool = False) -> Num:
+                    experts: bool = False, forward_only: Num = 0.0) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
-    same experts, "edp"); appends the collectives (dim "dp" or "edp")."""
+    same experts, "edp"; `forward_only`: of them, those whose input takes no gradient, the
+    embedding, which ZeRO-3 under pp gathers for forwards only); appends the collectives
+    (dim "dp" or "edp")."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    m = b.m
     # the gradients are reduced over the replicas: inside a node when every replica
     # axis's groups are
     span = reduce(np.maximum, [np.where(b.sizes[name] > 1, b.span(name), 1)
@@ -89,13 +126,13 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
     n = b.replicas / (b.expert_split if experts else 1.0)
     # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
-    # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES; a
-    # pipeline stage is one unit) under a measured profile; one collective of all the
+    # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES, at
+    # least one a pipeline stage) under a measured profile; one collective of all the
     # bytes in Megatron's count
     modules = b.rank_layers + 3
     if lay.zero in (1, 2):
-        modules = np.minimum(modules, np.maximum(np.ceil(p_bytes / BUCKET_BYTES), 1.0))
-    units = np.where(b.pp > 1, 1.0, modules) if eff.runtime_comm else 1.0
+        modules = np.minimum(modules, np.maximum(np.ceil(p_bytes / BUCKET_BYTES), b.cpr))
+    units = modules if eff.runtime_comm else 1.0
     t_ar_dp, _ = price.all_reduce(g_bytes, n, bw, al)
     t_rs = units * price.gather_like(g_bytes / units, n, bw, al)
     t_ag = units * price.gather_like(p_bytes / units, n, bw, al)
@@ -118,19 +155,27 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         exp = np.maximum(t_ar_dp - b_mb, last_ar)
         dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward", 1))
     elif lay.zero in (1, 2):
-        k = m if lay.zero == 2 else 1
+        k = zero_reduce_scatters(lay, b)
         exp_rs = k * np.maximum(t_rs - b_mb, last_rs)
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
                          "each backward" if lay.zero == 2 else "last backward", k))
         dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
                          np.maximum(t_ag - f_mb, 0), "first forward", 1))
     else:
-        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, 2 * m, t_ag,
-                         m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
-                         "the layer before (prefetch)", 2 * m))
-        dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
-                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
-                         m))
+        every, with_input = zero3_gathers(lay, b)
+        dp_colls.append(("all-gather (params)", p_bytes, every, t_ag,
+                         every * np.maximum(t_ag - f_mb, 0), "the layer before (prefetch)",
+                         every))
+        if np.any(with_input > 0):  # pp: the backward's gathers, the embedding left out
+            sized = pr - forward_only
+            t_in = units * price.gather_like(sized * pb / units, n, bw, al)
+            dp_colls.append(("all-gather (params, backward)", sized * pb, with_input, t_in,
+                             with_input * np.maximum(t_in - b_mb / 2, 0),
+                             "the layer before (prefetch)", with_input))
+        k = zero_reduce_scatters(lay, b)
+        dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs,
+                         k * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
+                         k))
     dp_exposed = 0.0
     for op, size, count, t_each, exp, how, blocking in dp_colls:
         exp = np.where(n > 1, exp, 0.0)
@@ -197,14 +242,17 @@ def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basi
 
 
 def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: Basis,
-                    rank_params: Num) -> price.Collective:
+                    dense: Num, experts: Num = 0.0, zero: int = 0) -> price.Collective:
     """DualPipe's swap of the two copies' gradients with the mirror rank: every gradient
-    the rank holds, in the compute dtype, once a step (a send; the receive is the
-    mirror's send)."""
+    the rank holds (`dense` and routed `experts` parameters), in the compute dtype, once a
+    step (a send; the receive is the mirror's send); under ZeRO its gradient shards
+    (the dense over the replicas, the experts over the ranks holding the same ones)."""
     _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     intra = price.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
     bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
-    size = rank_params * gb
+    if zero >= 1:
+        dense, experts = dense / b.replicas, experts * b.expert_split / b.replicas
+    size = (dense + experts) * gb
     return price.Collective("pp", "send (DualPipe copies' gradients)", size, 1.0, 2, intra,
                            price.p2p(size, bw, al), price.p2p(size, bw, al),
                            "none: after the last backward")
