@@ -146,8 +146,8 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
 
     def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
-        st = memory.model_states(dense_p, dshard, lay.zero, *kinds)
-        ex = memory.model_states(ex_p, eshard, lay.zero, *kinds)
+        st = memory.model_states(dense_p, dshard, lay.zero, *kinds, pp, lay.zero3_gather)
+        ex = memory.model_states(ex_p, eshard, lay.zero, *kinds, pp, lay.zero3_gather)
         out = {k: st[k] + ex[k] for k in st}
         out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)

@@ -227,7 +227,9 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         best = evaluate(shape, cluster, train, layout_at(j), eff, simulate=True)
         return SearchResult([], considered, 0, closest=best)
     best_by = _best_by(c, rows, group, scored, times, fits)
-    # re-rank the closed form's best 2 x top through the simulator
+    # re-rank the closed form's best 2 x top through the simulator, and more while fewer
+    # than `top` of them fit once simulated (its peak activations can exceed the closed
+    # form's: DualPipe's)
     n_sim = simulate_top or 2 * top
     order = np.nonzero(fits)[0][np.argsort(times[fits], kind="stable")]
     sims = []
@@ -237,7 +239,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             sims.append(evaluate(shape, cluster, train, lay, eff, simulate=True))
         except ValueError:  # a layout the simulator cannot build: never shown, the next
             continue  # one is (the search asks every rule a build does: registry.py)
-        if len(sims) == n_sim:
+        if len(sims) >= n_sim and sum(bool(s.fits) for s in sims) >= min(top, n_sim):
             break
     if not sims:
         raise PlanError("every best-ranked layout failed to build its pipeline schedule; "
