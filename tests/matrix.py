@@ -117,6 +117,10 @@ ROWS: tuple[str, ...] = (
     'pp2:dualpipe cp2:allgather rcs',
     'tp2 pp2:zb-h1 moe',
     'dp2 z1 pp4:zb-h2 rcs',
+    'dp2 z3 pp2:dualpipe',
+    'z2 pp2:zb-v cp2:ring moe ep2',
+    'z3 pp4:zb-h2 cp2:ring moe ep2',
+    'dp2 z2 pp4:1f1b',
 )
 
 

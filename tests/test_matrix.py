@@ -59,6 +59,7 @@ ROUND_TRIPS = (
     ("dp2 z1 pp2:zb-v moe ep2", "z2 tp2 cp2:allgather moe ep2"),
     ("moe", "dp4 z1 pp2:zb-v moe ep4"),  # 1 rank -> 8
     ("z1 pp2:dualpipev cp2:allgather bf16", "tp2 sp pp4:dualpipe bf16"),
+    ("dp2 z3 pp2:dualpipe", "z2 cp2:allgather"),  # ZeRO-3's two copies -> ZeRO-2, no pp
 )
 SOURCES = {src for src, _ in ROUND_TRIPS}
 

@@ -25,8 +25,9 @@ variance of that shard only: 12 bytes a parameter / N.
 - with pp > 1 every stage accumulates its whole gradients over its micro-batches and
   reduce-scatters each unit once, during the stage's last gradient-writing action (B or W)
   of the step (units never span two stages: zero_units.py), as stage 1 does; stage 3 gathers
-  only inside a stage (prefetch stops at its ends) and frees what a backward (B, or I of a
-  split one: W reads no parameter) gathered at its end. DualPipe's two copies of a stage
+  only inside a stage (prefetch stops at its ends), for the backwards that compute an input
+  gradient (B, I) and for W (`_weight_roots`), not the embedding's backward, and frees
+  what a backward gathered at its end. DualPipe's two copies of a stage
   shard alike, so their gradient shards are summed by a swap with the mirror pp rank
   (`_sum_copies`); the second copy is left out of the norm and of checkpoints.
 Padding is zero in every gradient, so it never reaches the maths (Adam leaves it at zero).
@@ -73,9 +74,9 @@ def _input_node(args: tuple) -> torch.autograd.graph.Node | None:
 
 def _input_gradient_computed(node: torch.autograd.graph.Node | None) -> bool:
     """Whether the running backward computes the gradient of a unit's input (B, a split
-    backward's I), the only part of its backward that reads its weights; not W (weight
-    gradients read saved activations only), nor any backward of the embedding (token ids
-    take none)."""
+    backward's I): what reads its weights; not W (weight gradients are computed from saved
+    activations, though some formulas view the weight: `_weight_roots`), nor any backward
+    of the embedding (token ids take none)."""
     if node is None:
         return False
     try:
@@ -139,23 +140,35 @@ class ZeroOptimizer(NamedShards):
         self._forward_start: dict[int, float] = {}
         self._where = {id(p): u for u in self.units for p in u.params}
         self._index_shards(model)
-        if stage < 3:  # the update's all-gather is waited on before each unit's forward
+        self._hook_units(model)
+
+    def _hook_units(self, model: nn.Module) -> None:
+        """Every parameter's gradient hook; stages 1, 2: the update's all-gather waited on
+        before each unit's forward; stage 3: the gathers around use, and under pp W's."""
+        for u in self.units:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.stage < 3:  # the update's all-gather is waited on before each unit's forward
             by_module: dict[int, list[_Unit]] = {}
-            for u in self.units:  # a module with no forward of its own (a pipeline
-                # rank's ModuleDict of stages) never runs one: `_publish` waits at once
+            for u in self.units:  # a module with no forward of its own never runs one:
+                # `_publish` waits at once
                 u.deferred = type(u.module).forward is not nn.Module.forward
                 by_module.setdefault(id(u.module), []).append(u)
             for units in by_module.values():
                 if units[0].deferred:
                     units[0].module.register_forward_pre_hook(partial(self._published, units))
+            return
         for u in self.units:
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            if stage == 3:
-                u.shard = u.full[u.lo:u.hi].clone()
-                self._free(u)
-                u.module.register_forward_pre_hook(partial(self._pre_forward, u))
-                u.module.register_forward_hook(partial(self._post_forward, u))
+            u.shard = u.full[u.lo:u.hi].clone()
+            self._free(u)
+            u.module.register_forward_pre_hook(partial(self._pre_forward, u))
+            u.module.register_forward_hook(partial(self._post_forward, u))
+        if self.accumulate:  # W's roots: the output of every module owning parameters
+            for m in model.modules():
+                owners = {id(u): u for u in (self._where[id(p)]
+                                             for p in m.parameters(recurse=False))}
+                if owners:
+                    m.register_forward_hook(partial(self._weight_roots, list(owners.values())))
 
     # ---- stage 3: gather around use ------------------------------------------------
     def _issue_gather(self, u: _Unit) -> None:
@@ -229,6 +242,21 @@ class ZeroOptimizer(NamedShards):
             self._issue_gather(prev)  # prefetch in backward order
         if self.accumulate and self.gather == "microbatch":
             self._release_after_use(u)
+
+    def _weight_roots(self, units: list[_Unit], module, args, output) -> None:
+        """pp: a split backward's W starts from each parameter-owning module's output;
+        some weight gradients' formulas view the weight (a saved view of it is rebuilt),
+        so W gathers the module's units too; the embedding's (token ids in) never."""
+        node = _input_node(args)
+        if _in_backward() or node is None or not isinstance(output, torch.Tensor) \
+                or not output.requires_grad:
+            return
+        output.register_hook(partial(self._pre_weight_backward, units, node))
+
+    def _pre_weight_backward(self, units: list[_Unit], node, grad: torch.Tensor) -> None:
+        if not _input_gradient_computed(node):  # W (B and I gather through `_pre_backward`)
+            for u in units:
+                self._ensure_gathered(u)
 
     def _release_after_use(self, u: _Unit) -> None:
         """pp: no reduce-scatter frees a unit in a backward that only accumulates (nor in

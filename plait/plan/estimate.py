@@ -18,8 +18,9 @@ from plait.plan import bubble, host_share, memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
-from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p, zero3_bytes
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
 from plait.plan.comm.sync import SYNC_TERM, sync_seconds
+from plait.plan.comm.zero import end_gathered, zero3_bytes
 from plait.plan.compute import (
     Efficiency,
     gemm_time,
@@ -111,9 +112,15 @@ class _RankMemory:
     use_first: Num  # the first pipeline rank is the most loaded
     params: Num  # parameters on the rank (dense of the larger end, plus experts)
     expert_params: Num  # of which routed experts (their gradients sync over edp)
-    first_dense: Num  # dense parameters of the first end (it holds the embedding)
+    # each end's parameters (the first holds the embedding), what one chunk holds (dense,
+    # experts) and (embedding, head, dense extra on model stage 0, its dense layers' share
+    # of the experts): ZeRO-3's gathers by stage (plait/plan/comm/zero.py)
+    first_dense: Num
     last_dense: Num
-    embedding_params: Num
+    first_experts: Num
+    last_experts: Num
+    chunk: tuple[Num, Num]
+    ends: tuple[Num, Num, Num, Num]
 
 
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
@@ -161,7 +168,19 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
     ex_p = np.maximum(ex_first, ex_last)
     return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
-                       np.maximum(first_p, last_p) + ex_p, ex_p, first_p, last_p, emb)
+                       np.maximum(first_p, last_p) + ex_p, ex_p, first_p, last_p, ex_first,
+                       ex_last, (b.chunk_layers * dense_l, b.chunk_layers * expert_l),
+                       (emb, head, dense_extra, nd * expert_l))
+
+
+def _busiest(train: Training, lay: Layout, b: Basis, pr: tuple[Num, Num], chunk: Num,
+             ends: tuple[Num, Num, Num]) -> tuple[Num, Num]:
+    """(parameters, ZeRO-3's gathered parameters) of the pipeline end whose ZeRO-3 bytes
+    are the larger (`end_gathered` of each)."""
+    first = end_gathered(lay, b, False, pr[0], chunk, ends)
+    last = end_gathered(lay, b, True, pr[1], chunk, ends)
+    take_first = zero3_bytes(train, lay, b, *first) >= zero3_bytes(train, lay, b, *last)
+    return np.where(take_first, first[0], last[0]), np.where(take_first, first[1], last[1])
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
@@ -212,17 +231,19 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over the replicas, routed experts over the replicas that hold
     # the same experts (plait/parallel/expert.py)
-    dense, emb = rm.params - rm.expert_params, 0.0
-    if lay.zero == 3:  # the end that moves more: the first gathers its embedding less often
-        first = zero3_bytes(train, lay, b, rm.first_dense, rm.embedding_params)
-        take_first = first >= zero3_bytes(train, lay, b, rm.last_dense, 0.0)
-        dense = np.where(take_first, rm.first_dense, rm.last_dense)
-        emb = np.where(take_first, rm.embedding_params, 0.0)
+    dense, gathered = rm.params - rm.expert_params, None
+    experts, g_experts = rm.expert_params, None
+    if lay.zero == 3:  # each the end that moves more (ZeRO-3's gathers differ by stage)
+        dense, gathered = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
+                                   rm.chunk[0], rm.ends[:3])
+        experts, g_experts = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
+                                      rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
     dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
-                                 forward_only=emb)
+                                 gathered=gathered)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
-                                                  rm.expert_params, colls, experts=True)
+                                                  experts, colls, experts=True,
+                                                  gathered=g_experts)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params - rm.expert_params,
                                      rm.expert_params, lay.zero))

@@ -11,7 +11,7 @@ Counts per step on the most loaded rank (s = one micro-batch's activation on a r
   dp (edp)            ZeRO-0: the gradients all-reduced once, bucketed; ZeRO-1/2: reduce-
                       scattered (each micro-batch's under ZeRO-2 without pp; once a step
                       with pp) and the parameters all-gathered after the update; ZeRO-3:
-                      all-gathered before each forward and backward (`zero3_gathers`),
+                      all-gathered before each forward and backward (comm/zero.py),
                       reduce-scattered as ZeRO-2's
   step end            8-byte all-reduces: the grad norm's partial sums over the world,
                       the logged loss over the dimensions that sum it
@@ -29,6 +29,7 @@ from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
 from plait.plan.comm import price
+from plait.plan.comm.zero import zero3_gathered, zero_reduce_scatters
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
@@ -69,49 +70,13 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     return t_pp
 
 
-def zero_reduce_scatters(lay: Layout, b: Basis) -> Num:
-    """Reduce-scatters of each ZeRO unit per step: ZeRO-2/3 without pp one a micro-batch;
-    ZeRO-1, and every stage under pp (whole gradients accumulate over the stage's
-    micro-batches, plait/parallel/zero.py), one."""
-    if lay.zero < 2:
-        return np.ones_like(b.pp)
-    return np.where(b.pp > 1, 1.0, b.m)
-
-
-def zero3_gathers(lay: Layout, b: Basis) -> tuple[Num, Num]:
-    """ZeRO-3's all-gathers per step: (of every unit of the rank, of its units whose input
-    takes a gradient: all but the embedding). `parallel.zero3_gather = "step"`: each unit
-    once. "microbatch": without pp, two a micro-batch (forward, backward) of every unit;
-    with pp, on each stage's m / chains micro-batches, one in the forward (two where the
-    backward is split and recomputed: F runs without a graph, I runs it again) and one in
-    the backward of each unit that computes an input gradient (B or I; not W, which reads
-    no weight, nor the embedding, whose token ids take none)."""
-    ones = np.ones_like(b.pp)
-    if lay.zero3_gather == "step":
-        return ones, 0.0 * ones
-    spec = schedule_spec(b.sched)
-    m_stage = b.m / spec.chains
-    forward = (2.0 if spec.split_backward and lay.runtime_mode() != "none" else 1.0) * m_stage
-    return np.where(b.pp > 1, forward, 2.0 * b.m), np.where(b.pp > 1, m_stage, 0.0)
-
-
-def zero3_bytes(train: Training, lay: Layout, b: Basis, pr: Num, forward_only: Num) -> Num:
-    """ZeRO-3's gathered and reduce-scattered bytes per step of a rank holding `pr`
-    parameters (`forward_only` of them gathered for forwards only: `dp_exposed_time`)."""
-    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    every, with_input = zero3_gathers(lay, b)
-    return (pr * (gb * zero_reduce_scatters(lay, b) + pb * (every + with_input))
-            - forward_only * pb * with_input)
-
-
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
-                    experts: bool = False, forward_only: Num = 0.0) -> Num:
+                    experts: bool = False, gathered: Num | None = None) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
-    same experts, "edp"; `forward_only`: of them, those whose input takes no gradient, the
-    embedding, which ZeRO-3 under pp gathers for forwards only); appends the collectives
-    (dim "dp" or "edp")."""
+    same experts, "edp"; `gathered`: the parameters ZeRO-3 all-gathers per step, by
+    default `zero3_gathered`'s); appends the collectives (dim "dp" or "edp")."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     # the gradients are reduced over the replicas: inside a node when every replica
     # axis's groups are
@@ -162,16 +127,13 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
                          np.maximum(t_ag - f_mb, 0), "first forward", 1))
     else:
-        every, with_input = zero3_gathers(lay, b)
-        dp_colls.append(("all-gather (params)", p_bytes, every, t_ag,
-                         every * np.maximum(t_ag - f_mb, 0), "the layer before (prefetch)",
-                         every))
-        if np.any(with_input > 0):  # pp: the backward's gathers, the embedding left out
-            sized = pr - forward_only
-            t_in = units * price.gather_like(sized * pb / units, n, bw, al)
-            dp_colls.append(("all-gather (params, backward)", sized * pb, with_input, t_in,
-                             with_input * np.maximum(t_in - b_mb / 2, 0),
-                             "the layer before (prefetch)", with_input))
+        # each gather of the rank's parameters counted whole (pp: a fraction of them)
+        every = (zero3_gathered(lay, b, pr) if gathered is None else gathered) / np.where(
+            pr > 0, pr, 1.0)
+        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, every, t_ag,
+                         every / 2 * (np.maximum(t_ag - f_mb, 0)
+                                      + np.maximum(t_ag - b_mb / 2, 0)),
+                         "the layer before (prefetch)", every))
         k = zero_reduce_scatters(lay, b)
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs,
                          k * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
