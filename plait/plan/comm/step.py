@@ -138,21 +138,29 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs,
                          k * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
                          k))
-    dp_exposed = 0.0
-    for op, size, count, t_each, exp, how, blocking in dp_colls:
-        exp = np.where(n > 1, exp, 0.0)
-        dp_exposed = dp_exposed + exp
-        if np.any(n > 1):
-            per_unit = op != "all-reduce (grads)"  # ZeRO's: `units` calls of size / units
-            colls.append(price.Collective("edp" if experts else "dp", op,
-                                         size / units if per_unit else size,
-                                         np.asarray(count, dtype=float)
-                                         * (units if per_unit else 1.0), n, dp_intra,
-                                         t_each / units if per_unit else t_each, exp, how,
-                                         blocking=np.asarray(blocking, dtype=float)))
+    dp_exposed = _listed(dp_colls, "edp" if experts else "dp", n, units, dp_intra, colls)
     if eff.runtime_comm and not experts:
         dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
     return dp_exposed
+
+
+def _listed(dp_colls: list[tuple[str, Num, Num, Num, Num, str, Num]], dim: str, n: Num,
+            units: Num, intra: Num, colls: list[price.Collective]) -> Num:
+    """`dp_colls` (op, size, count, seconds each, exposed, overlap, blocking) appended to
+    `colls` as `dim`'s collectives (ZeRO's as `units` calls of size / units each); their
+    exposed seconds, summed."""
+    exposed = 0.0
+    for op, size, count, t_each, exp, how, blocking in dp_colls:
+        exp = np.where(n > 1, exp, 0.0)
+        exposed = exposed + exp
+        if np.any(n > 1):
+            per_unit = op != "all-reduce (grads)"
+            colls.append(price.Collective(dim, op, size / units if per_unit else size,
+                                         np.asarray(count, dtype=float)
+                                         * (units if per_unit else 1.0), n, intra,
+                                         t_each / units if per_unit else t_each, exp, how,
+                                         blocking=np.asarray(blocking, dtype=float)))
+    return exposed
 
 
 BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
