@@ -127,6 +127,10 @@ ROWS: tuple[str, ...] = (
     'dp2x2 z3 tp2 moe ep2',
     'dp2x2 z3 cp2:allgather moe ep4',
     'dp2x2 z1 pp2:zb-v moe ep2',
+    'dp2 z3 pp2:dualpipe',
+    'z2 pp2:zb-v cp2:ring moe ep2',
+    'z3 pp4:zb-h2 cp2:ring moe ep2',
+    'dp2 z2 pp4:1f1b',
 )
 
 

@@ -111,19 +111,28 @@ def moe_load_not_over_cp():
 # ---- ZeRO --------------------------------------------------------------------------------
 
 
-def zero3_stale_prefetch():
+def zero3_gathered_kept_over_update():
     from plait.parallel.zero import ZeroOptimizer
 
-    after = ZeroOptimizer.after_backward
+    publish = ZeroOptimizer._publish
 
-    def prefetch_before_update(self, last_microbatch):
-        after(self, last_microbatch)
-        if self.stage == 3 and last_microbatch:
-            # the next forward's first gather issued early, to overlap the update; it
-            # completes with the shard as it was before the update, and the forward uses it
-            self._ensure_gathered(self.units[0])
+    def keep_gathered(self):
+        if self.stage != 3:
+            return publish(self)
+        # the shards updated, but a unit gathered before the update (zero3_gather=step: by
+        # the next step's forward prefix under post-validation) stays as it was, and the
+        # step run again uses it
+        for u in self.units:
+            u.shard.copy_(u.master)
+        return None
 
-    ZeroOptimizer.after_backward = prefetch_before_update
+    ZeroOptimizer._publish = keep_gathered
+
+
+def zero_copies_not_summed():
+    from plait.parallel.zero import ZeroOptimizer
+
+    ZeroOptimizer._sum_copies = lambda self: None  # each copy steps with its own gradient
 
 
 def zero_padding_not_zeroed():
@@ -144,6 +153,7 @@ def zero_padding_not_zeroed():
 TP = "tests/test_tensor_parallel.py::"
 EP = "tests/test_expert_parallel.py::"
 ZERO = "tests/test_zero.py::"
+ZPIPE = "tests/test_zero_pipeline.py::test_parity_with_the_single_process_run"
 
 MUTANTS = [
     Mutant("tp-copy-backward-not-reduced", "copy_to_tp's backward skips the all-reduce",
@@ -168,8 +178,11 @@ MUTANTS = [
     Mutant("moe-load-not-over-cp", "balancing load not summed over cp ranks",
            moe_load_not_over_cp,
            [EP + "test_balancing_bias_sums_the_load_over_context_parallel_ranks"]),
-    Mutant("zero3-stale-prefetch", "ZeRO-3 first unit gathered before the update, used after",
-           zero3_stale_prefetch, [ZERO + "test_parity_with_accumulation_and_clipping[3]"]),
+    Mutant("zero3-gathered-kept-over-update",
+           "ZeRO-3 unit gathered before the update, used after it",
+           zero3_gathered_kept_over_update, [ZPIPE + "[z3 zb-h2 step post-validation]"]),
+    Mutant("zero-copies-not-summed", "ZeRO under DualPipe: each copy's own gradient shard",
+           zero_copies_not_summed, [ZPIPE + "[z2 dualpipe]"]),
     Mutant("zero-padding-not-zeroed", "ZeRO flat gradient's padding left unwritten",
            zero_padding_not_zeroed, [ZERO + "test_shard_padding_stays_zero"]),
 ]

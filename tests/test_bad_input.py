@@ -428,9 +428,9 @@ CASES = [
         phrases="has no layout", id="report-plan-no-layout"),
     cmd("plan", "--model", "tiny", "--gpus", "2", "--global-batch", "8", "--emit-config",
         "{w}/adir", phrases="is a directory", id="plan-emit-config-directory"),
-    cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--layout",
-        "pp=2,dp=2", "--zero", "2", "--emit-config", "{w}/run.toml",
-        phrases="zero=2 with pp=2", id="plan-emit-config-unrunnable"),
+    cmd("plan", "--model", "tiny", "--arch", "gpt", "--gpus", "2", "--global-batch", "8",
+        "--layout", "dp=2", "--emit-config", "{w}/run.toml",
+        phrases="builds the llama block only", id="plan-emit-config-unrunnable"),
     # ---- Hugging Face models: train --init-from, eval, export, data prepare -----------
     train("--init-from", "hf:{w}/gpt2", phrases="'gpt2' is not a Llama-family model",
           id="hf-not-llama"),

@@ -90,3 +90,20 @@ def test_model_flag_replaces_the_config_files_model_table(tmp_path):
     assert (cfg.parallel.zero, cfg.train.seq_len) == (3, 8192)  # the file over defaults
     alone = config_from_args(parser.parse_args(["--config", str(f)]))
     assert alone.model_name == "llama3-8b" and alone.model.dim == 4096
+
+
+def test_zero3_gather_setting_flag_and_its_check():
+    """`--zero3-gather step` sets parallel.zero3_gather; a value that is not a choice is
+    refused before any rank starts, naming the choices."""
+    import argparse
+
+    from plait.train.flags import add_train_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    cfg = config_from_args(parser.parse_args(["--zero", "3", "--dp", "2",
+                                              "--zero3-gather", "step"]))
+    assert cfg.parallel.zero3_gather == "step" and cfg.validate(2) == []
+    assert Config().parallel.zero3_gather == "microbatch"
+    problems = load_config(sets=["parallel.zero3_gather=layer"]).validate(1)
+    assert problems == ["parallel.zero3_gather='layer'; use one of 'microbatch', 'step'"]

@@ -63,6 +63,7 @@ ROUND_TRIPS = (
     # each shard written -> 1 rank
     ("dp2x2 z3 cp2:ring moe ep4", "moe"),
     ("dp4 z3 moe ep4", "dp2x2 z3 tp2 moe ep2"),  # ZeRO-3 over 4 -> over 2, copied twice
+    ("dp2 z3 pp2:dualpipe", "z2 cp2:allgather"),  # ZeRO-3's two copies -> ZeRO-2, no pp
 )
 SOURCES = {src for src, _ in ROUND_TRIPS}
 

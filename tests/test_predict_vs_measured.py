@@ -101,3 +101,15 @@ def test_eager_model_refuses_layouts_it_does_not_cover(sets):
                  "parallel.microbatches=4", *sets)
     with pytest.raises(ValueError, match="does not cover"):
         predict_memory(cfg, "eager")
+
+
+def test_zero3_gathered_for_the_step_is_the_closed_forms_only():
+    """ZeRO-3 keeping its units gathered through the step: the eager model refuses it
+    (it frees each unit after use); the closed form holds the whole parameters beside
+    their shards, the step's gathered copy on top of ZeRO-3's 1/N."""
+    sets = ["parallel.dp=4", "parallel.zero=3", "model.tie_embeddings=false"]
+    step = config(*sets, "parallel.zero3_gather=step")
+    with pytest.raises(ValueError, match="zero3_gather=step"):
+        predict_memory(step, "eager")
+    shards = predict_memory(config(*sets))["parameters"]
+    assert predict_memory(step)["parameters"] == pytest.approx(5 * shards)  # 1/4 + 1

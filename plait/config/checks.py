@@ -37,6 +37,9 @@ def parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
         (p.data_parallel not in ("naive", "bucketed"),
          f"parallel.data_parallel={p.data_parallel!r}; use 'naive' or 'bucketed'"),
         (p.bucket_mb <= 0, f"parallel.bucket_mb={p.bucket_mb} must be > 0"),
+        (p.zero3_gather not in ZERO3_GATHERS,
+         f"parallel.zero3_gather={p.zero3_gather!r}; use one of "
+         f"{', '.join(map(repr, ZERO3_GATHERS))}"),
         (p.schedule not in SCHEDULES,
          f"parallel.schedule={p.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}"),
         (p.gpus_per_node < 1, f"parallel.gpus_per_node={p.gpus_per_node} must be >= 1"),
@@ -71,11 +74,11 @@ def unbuilt_problems(cfg: Config) -> list[str]:
     if p.zero > 0 and m.tie_embeddings:
         problems.append("ZeRO shards each parameter within one module: set "
                         "model.tie_embeddings=false, or zero=0")
-    return (problems + unbuilt_combinations(p.pp, p.zero, p.schedule)
-            + post_validation_problems(cfg))
+    return problems + post_validation_problems(cfg)
 
 
 OPTIMIZER_SYNCS = ("barrier", "post_validation")
+ZERO3_GATHERS = ("microbatch", "step")  # plait/parallel/zero.py GATHERS
 
 
 def post_validation_problems(cfg: Config) -> list[str]:
@@ -93,22 +96,6 @@ def post_validation_problems(cfg: Config) -> list[str]:
     ]
     return [problem for broken, problem in checks if broken]
 
-
-def unbuilt_combinations(pp: int, zero: int, schedule: str) -> list[str]:
-    """ZeRO with pipelines as far as the runtime builds it: the one list `validate()` and
-    the planner (`plait/plan/search.py`: a layout it evaluates, the layouts it searches)
-    both read, so `plait plan` never offers a layout `plait train` refuses. Depends on pp
-    only through pp > 1."""
-    problems = []
-    if zero >= 2 and pp > 1:
-        problems.append(f"zero={zero} with pp={pp}: pipeline stages accumulate "
-                        "gradients across micro-batches; use zero=0 or 1 with pp")
-    spec = SCHEDULES.get(schedule)
-    if pp > 1 and zero and spec is not None and spec.chains > 1:
-        problems.append(f"zero={zero} with schedule {schedule} (two model copies "
-                        "whose gradients are summed) is not supported yet; use zero=0 or "
-                        "schedule dualpipev")
-    return problems
 
 def moe_problems(cfg: Config) -> list[str]:
     """The MoE block's own settings (plait/model/moe.py); expert parallel's layout is its

@@ -96,6 +96,10 @@ class ParallelConfig:
     # bucketed DP's bucket, the first at most FIRST_BUCKET_MB (parallel/data.py); ZeRO-1/2's
     # units of consecutive modules (parallel/zero_units.py)
     bucket_mb: float = 25.0
+    # ZeRO-3's parameter gathers (parallel/zero.py): "microbatch" (around each forward and
+    # each backward, freed after: least memory) or "step" (a unit stays gathered from its
+    # first use until its stage's last backward: one all-gather a unit a step)
+    zero3_gather: str = "microbatch"
     order: tuple[str, ...] = DEFAULT_ORDER
     gpus_per_node: int = 8
 

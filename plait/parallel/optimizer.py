@@ -7,7 +7,7 @@ update, and what the memory tracker and the parity oracle read. Implementations:
   * `ReplicatedOptimizer` (plait/parallel/replicated.py), zero = 0: `DataParallel` +
     `MixedPrecisionAdamW` over whole parameters;
   * `TwoCopyOptimizer` (same module), zero = 0 with DualPipe's two model copies;
-  * `ZeroOptimizer` (plait/parallel/zero.py), zero = 1, 2, 3.
+  * `ZeroOptimizer` (plait/parallel/zero.py), zero = 1, 2, 3 (DualPipe's copies too).
 
 Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/runtime.py):
 
@@ -137,8 +137,8 @@ class GradSyncOptimizer(Protocol):
 def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
                    placements: PlacementTable, pipeline: PipelineParts | None = None
                    ) -> GradSyncOptimizer:
-    """The strategy for cfg.parallel.zero (0: replicated) and, for DualPipe's two model
-    copies, the replicated one that sums them (`pipeline`: this rank's stages)."""
+    """The strategy for cfg.parallel.zero (0: replicated), summing DualPipe's two model
+    copies where `pipeline` (this rank's stages) has them."""
     t = cfg.train
     dim = mesh.replica_dim()
     two_copies = pipeline is not None and pipeline.schedule.num_chains > 1
@@ -147,8 +147,7 @@ def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
                                 pipeline.schedule, dim=dim)
     if cfg.parallel.zero == 0:
         return ReplicatedOptimizer(model, mesh, cfg, placements, dim=dim)
-    if two_copies:  # config validation refuses it; a direct caller gets the reason too
-        raise ValueError("ZeRO with DualPipe's two model copies is not supported")
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
                          t.weight_decay, dim=dim, kind=t.optimizer, placements=placements,
-                         bucket_mb=cfg.parallel.bucket_mb)
+                         bucket_mb=cfg.parallel.bucket_mb, gather=cfg.parallel.zero3_gather,
+                         copies=pipeline.schedule if two_copies else None)

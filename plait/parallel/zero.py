@@ -19,7 +19,17 @@ variance of that shard only: 12 bytes a parameter / N.
 - stage 3: the full parameters exist only around use: a unit is all-gathered before its
   forward and again before its backward, and its storage freed after each; the next unit's
   all-gather is issued (prefetch) as soon as the current one is in place, so it overlaps
-  compute. Gradients are reduce-scattered as in stage 2.
+  compute. Gradients are reduce-scattered as in stage 2. `gather="step"`
+  (`parallel.zero3_gather`): a unit once gathered stays so until its stage's last backward
+  of the step, one all-gather a unit a step instead of two a micro-batch.
+- with pp > 1 every stage accumulates its whole gradients over its micro-batches and
+  reduce-scatters each unit once, during the stage's last gradient-writing action (B or W)
+  of the step (units never span two stages: zero_units.py), as stage 1 does; stage 3 gathers
+  only inside a stage (prefetch stops at its ends), for the backwards that compute an input
+  gradient (B, I) and for W (`_weight_roots`), not the embedding's backward, and frees
+  what a backward gathered at its end. DualPipe's two copies of a stage
+  shard alike, so their gradient shards are summed by a swap with the mirror pp rank
+  (`_sum_copies`); the second copy is left out of the norm and of checkpoints.
 Padding is zero in every gradient, so it never reaches the maths (Adam leaves it at zero).
 `shard_index()` names the shards by parameter and state, padding excluded, and
 `held_states()` gives them to checkpoints (zero_index.py).
@@ -39,10 +49,40 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import NamedShards
 from plait.parallel.zero_units import _Unit, make_units
 from plait.placement import PlacementTable
+
+GATHERS = ("microbatch", "step")  # parallel.zero3_gather
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward (a recomputed forward runs there too)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _input_node(args: tuple) -> torch.autograd.graph.Node | None:
+    """The autograd node of a module's first input when it takes a gradient (None for
+    token ids, or a forward without a graph)."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if x is None or not x.requires_grad:
+        return None
+    return torch.autograd.graph.get_gradient_edge(x).node
+
+
+def _input_gradient_computed(node: torch.autograd.graph.Node | None) -> bool:
+    """Whether the running backward computes the gradient of a unit's input (B, a split
+    backward's I): what reads its weights; not W (weight gradients are computed from saved
+    activations, though some formulas view the weight: `_weight_roots`), nor any backward
+    of the embedding (token ids take none)."""
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf asked for by autograd.grad: the stage input, in I
+        return True
 
 
 class ZeroOptimizer(NamedShards):
@@ -52,11 +92,16 @@ class ZeroOptimizer(NamedShards):
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int,
                  betas: tuple[float, float], eps: float, weight_decay: float,
                  dim: str = "dp", kind: str = "adamw",
-                 placements: PlacementTable | None = None, bucket_mb: float | None = None):
+                 placements: PlacementTable | None = None, bucket_mb: float | None = None,
+                 gather: str = "microbatch", copies: Schedule | None = None):
         """`bucket_mb` (stages 1, 2): consecutive modules share a unit up to about this
-        many MB of parameters (`zero_unit_groups`); None: a unit per module, as stage 3."""
+        many MB of parameters (`zero_unit_groups`); None: a unit per module, as stage 3.
+        `gather` (stage 3): "microbatch" or "step" (module docstring). `copies`: DualPipe's
+        schedule, whose chain-1 stages are second copies of the mirror rank's."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; use 1, 2 or 3")
+        if gather not in GATHERS:
+            raise ValueError(f"ZeRO-3 gather {gather!r}; use one of {', '.join(GATHERS)}")
         seen: set[int] = set()
         for p in model.parameters():
             if id(p) in seen:
@@ -68,7 +113,9 @@ class ZeroOptimizer(NamedShards):
         self.placements = placements or PlacementTable()
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.kind = kind
+        self.kind, self.gather, self.copies = kind, gather, copies
+        # a pipeline's stages accumulate whole gradients, reduced once a step
+        self.accumulate = mesh.size("pp") > 1
         cap = None if stage == 3 or bucket_mb is None else bucket_mb * 2**20
         self.units = make_units(model, mesh, self.placements, dim, kind == "adamw", cap)
         covered = sum(len(u.params) for u in self.units)
@@ -76,35 +123,54 @@ class ZeroOptimizer(NamedShards):
             raise ValueError("ZeRO units must cover every parameter of the model")
         self.steps = 0
         self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
-        self.in_backward = False
         # reduce-scatters in flight during backward: each holds a unit's flat gradient
         self.max_inflight = ZERO_REDUCE_SCATTERS_IN_FLIGHT
         self._last_microbatch = True
         self._inflight: list[_Unit] = []
+        self.by_stage: dict[int, list[_Unit]] = {}
+        for u in self.units:
+            self.by_stage.setdefault(u.stage, []).append(u)
+            u.second_copy = copies is not None and copies.chain_of_stage(u.stage) > 0
+        self._reducing = True  # this backward reduce-scatters (set by `before_backward`)
+        self._next_rs = dict.fromkeys(self.by_stage, 0)  # per stage, in backward order
+        self._touched: set[int] = set()  # stages whose gradients this backward wrote
+        self._reduced: set[int] = set()  # stages reduced this step (pp)
+        self._release_task = -1  # the backward whose end frees what it gathered
         # (step, unit, forward start, forward end) of recent unit forwards: the prefetch
         # overlap is visible against the ledger's all-gather issue times
         self.forward_times: deque[tuple[int, int, float, float]] = deque(maxlen=4096)
         self._forward_start: dict[int, float] = {}
-        self._next_rs = 0
         self._where = {id(p): u for u in self.units for p in u.params}
         self._index_shards(model)
-        if stage < 3:  # the update's all-gather is waited on before each unit's forward
+        self._hook_units(model)
+
+    def _hook_units(self, model: nn.Module) -> None:
+        """Every parameter's gradient hook; stages 1, 2: the update's all-gather waited on
+        before each unit's forward; stage 3: the gathers around use, and under pp W's."""
+        for u in self.units:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.stage < 3:  # the update's all-gather is waited on before each unit's forward
             by_module: dict[int, list[_Unit]] = {}
-            for u in self.units:  # a module with no forward of its own (a pipeline
-                # rank's ModuleDict of stages) never runs one: `_publish` waits at once
+            for u in self.units:  # a module with no forward of its own never runs one:
+                # `_publish` waits at once
                 u.deferred = type(u.module).forward is not nn.Module.forward
                 by_module.setdefault(id(u.module), []).append(u)
             for units in by_module.values():
                 if units[0].deferred:
                     units[0].module.register_forward_pre_hook(partial(self._published, units))
+            return
         for u in self.units:
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            if stage == 3:
-                u.shard = u.full[u.lo:u.hi].clone()
-                self._free(u)
-                u.module.register_forward_pre_hook(partial(self._pre_forward, u))
-                u.module.register_forward_hook(partial(self._post_forward, u))
+            u.shard = u.full[u.lo:u.hi].clone()
+            self._free(u)
+            u.module.register_forward_pre_hook(partial(self._pre_forward, u))
+            u.module.register_forward_hook(partial(self._post_forward, u))
+        if self.accumulate:  # W's roots: the output of every module owning parameters
+            for m in model.modules():
+                owners = {id(u): u for u in (self._where[id(p)]
+                                             for p in m.parameters(recurse=False))}
+                if owners:
+                    m.register_forward_hook(partial(self._weight_roots, list(owners.values())))
 
     # ---- stage 3: gather around use ------------------------------------------------
     def _issue_gather(self, u: _Unit) -> None:
@@ -127,29 +193,86 @@ class ZeroOptimizer(NamedShards):
         u.full.untyped_storage().resize_(0)
         u.gathered = False
 
+    def _release(self, units: list[_Unit]) -> None:
+        """Free every one of `units` gathered or being gathered (a gather left in flight
+        would read the shard after the update writes it)."""
+        for u in units:
+            if u.gather_handle is not None:
+                self._ensure_gathered(u)
+            if u.gathered:
+                self._free(u)
+
+    def _neighbour(self, u: _Unit, step: int) -> _Unit | None:
+        """The unit `step` after u in forward order, inside u's pipeline stage: another
+        stage's unit may not run until the next step (prefetching it would leave its gather
+        in flight across the update)."""
+        i = u.index + step
+        if 0 <= i < len(self.units) and self.units[i].stage == u.stage:
+            return self.units[i]
+        return None
+
     def _pre_forward(self, u: _Unit, module, args) -> None:
         self._ensure_gathered(u)
-        if not self.in_backward and u.index + 1 < len(self.units):
-            self._issue_gather(self.units[u.index + 1])  # prefetch: overlaps this unit
+        nxt = self._neighbour(u, 1)
+        if nxt is not None and not _in_backward():
+            self._issue_gather(nxt)  # prefetch: overlaps this unit
         # host time: what the prefetch check needs is the order of issue, not kernel time
         self._forward_start[u.index] = time.perf_counter()
 
     def _post_forward(self, u: _Unit, module, args, output):
-        if self.in_backward:  # recomputation inside backward: keep the unit gathered
+        if _in_backward():  # recomputation inside backward: keep the unit gathered
             return output
         self.forward_times.append((self.mesh.ledger.step, u.index,
                                    self._forward_start[u.index], time.perf_counter()))
-        self._free(u)
+        if self.gather == "microbatch":
+            self._free(u)
         out = output if isinstance(output, torch.Tensor) else None
+        node = _input_node(args)
+        u.takes_input_grad = node is not None
         if out is not None and out.requires_grad:
-            out.register_hook(partial(self._pre_backward, u))
+            out.register_hook(partial(self._pre_backward, u, node))
         return output
 
-    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
-        self.in_backward = True
+    def _pre_backward(self, u: _Unit, node, grad: torch.Tensor) -> None:
+        """Before the unit's backward. pp: only one that reads its weights gathers it (a
+        unit output is also the root of W's backward, which reads none)."""
+        if self.accumulate and not _input_gradient_computed(node):
+            return
         self._ensure_gathered(u)
-        if u.index > 0:
-            self._issue_gather(self.units[u.index - 1])  # prefetch in backward order
+        prev = self._neighbour(u, -1)
+        if prev is not None and (prev.takes_input_grad or not self.accumulate):
+            self._issue_gather(prev)  # prefetch in backward order
+        if self.accumulate and self.gather == "microbatch":
+            self._release_after_use(u)
+
+    def _weight_roots(self, units: list[_Unit], module, args, output) -> None:
+        """pp: a split backward's W starts from each parameter-owning module's output;
+        some weight gradients' formulas view the weight (a saved view of it is rebuilt),
+        so W gathers the module's units too; the embedding's (token ids in) never."""
+        node = _input_node(args)
+        if _in_backward() or node is None or not isinstance(output, torch.Tensor) \
+                or not output.requires_grad:
+            return
+        output.register_hook(partial(self._pre_weight_backward, units, node))
+
+    def _pre_weight_backward(self, units: list[_Unit], node, grad: torch.Tensor) -> None:
+        if not _input_gradient_computed(node):  # W (B and I gather through `_pre_backward`)
+            for u in units:
+                self._ensure_gathered(u)
+
+    def _release_after_use(self, u: _Unit) -> None:
+        """pp: no reduce-scatter frees a unit in a backward that only accumulates (nor in
+        a split backward's I). The unit after u is done once u's output gradient is
+        complete (every use of its weights lies on the way to it); what is left gathered
+        is freed when this backward ends."""
+        nxt = self._neighbour(u, 1)
+        if nxt is not None and nxt.gathered:
+            self._free(nxt)
+        task = torch._C._current_graph_task_id()
+        if task != self._release_task:
+            self._release_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(
+                partial(self._release, self.by_stage[u.stage]))
 
     # ---- stages 1, 2: the update's all-gather, completed where it is needed ------------
     def _published(self, units: list[_Unit], module=None, args=None) -> None:
@@ -166,22 +289,30 @@ class ZeroOptimizer(NamedShards):
 
     # ---- gradients: reduce-scatter as units complete (stage >= 2) ---------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if self.stage == 1 and not self._last_microbatch:
-            return  # stage 1 accumulates full gradients; it reduces during the last backward
         u = self._where[id(p)]
+        self._touched.add(u.stage)
+        if not self._reducing:
+            return  # accumulating whole gradients: the stage's last backward reduces
         u.ready.add(id(p))
-        # launch strictly in backward order (last unit first) so every rank matches
-        while self._next_rs < len(self.units):
-            nxt = self.units[-1 - self._next_rs]
-            if len(nxt.ready) < len(nxt.params):
-                break
-            self._launch_reduce_scatter(nxt)
-            self._next_rs += 1
+        # launch strictly in backward order (a stage's last unit first): every rank matches
+        units, done = self.by_stage[u.stage], self._next_rs[u.stage]
+        while done < len(units) and len(units[-1 - done].ready) == len(units[-1 - done].params):
+            self._launch_reduce_scatter(units[-1 - done])
+            done = self._next_rs[u.stage] = done + 1
+
+    def _flush(self, stage: int) -> None:
+        """Launch the stage's units not launched yet (gradients that never came: zeros)."""
+        units = self.by_stage[stage]
+        for i in range(len(units) - 1 - self._next_rs[stage], -1, -1):
+            self._launch_reduce_scatter(units[i])
+        self._next_rs[stage] = 0
+        self._reduced.add(stage)
 
     def _launch_reduce_scatter(self, u: _Unit) -> None:
         u.rs_in = u.flat_grad(free=self.stage >= 2)
-        if self.stage == 3 and u.gathered:
-            self._free(u)  # its backward is done
+        if self.stage == 3 and u.gathered and (self.gather == "microbatch"
+                                               or self._last_microbatch):
+            self._free(u)  # its backward is done (of the step's last micro-batch: "step")
         u.rs_out = torch.empty(u.k, dtype=u.rs_in.dtype, device=u.rs_in.device)
         u.rs_handle = comm.reduce_scatter(u.rs_out, u.rs_in, self.mesh, u.dim,
                                           async_op=True, tag="grads")
@@ -201,25 +332,28 @@ class ZeroOptimizer(NamedShards):
 
     # ---- the step's protocol (GradSyncOptimizer, plait/parallel/optimizer.py) -----------
     def before_backward(self, last_microbatch: bool) -> None:
+        """`last_microbatch`: the stage's last backward of the step. Stage 1 and every
+        stage under pp reduce during it only; stages 2 and 3 without pp during each."""
         self.settle()  # a unit whose forward did not run: its parameters are read now
-        self.in_backward = False
         self._last_microbatch = last_microbatch
+        self._reducing = last_microbatch or (self.stage >= 2 and not self.accumulate)
+        self._touched = set()
 
     def after_backward(self, last_microbatch: bool) -> None:
-        """After each micro-batch's backward: stage 1 reduces once, after the last;
-        stages 2 and 3 complete this micro-batch's reduce-scatters into the shards."""
-        if self.stage == 1 and not last_microbatch:
-            return
-        while self._next_rs < len(self.units):  # units whose grads never came (unused)
-            self._launch_reduce_scatter(self.units[-1 - self._next_rs])
-            self._next_rs += 1
+        """After each backward: complete this one's reduce-scatters into the shards (stage 1
+        and pp: the stage's last one; stages 2, 3 without pp: each); `last_microbatch`: the
+        rank's last of the step."""
+        if self._reducing:
+            for stage in (self._touched if self.accumulate else self.by_stage):
+                self._flush(stage)
+        if last_microbatch:  # pp: a stage whose last backward wrote no gradient
+            for stage in set(self.by_stage) - self._reduced:
+                self._flush(stage)
+            self._reduced.clear()
         while self._inflight:
             self._complete_reduce_scatter(self._inflight.pop(0))
-        for u in self.units:
-            if self.stage == 3 and u.gathered:
-                self._free(u)
-        self._next_rs = 0
-        self.in_backward = False
+        if self.stage == 3 and (self.gather == "microbatch" or last_microbatch):
+            self._release(self.units)
         if last_microbatch:
             self._sum_shard_copies()
 
@@ -236,7 +370,31 @@ class ZeroOptimizer(NamedShards):
             h.wait()
 
     def finish_gradients(self) -> None:
-        """Nothing: the last `after_backward` completed every reduce-scatter."""
+        """DualPipe's copies: their gradient shards summed (`_sum_copies`); otherwise
+        nothing: the last `after_backward` completed every reduce-scatter."""
+        if self.copies is not None:
+            self._sum_copies()
+
+    def _sum_copies(self) -> None:
+        """Both copies of a stage step with the sum of their gradients. Their units hold
+        the same parameters in the same order, padded and sharded alike, so this rank's
+        shards and the mirror pp rank's (same dp coordinate) cover the same elements: one
+        swap of the shards, 1/N of the whole gradients the replicated optimizer swaps, and
+        no whole gradient kept past its reduce-scatter. The sum is the same on both."""
+        sched, me = self.copies, self.mesh.coord("pp")
+        mirror = self.mesh.group_ranks["pp"][sched.pp - 1 - me]
+        order = sorted(self.units, key=lambda u: (sched.model_stage(u.stage), u.index))
+        for u in order:
+            if u.grad_shard is None:
+                u.grad_shard = torch.zeros(u.k, dtype=u.full.dtype, device=u.full.device)
+        mine = torch.cat([u.grad_shard for u in order])
+        theirs = torch.empty_like(mine)
+        for h in comm.batch_send_recv([(mine, mirror)], [(theirs, mirror)], self.mesh, "pp",
+                                      tag="pp_copies"):
+            h.wait()
+        mine += theirs
+        for u, part in zip(order, mine.split([u.k for u in order]), strict=True):
+            u.grad_shard = part
 
     def grad_norm(self, summed_with: torch.Tensor | None = None) -> float:
         """Global L2 norm: each shard element once (replicas over other dims skipped);
@@ -250,7 +408,7 @@ class ZeroOptimizer(NamedShards):
         if self.replicate is not None and self.mesh.coord(self.replicate):
             return total  # a copy of replicate coordinate 0's shards
         for u in self.units:
-            if u.grad_shard is None:
+            if u.grad_shard is None or u.second_copy:  # a copy's elements count once
                 continue
             for a, b, p in u.segments():
                 if self.placements.counts_in_norm(p, self.mesh,
@@ -303,7 +461,8 @@ class ZeroOptimizer(NamedShards):
 
     def _publish(self) -> None:
         """The updated shards into the compute parameters (stage 3: its persistent shard)."""
-        if self.stage == 3:  # the next forward gathers
+        if self.stage == 3:  # the next forward gathers (what is gathered is out of date)
+            self._release(self.units)
             for u in self.units:
                 u.shard.copy_(u.master)
             return

@@ -123,6 +123,15 @@ def format_shard_index(entries: list[ShardSlice] | tuple[ShardSlice, ...],
     return "\n".join(lines)
 
 
+def _model_name(model: nn.Module, name: str) -> str:
+    """A unit's parameter name as the model names it: a pipeline rank's "stages.S." prefix
+    dropped (a stage's own names are the model's; DualPipe's second copies too)."""
+    names = getattr(model, "model_names", None)
+    if names is None:
+        return name
+    return names.get(name, name.split(".", 2)[2] if name.startswith("stages.") else name)
+
+
 class NamedShards:
     """ZeroOptimizer's shards by parameter name and state. The optimizer provides `units`,
     `placements`, `mesh`, `kind`, `stage`, `steps` and `settle()`, and calls
@@ -139,15 +148,18 @@ class NamedShards:
     # ---- the shard index: built once, read by checkpoints -------------------------------
     def _index_shards(self, model: nn.Module) -> None:
         """Each parameter's FlatShard into the placement table, and the index from them."""
-        model_names = getattr(model, "model_names", {})  # pipeline stages: the model's names
         named: dict[str, list] = {}
-        self._by_name: dict[str, nn.Parameter] = {}  # the model's names, in unit order
+        # (model name, parameter) in unit order: DualPipe's two copies share a name
+        self._named: list[tuple[str, nn.Parameter]] = []
+        self._param_of: dict[tuple[int, str], nn.Parameter] = {}  # by (unit, name)
         for u in self.units:
             for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
                 self.placements.mark_flat_shard(
                     p, FlatShard(u.dim, u.index, off, p.numel(), u.k))
-                self._by_name[model_names.get(name, name)] = p
-                named.setdefault(u.dim, []).append((model_names.get(name, name), p))
+                name = _model_name(model, name)
+                self._named.append((name, p))
+                self._param_of[u.index, name] = p
+                named.setdefault(u.dim, []).append((name, p))
         self.states = STATES if self.kind == "adamw" else ("param", "master")
         self._index = tuple(e for d, group in named.items() for e in build_shard_index(
             group, self.placements, self.mesh.size(d), self.states))
@@ -185,16 +197,17 @@ class NamedShards:
         """This rank's run of each fp32 state, in `shard_index` order (the compute `param`
         is left out: it is the master cast). Each run is a shard over its unit's dim:
         routed experts over edp, the rest over the replica axes."""
-        return [HeldState(e.name, e.state, self._by_name[e.name], e.start, e.stop,
+        return [HeldState(e.name, e.state, self._param_of[e.unit, e.name], e.start, e.stop,
                           self.shard_view(e), flat=True,
                           sharded_over=(self.units[e.unit].reduced_over,),
-                          copies_over=(self.replicate,) if self.replicate else ())
+                          copies_over=(self.replicate,) if self.replicate else (),
+                          second_copy=self.units[e.unit].second_copy)
                 for e in self.shard_index() if e.state != "param"]
 
     def params_read_on_load(self) -> list[tuple[str, nn.Parameter]]:
         """Stages 1, 2: every parameter, whole on each rank while its masters are shards
         (read from the saved masters: no all-gather). Stage 3: none (`finish_load`)."""
-        return [] if self.stage == 3 else list(self._by_name.items())
+        return [] if self.stage == 3 else list(self._named)
 
     @torch.no_grad()
     def finish_load(self, steps: int) -> None:

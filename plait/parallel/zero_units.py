@@ -1,6 +1,8 @@
 """ZeRO's units (plait/parallel/zero.py): the parameters of one module (ZeRO-3) or of a run
 of consecutive modules up to a bucket's bytes (ZeRO-1/2), of one reduction dim, as a flat
-padded buffer and this rank's shard of it; which modules become units."""
+padded buffer and this rank's shard of it; which modules become units. On a pipeline rank
+a unit never spans two stages: each stage's gradients are final at its own last backward
+(and DualPipe's two copies of a stage must shard alike)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ class _Unit:
     """One or more modules' parameters as a flat, padded buffer and this rank's shard of it."""
 
     def __init__(self, index: int, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 dim: str, n: int, rank: int, moments: bool = True,
+                 dim: str, n: int, rank: int, moments: bool = True, stage: int = 0,
                  reduced_over: str | None = None):
         """`named`: the unit's parameters by name, `module` the first of the unit's modules
         to run forward (its hooks are the unit's); sharded over mesh dim `dim` (n ranks,
-        this one at `rank`)."""
-        self.index, self.module = index, module
+        this one at `rank`); `stage`: the pipeline stage holding it (0 without one)."""
+        self.index, self.module, self.stage = index, module, stage
         self.dim, self.n, self.rank = dim, n, rank
         # the group whose ranks' gradients the unit sums (the replica group, or the
         # experts' copies): `dim` itself, or with hybrid sharding the group `dim` is the
@@ -53,6 +55,8 @@ class _Unit:
         # whether the unit's forward waits for it (else the update does)
         self.gather_in: torch.Tensor | None = None
         self.deferred = False
+        self.takes_input_grad = True  # ZeRO-3: its last forward's input takes a gradient
+        self.second_copy = False  # DualPipe's chain-1 copy of a stage (not in norms, saves)
         self.ready: set[int] = set()
         self.rs_handle: Handle | None = None
         self.rs_out: torch.Tensor | None = None
@@ -95,30 +99,45 @@ def _cumulative(sizes):
         total += s
 
 
-def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules that become units: top-level children, each block of a ModuleList."""
+def zero_units(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules that become units: top-level children, each block of a ModuleList (or
+    of a pipeline stage's ModuleDict of blocks)."""
     out = []
     for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            out.extend((f"{name}.{i}.", block) for i, block in enumerate(child))
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            out.extend((f"{prefix}{name}.{key}.", block) for key, block in child.named_children())
         elif any(True for _ in child.parameters()):
-            out.append((f"{name}.", child))
+            out.append((f"{prefix}{name}.", child))
     return out
 
 
+def stage_modules(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """`zero_units` by pipeline stage: a pipeline rank's module (a ModuleDict `stages` of
+    stage id -> stage) gives each stage's, named from the rank's module; any other model is
+    the one stage 0."""
+    stages = getattr(model, "stages", None)
+    if not isinstance(stages, nn.ModuleDict):
+        return {0: zero_units(model)}
+    return {int(s): zero_units(stage, f"stages.{s}.") for s, stage in stages.items()}
+
+
 def zero_unit_groups(model: nn.Module, cap_bytes: float | None
-                     ) -> list[list[tuple[str, nn.Module]]]:
-    """The modules of each unit, in forward order. `cap_bytes` None: one module a unit
-    (ZeRO-3 gathers each around its use). Else (ZeRO-1/2) consecutive modules share a
-    unit, grouped in backward order as torch DDP buckets its gradients: a unit is closed
-    once its parameters reach `cap_bytes`. Fewer, larger reduce-scatters and all-gathers;
-    on gloo each collective has a fixed cost (docs/zero.md, "Units")."""
-    modules = zero_units(model)
-    if cap_bytes is None:
-        return [[m] for m in modules]
-    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in modules]
-    return [[modules[i] for i in reversed(run)]
-            for run in reversed(backward_runs(sizes, cap_bytes))]
+                     ) -> list[tuple[int, list[tuple[str, nn.Module]]]]:
+    """(stage, the modules of each unit), in forward order within each stage. `cap_bytes`
+    None: one module a unit (ZeRO-3 gathers each around its use). Else (ZeRO-1/2)
+    consecutive modules of a stage share a unit, grouped in backward order as torch DDP
+    buckets its gradients: a unit is closed once its parameters reach `cap_bytes`. Fewer,
+    larger reduce-scatters and all-gathers; on gloo each collective has a fixed cost
+    (docs/zero.md, "Units")."""
+    out = []
+    for stage, modules in stage_modules(model).items():
+        if cap_bytes is None:
+            out += [(stage, [m]) for m in modules]
+            continue
+        sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in modules]
+        out += [(stage, [modules[i] for i in reversed(run)])
+                for run in reversed(backward_runs(sizes, cap_bytes))]
+    return out
 
 
 def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable, dim: str,
@@ -129,7 +148,7 @@ def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable,
     (`ParallelMesh.shard_groups`)."""
     shard_of, _ = mesh.shard_groups()
     units: list[_Unit] = []
-    for group in zero_unit_groups(model, cap_bytes):
+    for stage, group in zero_unit_groups(model, cap_bytes):
         by_dim: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for prefix, module in group:
             for name, p in module.named_parameters():
@@ -138,5 +157,5 @@ def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable,
         for d, named in by_dim.items():
             shard = shard_of.get(d, d)
             units.append(_Unit(len(units), group[0][1], named, shard, mesh.size(shard),
-                               mesh.coord(shard), moments, reduced_over=d))
+                               mesh.coord(shard), moments, stage, reduced_over=d))
     return units

@@ -140,12 +140,14 @@ class Layout(Sizes):
     # the mesh's order, innermost first (parallel.order): which groups stay inside a node.
     # The default keeps tp innermost; a custom order is modelled for dense layouts
     order: tuple[str, ...]
+    zero3_gather: str  # parallel.zero3_gather: "microbatch" | "step" (comm/step.py)
 
     def __init__(self, sizes: Mapping[str, Num] | None = None, mbs: Num = 1,
                  schedule: str = "1f1b", v: Num = 1, zero: int = 1, recompute: str = "none",
                  sp: bool = True, cp_mode: str = "ring", runtime_recompute: str | None = None,
                  attention: str = "flash", recompute_ops: tuple[str, ...] = DEFAULT_OPS,
-                 order: tuple[str, ...] = DEFAULT_ORDER, **by_name: Num) -> None:
+                 order: tuple[str, ...] = DEFAULT_ORDER, zero3_gather: str = "microbatch",
+                 **by_name: Num) -> None:
         unknown = sorted(set(sizes or {}) - set(BY_NAME)) + sorted(set(by_name) - set(BY_NAME))
         if unknown:
             raise TypeError(f"Layout: no dimension {', '.join(unknown)}; the dimensions are "
@@ -156,6 +158,7 @@ class Layout(Sizes):
         self.recompute, self.sp, self.cp_mode = recompute, sp, cp_mode
         self.runtime_recompute, self.attention = runtime_recompute, attention
         self.recompute_ops, self.order = recompute_ops, order
+        self.zero3_gather = zero3_gather
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:

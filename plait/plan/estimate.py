@@ -20,6 +20,7 @@ from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
 from plait.plan.comm.sync import SYNC_TERM, sync_seconds
+from plait.plan.comm.zero import end_gathered, zero3_bytes
 from plait.plan.compute import (
     Efficiency,
     gemm_time,
@@ -111,6 +112,15 @@ class _RankMemory:
     use_first: Num  # the first pipeline rank is the most loaded
     params: Num  # parameters on the rank (dense of the larger end, plus experts)
     expert_params: Num  # of which routed experts (their gradients sync over edp)
+    # each end's parameters (the first holds the embedding), what one chunk holds (dense,
+    # experts) and (embedding, head, dense extra on model stage 0, its dense layers' share
+    # of the experts): ZeRO-3's gathers by stage (plait/plan/comm/zero.py)
+    first_dense: Num
+    last_dense: Num
+    first_experts: Num
+    last_experts: Num
+    chunk: tuple[Num, Num]
+    ends: tuple[Num, Num, Num, Num]
 
 
 def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
@@ -144,8 +154,8 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
 
     def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
-        st = memory.model_states(dense_p, dshard, lay.zero, *kinds)
-        ex = memory.model_states(ex_p, eshard, lay.zero, *kinds)
+        st = memory.model_states(dense_p, dshard, lay.zero, *kinds, pp, lay.zero3_gather)
+        ex = memory.model_states(ex_p, eshard, lay.zero, *kinds, pp, lay.zero3_gather)
         out = {k: st[k] + ex[k] for k in st}
         out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)
@@ -159,7 +169,19 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
     ex_p = np.maximum(ex_first, ex_last)
     return _RankMemory(mem, np.maximum(t_first, t_last), use_first,
-                       np.maximum(first_p, last_p) + ex_p, ex_p)
+                       np.maximum(first_p, last_p) + ex_p, ex_p, first_p, last_p, ex_first,
+                       ex_last, (b.chunk_layers * dense_l, b.chunk_layers * expert_l),
+                       (emb, head, dense_extra, nd * expert_l))
+
+
+def _busiest(train: Training, lay: Layout, b: Basis, pr: tuple[Num, Num], chunk: Num,
+             ends: tuple[Num, Num, Num]) -> tuple[Num, Num]:
+    """(parameters, ZeRO-3's gathered parameters) of the pipeline end whose ZeRO-3 bytes
+    are the larger (`end_gathered` of each)."""
+    first = end_gathered(lay, b, False, pr[0], chunk, ends)
+    last = end_gathered(lay, b, True, pr[1], chunk, ends)
+    take_first = zero3_bytes(train, lay, b, *first) >= zero3_bytes(train, lay, b, *last)
+    return np.where(take_first, first[0], last[0]), np.where(take_first, first[1], last[1])
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
@@ -210,13 +232,22 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over the replicas, routed experts over the replicas that hold
     # the same experts (plait/parallel/expert.py)
-    dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, rm.params - rm.expert_params,
-                                 colls)
+    dense, gathered = rm.params - rm.expert_params, None
+    experts, g_experts = rm.expert_params, None
+    if lay.zero == 3:  # each the end that moves more (ZeRO-3's gathers differ by stage)
+        dense, gathered = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
+                                   rm.chunk[0], rm.ends[:3])
+        experts, g_experts = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
+                                      rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
+    dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
+                                 gathered=gathered)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
-                                                  rm.expert_params, colls, experts=True)
+                                                  experts, colls, experts=True,
+                                                  gathered=g_experts)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
-        colls.append(dualpipe_copies(cluster, train, eff, b, rm.params))
+        colls.append(dualpipe_copies(cluster, train, eff, b, rm.params - rm.expert_params,
+                                     rm.expert_params, lay.zero))
     t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)

@@ -24,16 +24,21 @@ GIB = 2**30
 
 def model_state_bytes(cfg: Config, rank: int) -> dict[str, float]:
     """Parameters, gradients and optimizer states of global rank `rank` (its pipeline
-    stage's shards), in bytes. Gradients: ZeRO-2/3 hold at most their shard."""
+    stage's shards), in bytes, at their most during a step. Gradients: ZeRO-2/3 hold at
+    most their shard, but whole gradients under pp (they accumulate over a stage's
+    micro-batches); ZeRO-3 with `parallel.zero3_gather = "step"` holds every unit gathered
+    beside its shard."""
     p = cfg.parallel
     inside = 1  # ranks inside a pipeline stage: the axes before pp in the default order
     for name in DEFAULT_ORDER[:DEFAULT_ORDER.index("pp")]:
         inside *= getattr(p, name)
     pp_rank = (rank // inside) % p.pp
     sz = rank_sizes(cfg, pp_rank, 0)
-    grads = sz.grad_shards if p.zero >= 2 else sz.grads_full
+    grads = sz.grad_shards if p.zero >= 2 and p.pp == 1 else sz.grads_full
+    gathered = sum(sz.padded.values()) * sz.pb if p.zero == 3 and p.zero3_gather == "step" \
+        else 0.0
     # post-validation's copy of the optimizer states lives from one update to the next check
-    return {"parameters": sz.params, "gradients": grads,
+    return {"parameters": sz.params + gathered, "gradients": grads,
             "optimizer states": sz.optim + sz.snapshot}
 
 

@@ -15,6 +15,10 @@ variance), N_d data-parallel ranks:
   stage 0: (2 + 2 + K) Psi      stage 1: (2 + 2) Psi + K Psi / N_d
   stage 2: 2 Psi + (2 + K) Psi / N_d          stage 3: (2 + 2 + K) Psi / N_d
 Megatron keeps fp32 gradients for accumulation (`bf16-fp32grad`: 2 + 4 + 12 = 18 bytes).
+plait's ZeRO-2/3 under pp hold their whole gradients through the step (a stage's
+accumulate over its micro-batches, reduce-scattered at its last backward: 2 Psi, as
+stage 1), and ZeRO-3 with `parallel.zero3_gather = "step"` its whole parameters from the
+first forward to the last backward (2 Psi beside the 2 Psi / N_d shard).
 
 Activations per layer: the saved-tensor list of plait/plan/shape.py. For the GPT block with
 the math attention kernel (`--arch gpt --attention math`) it reproduces Korthikanti et al.
@@ -96,20 +100,24 @@ def param_terms(shape: Shape, tp: Num, expert_split: Num) -> ParamTerms:
 
 
 def model_states(params: Num, shard: Num, zero: int, precision: str = "bf16",
-                 optimizer: str = "adam", optimizer_sync: str = "barrier") -> dict[str, Num]:
+                 optimizer: str = "adam", optimizer_sync: str = "barrier",
+                 pp: Num = 1, zero3_gather: str = "microbatch") -> dict[str, Num]:
     """Bytes per rank of parameters, gradients, optimizer states for `params` parameters
     replicated over `shard` data-parallel ranks, at ZeRO stage `zero` (ZeRO paper, sec. 5).
     `optimizer_sync="post_validation"`: the optimizer states include the copy of them the
-    update keeps until it is validated (`snapshot_bytes`), alive at the update's peak."""
+    update keeps until it is validated (`snapshot_bytes`), alive at the update's peak.
+    `pp` > 1: ZeRO-2/3's gradients whole during the step; `zero3_gather="step"`: ZeRO-3's
+    parameters whole beside their shard (the module docstring)."""
     pb, gb, kb = state_bytes(precision, optimizer)
     if precision == "fp32" and zero >= 1:
         kb += 4  # ZeRO's fp32 master shard is a copy even in fp32 (plait/parallel/zero.py)
     if optimizer_sync == "post_validation":
         kb += snapshot_bytes(optimizer)
     shard = np.asarray(shard, dtype=float)
+    gathered = params * pb if zero >= 3 and zero3_gather == "step" else 0.0
     return {
-        "parameters": params * pb / (shard if zero >= 3 else 1.0),
-        "gradients": params * gb / (shard if zero >= 2 else 1.0),
+        "parameters": params * pb / (shard if zero >= 3 else 1.0) + gathered,
+        "gradients": params * gb / np.where((zero >= 2) & (np.asarray(pp) == 1), shard, 1.0),
         "optimizer states": params * kb / (shard if zero >= 1 else 1.0),
     }
 

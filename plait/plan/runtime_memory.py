@@ -293,8 +293,8 @@ def _end_of_step(cfg: Config, sz: RankSizes) -> list[Moment]:
             ["embed", *(u.name for u in units[1:])], cfg.microbatches() - 1, extra=1)
         out.append(Moment("embedding reduce-scatter (end of backward)",
                           states(grads, comm=comm + chunks)))
-    elif zero >= 1 and n_dp > 1:  # pp > 1: one unit, reduce-scattered after the last B
-        u = units[0].name
+    elif zero >= 1 and n_dp > 1:  # pp > 1: a stage's units, reduce-scattered in its last B
+        u = max(units, key=lambda x: padded[x.name]).name
         comm = (2 * padded[u] + k[u]) * pb + (shard_comm if zero == 1 else 0.0)
         out.append(Moment("reduce-scatter (end of backward)", states(grads, comm=comm)))
     # global grad norm: a temporary per parameter (fp64 when anything is sharded)
@@ -331,10 +331,13 @@ def not_covered(cfg: Config) -> str | None:
 
     Covered and checked against the tracker (tests/test_predict_vs_measured.py): dp with
     ZeRO 0-3, tp (+SP), pp with F/B schedules, and tp x pp with them. Not covered: the
-    deferred weight work of I/W-split schedules, and ZeRO with pp (measured 12-22 % under
-    and 7 % over the tracker at pp=2), and a sequence split over ranks (context parallel:
-    its ring buffers, the fp32 partial outputs and scores of each block are not
-    modelled), and the MoE block."""
+    deferred weight work of I/W-split schedules, ZeRO with pp (measured 12-22 % under
+    and 7 % over the tracker at pp=2 when a rank was one unit; each stage's units, their
+    accumulated gradients and ZeRO-3's gathers are not walked), ZeRO-3's units kept
+    gathered through the step (`parallel.zero3_gather = "step"`), a sequence split over
+    ranks (context parallel: its ring buffers, the fp32 partial outputs and scores of each
+    block are not modelled), and the MoE block. The closed form (kernels='fused') and the
+    host check (plait/plan/host_memory.py) price the last ZeRO ones."""
     p = cfg.parallel
     if cfg.model.n_experts:
         return (f"model.n_experts={cfg.model.n_experts}: the eager memory model has no MoE "
@@ -345,6 +348,10 @@ def not_covered(cfg: Config) -> str | None:
             return (f"{d.name}={getattr(p, d.name)}: the eager memory model does not follow "
                     f"{d.title}'s attention (ring K/V buffers, per-block scores); predict "
                     f"with kernels='fused', whose activations fall as 1/{d.name}")
+    if p.zero == 3 and p.zero3_gather == "step":
+        return ("parallel.zero3_gather=step: the eager memory model frees each ZeRO-3 unit "
+                "after its use, not at the step's last backward; predict with "
+                "zero3_gather=microbatch or kernels='fused'")
     if p.pp == 1:
         return None
     sched, _ = rank_stages(cfg, 0)
@@ -356,8 +363,9 @@ def not_covered(cfg: Config) -> str | None:
                 "does not hold the outputs and gradients kept for W; predict with a F/B "
                 f"schedule ({whole_b}) or kernels='fused'")
     if p.zero >= 1:
-        return (f"zero={p.zero} with pp={p.pp}: the eager memory model does not follow the "
-                "pipeline's ZeRO unit; predict with zero=0 or kernels='fused'")
+        return (f"zero={p.zero} with pp={p.pp}: the eager memory model does not follow "
+                "ZeRO's units over the pipeline's stages; predict with zero=0 or "
+                "kernels='fused'")
     return None
 
 

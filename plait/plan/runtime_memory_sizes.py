@@ -105,18 +105,16 @@ def _stage_params(sh: dict, a: int, z: int, first: bool, last: bool) -> list[tup
     return [(n, ps) for n, ps in out if ps]
 
 
-def _rank_units(sh: dict, stages: dict, pp: int, n_dp: int, cap_bytes: float | None,
-                pb: int):
+def _rank_units(sh: dict, stages: dict, n_dp: int, cap_bytes: float | None, pb: int):
     """This rank's ZeRO units, their shard elements and their padded (to dp) elements.
-    `cap_bytes` (ZeRO-1/2): consecutive groups share a unit up to about that many bytes,
-    grouped in backward order and named by their first (plait/parallel/zero_units.py)."""
-    groups = [g for st in sorted(stages) for g in _stage_params(sh, *stages[st])]
-    if pp > 1:  # a PipelineModule's one child (a ModuleDict) is one ZeRO unit
-        flat = [x for _, ps in groups for x in ps]
-        units = [ZeroUnit("stages", sum(flat), max(flat), flat)]
-    else:
+    `cap_bytes` (ZeRO-1/2): consecutive groups of a stage share a unit up to about that
+    many bytes, grouped in backward order and named by their first (plait/parallel/
+    zero_units.py: a unit never spans two pipeline stages)."""
+    units = []
+    for st in sorted(stages):
+        groups = _stage_params(sh, *stages[st])
         runs = [(r[0][0], [x for _, ps in r for x in ps]) for r in _runs(groups, cap_bytes, pb)]
-        units = [ZeroUnit(name, sum(ps), max(ps), ps) for name, ps in runs]
+        units += [ZeroUnit(name, sum(ps), max(ps), ps) for name, ps in runs]
     k = {u.name: -(-u.numel // n_dp) for u in units}  # shard elements per unit
     padded = {u.name: k[u.name] * n_dp for u in units}
     return units, k, padded
@@ -356,7 +354,7 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
     tok_l = tok // t if sp else tok
     sched, stages = rank_stages(cfg, rank)
     cap = p.bucket_mb * 2**20 if p.zero in (1, 2) else None
-    units, k, padded = _rank_units(sh, stages, p.pp, zero_ranks(cfg), cap, pb)
+    units, k, padded = _rank_units(sh, stages, zero_ranks(cfg), cap, pb)
     params, optim, grads_full, grad_shards = _model_state_bytes(units, k, padded, p.zero, e,
                                                                 pb)
     tp_ids = (8 * tok + tok) if t > 1 else 0

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from plait.config.checks import unbuilt_combinations
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 from plait.plan.basis import SHARD_COPIES, WRITTEN, product
@@ -85,8 +84,6 @@ def layout_problems(shape: Shape, cluster: Cluster, train: Training, lay: Layout
                                       stages_per_chain(lay.schedule, lay.pp, lay.v)))
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"zero={lay.zero}: use 0, 1, 2 or 3")
-    else:  # what the runtime has not built (plait/config/checks.py): refused alike
-        out += unbuilt_combinations(lay.pp, lay.zero, lay.schedule)
     if lay.recompute not in RECOMPUTE:
         out.append(f"recompute={lay.recompute!r}: use one of {', '.join(RECOMPUTE)}")
     if lay.attention not in ATTENTION:
@@ -214,8 +211,6 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         if not mask.any():
             continue
         for zero in (0, 1, 2, 3):
-            if unbuilt_combinations(1 if sched == "none" else 2, zero, sched):
-                continue  # the runtime refuses it (a group's pp are all 1 or all > 1)
             # ZeRO-0 shards nothing: copies of shards (hybrid sharding) need a stage
             idx = np.nonzero(mask & ((copies == 1) if zero == 0 else True))[0]
             if not len(idx):
@@ -252,7 +247,9 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         best = evaluate(shape, cluster, train, layout_at(j), eff, simulate=True)
         return SearchResult([], considered, 0, closest=best)
     best_by = _best_by(c, rows, group, scored, times, fits)
-    # re-rank the closed form's best 2 x top through the simulator
+    # re-rank the closed form's best 2 x top through the simulator, and more while fewer
+    # than `top` of them fit once simulated (its peak activations can exceed the closed
+    # form's: DualPipe's)
     n_sim = simulate_top or 2 * top
     order = np.nonzero(fits)[0][np.argsort(times[fits], kind="stable")]
     sims = []
@@ -262,7 +259,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             sims.append(evaluate(shape, cluster, train, lay, eff, simulate=True))
         except ValueError:  # a layout the simulator cannot build: never shown, the next
             continue  # one is (the search asks every rule a build does: registry.py)
-        if len(sims) == n_sim:
+        if len(sims) >= n_sim and sum(bool(s.fits) for s in sims) >= min(top, n_sim):
             break
     if not sims:
         raise PlanError("every best-ranked layout failed to build its pipeline schedule; "

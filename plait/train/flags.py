@@ -12,6 +12,7 @@ from pathlib import Path
 
 from plait.checkpoint.cli import add_checkpoint_args
 from plait.config import Config, ConfigError, load_config
+from plait.config.checks import ZERO3_GATHERS
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.dims import DIMENSIONS, DIMS, LAID
 from plait.model.presets import PRESETS
@@ -29,6 +30,7 @@ TRAIN_FLAGS = {
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "init_from": "train.init_from",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
+    "zero3_gather": "parallel.zero3_gather",
     # each parallel dimension's size and its own settings (plait/dims/)
     **{d.name: d.field for d in DIMENSIONS},
     **{s.key: f"parallel.{s.key}" for d in DIMENSIONS for s in d.settings},
@@ -71,6 +73,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("data-parallel"))
     p.add_argument("--optimizer-sync", choices=("barrier", "post_validation"),
                    help=_setting_help("optimizer-sync"))
+    p.add_argument("--zero3-gather", choices=ZERO3_GATHERS, help=_setting_help("zero3-gather"))
     for setting in (s for d in DIMENSIONS for s in d.settings):
         p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
@@ -127,6 +130,8 @@ _SETTING_HELP = {
     "init-from": "starting weights: a Hugging Face directory hf:DIR or a plait checkpoint",
     "optimizer-sync": "pipelines: update after one global grad-norm check, or each stage "
     "at once, validated and rolled back on failure (docs/pipeline_runtime.md)",
+    "zero3-gather": "ZeRO-3: gather a unit around each forward and backward, or once a "
+    "step and keep it to its stage's last backward (more memory, fewer bytes; docs/zero.md)",
 }
 
 

@@ -267,3 +267,19 @@ def peak_activations(schedule: Schedule, until: str = "I") -> list[int]:
 _LIVE = {k: 1 if k == "F" else -1 if k in ("I", "B") else 0 for k in KINDS}
 _HELD = {k: 1 if k == "F" else -1 if k in ("W", "B") else 0 for k in KINDS}
 _KIND = itemgetter(0)
+
+
+def split_backwards(schedule: Schedule, rank: int, recompute: bool
+                    ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+    """(whole at W, split) (stage, micro-batch) pairs of `rank`'s I/W actions, as the
+    runtime runs them (plait/parallel/pipeline/runtime.py): a chain's first stage whose W
+    directly follows its I, without recomputation, runs the whole backward in W (its I
+    sends nothing); every other I/W pair is split in two autograd passes."""
+    computes = [a for a in schedule.actions[rank] if not a.is_comm]
+    whole = set() if recompute else {
+        (a.stage, a.microbatch) for a, b in zip(computes, computes[1:])
+        if a.kind == "I" and b[:3] == ("W", a.stage, a.microbatch)
+        and schedule.prev_stage(a.stage) is None}
+    split = {(a.stage, a.microbatch) for a in computes
+             if a.kind == "I" and (a.stage, a.microbatch) not in whole}
+    return whole, split

@@ -42,7 +42,7 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
-from plait.parallel.pipeline.ir import Action, Schedule
+from plait.parallel.pipeline.ir import Action, Schedule, split_backwards
 from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.split import (
     Deferred,
@@ -101,17 +101,12 @@ class PipelineRuntime:
         self.stages, self.positions = stages, positions
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
-        computes = [a for a in self.actions if not a.is_comm]
         # a first stage's I sends nothing: where its W follows at once, that I keeps the
-        # output gradient and the W runs the whole backward (see the module docstring)
-        self.whole_at_w = {(a.stage, a.microbatch) for a, b in zip(computes, computes[1:])
-                           if a.kind == "I" and b[:3] == ("W", a.stage, a.microbatch)
-                           and self.schedule.prev_stage(a.stage) is None
-                           and stages[a.stage].recompute is None}
-        # the (stage, micro-batch) pairs whose backward is split: with recomputation, I
+        # output gradient and the W runs the whole backward (see the module docstring);
+        # the other (stage, micro-batch) pairs with an I are split: with recomputation, I
         # runs their forward again (once, for I and W)
-        self.split = {(a.stage, a.microbatch) for a in computes
-                      if a.kind == "I" and (a.stage, a.microbatch) not in self.whole_at_w}
+        recompute = any(m.recompute is not None for m in stages.values())
+        self.whole_at_w, self.split = split_backwards(self.schedule, self.me, recompute)
         # capture hooks only where the schedule splits I from W
         self.capture = {s: OutputCapture(m) for s, m in stages.items()
                         if any(k == s for k, _ in self.split)}

@@ -8,6 +8,8 @@ call costs and how much of it the compute hides.
              parallel) and their exposed time
   step.py    the collectives around the layers (the pipeline's sends, the gradient sync
              over the replicas, the step's closing all-reduces) and their exposed time
+  zero.py    how many reduce-scatters and all-gathers ZeRO issues a step (ZeRO-3's by
+             pipeline stage: whole and split backwards, `parallel.zero3_gather`)
   sync.py    a measured profile's waits at blocking collectives (the GPU presets: none)
   rank.py    one pipeline rank's list, from the runtime's own partition (a dry run's and
              `plait report`'s comparison with the ledger)

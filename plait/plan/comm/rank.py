@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plait.parallel.pipeline.ir import split_backwards
 from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import memory
-from plait.plan.basis import basis_of
+from plait.plan.basis import Layout, basis_of
 from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.comm.zero import gathered_by_stage
 from plait.plan.estimate import chunk_times
 from plait.plan.from_config import config_inputs
 from plait.plan.runtime_memory_sizes import rank_stages
@@ -67,17 +69,41 @@ def rank_params(shape: Shape, tp: float, expert_split: float, part: RankPart
                 ) -> tuple[float, float]:
     """(dense, routed-expert) parameters on the rank: its layers (an MoE model's leading
     `dense_layers` dense), the embedding and the head where its stages hold them."""
+    return _params_of(shape, tp, expert_split, part.layers, bool(part.embedding_microbatches),
+                      bool(part.head_microbatches))
+
+
+def _params_of(shape: Shape, tp: float, expert_split: float, layers, embedding: bool,
+               head: bool) -> tuple[float, float]:
     t = memory.param_terms(shape, tp, expert_split)
     dense = expert = 0.0
-    for layer in part.layers:
+    for layer in layers:
         if shape.moe and layer < shape.dense_layers:
             dense += t.dense_layer
         else:
             dense += t.layer
             expert += t.expert if shape.moe else 0.0
-    dense += t.embedding if part.embedding_microbatches else 0.0
-    dense += t.head if part.head_microbatches else 0.0
+    dense += t.embedding if embedding else 0.0
+    dense += t.head if head else 0.0
     return float(dense), float(expert)
+
+
+def zero3_gathered_on_rank(cfg: Config, pp_rank: int, lay: Layout, shape: Shape, tp: float,
+                           expert_split: float) -> tuple[float, float]:
+    """(dense, routed-expert) parameters ZeRO-3 all-gathers per step on pipeline rank
+    `pp_rank`, stage by stage of the runtime's partition (plait/plan/comm/zero.py)."""
+    p = cfg.parallel
+    sched, stages = rank_stages(cfg, pp_rank)
+    recompute = cfg.train.recompute != "none"
+    split = split_backwards(sched, pp_rank, recompute)[1] if p.pp > 1 else set()
+    emb = memory.param_terms(shape, tp, expert_split).embedding
+    dense, expert = [], []
+    for s, (a, z, first, last) in stages.items():
+        d, e = _params_of(shape, tp, expert_split, range(a, z), first, last)
+        m, n_split = len(sched.microbatches_of(s)), sum(1 for st, _ in split if st == s)
+        dense.append((m, n_split, d, emb if first else 0.0))
+        expert.append((m, n_split, e, 0.0))
+    return gathered_by_stage(lay, p.pp, dense), gathered_by_stage(lay, p.pp, expert)
 
 
 def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
@@ -93,12 +119,14 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
     ct = chunk_times(shape, cluster, lay, eff, b, lc)
     pp_p2p(shape, cluster, eff, b, colls, lay.sp, sends=float(part.sends))
     dense, expert = rank_params(shape, b.tp, b.expert_split, part)
+    g_dense, g_expert = zero3_gathered_on_rank(cfg, pp_rank, lay, shape, b.tp, b.expert_split)
     # as in `evaluate`: dense parameters sync over the replicas, routed experts over edp
-    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls)
+    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls, gathered=g_dense)
     if shape.moe:
-        dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True)
+        dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True,
+                        gathered=g_expert)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
-        colls.append(dualpipe_copies(cluster, train, eff, b, dense + expert))
+        colls.append(dualpipe_copies(cluster, train, eff, b, dense, expert, lay.zero))
     return colls
 
 

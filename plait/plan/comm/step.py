@@ -9,9 +9,10 @@ Counts per step on the most loaded rank (s = one micro-batch's activation on a r
                       backward; the full activation (plait does not split it over tp; SP
                       already has); DualPipe also swaps the two copies' gradients
   dp (edp)            ZeRO-0: the gradients all-reduced once, bucketed; ZeRO-1/2: reduce-
-                      scattered (each micro-batch's under ZeRO-2) and the parameters
-                      all-gathered after the update; ZeRO-3: all-gathered before each
-                      forward and backward, reduce-scattered after each backward
+                      scattered (each micro-batch's under ZeRO-2 without pp; once a step
+                      with pp) and the parameters all-gathered after the update; ZeRO-3:
+                      all-gathered before each forward and backward (comm/zero.py),
+                      reduce-scattered as ZeRO-2's
   dp_shard            hybrid sharding: ZeRO's collectives as above, inside a shard group
   (edp_shard),        of replicas; after the last backward each unit's reduced gradient
   dp_replicate        shard all-reduced over the ranks holding copies of it, once a step
@@ -29,6 +30,7 @@ from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
 from plait.plan.comm import price
+from plait.plan.comm.zero import zero3_gathered, zero_reduce_scatters
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
@@ -71,14 +73,14 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
 
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
-                    experts: bool = False) -> Num:
+                    experts: bool = False, gathered: Num | None = None) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
-    same experts, "edp"); appends the collectives (dim "dp" or "edp"; with hybrid
+    same experts, "edp"; `gathered`: the parameters ZeRO-3 all-gathers per step, by
+    default `zero3_gathered`'s); appends the collectives (dim "dp" or "edp"; with hybrid
     sharding ZeRO's run inside a shard group, "dp_shard" or "edp_shard", and the shards'
     all-reduce over "dp_replicate": `shard_copies_sync`)."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    m = b.m
     dim, n, dp_intra = zero_group(cluster, lay, b, experts)
     bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
@@ -87,13 +89,13 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     f_mb = b.cpr * ct.f_c * eff.comm_overlap
     b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
     # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
-    # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES; a
-    # pipeline stage is one unit) under a measured profile; one collective of all the
+    # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES, at
+    # least one a pipeline stage) under a measured profile; one collective of all the
     # bytes in Megatron's count
     modules = b.rank_layers + 3
     if lay.zero in (1, 2):
-        modules = np.minimum(modules, np.maximum(np.ceil(p_bytes / BUCKET_BYTES), 1.0))
-    units = np.where(b.pp > 1, 1.0, modules) if eff.runtime_comm else 1.0
+        modules = np.minimum(modules, np.maximum(np.ceil(p_bytes / BUCKET_BYTES), b.cpr))
+    units = modules if eff.runtime_comm else 1.0
     t_ar_dp, _ = price.all_reduce(g_bytes, n, bw, al)
     t_rs = units * price.gather_like(g_bytes / units, n, bw, al)
     t_ag = units * price.gather_like(p_bytes / units, n, bw, al)
@@ -116,31 +118,25 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         exp = np.maximum(t_ar_dp - b_mb, last_ar)
         dp_colls.append(("all-reduce (grads)", g_bytes, 1, t_ar_dp, exp, "last backward", 1))
     elif lay.zero in (1, 2):
-        k = m if lay.zero == 2 else 1
+        k = zero_reduce_scatters(lay, b)
         exp_rs = k * np.maximum(t_rs - b_mb, last_rs)
         dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs, exp_rs,
                          "each backward" if lay.zero == 2 else "last backward", k))
         dp_colls.append(("all-gather (params)", p_bytes, 1, t_ag,
                          np.maximum(t_ag - f_mb, 0), "first forward", 1))
     else:
-        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, 2 * m, t_ag,
-                         m * np.maximum(t_ag - f_mb, 0) + m * np.maximum(t_ag - b_mb / 2, 0),
-                         "the layer before (prefetch)", 2 * m))
-        dp_colls.append(("reduce-scatter (grads)", g_bytes, m, t_rs,
-                         m * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
-                         m))
-    dp_exposed = 0.0
-    for op, size, count, t_each, exp, how, blocking in dp_colls:
-        exp = np.where(n > 1, exp, 0.0)
-        dp_exposed = dp_exposed + exp
-        if np.any(n > 1):
-            per_unit = op != "all-reduce (grads)"  # ZeRO's: `units` calls of size / units
-            colls.append(price.Collective(dim, op,
-                                         size / units if per_unit else size,
-                                         np.asarray(count, dtype=float)
-                                         * (units if per_unit else 1.0), n, dp_intra,
-                                         t_each / units if per_unit else t_each, exp, how,
-                                         blocking=np.asarray(blocking, dtype=float)))
+        # each gather of the rank's parameters counted whole (pp: a fraction of them)
+        every = (zero3_gathered(lay, b, pr) if gathered is None else gathered) / np.where(
+            pr > 0, pr, 1.0)
+        dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, every, t_ag,
+                         every / 2 * (np.maximum(t_ag - f_mb, 0)
+                                      + np.maximum(t_ag - b_mb / 2, 0)),
+                         "the layer before (prefetch)", every))
+        k = zero_reduce_scatters(lay, b)
+        dp_colls.append(("reduce-scatter (grads)", g_bytes, k, t_rs,
+                         k * np.maximum(t_rs - b_mb / 2, last_rs), "the next layer's backward",
+                         k))
+    dp_exposed = _listed(dp_colls, dim, n, units, dp_intra, colls)
     if lay.zero >= 1:
         dp_exposed = dp_exposed + shard_copies_sync(cluster, lay, eff, b, g_bytes / n,
                                                     units, colls)
@@ -185,6 +181,25 @@ def shard_copies_sync(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
                                  count * t_each, "none: after the last backward",
                                  blocking=np.where(copies > 1, 1.0, 0.0)))
     return count * t_each
+
+
+def _listed(dp_colls: list[tuple[str, Num, Num, Num, Num, str, Num]], dim: str, n: Num,
+            units: Num, intra: Num, colls: list[price.Collective]) -> Num:
+    """`dp_colls` (op, size, count, seconds each, exposed, overlap, blocking) appended to
+    `colls` as `dim`'s collectives (ZeRO's as `units` calls of size / units each); their
+    exposed seconds, summed."""
+    exposed = 0.0
+    for op, size, count, t_each, exp, how, blocking in dp_colls:
+        exp = np.where(n > 1, exp, 0.0)
+        exposed = exposed + exp
+        if np.any(n > 1):
+            per_unit = op != "all-reduce (grads)"
+            colls.append(price.Collective(dim, op, size / units if per_unit else size,
+                                         np.asarray(count, dtype=float)
+                                         * (units if per_unit else 1.0), n, intra,
+                                         t_each / units if per_unit else t_each, exp, how,
+                                         blocking=np.asarray(blocking, dtype=float)))
+    return exposed
 
 
 BUCKET_BYTES = ParallelConfig.bucket_mb * 2**20  # bucketed DP's default bucket (data.py)
@@ -236,14 +251,17 @@ def step_end_collectives(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basi
 
 
 def dualpipe_copies(cluster: Cluster, train: Training, eff: Efficiency, b: Basis,
-                    rank_params: Num) -> price.Collective:
+                    dense: Num, experts: Num = 0.0, zero: int = 0) -> price.Collective:
     """DualPipe's swap of the two copies' gradients with the mirror rank: every gradient
-    the rank holds, in the compute dtype, once a step (a send; the receive is the
-    mirror's send)."""
+    the rank holds (`dense` and routed `experts` parameters), in the compute dtype, once a
+    step (a send; the receive is the mirror's send); under ZeRO its gradient shards
+    (the dense over the replicas, the experts over the ranks holding the same ones)."""
     _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     intra = price.intra_node(b.strides["pp"], b.pp, cluster.gpus_per_node)
     bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
-    size = rank_params * gb
+    if zero >= 1:
+        dense, experts = dense / b.replicas, experts * b.expert_split / b.replicas
+    size = (dense + experts) * gb
     return price.Collective("pp", "send (DualPipe copies' gradients)", size, 1.0, 2, intra,
                            price.p2p(size, bw, al), price.p2p(size, bw, al),
                            "none: after the last backward")
