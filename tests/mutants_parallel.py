@@ -150,10 +150,51 @@ def zero_padding_not_zeroed():
     _Unit.flat_grad = stale_padding
 
 
+def hybrid_shards_not_summed():
+    from plait.parallel.zero import ZeroOptimizer
+
+    # each shard group steps with its own replicas' gradient only
+    ZeroOptimizer._sum_shard_copies = lambda self: None
+
+
+def hybrid_norm_counts_copies():
+    from plait.parallel.zero import ZeroOptimizer
+
+    local_sq_norm = ZeroOptimizer.local_sq_norm
+
+    def every_copy(self):  # each copy of a shard counted in the grad norm
+        replicate, self.replicate = self.replicate, None
+        try:
+            return local_sq_norm(self)
+        finally:
+            self.replicate = replicate
+
+    ZeroOptimizer.local_sq_norm = every_copy
+
+
+def hybrid_shard_counted_by_its_name():
+    from plait.parallel.zero import ZeroOptimizer
+
+    local_sq_norm = ZeroOptimizer.local_sq_norm
+
+    def by_name(self):  # the norm reads the shard group's own name, not the group it cuts
+        kept = [u.reduced_over for u in self.units]
+        for u in self.units:
+            u.reduced_over = u.dim
+        try:
+            return local_sq_norm(self)
+        finally:
+            for u, over in zip(self.units, kept, strict=True):
+                u.reduced_over = over
+
+    ZeroOptimizer.local_sq_norm = by_name
+
+
 TP = "tests/test_tensor_parallel.py::"
 EP = "tests/test_expert_parallel.py::"
 ZERO = "tests/test_zero.py::"
 ZPIPE = "tests/test_zero_pipeline.py::test_parity_with_the_single_process_run"
+HYBRID = "tests/test_hybrid_sharding.py::test_parity_and_replicas_hold_the_same_shards"
 
 MUTANTS = [
     Mutant("tp-copy-backward-not-reduced", "copy_to_tp's backward skips the all-reduce",
@@ -183,6 +224,15 @@ MUTANTS = [
            zero3_gathered_kept_over_update, [ZPIPE + "[z3 zb-h2 step post-validation]"]),
     Mutant("zero-copies-not-summed", "ZeRO under DualPipe: each copy's own gradient shard",
            zero_copies_not_summed, [ZPIPE + "[z2 dualpipe]"]),
+    Mutant("hybrid-shards-not-summed", "hybrid sharding: shards not all-reduced over copies",
+           hybrid_shards_not_summed, [HYBRID + "[3]"]),
+    Mutant("hybrid-norm-counts-copies", "hybrid sharding: every copy of a shard in the norm",
+           hybrid_norm_counts_copies, [HYBRID + "[1]"]),
+    Mutant("hybrid-shard-counted-by-its-name",
+           "hybrid sharding beside cp: a shard counted over dp_shard's name, not dp_cp",
+           hybrid_shard_counted_by_its_name,
+           ["tests/test_matrix.py::test_row_equals_the_single_process_run"
+            "[dp2x2 z3 cp2:ring moe ep4]"]),
     Mutant("zero-padding-not-zeroed", "ZeRO flat gradient's padding left unwritten",
            zero_padding_not_zeroed, [ZERO + "test_shard_padding_stays_zero"]),
 ]
