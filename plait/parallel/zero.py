@@ -49,6 +49,7 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel.backward_graph import in_backward, input_gradient_computed, input_node
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import NamedShards
@@ -56,33 +57,6 @@ from plait.parallel.zero_units import _Unit, make_units
 from plait.placement import PlacementTable
 
 GATHERS = ("microbatch", "step")  # parallel.zero3_gather
-
-
-def _in_backward() -> bool:
-    """Inside autograd's backward (a recomputed forward runs there too)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _input_node(args: tuple) -> torch.autograd.graph.Node | None:
-    """The autograd node of a module's first input when it takes a gradient (None for
-    token ids, or a forward without a graph)."""
-    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if x is None or not x.requires_grad:
-        return None
-    return torch.autograd.graph.get_gradient_edge(x).node
-
-
-def _input_gradient_computed(node: torch.autograd.graph.Node | None) -> bool:
-    """Whether the running backward computes the gradient of a unit's input (B, a split
-    backward's I): what reads its weights; not W (weight gradients are computed from saved
-    activations, though some formulas view the weight: `_weight_roots`), nor any backward
-    of the embedding (token ids take none)."""
-    if node is None:
-        return False
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf asked for by autograd.grad: the stage input, in I
-        return True
 
 
 class ZeroOptimizer(NamedShards):
@@ -214,20 +188,20 @@ class ZeroOptimizer(NamedShards):
     def _pre_forward(self, u: _Unit, module, args) -> None:
         self._ensure_gathered(u)
         nxt = self._neighbour(u, 1)
-        if nxt is not None and not _in_backward():
+        if nxt is not None and not in_backward():
             self._issue_gather(nxt)  # prefetch: overlaps this unit
         # host time: what the prefetch check needs is the order of issue, not kernel time
         self._forward_start[u.index] = time.perf_counter()
 
     def _post_forward(self, u: _Unit, module, args, output):
-        if _in_backward():  # recomputation inside backward: keep the unit gathered
+        if in_backward():  # recomputation inside backward: keep the unit gathered
             return output
         self.forward_times.append((self.mesh.ledger.step, u.index,
                                    self._forward_start[u.index], time.perf_counter()))
         if self.gather == "microbatch":
             self._free(u)
         out = output if isinstance(output, torch.Tensor) else None
-        node = _input_node(args)
+        node = input_node(args)
         u.takes_input_grad = node is not None
         if out is not None and out.requires_grad:
             out.register_hook(partial(self._pre_backward, u, node))
@@ -236,7 +210,7 @@ class ZeroOptimizer(NamedShards):
     def _pre_backward(self, u: _Unit, node, grad: torch.Tensor) -> None:
         """Before the unit's backward. pp: only one that reads its weights gathers it (a
         unit output is also the root of W's backward, which reads none)."""
-        if self.accumulate and not _input_gradient_computed(node):
+        if self.accumulate and not input_gradient_computed(node):
             return
         self._ensure_gathered(u)
         prev = self._neighbour(u, -1)
@@ -249,14 +223,14 @@ class ZeroOptimizer(NamedShards):
         """pp: a split backward's W starts from each parameter-owning module's output;
         some weight gradients' formulas view the weight (a saved view of it is rebuilt),
         so W gathers the module's units too; the embedding's (token ids in) never."""
-        node = _input_node(args)
-        if _in_backward() or node is None or not isinstance(output, torch.Tensor) \
+        node = input_node(args)
+        if in_backward() or node is None or not isinstance(output, torch.Tensor) \
                 or not output.requires_grad:
             return
         output.register_hook(partial(self._pre_weight_backward, units, node))
 
     def _pre_weight_backward(self, units: list[_Unit], node, grad: torch.Tensor) -> None:
-        if not _input_gradient_computed(node):  # W (B and I gather through `_pre_backward`)
+        if not input_gradient_computed(node):  # W (B and I gather through `_pre_backward`)
             for u in units:
                 self._ensure_gathered(u)
 
