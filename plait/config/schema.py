@@ -67,6 +67,12 @@ class ParallelConfig:
     # dp_replicate (dp_shard 0: dp / dp_replicate; load_config derives dp from both)
     dp_shard: int = 0
     dp_replicate: int = 1
+    # the dp_replicate groups as units of failure (plait/parallel/fault_tolerance.py): a
+    # replica that dies or stops answering for replica_timeout_s leaves, the others finish
+    # the step without it, and a replacement joins from a live peer
+    fault_tolerance: bool = False
+    replica_timeout_s: float = 30.0
+    min_replicas: int = 1  # fewer live: a step waits for replacements to join
     tp: int = 1
     pp: int = 1
     cp: int = 1

@@ -52,7 +52,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     max_restarts = getattr(args, "max_restarts", None)
     if max_restarts is not None and max_restarts < 0:
         problems.append(f"--max-restarts {max_restarts}: must be >= 0 (0: no restarts)")
-    elif max_restarts and (not args.checkpoint_dir or not args.checkpoint_every):
+    elif max_restarts and not getattr(args, "fault_tolerance", None) and (
+            not args.checkpoint_dir or not args.checkpoint_every):
         problems.append("--max-restarts resumes from the last checkpoint: give "
                         "--checkpoint-dir D and --checkpoint-every N too")
     timeout = args.timeout
