@@ -308,9 +308,11 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
         return _train_rank(args, rank, world, run)
 
 
-def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+def _prepare_rank(args: argparse.Namespace, rank: int, world: int, run: _Run,
+                  ft: ReplicaArg | None) -> tuple[Config, Device, Checkpointing, object]:
+    """Every input checked (a fault-tolerant replica's against the whole job's layout),
+    the device, the checkpoint's preflight, the process group, the data file."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    ft = ReplicaArg.parse(args.replica) if args.replica else None  # one replica's ranks
     cfg = check_rank_inputs(args, rank, world * (ft.count if ft else 1), local_rank,
                             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
     device = resolve_device(args.device, local_rank)
@@ -332,6 +334,12 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
         data = resolve_data(cfg, args.data_dir)
     elif world > 1 and not cfg.train.data:
         dist.barrier()
+    return cfg, device, checkpoint, data
+
+
+def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+    ft = ReplicaArg.parse(args.replica) if args.replica else None  # one replica's ranks
+    cfg, device, checkpoint, data = _prepare_rank(args, rank, world, run, ft)
     run_cfg = ft.layout(cfg) if ft else cfg  # a replica trains its own layout
     mesh = ParallelMesh.build(run_cfg.parallel, device=device)
     replicas = ft.replicas(cfg, mesh, args.timeout) if ft else None

@@ -2,7 +2,7 @@
 while the others train on.
 
     plait train (run_replicas)            hosts the job's store, writes the metrics
-      ├─ torchrun shim, replica 0 (gen 0)  its dp_shard x cp x tp x pp ranks
+      ├─ torchrun shim, replica 0 (gen 0)  its own ranks, every other dimension inside
       ├─ torchrun shim, replica 1 (gen 0)
       └─ torchrun shim, replica 1 (gen 1)  a replacement, joining from a live replica
 

@@ -2,8 +2,8 @@
 answering, and a replacement joins from a live peer.
 
 The data-parallel replica groups of hybrid sharding (plait/dims/dp_replicate.py) become
-the unit of failure: each replica (its dp_shard x cp x tp x pp ranks) is a job of its own
-(its own process group and launcher, plait/launch/replicas.py), and the only traffic
+the unit of failure: each replica (a dp_shard group with every dimension inside it) is a
+job of its own (its own process group and launcher, plait/launch/replicas.py), and the only traffic
 between replicas is the once-a-step sum of the reduced gradient shards. That sum runs on
 a process group of the replicas in the step's *quorum*, made afresh whenever the
 membership changes (the design of torchft, Meta's fault-tolerance library: per-step

@@ -128,14 +128,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
     par = parallelize(plain, mesh, cfg, shard_init=shard_init)
     model, opt = par.model, par.optimizer
-    if t.init_from is not None and (checkpoint is None or checkpoint.source() is None):
-        load_initial(par, mesh, cfg, t.init_from)  # this rank's slices; a resume overrides
-    if replicas is not None and replicas.joining:  # the state from a live replica, no disk
-        steps = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
-        start_step = replicas.join(lambda: [*held_tensors(opt), steps], join_wait_s)
-        opt.finish_load(int(steps.item()))
-    elif checkpoint is not None:  # every rank reads what it now holds; no step has run
-        start_step = checkpoint.restore(par, mesh, cfg, start_step)
+    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step, join_wait_s)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime; what crosses a
@@ -165,8 +158,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                           capture_first_grads and step == start_step, result, sync, marks,
                           replicas)
         if replicas is not None:  # a replacement admitted by this step's verdict
-            replicas.hand_over(step, lambda: [*held_tensors(opt), torch.tensor(
-                [float(opt.steps)], dtype=torch.float64, device=mesh.device.torch)])
+            replicas.hand_over(step, lambda: _held_with_steps(opt, mesh))
             row["replicas"] = len(replicas.epoch.members)
         if waiting is not None:  # validated at this step's cut
             _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
@@ -186,6 +178,16 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
+    _measured_outputs(result, cfg, mesh, runtime, par, marks if timeline else None)
+    return result
+
+
+def _measured_outputs(result: TrainResult, cfg: Config, mesh: ParallelMesh,
+                      runtime: PipelineRuntime, par: ParallelModel, marks: Marks | None
+                      ) -> None:
+    """The last step's timeline (`marks`: the StepMarks, with train(timeline=True)) and,
+    with pp, the measured bubble beside the simulator's."""
+    timeline = marks is not None
     if timeline:  # marks are the StepMarks
         marks.remove()
         if result.metrics:  # every rank alike: the same steps ran
@@ -198,7 +200,30 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         # the last step's measured computes, per rank (plait report draws them)
         result.summary["pipeline_timeline"] = [[list(e) for e in evs]
                                                for evs in result.pipeline["events"]]
-    return result
+
+
+def _starting_state(par: ParallelModel, mesh: ParallelMesh, cfg: Config,
+                    checkpoint: Checkpointing | None, replicas: FaultTolerantReplicas | None,
+                    start_step: int, join_wait_s: float) -> int:
+    """The weights and state the run starts from: the initial source's (train.init_from),
+    a live replica's (a fault-tolerant replacement: over the network, no disk) or the
+    checkpoint's being resumed; the step to start at."""
+    opt = par.optimizer
+    if cfg.train.init_from is not None and (checkpoint is None or checkpoint.source() is None):
+        load_initial(par, mesh, cfg, cfg.train.init_from)  # this rank's slices
+    if replicas is not None and replicas.joining:
+        steps = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
+        start_step = replicas.join(lambda: [*held_tensors(opt), steps], join_wait_s)
+        opt.finish_load(int(steps.item()))
+    elif checkpoint is not None:  # every rank reads what it now holds; no step has run
+        start_step = checkpoint.restore(par, mesh, cfg, start_step)
+    return start_step
+
+
+def _held_with_steps(opt: GradSyncOptimizer, mesh: ParallelMesh) -> list[torch.Tensor]:
+    """What a replacement replica receives: the held state and the update count."""
+    return [*held_tensors(opt), torch.tensor([float(opt.steps)], dtype=torch.float64,
+                                             device=mesh.device.torch)]
 
 
 def _emit(row: dict, result: TrainResult, cfg: Config, par: ParallelModel,
