@@ -25,7 +25,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from plait.checkpoint import Checkpointing  # noqa: E402
 from plait.checkpoint.hf import model_config  # noqa: E402
-from plait.checkpoint.hf_export import export  # noqa: E402
+from plait.checkpoint.interop import export  # noqa: E402
 from plait.cli.main import main  # noqa: E402
 from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
