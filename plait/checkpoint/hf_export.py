@@ -1,14 +1,14 @@
 """`plait export ... --to hf:OUT` (plait/checkpoint/interop.py): a directory
 `transformers.AutoModelForCausalLM.from_pretrained` loads (docs/huggingface.md).
 
-OUT holds config.json, model.safetensors (written by `export.write_safetensors`, the
-writer `plait checkpoint consolidate` uses: one tensor in memory at a time) and the
-tokenizer files when the source has them: a Hugging Face source's own, a checkpoint's
-from the Hugging Face directory it was started from (`train.init_from`), or else the
-tokenizer its token file was prepared with. Names and the RoPE row order are mapped back
-(the inverse of plait/checkpoint/hf.py's permutation), so importing a Hugging Face
-directory and exporting it again gives the same tensors bit for bit (fp32 and bf16 both
-convert to fp32 exactly).
+OUT holds config.json, the weights (`export.write_shards`: through the safetensors
+library, `model.safetensors`, or shards of at most 5 GB with their index as transformers
+writes them) and the tokenizer files when the source has them: a Hugging Face source's
+own, a checkpoint's from the Hugging Face directory it was started from
+(`train.init_from`), or else the tokenizer its token file was prepared with. Names and
+the RoPE row order are mapped back (the inverse of plait/checkpoint/hf.py's permutation),
+so importing a Hugging Face directory and exporting it again gives the same tensors bit
+for bit (fp32 and bf16 both convert to fp32 exactly).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from plait.model.presets import ModelConfig
 
 from . import hf
-from .export import write_safetensors
+from .export import SHARD_BYTES, write_shards
 from .source import Source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -63,7 +63,7 @@ def _config(src: Source, dtype: str) -> dict:
     return hf_config(src.model, dtype)
 
 
-def write_hf(src: Source, out: Path, dtype: str) -> int:
+def write_hf(src: Source, out: Path, dtype: str, shard_bytes: int = SHARD_BYTES) -> int:
     """`src` as a Hugging Face directory in `out` (an empty directory): the weights in
     Hugging Face's names and RoPE row order, config.json and the tokenizer files; returns
     the tensors written."""
@@ -77,8 +77,8 @@ def write_hf(src: Source, out: Path, dtype: str) -> int:
         perm = hf.row_permutation(ours, m)
         return t if perm is None else t[torch.argsort(perm)]
 
-    write_safetensors(out / "model.safetensors", {t: s for t, s in names.values()}, load,
-                      dtype, {"format": "pt", "plait_source": src.describe})
+    write_shards(out, {t: s for t, s in names.values()}, load, dtype,
+                 {"format": "pt", "plait_source": src.describe}, shard_bytes)
     (out / "config.json").write_text(json.dumps(_config(src, dtype), indent=2) + "\n")
     if src.origin is not None:
         for name in TOKENIZER_FILES:
