@@ -253,3 +253,33 @@ def test_bad_input_is_refused_naming_the_fix(round_trip, tmp_path):
                             "model.expert_ffn_dim=32"))
     with pytest.raises(CheckpointError, match="exists and is not an empty directory"):
         export(f"dcp:{root / 'plait'}", f"dcp:{root / 'titan'}")
+
+
+def test_the_commands_read_and_write_dcp(round_trip, tmp_path, capsys):
+    """`plait export --from dcp:` (plait's, which records its model) to hf:, and `plait eval`
+    of both: the same weights give the same loss; a torchtitan checkpoint, which records no
+    model, is evaluated with the model's settings; a missing one is refused (exit 2)."""
+    import json
+
+    from plait.cli.main import main
+
+    _, root = round_trip
+    assert main(["export", "--from", f"dcp:{root / 'plait'}", "--to",
+                 f"hf:{tmp_path / 'hf'}"]) == 0
+    losses = {}
+    for name, source, extra in (("dcp", f"dcp:{root / 'plait'}", []),
+                                ("hf", f"hf:{tmp_path / 'hf'}", []),
+                                ("titan", f"dcp:{root / 'titan'}",
+                                 [a for s in model_sets() for a in ("--set", s)])):
+        out = tmp_path / f"{name}.json"
+        code = main(["eval", "--init-from", source, "--data", str(token_file()), "--seq-len",
+                     "32", "--eval-sequences", "8", "--global-batch", "8", "--metrics-out",
+                     str(out), *extra])
+        assert code == 0, capsys.readouterr().err
+        losses[name] = json.loads(out.read_text())["loss"]
+    assert math.isclose(losses["dcp"], losses["hf"], rel_tol=LOGIT_RTOL), losses
+    assert not math.isclose(losses["dcp"], losses["titan"], rel_tol=1e-3), losses  # trained
+    capsys.readouterr()
+    code = main(["eval", "--init-from", f"dcp:{tmp_path / 'missing'}", "--data",
+                 str(token_file()), "--seq-len", "32"])
+    assert code == 2 and "no such directory" in capsys.readouterr().err
