@@ -48,9 +48,9 @@ ZERO_STRATEGY = "plait.parallel.zero"  # a record of ZeRO's (how it shards): not
 
 
 # the configuration flags an evaluation reads: the layout and the batch shape; not the
-# training ones (steps, lr, ZeRO and its replica groups, recompute, ...). --model only for
-# a DCP checkpoint that records no model (any other source defines it)
-EVAL_CONFIG_FLAGS = ("--config", "--model", "--set", "--data", "--init-from", "--seq-len",
+# training ones (steps, lr, ZeRO and its replica groups, recompute, ...), nor --model (the
+# model is --init-from's; a DCP checkpoint that records none takes --config and --set)
+EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
                      "--global-batch", "--micro-batch-size", "--microbatches",
                      "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
                      *(f"--{d.name.replace('_', '-')}" for d in DIMENSIONS
