@@ -229,6 +229,30 @@ def ckpt_tp_offset_lost():
     pieces.tp_box = at_zero  # every tp slice written and read as the first one
 
 
+def dcp_slice_offset_lost():
+    from plait.checkpoint import dcp
+
+    planner = dcp._box_planner
+
+    def at_zero():
+        cls = planner()
+
+        class AtZero(cls):
+            def __init__(self, offsets):
+                super().__init__({n: (0,) * len(o) for n, o in offsets.items()})
+
+        return AtZero
+
+    dcp._box_planner = at_zero  # every rank's rectangle read from the tensor's corner
+
+
+def dcp_flat_run_misaligned():
+    from plait.checkpoint import dcp
+
+    cut = dcp.cut
+    dcp.cut = lambda block, p, skip: cut(block, p, 0)  # a ZeRO run from its first row's start
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
 CP = "tests/test_context_parallel.py::"
@@ -281,6 +305,12 @@ MUTANTS = [
            ckpt_tp_offset_lost,
            [CKPT + "test_reshard_continues_within_parity_of_the_reference[parallel.tp=2->"
             "single]"]),
+    Mutant("dcp-slice-offset-lost", "a DCP read places every rank's slice at offset 0",
+           dcp_slice_offset_lost,
+           ["tests/test_dcp.py::test_fsdp2_checkpoint_read_by_plait_in_another_layout"]),
+    Mutant("dcp-flat-run-misaligned", "a ZeRO flat run cut from the wrong place of its "
+           "DCP rows", dcp_flat_run_misaligned,
+           ["tests/test_dcp.py::test_fsdp2_checkpoint_read_by_plait_in_another_layout"]),
 ]
 
 from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402

@@ -22,7 +22,6 @@ when a Hugging Face directory is read.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from plait.model.presets import ModelConfig
 from plait.parallel.parallelize import ParallelModel
 
 from .format import CheckpointError
-from .pieces import param_pieces, pieces
+from .pieces import Piece, covering_box, cut, initial_pieces
 
 HF_PREFIX = "hf:"
 SUPPORTED = ("llama", "mistral")
@@ -289,17 +288,12 @@ class HFWeights:
         shape = self.names["embed.weight" if name == "head.weight" else name][1]
         return self.rows(name, 0, shape[0])
 
-    def read(self, name: str, box_offset: tuple[int, ...], box_shape: tuple[int, ...],
-             start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) (row-major) of the box at `box_offset` of `name`: the
-        rows covering them, the box's columns only."""
-        row = math.prod(box_shape[1:])
-        r0, r1 = start // row, -(-stop // row)
-        cols = None
-        if len(box_shape) == 2:
-            cols = (box_offset[1], box_offset[1] + box_shape[1])
-        block = self.rows(name, box_offset[0] + r0, box_offset[0] + r1, cols).reshape(-1)
-        return block[start - r0 * row: stop - r0 * row]
+    def read(self, p: Piece) -> torch.Tensor:
+        """Piece `p`'s elements (flat, fp32): the rows covering them, the box's columns
+        only."""
+        offset, shape, skip = covering_box(p)
+        cols = (offset[1], offset[1] + shape[1]) if len(shape) == 2 else None
+        return cut(self.rows(p.name, offset[0], offset[0] + shape[0], cols), p, skip)
 
 
 def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> int:
@@ -308,12 +302,10 @@ def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> i
     collective: every rank reads its own slices. The optimizer starts fresh (step 0)."""
     weights = HFWeights(directory, cfg.model)
     weights.check()
-    wanted = [p for p in pieces(par, mesh, cfg.train.optimizer) if p.state == "master"]
-    wanted += param_pieces(par, mesh)
     read = 0
     with torch.no_grad():
-        for p in wanted:
-            flat = weights.read(p.name, p.box_offset, p.box_shape, p.start, p.stop)
+        for p in initial_pieces(par, mesh, cfg.train.optimizer):
+            flat = weights.read(p)
             p.tensor.copy_(flat.reshape(p.tensor.shape))
             read += flat.numel()
     par.optimizer.finish_load(0)

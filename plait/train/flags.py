@@ -87,8 +87,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-timeout", type=float, metavar="S",
                    help=_setting_help("replica-timeout"))
     p.add_argument("--min-replicas", type=int, metavar="N", help=_setting_help("min-replicas"))
-    p.add_argument("--init-from", metavar="hf:DIR|CHECKPOINT", help=_setting_help("init-from")
-                   + "; the model is the source's (docs/huggingface.md)")
+    p.add_argument("--init-from", metavar="hf:DIR|dcp:DIR|CHECKPOINT",
+                   help=_setting_help("init-from") + "; the model is the source's, or the "
+                   "run's for a DCP checkpoint that records none (docs/interop.md)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -136,7 +137,8 @@ _SETTING_HELP = {
     "dtype (fp32 masters either way)", "recompute": "activation recompute per block: "
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
-    "init-from": "starting weights: a Hugging Face directory hf:DIR or a plait checkpoint",
+    "init-from": "starting weights: a Hugging Face directory hf:DIR, a DCP checkpoint "
+    "with torchtitan's names dcp:DIR, or a plait checkpoint",
     "optimizer-sync": "pipelines: update after one global grad-norm check, or each stage "
     "at once, validated and rolled back on failure (docs/pipeline_runtime.md)",
     "min-replicas": "--fault-tolerance: with fewer live replicas, a step waits for "
@@ -173,6 +175,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         model = initial_model(cfg.train.init_from)
     except CheckpointError as e:
         raise ConfigError([f"--init-from: {e}"]) from None
+    if model is None:  # a DCP checkpoint without plait's record: the run's own model
+        return cfg
     if overrides["model_name"] is not None:
         raise ConfigError([f"--model {overrides['model_name']} and --init-from both name the "
                            "model; give one of them"])
