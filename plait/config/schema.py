@@ -337,7 +337,12 @@ def load_config(
 
 def _derive_dp(cfg: Config, explicit_dp: bool) -> None:
     """dp from hybrid sharding's two sizes when they are given and dp is not (validation
-    names a dp given that is not their product)."""
+    names a dp given that is not their product); dp_replicate alone: one rank a shard
+    group, dp = dp_replicate."""
     p = cfg.parallel
-    if p.dp_shard > 0 and p.dp_replicate > 0 and not explicit_dp:
+    if explicit_dp:
+        return
+    if p.dp_shard > 0 and p.dp_replicate > 0:
         p.dp = p.dp_shard * p.dp_replicate
+    elif p.dp_shard == 0 and p.dp_replicate > 1:
+        p.dp = p.dp_replicate

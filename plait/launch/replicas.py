@@ -98,7 +98,9 @@ class ReplicaArg:
         store.compare_set(f"row/{row['step']}", "", json.dumps(row))
 
     def post_summary(self, replicas, summary: dict) -> None:  # noqa: ANN001
-        replicas.store.set(f"summary/{self.index}", json.dumps(summary))
+        """The replica's summary; its layout is the whole job's."""
+        layout = f"dp_replicate={self.count} fault-tolerant x {summary['layout']}"
+        replicas.store.set(f"summary/{self.index}", json.dumps({**summary, "layout": layout}))
 
 
 @dataclass
@@ -267,13 +269,15 @@ class ReplicaLauncher:
                       file=sys.stderr, flush=True)
 
     def finish(self, code: int) -> None:
-        summary = None
-        for key in (f"summary/{r}" for r in range(self.count)):
-            if self.ft.check([key]):
-                summary = json.loads(self.ft.get(key).decode())
-                break
+        summaries = {r: json.loads(self.ft.get(f"summary/{r}").decode())
+                     for r in range(self.count) if self.ft.check([f"summary/{r}"])}
+        summary = next(iter(summaries.values()), None)
         if summary is not None:
-            summary.setdefault("fault_tolerance", {})["launcher"] = self.seen.to_json()
+            ft = summary.setdefault("fault_tolerance", {})
+            ft["launcher"] = self.seen.to_json()
+            # rank 0 of each replica that finished: equal state digests, joiners included
+            ft["state_digests"] = {str(r): s["fault_tolerance"]["state_digest"]
+                                   for r, s in summaries.items()}
             self.summary = summary
         if self.metrics is None:
             return

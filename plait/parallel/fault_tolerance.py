@@ -409,7 +409,11 @@ class FaultTolerantReplicas:
             k = self.store.add("event/next", 1) - 1
             self.store.set(f"event/{k}", json.dumps(event.__dict__))
 
-    def summary(self) -> dict:
-        return {"replicas": self.count, "members": len(self.epoch.members),
+    def summary(self, held: list[torch.Tensor] | None = None) -> dict:
+        """The run's membership record; `held`: this rank's state, summarised as a digest
+        that every replica's rank at this position must share (a replacement too)."""
+        digest = None if held is None else float(sum(
+            t.double().pow(2).sum() + t.double().sum() for t in held))
+        return {"state_digest": digest,"replicas": self.count, "members": len(self.epoch.members),
                 "epoch": self.epoch.number, "redone_steps": self.redone_steps,
                 "steps_lost": 0, "events": [e.__dict__ for e in self.events]}

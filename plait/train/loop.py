@@ -157,9 +157,9 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result, sync, marks,
                           replicas)
-        if replicas is not None:  # a replacement admitted by this step's verdict
-            replicas.hand_over(step, lambda: _held_with_steps(opt, mesh))
+        if replicas is not None:  # those that trained it; then a replacement admitted
             row["replicas"] = len(replicas.epoch.members)
+            replicas.hand_over(step, lambda: _held_with_steps(opt, mesh))
         if waiting is not None:  # validated at this step's cut
             _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
         waiting = row if sync is not None else None
@@ -174,7 +174,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
     if replicas is not None:
-        result.summary["fault_tolerance"] = replicas.summary()
+        result.summary["fault_tolerance"] = replicas.summary(_held_with_steps(opt, mesh))
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
