@@ -279,8 +279,14 @@ class FaultTolerantReplicas:
         group = None
         if len(e.members) > 1:
             prefix = dist.PrefixStore(f"pg/{e.number}/{self.position}", self.store)
-            group = dist.ProcessGroupGloo(prefix, e.members.index(self.replica),
-                                          len(e.members), timedelta(seconds=self.timeout_s))
+            rank, size = e.members.index(self.replica), len(e.members)
+            timeout = timedelta(seconds=self.timeout_s)
+            if self.mesh.device.is_cuda:  # the gradients' own device (not run on a GPU yet)
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = dist.ProcessGroupNCCL(prefix, rank, size, options)
+            else:
+                group = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         self._group = (e.number, group)
         return group
 
