@@ -25,7 +25,7 @@ import torch
 
 from plait.model.presets import ModelConfig
 
-from . import hf
+from . import hf, hf_deepseek
 from .export import DTYPES, write_safetensors
 from .format import CheckpointError
 from .init_from import checkpoint_model, checkpoint_source
@@ -125,6 +125,8 @@ def _config(src: Source, dtype: str) -> dict:
         c["torch_dtype"] = TORCH_DTYPE[dtype]
         c.pop("dtype", None)
         return c
+    if src.model.mla:
+        return hf_deepseek.hf_config(src.model, TORCH_DTYPE[dtype])
     return hf_config(src.model, dtype)
 
 
@@ -138,19 +140,30 @@ def export(source: str, target: str, dtype: str = "fp32") -> tuple[Path, int]:
     src = Source(source)
     m = src.model
     names = hf.weight_names(m)
+    last: dict[str, torch.Tensor] = {}  # a stacked expert weight, read once for its rows
 
     def load(hf_name: str) -> torch.Tensor:
-        ours = by_hf[hf_name]
+        ours, expert = by_hf[hf_name]
+        if expert is not None:
+            if ours not in last:
+                last.clear()
+                last[ours] = src.load(ours)
+            return last[ours][expert]
         t = src.load(ours)
         perm = hf.row_permutation(ours, m)
         return t if perm is None else t[torch.argsort(perm)]
 
-    by_hf = {theirs: ours for ours, (theirs, _) in names.items()}
+    # every Hugging Face tensor: a stacked expert weight is one a row (DeepSeek's names)
+    tensors = {t: s for theirs, shape in names.values()
+               for t, s in hf_deepseek.per_expert(theirs, shape)}
+    by_hf = {t: (ours, (e if "{}" in theirs else None)) for ours, (theirs, shape)
+             in names.items()
+             for e, (t, _) in enumerate(hf_deepseek.per_expert(theirs, shape))}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir()
     try:
-        write_safetensors(tmp / "model.safetensors", {t: s for t, s in names.values()}, load,
+        write_safetensors(tmp / "model.safetensors", tensors, load,
                           dtype, {"format": "pt", "plait_source": src.describe})
         (tmp / "config.json").write_text(json.dumps(_config(src, dtype), indent=2) + "\n")
         if src.origin is not None:
@@ -165,4 +178,4 @@ def export(source: str, target: str, dtype: str = "fp32") -> tuple[Path, int]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return out, len(names)
+    return out, len(tensors)
