@@ -163,3 +163,25 @@ def test_context_parallel_core_with_values_narrower_than_keys():
     for rank_errs in run_ranks(_narrow_values, 2, cases):
         for case, err in zip(cases, rank_errs, strict=True):
             assert err <= 1e-5, (case, err)
+
+
+def test_plan_answers_deepseek_v3_on_2048_h800():
+    """`plait plan --model deepseek-v3 --gpus 2048 --gpu h800`: the paper's batch (15360
+    sequences) when none is given, a layout that fits an H800 with its bubble and why,
+    and its tokens/s per GPU printed beside the paper's 1,543 (1e12 / (180e3 x 3600))."""
+    import json
+
+    from test_plan_flops import plan
+
+    rc, out = plan("--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h800", "--top", "1",
+                   "--json")
+    assert rc == 0, out
+    doc = json.loads(out)
+    assert doc["gpu"] == "h800" and doc["global_batch"] == 15360
+    assert doc["shape"]["attention"] == "mla" and doc["shape"]["dense_layers"] == 3
+    best = doc["layouts"][0]
+    assert best["fits"] and best["memory_total_bytes"] <= 80e9 and 0 < best["bubble_fraction"] < 1
+    paper = [n for n in doc["explanation"] if n.startswith("Tokens/s per GPU")]
+    ours = best["tokens_per_s"] / 2048
+    assert len(paper) == 1 and f"{ours:,.0f}" in paper[0] and "1,543" in paper[0]
+    assert any(n.startswith("Fit first") for n in doc["explanation"])
