@@ -45,6 +45,17 @@ def vocab_padding_in_softmax():
     _VocabParallelCE.forward = staticmethod(unmasked)
 
 
+def mla_down_projections_not_summed():
+    from plait.parallel import tensor
+
+    plan = tensor.mla_plan
+
+    def no_sum(cfg):  # the down-projections and latent norms kept without their all-reduce
+        return {k: v for k, v in plan(cfg).items() if v != "sequence"}
+
+    tensor.mla_plan = no_sum
+
+
 # ---- expert parallel and MoE balancing -------------------------------------------------
 
 
@@ -223,6 +234,11 @@ MUTANTS = [
            vocab_padding_in_softmax,
            [TP + "test_vocab_parallel_loss_equals_full_cross_entropy[62]",
             TP + "test_parity_padded_vocabulary"]),
+    Mutant("mla-down-projections-not-summed",
+           "MLA under tp: each rank keeps its heads' part of the down-projections' gradient",
+           mla_down_projections_not_summed,
+           ["tests/test_matrix.py::test_row_equals_the_single_process_run"
+            "[dp2 z3 tp2 sp mla rc]"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
            expert_major_untransposed,
            [EP + "test_expert_major_regroups_source_major_rows",

@@ -1,8 +1,10 @@
 """Hugging Face Llama-family models in: config.json -> ModelConfig, weights -> this rank's
 slices (docs/huggingface.md).
 
-Supported: `model_type` llama (Llama 2 and 3, Llama 3.1's "llama3" RoPE scaling) and
-mistral without a sliding window. Refused, naming the field: biases (Qwen2's q/k/v,
+Supported: `model_type` llama (Llama 2 and 3, Llama 3.1's "llama3" RoPE scaling),
+mistral without a sliding window, and deepseek_v3 (multi-head latent attention, the
+first layers dense, the rest MoE: its config and names are plait/checkpoint/hf_deepseek.py).
+Refused, naming the field: biases (Qwen2's q/k/v,
 `attention_bias`, `mlp_bias`), an activation other than silu (SwiGLU), a head_dim other
 than hidden_size / num_attention_heads, partial rotary, other RoPE scalings.
 
@@ -30,11 +32,12 @@ from plait.mesh import ParallelMesh
 from plait.model.presets import ModelConfig
 from plait.parallel.parallelize import ParallelModel
 
+from . import hf_deepseek
 from .format import CheckpointError
 from .pieces import Piece, covering_box, cut, initial_pieces
 
 HF_PREFIX = "hf:"
-SUPPORTED = ("llama", "mistral")
+SUPPORTED = ("llama", "mistral", hf_deepseek.MODEL_TYPE)
 # tensors some checkpoints carry that plait derives (RoPE frequencies): ignored
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -120,6 +123,8 @@ def model_config(directory: Path) -> ModelConfig:
     plait's block cannot represent."""
     path = Path(directory) / "config.json"
     c = read_config_json(directory)
+    if c.get("model_type") == hf_deepseek.MODEL_TYPE:
+        return hf_deepseek.model_config(c, path)
     _refusals(c, path)
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
@@ -160,6 +165,8 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight",
 
 def weight_names(m: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """plait parameter name -> (Hugging Face tensor name, shape), in the model's order."""
+    if m.mla:
+        return hf_deepseek.weight_names(m)
     kv, d = m.n_kv_heads * m.head_dim, m.dim
     shapes = {"attn_norm.weight": (d,), "attn.wq.weight": (d, d), "attn.wk.weight": (kv, d),
               "attn.wv.weight": (kv, d), "attn.wo.weight": (d, d), "mlp_norm.weight": (d,),
@@ -185,7 +192,10 @@ def rope_permutation(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def row_permutation(name: str, m: ModelConfig) -> torch.Tensor | None:
-    """The RoPE row permutation of parameter `name`, None if its rows keep their order."""
+    """The RoPE row permutation of parameter `name`, None if its rows keep their order
+    (DeepSeek's interleaved RoPE features are plait's order already)."""
+    if m.mla:
+        return None
     if name.endswith("attn.wq.weight"):
         return rope_permutation(m.n_heads, m.head_dim)
     if name.endswith("attn.wk.weight"):
@@ -249,7 +259,9 @@ class HFWeights:
         """Every tensor the config implies is there with its shape; nothing plait cannot
         represent (a bias, another layer) is: from the headers only."""
         problems = []
-        for hf_name, shape in self.names.values():
+        every = [t for name, shape in self.names.values()
+                 for t in hf_deepseek.per_expert(name, shape)]
+        for hf_name, shape in every:
             if hf_name not in self.file_of:
                 problems.append(f"{hf_name} is missing")
                 continue
@@ -257,9 +269,10 @@ class HFWeights:
             if found != shape:
                 problems.append(f"{hf_name} is {list(found)} in the files, config.json "
                                 f"implies {list(shape)}")
-        known = {n for n, _ in self.names.values()} | {"lm_head.weight"}
+        known = {n for n, _ in every} | {"lm_head.weight"}
         extra = sorted(n for n in self.file_of if n not in known
-                       and not n.endswith(IGNORED_SUFFIXES))
+                       and not n.endswith(IGNORED_SUFFIXES)
+                       and not (self.cfg.mla and hf_deepseek.beyond_the_layers(n, self.cfg)))
         if extra:
             problems.append(f"tensors plait's block has no place for: {', '.join(extra[:4])}"
                             + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
@@ -273,6 +286,9 @@ class HFWeights:
         of the second axis only."""
         if name == "head.weight" and self.cfg.tie_embeddings:
             name = "embed.weight"
+        if "{}" in self.names[name][0]:  # a stacked expert weight: rows are experts
+            return torch.stack([self._slice(self.names[name][0].format(e))[:].float()
+                                for e in range(lo, hi)])
         sl = self._slice(self.names[name][0])
         perm = row_permutation(name, self.cfg)
         idx = None

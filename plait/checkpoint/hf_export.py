@@ -21,7 +21,7 @@ import torch
 
 from plait.model.presets import ModelConfig
 
-from . import hf
+from . import hf, hf_deepseek
 from .export import SHARD_BYTES, write_shards
 from .source import Source
 
@@ -60,6 +60,8 @@ def _config(src: Source, dtype: str) -> dict:
         c["torch_dtype"] = TORCH_DTYPE[dtype]
         c.pop("dtype", None)
         return c
+    if src.model.mla:
+        return hf_deepseek.hf_config(src.model, TORCH_DTYPE[dtype])
     return hf_config(src.model, dtype)
 
 
@@ -69,15 +71,26 @@ def write_hf(src: Source, out: Path, dtype: str, shard_bytes: int = SHARD_BYTES)
     the tensors written."""
     m = src.model
     names = hf.weight_names(m)
-    by_hf = {theirs: ours for ours, (theirs, _) in names.items()}
+    last: dict[str, torch.Tensor] = {}  # a stacked expert weight, read once for its rows
+    # every Hugging Face tensor: a stacked expert weight is one a row (DeepSeek's names)
+    tensors = {t: s for theirs, shape in names.values()
+               for t, s in hf_deepseek.per_expert(theirs, shape)}
+    by_hf = {t: (ours, (e if "{}" in theirs else None)) for ours, (theirs, shape)
+             in names.items()
+             for e, (t, _) in enumerate(hf_deepseek.per_expert(theirs, shape))}
 
     def load(hf_name: str) -> torch.Tensor:
-        ours = by_hf[hf_name]
+        ours, expert = by_hf[hf_name]
+        if expert is not None:
+            if ours not in last:
+                last.clear()
+                last[ours] = src.load(ours)
+            return last[ours][expert]
         t = src.load(ours)
         perm = hf.row_permutation(ours, m)
         return t if perm is None else t[torch.argsort(perm)]
 
-    write_shards(out, {t: s for t, s in names.values()}, load, dtype,
+    write_shards(out, tensors, load, dtype,
                  {"format": "pt", "plait_source": src.describe}, shard_bytes)
     (out / "config.json").write_text(json.dumps(_config(src, dtype), indent=2) + "\n")
     if src.origin is not None:
@@ -86,4 +99,4 @@ def write_hf(src: Source, out: Path, dtype: str, shard_bytes: int = SHARD_BYTES)
                 shutil.copyfile(src.origin / name, out / name)
     elif src.tokenizer_json is not None:
         shutil.copyfile(src.tokenizer_json, out / "tokenizer.json")
-    return len(names)
+    return len(tensors)
