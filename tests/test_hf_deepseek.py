@@ -29,7 +29,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from plait.checkpoint import hf_deepseek  # noqa: E402
 from plait.checkpoint.format import CheckpointError  # noqa: E402
 from plait.checkpoint.hf import HFWeights, model_config  # noqa: E402
-from plait.checkpoint.hf_export import export  # noqa: E402
+from plait.checkpoint.interop import export  # noqa: E402
 from plait.launch.forked import run_ranks  # noqa: E402
 from plait.model.moe import MoE  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
