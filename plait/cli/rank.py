@@ -35,7 +35,7 @@ from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
 from plait.device import Device, DeviceError, resolve_device
 from plait.files import PartialFile
-from plait.launch.elastic import ElasticState, inject_fault
+from plait.launch.elastic import ElasticState, inject_fault, slowed
 from plait.launch.local import (
     STOP_SIGNALS,
     StopRequested,
@@ -332,8 +332,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
     store = store_client(args.timeout) if world > 1 else None
     watchdog = Watchdog(mesh.ledger, rank, world, store, args.timeout).start() if store else None
     run.watchdog = watchdog
-    batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
-                            cfg.train.seed, cfg.model.vocab_size)
+    batches = slowed(GlobalBatches(TokenFile.open(data), cfg.train.seq_len,
+                                   cfg.train.global_batch, cfg.train.seed,
+                                   cfg.model.vocab_size), rank)  # the test-only fault
     lead = rank == 0
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
     if lead:
@@ -350,7 +351,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
                 if elastic and lead:
                     elastic.log(row)
                 if watchdog is not None:
-                    watchdog.publish()
+                    watchdog.publish(row)
                 inject_fault(rank, row["step"], elastic.attempt if elastic else 0,
                              lambda: comm.all_reduce(torch.zeros(1, device=device.torch),
                                                      mesh, "dp", tag="fault"))

@@ -36,6 +36,7 @@ from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.lr_schedule import lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
+from plait.train.stragglers import Exchange, Stragglers, observe_step
 from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
 
 
@@ -152,11 +153,13 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                                  and bool(checkpoint.every))
     streak = [0]  # non-finite steps in a row
     waiting: dict | None = None  # the row whose update awaits its check
+    stragglers = Exchange(mesh, Stragglers.for_mesh(mesh))  # ranks' compute, compared
     for step in range(start_step, t.steps):
         if stop is not None:
             _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result, sync, marks)
+        observe_step(row, stragglers)  # after the step's timing: collective
         if waiting is not None:  # validated at this step's cut
             _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
         waiting = row if sync is not None else None
@@ -168,8 +171,10 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     par.optimizer.settle()  # the last update's collectives (ZeRO-1/2's all-gathers)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
+    named = stragglers.finish()  # the last step's exchange, before the ledger's totals
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count)
+    result.summary["stragglers"] = named
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
