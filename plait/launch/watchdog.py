@@ -115,9 +115,10 @@ def straggler_lines(states: dict[int, dict | None]) -> list[str]:
     if not steps:
         return []
     last = max(steps, key=lambda x: x["step"])
-    verdict = last.get("straggler")
-    return [f"  stragglers at step {last['step']}: "
-            + (straggler_text(verdict) if verdict else "none named")]
+    verdict = last.get("straggler")  # on the step before (the exchange runs behind)
+    if verdict:
+        return [f"  stragglers at step {verdict['step']}: {straggler_text(verdict)}"]
+    return [f"  stragglers: none named (the verdict published after step {last['step']})"]
 
 
 def mismatches(states: dict[int, dict | None]) -> list[str]:
