@@ -36,7 +36,7 @@ from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.lr_schedule import lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
-from plait.train.stragglers import Exchange, Stragglers, observe_step
+from plait.train.stragglers import Exchange, observe_step
 from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
 
 
@@ -54,6 +54,8 @@ class TrainResult:
     # train(timeline=True): the last step's compute and communication spans of every rank
     # (plait/train/timeline.py; plait train --trace / --timeline draw it)
     timeline: dict | None = None
+    # every rank's compute and wait per step, and the stragglers named (stragglers.py)
+    stragglers: Exchange = field(default_factory=Exchange)
 
     @property
     def losses(self) -> list[float]:
@@ -153,13 +155,11 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                                  and bool(checkpoint.every))
     streak = [0]  # non-finite steps in a row
     waiting: dict | None = None  # the row whose update awaits its check
-    stragglers = Exchange(mesh, Stragglers.for_mesh(mesh))  # ranks' compute, compared
     for step in range(start_step, t.steps):
         if stop is not None:
             _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
                           capture_first_grads and step == start_step, result, sync, marks)
-        observe_step(row, stragglers)  # after the step's timing: collective
         if waiting is not None:  # validated at this step's cut
             _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
         waiting = row if sync is not None else None
@@ -171,10 +171,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     par.optimizer.settle()  # the last update's collectives (ZeRO-1/2's all-gathers)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
-    named = stragglers.finish()  # the last step's exchange, before the ledger's totals
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
-                              param_count)
-    result.summary["stragglers"] = named
+                              param_count, result.stragglers.finish())
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
@@ -309,6 +307,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         row["memory"] = memory
     if skipped:
         row["skipped"] = True
+    observe_step(row, mesh, result.stragglers)  # after the step's timing: collective
     return row
 
 
@@ -366,10 +365,10 @@ def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
 
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
-             param_count: dict[str, int]) -> dict:
+             param_count: dict[str, int], stragglers: dict) -> dict:
     """The run's summary line: layout, final loss, mean step time and tokens/s (plait/
     throughput.py: the first step, which warms caches, left out when there are others),
-    the ledger's per-step averages."""
+    the ledger's per-step averages, every rank's compute and wait and the stragglers."""
     times = [m["step_time"] for m in metrics]
     return {
         "summary": True,
@@ -383,5 +382,6 @@ def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: in
         "param_count": param_count["total"],  # the model's, on every layout
         "param_count_local": param_count["local"],  # rank 0's share (tp, pp split it)
         "ledger": ledger_summary(mesh, steps_run),
+        "stragglers": stragglers,
         "config": cfg.to_dict(),  # what `plait report` predicts from (plait/observe/report.py)
     }

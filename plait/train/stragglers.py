@@ -140,14 +140,16 @@ class Exchange:
     again, timed from then, only while the rank waits for it: the hang watchdog
     (plait/launch/watchdog.py) times a rank's waits, not an exchange in the background."""
 
-    def __init__(self, mesh: ParallelMesh, stragglers: Stragglers):
-        self.mesh, self.stragglers = mesh, stragglers
+    def __init__(self) -> None:
+        self.mesh: ParallelMesh | None = None  # the run's, from its first step on
+        self.stragglers: Stragglers | None = None
         self._pending: tuple[int, Handle | None, torch.Tensor, FlightEntry | None] | None = \
             None
 
-    def send(self, step: int, compute: float, wait: float) -> None:
+    def send(self, mesh: ParallelMesh, step: int, compute: float, wait: float) -> None:
         """Issue step `step`'s exchange (collective over every rank)."""
-        mesh = self.mesh
+        if self.mesh is None:
+            self.mesh, self.stragglers = mesh, Stragglers.for_mesh(mesh)
         mine = torch.tensor([compute, wait], dtype=torch.float64, device=mesh.device.torch)
         every = torch.zeros(2 * mesh.world_size, dtype=torch.float64, device=mesh.device.torch)
         handle = comm.all_gather(every, mine, mesh, "world", async_op=True, tag="metrics")
@@ -167,28 +169,33 @@ class Exchange:
             entry.done, entry.entered = False, time.perf_counter()
         if handle is not None:
             handle.wait()
-        figures = every.view(self.mesh.world_size, 2).tolist()
+        figures = every.view(len(every) // 2, 2).tolist()
+        assert self.stragglers is not None  # set with the exchange in flight
         verdict = self.stragglers.judge(step, [f[0] for f in figures], [f[1] for f in figures])
         return None if verdict is None else {**verdict, "step": step}
 
     def finish(self) -> dict:
         """After the last step: its exchange completed and judged; the summary's
-        "stragglers" (`Stragglers.summary`). Collective over every rank."""
+        "stragglers" (`Stragglers.summary`; empty where no step ran). Collective over
+        every rank."""
         self.collect()
+        if self.stragglers is None:
+            return Stragglers([], []).summary()
+        self.mesh = None  # the run is over: its process groups are not held here
         return self.stragglers.summary()
 
 
-def observe_step(row: dict, exchange: Exchange) -> None:
+def observe_step(row: dict, mesh: ParallelMesh, exchange: Exchange) -> None:
     """After a step (every rank, at the same point): this rank's compute and wait into
     `row` ("compute_s", "wait_s"), and the verdict on the step before, from every rank's
     figures ("straggler", absent when nobody is named). Collective over every rank."""
-    wait = wait_seconds(exchange.mesh.ledger.for_step(row["step"]))
+    wait = wait_seconds(mesh.ledger.for_step(row["step"]))
     compute = max(row["step_time"] - wait, 0.0)
     row.update(compute_s=compute, wait_s=wait)
     verdict = exchange.collect()
     if verdict is not None:
         row["straggler"] = verdict
-    exchange.send(row["step"], compute, wait)
+    exchange.send(mesh, row["step"], compute, wait)
 
 
 def straggler_text(verdict: dict) -> str:
