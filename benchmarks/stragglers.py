@@ -1,13 +1,14 @@
 """Stragglers named: how far healthy ranks stray from their peers, and how soon a slowed
 rank is named (plait/train/stragglers.py).
 
-    python benchmarks/stragglers.py [--steps 20] [--slow-ms 30] [--write docs/results/stragglers.md]
+    python benchmarks/stragglers.py [--steps 20] [--repeats 3] [--slow-ms 30]
+        [--write docs/results/stragglers.md]
 
 For each layout (4 ranks, gloo on CPU, one thread per rank, model tiny) plait trains
-`--steps` steps healthy, then again with rank 3 sleeping `--slow-ms` in every step (the
-test-only fault `slow`, plait/launch/elastic.py). From every rank's exchanged figures:
-per step and rank, the ratio and the excess of its compute over its peers' median (the
-rule's two margins); the largest of each over the healthy run; the longest run of
+`--steps` steps healthy `--repeats` times, then once with rank 3 sleeping `--slow-ms` in
+every step (the test-only fault `slow`, plait/launch/elastic.py). From every rank's
+figures: per step and rank, the ratio and the excess of its compute over its peers'
+median (the rule's two margins); the largest of each over the healthy runs; the longest run of
 consecutive steps in which one healthy rank exceeded both margins (the rule names a rank
 at `StragglerRule.steps`); the ranks named; in the slowed run, the step at which rank 3
 was named and its ratio; and the exchange's own cost: the seconds a rank was blocked in
@@ -82,6 +83,7 @@ def _stray(compute: list[list[float]], groups: list[list[int]], rule: StragglerR
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="healthy runs per layout")
     p.add_argument("--slow-ms", type=float, default=30.0)
     results.add_write_flag(p)
     args = p.parse_args()
@@ -93,18 +95,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = synthetic_token_file(Path(tmp) / "t.bin", 200_000, 256, seed=3)
         for name, sets in LAYOUTS.items():
-            healthy = run_ranks(_rank, 4, args, sets, path)
+            runs = [run_ranks(_rank, 4, args, sets, path) for _ in range(args.repeats)]
             os.environ[FAULT_ENV] = f"slow:3:{args.slow_ms / 1e3}"
             try:
                 slow = run_ranks(_rank, 4, args, sets, path)
             finally:
                 del os.environ[FAULT_ENV]
-            compute = _figures(healthy)
-            ratio, excess, longest = _stray(compute, healthy[0]["groups"], rule)
-            named = [v["rank"] for v in healthy[0]["summary"]["stragglers"]["named"]]
+            strays = [_stray(_figures(h), h[0]["groups"], rule) for h in runs]
+            ratio, excess, longest = (max(s[i] for s in strays) for i in range(3))
+            compute = [c for h in runs for c in _figures(h)[1:]]
+            named = sorted({v["rank"] for h in runs
+                            for v in h[0]["summary"]["stragglers"]["named"]})
             first = next((r for r in slow[0]["metrics"] if r.get("straggler")), None)
-            exchange = statistics.mean(b for o in healthy for b in o["exchange_s"][1:])
-            row = (name, f"{statistics.median(c for s in compute[1:] for c in s) * 1e3:.1f}",
+            exchange = statistics.mean(b for h in runs for o in h for b in o["exchange_s"][1:])
+            row = (name, f"{statistics.median(c for s in compute for c in s) * 1e3:.1f}",
                    f"{ratio:.2f}", f"{excess * 1e3:.1f}", str(longest),
                    ", ".join(map(str, named)) or "none",
                    f"{first['straggler']['step']} (rank {first['straggler']['rank']})"
@@ -116,16 +120,19 @@ def main() -> None:
         results.write(
             args.write, "Stragglers: healthy ranks against their peers, and a slowed rank",
             [f"Model tiny, 4 ranks (gloo, CPU, two a node), seq 64, global batch 8, "
-             f"{args.steps} steps; the rule: compute above {rule.relative:g}x and "
+             f"{args.steps} steps, {args.repeats} healthy runs a layout (the largest over "
+             f"them) and one slowed; the rule: compute above {rule.relative:g}x and "
              f"{rule.absolute_s * 1e3:g} ms over the peers' median, {rule.steps} steps in a "
              "row. Healthy figures leave out the first step:\n\n"
              + results.table(header, rows)],
             "on a shared 2-core machine a healthy rank's compute strays from its peers' "
             "median by up to the largest ratio and excess shown, but not by both margins for "
             f"{rule.steps} steps in a row (the longest streak), so nobody is named; a rank "
-            f"slowed by {args.slow_ms:g} ms a step is named at step {rule.steps - 1}, the "
-            "first the rule allows (its verdict travels with the next row). The exchange of "
-            "figures costs the blocked milliseconds shown a step.",
+            f"slowed by {args.slow_ms:g} ms a step is named at the step shown: the earliest "
+            f"the rule allows is step {rule.steps - 1} ({rule.steps} in a row from step 0), "
+            "and the first step, which warms caches, can hide the slowdown in its longer "
+            "computes; the verdict travels with the next row. The exchange of figures blocks "
+            "a rank for the milliseconds shown a step (it runs a step behind, async).",
             run=results.run_line(load0))
 
 

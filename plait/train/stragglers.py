@@ -51,7 +51,7 @@ class StragglerRule:
 
     relative: float = 1.2  # compute above 1.2 x the peers' median ...
     absolute_s: float = 0.02  # ... and above it by 20 ms
-    steps: int = 3  # in 3 consecutive steps
+    steps: int = 5  # in 5 consecutive steps
 
     def slow(self, compute: float, peers: list[float]) -> float | None:
         """The ratio of `compute` to the peers' median where it is slow by both margins;
