@@ -32,7 +32,7 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.train.data import synthetic_token_file
 from plait.train.loop import train
-from plait.train.stragglers import StragglerRule, Stragglers
+from plait.train.stragglers import StragglerRule, Stragglers, peer_medians
 
 LAYOUTS = {
     "dp4": ["parallel.dp=4"],
@@ -71,11 +71,10 @@ def _stray(compute: list[list[float]], groups: list[list[int]], rule: StragglerR
     longest = 0
     for step in compute[1:]:
         for ranks in groups:
-            for r in ranks:
-                med = statistics.median(step[q] for q in ranks if q != r)
-                ratio, excess = max(ratio, step[r] / med), max(excess, step[r] - med)
-                streak[r] = streak.get(r, 0) + 1 if rule.slow(step[r], [
-                    step[q] for q in ranks if q != r]) else 0
+            mine = [step[r] for r in ranks]
+            for r, c, med in zip(ranks, mine, peer_medians(mine), strict=True):
+                ratio, excess = max(ratio, c / med), max(excess, c - med)
+                streak[r] = streak.get(r, 0) + 1 if rule.slow(c, med) else 0
                 longest = max(longest, streak[r])
     return ratio, excess, longest
 

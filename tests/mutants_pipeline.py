@@ -256,14 +256,12 @@ def straggler_by_wait():
 
 
 def straggler_mean_with_itself():
-    from plait.train.stragglers import StragglerRule
+    from plait.train import stragglers
 
-    slow = StragglerRule.slow
+    def mean_of_everyone(values):  # the rank pulls its own reference up
+        return [sum(values) / len(values) if len(values) > 1 else None] * len(values)
 
-    def against_everyone(self, compute, peers):  # the rank pulls its reference up
-        return slow(self, compute, [(compute + sum(peers)) / (len(peers) + 1)] if peers else [])
-
-    StragglerRule.slow = against_everyone
+    stragglers.peer_medians = mean_of_everyone
 
 
 def straggler_streak_kept():

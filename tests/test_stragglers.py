@@ -7,6 +7,8 @@ watchdog's report; and a healthy one that names nobody."""
 from __future__ import annotations
 
 import json
+import random
+import statistics
 import time
 
 import pytest
@@ -19,7 +21,7 @@ from plait.launch.watchdog import hang_report
 from plait.mesh import ParallelMesh
 from plait.train.loop import train
 from plait.train.progress import print_summary, progress_reporter
-from plait.train.stragglers import StragglerRule, Stragglers
+from plait.train.stragglers import StragglerRule, Stragglers, peer_medians
 
 RULE = StragglerRule()
 LAYOUT = ("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2",
@@ -47,17 +49,22 @@ def test_named_after_k_steps_in_a_row_and_cleared_by_one_step_that_is_not_slow()
 
 
 def test_both_margins_and_the_peers_median_without_the_rank_itself():
-    # 50 % slower but 5 ms: jitter of a small step; 25 ms slower but 1 % of a long step
-    assert RULE.slow(0.015, [0.010, 0.010, 0.010]) is None
-    assert RULE.slow(2.025, [2.0, 2.0, 2.0]) is None
-    # 30 ms and 1.3x above its peers' median: slow. Its one peer's figure is the
-    # reference: a mean with itself included (0.115) would find it only 1.13x slower
-    assert RULE.slow(0.13, [0.10, 0.10, 0.10]) == pytest.approx(1.3)
-    assert RULE.slow(0.13, [0.10]) == pytest.approx(1.3)
-    # a second slow peer moves a mean, not the median: 0.15 is 1.5x the peers' median,
-    # only 0.75x their mean (0.2)
-    assert RULE.slow(0.15, [0.10, 0.10, 0.40]) == pytest.approx(1.5)
-    assert RULE.slow(1.0, []) is None  # no peer: nothing to compare with
+    assert RULE.slow(0.015, 0.010) is None  # 50 % slower but 5 ms: a small step's jitter
+    assert RULE.slow(2.025, 2.0) is None  # 25 ms slower but 1 % of a long step
+    assert RULE.slow(0.13, 0.10) == pytest.approx(1.3)  # 30 ms and 1.3x: slow
+    assert RULE.slow(1.0, None) is None  # no peer: nothing to compare with
+    # each rank's reference is the median of the others: with one peer, that peer (a mean
+    # with itself included would put 0.13 at 1.13x of 0.115)
+    assert peer_medians([0.13, 0.10]) == [0.10, 0.13]
+    assert peer_medians([0.10, 0.10, 0.10, 0.13]) == pytest.approx([0.10] * 4)
+    # a second slow peer moves a mean, not the median
+    assert peer_medians([0.10, 0.10, 0.40, 0.15]) == pytest.approx([0.15, 0.15, 0.10, 0.10])
+    assert peer_medians([0.3]) == [None]
+    rng = random.Random(0)  # one sort a step, as statistics.median of each rank's others
+    for n in range(2, 10):
+        values = [rng.random() for _ in range(n)]
+        assert peer_medians(values) == pytest.approx(
+            [statistics.median(values[:i] + values[i + 1:]) for i in range(n)])
 
 
 def test_peers_are_the_ranks_of_one_pipeline_stage():

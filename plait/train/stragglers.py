@@ -32,7 +32,6 @@ rank's compute above its peers', names nobody. The figures are exact on CPU/gloo
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -42,7 +41,6 @@ from plait import comm
 from plait.comm import Handle
 from plait.ledger import CommRecord, FlightEntry
 from plait.mesh import ParallelMesh
-from plait.throughput import timed_steps
 
 
 @dataclass(frozen=True)
@@ -53,15 +51,31 @@ class StragglerRule:
     absolute_s: float = 0.02  # ... and above it by 20 ms
     steps: int = 5  # in 5 consecutive steps
 
-    def slow(self, compute: float, peers: list[float]) -> float | None:
-        """The ratio of `compute` to the peers' median where it is slow by both margins;
+    def slow(self, compute: float, reference: float | None) -> float | None:
+        """compute / reference (the peers' median) where it is above it by both margins;
         None where it is not (or there is no peer to compare with)."""
-        if not peers:
+        if reference is None or reference <= 0 or compute <= reference * self.relative \
+                or compute - reference <= self.absolute_s:
             return None
-        median = statistics.median(peers)
-        if median <= 0 or compute <= median * self.relative or compute - median <= self.absolute_s:
-            return None
-        return compute / median
+        return compute / reference
+
+
+def peer_medians(values: list[float]) -> list[float | None]:
+    """For each value, the median of the others (None with no other): one sort, then the
+    middle of the sorted list with that value taken out."""
+    n = len(values)
+    if n < 2:
+        return [None] * n
+    order = sorted(range(n), key=values.__getitem__)
+    ordered = [values[i] for i in order]
+    out: list[float | None] = [None] * n
+    m = n - 1  # the others
+    for pos, i in enumerate(order):
+        def at(k: int, pos: int = pos) -> float:  # the k-th of the others, in order
+            return ordered[k if k < pos else k + 1]
+
+        out[i] = (at((m - 1) // 2) + at(m // 2)) / 2
+    return out
 
 
 @dataclass
@@ -75,8 +89,10 @@ class Stragglers:
     node_of: list[int]
     rule: StragglerRule = field(default_factory=StragglerRule)
     streak: dict[int, int] = field(default_factory=dict)
-    compute: list[list[float]] = field(default_factory=list)  # per step, per rank
-    wait: list[list[float]] = field(default_factory=list)
+    # per rank: the first step's compute and wait, and the sums over the later steps
+    first: tuple[list[float], list[float]] | None = None
+    sums: tuple[list[float], list[float]] | None = None
+    later_steps: int = 0
     named: dict[int, dict] = field(default_factory=dict)  # rank -> the summary's record
 
     @classmethod
@@ -90,16 +106,27 @@ class Stragglers:
     def judge(self, step: int, compute: list[float], wait: list[float]) -> dict | None:
         """Record one step's figures (per rank) and return the verdict for it: the named
         rank slowest against its peers, as the metrics row's "straggler", or None."""
-        self.compute.append(list(compute))
-        self.wait.append(list(wait))
+        self._add(compute, wait)
         verdicts = []
         for ranks in self.groups:
-            for r in ranks:
-                ratio = self.rule.slow(compute[r], [compute[q] for q in ranks if q != r])
+            mine = [compute[r] for r in ranks]
+            for r, c, reference in zip(ranks, mine, peer_medians(mine), strict=True):
+                ratio = self.rule.slow(c, reference)
                 self.streak[r] = self.streak.get(r, 0) + 1 if ratio is not None else 0
                 if ratio is not None and self.streak[r] >= self.rule.steps:
                     verdicts.append(self._name(step, r, ratio))
         return max(verdicts, key=lambda v: v["slower_by"], default=None)
+
+    def _add(self, compute: list[float], wait: list[float]) -> None:
+        if self.first is None:
+            self.first = (list(compute), list(wait))
+            return
+        if self.sums is None:
+            self.sums = ([0.0] * len(compute), [0.0] * len(wait))
+        for total, figures in zip(self.sums, (compute, wait), strict=True):
+            for r, x in enumerate(figures):
+                total[r] += x
+        self.later_steps += 1
 
     def _name(self, step: int, rank: int, ratio: float) -> dict:
         verdict = {"rank": rank, "node": self.node_of[rank], "slower_by": ratio,
@@ -115,12 +142,11 @@ class Stragglers:
         """Per rank, the mean compute and wait per step (the first step, which warms
         caches, left out when there are others: plait/throughput.py), and every rank
         named, with its worst ratio and longest streak."""
-        def means(per_step: list[list[float]]) -> list[float]:
-            steps = timed_steps(per_step)
-            return [sum(s[r] for s in steps) / len(steps) for r in range(len(self.node_of))] \
-                if steps else []
-
-        return {"compute_s_per_rank": means(self.compute), "wait_s_per_rank": means(self.wait),
+        if self.sums is not None:
+            compute, wait = ([x / self.later_steps for x in t] for t in self.sums)
+        else:
+            compute, wait = self.first or ([], [])
+        return {"compute_s_per_rank": compute, "wait_s_per_rank": wait,
                 "named": [self.named[r] for r in sorted(self.named)],
                 "rule": {**asdict(self.rule), "peers": "the ranks of the same pipeline stage"}}
 
