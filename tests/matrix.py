@@ -7,9 +7,10 @@ A row is one layout in a short notation, one token per setting, e.g.
 `dpN` data parallel (`dpNxM`: hybrid sharding, dp_shard N x dp_replicate M), `zN` ZeRO
 stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
 `ppN:SCHEDULE` pipeline, `cpN:MODE` context parallel (ring | allgather), `moe` the MoE
-model (`epN` experts over ep ranks), `bf16` bf16 compute with fp32 masters, `rc` full
-recomputation, `rcs` selective (plait/model/recompute.py's default ops). Omitted: dp1 z0
-tp1 pp1 cp1, the dense model, fp32, no recompute.
+model (`epN` experts over ep ranks), `mla` multi-head latent attention (plait/model/mla.py)
+in place of GQA, `bf16` bf16 compute with fp32 masters, `rc` full recomputation, `rcs`
+selective (plait/model/recompute.py's default ops). Omitted: dp1 z0 tp1 pp1 cp1, the dense
+model, GQA, fp32, no recompute.
 
 `FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
 that some valid layout at world <= 8 has, appears in some row (pairwise, or "all-pairs",
@@ -17,6 +18,11 @@ covering: most bugs of combined strategies need two of them to show; Kuhn, Walla
 Gallo, "Software fault interactions and implications for software testing", IEEE TSE
 2004). A pair no valid layout has is refused by `Config.validate` with its reason, and
 the test lists it. Every pipeline schedule appears at least once.
+
+The attention block is not a factor: the cover is over GQA's layouts, and `MLA_ROWS` are a
+few more, chosen by hand, that meet every dimension MLA changes (tp's split of the heads
+and its replicated down-projections, with and without SP; cp's per-head K/V in both
+modes; pp; ZeRO-3; bf16; both recomputations) at three launches.
 
 `python tests/matrix.py` prints a greedy cover of the factors (the rows below were made
 by it, then kept as text so that a change of factor shows as a failing coverage test, not
@@ -37,6 +43,10 @@ from collections.abc import Iterable
 DENSE = ("model.n_layers=4", "model.tie_embeddings=false")
 MOE = (*DENSE, "model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=32",
        "model.n_shared_experts=1", "model.aux_loss_coef=0.01", "model.bias_update_rate=0.01")
+# multi-head latent attention at the tiny-mla preset's widths (query latent 32, key/value
+# latent 16, 16 + 8 RoPE features a head, values 16)
+MLA = ("model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16")
 # every row trains 3 steps (the last update is seen by the parameters only, the one before
 # by the loss too); round trips save after step 1 and resume for steps 2 and 3
 STEPS = 3
@@ -133,6 +143,12 @@ ROWS: tuple[str, ...] = (
     'dp2 z2 pp4:1f1b',
 )
 
+MLA_ROWS: tuple[str, ...] = (
+    'dp2 z3 tp2 sp mla rc',
+    'z1 pp2:zb-h1 cp2:ring mla bf16',
+    'tp2 cp2:allgather mla moe ep2 rcs',
+)
+
 
 def parse(row: str) -> dict:
     """A row's settings by factor, its schedule, and the config `sets` it stands for."""
@@ -143,7 +159,7 @@ def parse(row: str) -> dict:
     schedule = None
     moe = "moe" in tokens
     for tok in tokens:
-        if tok in ("moe", "sp"):
+        if tok in ("moe", "sp", "mla"):
             continue
         if tok.startswith("dp") and "x" in tok:
             levels["dp"] = tok
@@ -187,8 +203,8 @@ def parse(row: str) -> dict:
     # need m >= pp, dualpipev 2pp - 1); without a pipeline 2, to exercise accumulation
     micro = min(4, 8 // dp) if pp > 1 else 2
     sets.append(f"parallel.microbatches={micro}")
-    return {"levels": levels, "schedule": schedule, "model": MOE if moe else DENSE,
-            "sets": (*(MOE if moe else DENSE), *sets)}
+    model = (*(MOE if moe else DENSE), *(MLA if "mla" in tokens else ()))
+    return {"levels": levels, "schedule": schedule, "model": model, "sets": (*model, *sets)}
 
 
 def pairs(levels: dict[str, str], schedule: str | None = None) -> set[tuple[str, str]]:

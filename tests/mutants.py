@@ -71,14 +71,15 @@ def naive_skips_all_reduce():
 def non_causal_attention():
     import torch.nn.functional as F
 
-    from plait.model import transformer
+    from plait.model import layers
 
     sdpa = F.scaled_dot_product_attention
 
     def sees_the_future(*args, is_causal=False, **kwargs):
         return sdpa(*args, is_causal=False, **kwargs)
 
-    transformer.F = _Namespace(F, scaled_dot_product_attention=sees_the_future)
+    # the causal core of both attentions (plait/model/layers.py)
+    layers.F = _Namespace(F, scaled_dot_product_attention=sees_the_future)
 
 
 def _patch_rope_tables(fn):
@@ -111,6 +112,17 @@ def rope_pairs_by_halves():
 
     rope.apply_rope = halves
     transformer.apply_rope = halves  # imported by name there: the attention's rotation
+
+
+def mla_rope_key_unrotated():
+    from plait.model import mla
+
+    rotate = mla.apply_rope
+
+    def key_left_alone(x, cos, sin):  # the shared key (one head) skips its rotation
+        return x if x.shape[1] == 1 else rotate(x, cos, sin)
+
+    mla.apply_rope = key_left_alone  # imported by name there
 
 
 def bf16_masters():
@@ -229,6 +241,30 @@ def ckpt_tp_offset_lost():
     pieces.tp_box = at_zero  # every tp slice written and read as the first one
 
 
+def dcp_slice_offset_lost():
+    from plait.checkpoint import dcp
+
+    planner = dcp._box_planner
+
+    def at_zero():
+        cls = planner()
+
+        class AtZero(cls):
+            def __init__(self, offsets):
+                super().__init__({n: (0,) * len(o) for n, o in offsets.items()})
+
+        return AtZero
+
+    dcp._box_planner = at_zero  # every rank's rectangle read from the tensor's corner
+
+
+def dcp_flat_run_misaligned():
+    from plait.checkpoint import dcp
+
+    cut = dcp.cut
+    dcp.cut = lambda block, p, skip: cut(block, p, 0)  # a ZeRO run from its first row's start
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
 CP = "tests/test_context_parallel.py::"
@@ -251,6 +287,8 @@ MUTANTS = [
            rope_positions_reversed, [MODEL], k="rope"),
     Mutant("rope-pairs-by-halves", "RoPE pairs (x[i], x[i+d/2]) instead of adjacent pairs",
            rope_pairs_by_halves, [MODEL], k="rope"),
+    Mutant("mla-rope-key-unrotated", "MLA's shared RoPE key is never rotated",
+           mla_rope_key_unrotated, ["tests/test_mla.py"], k="formula"),
     Mutant("bf16-masters", "no fp32 master: AdamW updates bf16 weights, bf16 moments",
            bf16_masters, [DP + "test_bf16_close_to_fp32_reference"]),
     Mutant("norm-counts-every-replica", "grad norm counts a replicated parameter on every rank",
@@ -281,6 +319,12 @@ MUTANTS = [
            ckpt_tp_offset_lost,
            [CKPT + "test_reshard_continues_within_parity_of_the_reference[parallel.tp=2->"
             "single]"]),
+    Mutant("dcp-slice-offset-lost", "a DCP read places every rank's slice at offset 0",
+           dcp_slice_offset_lost,
+           ["tests/test_dcp.py::test_fsdp2_checkpoint_read_by_plait_in_another_layout"]),
+    Mutant("dcp-flat-run-misaligned", "a ZeRO flat run cut from the wrong place of its "
+           "DCP rows", dcp_flat_run_misaligned,
+           ["tests/test_dcp.py::test_fsdp2_checkpoint_read_by_plait_in_another_layout"]),
 ]
 
 from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402

@@ -45,6 +45,17 @@ def vocab_padding_in_softmax():
     _VocabParallelCE.forward = staticmethod(unmasked)
 
 
+def mla_down_projections_not_summed():
+    from plait.parallel import tensor
+
+    plan = tensor.mla_plan
+
+    def no_sum(cfg):  # the down-projections and latent norms kept without their all-reduce
+        return {k: v for k, v in plan(cfg).items() if v != "sequence"}
+
+    tensor.mla_plan = no_sum
+
+
 # ---- expert parallel and MoE balancing -------------------------------------------------
 
 
@@ -157,6 +168,21 @@ def hybrid_shards_not_summed():
     ZeroOptimizer._sum_shard_copies = lambda self: None
 
 
+def fault_tolerance_lost_slots_dropped():
+    from plait.parallel.fault_tolerance import SlotMap
+
+    # a lost replica's slices of the global batch go to nobody: the step's gradient is
+    # the survivors' slices only (the global batch shrinks with every loss)
+    SlotMap.without = lambda self, lost, members: SlotMap(dict(self.owner))
+
+
+def fault_tolerance_joiner_keeps_its_own_state():
+    from plait.parallel import fault_tolerance
+
+    # the replacement skips the hand-over: it trains on from its freshly built state
+    fault_tolerance.comm.recv_on = lambda *args, **kwargs: None
+
+
 def hybrid_norm_counts_copies():
     from plait.parallel.zero import ZeroOptimizer
 
@@ -195,6 +221,7 @@ EP = "tests/test_expert_parallel.py::"
 ZERO = "tests/test_zero.py::"
 ZPIPE = "tests/test_zero_pipeline.py::test_parity_with_the_single_process_run"
 HYBRID = "tests/test_hybrid_sharding.py::test_parity_and_replicas_hold_the_same_shards"
+FT = "tests/test_fault_tolerance.py::"
 
 MUTANTS = [
     Mutant("tp-copy-backward-not-reduced", "copy_to_tp's backward skips the all-reduce",
@@ -207,6 +234,11 @@ MUTANTS = [
            vocab_padding_in_softmax,
            [TP + "test_vocab_parallel_loss_equals_full_cross_entropy[62]",
             TP + "test_parity_padded_vocabulary"]),
+    Mutant("mla-down-projections-not-summed",
+           "MLA under tp: each rank keeps its heads' part of the down-projections' gradient",
+           mla_down_projections_not_summed,
+           ["tests/test_matrix.py::test_row_equals_the_single_process_run"
+            "[dp2 z3 tp2 sp mla rc]"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
            expert_major_untransposed,
            [EP + "test_expert_major_regroups_source_major_rows",
@@ -233,6 +265,13 @@ MUTANTS = [
            hybrid_shard_counted_by_its_name,
            ["tests/test_matrix.py::test_row_equals_the_single_process_run"
             "[dp2x2 z3 cp2:ring moe ep4]"]),
+    Mutant("ft-lost-slots-dropped", "fault tolerance: a lost replica's micro-batches dropped",
+           fault_tolerance_lost_slots_dropped,
+           [FT + "test_a_silent_replica_is_left_out_and_its_slot_trained_by_a_survivor"]),
+    Mutant("ft-joiner-keeps-its-own-state",
+           "fault tolerance: a replacement trains on without the donor's state",
+           fault_tolerance_joiner_keeps_its_own_state,
+           [FT + "test_a_replacement_joins_with_the_donors_state_at_the_next_step"]),
     Mutant("zero-padding-not-zeroed", "ZeRO flat gradient's padding left unwritten",
            zero_padding_not_zeroed, [ZERO + "test_shard_padding_stays_zero"]),
 ]

@@ -18,7 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_matrix as T  # noqa: E402
 from helpers import config, initial_params  # noqa: E402
-from matrix import FACTORS, ROWS, STEPS, coverable_pairs, parse, validity  # noqa: E402
+from matrix import (  # noqa: E402
+    FACTORS,
+    MLA_ROWS,
+    ROWS,
+    STEPS,
+    coverable_pairs,
+    parse,
+    validity,
+)
 
 from plait.plan.runtime_memory import not_covered  # noqa: E402
 from plait.testing import merge_ranks, parity_errors  # noqa: E402
@@ -44,11 +52,11 @@ def memory_cell(row: str) -> str:
     return "within 5 %"
 
 
-def table() -> list[str]:
+def table(rows: tuple[str, ...] = ROWS + MLA_ROWS) -> list[str]:
     lines = ["| # | layout | world | tolerance | loss | grad norm | first grads | params | "
              "MoE balance loss | MoE bias | memory vs eager model |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for i, row in enumerate(ROWS, 1):
+    for i, row in enumerate(rows, 1):
         e = errors(row)
         prec = T.precision_of(row)
         world = config(*T.row_sets(row)).parallel.world_size
@@ -89,8 +97,9 @@ def main() -> int:
     text = DOC.read_text()
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    body = ["", f"{len(ROWS)} layouts, {STEPS} steps each, the worst error over every rank "
-            "(python tests/parity_table.py).", "",
+    body = ["", f"{len(ROWS) + len(MLA_ROWS)} layouts (the last {len(MLA_ROWS)} with "
+            f"multi-head latent attention), {STEPS} steps each, the worst error over every "
+            "rank (python tests/parity_table.py).", "",
             *table(), "", "Pairs of levels that no valid layout at world <= 8 has:", "",
             *refused_pairs(), ""]
     DOC.write_text(head + BEGIN + "\n".join(body) + END + tail)

@@ -25,7 +25,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from plait.checkpoint import Checkpointing  # noqa: E402
 from plait.checkpoint.hf import model_config  # noqa: E402
-from plait.checkpoint.hf_export import export  # noqa: E402
+from plait.checkpoint.interop import export  # noqa: E402
 from plait.cli.main import main  # noqa: E402
 from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
@@ -70,6 +70,24 @@ def test_export_of_an_import_is_bit_identical(hf_dir, tmp_path, dtype):
     got = safetensors_torch.load_file(out / "model.safetensors")
     assert n == len(want) and same_bits(got, want)
     assert model_config(out) == model_config(src)
+
+
+def test_export_in_shards_loads_in_transformers(hf_dir, tmp_path):
+    """Shards and their index, written by the safetensors library as transformers writes
+    them, hold the same tensors, and transformers loads them."""
+    from plait.checkpoint.hf_export import write_hf
+    from plait.checkpoint.interop import into_new_dir
+    from plait.checkpoint.source import Source
+
+    out = tmp_path / "sharded"
+    into_new_dir(out, lambda tmp: write_hf(Source(f"hf:{hf_dir}"), tmp, "fp32", 150_000))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    got = {k: v for f in files for k, v in safetensors_torch.load_file(out / f).items()}
+    assert same_bits(got, safetensors_torch.load_file(hf_dir / "model.safetensors"))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in got.items())
 
 
 def test_export_refuses_an_existing_directory(hf_dir, tmp_path, capsys):

@@ -155,8 +155,8 @@ def test_dense_layers_on_the_first_stage():
         rc, out = plan(*base, "--dense-layers", dense, "--schedule", "1f1b")
         assert rc == 0, out
         got[dense] = json.loads(out)
-    s0, s3 = from_model_config(PRESETS["deepseek-v3"]), from_model_config(
-        replace(PRESETS["deepseek-v3"], n_dense_layers=3))
+    s0, s3 = (from_model_config(replace(PRESETS["deepseek-v3"], n_dense_layers=n))
+              for n in (0, 3))
     assert got["3"]["params"] == s3.num_params() < got["0"]["params"] == s0.num_params()
     assert got["3"]["shape"]["dense_layers"] == 3
     f0, f3 = (got[k]["layouts"][0]["flops_per_step"]["model"] for k in ("0", "3"))

@@ -1,10 +1,19 @@
-"""`plait checkpoint inspect` and `consolidate`: read a checkpoint without any process group.
+"""`plait checkpoint inspect` and `consolidate`: read a checkpoint without any process group;
+and the safetensors writers.
 
-Consolidate writes the full model as safetensors (the `safetensors` package is not a
-dependency: the format is small, https://github.com/huggingface/safetensors#format):
-an 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape,
-data_offsets: [begin, end)}, "__metadata__": {...}} padded with spaces to a multiple of
-8, then the tensors' raw little-endian bytes, back to back in header order.
+`write_shards` (what `plait export --to hf:` uses) writes through the safetensors library
+(`save_file`), one shard at a time, named and indexed as Hugging Face shards them
+(`model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`; one file,
+`model.safetensors`, when it fits in one shard). `save_file` takes a whole state dict, so
+its peak memory is the shard's bytes (measured: docs/results/safetensors_writer.md).
+
+`write_safetensors` is what `consolidate` uses: one file of any size, streamed: header
+first, then one tensor in memory at a time (the library would hold the whole model). The
+format (https://github.com/huggingface/safetensors#format): an 8-byte little-endian
+header length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end)},
+"__metadata__": {...}} padded with spaces to a multiple of 8, then the tensors' raw
+little-endian bytes, back to back in header order. Its files are read back by the
+library (tests/test_checkpoint.py), as every reader here does.
 """
 
 from __future__ import annotations
@@ -15,7 +24,6 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .format import (
@@ -144,15 +152,49 @@ def write_safetensors(out: Path, shapes: dict[str, tuple[int, ...]],
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file (for tests and for checking an export)."""
-    data = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    codes = {code: t for t, code in DTYPES.values()}
-    out = {}
-    for name, h in header.items():
-        a, b = h["data_offsets"]
-        buf = np.frombuffer(data, np.uint8, count=b - a, offset=8 + n + a).copy()
-        out[name] = torch.from_numpy(buf).view(codes[h["dtype"]]).reshape(h["shape"])
-    return out
+    """The tensors of a safetensors file, by the library (for tests and for checking an
+    export)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default (max_shard_size "5GB")
+
+
+def write_shards(out: Path, shapes: dict[str, tuple[int, ...]],
+                 load: Callable[[str], torch.Tensor], dtype: str, metadata: dict[str, str],
+                 shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Tensors `shapes` (name -> shape, in file order), each from `load(name)` cast to
+    `dtype`, as safetensors shards of at most `shard_bytes` (a larger tensor alone) in the
+    directory `out`, through the library; returns the files written."""
+    from safetensors.torch import save_file
+
+    tdtype = DTYPES[dtype][0]
+    width = torch.empty(0, dtype=tdtype, device="cpu").element_size()
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape) * width
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    files = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    for file, names in zip(files, groups, strict=True):
+        tensors = {}
+        for name in names:
+            t = load(name).to(tdtype).contiguous()
+            if tuple(t.shape) != tuple(shapes[name]):
+                raise CheckpointError(f"{name}: got shape {tuple(t.shape)}, expected "
+                                      f"{shapes[name]}")
+            tensors[name] = t
+        save_file(tensors, str(out / file), metadata)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(math.prod(s) * width for s in shapes.values())},
+                 "weight_map": {n: f for f, names in zip(files, groups, strict=True)
+                                for n in names}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [out / f for f in files]

@@ -1,8 +1,10 @@
 """Hugging Face Llama-family models in: config.json -> ModelConfig, weights -> this rank's
 slices (docs/huggingface.md).
 
-Supported: `model_type` llama (Llama 2 and 3, Llama 3.1's "llama3" RoPE scaling) and
-mistral without a sliding window. Refused, naming the field: biases (Qwen2's q/k/v,
+Supported: `model_type` llama (Llama 2 and 3, Llama 3.1's "llama3" RoPE scaling),
+mistral without a sliding window, and deepseek_v3 (multi-head latent attention, the
+first layers dense, the rest MoE: its config and names are plait/checkpoint/hf_deepseek.py).
+Refused, naming the field: biases (Qwen2's q/k/v,
 `attention_bias`, `mlp_bias`), an activation other than silu (SwiGLU), a head_dim other
 than hidden_size / num_attention_heads, partial rotary, other RoPE scalings.
 
@@ -22,7 +24,6 @@ when a Hugging Face directory is read.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -31,11 +32,12 @@ from plait.mesh import ParallelMesh
 from plait.model.presets import ModelConfig
 from plait.parallel.parallelize import ParallelModel
 
+from . import hf_deepseek
 from .format import CheckpointError
-from .pieces import param_pieces, pieces
+from .pieces import Piece, covering_box, cut, initial_pieces
 
 HF_PREFIX = "hf:"
-SUPPORTED = ("llama", "mistral")
+SUPPORTED = ("llama", "mistral", hf_deepseek.MODEL_TYPE)
 # tensors some checkpoints carry that plait derives (RoPE frequencies): ignored
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -121,6 +123,8 @@ def model_config(directory: Path) -> ModelConfig:
     plait's block cannot represent."""
     path = Path(directory) / "config.json"
     c = read_config_json(directory)
+    if c.get("model_type") == hf_deepseek.MODEL_TYPE:
+        return hf_deepseek.model_config(c, path)
     _refusals(c, path)
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
@@ -161,6 +165,8 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight",
 
 def weight_names(m: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """plait parameter name -> (Hugging Face tensor name, shape), in the model's order."""
+    if m.mla:
+        return hf_deepseek.weight_names(m)
     kv, d = m.n_kv_heads * m.head_dim, m.dim
     shapes = {"attn_norm.weight": (d,), "attn.wq.weight": (d, d), "attn.wk.weight": (kv, d),
               "attn.wv.weight": (kv, d), "attn.wo.weight": (d, d), "mlp_norm.weight": (d,),
@@ -186,7 +192,10 @@ def rope_permutation(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def row_permutation(name: str, m: ModelConfig) -> torch.Tensor | None:
-    """The RoPE row permutation of parameter `name`, None if its rows keep their order."""
+    """The RoPE row permutation of parameter `name`, None if its rows keep their order
+    (DeepSeek's interleaved RoPE features are plait's order already)."""
+    if m.mla:
+        return None
     if name.endswith("attn.wq.weight"):
         return rope_permutation(m.n_heads, m.head_dim)
     if name.endswith("attn.wk.weight"):
@@ -250,7 +259,9 @@ class HFWeights:
         """Every tensor the config implies is there with its shape; nothing plait cannot
         represent (a bias, another layer) is: from the headers only."""
         problems = []
-        for hf_name, shape in self.names.values():
+        every = [t for name, shape in self.names.values()
+                 for t in hf_deepseek.per_expert(name, shape)]
+        for hf_name, shape in every:
             if hf_name not in self.file_of:
                 problems.append(f"{hf_name} is missing")
                 continue
@@ -258,9 +269,10 @@ class HFWeights:
             if found != shape:
                 problems.append(f"{hf_name} is {list(found)} in the files, config.json "
                                 f"implies {list(shape)}")
-        known = {n for n, _ in self.names.values()} | {"lm_head.weight"}
+        known = {n for n, _ in every} | {"lm_head.weight"}
         extra = sorted(n for n in self.file_of if n not in known
-                       and not n.endswith(IGNORED_SUFFIXES))
+                       and not n.endswith(IGNORED_SUFFIXES)
+                       and not (self.cfg.mla and hf_deepseek.beyond_the_layers(n, self.cfg)))
         if extra:
             problems.append(f"tensors plait's block has no place for: {', '.join(extra[:4])}"
                             + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
@@ -274,6 +286,9 @@ class HFWeights:
         of the second axis only."""
         if name == "head.weight" and self.cfg.tie_embeddings:
             name = "embed.weight"
+        if "{}" in self.names[name][0]:  # a stacked expert weight: rows are experts
+            return torch.stack([self._slice(self.names[name][0].format(e))[:].float()
+                                for e in range(lo, hi)])
         sl = self._slice(self.names[name][0])
         perm = row_permutation(name, self.cfg)
         idx = None
@@ -289,17 +304,12 @@ class HFWeights:
         shape = self.names["embed.weight" if name == "head.weight" else name][1]
         return self.rows(name, 0, shape[0])
 
-    def read(self, name: str, box_offset: tuple[int, ...], box_shape: tuple[int, ...],
-             start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) (row-major) of the box at `box_offset` of `name`: the
-        rows covering them, the box's columns only."""
-        row = math.prod(box_shape[1:])
-        r0, r1 = start // row, -(-stop // row)
-        cols = None
-        if len(box_shape) == 2:
-            cols = (box_offset[1], box_offset[1] + box_shape[1])
-        block = self.rows(name, box_offset[0] + r0, box_offset[0] + r1, cols).reshape(-1)
-        return block[start - r0 * row: stop - r0 * row]
+    def read(self, p: Piece) -> torch.Tensor:
+        """Piece `p`'s elements (flat, fp32): the rows covering them, the box's columns
+        only."""
+        offset, shape, skip = covering_box(p)
+        cols = (offset[1], offset[1] + shape[1]) if len(shape) == 2 else None
+        return cut(self.rows(p.name, offset[0], offset[0] + shape[0], cols), p, skip)
 
 
 def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> int:
@@ -308,12 +318,10 @@ def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> i
     collective: every rank reads its own slices. The optimizer starts fresh (step 0)."""
     weights = HFWeights(directory, cfg.model)
     weights.check()
-    wanted = [p for p in pieces(par, mesh, cfg.train.optimizer) if p.state == "master"]
-    wanted += param_pieces(par, mesh)
     read = 0
     with torch.no_grad():
-        for p in wanted:
-            flat = weights.read(p.name, p.box_offset, p.box_shape, p.start, p.stop)
+        for p in initial_pieces(par, mesh, cfg.train.optimizer):
+            flat = weights.read(p)
             p.tensor.copy_(flat.reshape(p.tensor.shape))
             read += flat.numel()
     par.optimizer.finish_load(0)

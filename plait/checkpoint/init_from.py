@@ -1,9 +1,12 @@
 """Starting weights from elsewhere (`train.init_from`, `--init-from`): a Hugging Face
-directory (`hf:DIR`, plait/checkpoint/hf.py) or a plait checkpoint (its fp32 masters
-only: the optimizer starts fresh at step 0, unlike `--resume`).
+directory (`hf:DIR`, plait/checkpoint/hf.py), a torch.distributed.checkpoint directory
+with torchtitan's names (`dcp:DIR`, plait/checkpoint/dcp.py) or a plait checkpoint (its
+fp32 masters only: the optimizer starts fresh at step 0, unlike `--resume`).
 
-The source also defines the model: `initial_model` gives its ModelConfig (config.json, or
-the checkpoint's recorded model), which the train flags apply below `--set`. `check` is
+The source also defines the model: `initial_model` gives its ModelConfig (config.json,
+the model plait's DCP export recorded, or the checkpoint's recorded model), which the
+train flags apply below `--set`; a DCP checkpoint without plait's record defines none
+(None: the run's own model settings describe it, and `check` holds them to its shapes). `check` is
 the preflight: everything a rank will read is there with the right shapes, from headers
 and metadata only, before any rank starts. `load_initial` is what each rank runs after
 `parallelize`: it reads only the slices it holds (the pieces the checkpoint reader uses).
@@ -19,9 +22,9 @@ from plait.mesh import ParallelMesh
 from plait.model.presets import ModelConfig
 from plait.parallel.parallelize import ParallelModel
 
-from . import hf
+from . import dcp, hf
 from .format import CheckpointError, read_metadata
-from .pieces import param_pieces, pieces
+from .pieces import initial_pieces
 from .reader import candidates, read_pieces
 
 
@@ -41,11 +44,16 @@ def checkpoint_model(meta: dict) -> ModelConfig:
     return ModelConfig(**saved)
 
 
-def initial_model(source: str) -> ModelConfig:
-    """The model of `source` (hf:DIR or a checkpoint); CheckpointError if unreadable."""
+def initial_model(source: str) -> ModelConfig | None:
+    """The model of `source` (hf:DIR, dcp:DIR or a checkpoint; None: a DCP checkpoint that
+    records none); CheckpointError if unreadable."""
     directory = hf.hf_dir(source)
     if directory is not None:
         return hf.model_config(directory)
+    directory = dcp.dcp_dir(source)
+    if directory is not None:
+        dcp.read_metadata(directory)  # a missing or foreign directory is refused here
+        return dcp.read_record(directory)
     return checkpoint_model(checkpoint_source(source)[1])
 
 
@@ -55,6 +63,10 @@ def check(source: str, cfg: Config) -> None:
     directory = hf.hf_dir(source)
     if directory is not None:
         hf.HFWeights(directory, cfg.model).check()
+        return
+    directory = dcp.dcp_dir(source)
+    if directory is not None:
+        dcp.DCPWeights(directory, cfg.model).check()
         return
     path, meta = checkpoint_source(source)
     if checkpoint_model(meta) != cfg.model:
@@ -68,7 +80,10 @@ def load_initial(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: st
     if directory is not None:
         hf.load_into(par, mesh, cfg, directory)
         return
+    directory = dcp.dcp_dir(source)
+    if directory is not None:
+        dcp.load_into(par, mesh, cfg, directory)
+        return
     path, meta = checkpoint_source(source)
-    wanted = [p for p in pieces(par, mesh, cfg.train.optimizer) if p.state == "master"]
-    read_pieces(path, meta, wanted + param_pieces(par, mesh))
+    read_pieces(path, meta, initial_pieces(par, mesh, cfg.train.optimizer))
     par.optimizer.finish_load(0)

@@ -126,3 +126,25 @@ def param_pieces(par: ParallelModel, mesh: ParallelMesh) -> list[Piece]:
             out.append(Piece(name, "master", *box, 0, math.prod(box[1]),
                              _valid(p.data, box[1]), False))
     return out
+
+
+def initial_pieces(par: ParallelModel, mesh: ParallelMesh, kind: str) -> list[Piece]:
+    """What starting weights fill on this rank (`--init-from`): the fp32 masters, and the
+    compute parameters where the optimizer reads them directly."""
+    return [p for p in pieces(par, mesh, kind) if p.state == "master"] + param_pieces(par, mesh)
+
+
+def covering_box(p: Piece) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The rows of `p`'s box that hold elements [start, stop), every other axis whole:
+    (offset in the global tensor, shape, elements of it before `start`). A reader that
+    can only fetch rectangles (safetensors slices, DCP chunks) reads this and cuts the
+    flat run out (`cut`)."""
+    row = math.prod(p.box_shape[1:])
+    r0, r1 = p.start // row, -(-p.stop // row)
+    offset = (p.box_offset[0] + r0, *p.box_offset[1:])
+    return offset, (r1 - r0, *p.box_shape[1:]), p.start - r0 * row
+
+
+def cut(block: torch.Tensor, p: Piece, skip: int) -> torch.Tensor:
+    """Elements [start, stop) of `p` from its covering box `block` (see covering_box)."""
+    return block.reshape(-1)[skip:skip + p.stop - p.start]

@@ -1,5 +1,6 @@
-"""`plait eval --init-from hf:DIR|CHECKPOINT --data FILE --seq-len S [--eval-sequences N]
-[layout flags] [--metrics-out F]` and `plait export --from SRC --to hf:OUT` (the CLI layer:
+"""`plait eval --init-from hf:DIR|dcp:DIR|CHECKPOINT --data FILE --seq-len S
+[--eval-sequences N] [layout flags] [--metrics-out F]` and `plait export --from SRC --to
+hf:OUT|dcp:OUT` (the CLI layer:
 tests/test_layering.py).
 
 Every input is checked in this process before any rank starts (exit 2, nothing written).
@@ -48,7 +49,7 @@ ZERO_STRATEGY = "plait.parallel.zero"  # a record of ZeRO's (how it shards): not
 
 # the configuration flags an evaluation reads: the layout and the batch shape; not the
 # training ones (steps, lr, ZeRO and its replica groups, recompute, ...), nor --model (the
-# model is --init-from's)
+# model is --init-from's; a DCP checkpoint that records none takes --config and --set)
 EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
                      "--global-batch", "--micro-batch-size", "--microbatches",
                      "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
@@ -60,7 +61,8 @@ EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     copy_flags(p, add_config_args, EVAL_CONFIG_FLAGS, helps={
         "--data": "token file (.bin) to evaluate on (required; plait data prepare makes one)",
-        "--init-from": "the model to evaluate (required): hf:DIR or a plait checkpoint"})
+        "--init-from": "the model to evaluate (required): hf:DIR, dcp:DIR or a plait "
+        "checkpoint"})
     p.add_argument("--eval-sequences", type=int, metavar="N",
                    help="windows of seq_len + 1 tokens to evaluate, from the file's start "
                    "(default: every whole batch of --global-batch windows)")
@@ -76,30 +78,33 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub: Any) -> None:
     ev = sub.add_parser("eval", help="mean token cross-entropy and perplexity of a model",
                         description="The mean token cross-entropy and perplexity of a model "
-                        "(--init-from hf:DIR or a plait checkpoint) on the first windows of a "
-                        "token file (--data), on any layout: one rank in this process, more "
-                        "launched like plait train.")
+                        "(--init-from hf:DIR, dcp:DIR or a plait checkpoint) on the first "
+                        "windows of a token file (--data), on any layout: one rank in this "
+                        "process, more launched like plait train.")
     add_eval_args(ev)
     ev.set_defaults(func=None)
-    ex = sub.add_parser("export", help="a checkpoint or hf:DIR as a Hugging Face directory")
-    ex.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT|hf:DIR",
-                    help="a plait checkpoint (or a directory of them: the newest) or hf:DIR")
-    ex.add_argument("--to", dest="target", required=True, metavar="hf:OUT",
-                    help="the directory to create (must not exist, or be empty)")
+    ex = sub.add_parser("export", help="a model as a Hugging Face directory or a DCP "
+                        "checkpoint with torchtitan's names")
+    ex.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT|hf:DIR|dcp:DIR",
+                    help="a plait checkpoint (or a directory of them: the newest), hf:DIR, or "
+                    "dcp:DIR written by plait export")
+    ex.add_argument("--to", dest="target", required=True, metavar="hf:OUT|dcp:OUT",
+                    help="the directory to create (must not exist, or be empty): hf: for "
+                    "transformers, dcp: for torch.distributed.checkpoint (torchtitan)")
     ex.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="dtype of the exported weights (default fp32)")
     ex.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from plait.checkpoint.hf_export import export
+    from plait.checkpoint.interop import export
 
     try:
         out, n = export(args.source, args.target, args.dtype)
     except CheckpointError as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2
-    print(f"wrote hf:{out}: {n} tensors, {args.dtype}")
+    print(f"wrote {args.target.split(':', 1)[0]}:{out}: {n} tensors, {args.dtype}")
     return 0
 
 
@@ -117,7 +122,7 @@ def eval_inputs(args: argparse.Namespace) -> tuple[Any, int, list[str]]:
     if args.nproc is not None and args.nproc < 1:
         problems.append(f"--nproc {args.nproc}: launch at least one rank")
     if cfg.train.init_from is None:
-        problems.append("--init-from hf:DIR|CHECKPOINT: name the model to evaluate")
+        problems.append("--init-from hf:DIR|dcp:DIR|CHECKPOINT: name the model to evaluate")
     problems += init_problems(cfg)
     inputs = []
     if not cfg.train.data:

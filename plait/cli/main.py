@@ -87,6 +87,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     rank_args = [*argv, "--data", str(found.data)]
     shim = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND]
     extra = [f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"]
+    if found.cfg.parallel.fault_tolerance:  # a launch per replica (plait/launch/replicas.py)
+        from plait.launch.replicas import run_replicas
+
+        if nodes is not None:
+            return _fail("--fault-tolerance across nodes (--nnodes) is not built; run it on "
+                         "one node, or use --max-restarts")
+        return run_replicas(found.cfg.parallel.dp_replicate, found.nproc, rank_args,
+                            args.timeout, shim, extra, args.max_restarts, args.metrics_out,
+                            args.quiet, found.cfg.train.steps)
     if nodes is not None and getattr(args, "max_restarts", None):  # restarts together
         return run_elastic_nodes(nodes, args.max_restarts, args.checkpoint_dir, rank_args,
                                  args.timeout, shim, extra)
@@ -300,7 +309,9 @@ def _add_all_commands(sub) -> None:
     train.add_argument("--max-restarts", type=int, metavar="R",
                        help="when a rank dies, stop the others and start every rank again "
                        "from the last committed checkpoint, up to R times (needs "
-                       "--checkpoint-dir and --checkpoint-every; plait/launch/elastic.py)")
+                       "--checkpoint-dir and --checkpoint-every; plait/launch/elastic.py); "
+                       "with --fault-tolerance: replacement replicas started, at most R "
+                       "(default 2 x dp_replicate)")
     add_node_args(train)
 
     demo = sub.add_parser("demo", help="prepare the default corpus, train tiny on 4 ranks")

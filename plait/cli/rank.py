@@ -46,6 +46,7 @@ from plait.launch.local import (
     raise_on_stop_signals,
     signal_name,
 )
+from plait.launch.replicas import REPLICA_FLAG, ReplicaArg
 from plait.launch.watchdog import REPORT_MARGIN_S, Watchdog, store_client
 from plait.mesh import ParallelMesh
 from plait.plan.host_memory import host_memory_problem
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(parser)
     # given by `plait train --max-restarts` to each attempt's ranks (plait/launch/elastic.py)
     parser.add_argument("--elastic-state", help=argparse.SUPPRESS)
+    # given by `plait train --fault-tolerance` to each replica's ranks (plait/launch/replicas.py)
+    parser.add_argument(REPLICA_FLAG, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -305,9 +308,12 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int
         return _train_rank(args, rank, world, run)
 
 
-def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+def _prepare_rank(args: argparse.Namespace, rank: int, world: int, run: _Run,
+                  ft: ReplicaArg | None) -> tuple[Config, Device, Checkpointing, object]:
+    """Every input checked (a fault-tolerant replica's against the whole job's layout),
+    the device, the checkpoint's preflight, the process group, the data file."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cfg = check_rank_inputs(args, rank, world, local_rank,
+    cfg = check_rank_inputs(args, rank, world * (ft.count if ft else 1), local_rank,
                             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
     device = resolve_device(args.device, local_rank)
     device.activate()
@@ -328,14 +334,23 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
         data = resolve_data(cfg, args.data_dir)
     elif world > 1 and not cfg.train.data:
         dist.barrier()
-    mesh = ParallelMesh.build(cfg.parallel, device=device)
+    return cfg, device, checkpoint, data
+
+
+def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
+    ft = ReplicaArg.parse(args.replica) if args.replica else None  # one replica's ranks
+    cfg, device, checkpoint, data = _prepare_rank(args, rank, world, run, ft)
+    run_cfg = ft.layout(cfg) if ft else cfg  # a replica trains its own layout
+    mesh = ParallelMesh.build(run_cfg.parallel, device=device)
+    replicas = ft.replicas(cfg, mesh, args.timeout) if ft else None
     store = store_client(args.timeout) if world > 1 else None
     watchdog = Watchdog(mesh.ledger, rank, world, store, args.timeout).start() if store else None
     run.watchdog = watchdog
     batches = slowed(GlobalBatches(TokenFile.open(data), cfg.train.seq_len,
                                    cfg.train.global_batch, cfg.train.seed,
-                                   cfg.model.vocab_size), rank)  # the test-only fault
-    lead = rank == 0
+                                   cfg.model.vocab_size),  # the test-only fault
+                     ft.global_rank(rank, world) if ft else rank)
+    lead = rank == 0 and ft is None  # fault-tolerant replicas: the launcher reports
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
     if lead:
         run.open_outputs(args, cfg, run_layout(cfg, mesh).split(" (")[0], elastic)
@@ -352,19 +367,25 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
                     elastic.log(row)
                 if watchdog is not None:
                     watchdog.publish(row)
-                inject_fault(rank, row["step"], elastic.attempt if elastic else 0,
+                if ft is not None and rank == 0:
+                    ft.post_row(replicas, row)
+                inject_fault(ft.global_rank(rank, world) if ft else rank, row["step"],
+                             ft.generation if ft else elastic.attempt if elastic else 0,
                              lambda: comm.all_reduce(torch.zeros(1, device=device.torch),
                                                      mesh, "dp", tag="fault"))
 
             if args.checkpoint_on_stop:  # from here a signal waits for the step boundary
                 raise_on_stop_signals(record=run.stop.request)
             try:
-                result = train(cfg, mesh, batches, on_step=on_step, checkpoint=checkpoint,
+                result = train(run_cfg, mesh, batches, on_step=on_step,
+                               checkpoint=checkpoint,
                                stop=run.stop if args.checkpoint_on_stop else None,
-                               timeline=bool(args.trace or args.timeline))
+                               timeline=bool(args.trace or args.timeline), replicas=replicas)
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise
+        if ft is not None and rank == 0:
+            ft.post_summary(replicas, result.summary)
         _record_outcome(args, run, result, elastic, lead, gauges)
         finished = True
     finally:

@@ -7,14 +7,18 @@ from plait.comm.ops import (
     Handle,
     all_gather,
     all_reduce,
+    all_reduce_on,
     all_to_all,
     batch_send_recv,
     broadcast,
     recv,
+    recv_on,
     reduce_scatter,
     send,
+    send_on,
 )
 from plait.ledger import CommRecord, Ledger, ring_bytes
 
-__all__ = ["CommRecord", "Handle", "Ledger", "all_gather", "all_reduce", "all_to_all",
-           "batch_send_recv", "broadcast", "recv", "reduce_scatter", "ring_bytes", "send"]
+__all__ = ["CommRecord", "Handle", "Ledger", "all_gather", "all_reduce", "all_reduce_on",
+           "all_to_all", "batch_send_recv", "broadcast", "recv", "recv_on", "reduce_scatter",
+           "ring_bytes", "send", "send_on"]

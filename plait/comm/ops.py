@@ -121,9 +121,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _recorder(mesh: ParallelMesh, op: str, dim: str, payload: int, sent: float,
               received: float, tag: str, dtype: torch.dtype, link: str | None = None,
-              sent_inter: float | None = None):
+              sent_inter: float | None = None, group_size: int | None = None):
     start = time.perf_counter()
-    n = mesh.size(dim)
+    n = mesh.size(dim) if group_size is None else group_size
     entry = mesh.ledger.enter(op, dim, payload, tag)  # the flight recorder
     # the record is the issuing step's, written at issue (its bytes are known then) and
     # timed at completion: a collective waited on in a later step (ZeRO-1/2's parameter
@@ -287,6 +287,42 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh: ParallelMesh, di
     return _run(lambda: dist.all_to_all_single(o.tensor, i.tensor, output_split_sizes,
                                                input_split_sizes, group=mesh.group(dim),
                                                async_op=True), record, async_op, aliases=(o, i))
+
+
+def all_reduce_on(tensor: torch.Tensor, group: dist.ProcessGroup, dim: str,
+                  mesh: ParallelMesh, link: str, *, async_op: bool = False,
+                  tag: str = "") -> Handle | None:
+    """In-place sum of `tensor` over `group`, a process group outside the mesh's (the
+    quorum of fault-tolerant replicas, plait/parallel/fault_tolerance.py), ledgered on
+    `mesh` under `dim` with the group's own size and `link`."""
+    n = group.size()
+    payload = _nbytes(tensor)
+    sent, recv_ = ring_bytes("all_reduce", payload, n)
+    record = _recorder(mesh, "all_reduce", dim, payload, sent, recv_, tag, tensor.dtype, link,
+                       group_size=n)
+    a = _Alias(tensor)
+    return _run(lambda: dist.all_reduce(a.tensor, group=group, async_op=True), record,
+                async_op, aliases=(a,))
+
+
+def send_on(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, dim: str,
+            mesh: ParallelMesh, link: str, *, tag: str = "") -> None:
+    """Send to rank `peer` of `group` (outside the mesh's groups, as `all_reduce_on`)."""
+    b = _nbytes(tensor)
+    record = _recorder(mesh, "send", dim, b, b, 0, tag, tensor.dtype, link,
+                       group_size=group.size())
+    a = _Alias(tensor)
+    _run(lambda: group.send([a.tensor], peer, 0), record, False, aliases=(a,))
+
+
+def recv_on(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, dim: str,
+            mesh: ParallelMesh, link: str, *, tag: str = "") -> None:
+    """Receive from rank `peer` of `group` into `tensor` (as `send_on`)."""
+    b = _nbytes(tensor)
+    record = _recorder(mesh, "recv", dim, b, 0, b, tag, tensor.dtype, link,
+                       group_size=group.size())
+    a = _Alias(tensor)
+    _run(lambda: group.recv([a.tensor], peer, 0), record, False, aliases=(a,))
 
 
 def _p2p_link(mesh: ParallelMesh, peer: int) -> str:

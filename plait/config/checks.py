@@ -61,11 +61,37 @@ def model_problems(cfg: Config) -> list[str]:
             f"model.n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}; use one "
             f"of {divisors_text(m.n_heads)}"
         )
+    if m.attention not in ATTENTIONS:
+        problems.append(f"model.attention={m.attention!r}; use one of "
+                        f"{', '.join(map(repr, ATTENTIONS))}")
+    if m.mla:
+        return problems + mla_problems(cfg)
     if m.dim % m.n_heads:
         problems.append(f"model.dim={m.dim} is not a multiple of n_heads={m.n_heads}")
     elif (m.dim // m.n_heads) % 2:
         problems.append(f"head dim {m.dim // m.n_heads} must be even for RoPE")
     return problems
+
+
+ATTENTIONS = ("gqa", "mla")  # plait/model/transformer.py make_attention
+
+
+def mla_problems(cfg: Config) -> list[str]:
+    """Multi-head latent attention's widths (plait/model/mla.py)."""
+    m = cfg.model
+    problems = [f"model.{name}={getattr(m, name)} must be >= 1 with model.attention='mla'"
+                for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                             "v_head_dim") if getattr(m, name) < 1]
+    checks = [
+        (m.q_lora_rank < 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0: queries "
+         "without a latent)"),
+        (m.qk_rope_head_dim % 2, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even "
+         "for RoPE (it rotates pairs)"),
+        (m.n_kv_heads != m.n_heads, f"model.n_kv_heads={m.n_kv_heads}: multi-head latent "
+         f"attention has a key and a value per head; set model.n_kv_heads={m.n_heads} "
+         "(= model.n_heads)"),
+    ]
+    return problems + [problem for broken, problem in checks if broken]
 
 def unbuilt_problems(cfg: Config) -> list[str]:
     """Strategies and combinations not built yet: refused, never silently ignored."""
@@ -74,6 +100,10 @@ def unbuilt_problems(cfg: Config) -> list[str]:
     if p.zero > 0 and m.tie_embeddings:
         problems.append("ZeRO shards each parameter within one module: set "
                         "model.tie_embeddings=false, or zero=0")
+    if m.mtp_depth:
+        problems.append(f"model.mtp_depth={m.mtp_depth}: multi-token prediction modules "
+                        "are counted by the planner (plait plan) but not built by the "
+                        "runtime; set model.mtp_depth=0 to train")
     return problems + post_validation_problems(cfg)
 
 
@@ -110,6 +140,8 @@ def moe_problems(cfg: Config) -> list[str]:
         (m.router_score not in ("softmax", "sigmoid"),
          f"model.router_score={m.router_score!r}; use 'softmax' or 'sigmoid'"),
         (m.aux_loss_coef < 0, f"model.aux_loss_coef={m.aux_loss_coef} must be >= 0"),
+        (m.routed_scale <= 0, f"model.routed_scale={m.routed_scale} must be > 0 (1: the "
+         "gates as routed)"),
         (m.bias_update_rate < 0,
          f"model.bias_update_rate={m.bias_update_rate} must be >= 0 (0: no bias balancing)"),
         (m.capacity_factor is not None and m.capacity_factor <= 0,

@@ -67,6 +67,12 @@ class ParallelConfig:
     # dp_replicate (dp_shard 0: dp / dp_replicate; load_config derives dp from both)
     dp_shard: int = 0
     dp_replicate: int = 1
+    # the dp_replicate groups as units of failure (plait/parallel/fault_tolerance.py): a
+    # replica that dies or stops answering for replica_timeout_s leaves, the others finish
+    # the step without it, and a replacement joins from a live peer
+    fault_tolerance: bool = False
+    replica_timeout_s: float = 30.0
+    min_replicas: int = 1  # fewer live: a step waits for replacements to join
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -331,7 +337,12 @@ def load_config(
 
 def _derive_dp(cfg: Config, explicit_dp: bool) -> None:
     """dp from hybrid sharding's two sizes when they are given and dp is not (validation
-    names a dp given that is not their product)."""
+    names a dp given that is not their product); dp_replicate alone: one rank a shard
+    group, dp = dp_replicate."""
     p = cfg.parallel
-    if p.dp_shard > 0 and p.dp_replicate > 0 and not explicit_dp:
+    if explicit_dp:
+        return
+    if p.dp_shard > 0 and p.dp_replicate > 0:
         p.dp = p.dp_shard * p.dp_replicate
+    elif p.dp_shard == 0 and p.dp_replicate > 1:
+        p.dp = p.dp_replicate

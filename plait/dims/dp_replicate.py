@@ -42,7 +42,42 @@ def problems(cfg: Config) -> list[str]:
          "sharded, every rank already holds a replica; use --dp alone, or --zero 1, 2 or 3 "
          "to shard inside each dp_shard group"),
     ]
+    return [msg for bad, msg in checks if bad] + fault_tolerance_problems(cfg)
+
+
+def fault_tolerance_problems(cfg: Config) -> list[str]:
+    """--fault-tolerance: replicas to lose, what is summed across them only (ZeRO's
+    shards), nothing else that crosses them (plait/parallel/fault_tolerance.py)."""
+    p, m = cfg.parallel, cfg.model
+    if not p.fault_tolerance:
+        return []
+    checks = [
+        (p.dp_replicate < 2, f"--fault-tolerance needs replicas to lose: dp_replicate="
+         f"{p.dp_replicate}; give --dp-replicate 2 or more (each is a unit of failure)"),
+        (p.replica_timeout_s <= 0, f"parallel.replica_timeout_s={p.replica_timeout_s} must "
+         "be > 0 (seconds a replica may keep the others waiting)"),
+        (not 1 <= p.min_replicas <= p.dp_replicate, f"parallel.min_replicas={p.min_replicas} "
+         f"must be between 1 and dp_replicate={p.dp_replicate}"),
+        (m.n_experts > 0, "--fault-tolerance with MoE is not built (expert-parallel groups "
+         "and the balancing statistics cross replicas); train MoE with --max-restarts"),
+        (p.optimizer_sync != "barrier", "--fault-tolerance with optimizer_sync="
+         f"{p.optimizer_sync!r} is not built; use --optimizer-sync barrier"),
+    ]
     return [msg for bad, msg in checks if bad]
+
+
+def replica_layout(cfg: Config) -> Config:
+    """One fault-tolerant replica's own configuration: its dp_shard ranks as dp, no
+    replicate groups, its share of the global batch (the job's global batch is what the
+    loss is normalised by: plait/train/loop.py)."""
+    import dataclasses
+
+    p = cfg.parallel
+    shard = p.dp // p.dp_replicate
+    parallel = dataclasses.replace(p, dp=shard, dp_shard=0, dp_replicate=1,
+                                   fault_tolerance=False, min_replicas=1)
+    train = dataclasses.replace(cfg.train, global_batch=cfg.train.global_batch // p.dp_replicate)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
 def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:

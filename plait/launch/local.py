@@ -254,15 +254,19 @@ class LocalLaunch:
     loopback rendezvous store they join (keep this object alive while they run)."""
 
     def __init__(self, nproc: int, rank_args: list[str], timeout_s: float = 300.0,
-                 torchrun: list[str] | None = None, extra: list[str] | None = None):
+                 torchrun: list[str] | None = None, extra: list[str] | None = None,
+                 store: dist.TCPStore | None = None, run_id: str = ""):
         """`torchrun`: the command that runs torch.distributed.run (default: the module
-        itself); `extra`: more torchrun flags."""
-        self.store = bound_store(LOCALHOST, 0, None, datetime.timedelta(seconds=timeout_s))
+        itself); `extra`: more torchrun flags; `store`: a store already hosted (several
+        launches share it, each under its own `run_id`)."""
+        self.store = store or bound_store(LOCALHOST, 0, None,
+                                          datetime.timedelta(seconds=timeout_s))
         runner = torchrun or [sys.executable, "-m", "torch.distributed.run"]
         self.command = [
             *runner, "--nnodes=1", *(extra or []),
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={LOCALHOST}:{self.store.port}", f"--rdzv-id=plait-{os.getpid()}",
+            f"--rdzv-endpoint={LOCALHOST}:{self.store.port}",
+            f"--rdzv-id=plait-{os.getpid()}{run_id}",
             "--rdzv-conf=is_host=false", f"--local-addr={LOCALHOST}",
             "-m", "plait.train", *rank_args]
         self.env = {**os.environ, **transport_env(loopback_interface()),

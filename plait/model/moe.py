@@ -2,7 +2,7 @@
 
     scores  = softmax(x W_r) | sigmoid(x W_r)        (router in fp32, whatever the dtype)
     chosen  = top-k of (scores + bias)                (bias: selection only, never gates)
-    gates   = scores of the chosen (/ their sum when normalised)
+    gates   = scores of the chosen (/ their sum when normalised) x routed_scale
     y       = sum_j gate_j * expert_{chosen_j}(x)  (+ shared experts(x))
 
 Sources: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020 (GShard: top-2,
@@ -145,6 +145,7 @@ class MoE(nn.Module):
         self.aux_coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
         self.groups, self.max_groups = cfg.route_groups, cfg.route_max_groups
         self.bias_rate = cfg.bias_update_rate
+        self.routed_scale = cfg.routed_scale
         self.router = Router(cfg.dim, cfg.n_experts)
         self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
         self.shared = (SharedExperts(cfg.dim, cfg.expert_ffn_dim * cfg.n_shared_experts)
@@ -184,6 +185,8 @@ class MoE(nn.Module):
         gates = scores.gather(1, chosen)
         if self.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            gates = gates * self.routed_scale
         per_seq = F.one_hot(chosen.view(b, s * self.k), self.n).sum(1)  # (b, n)
         seq_counts = self.sequence_counts(per_seq)  # whole sequences' counts
         keep = self._capacity_keep(chosen.view(b, s * self.k), seq_counts)

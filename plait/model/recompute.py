@@ -124,11 +124,11 @@ def extra_forward_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Rec
     the matmul group is (always under full); the embedding is a lookup."""
     if recompute is None:
         return 0.0
-    h, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    h, f = cfg.dim, cfg.ffn_dim
     if cfg.n_experts:  # routed experts (active per token), shared experts and the router
         f = cfg.expert_ffn_dim * (cfg.top_k + cfg.n_shared_experts)
-    matmul = 2 * (2 * h * h + 2 * h * kv + 3 * h * f)
-    attention = 2 * 2 * seq_len * h / 2
+    matmul = 2 * (cfg.attention_matmul_params() + 3 * h * f)
+    attention = cfg.attention_core_flops(seq_len)
     redone = set(GROUPS) if recompute.mode == "full" else set(recompute.ops)
     per_layer = matmul * ("matmul" in redone) + attention * ("attention" in redone)
     head = 2 * h * cfg.vocab_size * ("matmul" in redone and split_backward)

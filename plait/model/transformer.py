@@ -1,6 +1,7 @@
 """A plain Llama-style decoder. It knows nothing of parallelism.
 
-Token embedding -> n x [RMSNorm -> GQA causal attention (RoPE) -> residual,
+Token embedding -> n x [RMSNorm -> causal attention (GQA, or MLA: plait/model/mla.py;
+RoPE) -> residual,
 RMSNorm -> MLP (SwiGLU) -> residual] -> RMSNorm -> LM head.
 Strategies are applied to it from outside (module swaps, layer splits, sharding). The
 seams they plug into: `Positions` from the top-level forward (RoPE and the causal mask
@@ -19,46 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.model.layers import CausalAttentionCore, RMSNorm
+from plait.model.mla import LatentAttention
 from plait.model.moe import MoE
 from plait.model.presets import ModelConfig
 from plait.model.recompute import Recompute
 from plait.model.rope import Positions, RotaryEmbedding, apply_rope, rope_scaling
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 for stability, return in the input dtype
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.weight
-
-
-class CausalAttentionCore(nn.Module):
-    """softmax(q kᵀ / √d + causal mask) v (Vaswani et al. 2017), GQA by head groups
-    (Ainslie et al. 2023). No parameters: a strategy replaces it by module swap (ring
-    attention, Liu et al. 2023, brings the other ranks' k, v to it).
-
-    The mask comes from the positions: query i sees key j when pos_j <= pos_i, right for
-    load-balanced, out-of-order chunks of a sequence. Contiguous positions 0..s-1 take the
-    fused causal kernel (`is_causal=True`), as the model always has.
-    """
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: Positions) -> torch.Tensor:
-        """q (b, heads, s, d), k and v (b, kv heads, s, d), after RoPE -> (b, heads, s, d)."""
-        gqa = q.shape[1] != k.shape[1]
-        if positions.contiguous:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        ids = positions.index()
-        mask = ids.unsqueeze(-1) >= ids.unsqueeze(-2)  # (s, s) or (b, s, s): key <= query
-        if mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # broadcast over the heads
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -98,6 +65,14 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def make_attention(cfg: ModelConfig) -> nn.Module:
+    """The attention of a block: GQA (`Attention`) or multi-head latent attention
+    (plait/model/mla.py), by `model.attention`. Both keep the same contract: forward(x,
+    positions) -> a tensor shaped like x, their parameter-free `core` the one seam a
+    strategy swaps, the output projection named `wo`."""
+    return LatentAttention(cfg) if cfg.mla else Attention(cfg)
+
+
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> nn.Module:
     """The MLP of block `layer`: SwiGLU of width cfg.ffn_dim when the model is dense or the
     layer is one of its first `n_dense_layers`, else the MoE block (plait/model/moe.py).
@@ -116,7 +91,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = make_attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
 
@@ -159,7 +134,7 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len,
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.max_seq_len,
                                     rope_scaling(cfg))
         # recomputation is a runtime choice made by the trainer, not a model property
         self.recompute: Recompute | None = None

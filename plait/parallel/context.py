@@ -9,8 +9,10 @@ per-token, so only attention talks. Two ways (`parallel.cp_mode`):
   so the transfer overlaps the compute. Each (query chunk, key chunk) block gives a partial
   output and its log-sum-exp; partials merge exactly (o = Σ o_i·exp(lse_i − lse)). The
   backward travels the ring again: K/V hop on as in forward and an accumulator of dK/dV
-  follows each chunk one hop behind, ending at the chunk's owner. Per layer and micro-batch
-  a rank sends (cp−1) K/V chunks forward and 2(cp−1) backward (K/V, then dK/dV).
+  follows each chunk one hop behind, ending at the chunk's owner. K and V travel as one
+  buffer of width dk + dv a head: with multi-head latent attention (plait/model/mla.py)
+  that is the per-head K (nope + RoPE features) and V after the up-projection. Per layer
+  and micro-batch a rank sends (cp−1) K/V chunks forward and 2(cp−1) backward (K/V, then dK/dV).
 * **allgather** (Dubey et al. 2024, Llama 3, section 3.3.2): all-gather K/V over cp before
   attention, reduce-scatter dK/dV in backward: (cp−1)/cp of the gathered K/V each way.
   Cheap with GQA's few K/V heads; no overlap (`all_gather_kv`, plait/comm/autograd.py).
@@ -130,13 +132,22 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return s
 
 
+def _widen(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t zero-padded to width d on its last axis: the CPU flash kernel takes one head width
+    for q, k and v, and MLA's values are narrower (or wider) than its queries and keys;
+    zero features change neither q·k nor the output's first columns."""
+    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
 def _block_forward(q, k, v, causal: bool, scale: float, fused: bool):
-    """q (b, h, m, d) against one key chunk k, v (b, kv, n, d), fp32 -> partial output
-    (b, h, m, d) and its log-sum-exp (b, h, m)."""
+    """q (b, h, m, dk) against one key chunk k (b, kv, n, dk), v (b, kv, n, dv), fp32 ->
+    partial output (b, h, m, dv) and its log-sum-exp (b, h, m)."""
     g = q.shape[1] // k.shape[1]
     if fused:
-        out, lse = _FLASH(q, _expand(k, g), _expand(v, g), 0.0, causal, scale=scale)
-        return out, lse
+        d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+        out, lse = _FLASH(_widen(q, d), _expand(_widen(k, d), g), _expand(_widen(v, d), g),
+                          0.0, causal, scale=scale)
+        return out[..., :dv], lse
     s = _scores(q.unflatten(1, (-1, g)), k, causal, scale)
     lse = torch.logsumexp(s, -1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2))
@@ -148,9 +159,11 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: 
     backward: P = exp(S - lse), dS = P (dO Vᵀ - rowsum(dO O)))."""
     g = q.shape[1] // k.shape[1]
     if fused:
-        dq, dk, dv = _FLASH_BWD(dout, q, _expand(k, g), _expand(v, g), out, lse, 0.0,
-                                causal, scale=scale)
-        return dq, _fold(dk, g), _fold(dv, g)
+        d, dqk, dvw = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        dq, dk, dv = _FLASH_BWD(_widen(dout, d), _widen(q, d), _expand(_widen(k, d), g),
+                                _expand(_widen(v, d), g), _widen(out, d), lse, 0.0, causal,
+                                scale=scale)
+        return dq[..., :dqk], _fold(dk[..., :dqk], g), _fold(dv[..., :dvw], g)
     q5, do5 = q.unflatten(1, (-1, g)), dout.unflatten(1, (-1, g))
     delta = (do5 * out.unflatten(1, (-1, g))).sum(-1, keepdim=True)
     p = torch.exp(_scores(q5, k, causal, scale) - lse.unflatten(1, (-1, g)).unsqueeze(-1))
@@ -216,9 +229,19 @@ def _rows(t: torch.Tensor, i: int, c: int) -> torch.Tensor:
     return t[..., i * c:(i + 1) * c]
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as one buffer (b, kv, L, dk + dv): one message a hop, any value width."""
+    return torch.cat([k, v], -1).contiguous()
+
+
+def _unpack(kv: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[..., :dk], kv[..., dk:]
+
+
 def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
-    """Forward around the ring: q (b, h, L, d) fp32, kv (2, b, kv, L, d) packed."""
+    """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed."""
     n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    dk = q.shape[-1]
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     sends, cur, work = [], kv, 0.0
     for t in range(n):
@@ -229,7 +252,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
                                              ring.mesh, DIM, tag=f"{ring.tag}.fwd")
             sends.append(send)
         c0 = time.thread_time()
-        k, v = cur[0].float(), cur[1].float()
+        k, v = (t.float() for t in _unpack(cur, dk))
         for i, j, causal in ring.pairs(src):
             part = _block_forward(_slot(q, i, c), _slot(k, j, c), _slot(v, j, c), causal,
                                   scale, fused)
@@ -250,6 +273,7 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
     """Backward around the ring: K/V hop on as in forward; each chunk's dK/dV accumulator
     follows one hop behind and reaches the owner after the last step."""
     n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    dk = q.shape[-1]
     dq = torch.zeros_like(q)
     sends, cur, own, acc_in = [], kv, None, None
     for t in range(n):
@@ -260,15 +284,15 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
                                              ring.mesh, DIM, tag=f"{ring.tag}.bwd")
             sends.append(s)
         c0 = time.thread_time()
-        k, v = cur[0].float(), cur[1].float()
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        k, v = (t.float() for t in _unpack(cur, dk))
+        dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
         for i, j, causal in ring.pairs(src):
             dqi, dkj, dvj = _block_backward(
                 _slot(q, i, c), _slot(k, j, c), _slot(v, j, c), _slot(out, i, c),
                 _rows(lse, i, c), _slot(dout, i, c), causal, scale, fused)
             _slot(dq, i, c).add_(dqi)
-            _slot(dkv[0], j, c).add_(dkj)
-            _slot(dkv[1], j, c).add_(dvj)
+            _slot(dkv, j, c)[..., :dk].add_(dkj)
+            _slot(dkv, j, c)[..., dk:].add_(dvj)
         ring.compute_s += time.thread_time() - c0
         if t == 0:
             own = dkv
@@ -299,7 +323,7 @@ class _RingAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
         scale = q.shape[-1] ** -0.5
-        kv = torch.stack([k, v]).contiguous()
+        kv = _pack(k, v)
         out, lse = _ring_forward(ring, q.float(), kv, scale)
         out = out.to(q.dtype)  # kept in the compute dtype, as a flash kernel keeps it
         ctx.save_for_backward(q, kv, out, lse)
@@ -311,7 +335,8 @@ class _RingAttention(Function):
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out.float(), lse,
                                  dout.float().contiguous(), ctx.scale)
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None
+        dk, dv = _unpack(dkv.to(kv.dtype), q.shape[-1])
+        return dq.to(q.dtype), dk, dv, None
 
 
 class ContextParallelAttention(nn.Module):
@@ -340,10 +365,9 @@ class ContextParallelAttention(nn.Module):
         self._checked = True
         if self.mode == "ring":
             return _RingAttention.apply(q, k, v, self.ring)
-        # (cp, 2, b, kv, L, d)
-        full = all_gather_kv(torch.stack([k, v]), self.mesh, self.tag, DIM)
-        kf = full[:, 0].permute(1, 2, 0, 3, 4).flatten(2, 3)  # (b, kv, cp*L, d), rank order
-        vf = full[:, 1].permute(1, 2, 0, 3, 4).flatten(2, 3)
+        # (cp, b, kv, L, dk + dv) -> (b, kv, cp*L, dk + dv), rank order
+        full = all_gather_kv(_pack(k, v), self.mesh, self.tag, DIM)
+        kf, vf = _unpack(full.permute(1, 2, 0, 3, 4).flatten(2, 3), q.shape[-1])
         mask = self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)  # key <= query, exact
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])

@@ -24,8 +24,8 @@ modules and adds hooks from outside, so the model code stays free of parallel co
     rowwise      split the weight's input columns         RowParallelLinear
     region       enter: copy_to_tp | all_gather_from_sp; leave: reduce_from_tp |
                  reduce_scatter_to_sp (forward hooks on the module)
-    sequence     (SP) a replicated weight that sees only my sequence chunk: its gradient is
-                 all-reduced over tp
+    sequence     a replicated weight whose gradient on each rank is a part (under SP: of my
+                 sequence chunk; MLA's down-projections: of my heads): all-reduced over tp
     vocab_embed  VocabParallelEmbedding (vocabulary rows split, padded to a multiple of tp)
     vocab_head   ColumnParallelLinear over the vocabulary; the loss is vocab-parallel
 
@@ -223,6 +223,10 @@ def default_plan(cfg: ModelConfig, sp: bool) -> dict[str, str]:
         "layers.*.mlp.w2": "rowwise",
         "head": "vocab_head",
     }
+    if cfg.mla:
+        for key in ("layers.*.attn.wq", "layers.*.attn.wk", "layers.*.attn.wv"):
+            del plan[key]
+        plan.update(mla_plan(cfg))
     if sp:
         plan.update({"layers.*.attn_norm": "sequence", "layers.*.mlp_norm": "sequence",
                      "norm": "sequence"})
@@ -234,6 +238,20 @@ def default_plan(cfg: ModelConfig, sp: bool) -> dict[str, str]:
         if sp:  # each tp rank routes its own sequence chunk: gradients summed over tp
             plan.update({f"layers.{i}.mlp": "sequence"
                          for i in range(cfg.n_dense_layers, cfg.n_layers)})
+    return plan
+
+
+def mla_plan(cfg: ModelConfig) -> dict[str, str]:
+    """Multi-head latent attention (plait/model/mla.py) over tp, as Megatron-Core splits
+    it: the up-projections wq_b (or wq) and wkv_b column-parallel (each rank its heads'
+    rows), wo row-parallel; the down-projections wq_a, wkv_a and the latents' norms are
+    small and replicated: every rank computes the latents whole, and since each rank's
+    heads use only their share of a latent, their gradients are summed over tp (the
+    `sequence` style's all-reduce, with or without SP)."""
+    plan = {f"layers.*.attn.{n}": "colwise" for n in ("wkv_b", "wq_b" if cfg.q_lora_rank
+                                                           else "wq")}
+    replicated = ("wkv_a", "kv_norm") + (("wq_a", "q_norm") if cfg.q_lora_rank else ())
+    plan.update({f"layers.*.attn.{n}": "sequence" for n in replicated})
     return plan
 
 

@@ -447,6 +447,14 @@ class ZeroOptimizer(NamedShards):
                                               async_op=True, tag="params")
         self._published([u for u in self.units if not u.deferred])
 
+    def replica_gradients(self) -> list[torch.Tensor]:
+        """The step's reduced gradient shards, one a unit (zeros where a unit had none):
+        what replicas of this rank's shards sum (plait/parallel/fault_tolerance.py)."""
+        for u in self.units:
+            if u.grad_shard is None:
+                u.grad_shard = torch.zeros(u.k, dtype=u.full.dtype, device=u.full.device)
+        return [u.grad_shard for u in self.units]
+
     def zero_grad(self) -> None:
         """Drop every gradient, the shards too: between steps no stage holds gradient
         state, so ZeRO-2's peak (at the first backward, before any reduce-scatter) is never

@@ -48,6 +48,7 @@ from plait.plan.model_flags import (
 )
 from plait.plan.plot import plot_memory
 from plait.plan.profile import base_gpu, hardware_of
+from plait.plan.published import published_batch, throughput_note
 from plait.plan.search import PlanError, layout_problems, order_notes, search
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
 from plait.plan.units import flops_rate, nbytes, params
@@ -150,7 +151,9 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
     if args.gpus is None or args.gpus < 1:
         raise PlanError("--gpus must be >= 1")
     if args.global_batch is None and args.global_batch_tokens is None:
-        raise PlanError("give --global-batch (sequences) or --global-batch-tokens")
+        if published_batch(args.model) is None:
+            raise PlanError("give --global-batch (sequences) or --global-batch-tokens")
+        args.global_batch = published_batch(args.model)  # the paper's (plan/published.py)
     batch = args.global_batch
     if batch is None:
         if args.global_batch_tokens % shape.seq:
@@ -345,6 +348,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         print(f"memory plot written to {args.plot}", file=sys.stderr)
     if shape.arch != "llama":
         notes.append(RUNTIME_NOTE)
+    paper = throughput_note(args.model, shape.name, cluster.gpu.name, cluster.n_gpus,
+                            float(ests[0].tokens_per_s), train.precision)
+    notes += [paper] if paper else []
     notes += [line for line in [host_share.note(cluster)] if line]  # shared CPU cores
     if gps:
         notes += goodput_lines(gps[0])

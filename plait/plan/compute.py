@@ -123,6 +123,10 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
     ms = np.asarray(moe_split, dtype=float)
     n = np.asarray(tokens, dtype=float)
     out = [("qkv", 2 * n * h * (h + 2 * shape.kv_dim) / t), ("out", 2 * n * h * h / t)]
+    if shape.mla:  # down-projections whole on every tp rank, the rest split by heads
+        out = [("latents (down-projections)", 2 * n * (shape.mla_replicated_params()
+                                                       - shape.q_lora - shape.kv_lora)),
+               ("q, kv up-projections and out", 2 * n * shape.mla_split_params() / t)]
     if shape.arch == "gpt":  # GeLU MLP: two matrices of h x ffn
         return out + [("fc1", 2 * n * h * shape.ffn / t), ("fc2", 2 * n * shape.ffn * h / t)]
     if not shape.moe:
@@ -148,9 +152,11 @@ def causal_fraction(shape: Shape, attention: str | None = None) -> float:
 
 def attention_core_flops(shape: Shape, tokens: Num, tp: Num, attention: str | None = None
                          ) -> Num:
-    """QK^T and PV, forward: 2 * 2 * tokens * s * h / tp (queries of this rank against all s
-    keys, also under context parallelism), times the kernel's `causal_fraction`."""
-    return 4 * np.asarray(tokens, dtype=float) * shape.seq * shape.hidden * causal_fraction(
+    """QK^T and PV, forward: 2 * tokens * s * a * (d_qk + d_v) / tp, = 2 * 2 * tokens * s *
+    h / tp for GQA's heads of h / a (queries of this rank against all s keys, also under
+    context parallelism), times the kernel's `causal_fraction`."""
+    width = shape.heads * (shape.qk_dim + shape.v_dim)
+    return 2 * np.asarray(tokens, dtype=float) * shape.seq * width * causal_fraction(
         shape, attention) / np.asarray(tp, dtype=float)
 
 

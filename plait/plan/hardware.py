@@ -41,6 +41,10 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 datasheet: SXM5 989 TFLOP/s bf16 dense, 80 GB HBM3 3.35 TB/s, NVLink 4
     # 900 GB/s bidirectional. DGX H100: 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU.
     "h100-sxm": GPU("h100-sxm", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB),
+    # H800 SXM (the export variant of the H100 SXM): H100 SXM compute and memory, NVLink
+    # 400 GB/s bidirectional (DeepSeek-V3 technical report, section 3.1: 8 GPUs a node on
+    # NVLink/NVSwitch, InfiniBand across nodes; section 3.2.2: 50 GB/s IB per GPU).
+    "h800": GPU("h800", 989e12, 80 * GB, 3350 * GB, 200 * GB, 50 * GB),
     # NVIDIA H200 datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
     "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB),
     # NVIDIA DGX/HGX B200 datasheets: 2.25 PFLOP/s bf16 dense per GPU (72 PFLOP/s FP8
@@ -56,7 +60,7 @@ def gpu_by_device_name(device_name: str) -> GPU | None:
     name = device_name.upper()
     if "PCIE" in name:
         return None
-    for key, preset in (("H200", "h200"), ("B200", "b200"), ("H100", "h100-sxm"),
+    for key, preset in (("H200", "h200"), ("H800", "h800"), ("B200", "b200"), ("H100", "h100-sxm"),
                         ("A100", "a100-80gb")):  # both A100s peak alike
         if key in name:
             return GPUS[preset]

@@ -87,9 +87,10 @@ def param_terms(shape: Shape, tp: Num, expert_split: Num) -> ParamTerms:
     """plait replicates an MoE block over tp (plait/parallel/expert.py): its router and
     shared experts are whole on every tp rank, its routed experts split over the
     `expert_split` ranks of expert parallelism only;
-    norm gains are whole on every tp rank too (plait/parallel/tensor.py replicates them)."""
+    norm gains are whole on every tp rank too (plait/parallel/tensor.py replicates them),
+    as are MLA's down-projections and latent norms."""
     mlp_tp = 1.0 if shape.moe else tp
-    norms = shape.norm_params()
+    norms = shape.tp_whole_params()
     final_norm = shape.hidden
     return ParamTerms(
         layer=(shape.attn_params() - norms) / tp + norms + shape.dense_mlp_params() / mlp_tp,
@@ -189,7 +190,7 @@ def comm_buffers(shape: Shape, mbs: Num, tp: Num, seq_split: Num, pp: Num, zero:
     act = tokens * shape.hidden * e
     total = np.where(tp > 1, act, 0.0) if sp else 0.0
     total = total + np.where(pp > 1, 2 * act / (tp if sp else 1.0), 0.0)
-    total = total + np.where(seq_split > 1, 2 * 2 * tokens * shape.kv_dim * e / tp, 0.0)
+    total = total + np.where(seq_split > 1, 2 * tokens * shape.kv_exchange_dim * e / tp, 0.0)
     if shape.moe:
         # dispatch and combine buffers; the block is replicated over tp, its tokens split
         # over tp only under SP

@@ -118,8 +118,12 @@ def shape_problems(shape: Shape) -> list[str]:
 
 
 def describe(shape: Shape) -> dict[str, Any]:
-    """The shape as the plan's JSON gives it."""
-    return {"arch": shape.arch, "layers": shape.layers, "hidden": shape.hidden,
+    """The shape as the plan's JSON gives it (with multi-head latent attention, its
+    widths too)."""
+    mla = {"attention": "mla", "q_lora_rank": shape.q_lora, "kv_lora_rank": shape.kv_lora,
+           "qk_nope_head_dim": shape.qk_nope, "qk_rope_head_dim": shape.qk_rope,
+           "v_head_dim": shape.v_head} if shape.mla else {}
+    return mla | {"arch": shape.arch, "layers": shape.layers, "hidden": shape.hidden,
             "heads": shape.heads, "kv_heads": shape.kv_heads, "ffn": shape.ffn,
             "vocab": shape.vocab, "seq": shape.seq, "experts": shape.experts,
             "top_k": shape.top_k, "expert_ffn": shape.expert_ffn,

@@ -336,9 +336,14 @@ def not_covered(cfg: Config) -> str | None:
     accumulated gradients and ZeRO-3's gathers are not walked), ZeRO-3's units kept
     gathered through the step (`parallel.zero3_gather = "step"`), a sequence split over
     ranks (context parallel: its ring buffers, the fp32 partial outputs and scores of each
-    block are not modelled), and the MoE block. The closed form (kernels='fused') and the
-    host check (plait/plan/host_memory.py) price the last ZeRO ones."""
+    block are not modelled), the MoE block and multi-head latent attention. The closed
+    form (kernels='fused') and the host check (plait/plan/host_memory.py) price the last
+    ZeRO ones."""
     p = cfg.parallel
+    if cfg.model.mla:
+        return ("model.attention=mla: the eager memory model follows the GQA block's "
+                "tensors only (not the latents, their norms and the per-head K/V of "
+                "multi-head latent attention); predict with kernels='fused'")
     if cfg.model.n_experts:
         return (f"model.n_experts={cfg.model.n_experts}: the eager memory model has no MoE "
                 "block (router scores, dispatch order, per-expert activations); predict "

@@ -370,7 +370,7 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
         inputs=8 * (tr.global_batch // p.dp) * (s + 1) + 8 * data_windows,
         layer_saved=layer_activation_bytes(m_cfg, b, s, t, sp, e),
         ckpt=layer_saved_bytes(m_cfg, b, s, t, sp, e, tr.recompute, tr.recompute_ops),
-        rope=FP32 * s * m_cfg.head_dim, tp_ids=tp_ids, loss_saved=FP32 * tok * v_t + tp_ids,
+        rope=FP32 * s * m_cfg.rope_dim, tp_ids=tp_ids, loss_saved=FP32 * tok * v_t + tp_ids,
         loss_fwd=loss_fwd, loss_bwd=loss_bwd, mlp_bwd=e * tok * h + 2 * e * tok * f_t,
         dy=e * tok * h, dprod=e * tok * f_t, recv=e * tok_l * h, w2=h * f_t * pb,
         layer_numel=sum(sh["layer"]), snapshot=_snapshot_bytes(cfg, units, k))

@@ -49,6 +49,15 @@ class Shape:
     tie_embeddings: bool = False
     name: str = "custom"
     dense_layers: int = 0  # MoE models: the first layers with a dense MLP (width ffn)
+    # multi-head latent attention (llama block; plait/model/mla.py): the latents' widths
+    # (q_lora 0: queries straight from x) and the per-head query/key and value widths
+    attention: str = "gqa"  # "gqa" | "mla"
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+    mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules: FLOPs counted
 
     # ---- derived sizes ---------------------------------------------------------------
     @property
@@ -58,6 +67,39 @@ class Shape:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def qk_dim(self) -> int:
+        """Per head, the width of a query and of a key."""
+        return self.qk_nope + self.qk_rope if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head if self.mla else self.head_dim
+
+    @property
+    def kv_exchange_dim(self) -> int:
+        """Per token, the K and V features context parallel moves (over every head, before
+        tp's split): GQA's KV heads, or MLA's per-head K and V after the up-projection."""
+        return self.heads * (self.qk_dim + self.v_dim) if self.mla else 2 * self.kv_dim
+
+    def mla_replicated_params(self) -> int:
+        """MLA's down-projections and latent norms: whole on every tp rank."""
+        if not self.mla:
+            return 0
+        q = self.hidden * self.q_lora + self.q_lora
+        return q + self.hidden * (self.kv_lora + self.qk_rope) + self.kv_lora
+
+    def mla_split_params(self) -> int:
+        """MLA's up-projections and output projection: split over tp by heads."""
+        a = self.heads
+        q = (self.q_lora or self.hidden) * a * self.qk_dim
+        return q + self.kv_lora * a * (self.qk_nope + self.v_head) + a * self.v_head * \
+            self.hidden
 
     @property
     def moe(self) -> bool:
@@ -73,11 +115,18 @@ class Shape:
         h, kv = self.hidden, self.kv_dim
         if self.arch == "gpt":  # q, k, v, out with biases; two LayerNorms (weight + bias)
             return 2 * h * h + 2 * h * kv + (2 * h + 2 * kv) + 4 * h
+        if self.mla:
+            return self.mla_replicated_params() + self.mla_split_params() + 2 * h
         return 2 * h * h + 2 * h * kv + 2 * h  # wq, wo, wk, wv, two RMSNorm weights
 
     def norm_params(self) -> int:
         """One layer's normalisation weights (in attn_params): whole on every tp rank."""
         return 4 * self.hidden if self.arch == "gpt" else 2 * self.hidden
+
+    def tp_whole_params(self) -> int:
+        """One layer's attention-side weights whole on every tp rank: the norms, and
+        MLA's down-projections and latent norms."""
+        return self.norm_params() + self.mla_replicated_params()
 
     def dense_mlp_params(self) -> int:
         """MLP parameters that every rank of a TP group shares out (dense MLP or shared
@@ -129,6 +178,9 @@ def from_model_config(cfg: ModelConfig, seq: int | None = None, name: str = "cus
         experts=cfg.n_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn_dim,
         shared_experts=cfg.n_shared_experts, tie_embeddings=cfg.tie_embeddings, name=name,
         dense_layers=cfg.n_dense_layers if cfg.n_experts else 0,
+        attention=cfg.attention, q_lora=cfg.q_lora_rank, kv_lora=cfg.kv_lora_rank,
+        qk_nope=cfg.qk_nope_head_dim, qk_rope=cfg.qk_rope_head_dim, v_head=cfg.v_head_dim,
+        mtp_depth=cfg.mtp_depth,
     )
 
 
@@ -250,10 +302,11 @@ def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None,
     terms = [
         Saved("attn norm input", e * h, keep_full=True),
         Saved("qkv input (norm out)", e * h),
-        Saved("q, k after RoPE", e * (h + kv), tp=True),
-        Saved("v", e * kv, tp=True),
+        *(_mla_terms(shape, e) if shape.mla else [
+            Saved("q, k after RoPE", e * (h + kv), tp=True),
+            Saved("v", e * kv, tp=True)]),
         *kept,
-        Saved("attention output", e * h, tp=True),
+        Saved("attention output", e * shape.heads * shape.v_dim, tp=True),
         Saved("mlp norm input", e * h),
         Saved("mlp input (norm out)", e * h),
     ]
@@ -273,6 +326,33 @@ def activation_terms(shape: Shape, act_bytes: int = 2, seq: float | None = None,
     return terms
 
 
+def _mla_terms(shape: Shape, e: int) -> list[Saved]:
+    """What multi-head latent attention keeps before its core (plait/model/mla.py): the
+    latents, computed whole on every tp rank from the whole sequence (`whole`), and the
+    per-head q, k (with the shared RoPE key broadcast) and v of this rank's heads."""
+    a = shape.heads
+    latents = [Saved("kv latent + RoPE key, its norm out", e * (2 * shape.kv_lora
+                                                              + 2 * shape.qk_rope),
+                     whole=True)]
+    if shape.q_lora:
+        latents.append(Saved("q latent, its norm out", 2 * e * shape.q_lora, whole=True))
+    return latents + [Saved("q, k after RoPE", 2 * e * a * shape.qk_dim, tp=True),
+                      Saved("v", e * a * shape.v_dim, tp=True)]
+
+
+def _mla_matmul_outputs(shape: Shape, e: int) -> list[Saved]:
+    """MLA's weight matmul outputs: the down-projections whole (replicated over tp), the
+    up-projections by heads, the output projection before its reduction."""
+    a = shape.heads
+    out = [Saved("wkv_a output", e * (shape.kv_lora + shape.qk_rope), whole=True),
+           Saved("wkv_b output", e * a * (shape.qk_nope + shape.v_head), tp=True),
+           Saved("wq_b (or wq) output", e * a * shape.qk_dim, tp=True),
+           Saved("wo output (before its reduction)", e * shape.hidden, whole=True)]
+    if shape.q_lora:
+        out.append(Saved("wq_a output", e * shape.q_lora, whole=True))
+    return out
+
+
 def _matmul_outputs(shape: Shape, e: int) -> list[Saved]:
     """The outputs of a layer's weight matmuls (plait/model/recompute.py's "matmul" group:
     aten.mm / addmm / _grouped_mm), per token; the row-parallel ones (attention's output
@@ -281,6 +361,8 @@ def _matmul_outputs(shape: Shape, e: int) -> list[Saved]:
     attn = [Saved("wq output", e * h, tp=True), Saved("wk, wv outputs", 2 * e * kv, tp=True,
                                                       kv=True),
             Saved("wo output (before its reduction)", e * h, whole=True)]
+    if shape.mla:
+        attn = _mla_matmul_outputs(shape, e)
     if shape.arch == "gpt":
         return attn + [Saved("fc1 output", e * shape.ffn, tp=True),
                        Saved("fc2 output (before its reduction)", e * h, whole=True)]
@@ -299,7 +381,7 @@ def _matmul_outputs(shape: Shape, e: int) -> list[Saved]:
 def _attention_outputs(shape: Shape, e: int, s: float, attention: str) -> list[Saved]:
     """The outputs of the "attention" group: the fused kernel's (output, log-sum-exp), or
     the unfused maths' bmm outputs (the scores q k^T and the probabilities times v)."""
-    h, a = shape.hidden, shape.heads
+    h, a = shape.heads * shape.v_dim, shape.heads
     if attention == "flash":
         return [Saved("attention output", e * h, tp=True),
                 Saved("log-sum-exp (fp32)", 4 * a, tp=True)]

@@ -52,14 +52,28 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     max_restarts = getattr(args, "max_restarts", None)
     if max_restarts is not None and max_restarts < 0:
         problems.append(f"--max-restarts {max_restarts}: must be >= 0 (0: no restarts)")
-    elif max_restarts and (not args.checkpoint_dir or not args.checkpoint_every):
+    elif max_restarts and not getattr(args, "fault_tolerance", None) and (
+            not args.checkpoint_dir or not args.checkpoint_every):
         problems.append("--max-restarts resumes from the last checkpoint: give "
                         "--checkpoint-dir D and --checkpoint-every N too")
+    problems += _fault_tolerance_flag_problems(args)
     timeout = args.timeout
     if not math.isfinite(timeout) or timeout <= 0:
         problems.append(f"--timeout {timeout}: seconds a collective may wait must be a "
                         "finite number > 0 (default 300)")
     return problems
+
+
+def _fault_tolerance_flag_problems(args: argparse.Namespace) -> list[str]:
+    """--fault-tolerance: the launcher writes --metrics-out and a line a step; what only a
+    plain run's rank 0 writes is refused, not silently dropped."""
+    if not getattr(args, "fault_tolerance", None):
+        return []
+    given = [f"--{name.replace('_', '-')}" for name in ("tensorboard", "wandb", "trace",
+                                                         "timeline", "checkpoint_on_stop")
+             if getattr(args, name, None)]
+    return [f"{flag} with --fault-tolerance is not built (the launcher writes "
+            "--metrics-out); leave it out" for flag in given]
 
 
 def _stop_checkpoint_problems(args: argparse.Namespace) -> list[str]:

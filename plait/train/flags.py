@@ -30,7 +30,8 @@ TRAIN_FLAGS = {
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "init_from": "train.init_from",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
-    "zero3_gather": "parallel.zero3_gather",
+    "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
+    "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
     # each parallel dimension's size and its own settings (plait/dims/)
     **{d.name: d.field for d in DIMENSIONS},
     **{s.key: f"parallel.{s.key}" for d in DIMENSIONS for s in d.settings},
@@ -78,8 +79,17 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
-    p.add_argument("--init-from", metavar="hf:DIR|CHECKPOINT", help=_setting_help("init-from")
-                   + "; the model is the source's (docs/huggingface.md)")
+    p.add_argument("--fault-tolerance", action="store_true", default=None,
+                   help="each dp_replicate group is a unit of failure: when one dies or "
+                   "stops answering the others finish the step without it and go on, and a "
+                   "replacement joins from a live replica (parallel.fault_tolerance; "
+                   "docs/fault_tolerance.md)")
+    p.add_argument("--replica-timeout", type=float, metavar="S",
+                   help=_setting_help("replica-timeout"))
+    p.add_argument("--min-replicas", type=int, metavar="N", help=_setting_help("min-replicas"))
+    p.add_argument("--init-from", metavar="hf:DIR|dcp:DIR|CHECKPOINT",
+                   help=_setting_help("init-from") + "; the model is the source's, or the "
+                   "run's for a DCP checkpoint that records none (docs/interop.md)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -127,9 +137,14 @@ _SETTING_HELP = {
     "dtype (fp32 masters either way)", "recompute": "activation recompute per block: "
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
-    "init-from": "starting weights: a Hugging Face directory hf:DIR or a plait checkpoint",
+    "init-from": "starting weights: a Hugging Face directory hf:DIR, a DCP checkpoint "
+    "with torchtitan's names dcp:DIR, or a plait checkpoint",
     "optimizer-sync": "pipelines: update after one global grad-norm check, or each stage "
     "at once, validated and rolled back on failure (docs/pipeline_runtime.md)",
+    "min-replicas": "--fault-tolerance: with fewer live replicas, a step waits for "
+    "replacements to join",
+    "replica-timeout": "--fault-tolerance: seconds a replica may keep the others waiting "
+    "before it is left out",
     "zero3-gather": "ZeRO-3: gather a unit around each forward and backward, or once a "
     "step and keep it to its stage's last backward (more memory, fewer bytes; docs/zero.md)",
 }
@@ -160,6 +175,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         model = initial_model(cfg.train.init_from)
     except CheckpointError as e:
         raise ConfigError([f"--init-from: {e}"]) from None
+    if model is None:  # a DCP checkpoint without plait's record: the run's own model
+        return cfg
     if overrides["model_name"] is not None:
         raise ConfigError([f"--model {overrides['model_name']} and --init-from both name the "
                            "model; give one of them"])

@@ -26,6 +26,7 @@ from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.optim import clip_coefficient
 from plait.parallel.expert import finish_moe_step
+from plait.parallel.fault_tolerance import FaultTolerantReplicas, held_tensors
 from plait.parallel.optimizer import GradSyncOptimizer
 from plait.parallel.parallelize import DTYPES, ParallelModel, gather_split_state, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
@@ -113,7 +114,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
           capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
           stop: StopRequest | None = None, timeline: bool = False,
-          shard_init: bool = False) -> TrainResult:
+          shard_init: bool = False, replicas: FaultTolerantReplicas | None = None,
+          join_wait_s: float = 600.0) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
@@ -129,10 +131,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
     par = parallelize(plain, mesh, cfg, shard_init=shard_init)
     model, opt = par.model, par.optimizer
-    if t.init_from is not None and (checkpoint is None or checkpoint.source() is None):
-        load_initial(par, mesh, cfg, t.init_from)  # this rank's slices; a resume overrides
-    if checkpoint is not None:  # every rank reads what it now holds; no step has run
-        start_step = checkpoint.restore(par, mesh, cfg, start_step)
+    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step, join_wait_s)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime; what crosses a
@@ -159,7 +158,11 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         if stop is not None:
             _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
         row = _train_step(cfg, mesh, batches, runtime, par, step,
-                          capture_first_grads and step == start_step, result, sync, marks)
+                          capture_first_grads and step == start_step, result, sync, marks,
+                          replicas)
+        if replicas is not None:  # those that trained it; then a replacement admitted
+            row["replicas"] = len(replicas.epoch.members)
+            replicas.hand_over(step, lambda: _held_with_steps(opt, mesh))
         if waiting is not None:  # validated at this step's cut
             _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
         waiting = row if sync is not None else None
@@ -167,15 +170,27 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
             sync.validate()
             row, waiting = _validated(row, sync), None
         if waiting is None:
-            _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak)
+            _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak, replicas)
     par.optimizer.settle()  # the last update's collectives (ZeRO-1/2's all-gathers)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count, result.stragglers.finish())
+    if replicas is not None:
+        result.summary["fault_tolerance"] = replicas.summary(_held_with_steps(opt, mesh))
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
+    _measured_outputs(result, cfg, mesh, runtime, par, marks if timeline else None)
+    return result
+
+
+def _measured_outputs(result: TrainResult, cfg: Config, mesh: ParallelMesh,
+                      runtime: PipelineRuntime, par: ParallelModel, marks: Marks | None
+                      ) -> None:
+    """The last step's timeline (`marks`: the StepMarks, with train(timeline=True)) and,
+    with pp, the measured bubble beside the simulator's."""
+    timeline = marks is not None
     if timeline:  # marks are the StepMarks
         marks.remove()
         if result.metrics:  # every rank alike: the same steps ran
@@ -188,18 +203,48 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         # the last step's measured computes, per rank (plait report draws them)
         result.summary["pipeline_timeline"] = [[list(e) for e in evs]
                                                for evs in result.pipeline["events"]]
-    return result
+
+
+def _starting_state(par: ParallelModel, mesh: ParallelMesh, cfg: Config,
+                    checkpoint: Checkpointing | None, replicas: FaultTolerantReplicas | None,
+                    start_step: int, join_wait_s: float) -> int:
+    """The weights and state the run starts from: the initial source's (train.init_from),
+    a live replica's (a fault-tolerant replacement: over the network, no disk) or the
+    checkpoint's being resumed; the step to start at."""
+    opt = par.optimizer
+    if cfg.train.init_from is not None and (checkpoint is None or checkpoint.source() is None):
+        load_initial(par, mesh, cfg, cfg.train.init_from)  # this rank's slices
+    if replicas is not None and replicas.joining:
+        steps = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
+        start_step = replicas.join(lambda: [*held_tensors(opt), steps], join_wait_s)
+        opt.finish_load(int(steps.item()))
+    elif checkpoint is not None:  # every rank reads what it now holds; no step has run
+        start_step = checkpoint.restore(par, mesh, cfg, start_step)
+    return start_step
+
+
+def _held_with_steps(opt: GradSyncOptimizer, mesh: ParallelMesh) -> list[torch.Tensor]:
+    """What a replacement replica receives: the held state and the update count."""
+    return [*held_tensors(opt), torch.tensor([float(opt.steps)], dtype=torch.float64,
+                                             device=mesh.device.torch)]
 
 
 def _emit(row: dict, result: TrainResult, cfg: Config, par: ParallelModel,
           mesh: ParallelMesh, checkpoint: Checkpointing | None,
-          on_step: Callable[[dict], None] | None, streak: list[int]) -> None:
+          on_step: Callable[[dict], None] | None, streak: list[int],
+          replicas: FaultTolerantReplicas | None = None) -> None:
     """A settled step's row: logged, checkpointed, handed to `on_step`; a streak of
     non-finite steps stops the run."""
     result.metrics.append(row)
     step = row["step"]
-    if checkpoint is not None:  # outside the step: its collectives are tagged so
-        checkpoint.after_step(step, par, mesh, cfg, _progress(cfg, step + 1, row["lr"]))
+    # outside the step: its collectives are tagged so. Fault-tolerant replicas hold the
+    # same state: the lowest live one writes
+    if checkpoint is not None and (replicas is None or replicas.writes()):
+        progress = _progress(cfg, step + 1, row["lr"])
+        if replicas is not None:  # the whole job's batch; the replicas it had
+            progress["data"]["global_batch"] = replicas.global_batch
+            progress["replicas"] = {"live": len(replicas.epoch.members), "of": replicas.count}
+        checkpoint.after_step(step, par, mesh, cfg, progress)
     if on_step is not None:
         on_step(row)
     streak[0] = streak[0] + 1 if row.get("skipped") else 0
@@ -246,7 +291,8 @@ def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
 def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                 runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
                 result: TrainResult, sync: PostValidation | None = None,
-                marks: Marks = NO_MARKS) -> dict:
+                marks: Marks = NO_MARKS, replicas: FaultTolerantReplicas | None = None
+                ) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
     update, the logged loss; its metrics row. `capture`: keep the full gradients.
     `sync` (post-validation): the previous step is checked at this step's cut, this
@@ -255,19 +301,16 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     t, opt = cfg.train, par.optimizer
     marks.begin_step()
     step_tokens = tokens_per_step(t.global_batch, t.seq_len)
-    mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
+    if replicas is not None:  # the whole job's rows, whichever replicas train them
+        step_tokens = tokens_per_step(replicas.global_batch, t.seq_len)
     mesh.ledger.step = step
     meter = mesh.device.memory_meter(opt.memory_sources) if step == t.memory_step else None
     if meter is not None:
         meter.__enter__()
     timer = mesh.device.timer()  # the device's work, not the host's launches
     start = timer.mark()
-    local = batches.local_batch(step, mesh.coord("dp"), mesh.size("dp"))
-    loss_sum = runtime.step([local[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
-                            step_tokens,
-                            validate=sync.at_cut if sync is not None and sync.pending else None)
-    marks.point("micro-batches")
-    opt.finish_gradients()
+    loss_sum = _micro_batches(cfg, mesh, batches, runtime, par, step, step_tokens, sync,
+                              replicas, marks)
     marks.point("gradient sync")
     # dp alone: the norm's all-reduce (ZeRO's, expert parallel's) sums the logged loss too
     folded = mesh.size("dp") == mesh.world_size
@@ -309,6 +352,43 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         row["skipped"] = True
     observe_step(row, mesh, result.stragglers)  # after the step's timing: collective
     return row
+
+
+def _micro_batches(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
+                   runtime: PipelineRuntime, par: ParallelModel, step: int, step_tokens: int,
+                   sync: PostValidation | None, replicas: FaultTolerantReplicas | None,
+                   marks: Marks) -> torch.Tensor:
+    """The step's micro-batches through the runtime and the gradient sync over dp; the
+    rank's partial loss. With fault-tolerant replicas: this replica's slots of the global
+    batch, their gradients then summed over the live replicas (a lost replica's slots
+    trained here too where the quorum hands them over)."""
+    opt, mbs, n_micro = par.optimizer, cfg.micro_batch_size(), cfg.microbatches()
+
+    def run(rows: torch.Tensor, validate=None) -> torch.Tensor:
+        loss = runtime.step([rows[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
+                            step_tokens, validate=validate)
+        marks.point("micro-batches")
+        opt.finish_gradients()
+        return loss
+
+    if replicas is None:
+        return run(batches.local_batch(step, mesh.coord("dp"), mesh.size("dp")),
+                   sync.at_cut if sync is not None and sync.pending else None)
+
+    def train_slots(slots: list[int], onto: bool = True) -> torch.Tensor:
+        """Train `slots`, their gradients added to those held (`onto`)."""
+        loss = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
+        for slot in slots:
+            kept = [g.clone() for g in opt.replica_gradients()] if onto else None
+            opt.zero_grad()
+            loss += run(batches.local_batch(step, *replicas.rows_of(slot)))
+            for g, k in zip(opt.replica_gradients(), kept or [], strict=bool(kept)):
+                g += k
+            onto = True
+        return loss
+
+    loss = train_slots(replicas.slots(), onto=False)
+    return replicas.sum_gradients(step, opt.replica_gradients, loss, train_slots)
 
 
 def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,

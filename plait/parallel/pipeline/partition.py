@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     """(embedding, one decoder layer, head + loss) forward FLOPs per token."""
-    h, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
-    matmul = 2 * (2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_dim)
-    attention = 2 * seq_len * h  # scores + values, causal half, forward
+    h = cfg.dim
+    matmul = 2 * (cfg.attention_matmul_params() + 3 * h * cfg.ffn_dim)
+    attention = cfg.attention_core_flops(seq_len)  # scores + values, causal half, forward
     embed = float(h)  # a gather: counted, though small
     head = 2.0 * h * cfg.vocab_size + 4.0 * cfg.vocab_size  # matmul + softmax/CE
     return embed, float(matmul + attention), head

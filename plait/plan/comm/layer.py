@@ -18,6 +18,9 @@ hidden x bytes; the ledger's payload is the full message, see plait/ledger.py):
                       their gradients (replicated weights, sequence-split inputs)
   tp, MoE layer       attention's pair only (the MoE block is whole on every tp rank);
                       SP: every MoE weight's gradient all-reduced (its tokens are split)
+  tp, MLA             its down-projections and latent norms are whole on every rank and
+                      each rank's heads give a part of their gradient: one all-reduce
+                      each, per micro-batch
   full recompute      replays the block's forward up to the last tensor backward needs
                       (torch.utils.checkpoint stops early): every forward collective but
                       a dense block's last one (the MLP's all-reduce / reduce-scatter);
@@ -106,7 +109,7 @@ def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     reduce-scattered backward, not overlapped (plait/parallel/context.py)."""
     cp_intra = price.intra_node(b.strides["cp"], b.cp, cluster.gpus_per_node)
     bw, al = price.link(cluster.gpu, cp_intra, eff.link_efficiency)
-    s_kv = 2 * b.tokens * shape.kv_dim * b.e / b.tp
+    s_kv = b.tokens * shape.kv_exchange_dim * b.e / b.tp  # MLA: per-head K, V
     if mode == "allgather":
         t_ag = price.gather_like(b.cp * s_kv, b.cp, bw, al)
         if np.any(b.cp > 1):
@@ -230,6 +233,10 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     else:
         add("all-reduce (embedding out, head grad)", s, head_m + (1 + rerun) * emb_m,
             t_ar, "none: on the critical path")
+    if shape.mla:  # one call per down-projection and latent norm; size: a layer's
+        g = shape.mla_replicated_params() * b.e
+        add("all-reduce (MLA down-projections' grads)", g, visits,
+            price.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
     for what, nbytes in (("max", 4), ("sums", 8)):
         size = b.tokens * nbytes
         add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, (1 + rerun) * head_m,

@@ -1,0 +1,84 @@
+"""`plait export --from CHECKPOINT|hf:DIR|dcp:DIR --to hf:OUT|dcp:OUT [--dtype fp32|bf16]`:
+a model for the rest of the ecosystem (docs/interop.md).
+
+`hf:OUT` is a directory `transformers` loads (plait/checkpoint/hf_export.py); `dcp:OUT` a
+torch.distributed.checkpoint directory with torchtitan's Llama names
+(plait/checkpoint/dcp_export.py). Either is built under a temporary name beside OUT and
+renamed into place: a failed export leaves nothing, and an existing OUT is refused,
+never clobbered. Everything is checked before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from . import dcp, hf
+from .export import DTYPES
+from .format import CheckpointError
+from .source import Source
+
+EXPORT_DTYPES = ("fp32", "bf16")
+
+
+def _out_dir(target: str) -> tuple[str, Path]:
+    """(kind, directory) of `--to hf:OUT|dcp:OUT`."""
+    for kind, directory in (("hf", hf.hf_dir(target)), ("dcp", dcp.dcp_dir(target))):
+        if directory is not None:
+            return kind, directory
+    raise CheckpointError(f"--to {target}: name the output as hf:DIR (transformers) or "
+                          "dcp:DIR (torch.distributed.checkpoint, torchtitan's names)")
+
+
+def export_problems(target: str, dtype: str) -> list[str]:
+    """The output's problems, before anything is read or written."""
+    try:
+        kind, out = _out_dir(target)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = [] if dtype in EXPORT_DTYPES and dtype in DTYPES else [
+        f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}"]
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        problems.append(f"--to {kind}:{out} exists and is not an empty directory; plait "
+                        "never overwrites a model: choose a new directory")
+    parent = next((p for p in out.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        problems.append(f"--to {kind}:{out}: {parent} is a file, not a directory")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problems.append(f"--to {kind}:{out}: {parent} is not writable")
+    return problems
+
+
+def export(source: str, target: str, dtype: str = "fp32") -> tuple[Path, int]:
+    """Write `source` (a checkpoint, hf:DIR or dcp:DIR) as `target` (hf:OUT or dcp:OUT);
+    returns (OUT, tensors written)."""
+    problems = export_problems(target, dtype)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    kind, out = _out_dir(target)
+    src = Source(source)
+    if kind == "dcp":
+        from .dcp_export import write_dcp as write
+    else:
+        from .hf_export import write_hf as write
+    return out, into_new_dir(out, lambda tmp: write(src, tmp, dtype))
+
+
+def into_new_dir(out: Path, fill: Callable[[Path], int]) -> int:
+    """`fill(tmp)` a temporary directory beside `out`, then rename it to `out` (absent or
+    empty); nothing is left behind on failure. Returns what `fill` returns."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()
+    try:
+        n = fill(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked): the rename takes its place
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return n
