@@ -244,6 +244,44 @@ MOE_EP2 = ("model.n_experts=8+model.top_k=2+model.expert_ffn_dim=32+model.n_shar
            "model.aux_loss_coef=0.01+model.bias_update_rate=0.01+parallel.dp=2+parallel.ep=2+"
            "parallel.zero=1")
 
+def straggler_by_wait():
+    from plait.train.stragglers import Stragglers
+
+    judge = Stragglers.judge
+
+    def by_wait(self, step, compute, wait):
+        return judge(self, step, wait, compute)  # the rank that waits most: the fastest
+
+    Stragglers.judge = by_wait
+
+
+def straggler_mean_with_itself():
+    from plait.train import stragglers
+
+    def mean_of_everyone(values):  # the rank pulls its own reference up
+        return [sum(values) / len(values) if len(values) > 1 else None] * len(values)
+
+    stragglers.peer_medians = mean_of_everyone
+
+
+def straggler_streak_kept():
+    from plait.train import stragglers
+
+    judge = stragglers.Stragglers.judge
+
+    def kept(self, step, compute, wait):
+        before = dict(self.streak)
+        out = judge(self, step, compute, wait)
+        for r, n in self.streak.items():
+            if n == 0:  # a step that is not slow does not clear the count
+                self.streak[r] = before.get(r, 0)
+        return out
+
+    stragglers.Stragglers.judge = kept
+
+
+STRAGGLERS = "tests/test_stragglers.py::"
+
 MUTANTS: list[Mutant] = [
     Mutant("pp-recv-order-ignored", "lowering ignores a channel's posting order: a receive "
            "gets another micro-batch's activation", recv_order_ignored,
@@ -280,4 +318,14 @@ MUTANTS: list[Mutant] = [
            ["tests/test_post_validation.py::test_post_validation_rolls_back_exactly_on_every_"
             "zero_bubble_schedule",
             "tests/test_post_validation.py::test_post_validation_with_zero1_tp_cp_bf16_and_pp4"]),
+    Mutant("straggler-by-wait", "stragglers judged by wait, not compute: the fastest rank "
+           "named", straggler_by_wait,
+           [STRAGGLERS + "test_the_slow_rank_is_named_within_a_few_steps_on_every_rank"]),
+    Mutant("straggler-mean-with-itself", "a rank's compute compared with the mean of every "
+           "rank, itself included", straggler_mean_with_itself,
+           [STRAGGLERS + "test_both_margins_and_the_peers_median_without_the_rank_itself"]),
+    Mutant("straggler-streak-kept", "a step that is not slow does not clear a rank's "
+           "streak", straggler_streak_kept,
+           [STRAGGLERS + "test_named_after_k_steps_in_a_row_and_cleared_by_one_step_that_is_"
+            "not_slow"]),
 ]

@@ -21,7 +21,8 @@ pytest.importorskip("tensorboard", reason="the tensorboard sink needs plait[tens
 pytest.importorskip("wandb", reason="the W&B sink needs plait[wandb]")
 
 STEPS = CLI_STEPS
-NAMED = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "tokens", "comm_sent_bytes")
+NAMED = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "tokens", "comm_sent_bytes",
+         "compute_s", "wait_s")
 
 
 @pytest.fixture(scope="module")

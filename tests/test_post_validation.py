@@ -110,7 +110,10 @@ def _assert_same(ranks: list[dict], ref: Reference, where: str, precision: str =
     for run in ranks:  # the ledger: the check's bytes (to each peer, 2 steps), no world
         sent = [r for r in run["ledger"] if r["tag"] == "post_validation" and r["op"] == "send"]
         assert sum(r["sent"] for r in sent) == 2 * peers * MSG_BYTES, where
-        assert not [r for r in run["ledger"] if r["dim"] == "world"], where
+        # but the exchange of step figures (plait/train/stragglers.py): async, completed a
+        # step later, it holds no rank at a step's end
+        assert not [r for r in run["ledger"] if r["dim"] == "world"
+                    and (r["op"], r["tag"]) != ("all_gather", "metrics")], where
 
 
 def _assert_memory_as_planned(ranks: list[dict], sets: list[str]) -> None:

@@ -103,12 +103,18 @@ def _faulted_run(tmp_path, fault: str, timeout_s: int) -> tuple[subprocess.Compl
 
 def test_a_stopped_rank_ends_the_job_with_a_report(tmp_path):
     """Rank 1 SIGSTOPs itself after step 2 (the test-only fault, plait/launch/elastic.py): rank 0
-    waits in step 3's first collective until the watchdog reports, and the job ends."""
+    waits in step 3's first collective until the watchdog reports, and the job ends. Each
+    rank's line has its last step's compute and wait; the straggler verdict follows."""
     r, marker = _faulted_run(tmp_path, "stop:1:2", timeout_s=8)
     assert r.returncode == 1, r.stderr
     assert "plait: hang: rank 0 waited 8 s in all_reduce@dp" in r.stderr, r.stderr
     assert "(step 3, " in r.stderr and "behind: rank 1;" in r.stderr, r.stderr
-    assert "  rank 1: all_reduce@dp" in r.stderr and "(step 2, " in r.stderr, r.stderr
+    # rank 1's last: step 2's exchange of step figures (plait/train/stragglers.py)
+    assert re.search(r"  rank 1: all_gather@world #\d+ \(step 2, 32 B, metrics\) done; "
+                     r"reported [\d.]+ s ago; step 2: compute [\d.]+ ms, wait [\d.]+ ms",
+                     r.stderr), r.stderr
+    # three steps: a verdict needs three slow ones in a row, and it travels a step behind
+    assert "  stragglers: none named (the verdict published after step 2)" in r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert_all_gone(marker, within_s=15)  # the stopped rank too (SIGKILL after the grace)
 
@@ -143,13 +149,15 @@ def test_a_rank_out_of_step_ends_the_job_with_every_flight_recorder(tmp_path):
     # rank 1's abort takes longer than rank 0's report (a core dump, say)
     assert re.search(r"plait: rank [01] exited first, with (signal SIGABRT|status 1)", err), err
     # rank 0 in its first call of step 3; rank 1's last published, either the end of step 2
-    # or (when its publisher ran before gloo ended it) the extra call itself, in which case
-    # the report names the mismatch on that call
+    # (its last call on dp, or the exchange of step figures after it) or (when its
+    # publisher ran before gloo ended it) the extra call itself, in which case the report
+    # names the mismatch on that call
     at = re.search(r"plait: rank 0 failed in all_reduce@dp #(\d+) \(step 3, [\d,]+ B, grads\) "
                    r"in flight", err)
     assert at, err
     call = int(at.group(1))
-    done = re.search(rf"  rank 1: \S+@dp #{call - 1} \(step 2, .*\) done", err)
+    done = re.search(rf"  rank 1: (\S+@dp #{call - 1}|all_gather@world #\d+) \(step 2, .*\) "
+                     "done", err)  # the world one: step 2's exchange of step figures
     extra = re.search(rf"  rank 1: all_reduce@dp #{call} \(step 2, 4 B, fault\) in flight", err)
     assert done or extra, err
     if extra:

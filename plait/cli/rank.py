@@ -35,7 +35,7 @@ from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
 from plait.device import Device, DeviceError, resolve_device
 from plait.files import PartialFile
-from plait.launch.elastic import ElasticState, inject_fault
+from plait.launch.elastic import ElasticState, inject_fault, slowed
 from plait.launch.local import (
     STOP_SIGNALS,
     StopRequested,
@@ -346,8 +346,10 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
     store = store_client(args.timeout) if world > 1 else None
     watchdog = Watchdog(mesh.ledger, rank, world, store, args.timeout).start() if store else None
     run.watchdog = watchdog
-    batches = GlobalBatches(TokenFile.open(data), cfg.train.seq_len, cfg.train.global_batch,
-                            cfg.train.seed, cfg.model.vocab_size)
+    batches = slowed(GlobalBatches(TokenFile.open(data), cfg.train.seq_len,
+                                   cfg.train.global_batch, cfg.train.seed,
+                                   cfg.model.vocab_size),  # the test-only fault
+                     ft.global_rank(rank, world) if ft else rank)
     lead = rank == 0 and ft is None  # fault-tolerant replicas: the launcher reports
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
     if lead:
@@ -364,7 +366,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
                 if elastic and lead:
                     elastic.log(row)
                 if watchdog is not None:
-                    watchdog.publish()
+                    watchdog.publish(row)
                 if ft is not None and rank == 0:
                     ft.post_row(replicas, row)
                 inject_fault(ft.global_rank(rank, world) if ft else rank, row["step"],

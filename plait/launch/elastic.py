@@ -33,7 +33,9 @@ itself right after step STEP's row is logged, on the first attempt only;
 `kill:RANK:STEP:every` on every attempt; `stop:...` SIGSTOPs it instead (a stalled rank,
 for the hang watchdog, plait/launch/watchdog.py); `extra:...` makes it enter one collective the
 others never do (equally: the others skipped one), so that from then on the ranks' calls
-on that dim are out of step. Read here, by the rank entry, nowhere else.
+on that dim are out of step; `slow:RANK:SECONDS` makes that rank sleep SECONDS inside
+every step, as it takes its micro-batches (a straggler, for plait/train/stragglers.py).
+Read here, by the rank entry, nowhere else.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from plait.checkpoint.format import checkpoints
 
@@ -211,6 +214,30 @@ class ElasticState:
         return {"restarts": len(self.restarts),
                 "lost_steps": sum(r["lost_steps"] for r in self.restarts),
                 "restart_log": self.restarts}
+
+
+class _SlowBatches:
+    """The run's batches, handed out `seconds` late each step (inside the step's timing,
+    outside any collective: compute time, as a slow device's would be)."""
+
+    def __init__(self, batches: Any, seconds: float):
+        self._batches, self._seconds = batches, seconds
+
+    def local_batch(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self._seconds)
+        return self._batches.local_batch(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batches, name)
+
+
+def slowed(batches: Any, rank: int) -> Any:
+    """Test-only (`PLAIT_TEST_FAULT=slow:RANK:SECONDS`, module doc): this rank's batches,
+    late by SECONDS every step; anything else leaves them as they are."""
+    parts = os.environ.get(FAULT_ENV, "").split(":")
+    if len(parts) == 3 and parts[0] == "slow" and int(parts[1]) == rank:
+        return _SlowBatches(batches, float(parts[2]))
+    return batches
 
 
 def inject_fault(rank: int, step: int, attempt: int,

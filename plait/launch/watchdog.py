@@ -8,13 +8,15 @@ daemon thread of each rank:
 
 - publishes its rank's flight recorder to the job's store every `interval` seconds and
   after every step (one small `set`), so that a rank that stops (SIGSTOP, a stuck kernel,
-  an endless loop) has left its last state behind;
+  an endless loop) has left its last state behind; after a step, with that step's compute
+  and wait seconds and the straggler verdict (plait/train/stragglers.py);
 - when a collective of its own rank has been in flight for `timeout` seconds, publishes
   once more and reports: the first rank to do so (an atomic `add` on the store) reads
   every rank's state and prints one line naming the rank(s) behind (the lowest sequence
   number on the dim of the collective the others wait in, or no state at all), then one
-  line per rank with its last collective (in flight or done, how long ago it reported),
-  and its rank exits 1; torch's agent then stops every other rank.
+  line per rank with its last collective (in flight or done, how long ago it reported,
+  its last step's compute and wait), the last straggler verdict published, and its rank
+  exits 1; torch's agent then stops every other rank.
 
 The process group's own timeout is set `REPORT_MARGIN_S` later than the watchdog's, so
 the report comes first. This is the CLI layer: it ends the process (`os._exit`).
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from plait.launch.local import job_store
 from plait.ledger import FlightEntry, Ledger
+from plait.train.stragglers import straggler_text
 
 REPORT_MARGIN_S = 30.0  # the process group times out this much after the watchdog
 KEY = "plait-flight"
@@ -73,7 +76,7 @@ def hang_report(states: dict[int, dict | None], world: int, reporter: int,
                 + (" (a mismatched collective?)" if not mismatched else ""))
              + f"; waiting: {', '.join(map(str, waiting)) or 'none'}. Last collective per rank "
              "(the flight recorder):"]
-    return lines + rank_lines(states, world) + mismatched
+    return lines + rank_lines(states, world) + straggler_lines(states) + mismatched
 
 
 def failure_report(states: dict[int, dict | None], world: int, reporter: int) -> list[str]:
@@ -84,7 +87,8 @@ def failure_report(states: dict[int, dict | None], world: int, reporter: int) ->
     where = (f"in {_entry_text(open_[0])}" if open_ else
              f"after {_entry_text(entries[-1])}" if entries else "before its first collective")
     return ([f"plait: rank {reporter} failed {where}. Last collective per rank (the flight "
-             "recorder):"] + rank_lines(states, world) + mismatches(states))
+             "recorder):"] + rank_lines(states, world) + straggler_lines(states)
+            + mismatches(states))
 
 
 def rank_lines(states: dict[int, dict | None], world: int) -> list[str]:
@@ -97,8 +101,24 @@ def rank_lines(states: dict[int, dict | None], world: int) -> list[str]:
             lines.append(f"  rank {r}: no state published (stopped before its first report)")
             continue
         what = _entry_text(s["entries"][-1]) if s["entries"] else "no collective yet"
-        lines.append(f"  rank {r}: {what}; reported {now - s['at']:.1f} s ago")
+        step = s.get("step")
+        figures = (f"; step {step['step']}: compute {step['compute_s'] * 1e3:.1f} ms, wait "
+                   f"{step['wait_s'] * 1e3:.1f} ms" if step and "compute_s" in step else "")
+        lines.append(f"  rank {r}: {what}; reported {now - s['at']:.1f} s ago{figures}")
     return lines
+
+
+def straggler_lines(states: dict[int, dict | None]) -> list[str]:
+    """The straggler verdict of the newest step any rank published (every rank reaches
+    the same one; none where no rank has published a step)."""
+    steps = [s["step"] for s in states.values() if s and s.get("step")]
+    if not steps:
+        return []
+    last = max(steps, key=lambda x: x["step"])
+    verdict = last.get("straggler")  # on the step before (the exchange runs behind)
+    if verdict:
+        return [f"  stragglers at step {verdict['step']}: {straggler_text(verdict)}"]
+    return [f"  stragglers: none named (the verdict published after step {last['step']})"]
 
 
 def mismatches(states: dict[int, dict | None]) -> list[str]:
@@ -130,6 +150,7 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.interval_s = interval_s or min(1.0, timeout_s / 10)
         self._exit, self._stop = exit, threading.Event()
+        self._step: dict | None = None  # the last step's figures (`publish`)
         self.thread = threading.Thread(target=self._run, name="plait-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -139,13 +160,17 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def publish(self) -> None:
-        """Publish now (the rank entry calls it after each step: a rank that stops right
-        after one has left its whole state)."""
+    def publish(self, row: dict | None = None) -> None:
+        """Publish now (the rank entry calls it after each step, with its row: a rank that
+        stops right after one has left its whole state, and its step's figures)."""
+        if row is not None:
+            self._step = {k: row[k] for k in ("step", "compute_s", "wait_s", "straggler")
+                          if k in row}
         self._publish(self.ledger.in_flight())
 
     def _publish(self, entries: list[FlightEntry]) -> None:
-        state = {"entries": [e.__dict__ for e in entries], "at": time.time()}
+        state = {"entries": [e.__dict__ for e in entries], "at": time.time(),
+                 "step": self._step}
         with contextlib.suppress(Exception):  # the store's host gone: the job is ending
             self.store.set(f"{KEY}/{self.rank}", json.dumps(state))
 
@@ -161,7 +186,8 @@ class Watchdog:
         if first:
             states = {r: self._state(r) for r in range(self.world)}
             states[self.rank] = states[self.rank] or {"entries": [
-                e.__dict__ for e in self.ledger.in_flight()], "at": time.time()}
+                e.__dict__ for e in self.ledger.in_flight()], "at": time.time(),
+                "step": self._step}
             print("\n".join(failure_report(states, self.world, self.rank)), file=sys.stderr,
                   flush=True)
 
@@ -183,7 +209,8 @@ class Watchdog:
         if first:
             states = {r: self._state(r) for r in range(self.world)}
             states[self.rank] = states[self.rank] or {"entries": [
-                e.__dict__ for e in self.ledger.in_flight()], "at": time.time()}
+                e.__dict__ for e in self.ledger.in_flight()], "at": time.time(),
+                "step": self._step}
             print("\n".join(hang_report(states, self.world, self.rank, self.timeout_s)),
                   file=sys.stderr, flush=True)
         else:  # another rank reports; leave it the time to, then end anyway

@@ -166,15 +166,55 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
                      **_exposure(dim, collectives, overlap.get(dim))})
     out["communication"] = dims
     out["step_time_s"] = summary.get("mean_step_time")
+    out["stragglers"] = stragglers(rows, summary, cfg.parallel.gpus_per_node)
     if not ledger:
         out["notes"].append("the summary line has no ledger")
     out["notes"].append(
         "communication: the planner lists the collectives that move model data (gradients, "
         "parameters, activations); the ledger also counts the metrics and grad-norm "
-        "all-reduces (dims world, and a few bytes on dp/pp), the embedding/loss "
+        "all-reduces and the all-gather of every rank's step figures (dims world, and a "
+        "few bytes on dp/pp), the embedding/loss "
         "collectives of tp, and sizes everything in the dtype actually sent")
     _explain_exposure(out, cfg)
     return out
+
+
+def stragglers(rows: list[dict], summary: dict, gpus_per_node: int) -> dict | None:
+    """Per rank, its node and mean compute and wait per step, and the ranks named
+    (plait/train/stragglers.py); None for a metrics file that records no figures."""
+    found = summary.get("stragglers")
+    if not found or not found["compute_s_per_rank"]:
+        return None
+    ranks = [{"rank": r, "node": r // gpus_per_node, "compute_s": c, "wait_s": w}
+             for r, (c, w) in enumerate(zip(found["compute_s_per_rank"],
+                                            found["wait_s_per_rank"], strict=True))]
+    steps = [r["step"] for r in rows if r.get("straggler")]
+    return {"ranks": ranks, "named": found["named"], "rule": found["rule"],
+            "steps_with_a_straggler": len(steps)}
+
+
+def print_stragglers(console: Any, found: dict, shown: int = 16) -> None:
+    """The ranks named, and a table of the slowest `shown` ranks by compute."""
+    from rich.table import Table
+
+    from plait.train.stragglers import straggler_text
+
+    rule = found["rule"]
+    console.print(f"stragglers (a rank's compute above {rule['relative']:g}x and "
+                  f"{rule['absolute_s'] * 1e3:g} ms over its peers' median, {rule['steps']} "
+                  "steps in a row; peers: " + rule["peers"] + "): "
+                  + ("; ".join(f"{straggler_text(v)} (from step {v['first_step']})"
+                               for v in found["named"]) or "none named"),
+                  soft_wrap=True, highlight=False)
+    ranks = sorted(found["ranks"], key=lambda r: -r["compute_s"])[:shown]
+    t = Table(title=f"per rank, mean per step (the {len(ranks)} slowest by compute of "
+              f"{len(found['ranks'])})")
+    for col in ("rank", "node", "compute", "wait (in collectives)"):
+        t.add_column(col, justify="right")
+    for r in ranks:
+        t.add_row(str(r["rank"]), str(r["node"]), f"{r['compute_s'] * 1e3:.1f} ms",
+                  f"{r['wait_s'] * 1e3:.1f} ms")
+    console.print(t)
 
 
 def _explain_exposure(out: dict, cfg: Config) -> None:
@@ -300,6 +340,8 @@ def print_report(rep: dict) -> None:
                   "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
     console.print(t)
     print_overlap(console, rep["communication"], rep.get("step_time_s"))
+    if rep.get("stragglers"):
+        print_stragglers(console, rep["stragglers"])
     if rep.get("plan"):
         from plait.observe.plan_check import print_plan_check
 

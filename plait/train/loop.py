@@ -37,6 +37,7 @@ from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
 from plait.train.data import GlobalBatches
 from plait.train.lr_schedule import lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
+from plait.train.stragglers import Exchange, observe_step
 from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
 
 
@@ -54,6 +55,8 @@ class TrainResult:
     # train(timeline=True): the last step's compute and communication spans of every rank
     # (plait/train/timeline.py; plait train --trace / --timeline draw it)
     timeline: dict | None = None
+    # every rank's compute and wait per step, and the stragglers named (stragglers.py)
+    stragglers: Exchange = field(default_factory=Exchange)
 
     @property
     def losses(self) -> list[float]:
@@ -172,7 +175,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
-                              param_count)
+                              param_count, result.stragglers.finish())
     if replicas is not None:
         result.summary["fault_tolerance"] = replicas.summary(_held_with_steps(opt, mesh))
     if sync is not None:
@@ -347,6 +350,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         row["memory"] = memory
     if skipped:
         row["skipped"] = True
+    observe_step(row, mesh, result.stragglers)  # after the step's timing: collective
     return row
 
 
@@ -441,10 +445,10 @@ def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
 
 
 def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: int,
-             param_count: dict[str, int]) -> dict:
+             param_count: dict[str, int], stragglers: dict) -> dict:
     """The run's summary line: layout, final loss, mean step time and tokens/s (plait/
     throughput.py: the first step, which warms caches, left out when there are others),
-    the ledger's per-step averages."""
+    the ledger's per-step averages, every rank's compute and wait and the stragglers."""
     times = [m["step_time"] for m in metrics]
     return {
         "summary": True,
@@ -458,5 +462,6 @@ def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: in
         "param_count": param_count["total"],  # the model's, on every layout
         "param_count_local": param_count["local"],  # rank 0's share (tp, pp split it)
         "ledger": ledger_summary(mesh, steps_run),
+        "stragglers": stragglers,
         "config": cfg.to_dict(),  # what `plait report` predicts from (plait/observe/report.py)
     }

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from plait.checkpoint import CheckpointWarning
 from plait.throughput import tokens_per_second
+from plait.train.stragglers import straggler_text
 
 
 def human_bytes(n: float) -> str:
@@ -62,6 +63,7 @@ def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = N
                         "{task.total}"), TextColumn("{task.description}"), TimeRemainingColumn(),
                         console=Console(stderr=True))
     times: list[float] = []
+    named: set[int] = set()  # the stragglers already announced
     with progress:
         task = progress.add_task("", total=total_steps)
         every = max(total_steps // 10, 1)
@@ -73,9 +75,16 @@ def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = N
                 # stdout, beside the summary (the live bar, on stderr, shows it above itself)
                 print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
                       f"grad norm {row['grad_norm']:.3f}  {rate:,.0f} tokens/s  "
-                      f"{gauges.text(rate)}{_moe_note(row)}".rstrip(), flush=True)
+                      f"{gauges.text(rate)}{_moe_note(row)}{_straggler_note(row)}".rstrip(),
+                      flush=True)
+            verdict = row.get("straggler")
+            if verdict and verdict["rank"] not in named:  # once a rank, when first named
+                named.add(verdict["rank"])
+                print(f"plait: straggler at step {verdict['step']}: {straggler_text(verdict)}",
+                      flush=True)
             progress.update(task, advance=1, description=(
-                f"loss {row['loss']:.4f}  {rate:,.0f} tokens/s  lr {row['lr']:.2e}"))
+                f"loss {row['loss']:.4f}  {rate:,.0f} tokens/s  lr {row['lr']:.2e}"
+                f"{_straggler_note(row)}"))
 
         yield show
 
@@ -88,6 +97,26 @@ def _moe_note(row: dict) -> str:
         return ""
     return (f"  aux {moe['aux_loss']:.4f}  expert load max/mean "
             f"{moe['load_max_over_mean']:.2f}  dropped {moe['dropped_tokens']}")
+
+
+def _straggler_note(row: dict) -> str:
+    """The step's straggler (plait/train/stragglers.py), where one is named."""
+    verdict = row.get("straggler")
+    if not verdict:
+        return ""
+    return (f"  straggler rank {verdict['rank']} (node {verdict['node']}) "
+            f"{verdict['slower_by']:.2f}x")
+
+
+def stragglers_field(summary: dict) -> str | None:
+    """The summary's stragglers in one line: those named, or that none was."""
+    found = summary.get("stragglers")
+    if not found or len(found["compute_s_per_rank"]) < 2:
+        return None
+    if not found["named"]:
+        return "none named"
+    return "; ".join(f"{straggler_text(v)} (from step {v['first_step']})"
+                     for v in found["named"])
 
 
 def _params(summary: dict) -> str:
@@ -122,6 +151,8 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
         fields.append(("rank 0", gauges.text(summary["tokens_per_s"])))
     if metrics and metrics[-1].get("moe"):  # routing of the last step
         fields.append(("experts", _moe_note(metrics[-1]).strip()))
+    if (stragglers := stragglers_field(summary)) is not None:
+        fields.append(("straggler", stragglers))
     for name, value in fields:  # one field a line: a narrow terminal never splits one
         console.print(f"[bold]{name:<9}[/] {value}", soft_wrap=True, highlight=False)
     table = Table(title="communication per step, rank 0 (ring-algorithm bytes)")
