@@ -1,9 +1,9 @@
 """A replica lost and replaced without a restart: `plait train --fault-tolerance` under
 SIGKILL and SIGSTOP, beside `--max-restarts` under the same SIGKILL.
 
-Four runs of the same job (tiny model, 2 replicas of 2 ranks, ZeRO-2 inside each, one
-step = one row): uninterrupted; a rank of replica 1 SIGKILLed after step K; the same rank
-SIGSTOPped after step K (a stall: left out after --replica-timeout); and the SIGKILL under
+Five runs of the same job (tiny model, 2 replicas of 2 ranks, ZeRO-2 inside each, one
+step = one row): without --fault-tolerance (its cost per step); uninterrupted; a rank
+of replica 1 SIGKILLed after step K; the same rank SIGSTOPped after step K (a stall: left out after --replica-timeout); and the SIGKILL under
 `--max-restarts 1 --checkpoint-every E` instead (every rank restarts from the last
 checkpoint). The fault is the test-only PLAIT_TEST_FAULT (plait/launch/elastic.py): the
 rank signals itself right after step K's row, so the fault's time is that row's.
@@ -82,6 +82,7 @@ def main() -> None:
     data = synthetic_token_file(work / "tokens.bin", 200_000, 2048, seed=3)
     # the survivors go on at once (--min-replicas 1): the replacement joins when it is up
     ft = ["--fault-tolerance", "--replica-timeout", str(args.replica_timeout)]
+    plain = _run(args, data, work, "plain", None)  # the same layout, no fault tolerance
     base = _run(args, data, work, "uninterrupted", None, *ft)
     kill = _run(args, data, work, "killed", f"kill:3:{args.at}", *ft)
     stop = _run(args, data, work, "stalled", f"stop:3:{args.at}", *ft)
@@ -89,6 +90,7 @@ def main() -> None:
                    "--checkpoint-dir", str(work / "ck"), "--checkpoint-every", str(args.every))
     shutil.rmtree(work, ignore_errors=True)
     step_s = base["summary"]["mean_step_time"]
+    plain_s = plain["summary"]["mean_step_time"]
     final = base["rows"][-1]["loss"]
     out = []
     for name, run, how in (("SIGKILL, fault tolerant", kill, _fault_tolerant(kill, args.at)),
@@ -101,16 +103,19 @@ def main() -> None:
     header = ("fault", "fault -> next step (s)", "join (s)", "steps lost",
               "wall (s) / uninterrupted", "final loss vs uninterrupted (rel)")
     text = table(header, out)
-    print(f"uninterrupted: {args.steps} steps, mean step {step_s * 1e3:.0f} ms\n{text}")
+    steps = (f"uninterrupted mean step {step_s * 1e3:.0f} ms with --fault-tolerance, "
+             f"{plain_s * 1e3:.0f} ms without (the same layout: hybrid sharding)")
+    print(f"{args.steps} steps; {steps}\n{text}")
     if args.write:
         write(args.write, "Fault tolerance: a replica lost and replaced, against a restart", [
             f"2 replicas x 2 ranks (ZeRO-2 inside each), tiny model, {args.steps} steps, the "
             f"fault after step {args.at}, --replica-timeout {args.replica_timeout:g} s, "
-            f"--max-restarts with a checkpoint every {args.every} steps; uninterrupted mean "
-            f"step {step_s * 1e3:.0f} ms:\n\n" + text],
+            f"--max-restarts with a checkpoint every {args.every} steps; {steps}:\n\n" + text],
             "A SIGKILLed replica is left out as soon as its launch ends (the launcher marks "
             "it gone), so the next step costs little more than the step redone by the "
-            "survivor; a SIGSTOPped one costs --replica-timeout first. Until the "
+            "survivor; a SIGSTOPped one costs --replica-timeout first (the survivors' sum "
+            "waits that long for it). A step under --fault-tolerance costs the verdict's "
+            "round trip through the launcher's store beside the plain run's. Until the "
             "replacement joins, one replica trains the whole batch (steps take about twice "
             "as long). No step is lost either way, the final loss is the uninterrupted "
             "run's up to the order of the sums, and the replacement's join is its start-up "

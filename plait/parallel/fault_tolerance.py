@@ -215,8 +215,12 @@ class FaultTolerantReplicas:
         to this replica. Raises ReplicaExcluded when the verdict leaves this replica out."""
         issued = time.time()
         for attempt in range(self.count + 1):
+            started = time.monotonic()
             summed = self._try_sum(grads(), loss)
-            verdict = self._verdict(step, attempt, summed is not None)
+            # a sum that timed out already waited for a silent member: the posts get
+            # what is left of the timeout (at least a moment), not a second one
+            left = max(self.timeout_s - (time.monotonic() - started), 0.5)
+            verdict = self._verdict(step, attempt, summed is not None, left)
             if verdict["commit"]:
                 for t, total in zip([*grads(), loss], summed, strict=True):
                     t.copy_(total)
@@ -297,7 +301,7 @@ class FaultTolerantReplicas:
                  for m in self.epoch.members}
         return "inter" if len(nodes) > 1 else "intra"
 
-    def _verdict(self, step: int, attempt: int, ok: bool) -> dict:
+    def _verdict(self, step: int, attempt: int, ok: bool, wait_s: float) -> dict:
         """Post this replica's outcome, read every member's, agree on the first verdict."""
         base = f"step/{step}/{attempt}"
         if self.leader:
@@ -305,7 +309,7 @@ class FaultTolerantReplicas:
         # the launcher marks a replica whose launch ended: no wait for its post
         keys = {f"{base}/ok/{r}": f"gone/{r}.{self.epoch.generations[r]}"
                 for r in self.epoch.members}
-        got = _keys(self.store, keys, self.timeout_s)
+        got = _keys(self.store, keys, wait_s)
         alive = [r for r, k in zip(self.epoch.members, keys, strict=True) if k in got]
         commit = len(alive) == len(keys) and all(v == "1" for v in got.values())
         mine = {"commit": commit, "members": alive, "epoch": self.epoch.number + 1}
