@@ -4,8 +4,10 @@ SIGKILL and SIGSTOP, beside `--max-restarts` under the same SIGKILL.
 Five runs of the same job (tiny model, 2 replicas of 2 ranks, ZeRO-2 inside each, one
 step = one row): without --fault-tolerance (its cost per step); uninterrupted; a rank
 of replica 1 SIGKILLed after step K; the same rank SIGSTOPped after step K (a stall:
-left out after --replica-timeout); and the SIGKILL under --checkpoint-every E` instead (every rank restarts from the last checkpoint). The fault is the test-only PLAIT_TEST_FAULT (plait/launch/elastic.py): the
-rank signals itself right after step K's row, so the fault's time is that row's.
+left out after --replica-timeout); and the SIGKILL under `--max-restarts 1
+--checkpoint-every E` instead (every rank restarts from the last checkpoint). The fault
+is the test-only PLAIT_TEST_FAULT (plait/launch/elastic.py): the rank signals itself
+right after step K's row, so the fault's time is that row's.
 
     fault -> next step  wall time from the fault to the next step committed (the launcher
                         saw its row), beside the uninterrupted run's mean step
