@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers import config, token_file
 from test_hf import LOGIT_RTOL, _losses, rel_diff
+from test_hf import plait_model as llama_plait_model
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -32,7 +33,6 @@ from plait.checkpoint.hf import HFWeights, model_config  # noqa: E402
 from plait.checkpoint.interop import export  # noqa: E402
 from plait.launch.forked import run_ranks  # noqa: E402
 from plait.model.moe import MoE  # noqa: E402
-from plait.model.transformer import build_model  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -67,13 +67,10 @@ def ds_dir(tmp_path_factory) -> Path:
 
 
 def plait_model(path: Path):
-    cfg = model_config(path)
-    model = build_model(cfg, seed=0)
-    weights = HFWeights(path, cfg)
-    weights.check()
+    """test_hf's model read whole from the directory, and the MoE balancing biases."""
+    model = llama_plait_model(path)
+    weights = HFWeights(path, model_config(path))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights.full(name))
         for name, m in model.named_modules():
             if isinstance(m, MoE):
                 m.bias.copy_(weights.full(f"{name}.bias"))
