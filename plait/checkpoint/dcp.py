@@ -267,7 +267,8 @@ class DCPWeights:
             lo, hi = boxes.get(theirs, (offset, offset))
             hi = tuple(max(h, o + s) for h, o, s in zip(hi, offset, shape, strict=True))
             boxes[theirs] = (tuple(map(min, lo, offset)), hi)
-        bufs = {n: torch.empty([h - o for o, h in zip(lo, hi, strict=True)])
+        # host buffers: DCP reads files into them; the pieces are then copied to the device
+        bufs = {n: torch.empty([h - o for o, h in zip(lo, hi, strict=True)], device="cpu")
                 for n, (lo, hi) in boxes.items()}
         with quiet_dcp():
             dcp_load(bufs, storage_reader=FileSystemReader(str(self.dir)), no_dist=True,
@@ -291,7 +292,7 @@ class DCPWeights:
         """The whole of plait parameter `ours`, fp32."""
         shape = self.names["embed.weight" if ours == "head.weight" else ours][1]
         n = math.prod(shape)
-        out = torch.empty(shape)
+        out = torch.empty(shape, device="cpu")  # a whole tensor read on the host
         self.load([Piece(ours, "master", (0,) * len(shape), shape, 0, n, out, False)])
         return out
 
