@@ -76,6 +76,8 @@ def test_a_silent_replica_is_left_out_and_its_slot_trained_by_a_survivor():
     end with the sum of all three slots' gradients and losses."""
     store = dist.HashStore()
     reps = [_replica(store, r, 3) for r in range(2)]  # replica 2 is silent
+    for rep in reps:  # a later step: no start-up grace (module STARTUP_S)
+        rep._started = True
 
     def step(rep):
         grads = [torch.full((5,), float(rep.replica + 1))]
@@ -149,7 +151,7 @@ def _launch(tmp_path: Path, layout: list[str], fault: str, *flags: str):
     # ZeRO-2 over 2 ranks inside each replica; rank 3 (replica 1's second) killed
     (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "2"], "kill:3:1", "30", "fp32"),
     # a 1F1B pipeline inside each replica, ZeRO-1; rank 2 (replica 1's first stage) stalls
-    (["--dp-replicate", "2", "--pp", "2", "--zero", "1"], "stop:2:2", "4", "fp32"),
+    (["--dp-replicate", "2", "--pp", "2", "--zero", "1"], "stop:2:2", "6", "fp32"),
 ], ids=["zero2-killed", "pp2-stalled"])
 def test_a_lost_replica_costs_no_step_and_keeps_parity(tmp_path, layout, fault, timeout,
                                                        precision):

@@ -45,6 +45,10 @@ import torch.distributed as dist
 from plait import comm
 from plait.mesh import ParallelMesh
 
+# the first sum of a run waits at least this long: replicas start apart (process launch,
+# imports, the model's build), which is not a failure
+STARTUP_S = 120.0
+
 # the ledger's name for the sum between replicas: the same bytes hybrid sharding's
 # all-reduce over dp_replicate moves, so the planner prices both with one formula
 DIM = "dp_replicate"
@@ -190,6 +194,7 @@ class FaultTolerantReplicas:
         self.redone_steps = 0
         self._group: tuple[int, dist.ProcessGroup | None] | None = None
         self._admitted: set[str] = set()  # "r.g" of every replacement ever admitted
+        self._started = False  # a sum committed: the start-up grace is over
 
     # ---- what the loop asks -----------------------------------------------------------
     def slots(self) -> list[int]:
@@ -219,9 +224,10 @@ class FaultTolerantReplicas:
             summed = self._try_sum(grads(), loss)
             # a sum that timed out already waited for a silent member: the posts get
             # what is left of the timeout (at least a moment), not a second one
-            left = max(self.timeout_s - (time.monotonic() - started), 0.5)
+            left = max(self._timeout() - (time.monotonic() - started), 0.5)
             verdict = self._verdict(step, attempt, summed is not None, left)
             if verdict["commit"]:
+                self._started = True
                 for t, total in zip([*grads(), loss], summed, strict=True):
                     t.copy_(total)
                 if attempt:
@@ -284,7 +290,7 @@ class FaultTolerantReplicas:
         if len(e.members) > 1:
             prefix = dist.PrefixStore(f"pg/{e.number}/{self.position}", self.store)
             rank, size = e.members.index(self.replica), len(e.members)
-            timeout = timedelta(seconds=self.timeout_s)
+            timeout = timedelta(seconds=self._timeout())
             if self.mesh.device.is_cuda:  # the gradients' own device (not run on a GPU yet)
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
@@ -293,6 +299,9 @@ class FaultTolerantReplicas:
                 group = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         self._group = (e.number, group)
         return group
+
+    def _timeout(self) -> float:
+        return self.timeout_s if self._started else max(self.timeout_s, STARTUP_S)
 
     def _link(self) -> str:
         """"inter" when the quorum's ranks at this position sit on more than one node."""
@@ -404,7 +413,7 @@ class FaultTolerantReplicas:
                 comm.recv_on(flat, donor, group, DIM, self.mesh, self._link(), tag="ft.state")
                 for t, got in zip(parts, _split(flat, parts), strict=True):
                     t.copy_(got)  # each state tensor filled in place
-        self.joining = False
+        self.joining, self._started = False, True
         self.events.append(Event("joined", [self.replica], record["step"],
                                  len(self.epoch.members), started, 0.0,
                                  extra={"donor": record["donor"],
