@@ -118,7 +118,7 @@ def test_a_replacement_joins_with_the_donors_state_at_the_next_step():
         donor.sum_gradients(5, lambda: grads, loss, lambda slots: loss * 0)
         donor.hand_over(5, lambda: state)
 
-    start, _ = _in_threads(lambda: joiner.join(lambda: received, 30.0), lead)
+    start, _ = _in_threads(lambda: joiner.join(lambda: received), lead)
     assert start == 6
     assert all(torch.equal(a, b) for a, b in zip(received, state, strict=True))
     for rep in (donor, joiner):

@@ -67,9 +67,7 @@ class DCPError(CheckpointError):
 
 def dcp_dir(source: str | None) -> Path | None:
     """The directory of a `dcp:DIR` source, None for anything else."""
-    if source is None or not str(source).startswith(DCP_PREFIX):
-        return None
-    return Path(str(source)[len(DCP_PREFIX):]).expanduser()
+    return hf.source_dir(source, DCP_PREFIX)
 
 
 def titan_name(ours: str) -> str:

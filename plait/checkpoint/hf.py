@@ -46,11 +46,16 @@ class HFError(CheckpointError):
     """A Hugging Face directory plait cannot read or represent; the message names why."""
 
 
+def source_dir(source: str | None, prefix: str) -> Path | None:
+    """The directory of a `PREFIX:DIR` source (hf:, dcp:), None for anything else."""
+    if source is None or not str(source).startswith(prefix):
+        return None
+    return Path(str(source)[len(prefix):]).expanduser()
+
+
 def hf_dir(source: str | None) -> Path | None:
     """The directory of an `hf:DIR` source, None for anything else."""
-    if source is None or not str(source).startswith(HF_PREFIX):
-        return None
-    return Path(str(source)[len(HF_PREFIX):]).expanduser()
+    return source_dir(source, HF_PREFIX)
 
 
 def read_config_json(directory: Path) -> dict:

@@ -34,6 +34,7 @@ from plait.checkpoint.cli import preflight
 from plait.checkpoint.format import CheckpointError
 from plait.config import Config, ConfigError
 from plait.device import Device, DeviceError, resolve_device
+from plait.dims.dp_replicate import replica_layout
 from plait.files import PartialFile
 from plait.launch.elastic import ElasticState, inject_fault, slowed
 from plait.launch.local import (
@@ -340,7 +341,7 @@ def _prepare_rank(args: argparse.Namespace, rank: int, world: int, run: _Run,
 def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
     ft = ReplicaArg.parse(args.replica) if args.replica else None  # one replica's ranks
     cfg, device, checkpoint, data = _prepare_rank(args, rank, world, run, ft)
-    run_cfg = ft.layout(cfg) if ft else cfg  # a replica trains its own layout
+    run_cfg = replica_layout(cfg) if ft else cfg  # a replica trains its own layout
     mesh = ParallelMesh.build(run_cfg.parallel, device=device)
     replicas = ft.replicas(cfg, mesh, args.timeout) if ft else None
     store = store_client(args.timeout) if world > 1 else None

@@ -74,11 +74,6 @@ class ReplicaArg:
         """The rank as the whole job counts them (replica by replica)."""
         return self.index * world + rank
 
-    def layout(self, cfg):  # noqa: ANN001, ANN201 - plait.config.Config, both ways
-        from plait.dims.dp_replicate import replica_layout
-
-        return replica_layout(cfg)
-
     def replicas(self, cfg, mesh, timeout_s: float):  # noqa: ANN001, ANN201
         """This rank's FaultTolerantReplicas, on the launcher's store (STORE_ENV)."""
         from plait.parallel.fault_tolerance import FaultTolerantReplicas
@@ -275,6 +270,10 @@ class ReplicaLauncher:
         if summary is not None:
             ft = summary.setdefault("fault_tolerance", {})
             ft["launcher"] = self.seen.to_json()
+            # steps with no committed row between the first and the last: a redo keeps
+            # every step, so any counted here were lost
+            steps = [r["step"] for r in self.rows]
+            ft["steps_lost"] = (steps[-1] - steps[0] + 1 - len(set(steps))) if steps else 0
             # rank 0 of each replica that finished: equal state digests, joiners included
             ft["state_digests"] = {str(r): s["fault_tolerance"]["state_digest"]
                                    for r, s in summaries.items()}

@@ -195,6 +195,7 @@ class FaultTolerantReplicas:
         self._group: tuple[int, dist.ProcessGroup | None] | None = None
         self._admitted: set[str] = set()  # "r.g" of every replacement ever admitted
         self._started = False  # a sum committed: the start-up grace is over
+        self._pending: list[list[int]] = []  # joiners the last commit admitted: [[r, g]]
 
     # ---- what the loop asks -----------------------------------------------------------
     def slots(self) -> list[int]:
@@ -230,9 +231,9 @@ class FaultTolerantReplicas:
                 self._started = True
                 for t, total in zip([*grads(), loss], summed, strict=True):
                     t.copy_(total)
-                if attempt:
+                if attempt and self.events:
                     self.events[-1].resumed_at = time.time()
-                self._admit(verdict.get("join", []), step)
+                self._admit(verdict.get("join", []))
                 return loss
             self.redone_steps += attempt == 0
             lost = [r for r in self.epoch.members if r not in verdict["members"]]
@@ -244,9 +245,10 @@ class FaultTolerantReplicas:
             self._move_to(Epoch(verdict["epoch"], verdict["members"],
                                 self.epoch.slots.without(lost, verdict["members"]),
                                 {r: g for r, g in gens.items() if r not in lost}))
-            self._record(Event("lost", lost, step, len(self.epoch.members), time.time(),
-                               time.time() - issued,
-                               extra={"generations": {str(r): gens[r] for r in lost}}))
+            if lost:  # else every member answered but a sum failed: the same members again
+                self._record(Event("lost", lost, step, len(self.epoch.members), time.time(),
+                                   time.time() - issued,
+                                   extra={"generations": {str(r): gens[r] for r in lost}}))
             extra = sorted(set(self.slots()) - before)
             if extra:  # the gradients held are still this replica's own: train on top
                 loss += train_slots(extra)
@@ -352,7 +354,7 @@ class FaultTolerantReplicas:
                 out.append([r, g])
         return out
 
-    def _admit(self, joiners: list[list[int]], step: int) -> None:
+    def _admit(self, joiners: list[list[int]]) -> None:
         """A commit admitted `joiners`: from the next step they are members; the lowest
         member hands them the state once this step's update is done (`hand_over`)."""
         self._pending = joiners
@@ -363,8 +365,7 @@ class FaultTolerantReplicas:
         """After step `step`'s update: admit the joiners its verdict named. The donor (the
         lowest member) sends `state()` (this rank's held tensors) to each joiner's rank
         at this position; the membership grows from the next step."""
-        joiners = getattr(self, "_pending", [])
-        self._pending = []
+        joiners, self._pending = self._pending, []
         if not joiners:
             return
         slots = self.epoch.slots
@@ -382,17 +383,18 @@ class FaultTolerantReplicas:
         self._move_to(new)
         if self.replica == donor:
             group = self._quorum_group()
+            flats = _flat_by_dtype(state())  # once, whatever the joiners
             with self.mesh.ledger.outside_step():
                 for r, _ in joiners:
-                    for flat in _flat_by_dtype(state()):
+                    for flat in flats:
                         comm.send_on(flat, new.members.index(r), group, DIM, self.mesh,
                                      self._link(), tag="ft.state")
         self._record(Event("joined", [r for r, _ in joiners], step + 1, len(new.members),
                            started, 0.0, extra={"donor": donor,
                                                 "sent_s": time.time() - started}))
 
-    def join(self, state: Callable[[], list[torch.Tensor]], wait_s: float) -> int:
-        """A replacement: ask to join, wait to be admitted (at most `wait_s`), receive
+    def join(self, state: Callable[[], list[torch.Tensor]]) -> int:
+        """A replacement: ask to join, wait to be admitted (at most `join_wait_s`), receive
         `state()`'s tensors in place from the donor at this position. Returns the step
         to start at."""
         if self.leader:
@@ -400,7 +402,7 @@ class FaultTolerantReplicas:
             self.store.set(f"join/{k}", f"{self.replica}.{self.generation}")
             self.store.add("join/count", 1)
         key = f"admit/{self.replica}.{self.generation}"
-        self.store.wait([key], timedelta(seconds=wait_s))
+        self.store.wait([key], timedelta(seconds=self.join_wait_s))
         record = json.loads(self.store.get(key).decode())
         self._move_to(Epoch.from_json(record))
         self._admitted = set(record["admitted"])
@@ -433,6 +435,6 @@ class FaultTolerantReplicas:
         that every replica's rank at this position must share (a replacement too)."""
         digest = None if held is None else float(sum(
             t.double().pow(2).sum() + t.double().sum() for t in held))
-        return {"state_digest": digest,"replicas": self.count, "members": len(self.epoch.members),
-                "epoch": self.epoch.number, "redone_steps": self.redone_steps,
-                "steps_lost": 0, "events": [e.__dict__ for e in self.events]}
+        return {"state_digest": digest, "replicas": self.count,
+                "members": len(self.epoch.members), "epoch": self.epoch.number,
+                "redone_steps": self.redone_steps, "events": [e.__dict__ for e in self.events]}

@@ -114,8 +114,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
           capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
           stop: StopRequest | None = None, timeline: bool = False,
-          shard_init: bool = False, replicas: FaultTolerantReplicas | None = None,
-          join_wait_s: float = 600.0) -> TrainResult:
+          shard_init: bool = False, replicas: FaultTolerantReplicas | None = None
+          ) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
@@ -123,7 +123,10 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once any
     rank has recorded a signal, every rank saves the steps done into `checkpoint` and raises
     StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's timeline of
-    every rank (result.timeline; collective at the end). `shard_init`: see `parallelize`."""
+    every rank (result.timeline; collective at the end). `shard_init`: see `parallelize`.
+    `replicas`: this rank's fault-tolerant replica (plait/parallel/fault_tolerance.py; `mesh`
+    and `cfg` are the replica's own): each step's gradients summed over the live replicas,
+    or, for a replacement, the state received from a live one first."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
@@ -131,7 +134,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
     par = parallelize(plain, mesh, cfg, shard_init=shard_init)
     model, opt = par.model, par.optimizer
-    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step, join_wait_s)
+    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     mbs = cfg.micro_batch_size()
     # gradient accumulation is the one-stage case of the same runtime; what crosses a
@@ -207,7 +210,7 @@ def _measured_outputs(result: TrainResult, cfg: Config, mesh: ParallelMesh,
 
 def _starting_state(par: ParallelModel, mesh: ParallelMesh, cfg: Config,
                     checkpoint: Checkpointing | None, replicas: FaultTolerantReplicas | None,
-                    start_step: int, join_wait_s: float) -> int:
+                    start_step: int) -> int:
     """The weights and state the run starts from: the initial source's (train.init_from),
     a live replica's (a fault-tolerant replacement: over the network, no disk) or the
     checkpoint's being resumed; the step to start at."""
@@ -216,7 +219,7 @@ def _starting_state(par: ParallelModel, mesh: ParallelMesh, cfg: Config,
         load_initial(par, mesh, cfg, cfg.train.init_from)  # this rank's slices
     if replicas is not None and replicas.joining:
         steps = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
-        start_step = replicas.join(lambda: [*held_tensors(opt), steps], join_wait_s)
+        start_step = replicas.join(lambda: [*held_tensors(opt), steps])
         opt.finish_load(int(steps.item()))
     elif checkpoint is not None:  # every rank reads what it now holds; no step has run
         start_step = checkpoint.restore(par, mesh, cfg, start_step)
