@@ -50,6 +50,20 @@ PARITY_TOLERANCES = {
                  "param_move_rtol": 0.8, "aux_rtol": 1.6e-3, "bias_atol": 5.9e-2},
 }
 
+# float8 against bf16, one process, the tiny model over 100 steps: the largest relative
+# loss difference at any step (benchmarks/fp8_loss.py; docs/parity.md, "Float8")
+FP8_LOSS_RTOL = 1.5e-2
+
+
+def loss_gap(losses: list[float], baseline: list[float]) -> tuple[float, int, float]:
+    """(largest relative difference, its step, mean relative difference over the last ten
+    steps) of one loss curve against another of the same length."""
+    assert len(losses) == len(baseline), (len(losses), len(baseline))
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, baseline, strict=True)]
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    tail = rel[-10:]
+    return rel[worst], worst, sum(tail) / len(tail)
+
 
 def merge_ranks(outs: list[dict]) -> dict:
     """One replica's (or one job's) run as one result: the union of its ranks' parameters
