@@ -21,7 +21,7 @@ from plait.model.fp8 import (
     to_fp8,
 )
 from plait.model.transformer import build_model
-from plait.parallel.fp8 import apply_float8, is_float8
+from plait.parallel.fp8 import AMAX_TAG, apply_float8, float8_linears, is_float8
 from plait.testing import FP8_LOSS_RTOL, loss_gap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -109,3 +109,19 @@ def test_loss_within_the_bound_of_bf16_over_100_steps():
     worst, step, _ = loss_gap(losses["fp8"], losses["bf16"])
     assert 0 < worst <= FP8_LOSS_RTOL, (worst, step)
     assert losses["fp8"][-1] < 0.75 * losses["fp8"][0]  # it learns
+
+
+def test_zero3_gathers_the_block_weights_in_float8():
+    """ZeRO-3 under fp8: the block linears' weights all-gathered at one byte an element
+    (half of bf16's two), the rest (embedding, head, norms) at two; each step's amaxes are
+    a control collective of a few floats."""
+    sets = ("model.tie_embeddings=false", "parallel.dp=2", "parallel.zero=3",
+            "train.steps=2", "parallel.microbatches=2", "train.precision=fp8")
+    step = [r for r in run_layout(*sets)[0]["ledger"] if r["step"] == 1]
+    model = build_model(config(*sets).model, seed=0, device="meta")
+    linear = sum(m.weight.numel() for m in float8_linears(model))
+    rest = sum(p.numel() for p in model.parameters()) - linear
+    gathered = sum(r["payload"] for r in step if r["tag"].startswith("params"))
+    assert gathered == 2 * 2 * (linear * 1 + rest * 2)  # (forward + backward) x 2 micro
+    amax = [r for r in step if r["tag"] == AMAX_TAG]
+    assert amax and sum(r["payload"] for r in amax) < 1e-3 * gathered
