@@ -70,10 +70,11 @@ def main() -> None:
                 "Mean step time (ms; on this CPU float8 GEMMs are not faster: the point "
                 "here is the numerics):\n\n" + results.table(("precision", "step ms"),
                                                               times)],
-            f"float8's loss stays within {FP8_LOSS_RTOL:.0e} (relative) of bf16's at "
-            "every step (the bound tests/test_fp8.py holds it to), the same order as "
-            "bf16's own gap to fp32: the float8 recipe (dynamic per-tensor scales, E4M3 "
-            "forward, E5M2 gradients) costs no more than bf16 does on this model.",
+            f"float8's loss stays within {FP8_LOSS_RTOL:.1e} (relative) of bf16's at "
+            "every step (the bound tests/test_fp8.py holds it to, 3x the worst measured), "
+            "a few times bf16's own gap to fp32, with no drift: the float8 recipe "
+            "(dynamic per-tensor scales, E4M3 forward, E5M2 gradients) trains this model "
+            "as bf16 does.",
             run=results.run_line(load0))
 
 

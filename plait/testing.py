@@ -55,7 +55,7 @@ PARITY_TOLERANCES = {
             "param_move_rtol": 8.1e-1},
     # the same float8 GEMMs in an fp32 model (tests/test_fp8_parity.py): sums reorder at
     # fp32's ulp, a float8 rounding rarely flips, and a scale that is not the whole
-    # tensor's (an amax not reduced over tp or cp) is caught
+    # tensor's (an amax not reduced over the ranks splitting it) is caught
     "fp8-fp32": {"loss_rtol": 3.9e-7, "norm_rtol": 7.7e-3, "grad_rtol": 5.2e-3,
                  "param_move_rtol": 5.3e-2},
 }

@@ -11,8 +11,8 @@ GEMMs have no float8 path here).
 The swap keeps each module, its parameter and its name: its class becomes a subclass of
 its own with a float8 forward, so checkpoints, the placement table, ZeRO's units and any
 isinstance test see the same module. Where a linear's tensors are split over ranks (tp
-shards weights and the row-parallel inputs; cp splits the sequence), its amaxes are
-all-reduced (max) over those dims: every rank scales by the whole tensor's amax, the
+shards weights and the row-parallel inputs; context parallel splits the sequence), its
+amaxes are all-reduced (max) over those dims: every rank scales by the whole tensor's amax, the
 single-process run's scale (plait/model/fp8.py).
 """
 
@@ -25,14 +25,16 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.dims import DIMENSIONS
 from plait.mesh import ParallelMesh
 from plait.model.fp8 import Float8Settings, float8_linear
 from plait.model.transformer import Block
 from plait.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
-# the dims whose ranks hold parts of one linear's tensors in a micro-batch
-SPLITTING_DIMS = ("tp", "cp")
+# the dims whose ranks hold parts of one linear's tensors in a micro-batch: those that
+# split the hidden width (tensor parallel) or the sequence (context parallel)
+SPLITTING_DIMS = tuple(d.name for d in DIMENSIONS if d.splits in ("hidden", "sequence"))
 AMAX_TAG = "fp8.amax"  # a control collective: a few floats (plait/ledger.py CONTROL_TAGS)
 
 

@@ -23,6 +23,7 @@ from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.model.fp8 import E4M3, scale_for, to_fp8
 from plait.parallel.fp8 import AMAX_TAG
+from plait.parallel.tensor import DIM as TP
 from plait.parallel.zero_units import _Unit
 
 
@@ -41,8 +42,8 @@ def cast_shards(units: list[_Unit], mesh: ParallelMesh) -> None:
         on_dim = [u for u in fp8 if u.dim == dim]
         flat = torch.cat([amax[id(u)] for u in on_dim])
         comm.all_reduce(flat, mesh, dim, op="max", tag=AMAX_TAG)
-        if mesh.size("tp") > 1:  # a tp slice's amax is not the whole weight's
-            comm.all_reduce(flat, mesh, "tp", op="max", tag=AMAX_TAG)
+        if mesh.size(TP) > 1:  # a tp slice's amax is not the whole weight's
+            comm.all_reduce(flat, mesh, TP, op="max", tag=AMAX_TAG)
         for u, part in zip(on_dim, flat.split([len(u.params) for u in on_dim]), strict=True):
             amax[id(u)] = part
     for u in fp8:
