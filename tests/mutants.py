@@ -327,10 +327,11 @@ MUTANTS = [
            ["tests/test_dcp.py::test_fsdp2_checkpoint_read_by_plait_in_another_layout"]),
 ]
 
+from tests.mutants_fp8 import MUTANTS as FP8_MUTANTS  # noqa: E402
 from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402
 from tests.mutants_pipeline import MUTANTS as PIPELINE_MUTANTS  # noqa: E402
 
-MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS
+MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS + FP8_MUTANTS
 
 
 # ---- the runner ---------------------------------------------------------------------------

@@ -220,8 +220,11 @@ def train_problems(cfg: Config) -> list[str]:
          f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
          "model.max_seq_len"),
         (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
-        (t.precision not in ("fp32", "bf16"),
-         f"train.precision={t.precision!r}; use 'fp32' or 'bf16'"),
+        (t.precision not in ("fp32", "bf16", "fp8"),
+         f"train.precision={t.precision!r}; use 'fp32', 'bf16' or 'fp8'"),
+        (t.precision == "fp8" and m.n_experts > 0,
+         "train.precision='fp8' is not built for MoE models (the routed experts' grouped "
+         "GEMMs have no float8 path); use --precision bf16"),
         (t.recompute not in RECOMPUTE_MODES,
          f"train.recompute={t.recompute!r}; use 'none', 'selective' or 'full'"),
         (t.lr <= 0, f"train.lr={t.lr} must be > 0"),

@@ -132,7 +132,9 @@ class TrainConfig:
     # "adamw" | "sgd": plain SGD (no momentum, no weight decay) is scale-sensitive, the
     # parity check that a gradient off by a constant factor cannot pass (docs/parity.md)
     optimizer: str = "adamw"
-    precision: str = "fp32"  # "fp32" | "bf16" (bf16 compute, fp32 master weights)
+    # "fp32" | "bf16" (bf16 compute, fp32 master weights) | "fp8" (bf16, and the blocks'
+    # linears in float8: plait/parallel/fp8.py)
+    precision: str = "fp32"
     recompute: str = "none"  # "none" | "selective" | "full" (per block; docs/recompute.md)
     # selective: the operator groups recomputed; the others' outputs are saved
     # (plait/model/recompute.py: matmul, attention, elementwise)

@@ -67,7 +67,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))
     p.add_argument("--lr", type=float, help=_setting_help("lr"))
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, help=_setting_help("schedule"))
-    p.add_argument("--precision", choices=("fp32", "bf16"), help=_setting_help("precision"))
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), help=_setting_help("precision"))
     p.add_argument("--recompute", choices=("none", "selective", "full"),
                    help=_setting_help("recompute"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"),
@@ -134,7 +134,8 @@ _SETTING_HELP = {
     "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
     "virtual-stages": "pipeline stages per rank", "gpus-per-node": "ranks per node",
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
-    "dtype (fp32 masters either way)", "recompute": "activation recompute per block: "
+    "dtype (fp32 masters either way); fp8: bf16 with the blocks' linears in float8",
+    "recompute": "activation recompute per block: "
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
     "init-from": "starting weights: a Hugging Face directory hf:DIR, a DCP checkpoint "
