@@ -104,6 +104,18 @@ class Efficiency:
     # part of a call that needs a core when ranks share a host's cores (host_share.py)
     comm_cpu_call: float = 0.0
     comm_cpu_byte: float = 0.0
+    # fused attention's measured fraction of peak by sequence length, ((seq, fraction),
+    # ...) ascending (plait/plan/gpu_data.py's published points); empty: the GEMM curve
+    # times attention_scale
+    attention_curve: tuple[tuple[float, float], ...] = ()
+
+
+def attention_eff(seq: Num, curve: tuple[tuple[float, float], ...]) -> Num:
+    """Fused attention's fraction of peak at sequence length `seq`: `curve` interpolated
+    in log(seq), held flat beyond its ends."""
+    xs = np.log([float(s) for s, _ in curve])
+    ys = np.array([float(f) for _, f in curve])
+    return np.interp(np.log(np.maximum(np.asarray(seq, dtype=float), 1.0)), xs, ys)
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -260,7 +272,11 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp, attention)
     # batched per-head GEMMs: efficiency of the whole batch's work
-    a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
+    if eff.attention_curve and attention == "flash":  # a published fused sweep
+        a_time = a_flops / (gpu.peak_flops * peak_scale
+                            * attention_eff(shape.seq, eff.attention_curve))
+    else:
+        a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
     bw = eff.elementwise_bw or gpu.hbm_bw
     elt = eff.elementwise_passes * saved_bytes / bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

@@ -33,6 +33,7 @@ from plait.plan.compute import (
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
+from plait.plan.stack import pp_overlapped
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
@@ -137,11 +138,13 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
     nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0
     dense_extra = nd * (terms.dense_layer - dense_l)
-    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
+    # the ends' layers: uneven stages (Training.stack) or the even split's rank_layers
+    l_first, l_last = b.first_layers, b.last_layers
+    first_p = l_first * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
         + dense_extra
-    last_p = b.rank_layers * dense_l + head + np.where(pp == 1, dense_extra, 0.0)
-    ex_first = (b.rank_layers - nd) * expert_l
-    ex_last = np.where(pp == 1, ex_first, b.rank_layers * expert_l)
+    last_p = l_last * dense_l + head + np.where(pp == 1, dense_extra, 0.0)
+    ex_first = (l_first - nd) * expert_l
+    ex_last = np.where(pp == 1, ex_first, l_last * expert_l)
     in0, in_last = memory.inflight_chunks(b.sched, pp, m, b.v)
     if simulate and info.get("peaks"):
         in0, in_last = float(info["peaks"][0]), float(info["peaks"][-1])
@@ -153,17 +156,18 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
 
     kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
 
-    def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
+    def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num,
+                 chunk: Num) -> dict[str, Num]:
         st = memory.model_states(dense_p, dshard, lay.zero, *kinds, pp, lay.zero3_gather)
         ex = memory.model_states(ex_p, eshard, lay.zero, *kinds, pp, lay.zero3_gather)
         out = {k: st[k] + ex[k] for k in st}
-        out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
+        out["activations"] = np.minimum(inflight, m * cpr) * chunk * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)
         out["communication buffers"] = buffers
         return out
 
-    first = rank_mem(first_p, ex_first, in0, (pp == 1) | both_ends)
-    last = rank_mem(last_p, ex_last, in_last, True)
+    first = rank_mem(first_p, ex_first, in0, (pp == 1) | both_ends, l_first / cpr)
+    last = rank_mem(last_p, ex_last, in_last, True, l_last / cpr)
     t_first, t_last = sum(first.values()), sum(last.values())
     use_first = t_first >= t_last
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
@@ -227,6 +231,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     colls = lc.colls
     ct = chunk_times(shape, cluster, lay, eff, b, lc)
     t_pp = pp_p2p(shape, cluster, eff, b, colls, lay.sp)
+    if pp_overlapped(train.stack, b.sched):  # sends hidden behind compute (stack.py)
+        t_pp = 0.0 * t_pp
     pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate, train.optimizer_sync,
                                      eff.p2p_post, eff.pipeline_gap)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
