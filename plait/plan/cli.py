@@ -15,7 +15,7 @@ import numpy as np
 from plait.dims import DEFAULT_ORDER
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
-from plait.plan import host_share
+from plait.plan import host_share, trust
 from plait.plan import stack as stack_args
 from plait.plan.basis import WRITTEN
 from plait.plan.bubble import chunks_per_rank
@@ -23,6 +23,7 @@ from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
 from plait.plan.emit import emit_plan
 from plait.plan.estimate import Estimate, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
+from plait.plan.explain_terms import explain_terms
 from plait.plan.goodput import (
     Failures,
     add_goodput_arguments,
@@ -136,6 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
+    trust.add_arguments(o)
     o.add_argument("--plot", help="draw the memory breakdown of the shown layouts to this PNG")
     o.add_argument("--emit-config", metavar="RUN.toml",
                    help="write the best layout plait train can run as a config for "
@@ -365,6 +367,12 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                             float(ests[0].tokens_per_s), train.precision)
     notes += [paper] if paper else []
     notes += [line for line in [host_share.note(cluster)] if line]  # shared CPU cores
+    eff = hardware_of(args)[1]
+    pub = trust.plan_published(cluster, args.efficiency, bool(args.hardware))
+    notes += trust.mfu_flags(ests, cluster, pub, eff) + trust.provenance(
+        cluster, pub, args.efficiency)
+    if args.explain:
+        notes += explain_terms(shape, cluster, train, ests[0], eff)
     if gps:
         notes += goodput_lines(gps[0])
         if len(gps) > 1:

@@ -141,8 +141,9 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
                ("q, kv up-projections and out", 2 * n * shape.mla_split_params() / t)]
     if shape.arch == "gpt":  # GeLU MLP: two matrices of h x ffn
         return out + [("fc1", 2 * n * h * shape.ffn / t), ("fc2", 2 * n * shape.ffn * h / t)]
-    if not shape.moe:
-        return out + [("mlp", 2 * n * h * 3 * shape.ffn / t)]
+    if not shape.moe:  # gate and up fused in one GEMM (Megatron-LM's fc1), down apart
+        return out + [("mlp gate+up", 2 * n * h * 2 * shape.ffn / t),
+                      ("mlp down", 2 * n * shape.ffn * h / t)]
     fe = shape.expert_ffn
     out.append(("router", 2 * n * h * shape.experts / ms))
     out.append(("routed experts", 2 * n * shape.top_k * 3 * h * fe / ms))
