@@ -265,6 +265,12 @@ def dcp_flat_run_misaligned():
     dcp.cut = lambda block, p, skip: cut(block, p, 0)  # a ZeRO run from its first row's start
 
 
+def plan_stages_even():
+    from plait.plan import basis
+
+    basis.stage_layers = lambda layers, pp, even, stack: (even, even, even)  # knobs ignored
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
 CP = "tests/test_context_parallel.py::"
@@ -273,6 +279,9 @@ MODEL = "tests/test_model.py"
 CKPT = "tests/test_checkpoint.py::"
 
 MUTANTS = [
+    Mutant("plan-stages-even", "plait plan ignores --first/--last-stage-layers",
+           plan_stages_even,
+           ["tests/test_plan_published.py::test_llama3_405b_8k_layout_fits_with_its_uneven_stages"]),
     Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
            dp_bucketed_doubled,
            [DP + "test_parity_with_accumulation_and_clipping[bucketed-2]",
