@@ -24,7 +24,7 @@ import numpy as np
 
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.plan import bubble, host_share, memory
+from plait.plan import bubble, host_share, memory, memory_bound
 from plait.plan.comm import price
 from plait.plan.compute import Efficiency, LayerTimes, Num, layer_times
 from plait.plan.hardware import Cluster
@@ -235,6 +235,12 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     chunk_layers = np.maximum(np.maximum(first, middle), last)  # the slowest stage's
     saved_none = memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, "none", e,
                                           lay.attention)
+    lt = layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
+                     tp if lay.sp else 1.0, lay.attention)
+    if memory_bound.priced(eff):  # the published GPU numbers: each kernel's bytes
+        lt = memory_bound.with_memory_bound(lt, shape, tokens, tp, lay.sp, e, lay.attention,
+                                            tp if lay.sp else 1.0, cluster.gpu, eff,
+                                            train.stack.fused_kernels)
     return Basis(
         sizes=sizes, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
@@ -242,8 +248,7 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
         saved=memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, lay.recompute, e,
                                        lay.attention, lay.recompute_ops),
-        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
-                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
+        lt=lt, moe_split=tp if lay.sp else 1.0,
         strides=price.order_strides(lay.order, sizes), first_layers=first * cpr,
         last_layers=last * cpr)
 
@@ -264,6 +269,9 @@ class ChunkTimes:
     w_c: Num
     policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
     tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
+    # in head_f: the final norm's and the loss's memory-bound kernels (published GPU
+    # numbers: plait/plan/memory_bound.py; 0 otherwise)
+    head_mb: Num = 0.0
 
 
 __all__ = ["ALWAYS_WRITTEN", "SHARD_COPIES", "WRITTEN", "Basis", "ChunkTimes", "Layout",

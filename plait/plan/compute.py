@@ -108,6 +108,12 @@ class Efficiency:
     # ...) ascending (plait/plan/gpu_data.py's published points); empty: the GEMM curve
     # times attention_scale
     attention_curve: tuple[tuple[float, float], ...] = ()
+    # the fraction of the datasheet HBM bandwidth a streaming copy reaches and the CPU
+    # seconds to issue one kernel: the published GPU numbers' (plait/plan/gpu_data.py),
+    # which price each memory-bound kernel (plait/plan/memory_bound.py); 0: not priced
+    # there (the fitted passes above, or a measured profile's element-wise rate)
+    hbm_fraction: float = 0.0
+    launch_seconds: float = 0.0
 
 
 def attention_eff(seq: Num, curve: tuple[tuple[float, float], ...]) -> Num:
@@ -257,10 +263,18 @@ class LayerTimes:
     attn_fwd: Num
     elementwise_fwd: Num
     flops_fwd: Num  # GEMM + attention core FLOPs, forward
+    # the backward's element-wise seconds (None: twice the forward's)
+    elementwise_bwd: Num = None
 
     @property
     def forward(self) -> Num:
         return self.gemm_fwd + self.attn_fwd + self.elementwise_fwd
+
+    @property
+    def backward_elementwise(self) -> Num:
+        if self.elementwise_bwd is None:
+            return 2 * self.elementwise_fwd
+        return self.elementwise_bwd
 
 
 def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,

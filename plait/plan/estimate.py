@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, host_share, memory
+from plait.plan import bubble, host_share, memory, memory_bound
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
@@ -37,6 +37,9 @@ from plait.plan.stack import pp_overlapped
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
+# the step-time term of the memory-bound kernels (norms, activations, residual adds, the
+# loss) where plait/plan/memory_bound.py prices them
+MEMORY_BOUND_TERM = "memory-bound kernels"
 
 
 @dataclass
@@ -63,7 +66,7 @@ def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b:
     """One layer's F, I, W with its exposed collectives, the head's, and one chunk's."""
     lt, gpu = b.lt, cluster.gpu
     f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.seq_exp_f + lc.expert_exp_f
-    i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
+    i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + lt.backward_elementwise + 2 * lc.t_ar \
         + lc.seq_exp_b + lc.expert_exp_b
     w_layer = lt.gemm_fwd
     policy = eff.policy_layer_seconds if lay.runtime_mode() == "selective" else 0.0
@@ -72,11 +75,16 @@ def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b:
     f_layer = f_layer + tp_cpu / 3
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
-    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.seq_split, b.e) / gpu.hbm_bw \
+    if memory_bound.priced(eff):  # the final norm and the loss, both passes, kernel by kernel
+        head_mb = memory_bound.loss_seconds(shape, b.tokens, b.tp, lay.sp, b.e, gpu, eff)
+    else:  # writing the logits and their fp32 copy
+        head_mb = memory.logits_bytes(shape, b.mbs, b.tp, b.seq_split, b.e) / gpu.hbm_bw
+    head_f = head_g + head_mb \
         + eff.op_seconds * eff.outside_ops + tp_out  # embedding, norm, head, loss: ops
     n = b.chunk_layers
     return ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
-                      n * i_layer, n * w_layer, policy, tp_cpu)
+                      n * i_layer, n * w_layer, policy, tp_cpu,
+                      head_mb if memory_bound.priced(eff) else 0.0)
 
 
 def _pipeline_time(shape: Shape, b: Basis, ct: ChunkTimes, t_pp: Num, simulate: bool,
@@ -189,10 +197,13 @@ def _busiest(train: Training, lay: Layout, b: Basis, pr: tuple[Num, Num], chunk:
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
-                    pr: Num) -> Num:
+                    pr: Num, eff: Efficiency) -> Num:
     """The optimizer step: reading and writing the rank's (ZeRO: shard of the) states."""
     pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
     opt_shard = b.zero_split if lay.zero >= 1 else 1.0
+    if memory_bound.priced(eff):
+        return memory_bound.optimizer_seconds(pr / opt_shard, train.precision,
+                                              train.optimizer, cluster.gpu, eff)
     return pr / opt_shard * (2 * kb + gb + pb) / cluster.gpu.hbm_bw
 
 
@@ -200,9 +211,15 @@ def _time_breakdown(lay: Layout, b: Basis, lc: LayerComm, ct: ChunkTimes, pipe: 
                     dp_exposed: Num, t_opt: Num) -> dict[str, Num]:
     m, cpr, lt = b.m, b.cpr, b.lt
     busy = busy_of(m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f, ct.head_g, b.sched)
-    return {
-        "compute": m * (cpr * b.chunk_layers * (3 * lt.forward + ct.tp_cpu) + ct.head_f
-                        + 2 * ct.head_g) / schedule_spec(b.sched).chains,
+    chains = schedule_spec(b.sched).chains
+    compute = m * (cpr * b.chunk_layers * (3 * (lt.gemm_fwd + lt.attn_fwd) + lt.elementwise_fwd
+                                           + lt.backward_elementwise + ct.tp_cpu)
+                   + ct.head_f + 2 * ct.head_g) / chains
+    # the memory-bound kernels priced one by one (published GPU numbers) shown apart
+    mb = m * (cpr * b.chunk_layers * (lt.elementwise_fwd + lt.backward_elementwise)
+              + ct.head_mb) / chains if lt.elementwise_bwd is not None else None
+    out = {
+        "compute": compute if mb is None else compute - mb,
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
         EXCHANGE_TERM: lc.exchange_exposed() * b.rank_layers * m,
         # the replayed tp collectives are in "tp comm" (its count has them): not twice
@@ -213,6 +230,9 @@ def _time_breakdown(lay: Layout, b: Basis, lc: LayerComm, ct: ChunkTimes, pipe: 
         "dp comm (exposed)": dp_exposed,
         "optimizer step": t_opt,
     }
+    if mb is not None:
+        out[MEMORY_BOUND_TERM] = mb
+    return out
 
 
 def _step_flops(shape: Shape, train: Training, lay: Layout, b: Basis) -> tuple[Num, Num]:
@@ -256,7 +276,7 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params - rm.expert_params,
                                      rm.expert_params, lay.zero))
-    t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
+    t_opt = _optimizer_time(cluster, train, lay, b, rm.params, eff) + eff.op_seconds * (
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
     step = pipe + dp_exposed + t_opt

@@ -70,7 +70,9 @@ def published(gpu: GPU) -> Published | None:
     eff = Efficiency(gemm_max=e["gemm_max"]["value"], gemm_half=e["gemm_half_flops"]["value"],
                      link_efficiency=1.0, elementwise_passes=0.0,
                      attention_curve=tuple((float(s), float(f))
-                                           for s, f in e["attention"]["points"]))
+                                           for s, f in e["attention"]["points"]),
+                     hbm_fraction=e["hbm_achievable"]["value"],
+                     launch_seconds=doc["kernel_launch"]["seconds"])
     return Published(fam, g, eff, e["mfu_published_best"]["value"], e)
 
 
@@ -84,7 +86,7 @@ def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
                "A100 runs (plait/plan/calibration.py), links = datasheet x the fitted "
                "link efficiency" if mode == "fitted" else "a measured profile (--hardware)")
         return [head + f"; {why}."]
-    e = pub.entry
+    e, doc = pub.entry, load()
     pts = e["attention"]["points"]
     return [
         head + " (usable: what the device reports, nominal GiB x 79.11/80: the data "
@@ -94,6 +96,10 @@ def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
         f"{e['gemm_half_flops']['source']}.",
         f"  Fused attention {pts[0][1]:.0%} of peak at seq {pts[0][0]} to {pts[-1][1]:.0%} "
         f"at {pts[-1][0]}: {e['attention']['source']}.",
+        f"  Memory-bound kernels at {pub.eff.hbm_fraction:.1%} of the HBM bandwidth "
+        f"({gpu.hbm_bw * pub.eff.hbm_fraction / 1e9:,.0f} GB/s): "
+        f"{e['hbm_achievable']['source']}; {pub.eff.launch_seconds * 1e6:.0f} us of CPU "
+        f"a kernel launch: {doc['kernel_launch']['source']}.",
         f"  NCCL bus bandwidth {gpu.nvlink_bw / 1e9:,.0f} GB/s inside a node: "
         f"{e['nvlink_busbw']['source']}; {gpu.internode_bw / 1e9:,.0f} GB/s per GPU "
         f"across nodes: {e['internode_busbw']['source']}.",

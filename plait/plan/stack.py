@@ -9,6 +9,9 @@ and how many layers the first and last pipeline stages hold. `plait plan` asks f
   --pp-overlap auto   Megatron-LM overlaps the interleaved schedule's sends with compute
                       (its --no-overlap-p2p-communication turns it off); the plain 1F1B
                       schedule waits on its sends. auto: overlapped for interleaved only
+  --fused-kernels yes  the stack fuses its element-wise kernels (Megatron-LM, Transformer
+                      Engine, torch.compile); no: PyTorch eager, one kernel per operator
+                      (the launches the published GPU numbers price)
   --first-stage-layers N, --last-stage-layers N
                       uneven pipeline stages (Megatron-LM's
                       --decoder-first/last-pipeline-num-layers): the first stage, which
@@ -36,6 +39,10 @@ class Stack:
     pp_overlap: str = "auto"  # PP_OVERLAP
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    # the stack fuses its element-wise kernels (a norm, an activation, RoPE: one kernel
+    # each; Megatron-LM, Transformer Engine, torch.compile) or runs PyTorch eager (one
+    # kernel per operator): the kernel launches plait/plan/memory_bound.py counts
+    fused_kernels: bool = True
 
     def uneven(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
@@ -50,6 +57,11 @@ def add_arguments(group: Any) -> None:
     group.add_argument("--pp-overlap", default="auto", choices=PP_OVERLAP,
                        help="pipeline sends overlap compute (default auto: for the "
                        "interleaved schedule only, as Megatron-LM)")
+    group.add_argument("--fused-kernels", default="yes", choices=yes_no,
+                       help="the stack fuses its element-wise kernels (default yes: "
+                       "Megatron-LM, Transformer Engine, torch.compile; no: PyTorch eager, "
+                       "one kernel per operator): the kernel launches priced with the "
+                       "published GPU numbers")
     group.add_argument("--first-stage-layers", type=int, metavar="N",
                        help="layers of the first pipeline stage (default: an even split; "
                        "Megatron-LM's --decoder-first-pipeline-num-layers)")
@@ -62,7 +74,8 @@ def stack_from_args(args: argparse.Namespace) -> Stack:
     return Stack(getattr(args, "dp_overlap", "yes") == "yes",
                  getattr(args, "pp_overlap", "auto"),
                  getattr(args, "first_stage_layers", None),
-                 getattr(args, "last_stage_layers", None))
+                 getattr(args, "last_stage_layers", None),
+                 getattr(args, "fused_kernels", "yes") == "yes")
 
 
 def pp_overlapped(stack: Stack, sched: str) -> bool:
