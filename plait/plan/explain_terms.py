@@ -7,8 +7,9 @@ import numpy as np
 
 from plait.plan.basis import Training, basis_of
 from plait.plan.compute import Efficiency, attention_eff, gemm_eff, layer_gemms
-from plait.plan.estimate import Estimate
+from plait.plan.estimate import MEMORY_BOUND_TERM, Estimate
 from plait.plan.hardware import Cluster
+from plait.plan.memory_bound import achievable_bw, layer_kernels, priced
 from plait.plan.shape import Shape
 from plait.plan.stack import pp_overlapped
 
@@ -30,6 +31,23 @@ def _gemm_lines(shape: Shape, cluster: Cluster, train: Training, e: Estimate,
             f"({tokens:,.0f} tokens a rank) the forward GEMMs " + "; ".join(parts)
             + f" (backward: twice each); {att}; {float(e.hardware_tflops):,.0f} TFLOP/s "
             "hardware FLOPs a GPU over the whole step."]
+
+
+def _memory_bound_lines(shape: Shape, cluster: Cluster, train: Training, e: Estimate,
+                        eff: Efficiency) -> list[str]:
+    """Each memory-bound kernel's bytes a layer and micro-batch (published GPU numbers)."""
+    if not priced(eff):
+        return []
+    b = basis_of(shape, cluster, train, e.layout, eff)
+    parts = [f"{k.name} {float(np.asarray(k.fwd_bytes)) / 1e6:,.0f} + "
+             f"{float(np.asarray(k.bwd_bytes)) / 1e6:,.0f} MB"
+             for k in layer_kernels(shape, b.tokens, b.tp, e.layout.sp, b.e,
+                                    e.layout.attention, b.moe_split)]
+    stack = "fused" if train.stack.fused_kernels else "eager"
+    return [f"    per layer and micro-batch, forward + backward: {'; '.join(parts)}; at "
+            f"{achievable_bw(cluster.gpu, eff) / 1e9:,.0f} GB/s, launches {stack} "
+            f"(--fused-kernels) at {eff.launch_seconds * 1e6:.0f} us each where they bound "
+            "a pass; the loss and the optimizer step counted the same way."]
 
 
 def _comm_lines(e: Estimate) -> list[str]:
@@ -58,6 +76,8 @@ def explain_terms(shape: Shape, cluster: Cluster, train: Training, e: Estimate,
     for k, v in e.time.items():
         if k != "compute":
             lines.append(f"  {k}: {float(v):.3f} s")
+            if k == MEMORY_BOUND_TERM:
+                lines += _memory_bound_lines(shape, cluster, train, e, eff)
     sends = "overlapped" if pp_overlapped(st, e.layout.schedule) else "on the critical path"
     lines.append(f"  assumed: data-parallel reduction {'overlaps' if st.dp_overlap else 'after'}"
                  f" the backward (--dp-overlap); pipeline sends {sends} (--pp-overlap); "
