@@ -18,17 +18,18 @@ formulas name those, not the dimensions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.plan import bubble, host_share, memory
+from plait.plan import bubble, host_share, memory, memory_bound
 from plait.plan.comm import price
 from plait.plan.compute import Efficiency, LayerTimes, Num, layer_times
 from plait.plan.hardware import Cluster
 from plait.plan.shape import Shape
+from plait.plan.stack import Stack, stage_layers
 
 # How the planner writes a layout (labels, `--layout`, the JSON's "layout"): these sizes
 # always, in this order, then every other dimension's in the records' order (a label
@@ -112,6 +113,8 @@ class Training:
     # parallel.optimizer_sync: "barrier" (every pipeline rank waits for the last before the
     # next step) or "post_validation" (the simulated pipeline time is the steady state)
     optimizer_sync: str = "barrier"
+    # how the stack runs it: overlaps, uneven pipeline stages (plait/plan/stack.py)
+    stack: Stack = field(default_factory=Stack)
 
 
 @dataclass(init=False)
@@ -199,6 +202,10 @@ class Basis(Sizes):
     lt: LayerTimes  # forward times of one layer per micro-batch
     moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
     strides: dict[str, Num]  # rank distance between neighbours along each axis (the order)
+    # layers of the first and the last pipeline stage (uneven stages: Training.stack; else
+    # chunk_layers)
+    first_layers: Num = 0.0
+    last_layers: Num = 0.0
 
     def span(self, dim: str) -> Num:
         """Ranks from the first to past the last of a `dim` group: inside one node when
@@ -223,9 +230,17 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     gemm_scale = peak_scale * (eff.concurrent_gemm if shared_host else 1.0)
     tokens = mbs * shape.seq / seq_split
     cpr = _f(bubble.chunks_per_rank(sched, v))
-    chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
+    even = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
+    first, middle, last = stage_layers(shape.layers, pp, even, train.stack)
+    chunk_layers = np.maximum(np.maximum(first, middle), last)  # the slowest stage's
     saved_none = memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, "none", e,
                                           lay.attention)
+    lt = layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
+                     tp if lay.sp else 1.0, lay.attention)
+    if memory_bound.priced(eff):  # the published GPU numbers: each kernel's bytes
+        lt = memory_bound.with_memory_bound(lt, shape, tokens, tp, lay.sp, e, lay.attention,
+                                            tp if lay.sp else 1.0, cluster.gpu, eff,
+                                            train.stack.fused_kernels)
     return Basis(
         sizes=sizes, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
@@ -233,9 +248,9 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
         saved=memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, lay.recompute, e,
                                        lay.attention, lay.recompute_ops),
-        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
-                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
-        strides=price.order_strides(lay.order, sizes))
+        lt=lt, moe_split=tp if lay.sp else 1.0,
+        strides=price.order_strides(lay.order, sizes), first_layers=first * cpr,
+        last_layers=last * cpr)
 
 
 @dataclass
@@ -254,6 +269,9 @@ class ChunkTimes:
     w_c: Num
     policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
     tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
+    # in head_f: the final norm's and the loss's memory-bound kernels (published GPU
+    # numbers: plait/plan/memory_bound.py; 0 otherwise)
+    head_mb: Num = 0.0
 
 
 __all__ = ["ALWAYS_WRITTEN", "SHARD_COPIES", "WRITTEN", "Basis", "ChunkTimes", "Layout",

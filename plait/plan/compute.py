@@ -104,6 +104,24 @@ class Efficiency:
     # part of a call that needs a core when ranks share a host's cores (host_share.py)
     comm_cpu_call: float = 0.0
     comm_cpu_byte: float = 0.0
+    # fused attention's measured fraction of peak by sequence length, ((seq, fraction),
+    # ...) ascending (plait/plan/gpu_data.py's published points); empty: the GEMM curve
+    # times attention_scale
+    attention_curve: tuple[tuple[float, float], ...] = ()
+    # the fraction of the datasheet HBM bandwidth a streaming copy reaches and the CPU
+    # seconds to issue one kernel: the published GPU numbers' (plait/plan/gpu_data.py),
+    # which price each memory-bound kernel (plait/plan/memory_bound.py); 0: not priced
+    # there (the fitted passes above, or a measured profile's element-wise rate)
+    hbm_fraction: float = 0.0
+    launch_seconds: float = 0.0
+
+
+def attention_eff(seq: Num, curve: tuple[tuple[float, float], ...]) -> Num:
+    """Fused attention's fraction of peak at sequence length `seq`: `curve` interpolated
+    in log(seq), held flat beyond its ends."""
+    xs = np.log([float(s) for s, _ in curve])
+    ys = np.array([float(f) for _, f in curve])
+    return np.interp(np.log(np.maximum(np.asarray(seq, dtype=float), 1.0)), xs, ys)
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -129,8 +147,9 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
                ("q, kv up-projections and out", 2 * n * shape.mla_split_params() / t)]
     if shape.arch == "gpt":  # GeLU MLP: two matrices of h x ffn
         return out + [("fc1", 2 * n * h * shape.ffn / t), ("fc2", 2 * n * shape.ffn * h / t)]
-    if not shape.moe:
-        return out + [("mlp", 2 * n * h * 3 * shape.ffn / t)]
+    if not shape.moe:  # gate and up fused in one GEMM (Megatron-LM's fc1), down apart
+        return out + [("mlp gate+up", 2 * n * h * 2 * shape.ffn / t),
+                      ("mlp down", 2 * n * shape.ffn * h / t)]
     fe = shape.expert_ffn
     out.append(("router", 2 * n * h * shape.experts / ms))
     out.append(("routed experts", 2 * n * shape.top_k * 3 * h * fe / ms))
@@ -244,10 +263,18 @@ class LayerTimes:
     attn_fwd: Num
     elementwise_fwd: Num
     flops_fwd: Num  # GEMM + attention core FLOPs, forward
+    # the backward's element-wise seconds (None: twice the forward's)
+    elementwise_bwd: Num = None
 
     @property
     def forward(self) -> Num:
         return self.gemm_fwd + self.attn_fwd + self.elementwise_fwd
+
+    @property
+    def backward_elementwise(self) -> Num:
+        if self.elementwise_bwd is None:
+            return 2 * self.elementwise_fwd
+        return self.elementwise_bwd
 
 
 def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
@@ -260,7 +287,11 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
     g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp, attention)
     # batched per-head GEMMs: efficiency of the whole batch's work
-    a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
+    if eff.attention_curve and attention == "flash":  # a published fused sweep
+        a_time = a_flops / (gpu.peak_flops * peak_scale
+                            * attention_eff(shape.seq, eff.attention_curve))
+    else:
+        a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
     bw = eff.elementwise_bw or gpu.hbm_bw
     elt = eff.elementwise_passes * saved_bytes / bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

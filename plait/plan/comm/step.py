@@ -86,8 +86,10 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     g_bytes, p_bytes = pr * gb, pr * pb
     # one micro-batch on this rank: the compute that can hide a collective, as much as
     # the machine overlaps the two (a measured profile's; all of it on a GPU)
-    f_mb = b.cpr * ct.f_c * eff.comm_overlap
-    b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
+    # (none where the stack reduces after the backward: Training.stack.dp_overlap)
+    hide = eff.comm_overlap * (1.0 if train.stack.dp_overlap else 0.0)
+    f_mb = b.cpr * ct.f_c * hide
+    b_mb = b.cpr * (ct.i_c + ct.w_c) * hide
     # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
     # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES, at
     # least one a pipeline stage) under a measured profile; one collective of all the
