@@ -106,7 +106,7 @@ def test_states_are_bf16s_and_zero3_gathers_the_linears_at_one_byte():
 
 def test_refusals_name_the_fix():
     """An A100 (no float8 tensor cores), the fitted constants, a MoE model: each refused
-    with --precision bf16 named; an H100 plans."""
+    with --precision bf16 named; an H100 plans, and prints its float8 numbers and terms."""
     base = ("--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--layout",
             "tp=1,pp=1,dp=8", "--seq", "1024", "--precision", "fp8")
     rc, out = plan(*base, "--gpu", "a100-80gb")
@@ -116,8 +116,9 @@ def test_refusals_name_the_fix():
     rc, out = plan("--model", "mixtral-8x7b", "--gpus", "8", "--global-batch", "8",
                    "--seq", "1024", "--precision", "fp8")
     assert rc == 2 and "not built for MoE" in out and "--precision bf16" in out
-    rc, out = plan(*base, "--gpu", "h100-sxm")
+    rc, out = plan(*base, "--gpu", "h100-sxm", "--explain")
     assert rc == 0 and "Float8 (--precision fp8)" in out and "1,979 TFLOP/s" in out
+    assert "of the float8 peak" in out and "float8 amax + casts" in out  # --explain
 
 
 def test_config_precision_fp8_plans_fp8():
