@@ -12,6 +12,7 @@ import torch
 from helpers import config, run_layout
 
 from plait.config import load_config
+from plait.ledger import data_bytes_by_dim
 from plait.model.fp8 import (
     E4M3,
     E5M2,
@@ -22,6 +23,8 @@ from plait.model.fp8 import (
 )
 from plait.model.transformer import build_model
 from plait.parallel.fp8 import AMAX_TAG, apply_float8, float8_linears, is_float8
+from plait.plan import estimate_config
+from plait.plan.comm.rank import bytes_by_dim, rank_bytes_by_dim
 from plait.testing import FP8_LOSS_RTOL, loss_gap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -114,10 +117,14 @@ def test_loss_within_the_bound_of_bf16_over_100_steps():
 def test_zero3_gathers_the_block_weights_in_float8():
     """ZeRO-3 under fp8: the block linears' weights all-gathered at one byte an element
     (half of bf16's two), the rest (embedding, head, norms) at two; each step's amaxes are
-    a control collective of a few floats."""
+    a control collective of a few floats. The planner's bytes (plait plan --precision
+    fp8) are the ledger's, byte for byte, every dim."""
     sets = ("model.tie_embeddings=false", "parallel.dp=2", "parallel.zero=3",
             "train.steps=2", "parallel.microbatches=2", "train.precision=fp8")
     step = [r for r in run_layout(*sets)[0]["ledger"] if r["step"] == 1]
+    cfg = config(*sets)
+    planned = bytes_by_dim(estimate_config(cfg).collectives, 1)
+    assert planned == data_bytes_by_dim(step) == rank_bytes_by_dim(cfg, 0)
     model = build_model(config(*sets).model, seed=0, device="meta")
     linear = sum(m.weight.numel() for m in float8_linears(model))
     rest = sum(p.numel() for p in model.parameters()) - linear

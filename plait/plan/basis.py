@@ -24,7 +24,7 @@ import numpy as np
 
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.plan import bubble, host_share, memory, memory_bound
+from plait.plan import bubble, fp8, host_share, memory, memory_bound
 from plait.plan.comm import price
 from plait.plan.compute import Efficiency, LayerTimes, Num, layer_times
 from plait.plan.hardware import Cluster
@@ -236,11 +236,14 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     saved_none = memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, "none", e,
                                           lay.attention)
     lt = layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
-                     tp if lay.sp else 1.0, lay.attention)
+                     tp if lay.sp else 1.0, lay.attention,
+                     fp8.weight_gemms(train.precision, cluster.gpu, eff, gemm_scale))
     if memory_bound.priced(eff):  # the published GPU numbers: each kernel's bytes
+        casts = (fp8.cast_kernel(shape, tokens, tp, e, lay.zero),) \
+            if train.precision == fp8.FP8 else ()
         lt = memory_bound.with_memory_bound(lt, shape, tokens, tp, lay.sp, e, lay.attention,
                                             tp if lay.sp else 1.0, cluster.gpu, eff,
-                                            train.stack.fused_kernels)
+                                            train.stack.fused_kernels, casts)
     return Basis(
         sizes=sizes, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),

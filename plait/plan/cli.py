@@ -15,7 +15,7 @@ import numpy as np
 from plait.dims import DEFAULT_ORDER
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
-from plait.plan import host_share, trust
+from plait.plan import fp8, host_share, trust
 from plait.plan import stack as stack_args
 from plait.plan.basis import WRITTEN
 from plait.plan.bubble import chunks_per_rank
@@ -96,7 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--global-batch-tokens", type=int, metavar="N",
                    help="tokens per step (/ seq), instead of --global-batch")
     t.add_argument("--precision", default=None, choices=list(PRECISIONS),
-                   help="default bf16, what GPU runs use (plait train's default: fp32)")
+                   help="default bf16, what GPU runs use (plait train's default: fp32); "
+                   "fp8: the blocks' linears in float8 at the GPU's float8 peak "
+                   "(docs/float8.md)")
     t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="default adam")
     t.add_argument("--mem-limit", type=float, default=0.9,
                    help="usable fraction of HBM (default 0.9)")
@@ -173,6 +175,10 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
         batch = args.global_batch_tokens // shape.seq
     cluster = Cluster(gpu, args.gpus, getattr(args, "ranks_per_host", None),
                       getattr(args, "host_load", 0.0))
+    if args.precision == fp8.FP8:
+        problems = fp8.plan_problems(shape, gpu, args.efficiency, bool(args.hardware))
+        if problems:
+            raise PlanError("; ".join(problems))
     return shape, cluster, Training(batch, args.precision, args.optimizer, args.mem_limit,
                                     args.optimizer_sync, stack_args.stack_from_args(args))
 
@@ -369,8 +375,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     notes += [line for line in [host_share.note(cluster)] if line]  # shared CPU cores
     eff = hardware_of(args)[1]
     pub = trust.plan_published(cluster, args.efficiency, bool(args.hardware))
-    notes += trust.mfu_flags(ests, cluster, pub, eff) + trust.provenance(
-        cluster, pub, args.efficiency)
+    if train.precision != fp8.FP8:  # the published runs and the ceiling are bf16's
+        notes += trust.mfu_flags(ests, cluster, pub, eff)
+    notes += trust.provenance(cluster, pub, args.efficiency)
+    if train.precision == fp8.FP8:
+        notes += fp8.hardware_lines(cluster.gpu, eff, pub.entry if pub else None)
     if args.explain:
         notes += explain_terms(shape, cluster, train, ests[0], eff)
     if gps:

@@ -114,6 +114,10 @@ class Efficiency:
     # there (the fitted passes above, or a measured profile's element-wise rate)
     hbm_fraction: float = 0.0
     launch_seconds: float = 0.0
+    # float8 GEMMs' ceiling and half point (the published GPU numbers' `fp8_gemm_*`;
+    # 0: the bf16 curve's, gemm_max and gemm_half): plait/plan/fp8.py
+    fp8_gemm_max: float = 0.0
+    fp8_gemm_half: float = 0.0
 
 
 def attention_eff(seq: Num, curve: tuple[tuple[float, float], ...]) -> Num:
@@ -156,6 +160,12 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
     if shape.shared_experts:
         out.append(("shared experts", 2 * n * shape.shared_experts * 3 * h * fe / ms))
     return out
+
+
+def gemm_weights(shape: Shape, tp: Num) -> Num:
+    """Weight elements of one layer's weight GEMMs on one rank (each GEMM's forward FLOPs
+    a token over 2): the block linears, without norms or biases."""
+    return sum(f for _, f in layer_gemms(shape, 1, tp)) / 2
 
 
 def causal_fraction(shape: Shape, attention: str | None = None) -> float:
@@ -279,12 +289,16 @@ class LayerTimes:
 
 def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
                 saved_bytes: Num, peak_scale: float = 1.0, moe_split: Num = 1,
-                attention: str = "flash") -> LayerTimes:
+                attention: str = "flash", weight_gemms: tuple[Efficiency, float] | None = None
+                ) -> LayerTimes:
     """Forward times of one layer; `saved_bytes` is what the layer saves without recompute
     (memory.layer_activations with recompute='none'), the proxy for elementwise traffic
-    (with the math kernel it holds the probabilities written and read)."""
+    (with the math kernel it holds the probabilities written and read). `weight_gemms`:
+    the weight GEMMs' (efficiency, peak scale) where they differ from the rest's (float8:
+    plait/plan/fp8.py); the attention core keeps `eff` and `peak_scale`."""
     gemms = layer_gemms(shape, tokens, tp, moe_split)
-    g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
+    g_eff, g_scale = weight_gemms or (eff, peak_scale)
+    g_time = sum(gemm_time(f, gpu, g_eff, g_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp, attention)
     # batched per-head GEMMs: efficiency of the whole batch's work
     if eff.attention_curve and attention == "flash":  # a published fused sweep

@@ -20,10 +20,11 @@ from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
 from plait.plan.comm.sync import SYNC_TERM, sync_seconds
-from plait.plan.comm.zero import end_gathered, zero3_bytes
+from plait.plan.comm.zero import end_gathered, gathered_bytes, zero3_bytes
 from plait.plan.compute import (
     Efficiency,
     gemm_time,
+    gemm_weights,
     hardware_flops_per_token,
     head_flops,
     model_flops_per_token,
@@ -31,6 +32,7 @@ from plait.plan.compute import (
     tp_floor_seconds,
 )
 from plait.plan.hardware import Cluster
+from plait.plan.memory import LINEAR_GATHER_BYTES
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
 from plait.plan.stack import pp_overlapped
@@ -187,13 +189,22 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
 
 
 def _busiest(train: Training, lay: Layout, b: Basis, pr: tuple[Num, Num], chunk: Num,
-             ends: tuple[Num, Num, Num]) -> tuple[Num, Num]:
-    """(parameters, ZeRO-3's gathered parameters) of the pipeline end whose ZeRO-3 bytes
-    are the larger (`end_gathered` of each)."""
-    first = end_gathered(lay, b, False, pr[0], chunk, ends)
-    last = end_gathered(lay, b, True, pr[1], chunk, ends)
-    take_first = zero3_bytes(train, lay, b, *first) >= zero3_bytes(train, lay, b, *last)
-    return np.where(take_first, first[0], last[0]), np.where(take_first, first[1], last[1])
+             ends: tuple[Num, Num, Num], layer_linear: Num = 0.0) -> tuple[Num, Num, Num]:
+    """(parameters, ZeRO-3's gathered parameters, their bytes) of the pipeline end whose
+    ZeRO-3 bytes are the larger (`end_gathered` of each); `layer_linear`: a layer's
+    block-linear weights where they are gathered in fewer bytes (fp8), gathered with
+    each of the end's layers (the first and last stage's `first_layers`,
+    `last_layers`)."""
+    out = []
+    for last, layers in ((False, b.first_layers), (True, b.last_layers)):
+        params, gathered = end_gathered(lay, b, last, pr[int(last)], chunk, ends)
+        linear = end_gathered(lay, b, last, layers * layer_linear,
+                              b.chunk_layers * layer_linear, (0.0, 0.0, 0.0))[1]
+        out.append((params, gathered, gathered_bytes(train, gathered, linear),
+                    zero3_bytes(train, lay, b, params, gathered, linear)))
+    take_first = out[0][3] >= out[1][3]
+    return tuple(np.where(take_first, f, la) for f, la in zip(out[0][:3], out[1][:3],
+                                                               strict=True))  # type: ignore
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
@@ -260,15 +271,16 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over the replicas, routed experts over the replicas that hold
     # the same experts (plait/parallel/expert.py)
-    dense, gathered = rm.params - rm.expert_params, None
+    dense, gathered, g_bytes = rm.params - rm.expert_params, None, None
     experts, g_experts = rm.expert_params, None
     if lay.zero == 3:  # each the end that moves more (ZeRO-3's gathers differ by stage)
-        dense, gathered = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
-                                   rm.chunk[0], rm.ends[:3])
-        experts, g_experts = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
-                                      rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
+        linear = gemm_weights(shape, b.tp) if train.precision in LINEAR_GATHER_BYTES else 0.0
+        dense, gathered, g_bytes = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
+                                            rm.chunk[0], rm.ends[:3], linear)
+        experts, g_experts, _ = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
+                                         rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
     dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
-                                 gathered=gathered)
+                                 gathered=gathered, gathered_bytes=g_bytes)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                                   experts, colls, experts=True,

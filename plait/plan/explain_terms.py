@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from plait.plan import fp8
 from plait.plan.basis import Training, basis_of
 from plait.plan.compute import Efficiency, attention_eff, gemm_eff, layer_gemms
 from plait.plan.estimate import MEMORY_BOUND_TERM, Estimate
@@ -19,9 +20,11 @@ def _gemm_lines(shape: Shape, cluster: Cluster, train: Training, e: Estimate,
     b = basis_of(shape, cluster, train, e.layout, eff)
     tokens = float(b.tokens)
     parts = []
+    rate = fp8.weight_gemms(train.precision, cluster.gpu, eff, 1.0)  # float8's curve
+    curve, which = (rate[0], " of the float8 peak") if rate else (eff, "")
     for name, flops in layer_gemms(shape, tokens, b.tp, b.moe_split):
         f = float(np.asarray(flops))
-        parts.append(f"{name} {f / 1e9:,.1f} GFLOP at {float(gemm_eff(f, eff)):.0%}")
+        parts.append(f"{name} {f / 1e9:,.1f} GFLOP at {float(gemm_eff(f, curve)):.0%}{which}")
     if eff.attention_curve and e.layout.attention == "flash":
         att = f"fused attention {float(attention_eff(shape.seq, eff.attention_curve)):.0%} " \
               f"of peak at seq {shape.seq}"
@@ -39,10 +42,12 @@ def _memory_bound_lines(shape: Shape, cluster: Cluster, train: Training, e: Esti
     if not priced(eff):
         return []
     b = basis_of(shape, cluster, train, e.layout, eff)
+    kernels = layer_kernels(shape, b.tokens, b.tp, e.layout.sp, b.e, e.layout.attention,
+                            b.moe_split)
+    if train.precision == fp8.FP8:
+        kernels.append(fp8.cast_kernel(shape, b.tokens, b.tp, b.e, e.layout.zero))
     parts = [f"{k.name} {float(np.asarray(k.fwd_bytes)) / 1e6:,.0f} + "
-             f"{float(np.asarray(k.bwd_bytes)) / 1e6:,.0f} MB"
-             for k in layer_kernels(shape, b.tokens, b.tp, e.layout.sp, b.e,
-                                    e.layout.attention, b.moe_split)]
+             f"{float(np.asarray(k.bwd_bytes)) / 1e6:,.0f} MB" for k in kernels]
     stack = "fused" if train.stack.fused_kernels else "eager"
     return [f"    per layer and micro-batch, forward + backward: {'; '.join(parts)}; at "
             f"{achievable_bw(cluster.gpu, eff) / 1e9:,.0f} GB/s, launches {stack} "

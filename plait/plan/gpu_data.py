@@ -72,7 +72,9 @@ def published(gpu: GPU) -> Published | None:
                      attention_curve=tuple((float(s), float(f))
                                            for s, f in e["attention"]["points"]),
                      hbm_fraction=e["hbm_achievable"]["value"],
-                     launch_seconds=doc["kernel_launch"]["seconds"])
+                     launch_seconds=doc["kernel_launch"]["seconds"],
+                     fp8_gemm_max=e["fp8_gemm_max"]["value"] or 0.0,  # 0: bf16's
+                     fp8_gemm_half=e["fp8_gemm_half_flops"]["value"] or 0.0)
     return Published(fam, g, eff, e["mfu_published_best"]["value"], e)
 
 

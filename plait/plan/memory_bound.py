@@ -173,9 +173,10 @@ def priced(eff: Efficiency) -> bool:
 
 def with_memory_bound(lt: LayerTimes, shape: Shape, tokens: Num, tp: Num, sp: bool, e: int,
                       attention: str, moe_split: Num, gpu: GPU, eff: Efficiency,
-                      fused: bool) -> LayerTimes:
-    """`lt` with its element-wise terms priced here (forward and backward apart)."""
-    kernels = layer_kernels(shape, tokens, tp, sp, e, attention, moe_split)
+                      fused: bool, extra: tuple[Kernel, ...] = ()) -> LayerTimes:
+    """`lt` with its element-wise terms priced here (forward and backward apart); `extra`:
+    more kernels of the layer (float8's casts, plait/plan/fp8.py)."""
+    kernels = layer_kernels(shape, tokens, tp, sp, e, attention, moe_split) + list(extra)
     n_gemms = len(layer_gemms(shape, 1, 1))
     pt = layer_pass_times(kernels, achievable_bw(gpu, eff), eff.launch_seconds, fused,
                           n_gemms, lt.gemm_fwd, lt.attn_fwd)

@@ -73,13 +73,15 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
 
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
-                    experts: bool = False, gathered: Num | None = None) -> Num:
+                    experts: bool = False, gathered: Num | None = None,
+                    gathered_bytes: Num | None = None) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
     same experts, "edp"; `gathered`: the parameters ZeRO-3 all-gathers per step, by
-    default `zero3_gathered`'s); appends the collectives (dim "dp" or "edp"; with hybrid
-    sharding ZeRO's run inside a shard group, "dp_shard" or "edp_shard", and the shards'
-    all-reduce over "dp_replicate": `shard_copies_sync`)."""
+    default `zero3_gathered`'s; `gathered_bytes`: their bytes where not the parameter's
+    (float8 block linears: comm/zero.py gathered_bytes)); appends the collectives (dim
+    "dp" or "edp"; with hybrid sharding ZeRO's run inside a shard group, "dp_shard" or
+    "edp_shard", and the shards' all-reduce over "dp_replicate": `shard_copies_sync`)."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     dim, n, dp_intra = zero_group(cluster, lay, b, experts)
     bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
@@ -130,6 +132,9 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         # each gather of the rank's parameters counted whole (pp: a fraction of them)
         every = (zero3_gathered(lay, b, pr) if gathered is None else gathered) / np.where(
             pr > 0, pr, 1.0)
+        if gathered_bytes is not None:  # float8 block linears: fewer bytes a gather
+            p_bytes = gathered_bytes / np.where(every > 0, every, 1.0)
+            t_ag = units * price.gather_like(p_bytes / units, n, bw, al)
         dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, every, t_ag,
                          every / 2 * (np.maximum(t_ag - f_mb, 0)
                                       + np.maximum(t_ag - b_mb / 2, 0)),
