@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting
 
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "a2a")
 LAYOUTS = ("zigzag", "contiguous")
 PLAN_MAX = 32  # the planner's search tries powers of two up to this
 
@@ -24,7 +24,7 @@ def problems(cfg: Config) -> list[str]:
     n = chunks(p.cp, p.cp_layout)
     checks = [
         (p.cp_mode not in MODES,
-         f"parallel.cp_mode={p.cp_mode!r}; use 'ring' or 'allgather'"),
+         f"parallel.cp_mode={p.cp_mode!r}; use one of {', '.join(MODES)}"),
         (p.cp_layout not in LAYOUTS,
          f"parallel.cp_layout={p.cp_layout!r}; use 'zigzag' or 'contiguous'"),
         (p.cp > 1 and t.seq_len % n,
@@ -35,7 +35,21 @@ def problems(cfg: Config) -> list[str]:
          f"sequence parallel splits each cp rank's {t.seq_len // max(p.cp, 1)} tokens over "
          f"tp={p.tp}; use a seq_len that is a multiple of {n * p.tp}"),
     ]
-    return [problem for broken, problem in checks if broken]
+    return [problem for broken, problem in checks if broken] + _a2a_problems(cfg)
+
+
+def _a2a_problems(cfg: Config) -> list[str]:
+    """a2a splits each tp rank's query heads over cp; its KV heads, which divide them, are
+    repeated to lcm(KV heads, cp), which then divides them too."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp_mode != "a2a" or p.cp == 1:
+        return []
+    heads = m.n_heads // max(p.tp, 1)
+    if m.n_heads % max(p.tp, 1) or heads % p.cp:
+        return [f"cp_mode=a2a splits the {heads} query heads of a tp rank (model.n_heads="
+                f"{m.n_heads} / tp={p.tp}) over cp={p.cp}; use tp x cp <= n_heads with cp "
+                f"dividing n_heads / tp, or cp_mode ring"]
+    return []
 
 
 def plan_sizes(sizes: list[int], shape: ModelShape, ranks_per_node: int) -> list[int]:
@@ -58,7 +72,8 @@ DIMENSION = Dimension(
     name="cp", title="context parallel", strategy="plait.parallel.context",
     splits="sequence", replicates_params=True, sums_loss=True, checkpoint="copies",
     settings=(Setting("cp_mode", MODES, "context parallel: K/V around a ring "
-                      "(parallel.cp_mode, default ring) or all-gathered"),
+                      "(parallel.cp_mode, default ring), all-gathered, or heads exchanged "
+                      "by all-to-all (a2a, Ulysses)"),
               Setting("cp_layout", LAYOUTS, "context parallel: load-balanced zigzag chunks "
                       "(parallel.cp_layout, default zigzag) or contiguous slices")),
     color="#17becf", help="context-parallel size", problems=problems,

