@@ -143,6 +143,10 @@ class TrainConfig:
     # None: the name-seeded init (plait/checkpoint/init_from.py, docs/huggingface.md)
     init_from: str | None = None
     memory_step: int = -1  # measure memory by category during this step (-1: never)
+    # packed documents (plait/model/packed.py): each window of the token file holds the
+    # documents its end-of-document tokens end; attention never crosses one, positions
+    # restart with each, the loss never predicts across a boundary
+    documents: bool = False
     # a step whose global grad norm is not finite skips its update; this many in a row
     # stop the run (plait/train/loop.py, docs/checkpoint.md)
     max_nonfinite_steps: int = 3

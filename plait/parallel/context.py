@@ -48,6 +48,7 @@ from plait.comm import ops
 from plait.comm.autograd import all_gather_kv
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.model.packed import document_mask
 from plait.model.rope import Positions
 from plait.model.transformer import CausalAttentionCore
 from plait.parallel.context_a2a import ulysses_attention
@@ -126,9 +127,13 @@ def _fold(grad: torch.Tensor, g: int) -> torch.Tensor:
     return grad if g == 1 else grad.unflatten(1, (-1, g)).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q (b, kv, g, m, d), k (b, kv, n, d) -> masked scores (b, kv, g, m, n)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q (b, kv, g, m, d), k (b, kv, n, d) -> masked scores (b, kv, g, m, n). `mask`
+    (b, m, n): packed documents' visible pairs (the causal triangle included)."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if mask is not None:
+        return s.masked_fill(~mask[:, None, None], float("-inf"))
     if causal:  # the diagonal block: square, key j visible to query i when j <= i
         m, n = s.shape[-2:]
         keep = torch.ones(m, n, dtype=torch.bool, device=s.device).tril()
@@ -143,26 +148,29 @@ def _widen(t: torch.Tensor, d: int) -> torch.Tensor:
     return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, fused: bool):
+def _block_forward(q, k, v, causal: bool, scale: float, fused: bool, mask=None):
     """q (b, h, m, dk) against one key chunk k (b, kv, n, dk), v (b, kv, n, dv), fp32 ->
-    partial output (b, h, m, dv) and its log-sum-exp (b, h, m)."""
+    partial output (b, h, m, dv) and its log-sum-exp (b, h, m). A row `mask` hides
+    wholly (another document's keys) has output 0 and lse -inf."""
     g = q.shape[1] // k.shape[1]
-    if fused:
+    if fused and mask is None:
         d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         out, lse = _FLASH(_widen(q, d), _expand(_widen(k, d), g), _expand(_widen(v, d), g),
                           0.0, causal, scale=scale)
         return out[..., :dv], lse
-    s = _scores(q.unflatten(1, (-1, g)), k, causal, scale)
+    s = _scores(q.unflatten(1, (-1, g)), k, causal, scale, mask)
     lse = torch.logsumexp(s, -1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2))
+    finite = lse.masked_fill(torch.isinf(lse), 0.0)  # a hidden row: exp(-inf) = 0, not nan
+    out = torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v.unsqueeze(2))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: bool):
+def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: bool,
+                    mask=None):
     """(dq, dk, dv) of one block from the *merged* output and lse of q's rows (the flash
     backward: P = exp(S - lse), dS = P (dO Vᵀ - rowsum(dO O)))."""
     g = q.shape[1] // k.shape[1]
-    if fused:
+    if fused and mask is None:
         d, dqk, dvw = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
         dq, dk, dv = _FLASH_BWD(_widen(dout, d), _widen(q, d), _expand(_widen(k, d), g),
                                 _expand(_widen(v, d), g), _widen(out, d), lse, 0.0, causal,
@@ -170,7 +178,8 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: 
         return dq[..., :dqk], _fold(dk[..., :dqk], g), _fold(dv[..., :dvw], g)
     q5, do5 = q.unflatten(1, (-1, g)), dout.unflatten(1, (-1, g))
     delta = (do5 * out.unflatten(1, (-1, g))).sum(-1, keepdim=True)
-    p = torch.exp(_scores(q5, k, causal, scale) - lse.unflatten(1, (-1, g)).unsqueeze(-1))
+    p = torch.exp(_scores(q5, k, causal, scale, mask)
+                  - lse.unflatten(1, (-1, g)).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
     ds = p * (torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, k.unsqueeze(2)) * scale
@@ -184,8 +193,9 @@ def _merge(acc, out, lse):
         return out, lse
     o, l0 = acc
     total = torch.logaddexp(l0, lse)
-    return (o * torch.exp(l0 - total).unsqueeze(-1)
-            + out * torch.exp(lse - total).unsqueeze(-1)), total
+    finite = total.masked_fill(torch.isinf(total), 0.0)  # rows hidden so far stay 0
+    return (o * torch.exp(l0 - finite).unsqueeze(-1)
+            + out * torch.exp(lse - finite).unsqueeze(-1)), total
 
 
 @dataclass
@@ -215,6 +225,19 @@ class Ring:
     def use_fused(self, device: torch.device) -> bool:
         return fused_available(device) if self.fused is None else self.fused
 
+    def block_mask(self, docs: torch.Tensor | None, i: int, src: int, j: int,
+                   causal: bool) -> torch.Tensor | None:
+        """Packed documents: (b, c, c) visible pairs of my chunk slot i against src's slot
+        j (same document, and the triangle on the diagonal); None without documents."""
+        if docs is None:
+            return None
+        c = self.layout.chunk_len
+        qc, kc = self.layout.chunks(self.me)[i], self.layout.chunks(src)[j]
+        mask = (docs[:, qc * c:(qc + 1) * c, None] == docs[:, None, kc * c:(kc + 1) * c])
+        if causal:
+            mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
+        return mask
+
     def pairs(self, src: int) -> list[tuple[int, int, bool]]:
         """(my chunk slot, src's chunk slot, causal) of the blocks to compute against rank
         src's keys; blocks entirely in the future are skipped."""
@@ -242,8 +265,10 @@ def _unpack(kv: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[..., :dk], kv[..., dk:]
 
 
-def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
-    """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed."""
+def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
+                  docs: torch.Tensor | None = None):
+    """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed.
+    `docs` (b, seq): packed documents; a block with no pair in one document is skipped."""
     n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
     dk = q.shape[-1]
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -258,10 +283,14 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
         for i, j, causal in ring.pairs(src):
+            mask = ring.block_mask(docs, i, src, j, causal)
+            if mask is not None and not mask.any():
+                continue
             part = _block_forward(_slot(q, i, c), _slot(k, j, c), _slot(v, j, c), causal,
-                                  scale, fused)
+                                  scale, fused, mask)
             acc[i] = _merge(acc.get(i), *part)
-            work += c * c * (0.5 if causal else 1.0)
+            work += (c * c * (0.5 if causal else 1.0) if mask is None
+                     else float(mask.sum()) / mask.shape[0])
         ring.compute_s += time.thread_time() - c0
         if t < n - 1:
             recv.wait()
@@ -273,7 +302,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
     return (torch.cat([acc[i][0] for i in slots], -2), torch.cat([acc[i][1] for i in slots], -1))
 
 
-def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
+def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None):
     """Backward around the ring: K/V hop on as in forward; each chunk's dK/dV accumulator
     follows one hop behind and reaches the owner after the last step."""
     n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
@@ -291,9 +320,12 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
         k, v = (t.float() for t in _unpack(cur, dk))
         dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
         for i, j, causal in ring.pairs(src):
+            mask = ring.block_mask(docs, i, src, j, causal)
+            if mask is not None and not mask.any():
+                continue
             dqi, dkj, dvj = _block_backward(
                 _slot(q, i, c), _slot(k, j, c), _slot(v, j, c), _slot(out, i, c),
-                _rows(lse, i, c), _slot(dout, i, c), causal, scale, fused)
+                _rows(lse, i, c), _slot(dout, i, c), causal, scale, fused, mask)
             _slot(dq, i, c).add_(dqi)
             _slot(dkv, j, c)[..., :dk].add_(dkj)
             _slot(dkv, j, c)[..., dk:].add_(dvj)
@@ -325,22 +357,22 @@ class _RingAttention(Function):
     """softmax(q kᵀ/√d, causal by position) v over the whole sequence, K/V on a ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, docs):
         scale = q.shape[-1] ** -0.5
         kv = _pack(k, v)
-        out, lse = _ring_forward(ring, q.float(), kv, scale)
+        out, lse = _ring_forward(ring, q.float(), kv, scale, docs)
         out = out.to(q.dtype)  # kept in the compute dtype, as a flash kernel keeps it
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.docs = ring, scale, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out.float(), lse,
-                                 dout.float().contiguous(), ctx.scale)
+                                 dout.float().contiguous(), ctx.scale, ctx.docs)
         dk, dv = _unpack(dkv.to(kv.dtype), q.shape[-1])
-        return dq.to(q.dtype), dk, dv, None
+        return dq.to(q.dtype), dk, dv, None, None
 
 
 class ContextParallelAttention(nn.Module):
@@ -370,14 +402,20 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("context parallel: the attention's tokens are not this rank's "
                              f"{self.layout.layout} chunks {self.layout.chunks(self.ring.me)}")
         self._checked = True
+        docs = positions.docs
         if self.mode == "ring":
-            return _RingAttention.apply(q, k, v, self.ring)
+            return _RingAttention.apply(q, k, v, self.ring, docs)
         if self.mode == "a2a":
-            return ulysses_attention(q, k, v, self.mesh, DIM, self.tag, None, self.order)
+            every = torch.arange(self.layout.seq_len, device=q.device)
+            mask = None if docs is None else document_mask(docs, docs, every, every)
+            return ulysses_attention(q, k, v, self.mesh, DIM, self.tag, mask, self.order)
         # (cp, b, kv, L, dk + dv) -> (b, kv, cp*L, dk + dv), rank order
         full = all_gather_kv(_pack(k, v), self.mesh, self.tag, DIM)
         kf, vf = _unpack(full.permute(1, 2, 0, 3, 4).flatten(2, 3), q.shape[-1])
         mask = self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)  # key <= query, exact
+        if docs is not None:
+            mask = document_mask(docs[:, self.q_pos], docs[:, self.k_pos], self.q_pos,
+                                 self.k_pos)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 

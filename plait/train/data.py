@@ -152,6 +152,18 @@ class GlobalBatches:
                 "a shorter --seq-len or a smaller --global-batch")
         self._orders: dict[int, torch.Tensor] = {}
 
+    def end_of_document(self) -> int:
+        """The token that ends each document (`plait data prepare` writes it after every
+        one, and its id in the metadata): what packed documents split windows at."""
+        eot = self.data.meta.get("end_of_document")
+        if not isinstance(eot, int) or isinstance(eot, bool):
+            raise DataError(
+                f"{self.data.path} records no end-of-document token, so its document "
+                "boundaries are lost; prepare it again with `plait data prepare` (a "
+                "tokenizer with <|endoftext|>, or --tokenizer hf:DIR) or train without "
+                "--documents")
+        return eot
+
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
