@@ -6,7 +6,9 @@ tests/matrix.py's LONG_CONTEXT_ROWS compose them with dp, tp + SP, pp, ZeRO-3 an
 import pytest
 from helpers import config, reference, run_layout
 
+from plait.ledger import data_bytes_by_dim
 from plait.plan import estimate_config
+from plait.plan.comm.rank import bytes_by_dim
 from plait.testing import assert_parity, merge_ranks
 
 KV1 = ("model.n_kv_heads=1",)  # one KV head repeated for 4 ranks
@@ -52,3 +54,31 @@ def test_a2a_refused_where_heads_do_not_split():
     assert config("parallel.cp=2", "parallel.cp_mode=a2a", "model.n_heads=6",
                   "model.dim=96", "model.n_kv_heads=3").validate(2) == []
     assert config("parallel.cp=4", "parallel.cp_mode=a2a", *KV1).validate(4) == []
+
+
+def test_hierarchical_all_to_all_pairs_and_ring_across():
+    """cp=4 as 2 all-to-all groups of 2 and a ring of 2 across them, one KV head repeated
+    for the groups: parity every step; the all-to-alls stay in their group (`cp_a2a`), the
+    ring's K/V hops cross between groups (`cp_ring`) carrying a group's whole sequence
+    share of a head group, (ring - 1) hops forward and 2 (ring - 1) backward; the planner's
+    bytes per dim equal the ledger's."""
+    micro, a = 2, 2
+    sets = ["parallel.cp=4", "parallel.cp_mode=hierarchical", f"parallel.cp_a2a={a}", *KV1,
+            f"parallel.microbatches={micro}"]
+    outs = run_layout(*sets)
+    assert_parity(merge_ranks(outs), reference(*KV1), "fp32-gqa")
+    cfg = config(*sets)
+    m, ring = cfg.model, 4 // a
+    tokens = cfg.micro_batch_size() * cfg.train.seq_len // 4
+    kv_chunk = tokens * a * 1 * 2 * m.head_dim * 4  # a group's tokens, 2 KV heads / a, K+V
+    calls = micro * m.n_layers
+    for o in outs:
+        hops = [r for r in o["ledger"] if r["step"] == 1 and r["dim"] == "cp_ring"
+                and r["op"] == "send"]
+        assert sum(r["payload"] for r in hops) == calls * 3 * (ring - 1) * kv_chunk
+        a2a = {r["dim"] for r in o["ledger"] if r["op"] == "all_to_all"}
+        assert a2a == {"cp_a2a"}
+    planned = bytes_by_dim(estimate_config(cfg).collectives, 1)
+    got = data_bytes_by_dim([r for r in outs[0]["ledger"] if r["step"] == 1])
+    for dim in ("cp_a2a", "cp_ring"):
+        assert planned[dim] == pytest.approx(got[dim]), dim

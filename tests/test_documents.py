@@ -64,6 +64,7 @@ def test_ids_positions_and_targets():
     ["parallel.cp=2", "parallel.cp_mode=ring"],
     ["parallel.cp=2", "parallel.cp_mode=allgather", "parallel.dp=2"],
     ["parallel.cp=4", "parallel.cp_mode=a2a"],
+    ["parallel.cp=4", "parallel.cp_mode=hierarchical", "parallel.cp_a2a=2"],
 ], ids=lambda s: ",".join(x.split(".", 1)[1] for x in s))
 def test_parity_with_each_document_run_alone(sets):
     cfg = config(*DOCS, *sets)

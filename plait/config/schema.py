@@ -86,6 +86,8 @@ class ParallelConfig:
     # K/V (Llama 3); "zigzag" (rank i: chunks i and 2cp-1-i of 2cp) or "contiguous" slices
     cp_mode: str = "ring"
     cp_layout: str = "zigzag"
+    # hierarchical cp: ranks per all-to-all group (a divisor of cp); 0: a node's cp ranks
+    cp_a2a: int = 0
     schedule: str = "1f1b"
     # Pipeline stages per rank; None: the schedule's own (its registry entry: 2 for
     # interleaved and the V schedules zb-v / dualpipev, else 1).

@@ -47,14 +47,24 @@ from torch.autograd import Function
 from plait.comm import ops
 from plait.comm.autograd import all_gather_kv
 from plait.config import Config
+from plait.dims.cp import a2a_degree
 from plait.mesh import ParallelMesh
 from plait.model.packed import document_mask
 from plait.model.rope import Positions
 from plait.model.transformer import CausalAttentionCore
-from plait.parallel.context_a2a import ulysses_attention
+from plait.parallel.context_a2a import (
+    INNER,
+    OUTER,
+    add_hierarchy_groups,
+    heads_to_ranks,
+    kv_repeats,
+    repeat_kv,
+    tokens_to_ranks,
+    ulysses_attention,
+)
 
 DIM = "cp"
-MODES = ("ring", "allgather", "a2a")
+MODES = ("ring", "allgather", "a2a", "hierarchical")
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -213,14 +223,23 @@ class Ring:
     fused: bool | None = None
     work: float = 0.0
     compute_s: float = 0.0
+    # the hierarchical mode's ring across node groups: its mesh dim, and the cp ranks
+    # whose chunks each ring position holds after the all-to-all inside its group
+    dim: str = DIM
+    group: int = 1
 
     @property
     def me(self) -> int:
-        return self.mesh.coord(DIM)
+        return self.mesh.coord(self.dim)
 
     def peer(self, offset: int) -> int:
-        ranks = self.mesh.group_ranks[DIM]
+        ranks = self.mesh.group_ranks[self.dim]
         return ranks[(self.me + offset) % len(ranks)]
+
+    def chunks(self, pos: int) -> tuple[int, ...]:
+        """The chunk ids ring position `pos` holds, in its order."""
+        return tuple(c for r in range(pos * self.group, (pos + 1) * self.group)
+                     for c in self.layout.chunks(r))
 
     def use_fused(self, device: torch.device) -> bool:
         return fused_available(device) if self.fused is None else self.fused
@@ -232,7 +251,7 @@ class Ring:
         if docs is None:
             return None
         c = self.layout.chunk_len
-        qc, kc = self.layout.chunks(self.me)[i], self.layout.chunks(src)[j]
+        qc, kc = self.chunks(self.me)[i], self.chunks(src)[j]
         mask = (docs[:, qc * c:(qc + 1) * c, None] == docs[:, None, kc * c:(kc + 1) * c])
         if causal:
             mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
@@ -241,7 +260,7 @@ class Ring:
     def pairs(self, src: int) -> list[tuple[int, int, bool]]:
         """(my chunk slot, src's chunk slot, causal) of the blocks to compute against rank
         src's keys; blocks entirely in the future are skipped."""
-        mine, theirs = self.layout.chunks(self.me), self.layout.chunks(src)
+        mine, theirs = self.chunks(self.me), self.chunks(src)
         return [(i, j, kq == qq) for i, qq in enumerate(mine) for j, kq in enumerate(theirs)
                 if kq <= qq]
 
@@ -269,7 +288,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
                   docs: torch.Tensor | None = None):
     """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed.
     `docs` (b, seq): packed documents; a block with no pair in one document is skipped."""
-    n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    n, c, fused = ring.mesh.size(ring.dim), ring.layout.chunk_len, ring.use_fused(q.device)
     dk = q.shape[-1]
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     sends, cur, work = [], kv, 0.0
@@ -278,7 +297,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
         if t < n - 1:  # post the next hop before computing on this chunk: overlap
             nxt = torch.empty_like(cur)
             send, recv = ops.batch_send_recv([(cur, ring.peer(1))], [(nxt, ring.peer(-1))],
-                                             ring.mesh, DIM, tag=f"{ring.tag}.fwd")
+                                             ring.mesh, ring.dim, tag=f"{ring.tag}.fwd")
             sends.append(send)
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
@@ -305,7 +324,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
 def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None):
     """Backward around the ring: K/V hop on as in forward; each chunk's dK/dV accumulator
     follows one hop behind and reaches the owner after the last step."""
-    n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    n, c, fused = ring.mesh.size(ring.dim), ring.layout.chunk_len, ring.use_fused(q.device)
     dk = q.shape[-1]
     dq = torch.zeros_like(q)
     sends, cur, own, acc_in = [], kv, None, None
@@ -314,7 +333,7 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None):
         if t < n - 1:
             nxt = torch.empty_like(cur)
             s, kv_recv = ops.batch_send_recv([(cur, ring.peer(1))], [(nxt, ring.peer(-1))],
-                                             ring.mesh, DIM, tag=f"{ring.tag}.bwd")
+                                             ring.mesh, ring.dim, tag=f"{ring.tag}.bwd")
             sends.append(s)
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
@@ -338,7 +357,7 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None):
                 dkv += acc_in[0].float()
             buf = torch.empty_like(kv)
             s, r = ops.batch_send_recv([(dkv.to(kv.dtype), ring.peer(1))],
-                                       [(buf, ring.peer(-1))], ring.mesh, DIM,
+                                       [(buf, ring.peer(-1))], ring.mesh, ring.dim,
                                        tag=f"{ring.tag}.bwd")
             sends.append(s)
             acc_in = (buf, r)
@@ -380,12 +399,14 @@ class ContextParallelAttention(nn.Module):
     q, k, v are this rank's tokens (after RoPE at their positions), in `layout` order."""
 
     def __init__(self, mesh: ParallelMesh, layout: ContextLayout, mode: str = "ring",
-                 tag: str = "cp", fused: bool | None = None):
+                 tag: str = "cp", fused: bool | None = None, degree: int = 1):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"cp mode {mode!r}; use one of {', '.join(MODES)}")
         self.mesh, self.layout, self.mode, self.tag = mesh, layout, mode, tag
         self.ring = Ring(mesh, layout, tag, fused)
+        if mode == "hierarchical":  # the ring across the all-to-all groups of `degree`
+            self.ring = Ring(mesh, layout, tag, fused, dim=OUTER, group=degree)
         me = mesh.coord(DIM)
         self.q_pos = layout.positions(me, mesh.device.torch)
         self.k_pos = torch.cat([layout.positions(r, mesh.device.torch)
@@ -405,6 +426,12 @@ class ContextParallelAttention(nn.Module):
         docs = positions.docs
         if self.mode == "ring":
             return _RingAttention.apply(q, k, v, self.ring, docs)
+        if self.mode == "hierarchical":
+            rep = kv_repeats(q.shape[1], k.shape[1], self.mesh.size(INNER))
+            qh, kh, vh = heads_to_ranks([q, repeat_kv(k, rep), repeat_kv(v, rep)], self.mesh,
+                                        INNER, f"{self.tag}.qkv")
+            out = _RingAttention.apply(qh, kh, vh, self.ring, docs)
+            return tokens_to_ranks(out, self.mesh, INNER, f"{self.tag}.out")
         if self.mode == "a2a":
             every = torch.arange(self.layout.seq_len, device=q.device)
             mask = None if docs is None else document_mask(docs, docs, every, every)
@@ -421,10 +448,13 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mode: str,
-                           layout: ContextLayout) -> torch.Tensor:
+                           layout: ContextLayout, degree: int = 1) -> torch.Tensor:
     """Swap every attention core of this rank's stages for the cp one; mark the stages'
     boundary as split cp ways along the sequence. Returns this rank's token positions (the
-    indices of its inputs and targets in each sequence, and RoPE's positions)."""
+    indices of its inputs and targets in each sequence, and RoPE's positions). `degree`:
+    the hierarchical mode's all-to-all group (its groups are made here)."""
+    if mode == "hierarchical":
+        add_hierarchy_groups(mesh, DIM, degree)
     for stage in stages.values():
         for name, mod in stage.named_modules():
             core = getattr(mod, "core", None)
@@ -433,7 +463,8 @@ def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mod
             if type(core) is not CausalAttentionCore:
                 raise ValueError(f"context parallel cannot shard {name}.core "
                                  f"({type(core).__name__}): it knows causal attention only")
-            mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}")
+            mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}",
+                                                degree=degree)
         stage.seq_shards *= layout.cp
     return layout.positions(mesh.coord(DIM), mesh.device.torch)
 
@@ -446,5 +477,6 @@ def context_parallel_stages(stages: dict[int, nn.Module], mesh: ParallelMesh, cf
     if p.cp == 1:
         return None
     return apply_context_parallel(stages, mesh, p.cp_mode,
-                                  ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout))
+                                  ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout),
+                                  a2a_degree(p))
 

@@ -112,3 +112,27 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: P
     if order is not None:  # back to the gathered (rank) order
         out = out.index_select(2, torch.argsort(order))
     return tokens_to_ranks(out, mesh, dim, f"{tag}.out")
+
+
+# ---- the hierarchical mode's groups: all-to-all inside, ring across ----------------------
+
+INNER, OUTER = "cp_a2a", "cp_ring"
+
+
+def add_hierarchy_groups(mesh: ParallelMesh, dim: str, degree: int) -> None:
+    """Cut every `dim` group of the mesh into runs of `degree` consecutive ranks (INNER:
+    the all-to-all, inside a node when the group's ranks are) and the ranks at one place
+    of each run (OUTER: the ring across runs); this rank's are added to the mesh under
+    those names. Collective over the world: every rank makes every group, in order."""
+    import torch.distributed as dist
+
+    def cut(ranks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        runs = [ranks[i:i + degree] for i in range(0, len(ranks), degree)]
+        return runs, [list(col) for col in zip(*runs, strict=True)]
+
+    whole = sorted({tuple(mesh.ranks_along(dim, r)) for r in range(mesh.world_size)})
+    for name, pick in ((INNER, 0), (OUTER, 1)):
+        for ranks in (g for w in whole for g in cut(list(w))[pick]):
+            group = dist.new_group(ranks) if len(ranks) > 1 and mesh.world_size > 1 else None
+            if mesh.rank in ranks:
+                mesh.group_ranks[name], mesh.groups[name] = ranks, group

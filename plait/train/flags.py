@@ -76,7 +76,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("optimizer-sync"))
     p.add_argument("--zero3-gather", choices=ZERO3_GATHERS, help=_setting_help("zero3-gather"))
     for setting in (s for d in DIMENSIONS for s in d.settings):
-        p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
+        if setting.choices:
+            p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
+        else:  # an integer
+            p.add_argument(setting.flag, type=int, metavar="N", help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
     p.add_argument("--documents", action="store_true", default=None,

@@ -50,3 +50,32 @@ def a2a_collectives(dim: str, shape: Shape, b: Basis, n: Num, intra: Num, bw: Nu
         price.Collective(dim, f"all-to-all{what} (output)", s_out, count, n, intra, t_out,
                          count * t_out, "none: after attention", "pairwise")]
     return colls, t_in + t_out
+
+
+def hierarchical_collectives(dims: tuple[str, str, str], shape: Shape, b: Basis,
+                             degree: Num, gpus_per_node: int, bw_of, visits: Num, replay: int
+                             ) -> tuple[list, Num, Num]:
+    """All-to-all inside groups of `degree` consecutive ranks of the sequence's dim
+    (dims[0]; its groups dims[1]), ring attention across the groups (dims[2]): after the
+    all-to-all a rank holds its group's tokens of its head group, so each ring hop carries
+    tokens x degree x (repeated KV heads / degree) x (dk + dv), the group's K/V share.
+    `bw_of(intra)`: (bandwidth, latency) of a link. Returns the collectives and the exposed
+    (forward, backward) seconds per layer and micro-batch: the all-to-alls whole, the hops
+    past the attention compute they hide behind (as the ring's)."""
+    stride, n_ring = b.strides[dims[0]], b.sizes[dims[0]] / degree
+    in_intra = price.intra_node(stride, degree, gpus_per_node)
+    out_intra = price.intra_node(stride * degree, n_ring, gpus_per_node)
+    bw, al = bw_of(in_intra)
+    colls, t_a2a = a2a_collectives(dims[1], shape, b, degree, in_intra, bw, al, visits,
+                                   replay)
+    bw, al = bw_of(out_intra)
+    s_kv = b.tokens * a2a_kv_heads(shape, b.tp, degree) * (shape.qk_dim + shape.v_dim) * b.e
+    t_kv = np.where(n_ring > 1, (n_ring - 1) * price.p2p(s_kv, bw, al), 0.0)
+    exp_f = np.maximum(t_kv - b.lt.attn_fwd, 0)
+    exp_b = np.maximum(2 * t_kv - 2 * b.lt.attn_fwd, 0)
+    if np.any(n_ring > 1):
+        n = (3 + replay) * (n_ring - 1) * visits
+        colls.append(price.Collective(dims[2], "p2p (ring K/V across groups)", s_kv, n,
+                                      n_ring, out_intra, price.p2p(s_kv, bw, al),
+                                      (exp_f + exp_b) * visits, "attention core compute"))
+    return colls, t_a2a + exp_f, t_a2a + exp_b
