@@ -82,3 +82,30 @@ def test_hierarchical_all_to_all_pairs_and_ring_across():
     got = data_bytes_by_dim([r for r in outs[0]["ledger"] if r["step"] == 1])
     for dim in ("cp_a2a", "cp_ring"):
         assert planned[dim] == pytest.approx(got[dim]), dim
+
+
+def test_planner_prices_every_mode_and_chooses():
+    """Llama 3 8B at 1M tokens, cp=16 over two nodes of 8 H100s: the hierarchical mode's
+    has 2 positions (groups of 8, the all-to-all on NVLink): 1 hop across nodes where the
+    ring has 15, each the same bytes (a group's 8 ranks' tokens of 1/8 of the KV heads);
+    a2a is refused where the heads do not split; the choice is the fastest that fits."""
+    from plait.plan.basis import Layout, Training
+    from plait.plan.calibration import EFFICIENCY
+    from plait.plan.hardware import GPUS, Cluster
+    from plait.plan.search import search
+    from plait.plan.sequence_modes import choose, price_modes
+    from plait.plan.shape import from_preset
+
+    shape, cluster = from_preset("llama3-8b", 2**20), Cluster(GPUS["h100-sxm"], 64)
+    lay = search(shape, cluster, Training(4), EFFICIENCY, top=1).top[0].layout
+    assert (lay.sizes["cp"], lay.sizes["tp"]) == (16, 1)
+    prices = {p.mode: p for p in price_modes(shape, cluster, Training(4), lay, EFFICIENCY)}
+    ring, hier = prices["ring"], prices["hierarchical"]
+    assert hier.degree == 8 and ring.bytes_intra == 0 and hier.bytes_intra > 0
+    assert hier.bytes_inter == pytest.approx(ring.bytes_inter / 15)
+    pick = choose(list(prices.values()))
+    assert pick.step_time == min(p.step_time for p in prices.values() if p.fits)
+    narrow = Layout({"cp": 16, "tp": 4}, mbs=1, zero=2, recompute="full")
+    a2a = next(p for p in price_modes(shape, cluster, Training(4), narrow, EFFICIENCY)
+               if p.mode == "a2a")
+    assert "8 heads a tp rank do not split 16 ways" in a2a.problem
