@@ -295,7 +295,9 @@ MUTANTS = [
            [DOCS + "[dp=2,tp=2,sp=true]", DOCS + "[cp=4,cp_mode=a2a]"]),
     Mutant("documents-ring-blocks-unmasked",
            "packed documents: ring attention's blocks ignore the documents",
-           documents_ring_blocks_unmasked, [DOCS + "[cp=2,cp_mode=ring]"]),
+           documents_ring_blocks_unmasked,
+           [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
+            "tie_embeddings=false]"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
            expert_major_untransposed,
            [EP + "test_expert_major_regroups_source_major_rows",

@@ -207,5 +207,7 @@ def resolve_data(cfg: Config, data_dir: str | None) -> Path:
 def check_data(cfg: Config, path: Path) -> None:
     from plait.train.data import GlobalBatches, TokenFile
 
-    GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
-                  cfg.train.seed, cfg.model.vocab_size)
+    batches = GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
+                            cfg.train.seed, cfg.model.vocab_size)
+    if cfg.train.documents:  # the boundaries are there (DataError naming the fix if not)
+        batches.end_of_document()
