@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import results  # noqa: E402
+
 from plait.plan.basis import Training  # noqa: E402
 from plait.plan.calibration import EFFICIENCY  # noqa: E402
 from plait.plan.hardware import GPUS, Cluster  # noqa: E402
@@ -72,11 +74,12 @@ def mode_rows(gpus: int, seq: int) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--write", help="markdown file to write the tables to")
+    results.add_write_flag(ap)
     args = ap.parse_args()
     lines = ["# Long context: the longest sequence that fits, and the cp mode chosen", "",
-             f"Planner only (`python benchmarks/long_context.py`): {MODEL} on {GPU}, bf16, "
-             "Adam, a global batch of 4M tokens; no GPU run.", "",
+             f"Regenerate: `{results.command()}`", "", f"Run: {results.run_line()}", "",
+             f"Planner only: {MODEL} on {GPU}, bf16, Adam, a global batch of 4M tokens "
+             "(at least one sequence); no GPU run.", "",
              "| GPUs | longest sequence that fits (of 32K .. 2M) |", "|---|---|"]
     for g in args.gpus:
         n = longest(g)
