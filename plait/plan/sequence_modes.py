@@ -75,3 +75,27 @@ def choose(prices: list[ModePrice]) -> ModePrice | None:
     """The fastest mode that fits (None: none does)."""
     ok = [p for p in prices if not p.problem and p.fits]
     return min(ok, key=lambda p: p.step_time) if ok else None
+
+
+def mode_notes(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
+               eff: Efficiency) -> list[str]:
+    """`plait plan`'s words on the layout's mode (nothing when the sequence is whole): the
+    one chosen, and each mode's step time and bytes a rank sends a step across nodes."""
+    if int(lay.sizes[SEQ]) == 1:
+        return []
+    prices = price_modes(shape, cluster, train, lay, eff)
+    pick = choose(prices)
+    each = "; ".join(
+        f"{p.mode}: refused ({p.problem})" if p.problem else
+        f"{p.mode}{f' (all-to-all groups of {p.degree})' if p.mode == 'hierarchical' else ''}"
+        f": {p.step_time:.3f} s, {p.bytes_inter / 1e9:.1f} GB across nodes"
+        f"{'' if p.fits else ', does not fit'}" for p in prices)
+    flags = {s.key: s.flag for s in BY_NAME[SEQ].settings}
+    head = "Context parallel mode: none fits"
+    if pick is not None:
+        degree = (f" {flags[SEQ + '_a2a']} {pick.degree}" if pick.mode == "hierarchical"
+                  else "")
+        head = (f"Context parallel mode: {pick.mode} is the fastest that fits "
+                f"({flags[SEQ + '_mode']} {pick.mode}{degree})")
+    return [f"{head}; {each}. (The search scores ring layouts; the mode is priced on the "
+            "best one.)"]
