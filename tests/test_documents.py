@@ -128,3 +128,21 @@ def test_core_attends_within_documents(mode):
         assert err <= 1e-5, (mode, err)
         if mode == "ring":
             assert work == visible
+
+
+def test_eval_with_documents_equals_each_document_alone():
+    """`plait eval --documents` (one rank): the mean loss over the windows' kept targets
+    equals the reference's, each document run by itself, on the same weights."""
+    from plait.model.transformer import build_model
+    from plait.train.evaluate import evaluate
+    from plait.train.reference import documents_loss
+
+    cfg = config(*DOCS, "train.global_batch=4").check(1)
+    data = TokenFile.open(documents_file())
+    got = evaluate(cfg, ParallelMesh.build(cfg.parallel), data, 8)["loss"]
+    s = cfg.train.seq_len
+    rows = torch.stack([torch.from_numpy(data.tokens[w * s:w * s + s + 1].astype("int64"))
+                        for w in range(8)])
+    with torch.no_grad():
+        want = documents_loss(build_model(cfg.model, seed=cfg.train.seed), rows, EOT)
+    assert got == pytest.approx(float(want), rel=1e-5)
