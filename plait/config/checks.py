@@ -238,6 +238,9 @@ def train_problems(cfg: Config) -> list[str]:
         (not 0 <= t.min_lr_ratio <= 1,
          f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]"),
         (t.warmup_steps < 0, f"train.warmup_steps={t.warmup_steps} must be >= 0"),
+        (t.documents and cfg.parallel.fault_tolerance,
+         "train.documents with parallel.fault_tolerance is not built (a lost replica's "
+         "rows change the step's kept targets); train one of them"),
         (t.weight_decay < 0, f"train.weight_decay={t.weight_decay} must be >= 0"),
         (not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1),
          f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1)"),

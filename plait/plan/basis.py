@@ -133,7 +133,10 @@ class Layout(Sizes):
     # the layer input
     recompute: str
     sp: bool  # sequence parallelism with TP (Korthikanti et al. 2022)
-    cp_mode: str  # context parallel's K/V: "ring" (Liu et al. 2023) | "allgather" (Llama 3)
+    # context parallel's K/V: "ring" (Liu et al. 2023) | "allgather" (Llama 3) | "a2a"
+    # (Ulysses) | "hierarchical" (all-to-all in groups of cp_a2a ranks, ring across them)
+    cp_mode: str
+    cp_a2a: int
     # plait's own train.recompute when the layout is a plait config; it decides which
     # collectives the runtime replays (plait/plan/comm/layer.py). None: `recompute`, but
     # "none" for math's selective (only the attention core is redone, no collective)
@@ -150,7 +153,7 @@ class Layout(Sizes):
                  sp: bool = True, cp_mode: str = "ring", runtime_recompute: str | None = None,
                  attention: str = "flash", recompute_ops: tuple[str, ...] = DEFAULT_OPS,
                  order: tuple[str, ...] = DEFAULT_ORDER, zero3_gather: str = "microbatch",
-                 **by_name: Num) -> None:
+                 cp_a2a: int = 1, **by_name: Num) -> None:
         unknown = sorted(set(sizes or {}) - set(BY_NAME)) + sorted(set(by_name) - set(BY_NAME))
         if unknown:
             raise TypeError(f"Layout: no dimension {', '.join(unknown)}; the dimensions are "
@@ -159,6 +162,7 @@ class Layout(Sizes):
                       for d in DIMENSIONS}
         self.mbs, self.schedule, self.v, self.zero = mbs, schedule, v, zero
         self.recompute, self.sp, self.cp_mode = recompute, sp, cp_mode
+        self.cp_a2a = cp_a2a
         self.runtime_recompute, self.attention = runtime_recompute, attention
         self.recompute_ops, self.order = recompute_ops, order
         self.zero3_gather = zero3_gather

@@ -54,6 +54,7 @@ from plait.plan.plot import plot_memory
 from plait.plan.profile import base_gpu, hardware_of
 from plait.plan.published import published_batch, throughput_note
 from plait.plan.search import PlanError, layout_problems, order_notes, search
+from plait.plan.sequence_modes import mode_notes
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
 from plait.plan.units import flops_rate, nbytes, params
 
@@ -332,6 +333,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
              + (", ranked by goodput (useful tokens/s under failures)." if cost else ".")]
     notes += explain(res.top[0], shape, cluster, train, res.extra.get("best_by"),
                      res.top[1] if len(res.top) > 1 else None) + order_notes(res.top[0])
+    notes += mode_notes(shape, cluster, train, res.top[0].layout, eff)
     return res.top, notes, doc
 
 

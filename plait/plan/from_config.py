@@ -56,6 +56,7 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
 def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
     """(shape, cluster, training, layout, efficiency) `evaluate` takes for a plait Config's
     layout: the runtime's attention (SDPA, planned as flash), its recompute and order."""
+    from plait.dims import a2a_degree
     from plait.parallel.pipeline.registry import natural_virtual_stages
     from plait.plan.activations import RUNTIME_ATTENTION
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
@@ -69,7 +70,7 @@ def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
                  recompute=t.recompute, sp=p.sp, cp_mode=p.cp_mode,
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order),
-                 zero3_gather=p.zero3_gather)
+                 zero3_gather=p.zero3_gather, cp_a2a=a2a_degree(p))
     train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync)
     return shape, Cluster(PLACEHOLDER_GPU, p.world_size), train, lay, EFFICIENCY
 

@@ -28,7 +28,7 @@ TRAIN_FLAGS = {
     "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
-    "sp": "parallel.sp", "init_from": "train.init_from",
+    "sp": "parallel.sp", "init_from": "train.init_from", "documents": "train.documents",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
     "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
@@ -76,9 +76,16 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("optimizer-sync"))
     p.add_argument("--zero3-gather", choices=ZERO3_GATHERS, help=_setting_help("zero3-gather"))
     for setting in (s for d in DIMENSIONS for s in d.settings):
-        p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
+        if setting.choices:
+            p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
+        else:  # an integer
+            p.add_argument(setting.flag, type=int, metavar="N", help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
+    p.add_argument("--documents", action="store_true", default=None,
+                   help="packed documents: attention causal within each document of a "
+                   "window and never across one, positions restarting per document, no "
+                   "loss across a boundary (train.documents; docs/context_parallel.md)")
     p.add_argument("--fault-tolerance", action="store_true", default=None,
                    help="each dp_replicate group is a unit of failure: when one dies or "
                    "stops answering the others finish the step without it and go on, and a "
@@ -201,5 +208,7 @@ def resolve_data(cfg: Config, data_dir: str | None) -> Path:
 def check_data(cfg: Config, path: Path) -> None:
     from plait.train.data import GlobalBatches, TokenFile
 
-    GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
-                  cfg.train.seed, cfg.model.vocab_size)
+    batches = GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
+                            cfg.train.seed, cfg.model.vocab_size)
+    if cfg.train.documents:  # the boundaries are there (DataError naming the fix if not)
+        batches.end_of_document()

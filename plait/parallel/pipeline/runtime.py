@@ -42,6 +42,7 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
+from plait.model.packed import document_ids, masked_targets
 from plait.parallel.pipeline.ir import Action, Schedule, split_backwards
 from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.split import (
@@ -99,6 +100,8 @@ class PipelineRuntime:
         self.peers = mesh.group_ranks[dim] if mesh.size(dim) > 1 else [mesh.rank]
         self.actions = self.schedule.actions[self.me]
         self.stages, self.positions = stages, positions
+        # packed documents (plait/model/packed.py): the end-of-document token, or None
+        self.documents: int | None = None
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
         # a first stage's I sends nothing: where its W follows at once, that I keeps the
@@ -278,6 +281,20 @@ class PipelineRuntime:
             self._sends_f.pop((stage, mb))[0].wait()
         return buf
 
+    def _targets(self, mb: int) -> torch.Tensor:
+        """This rank's targets of micro-batch mb; with packed documents, an end-of-document
+        token's target (across the boundary) ignored."""
+        rows = self._micro[mb]
+        if self.documents is None:
+            return self._columns(rows[:, 1:])
+        return self._columns(masked_targets(rows[:, :-1], rows[:, 1:], self.documents))
+
+    def _docs(self, mb: int) -> torch.Tensor | None:
+        """Packed documents: the document of every input token of micro-batch mb."""
+        if self.documents is None:
+            return None
+        return document_ids(self._micro[mb][:, :-1], self.documents)
+
     def _columns(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of each sequence (all of them without context parallel)."""
         if self.positions is None:
@@ -360,19 +377,19 @@ class PipelineRuntime:
         the backward is split), or, split with recomputation, without one (see the
         module docstring)."""
         stage, cap = self.stages[s], self.capture.get(s)
-        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        targets = self._targets(mb) if last else None
+        kw = {"positions": self.positions, "docs": self._docs(mb)}
         if stage.recompute is not None and (s, mb) in self.split:
             keep, redo = stage.recompute.contexts()
             with torch.no_grad(), keep:
-                out = stage(x, targets, self._ntok, positions=self.positions)
+                out = stage(x, targets, self._ntok, **kw)
             return _Live(None if first else x, out, redo=redo)
         if (s, mb) not in self.split:
-            return _Live(None if first else x, stage(x, targets, self._ntok,
-                                                     positions=self.positions))
+            return _Live(None if first else x, stage(x, targets, self._ntok, **kw))
         store = SavedStore()
         with store.hooks():
             cap.start()
-            out = stage(x, targets, self._ntok, positions=self.positions)
+            out = stage(x, targets, self._ntok, **kw)
         return _Live(None if first else x, out, cap.stop(), store=store)
 
     def _forward_again(self, s: int, mb: int, live: _Live, first: bool, last: bool) -> None:
@@ -380,14 +397,15 @@ class PipelineRuntime:
         returned by the policy's recompute context, building the graph I and W share."""
         stage, cap = self.stages[s], self.capture[s]
         x = self._columns(self._micro[mb][:, :-1]) if first else live.x
-        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        targets = self._targets(mb) if last else None
         setting, stage.recompute = stage.recompute, None  # the whole stage, not per block
         t0 = self.timer.mark()
         live.store = SavedStore()
         try:
             with live.redo, live.store.hooks():
                 cap.start()
-                live.out = stage(x, targets, self._ntok, positions=self.positions)
+                live.out = stage(x, targets, self._ntok, positions=self.positions,
+                                 docs=self._docs(mb))
                 live.kept = cap.stop()
         finally:
             stage.recompute = setting
