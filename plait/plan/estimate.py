@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, host_share, memory, memory_bound, zero3_gpu
+from plait.plan import bubble, host_share, memory, memory_bound, overlap_slowdown, zero3_gpu
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
@@ -303,6 +303,10 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     step = pipe + dp_exposed + t_opt
     if zero3_gpu.applies(lay, eff):
         time[zero3_gpu.COPIES_TERM], step = copies, step + copies
+    if eff.overlap_slowdown:  # the published GPU numbers: compute beside collectives
+        slowed = overlap_slowdown.slowdown_seconds(colls, time["compute"] + time["recompute"],
+                                                   eff.overlap_slowdown)
+        time[overlap_slowdown.TERM], step = slowed, step + slowed
     if eff.sync_extra or eff.desync_wait:  # a measured profile's (the presets: none)
         time[SYNC_TERM] = sync_seconds(eff, colls, time["compute"] + time["recompute"])
         step = step + time[SYNC_TERM]
