@@ -351,8 +351,9 @@ MUTANTS = [
 from tests.mutants_fp8 import MUTANTS as FP8_MUTANTS  # noqa: E402
 from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402
 from tests.mutants_pipeline import MUTANTS as PIPELINE_MUTANTS  # noqa: E402
+from tests.mutants_plan_gpu import MUTANTS as PLAN_GPU_MUTANTS  # noqa: E402
 
-MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS + FP8_MUTANTS
+MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS + FP8_MUTANTS + PLAN_GPU_MUTANTS
 
 
 # ---- the runner ---------------------------------------------------------------------------

@@ -118,6 +118,9 @@ class Efficiency:
     # 0: the bf16 curve's, gemm_max and gemm_half): plait/plan/fp8.py
     fp8_gemm_max: float = 0.0
     fp8_gemm_half: float = 0.0
+    # how much longer compute runs beside a collective than alone (the published GPU
+    # numbers' `overlap_compute_slowdown`: plait/plan/overlap_slowdown.py; 0: not priced)
+    overlap_slowdown: float = 0.0
 
 
 def attention_eff(seq: Num, curve: tuple[tuple[float, float], ...]) -> Num:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, host_share, memory, memory_bound
+from plait.plan import bubble, host_share, memory, memory_bound, overlap_slowdown, zero3_gpu
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
@@ -285,6 +285,15 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                                   experts, colls, experts=True,
                                                   gathered=g_experts)
+    copies = 0.0
+    if zero3_gpu.applies(lay, eff):  # the published GPU numbers: FSDP's copies, step ends
+        copies = zero3_gpu.copy_seconds(cluster, train, lay, eff, b, dense, gathered, g_bytes)
+        if shape.moe:
+            copies = copies + zero3_gpu.copy_seconds(
+                cluster, train, lay, eff, b, experts, g_experts,
+                gathered_bytes(train, g_experts), experts=True)
+        dp_exposed = dp_exposed + zero3_gpu.end_collectives(cluster, train, lay, eff, b,
+                                                            rm.ends[0], colls)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params - rm.expert_params,
                                      rm.expert_params, lay.zero))
@@ -292,6 +301,12 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
     step = pipe + dp_exposed + t_opt
+    if zero3_gpu.applies(lay, eff):
+        time[zero3_gpu.COPIES_TERM], step = copies, step + copies
+    if eff.overlap_slowdown:  # the published GPU numbers: compute beside collectives
+        slowed = overlap_slowdown.slowdown_seconds(colls, time["compute"] + time["recompute"],
+                                                   eff.overlap_slowdown)
+        time[overlap_slowdown.TERM], step = slowed, step + slowed
     if eff.sync_extra or eff.desync_wait:  # a measured profile's (the presets: none)
         time[SYNC_TERM] = sync_seconds(eff, colls, time["compute"] + time["recompute"])
         step = step + time[SYNC_TERM]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plait.plan import fp8
+from plait.plan import fp8, overlap_slowdown, zero3_gpu
 from plait.plan.basis import Training, basis_of
 from plait.plan.compute import Efficiency, attention_eff, gemm_eff, layer_gemms
 from plait.plan.estimate import MEMORY_BOUND_TERM, Estimate
@@ -83,6 +83,17 @@ def explain_terms(shape: Shape, cluster: Cluster, train: Training, e: Estimate,
             lines.append(f"  {k}: {float(v):.3f} s")
             if k == MEMORY_BOUND_TERM:
                 lines += _memory_bound_lines(shape, cluster, train, e, eff)
+            if k == overlap_slowdown.TERM:
+                hidden = float(np.asarray(overlap_slowdown.hidden_seconds(e.collectives)))
+                lines.append(f"    {hidden:.3f} s of collectives hidden behind compute, which "
+                             f"runs {eff.overlap_slowdown:.1%} slower beside them "
+                             "(arXiv:2507.03114's mean).")
+            if k == zero3_gpu.COPIES_TERM:
+                bw = achievable_bw(cluster.gpu, eff)
+                lines.append(f"    {float(v) * bw / 1e9:,.1f} GB a step at {bw / 1e9:,.0f} GB/s: "
+                             "each all-gather's copy-in (the fp32 shard cast) and copy-out, "
+                             "each reduce-scatter's copy-in (the gradient in the reduce "
+                             "dtype) and its shard's division and fp32 accumulation.")
     sends = "overlapped" if pp_overlapped(st, e.layout.schedule) else "on the critical path"
     lines.append(f"  assumed: data-parallel reduction {'overlaps' if st.dp_overlap else 'after'}"
                  f" the backward (--dp-overlap); pipeline sends {sends} (--pp-overlap); "

@@ -74,7 +74,8 @@ def published(gpu: GPU) -> Published | None:
                      hbm_fraction=e["hbm_achievable"]["value"],
                      launch_seconds=doc["kernel_launch"]["seconds"],
                      fp8_gemm_max=e["fp8_gemm_max"]["value"] or 0.0,  # 0: bf16's
-                     fp8_gemm_half=e["fp8_gemm_half_flops"]["value"] or 0.0)
+                     fp8_gemm_half=e["fp8_gemm_half_flops"]["value"] or 0.0,
+                     overlap_slowdown=doc["overlap_compute_slowdown"]["value"])
     return Published(fam, g, eff, e["mfu_published_best"]["value"], e)
 
 

@@ -51,10 +51,9 @@ def mfu_flags(ests: list[Estimate], cluster: Cluster, pub: Published | None,
     return [f"CHECK: predicted MFU ({which}) is above the best published run on a "
             f"{cluster.gpu.name} ({best:.1%}: {src}). #{k}'s step is {_driver(e)}: compute "
             "at the GEMM and attention efficiencies below and the memory-bound kernels at "
-            "their bytes, with an eager stack's unfused intermediates, the GPU's gaps "
-            "between kernels and the slowdown of compute beside overlapped communication "
-            "priced at zero, so treat its time as a lower bound (--explain shows each "
-            "term)."]
+            "their bytes, with an eager stack's unfused intermediates and the GPU's gaps "
+            "between kernels priced at zero, so treat its time as a lower bound (--explain "
+            "shows each term)."]
 
 
 def add_arguments(group: Any) -> None:
