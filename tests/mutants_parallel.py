@@ -97,6 +97,12 @@ def documents_ring_blocks_unmasked():
     Ring.block_mask = lambda self, docs, i, src, j, causal: None  # a chunk's docs forgotten
 
 
+def documents_split_mirror_dropped():
+    from plait.parallel import context_balance
+
+    context_balance._mirror = lambda g, cp: g % cp  # chunk cp+r to rank r, not 2cp-1-g's
+
+
 # ---- expert parallel and MoE balancing -------------------------------------------------
 
 
@@ -298,6 +304,11 @@ MUTANTS = [
            documents_ring_blocks_unmasked,
            [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
             "tie_embeddings=false]"]),
+    Mutant("documents-split-mirror-dropped",
+           "packed documents' cp split: rank r takes chunks r and cp+r, not 2cp-1-r",
+           documents_split_mirror_dropped,
+           ["tests/test_context_balance.py::"
+            "test_document_split_balances_short_documents_where_zigzag_does_not"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
            expert_major_untransposed,
            [EP + "test_expert_major_regroups_source_major_rows",

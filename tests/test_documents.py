@@ -13,6 +13,7 @@ from helpers import SESSION_ROOT, config
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.packed import IGNORE, document_ids, document_positions, masked_targets
+from plait.parallel.context_balance import document_work
 from plait.testing import assert_parity, merge_ranks
 from plait.train.data import DataError, GlobalBatches, TokenFile, write_token_file
 from plait.train.loop import full_state, train
@@ -114,9 +115,7 @@ def _core_with_documents(rank, world, mode):
     ref.backward(dout)
     errs = [(out - ref[:, :, pos]).abs().max()]
     errs += [(a.grad - r.grad[:, :, pos]).abs().max() for a, r in zip(mine, full, strict=True)]
-    visible = sum(int(((docs[r, pos, None] == docs[r, None, :])
-                       & (torch.arange(s)[None, :] <= pos[:, None])).sum()) for r in range(b))
-    return max(float(e) for e in errs), core.ring.work, visible / b
+    return max(float(e) for e in errs), core.ring.work, float(document_work(docs, pos[None])[0])
 
 
 @pytest.mark.parametrize("mode", ["ring", "allgather", "a2a"])
