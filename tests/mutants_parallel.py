@@ -103,6 +103,19 @@ def documents_split_mirror_dropped():
     context_balance._mirror = lambda g, cp: g % cp  # chunk cp+r to rank r, not 2cp-1-g's
 
 
+def documents_split_masked_by_chunks():
+    import torch
+
+    from plait.parallel.context import Ring
+
+    def chunk_ids(self, split, pos, i):  # the zigzag chunk's indices, not the split's tokens
+        c = self.layout.chunk_len
+        start = self.chunks(pos)[i] * c
+        return torch.arange(start, start + c).expand(split.shape[0], c)
+
+    Ring.slot_ids = chunk_ids
+
+
 # ---- expert parallel and MoE balancing -------------------------------------------------
 
 
@@ -309,6 +322,11 @@ MUTANTS = [
            documents_split_mirror_dropped,
            ["tests/test_context_balance.py::"
             "test_document_split_balances_short_documents_where_zigzag_does_not"]),
+    Mutant("documents-split-masked-by-chunks",
+           "packed documents split by document: the ring masks blocks by the zigzag chunks",
+           documents_split_masked_by_chunks,
+           [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
+            "tie_embeddings=false]"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
            expert_major_untransposed,
            [EP + "test_expert_major_regroups_source_major_rows",
