@@ -94,7 +94,7 @@ def documents_attention_crosses():
 def documents_ring_blocks_unmasked():
     from plait.parallel.context import Ring
 
-    Ring.block_mask = lambda self, docs, i, src, j, causal: None  # a chunk's docs forgotten
+    Ring.block_mask = lambda self, docs, i, src, j, causal, split=None: None  # docs forgotten
 
 
 def documents_split_mirror_dropped():
