@@ -94,7 +94,26 @@ def documents_attention_crosses():
 def documents_ring_blocks_unmasked():
     from plait.parallel.context import Ring
 
-    Ring.block_mask = lambda self, docs, i, src, j, causal: None  # a chunk's docs forgotten
+    Ring.block_mask = lambda self, docs, i, src, j, causal, split=None: None  # docs forgotten
+
+
+def documents_split_mirror_dropped():
+    from plait.parallel import context_balance
+
+    context_balance._mirror = lambda g, cp: g % cp  # chunk cp+r to rank r, not 2cp-1-g's
+
+
+def documents_split_masked_by_chunks():
+    import torch
+
+    from plait.parallel.context import Ring
+
+    def chunk_ids(self, split, pos, i):  # the zigzag chunk's indices, not the split's tokens
+        c = self.layout.chunk_len
+        start = self.chunks(pos)[i] * c
+        return torch.arange(start, start + c).expand(split.shape[0], c)
+
+    Ring.slot_ids = chunk_ids
 
 
 # ---- expert parallel and MoE balancing -------------------------------------------------
@@ -296,6 +315,16 @@ MUTANTS = [
     Mutant("documents-ring-blocks-unmasked",
            "packed documents: ring attention's blocks ignore the documents",
            documents_ring_blocks_unmasked,
+           [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
+            "tie_embeddings=false]"]),
+    Mutant("documents-split-mirror-dropped",
+           "packed documents' cp split: rank r takes chunks r and cp+r, not 2cp-1-r",
+           documents_split_mirror_dropped,
+           ["tests/test_context_balance.py::"
+            "test_document_split_balances_short_documents_where_zigzag_does_not"]),
+    Mutant("documents-split-masked-by-chunks",
+           "packed documents split by document: the ring masks blocks by the zigzag chunks",
+           documents_split_masked_by_chunks,
            [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
             "tie_embeddings=false]"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",

@@ -13,6 +13,7 @@ from helpers import SESSION_ROOT, config
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.packed import IGNORE, document_ids, document_positions, masked_targets
+from plait.parallel.context_balance import document_split, document_work, zigzag_split
 from plait.testing import assert_parity, merge_ranks
 from plait.train.data import DataError, GlobalBatches, TokenFile, write_token_file
 from plait.train.loop import full_state, train
@@ -85,7 +86,15 @@ def test_a_file_without_boundaries_is_refused(tmp_path):
     assert cfg.validate(1) == []
 
 
+def _at(t, pos):
+    """t (b, h, s, d) at sequence indices pos: (L,) for every row or (b, L) per row."""
+    return t[:, :, pos] if pos.dim() == 1 else torch.stack([t[r, :, p] for r, p in
+                                                            enumerate(pos)])
+
+
 def _core_with_documents(rank, world, mode):
+    """Per split (the zigzag chunks; split by documents, not for a2a): the worst error of
+    out/dq/dk/dv, the ring's counted work, and `document_work`'s count for this rank."""
     from plait.config import load_config
     from plait.model.rope import Positions
     from plait.parallel.context import ContextLayout, ContextParallelAttention
@@ -97,13 +106,7 @@ def _core_with_documents(rank, world, mode):
     x = torch.randint(4, 256, (b, s), generator=gen)
     x[0, [3, 4, 20]] = EOT  # documents of 4, 1, 16, 11 tokens in row 0; 3 in row 1
     x[1, [9, 30]] = EOT
-    docs = document_ids(x, EOT)
-    lay = ContextLayout(world, s)
-    pos = lay.positions(mesh.coord("cp"), "cpu")
-    core = ContextParallelAttention(mesh, lay, mode)
-    mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = core(*mine, Positions(pos, torch.zeros(1), torch.zeros(1), docs))
-    out.backward(dout[:, :, pos])
+    docs, me, lay = document_ids(x, EOT), mesh.coord("cp"), ContextLayout(world, s)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = torch.zeros_like(q)
     for row in range(b):  # each document alone, plain causal attention
@@ -112,22 +115,33 @@ def _core_with_documents(rank, world, mode):
             ref[row, :, at] = torch.nn.functional.scaled_dot_product_attention(
                 *(t[row, :, at] for t in full), is_causal=True)
     ref.backward(dout)
-    errs = [(out - ref[:, :, pos]).abs().max()]
-    errs += [(a.grad - r.grad[:, :, pos]).abs().max() for a, r in zip(mine, full, strict=True)]
-    visible = sum(int(((docs[r, pos, None] == docs[r, None, :])
-                       & (torch.arange(s)[None, :] <= pos[:, None])).sum()) for r in range(b))
-    return max(float(e) for e in errs), core.ring.work, visible / b
+    found = []
+    for by_documents in (False, True) if mode != "a2a" else (False,):
+        split = document_split(docs, world) if by_documents else zigzag_split(world, s)
+        pos = split[:, me] if by_documents else split[me]
+        core = ContextParallelAttention(mesh, lay, mode, by_documents=by_documents)
+        mine = [_at(t, pos).clone().requires_grad_() for t in (q, k, v)]
+        out = core(*mine, Positions(pos, torch.zeros(1), torch.zeros(1), docs))
+        out.backward(_at(dout, pos))
+        errs = [(out - _at(ref, pos)).abs().max()]
+        errs += [(a.grad - _at(r.grad, pos)).abs().max()
+                 for a, r in zip(mine, full, strict=True)]
+        found.append((max(float(e) for e in errs), core.ring.work,
+                      float(document_work(docs, split)[me])))
+    return found
 
 
 @pytest.mark.parametrize("mode", ["ring", "allgather", "a2a"])
 def test_core_attends_within_documents(mode):
-    """The core alone on 4 ranks against each document run by itself (plain causal SDPA):
-    outputs and dq/dk/dv within 1e-5; the ring counts as its work the pairs inside documents
-    only (blocks without one are skipped), each rank its own share."""
-    for err, work, visible in run_ranks(_core_with_documents, 4, mode):
-        assert err <= 1e-5, (mode, err)
-        if mode == "ring":
-            assert work == visible
+    """The core alone on 4 ranks against each document run by itself (plain causal SDPA),
+    with the zigzag chunks and split by documents: outputs and dq/dk/dv within 1e-5; the
+    ring counts as its work the pairs inside documents only (blocks without one are
+    skipped), each rank its own share (`document_work`)."""
+    for rank in run_ranks(_core_with_documents, 4, mode):
+        for err, work, visible in rank:
+            assert err <= 1e-5, (mode, err)
+            if mode == "ring":
+                assert work == visible
 
 
 def test_eval_with_documents_equals_each_document_alone():

@@ -51,6 +51,7 @@ def kept_targets(rows: torch.Tensor, eot: int) -> int:
 def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_idx: torch.Tensor,
                   k_idx: torch.Tensor) -> torch.Tensor:
     """bool (b, 1, m, n): key j visible to query i when both are in one document and j is
-    not after i in the sequence (`*_idx`: sequence indices; `*_docs`: (b, m), (b, n))."""
+    not after i in the sequence (`*_idx`: sequence indices, (m,), (n,) or per row (b, m),
+    (b, n); `*_docs`: (b, m), (b, n))."""
     same = q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)
-    return (same & (k_idx.unsqueeze(0) <= q_idx.unsqueeze(1))).unsqueeze(1)
+    return (same & (k_idx.unsqueeze(-2) <= q_idx.unsqueeze(-1))).unsqueeze(1)

@@ -152,7 +152,8 @@ class RotaryEmbedding(nn.Module):
             from plait.model.packed import document_positions
 
             inner = document_positions(docs)
-            inner = inner if ids is None else inner[:, ids]
+            if ids is not None:  # (s,) one split for every row, or (batch, s) per row
+                inner = inner.gather(1, ids) if ids.dim() == 2 else inner[:, ids]
             return Positions(ids, cos[inner].unsqueeze(1), sin[inner].unsqueeze(1), docs)
         if ids is None:
             return Positions(None, cos.narrow_copy(0, 0, seq_len),

@@ -37,6 +37,7 @@ mesh's product dim "dp_cp", plait/parallel/optimizer.py), and the logged loss ov
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ from plait.parallel.context_a2a import (
     tokens_to_ranks,
     ulysses_attention,
 )
+from plait.parallel.context_balance import document_split
 
 DIM = "cp"
 MODES = ("ring", "allgather", "a2a", "hierarchical")
@@ -244,12 +246,24 @@ class Ring:
     def use_fused(self, device: torch.device) -> bool:
         return fused_available(device) if self.fused is None else self.fused
 
+    def slot_ids(self, split: torch.Tensor, pos: int, i: int) -> torch.Tensor:
+        """(b, c): the sequence indices of ring position pos's chunk slot i under a split by
+        documents (`split` (b, cp, s/cp), plait/parallel/context_balance.py)."""
+        c, per = self.layout.chunk_len, self.layout.n_chunks // self.layout.cp
+        r, half = pos * self.group + i // per, i % per
+        return split[:, r, half * c:(half + 1) * c]
+
     def block_mask(self, docs: torch.Tensor | None, i: int, src: int, j: int,
-                   causal: bool) -> torch.Tensor | None:
+                   causal: bool, split: torch.Tensor | None = None) -> torch.Tensor | None:
         """Packed documents: (b, c, c) visible pairs of my chunk slot i against src's slot
-        j (same document, and the triangle on the diagonal); None without documents."""
+        j (same document, and the triangle on the diagonal); None without documents. Split
+        by documents, from each token's (document, sequence index), not from chunk ids."""
         if docs is None:
             return None
+        if split is not None:
+            qi, ki = self.slot_ids(split, self.me, i), self.slot_ids(split, src, j)
+            return ((docs.gather(1, qi).unsqueeze(-1) == docs.gather(1, ki).unsqueeze(-2))
+                    & (ki.unsqueeze(-2) <= qi.unsqueeze(-1)))
         c = self.layout.chunk_len
         qc, kc = self.chunks(self.me)[i], self.chunks(src)[j]
         mask = (docs[:, qc * c:(qc + 1) * c, None] == docs[:, None, kc * c:(kc + 1) * c])
@@ -257,10 +271,14 @@ class Ring:
             mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
         return mask
 
-    def pairs(self, src: int) -> list[tuple[int, int, bool]]:
+    def pairs(self, src: int, split: torch.Tensor | None = None
+              ) -> list[tuple[int, int, bool]]:
         """(my chunk slot, src's chunk slot, causal) of the blocks to compute against rank
-        src's keys; blocks entirely in the future are skipped."""
+        src's keys; blocks entirely in the future are skipped. Split by documents every
+        slot pair is a candidate (the mask decides)."""
         mine, theirs = self.chunks(self.me), self.chunks(src)
+        if split is not None:
+            return [(i, j, False) for i in range(len(mine)) for j in range(len(theirs))]
         return [(i, j, kq == qq) for i, qq in enumerate(mine) for j, kq in enumerate(theirs)
                 if kq <= qq]
 
@@ -285,9 +303,10 @@ def _unpack(kv: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
-                  docs: torch.Tensor | None = None):
+                  docs: torch.Tensor | None = None, split: torch.Tensor | None = None):
     """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed.
-    `docs` (b, seq): packed documents; a block with no pair in one document is skipped."""
+    `docs` (b, seq): packed documents; a block with no pair in one document is skipped.
+    `split` (b, cp, s/cp): the tokens split by documents (None: the layout's chunks)."""
     n, c, fused = ring.mesh.size(ring.dim), ring.layout.chunk_len, ring.use_fused(q.device)
     dk = q.shape[-1]
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -301,8 +320,8 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
             sends.append(send)
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
-        for i, j, causal in ring.pairs(src):
-            mask = ring.block_mask(docs, i, src, j, causal)
+        for i, j, causal in ring.pairs(src, split):
+            mask = ring.block_mask(docs, i, src, j, causal, split)
             if mask is not None and not mask.any():
                 continue
             part = _block_forward(_slot(q, i, c), _slot(k, j, c), _slot(v, j, c), causal,
@@ -321,7 +340,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
     return (torch.cat([acc[i][0] for i in slots], -2), torch.cat([acc[i][1] for i in slots], -1))
 
 
-def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None):
+def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None, split=None):
     """Backward around the ring: K/V hop on as in forward; each chunk's dK/dV accumulator
     follows one hop behind and reaches the owner after the last step."""
     n, c, fused = ring.mesh.size(ring.dim), ring.layout.chunk_len, ring.use_fused(q.device)
@@ -338,8 +357,8 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None):
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
         dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
-        for i, j, causal in ring.pairs(src):
-            mask = ring.block_mask(docs, i, src, j, causal)
+        for i, j, causal in ring.pairs(src, split):
+            mask = ring.block_mask(docs, i, src, j, causal, split)
             if mask is not None and not mask.any():
                 continue
             dqi, dkj, dvj = _block_backward(
@@ -376,22 +395,22 @@ class _RingAttention(Function):
     """softmax(q kᵀ/√d, causal by position) v over the whole sequence, K/V on a ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, docs):
+    def forward(ctx, q, k, v, ring: Ring, docs, split=None):
         scale = q.shape[-1] ** -0.5
         kv = _pack(k, v)
-        out, lse = _ring_forward(ring, q.float(), kv, scale, docs)
+        out, lse = _ring_forward(ring, q.float(), kv, scale, docs, split)
         out = out.to(q.dtype)  # kept in the compute dtype, as a flash kernel keeps it
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.ring, ctx.scale, ctx.docs = ring, scale, docs
+        ctx.ring, ctx.scale, ctx.docs, ctx.split = ring, scale, docs, split
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out.float(), lse,
-                                 dout.float().contiguous(), ctx.scale, ctx.docs)
+                                 dout.float().contiguous(), ctx.scale, ctx.docs, ctx.split)
         dk, dv = _unpack(dkv.to(kv.dtype), q.shape[-1])
-        return dq.to(q.dtype), dk, dv, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
 class ContextParallelAttention(nn.Module):
@@ -399,8 +418,12 @@ class ContextParallelAttention(nn.Module):
     q, k, v are this rank's tokens (after RoPE at their positions), in `layout` order."""
 
     def __init__(self, mesh: ParallelMesh, layout: ContextLayout, mode: str = "ring",
-                 tag: str = "cp", fused: bool | None = None, degree: int = 1):
+                 tag: str = "cp", fused: bool | None = None, degree: int = 1,
+                 by_documents: bool = False):
         super().__init__()
+        # packed documents split by document (`document_split`): each forward's tokens are
+        # its micro-batch's split, not the layout's chunks
+        self.by_documents = by_documents
         if mode not in MODES:
             raise ValueError(f"cp mode {mode!r}; use one of {', '.join(MODES)}")
         self.mesh, self.layout, self.mode, self.tag = mesh, layout, mode, tag
@@ -416,21 +439,33 @@ class ContextParallelAttention(nn.Module):
         self.order = None if natural else torch.argsort(self.k_pos)
         self._checked = False  # the positions are checked once: they never change
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: Positions) -> torch.Tensor:
+    def _split(self, q: torch.Tensor, positions: Positions) -> torch.Tensor | None:
+        """The micro-batch's split by documents (b, cp, s/cp), or None for the layout's;
+        raises when the tokens are not this rank's."""
+        docs, me = positions.docs, self.mesh.coord(DIM)
+        if self.by_documents and docs is not None:
+            split = document_split(docs, self.layout.cp)
+            if positions.ids is None or not torch.equal(positions.ids, split[:, me]):
+                raise ValueError("context parallel: the attention's tokens are not this "
+                                 "rank's share of its micro-batch's documents")
+            return split
         if q.shape[-2] != self.q_pos.numel() or not self._checked and (
                 positions.ids is None or not torch.equal(positions.ids, self.q_pos)):
             raise ValueError("context parallel: the attention's tokens are not this rank's "
                              f"{self.layout.layout} chunks {self.layout.chunks(self.ring.me)}")
         self._checked = True
-        docs = positions.docs
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: Positions) -> torch.Tensor:
+        split, docs = self._split(q, positions), positions.docs
         if self.mode == "ring":
-            return _RingAttention.apply(q, k, v, self.ring, docs)
+            return _RingAttention.apply(q, k, v, self.ring, docs, split)
         if self.mode == "hierarchical":
             rep = kv_repeats(q.shape[1], k.shape[1], self.mesh.size(INNER))
             qh, kh, vh = heads_to_ranks([q, repeat_kv(k, rep), repeat_kv(v, rep)], self.mesh,
                                         INNER, f"{self.tag}.qkv")
-            out = _RingAttention.apply(qh, kh, vh, self.ring, docs)
+            out = _RingAttention.apply(qh, kh, vh, self.ring, docs, split)
             return tokens_to_ranks(out, self.mesh, INNER, f"{self.tag}.out")
         if self.mode == "a2a":
             every = torch.arange(self.layout.seq_len, device=q.device)
@@ -440,7 +475,10 @@ class ContextParallelAttention(nn.Module):
         full = all_gather_kv(_pack(k, v), self.mesh, self.tag, DIM)
         kf, vf = _unpack(full.permute(1, 2, 0, 3, 4).flatten(2, 3), q.shape[-1])
         mask = self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)  # key <= query, exact
-        if docs is not None:
+        if split is not None:  # each row's own split: rank order, as gathered
+            qi, ki = split[:, self.mesh.coord(DIM)], split.flatten(1)
+            mask = document_mask(docs.gather(1, qi), docs.gather(1, ki), qi, ki)
+        elif docs is not None:
             mask = document_mask(docs[:, self.q_pos], docs[:, self.k_pos], self.q_pos,
                                  self.k_pos)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask,
@@ -448,11 +486,13 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mode: str,
-                           layout: ContextLayout, degree: int = 1) -> torch.Tensor:
+                           layout: ContextLayout, degree: int = 1,
+                           by_documents: bool = False) -> torch.Tensor:
     """Swap every attention core of this rank's stages for the cp one; mark the stages'
     boundary as split cp ways along the sequence. Returns this rank's token positions (the
     indices of its inputs and targets in each sequence, and RoPE's positions). `degree`:
-    the hierarchical mode's all-to-all group (its groups are made here)."""
+    the hierarchical mode's all-to-all group (its groups are made here). `by_documents`:
+    packed documents split by document, per micro-batch (`splits_documents`)."""
     if mode == "hierarchical":
         add_hierarchy_groups(mesh, DIM, degree)
     for stage in stages.values():
@@ -464,7 +504,7 @@ def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mod
                 raise ValueError(f"context parallel cannot shard {name}.core "
                                  f"({type(core).__name__}): it knows causal attention only")
             mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}",
-                                                degree=degree)
+                                                degree=degree, by_documents=by_documents)
         stage.seq_shards *= layout.cp
     return layout.positions(mesh.coord(DIM), mesh.device.torch)
 
@@ -478,5 +518,24 @@ def context_parallel_stages(stages: dict[int, nn.Module], mesh: ParallelMesh, cf
         return None
     return apply_context_parallel(stages, mesh, p.cp_mode,
                                   ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout),
-                                  a2a_degree(p))
+                                  a2a_degree(p), splits_documents(cfg))
 
+
+def splits_documents(cfg: Config) -> bool:
+    """Whether training splits each micro-batch by its documents: packed documents under
+    cp > 1 in the zigzag layout, in the modes whose work follows the split (ring,
+    all-gather, hierarchical's ring). a2a attends the whole sequence for heads/cp heads on
+    every rank, balanced by heads whatever the split, and keeps the zigzag one."""
+    p = cfg.parallel
+    return (cfg.train.documents and p.cp > 1 and p.cp_layout == "zigzag"
+            and p.cp_mode != "a2a")
+
+
+def documents_positions(cfg: Config, mesh: ParallelMesh
+                        ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Where each micro-batch is split by its documents (`splits_documents`): the function
+    from its document ids (b, s) to this rank's positions (b, s/cp); None otherwise."""
+    if not splits_documents(cfg):
+        return None
+    cp, me = cfg.parallel.cp, mesh.coord(DIM)
+    return lambda docs: document_split(docs, cp)[:, me]

@@ -26,6 +26,7 @@ from plait.config import Config
 from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
+from plait.parallel.context import documents_positions
 from plait.parallel.parallelize import DTYPES, parallelize
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.train.data import DataError, TokenFile, end_of_document
@@ -84,6 +85,7 @@ def evaluate(cfg: Config, mesh: ParallelMesh, data: TokenFile, sequences: int | 
     # packed documents: an end-of-document token's target is not predicted, and the mean
     # is over the targets kept in the n windows (their inputs are the file's first n*s)
     runtime.documents = end_of_document(data) if t.documents else None
+    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
     kept = n * s if runtime.documents is None else int(
         (np.asarray(data.tokens[:n * s]) != runtime.documents).sum())
     per = rows_per_batch // mesh.size("dp")

@@ -26,6 +26,7 @@ from plait.mesh import ParallelMesh
 from plait.model.packed import kept_targets
 from plait.model.transformer import build_model
 from plait.optim import clip_coefficient
+from plait.parallel.context import documents_positions
 from plait.parallel.expert import finish_moe_step
 from plait.parallel.fault_tolerance import FaultTolerantReplicas, held_tensors
 from plait.parallel.optimizer import GradSyncOptimizer
@@ -148,6 +149,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
     runtime.documents = batches.end_of_document() if t.documents else None
+    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
     # post-validation: a step's row waits for its check, made inside the next step (at
