@@ -31,9 +31,10 @@ from plait.model.packed import document_positions
 def zigzag_split(ranks: int, seq_len: int) -> torch.Tensor:
     """int64 (ranks, seq_len/ranks): each rank's sequence indices under the zigzag layout
     (chunks r and 2cp-1-r of the whole sequence), the same for every row."""
-    c = seq_len // (2 * ranks)
-    return torch.stack([torch.cat([torch.arange(r * c, (r + 1) * c),
-                                   torch.arange((2 * ranks - 1 - r) * c, (2 * ranks - r) * c)])
+    c, host = seq_len // (2 * ranks), torch.device("cpu")  # index arithmetic, on the host
+    return torch.stack([torch.cat([torch.arange(r * c, (r + 1) * c, device=host),
+                                   torch.arange((2 * ranks - 1 - r) * c, (2 * ranks - r) * c,
+                                                device=host)])
                         for r in range(ranks)])
 
 
