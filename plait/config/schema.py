@@ -82,6 +82,9 @@ class ParallelConfig:
     ep_dispatch: str = "assignment"
     zero: int = 0
     sp: bool = False
+    # sequence parallel's all-gather and reduce-scatter decomposed into ring hops that
+    # overlap the matmuls beside them (plait/parallel/async_tp.py)
+    async_tp: bool = False
     # context parallel (plait/parallel/context.py): "ring" (Liu et al. 2023) or "allgather"
     # K/V (Llama 3); "zigzag" (rank i: chunks i and 2cp-1-i of 2cp) or "contiguous" slices
     cp_mode: str = "ring"

@@ -125,7 +125,8 @@ def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
     for stage in pipe.stages.values():
         # a tp slice of a stage's parameter keeps the stage's placement (distinct per pp)
         stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp, partial=pp,
-                                              placements=placements).loss_sum
+                                              placements=placements,
+                                              async_tp=cfg.parallel.async_tp).loss_sum
     if not pp:  # the one stage shares the model's blocks; re-point the model's ends
         pipe.model.embed, pipe.model.head = pipe.stages[0].embed, pipe.stages[0].head
 
