@@ -28,7 +28,8 @@ TRAIN_FLAGS = {
     "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
-    "sp": "parallel.sp", "async_tp": "parallel.async_tp", "init_from": "train.init_from",
+    "sp": "parallel.sp", "async_tp": "parallel.async_tp", "compile": "train.compile",
+    "init_from": "train.init_from",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
     "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
@@ -83,6 +84,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="async tensor parallel (with --sp): each all-gather and "
                    "reduce-scatter of tp runs as ring hops overlapped with the matmuls beside "
                    "them; the same bytes (parallel.async_tp; docs/async_tp.md)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each transformer block (inductor; "
+                   "train.compile_backend), collectives left eager between the compiled "
+                   "graphs (train.compile; docs/compile.md)")
     p.add_argument("--fault-tolerance", action="store_true", default=None,
                    help="each dp_replicate group is a unit of failure: when one dies or "
                    "stops answering the others finish the step without it and go on, and a "
