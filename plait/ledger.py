@@ -204,9 +204,10 @@ class Ledger:
 
 
 # Collectives that carry no model data: step metrics, the grad-norm sum, MoE's load counts
-# and the all-to-all split sizes. The planner models the data collectives; these are a few
-# bytes (bounded in the test) and are left out of the comparison.
-CONTROL_TAGS = ("metrics", "grad_norm", "moe.load", ".counts")
+# and the all-to-all split sizes, float8's amax maxima. The planner models the data
+# collectives; these are a few bytes (bounded in the test) and are left out of the
+# comparison.
+CONTROL_TAGS = ("metrics", "grad_norm", "moe.load", ".counts", "fp8.amax")
 
 
 def data_bytes_by_dim(records: list[dict]) -> dict[str, float]:

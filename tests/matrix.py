@@ -6,7 +6,8 @@ A row is one layout in a short notation, one token per setting, e.g.
 
 `dpN` data parallel (`dpNxM`: hybrid sharding, dp_shard N x dp_replicate M), `zN` ZeRO
 stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
-`ppN:SCHEDULE` pipeline, `cpN:MODE` context parallel (ring | allgather), `moe` the MoE
+`ppN:SCHEDULE` pipeline, `cpN:MODE` context parallel (ring | allgather | a2a |
+hierarchical/A, all-to-all groups of A ranks and a ring across them), `moe` the MoE
 model (`epN` experts over ep ranks), `mla` multi-head latent attention (plait/model/mla.py)
 in place of GQA, `bf16` bf16 compute with fp32 masters, `rc` full recomputation, `rcs`
 selective (plait/model/recompute.py's default ops). Omitted: dp1 z0 tp1 pp1 cp1, the dense
@@ -23,6 +24,12 @@ The attention block is not a factor: the cover is over GQA's layouts, and `MLA_R
 few more, chosen by hand, that meet every dimension MLA changes (tp's split of the heads
 and its replicated down-projections, with and without SP; cp's per-head K/V in both
 modes; pp; ZeRO-3; bf16; both recomputations) at three launches.
+
+`LONG_CONTEXT_ROWS`, also by hand, put context parallel's all-to-all modes (Ulysses'
+`a2a`) beside what they must compose with, several dimensions a launch: tp + SP (heads split
+twice), ZeRO-3, MoE's ep over dp x cp, a zero-bubble pipeline (the all-to-all's backward
+inside I) with recomputation (its forward all-to-alls replayed); the hierarchical mode
+(all-to-all pairs, a ring across them) with dp, ZeRO-1 and selective recomputation.
 
 `python tests/matrix.py` prints a greedy cover of the factors (the rows below were made
 by it, then kept as text so that a change of factor shows as a failing coverage test, not
@@ -149,6 +156,12 @@ MLA_ROWS: tuple[str, ...] = (
     'tp2 cp2:allgather mla moe ep2 rcs',
 )
 
+LONG_CONTEXT_ROWS: tuple[str, ...] = (
+    'z3 tp2 sp cp2:a2a moe ep2',
+    'pp2:zb-v cp2:a2a rc',
+    'dp2 z1 cp4:hierarchical/2 rcs',
+)
+
 
 def parse(row: str) -> dict:
     """A row's settings by factor, its schedule, and the config `sets` it stands for."""
@@ -181,7 +194,9 @@ def parse(row: str) -> dict:
         elif tok.startswith("cp"):
             size, mode = tok[2:].split(":")
             levels["cp"] = tok
-            sets += [f"parallel.cp={size}", f"parallel.cp_mode={mode}"]
+            mode, _, degree = mode.partition("/")  # hierarchical/A: all-to-all groups of A
+            sets += [f"parallel.cp={size}", f"parallel.cp_mode={mode}",
+                     *([f"parallel.cp_a2a={degree}"] if degree else [])]
         elif tok.startswith("ep"):
             levels["ep"] = f"moe {tok}"
             sets.append(f"parallel.ep={tok[2:]}")

@@ -265,6 +265,19 @@ def dcp_flat_run_misaligned():
     dcp.cut = lambda block, p, skip: cut(block, p, 0)  # a ZeRO run from its first row's start
 
 
+def plan_stages_even():
+    from plait.plan import basis
+
+    basis.stage_layers = lambda layers, pp, even, stack: (even, even, even)  # knobs ignored
+
+
+def plan_elementwise_backward_proxy():
+    from plait.plan import compute
+
+    # the backward's element-wise kernels priced as twice the forward's, not by their bytes
+    compute.LayerTimes.backward_elementwise = property(lambda self: 2 * self.elementwise_fwd)
+
+
 DP = "tests/test_data_parallel.py::"
 TP = "tests/test_tensor_parallel.py::"
 CP = "tests/test_context_parallel.py::"
@@ -273,6 +286,14 @@ MODEL = "tests/test_model.py"
 CKPT = "tests/test_checkpoint.py::"
 
 MUTANTS = [
+    Mutant("plan-elementwise-backward-proxy",
+           "plait plan prices the backward's memory-bound kernels as twice the forward's",
+           plan_elementwise_backward_proxy,
+           ["tests/test_plan_memory_bound.py::"
+            "test_published_step_carries_the_memory_bound_term_and_fitted_does_not"]),
+    Mutant("plan-stages-even", "plait plan ignores --first/--last-stage-layers",
+           plan_stages_even,
+           ["tests/test_plan_published.py::test_llama3_405b_8k_layout_fits_with_its_uneven_stages"]),
     Mutant("dp-bucketed-doubled", "bucketed DP all-reduce result doubled (sum written twice)",
            dp_bucketed_doubled,
            [DP + "test_parity_with_accumulation_and_clipping[bucketed-2]",
@@ -327,10 +348,12 @@ MUTANTS = [
            ["tests/test_dcp.py::test_fsdp2_checkpoint_read_by_plait_in_another_layout"]),
 ]
 
+from tests.mutants_fp8 import MUTANTS as FP8_MUTANTS  # noqa: E402
 from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402
 from tests.mutants_pipeline import MUTANTS as PIPELINE_MUTANTS  # noqa: E402
+from tests.mutants_plan_gpu import MUTANTS as PLAN_GPU_MUTANTS  # noqa: E402
 
-MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS
+MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS + FP8_MUTANTS + PLAN_GPU_MUTANTS
 
 
 # ---- the runner ---------------------------------------------------------------------------

@@ -56,6 +56,66 @@ def mla_down_projections_not_summed():
     tensor.mla_plan = no_sum
 
 
+# ---- context parallel's all-to-all modes ----------------------------------------------------
+
+
+def a2a_kv_heads_tiled():
+    from plait.parallel import context_a2a
+
+    # the KV heads repeated as a block (h0 h1 h0 h1), not each in place (h0 h0 h1 h1): after
+    # the head split a rank's query heads meet another group's KV head
+    context_a2a.repeat_kv = lambda t, rep: t if rep == 1 else t.repeat(1, rep, 1, 1)
+
+
+def a2a_rank_order_as_sequence():
+    from plait.parallel import context
+
+    init = context.ContextParallelAttention.__init__
+
+    def no_reorder(self, *args, **kwargs):  # zigzag's gathered chunks taken as in order
+        init(self, *args, **kwargs)
+        self.order = None
+
+    context.ContextParallelAttention.__init__ = no_reorder
+
+
+def documents_attention_crosses():
+    from plait.model import packed
+    from plait.parallel import context
+
+    def causal_only(q_docs, k_docs, q_idx, k_idx):  # the documents' ids ignored
+        keep = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)
+        return keep.expand(q_docs.shape[0], -1, -1).unsqueeze(1)
+
+    packed.document_mask = causal_only
+    context.document_mask = causal_only
+
+
+def documents_ring_blocks_unmasked():
+    from plait.parallel.context import Ring
+
+    Ring.block_mask = lambda self, docs, i, src, j, causal, split=None: None  # docs forgotten
+
+
+def documents_split_mirror_dropped():
+    from plait.parallel import context_balance
+
+    context_balance._mirror = lambda g, cp: g % cp  # chunk cp+r to rank r, not 2cp-1-g's
+
+
+def documents_split_masked_by_chunks():
+    import torch
+
+    from plait.parallel.context import Ring
+
+    def chunk_ids(self, split, pos, i):  # the zigzag chunk's indices, not the split's tokens
+        c = self.layout.chunk_len
+        start = self.chunks(pos)[i] * c
+        return torch.arange(start, start + c).expand(split.shape[0], c)
+
+    Ring.slot_ids = chunk_ids
+
+
 # ---- expert parallel and MoE balancing -------------------------------------------------
 
 
@@ -231,6 +291,8 @@ def async_tp_chunks_misrouted():
 
 TP = "tests/test_tensor_parallel.py::"
 EP = "tests/test_expert_parallel.py::"
+CP = "tests/test_context_parallel.py::"
+DOCS = "tests/test_documents.py::test_parity_with_each_document_run_alone"
 ZERO = "tests/test_zero.py::"
 ZPIPE = "tests/test_zero_pipeline.py::test_parity_with_the_single_process_run"
 HYBRID = "tests/test_hybrid_sharding.py::test_parity_and_replicas_hold_the_same_shards"
@@ -252,6 +314,32 @@ MUTANTS = [
            mla_down_projections_not_summed,
            ["tests/test_matrix.py::test_row_equals_the_single_process_run"
             "[dp2 z3 tp2 sp mla rc]"]),
+    Mutant("a2a-kv-heads-tiled", "Ulysses: KV heads repeated as a block, not each in place",
+           a2a_kv_heads_tiled, [CP + "test_core_equals_full_causal_attention[4]"]),
+    Mutant("a2a-rank-order-as-sequence",
+           "Ulysses: the gathered zigzag chunks attended in rank order, not sequence order",
+           a2a_rank_order_as_sequence,
+           [CP + "test_core_equals_full_causal_attention[2]",
+            "tests/test_matrix.py::test_row_equals_the_single_process_run"
+            "[z3 tp2 sp cp2:a2a moe ep2]"]),
+    Mutant("documents-attention-crosses", "packed documents: attention sees earlier documents",
+           documents_attention_crosses,
+           [DOCS + "[dp=2,tp=2,sp=true]", DOCS + "[cp=4,cp_mode=a2a]"]),
+    Mutant("documents-ring-blocks-unmasked",
+           "packed documents: ring attention's blocks ignore the documents",
+           documents_ring_blocks_unmasked,
+           [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
+            "tie_embeddings=false]"]),
+    Mutant("documents-split-mirror-dropped",
+           "packed documents' cp split: rank r takes chunks r and cp+r, not 2cp-1-r",
+           documents_split_mirror_dropped,
+           ["tests/test_context_balance.py::"
+            "test_document_split_balances_short_documents_where_zigzag_does_not"]),
+    Mutant("documents-split-masked-by-chunks",
+           "packed documents split by document: the ring masks blocks by the zigzag chunks",
+           documents_split_masked_by_chunks,
+           [DOCS + "[cp=2,cp_mode=ring,pp=2,schedule=zb-v,recompute=full,n_layers=4,"
+            "tie_embeddings=false]"]),
     Mutant("expert-major-untransposed", "all-to-all rows fed to experts source-major",
            expert_major_untransposed,
            [EP + "test_expert_major_regroups_source_major_rows",

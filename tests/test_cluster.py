@@ -184,8 +184,6 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
     the single-process run (resume is exact: docs/checkpoint.md). When to kill is made
     deterministic by the test-only fault: rank 2 (node 1) SIGSTOPs itself after step 2
     of the first attempt, so the job cannot pass step 3 before the node is killed."""
-    import os
-    import time
 
     marker = f"plait-cluster-{uuid.uuid4().hex[:12]}"
     metrics, ck, err_path = tmp_path / f"{marker}.jsonl", tmp_path / "ck", tmp_path / "err"
@@ -200,18 +198,8 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
             stdout=subprocess.DEVNULL, stderr=err,
             env={**os.environ, "PLAIT_TEST_FAULT": "stop:2:2"})
     try:
-        deadline = time.monotonic() + 240
-        tag, pids = None, []
-        while not (ck / "step-00000002" / "COMMITTED").exists() or not _stopped(pids):
-            assert proc.poll() is None, err_path.read_text()
-            assert time.monotonic() < deadline, "rank 2 did not stop after step 2 in 240 s"
-            time.sleep(0.1)
-            found = re.search(r"plait: cluster (plaitc-\d+-[0-9a-f]+):", err_path.read_text())
-            tag = found[1] if found else None
-            pids = subprocess.run(["ip", "netns", "pids", f"{tag}-n1"], capture_output=True,
-                                  text=True).stdout.split() if tag else []
-        for pid in pids:  # the whole node
-            subprocess.run(["kill", "-9", pid], check=False)
+        tag = _kill_node_1_once_stopped(
+            proc, err_path, lambda: (ck / "step-00000002" / "COMMITTED").exists())
         proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
@@ -226,12 +214,83 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
     assert_restarted_run_matches(metrics, ck, steps, LAYOUT)
 
 
+def _kill_node_1_once_stopped(proc: subprocess.Popen, err_path: Path,
+                              ready=lambda: True) -> str:
+    """Wait (240 s at most) until a process of node 1 is stopped (the test-only fault) and
+    `ready()`, then SIGKILL every process of node 1's namespace; the cluster's tag."""
+    deadline = time.monotonic() + 240
+    tag, pids = None, []
+    while not ready() or not _stopped(pids):
+        assert proc.poll() is None, err_path.read_text()
+        assert time.monotonic() < deadline, "node 1 did not stop in 240 s"
+        time.sleep(0.1)
+        found = re.search(r"plait: cluster (plaitc-\d+-[0-9a-f]+):", err_path.read_text())
+        tag = found[1] if found else None
+        pids = subprocess.run(["ip", "netns", "pids", f"{tag}-n1"], capture_output=True,
+                              text=True).stdout.split() if tag else []
+    for pid in pids:  # the whole node: its launcher, its replica's agent and ranks
+        subprocess.run(["kill", "-9", pid], check=False)
+    return tag
+
+
+@needs_namespaces
+def test_a_killed_node_s_replica_is_left_out_and_its_node_rejoins(tmp_path):
+    """--fault-tolerance across 2 nodes, one replica a node (ZeRO-2 over its 2 ranks): node
+    1's rank stalls after step 2 (the test-only fault) and every process of node 1 is then
+    SIGKILLed, launcher included, so nobody marks its replica gone: replica 0 leaves it
+    out after --replica-timeout and redoes step 3 with its micro-batches, alone; plait
+    cluster starts node 1's launcher again, whose replica (generation 1) joins from
+    replica 0 over the network before step 4 (--min-replicas 2). Each step once in node
+    0's metrics, no step lost, both replicas' final states equal, and losses, grad norms
+    and final parameters within the fp32 parity tolerances of the single-process run."""
+    marker = f"plait-cluster-{uuid.uuid4().hex[:12]}"
+    metrics, ck, err_path = tmp_path / f"{marker}.jsonl", tmp_path / "ck", tmp_path / "err"
+    steps = 6
+    sets = [a for s in (*BASE, f"train.steps={steps}", "model.tie_embeddings=false")
+            for a in ("--set", s)]
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plait.cli", "cluster", "--nnodes", "2",
+             "--inter-node-mbit", "1000", "--max-restarts", "1", "--", "--data",
+             str(token_file()), *sets, "--dp-shard", "2", "--dp-replicate", "2", "--zero",
+             "2", "--fault-tolerance", "--replica-timeout", "10", "--min-replicas", "2",
+             "--quiet", "--metrics-out",
+             str(metrics), "--timeout", "60", "--checkpoint-dir", str(ck),
+             "--checkpoint-every", str(steps)],
+            stdout=subprocess.DEVNULL, stderr=err,
+            env={**os.environ, "PLAIT_TEST_FAULT": "stop:2:2"})
+    try:
+        tag = _kill_node_1_once_stopped(proc, err_path)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err_path.read_text()
+    assert proc.returncode == 0, err
+    assert "plait: cluster: node 1 died (SIGKILL); starting it again (1 of 1)" in err, err
+    assert "plait: step 3: replica 1 left the quorum after" in err, err
+    assert "replica 1 joined from replica 0; 2 of 2 train" in err, err
+    assert "Traceback" not in err, err
+    assert not {n for n in _namespaces() if n.startswith(tag)}
+    assert_all_gone(marker)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    body, ft = rows[:-1], rows[-1]["fault_tolerance"]
+    assert [x["step"] for x in body] == list(range(steps)) and body[3]["replicas"] == 1
+    assert ft["steps_lost"] == 0 and [e["kind"] for e in ft["events"]] == ["lost", "joined"]
+    assert len(ft["state_digests"]) == 2 and len(set(ft["state_digests"].values())) == 1
+    path = ck / f"step-{steps:08d}"
+    meta = read_metadata(path)
+    params = {n: torch.from_numpy(full_tensor(path, meta, n)) for n in meta["tensors"]}
+    assert_parity({"losses": [x["loss"] for x in body],
+                   "grad_norms": [x["grad_norm"] for x in body], "params": params},
+                  reference(f"train.steps={steps}", "model.tie_embeddings=false"))
+
+
 @needs_namespaces
 def test_a_stop_signal_tears_the_cluster_down(tmp_path):
     """SIGTERM to plait cluster while its nodes start: exit 143, and no namespace, no
     /etc/netns file and no process of the run left."""
     import signal
-    import time
 
     marker = f"plait-cluster-{uuid.uuid4().hex[:12]}"
     err_path = tmp_path / "err"

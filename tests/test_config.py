@@ -30,7 +30,7 @@ def test_unknown_keys_and_presets_named():
 
 def test_every_problem_reported_at_once():
     cfg = load_config(sets=["parallel.dp=3", "train.global_batch=8", "train.seq_len=4096",
-                            "parallel.tp=3", "parallel.zero=5", "train.precision=fp8"])
+                            "parallel.tp=3", "parallel.zero=5", "train.precision=fp16"])
     problems = cfg.validate(world_size=4)
     text = "\n".join(problems)
     assert "does not match the world size 4" in text
@@ -38,7 +38,7 @@ def test_every_problem_reported_at_once():
     assert "longer than the model's max_seq_len=256" in text
     assert "tp=3 does not divide model.n_heads=4; use tp in 1, 2, 4" in text
     assert "parallel.zero=5 is not a ZeRO stage; use 0, 1, 2 or 3" in text
-    assert "train.precision='fp8'" in text
+    assert "train.precision='fp16'" in text
     assert len(problems) >= 6
 
 

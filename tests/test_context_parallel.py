@@ -57,6 +57,8 @@ def _core(mesh, layout, mode, kv_heads, fused=None):
 CASES = [(lay, "ring", kv, None) for lay in ("zigzag", "contiguous") for kv in (4, 2)]
 CASES += [("zigzag", "ring", 4, False), ("contiguous", "ring", 2, False),
           ("contiguous", "allgather", 4, None), ("zigzag", "allgather", 2, None)]
+# all-to-all (Ulysses): MHA, and one KV head repeated for cp ranks
+CASES += [("zigzag", "a2a", 4, None), ("contiguous", "a2a", 2, None), ("zigzag", "a2a", 1, None)]
 
 
 def _cores(rank, world, cases):
@@ -247,7 +249,7 @@ def test_bad_context_parallel_input_named_at_validation():
     assert config("parallel.cp=4", "train.seq_len=36",
                   "parallel.cp_layout=contiguous").validate(4) == []
     text = "\n".join(config("parallel.cp=2", "parallel.cp_mode=ulysses").validate(2))
-    assert "parallel.cp_mode='ulysses'; use 'ring' or 'allgather'" in text
+    assert "parallel.cp_mode='ulysses'; use one of ring, allgather, a2a" in text
     text = "\n".join(config("parallel.cp=2", "parallel.cp_layout=striped").validate(2))
     assert "use 'zigzag' or 'contiguous'" in text
     text = "\n".join(config("parallel.cp=2", "parallel.tp=3", "parallel.sp=true",

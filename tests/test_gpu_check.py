@@ -1,7 +1,8 @@
 """The GPU check script (benchmarks/gpu_check.py) runs its code paths on CPU at smoke sizes,
 so that it cannot rot between the rare runs on a lent GPU: the one-device throughput beside
 the planner, the first and last pipeline rank of a dry run, the two-GPU sections' line on a
-machine with one, the --budget-s guard, and the markdown table written by --out."""
+machine with one, bf16 against fp8 beside the planner (float8 emulated), the --budget-s
+guard, and the markdown table written by --out."""
 
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ def test_gpu_check_smoke_on_cpu(tmp_path, capsys):
     assert all(r[4].endswith("(ok) |") for r in dry), dry  # the planner's eager peak, 5 %
     assert [r[4] for r in rows if r[0] in ("| parity", "| peers", "| async-tp")] == [
         "needs >= 2 GPUs; this machine has 1 |"] * 3
+    fp8 = {r[1]: r for r in rows if r[0] == "| fp8"}  # bf16 and emulated fp8, each planned
+    assert set(fp8) == {"tokens/s bf16", "tokens/s fp8", "MFU bf16 / fp8 (of the bf16 peak)"}
+    assert all(r[3].endswith("planned") for r in fp8.values())
 
 
 def test_gpu_check_budget_skips_the_rest(capsys):

@@ -24,6 +24,7 @@ from helpers import (
     token_file,
 )
 from matrix import (
+    LONG_CONTEXT_ROWS,
     MLA_ROWS,
     ROUND_TRIP_STEP,
     ROWS,
@@ -146,9 +147,10 @@ def test_rows_cover_every_pair_and_schedule():
     assert set(ROWS) <= set(valid), set(ROWS) - set(valid)
     assert {r for pair in ROUND_TRIPS for r in pair} <= set(ROWS)
     assert all(not validity(r) and "mla" in r.split() for r in MLA_ROWS), MLA_ROWS
+    assert all(not validity(r) for r in LONG_CONTEXT_ROWS), LONG_CONTEXT_ROWS
 
 
-@pytest.mark.parametrize("row", ROWS + MLA_ROWS)
+@pytest.mark.parametrize("row", ROWS + MLA_ROWS + LONG_CONTEXT_ROWS)
 def test_row_equals_the_single_process_run(row):
     """Every rank's loss and grad norm at every step, every first-step gradient and final
     parameter (gathered: replicas and tp/cp ranks must agree exactly), and with MoE every
@@ -158,7 +160,7 @@ def test_row_equals_the_single_process_run(row):
     assert_parity(merge_ranks(outs), row_reference(row), precision_of(row), init=init)
 
 
-@pytest.mark.parametrize("row", [r for r in ROWS + MLA_ROWS
+@pytest.mark.parametrize("row", [r for r in ROWS + MLA_ROWS + LONG_CONTEXT_ROWS
                                  if "train.memory_step=1" in row_sets(r)])
 def test_row_memory_equals_the_eager_model(row):
     """Peak live bytes per rank and by category at the peak within 5 % of the planner's
@@ -187,7 +189,7 @@ def test_round_trip_continues_within_parity(src, dst):
     assert_parity(run, row_reference(src), precision, init=init)
 
 
-@pytest.mark.parametrize("row", ROWS + MLA_ROWS)
+@pytest.mark.parametrize("row", ROWS + MLA_ROWS + LONG_CONTEXT_ROWS)
 def test_row_ledger_equals_the_planner(row):
     """Every mesh dim's bytes in one step equal the planner's collectives (size x count),
     exactly: the busiest rank's (`evaluate` describes it), and every rank's its own pipeline

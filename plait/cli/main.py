@@ -88,14 +88,14 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     shim = [sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND]
     extra = [f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"]
     if found.cfg.parallel.fault_tolerance:  # a launch per replica (plait/launch/replicas.py)
-        from plait.launch.replicas import run_replicas
+        from plait.launch.replicas import node_problems, run_replicas
 
-        if nodes is not None:
-            return _fail("--fault-tolerance across nodes (--nnodes) is not built; run it on "
-                         "one node, or use --max-restarts")
+        bad = node_problems(nodes, found.cfg.parallel.dp_replicate) if nodes else []
+        if bad:
+            return _fail("cannot start training:\n" + "\n".join(f"  - {p}" for p in bad))
         return run_replicas(found.cfg.parallel.dp_replicate, found.nproc, rank_args,
                             args.timeout, shim, extra, args.max_restarts, args.metrics_out,
-                            args.quiet, found.cfg.train.steps)
+                            args.quiet, found.cfg.train.steps, nodes)
     if nodes is not None and getattr(args, "max_restarts", None):  # restarts together
         return run_elastic_nodes(nodes, args.max_restarts, args.checkpoint_dir, rank_args,
                                  args.timeout, shim, extra)

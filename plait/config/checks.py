@@ -220,8 +220,11 @@ def train_problems(cfg: Config) -> list[str]:
          f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
          "model.max_seq_len"),
         (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
-        (t.precision not in ("fp32", "bf16"),
-         f"train.precision={t.precision!r}; use 'fp32' or 'bf16'"),
+        (t.precision not in ("fp32", "bf16", "fp8"),
+         f"train.precision={t.precision!r}; use 'fp32', 'bf16' or 'fp8'"),
+        (t.precision == "fp8" and m.n_experts > 0,
+         "train.precision='fp8' is not built for MoE models (the routed experts' grouped "
+         "GEMMs have no float8 path); use --precision bf16"),
         (t.recompute not in RECOMPUTE_MODES,
          f"train.recompute={t.recompute!r}; use 'none', 'selective' or 'full'"),
         (t.lr <= 0, f"train.lr={t.lr} must be > 0"),
@@ -235,6 +238,9 @@ def train_problems(cfg: Config) -> list[str]:
         (not 0 <= t.min_lr_ratio <= 1,
          f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]"),
         (t.warmup_steps < 0, f"train.warmup_steps={t.warmup_steps} must be >= 0"),
+        (t.documents and cfg.parallel.fault_tolerance,
+         "train.documents with parallel.fault_tolerance is not built (a lost replica's "
+         "rows change the step's kept targets); train one of them"),
         (t.weight_decay < 0, f"train.weight_decay={t.weight_decay} must be >= 0"),
         (not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1),
          f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1)"),

@@ -90,6 +90,8 @@ class ParallelConfig:
     # K/V (Llama 3); "zigzag" (rank i: chunks i and 2cp-1-i of 2cp) or "contiguous" slices
     cp_mode: str = "ring"
     cp_layout: str = "zigzag"
+    # hierarchical cp: ranks per all-to-all group (a divisor of cp); 0: a node's cp ranks
+    cp_a2a: int = 0
     schedule: str = "1f1b"
     # Pipeline stages per rank; None: the schedule's own (its registry entry: 2 for
     # interleaved and the V schedules zb-v / dualpipev, else 1).
@@ -136,7 +138,9 @@ class TrainConfig:
     # "adamw" | "sgd": plain SGD (no momentum, no weight decay) is scale-sensitive, the
     # parity check that a gradient off by a constant factor cannot pass (docs/parity.md)
     optimizer: str = "adamw"
-    precision: str = "fp32"  # "fp32" | "bf16" (bf16 compute, fp32 master weights)
+    # "fp32" | "bf16" (bf16 compute, fp32 master weights) | "fp8" (bf16, and the blocks'
+    # linears in float8: plait/parallel/fp8.py)
+    precision: str = "fp32"
     recompute: str = "none"  # "none" | "selective" | "full" (per block; docs/recompute.md)
     # selective: the operator groups recomputed; the others' outputs are saved
     # (plait/model/recompute.py: matmul, attention, elementwise)
@@ -151,6 +155,10 @@ class TrainConfig:
     # None: the name-seeded init (plait/checkpoint/init_from.py, docs/huggingface.md)
     init_from: str | None = None
     memory_step: int = -1  # measure memory by category during this step (-1: never)
+    # packed documents (plait/model/packed.py): each window of the token file holds the
+    # documents its end-of-document tokens end; attention never crosses one, positions
+    # restart with each, the loss never predicts across a boundary
+    documents: bool = False
     # a step whose global grad norm is not finite skips its update; this many in a row
     # stop the run (plait/train/loop.py, docs/checkpoint.md)
     max_nonfinite_steps: int = 3

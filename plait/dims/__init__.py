@@ -31,6 +31,9 @@ LOSS_SUMMED = tuple(d.name for split in ("layers", "sequence", "batch") for d in
                     if d.sums_loss and d.splits == split)
 
 
+a2a_degree = cp.a2a_degree  # context parallel's hierarchical all-to-all group
+
+
 def problems(cfg) -> list[str]:
     """Every dimension's own checks, innermost first."""
     return [msg for d in DIMENSIONS for msg in d.problems(cfg)]
@@ -38,4 +41,4 @@ def problems(cfg) -> list[str]:
 
 __all__ = ["AXES", "BY_NAME", "CHECKPOINT_ROLES", "DEFAULT_ORDER", "DIMENSIONS", "DIMS",
            "LAID", "LOSS_SUMMED", "REPLICAS", "REPLICA_AXES", "SPLITS", "Dimension",
-           "Setting", "problems"]
+           "Setting", "a2a_degree", "problems"]

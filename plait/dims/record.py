@@ -48,7 +48,7 @@ class Setting:
     """A setting of the dimension beside its size: `--flag` sets `parallel.<key>`."""
 
     key: str  # the ParallelConfig field
-    choices: tuple[str, ...]
+    choices: tuple[str, ...]  # empty for an integer setting
     help: str
 
     @property

@@ -32,6 +32,9 @@ def problems(cfg: Config) -> list[str]:
     if p.async_tp and not (p.sp and p.tp > 1):
         out.append("parallel.async_tp=true overlaps sequence parallel's all-gather and "
                    "reduce-scatter with the matmuls beside them; it needs --tp > 1 and --sp")
+    if p.async_tp and t.precision == "fp8":
+        out.append("parallel.async_tp=true with train.precision='fp8': the rings' partial "
+                   "matmuls are not built in float8; use --precision bf16 or drop --async-tp")
     if p.sp and p.tp == 1:
         out.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
                    "--tp > 1 or drop --sp")

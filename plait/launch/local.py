@@ -255,23 +255,25 @@ class LocalLaunch:
 
     def __init__(self, nproc: int, rank_args: list[str], timeout_s: float = 300.0,
                  torchrun: list[str] | None = None, extra: list[str] | None = None,
-                 store: dist.TCPStore | None = None, run_id: str = ""):
+                 store: dist.TCPStore | None = None, run_id: str = "",
+                 interface: tuple[str, str] | None = None):
         """`torchrun`: the command that runs torch.distributed.run (default: the module
-        itself); `extra`: more torchrun flags; `store`: a store already hosted (several
-        launches share it, each under its own `run_id`)."""
+        itself); `extra`: more torchrun flags; `store`: a store already hosted, here or on
+        another node (several launches share it, each under its own `run_id`);
+        `interface`: (name, address) the ranks listen on (default: loopback)."""
         self.store = store or bound_store(LOCALHOST, 0, None,
                                           datetime.timedelta(seconds=timeout_s))
+        name, address = interface or (loopback_interface(), LOCALHOST)
+        endpoint = f"{self.store.host}:{self.store.port}"
         runner = torchrun or [sys.executable, "-m", "torch.distributed.run"]
         self.command = [
             *runner, "--nnodes=1", *(extra or []),
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={LOCALHOST}:{self.store.port}",
-            f"--rdzv-id=plait-{os.getpid()}{run_id}",
-            "--rdzv-conf=is_host=false", f"--local-addr={LOCALHOST}",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id=plait-{os.getpid()}{run_id}",
+            "--rdzv-conf=is_host=false", f"--local-addr={address}",
             "-m", "plait.train", *rank_args]
-        self.env = {**os.environ, **transport_env(loopback_interface()),
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                    STORE_ENV: f"{LOCALHOST}:{self.store.port}"}
+        self.env = {**os.environ, **transport_env(name),
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", STORE_ENV: endpoint}
         # one intra-op thread per rank (docs/architecture.md, Facts)
         self.env.setdefault("OMP_NUM_THREADS", "1")
 

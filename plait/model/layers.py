@@ -37,6 +37,13 @@ class CausalAttentionCore(nn.Module):
                 positions: Positions) -> torch.Tensor:
         """q (b, heads, s, d), k and v (b, kv heads, s, d), after RoPE -> (b, heads, s, d)."""
         gqa = q.shape[1] != k.shape[1]
+        if positions.docs is not None:  # packed documents: causal inside each one
+            from plait.model.packed import document_mask
+
+            ids = positions.index()
+            docs = positions.docs[:, ids]
+            mask = document_mask(docs, docs, ids, ids)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if positions.contiguous:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         ids = positions.index()

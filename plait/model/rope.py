@@ -77,11 +77,15 @@ class Positions:
     ids: int64 (s,) or (batch, s), or None for the contiguous 0..s-1 (the common case: the
     causal mask is the plain triangle and nothing needs materialising).
     cos, sin: the rotation at those positions, fp32, (s, d/2) or (batch, 1, s, d/2).
+    docs: packed documents (plait/model/packed.py): the document of every token of the
+    full sequence, int64 (batch, seq_len), or None for one sequence. The rotation is then
+    at each token's position inside its document; `ids` stay sequence indices.
     """
 
     ids: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
+    docs: torch.Tensor | None = None
 
     @property
     def contiguous(self) -> bool:
@@ -134,14 +138,23 @@ class RotaryEmbedding(nn.Module):
         self.tables(device, self.max_len)
 
     def forward(self, seq_len: int, device: torch.device | str,
-                ids: torch.Tensor | None = None) -> Positions:
+                ids: torch.Tensor | None = None, docs: torch.Tensor | None = None
+                ) -> Positions:
         """Positions of a forward over `seq_len` tokens (the full sequence's length), at
-        `ids` (int64 (s,) or (batch, s), each below max(max_len, seq_len)) or 0..seq_len-1.
+        `ids` (int64 (s,) or (batch, s), each below max(max_len, seq_len)) or 0..seq_len-1;
+        `docs` (batch, seq_len): packed documents (`Positions.docs`).
 
         The rotation is a fresh copy, never a view of the cache: a forward owns its
         (s, d/2) pair, freed with its autograd graph, as before the cache.
         """
         cos, sin = self.tables(device, seq_len)
+        if docs is not None:  # rotated by the position inside each token's document
+            from plait.model.packed import document_positions
+
+            inner = document_positions(docs)
+            if ids is not None:  # (s,) one split for every row, or (batch, s) per row
+                inner = inner.gather(1, ids) if ids.dim() == 2 else inner[:, ids]
+            return Positions(ids, cos[inner].unsqueeze(1), sin[inner].unsqueeze(1), docs)
         if ids is None:
             return Positions(None, cos.narrow_copy(0, 0, seq_len),
                              sin.narrow_copy(0, 0, seq_len))

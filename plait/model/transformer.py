@@ -140,20 +140,23 @@ class Transformer(nn.Module):
         self.recompute: Recompute | None = None
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-               aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
+               aux_losses: list[torch.Tensor] | None = None,
+               docs: torch.Tensor | None = None) -> torch.Tensor:
         """Final normalised hidden states (batch, seq, dim).
 
         `positions`: each token's position in the full sequence, int64 (seq,) or (batch,
-        seq); default 0..seq-1. `aux_losses`: collects the MLPs' auxiliary losses.
+        seq); default 0..seq-1. `aux_losses`: collects the MLPs' auxiliary losses. `docs`:
+        packed documents, each token's document (plait/model/packed.py; `Positions.docs`).
         """
-        pos = self.rope(tokens.shape[1], tokens.device, positions)
+        pos = self.rope(tokens.shape[1], tokens.device, positions, docs)
         x = run_blocks(self.layers, self.embed(tokens), pos, self.recompute, aux_losses)
         return self.norm(x)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
+                aux_losses: list[torch.Tensor] | None = None,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab)."""
-        return self.head(self.hidden(tokens, positions, aux_losses))
+        return self.head(self.hidden(tokens, positions, aux_losses, docs))
 
 
 def param_seed(base_seed: int, name: str) -> int:

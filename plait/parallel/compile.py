@@ -10,7 +10,8 @@ process group's calls (ledger records, timing, buffer lifetimes), which dynamo c
 compile and would retrace for every layer's tag; so every hook on a module inside a block
 (tensor parallel's region entry and exit, ZeRO's weight-gradient roots) and every module
 that communicates or routes tokens by data-dependent counts (context parallel's attention
-core, a MoE block's experts, async tensor parallel's ring linears) is marked opaque: a
+core, a MoE block's experts, async tensor parallel's ring linears, float8 linears with
+their scales' all-reduce) is marked opaque: a
 graph break, run eagerly. The compiled graphs are the compute between them: a block
 without tensor parallel is one graph forward and one backward; under tp the norms and
 residuals, the attention between its region's entry and exit, and the MLP between its.
@@ -28,6 +29,7 @@ from plait.model.layers import CausalAttentionCore
 from plait.model.moe import MoE
 from plait.model.transformer import Block
 from plait.parallel import async_tp
+from plait.parallel.fp8 import is_float8
 
 # modules that communicate inside a block (besides the hooks)
 _COMMUNICATING = (MoE, async_tp.GatheredColumnLinear, async_tp.ScatteredRowLinear)
@@ -49,7 +51,7 @@ def _opaque_inside(block: nn.Module) -> int:
         if swapped_core:  # context parallel's ring or all-gather attention
             module.core.forward = torch.compiler.disable(module.core.forward)
             marked += 1
-        if isinstance(module, _COMMUNICATING):
+        if isinstance(module, _COMMUNICATING) or is_float8(module):  # fp8: amax reductions
             module.forward = torch.compiler.disable(module.forward)
             marked += 1
     return marked

@@ -16,6 +16,9 @@ per-token, so only attention talks. Two ways (`parallel.cp_mode`):
 * **allgather** (Dubey et al. 2024, Llama 3, section 3.3.2): all-gather K/V over cp before
   attention, reduce-scatter dK/dV in backward: (cp−1)/cp of the gathered K/V each way.
   Cheap with GQA's few K/V heads; no overlap (`all_gather_kv`, plait/comm/autograd.py).
+* **a2a** (DeepSpeed-Ulysses, Jacobs et al. 2023): all-to-all from sequence-split to
+  head-split q, k, v, whole-sequence attention of heads/cp heads, all-to-all back
+  (plait/parallel/context_a2a.py); KV heads repeated where fewer than cp.
 
 Causal masking is exact at chunk granularity: the sequence is cut into equal chunks with
 global ids; a key chunk after the query chunk is skipped, the diagonal one is causal, an
@@ -34,6 +37,7 @@ mesh's product dim "dp_cp", plait/parallel/optimizer.py), and the logged loss ov
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +48,25 @@ from torch.autograd import Function
 from plait.comm import ops
 from plait.comm.autograd import all_gather_kv
 from plait.config import Config
+from plait.dims.cp import a2a_degree
 from plait.mesh import ParallelMesh
+from plait.model.packed import document_mask
 from plait.model.rope import Positions
 from plait.model.transformer import CausalAttentionCore
+from plait.parallel.context_a2a import (
+    INNER,
+    OUTER,
+    add_hierarchy_groups,
+    heads_to_ranks,
+    kv_repeats,
+    repeat_kv,
+    tokens_to_ranks,
+    ulysses_attention,
+)
+from plait.parallel.context_balance import document_split
 
 DIM = "cp"
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "a2a", "hierarchical")
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -122,9 +139,13 @@ def _fold(grad: torch.Tensor, g: int) -> torch.Tensor:
     return grad if g == 1 else grad.unflatten(1, (-1, g)).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q (b, kv, g, m, d), k (b, kv, n, d) -> masked scores (b, kv, g, m, n)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q (b, kv, g, m, d), k (b, kv, n, d) -> masked scores (b, kv, g, m, n). `mask`
+    (b, m, n): packed documents' visible pairs (the causal triangle included)."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if mask is not None:
+        return s.masked_fill(~mask[:, None, None], float("-inf"))
     if causal:  # the diagonal block: square, key j visible to query i when j <= i
         m, n = s.shape[-2:]
         keep = torch.ones(m, n, dtype=torch.bool, device=s.device).tril()
@@ -139,26 +160,29 @@ def _widen(t: torch.Tensor, d: int) -> torch.Tensor:
     return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, fused: bool):
+def _block_forward(q, k, v, causal: bool, scale: float, fused: bool, mask=None):
     """q (b, h, m, dk) against one key chunk k (b, kv, n, dk), v (b, kv, n, dv), fp32 ->
-    partial output (b, h, m, dv) and its log-sum-exp (b, h, m)."""
+    partial output (b, h, m, dv) and its log-sum-exp (b, h, m). A row `mask` hides
+    wholly (another document's keys) has output 0 and lse -inf."""
     g = q.shape[1] // k.shape[1]
-    if fused:
+    if fused and mask is None:
         d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         out, lse = _FLASH(_widen(q, d), _expand(_widen(k, d), g), _expand(_widen(v, d), g),
                           0.0, causal, scale=scale)
         return out[..., :dv], lse
-    s = _scores(q.unflatten(1, (-1, g)), k, causal, scale)
+    s = _scores(q.unflatten(1, (-1, g)), k, causal, scale, mask)
     lse = torch.logsumexp(s, -1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2))
+    finite = lse.masked_fill(torch.isinf(lse), 0.0)  # a hidden row: exp(-inf) = 0, not nan
+    out = torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v.unsqueeze(2))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: bool):
+def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: bool,
+                    mask=None):
     """(dq, dk, dv) of one block from the *merged* output and lse of q's rows (the flash
     backward: P = exp(S - lse), dS = P (dO Vᵀ - rowsum(dO O)))."""
     g = q.shape[1] // k.shape[1]
-    if fused:
+    if fused and mask is None:
         d, dqk, dvw = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
         dq, dk, dv = _FLASH_BWD(_widen(dout, d), _widen(q, d), _expand(_widen(k, d), g),
                                 _expand(_widen(v, d), g), _widen(out, d), lse, 0.0, causal,
@@ -166,7 +190,8 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, fused: 
         return dq[..., :dqk], _fold(dk[..., :dqk], g), _fold(dv[..., :dvw], g)
     q5, do5 = q.unflatten(1, (-1, g)), dout.unflatten(1, (-1, g))
     delta = (do5 * out.unflatten(1, (-1, g))).sum(-1, keepdim=True)
-    p = torch.exp(_scores(q5, k, causal, scale) - lse.unflatten(1, (-1, g)).unsqueeze(-1))
+    p = torch.exp(_scores(q5, k, causal, scale, mask)
+                  - lse.unflatten(1, (-1, g)).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
     ds = p * (torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, k.unsqueeze(2)) * scale
@@ -180,8 +205,9 @@ def _merge(acc, out, lse):
         return out, lse
     o, l0 = acc
     total = torch.logaddexp(l0, lse)
-    return (o * torch.exp(l0 - total).unsqueeze(-1)
-            + out * torch.exp(lse - total).unsqueeze(-1)), total
+    finite = total.masked_fill(torch.isinf(total), 0.0)  # rows hidden so far stay 0
+    return (o * torch.exp(l0 - finite).unsqueeze(-1)
+            + out * torch.exp(lse - finite).unsqueeze(-1)), total
 
 
 @dataclass
@@ -199,22 +225,60 @@ class Ring:
     fused: bool | None = None
     work: float = 0.0
     compute_s: float = 0.0
+    # the hierarchical mode's ring across node groups: its mesh dim, and the cp ranks
+    # whose chunks each ring position holds after the all-to-all inside its group
+    dim: str = DIM
+    group: int = 1
 
     @property
     def me(self) -> int:
-        return self.mesh.coord(DIM)
+        return self.mesh.coord(self.dim)
 
     def peer(self, offset: int) -> int:
-        ranks = self.mesh.group_ranks[DIM]
+        ranks = self.mesh.group_ranks[self.dim]
         return ranks[(self.me + offset) % len(ranks)]
+
+    def chunks(self, pos: int) -> tuple[int, ...]:
+        """The chunk ids ring position `pos` holds, in its order."""
+        return tuple(c for r in range(pos * self.group, (pos + 1) * self.group)
+                     for c in self.layout.chunks(r))
 
     def use_fused(self, device: torch.device) -> bool:
         return fused_available(device) if self.fused is None else self.fused
 
-    def pairs(self, src: int) -> list[tuple[int, int, bool]]:
+    def slot_ids(self, split: torch.Tensor, pos: int, i: int) -> torch.Tensor:
+        """(b, c): the sequence indices of ring position pos's chunk slot i under a split by
+        documents (`split` (b, cp, s/cp), plait/parallel/context_balance.py)."""
+        c, per = self.layout.chunk_len, self.layout.n_chunks // self.layout.cp
+        r, half = pos * self.group + i // per, i % per
+        return split[:, r, half * c:(half + 1) * c]
+
+    def block_mask(self, docs: torch.Tensor | None, i: int, src: int, j: int,
+                   causal: bool, split: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Packed documents: (b, c, c) visible pairs of my chunk slot i against src's slot
+        j (same document, and the triangle on the diagonal); None without documents. Split
+        by documents, from each token's (document, sequence index), not from chunk ids."""
+        if docs is None:
+            return None
+        if split is not None:
+            qi, ki = self.slot_ids(split, self.me, i), self.slot_ids(split, src, j)
+            return ((docs.gather(1, qi).unsqueeze(-1) == docs.gather(1, ki).unsqueeze(-2))
+                    & (ki.unsqueeze(-2) <= qi.unsqueeze(-1)))
+        c = self.layout.chunk_len
+        qc, kc = self.chunks(self.me)[i], self.chunks(src)[j]
+        mask = (docs[:, qc * c:(qc + 1) * c, None] == docs[:, None, kc * c:(kc + 1) * c])
+        if causal:
+            mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
+        return mask
+
+    def pairs(self, src: int, split: torch.Tensor | None = None
+              ) -> list[tuple[int, int, bool]]:
         """(my chunk slot, src's chunk slot, causal) of the blocks to compute against rank
-        src's keys; blocks entirely in the future are skipped."""
-        mine, theirs = self.layout.chunks(self.me), self.layout.chunks(src)
+        src's keys; blocks entirely in the future are skipped. Split by documents every
+        slot pair is a candidate (the mask decides)."""
+        mine, theirs = self.chunks(self.me), self.chunks(src)
+        if split is not None:
+            return [(i, j, False) for i in range(len(mine)) for j in range(len(theirs))]
         return [(i, j, kq == qq) for i, qq in enumerate(mine) for j, kq in enumerate(theirs)
                 if kq <= qq]
 
@@ -238,9 +302,12 @@ def _unpack(kv: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[..., :dk], kv[..., dk:]
 
 
-def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
-    """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed."""
-    n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
+                  docs: torch.Tensor | None = None, split: torch.Tensor | None = None):
+    """Forward around the ring: q (b, h, L, dk) fp32, kv (b, kv, L, dk + dv) packed.
+    `docs` (b, seq): packed documents; a block with no pair in one document is skipped.
+    `split` (b, cp, s/cp): the tokens split by documents (None: the layout's chunks)."""
+    n, c, fused = ring.mesh.size(ring.dim), ring.layout.chunk_len, ring.use_fused(q.device)
     dk = q.shape[-1]
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     sends, cur, work = [], kv, 0.0
@@ -249,15 +316,19 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
         if t < n - 1:  # post the next hop before computing on this chunk: overlap
             nxt = torch.empty_like(cur)
             send, recv = ops.batch_send_recv([(cur, ring.peer(1))], [(nxt, ring.peer(-1))],
-                                             ring.mesh, DIM, tag=f"{ring.tag}.fwd")
+                                             ring.mesh, ring.dim, tag=f"{ring.tag}.fwd")
             sends.append(send)
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
-        for i, j, causal in ring.pairs(src):
+        for i, j, causal in ring.pairs(src, split):
+            mask = ring.block_mask(docs, i, src, j, causal, split)
+            if mask is not None and not mask.any():
+                continue
             part = _block_forward(_slot(q, i, c), _slot(k, j, c), _slot(v, j, c), causal,
-                                  scale, fused)
+                                  scale, fused, mask)
             acc[i] = _merge(acc.get(i), *part)
-            work += c * c * (0.5 if causal else 1.0)
+            work += (c * c * (0.5 if causal else 1.0) if mask is None
+                     else float(mask.sum()) / mask.shape[0])
         ring.compute_s += time.thread_time() - c0
         if t < n - 1:
             recv.wait()
@@ -269,10 +340,10 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float):
     return (torch.cat([acc[i][0] for i in slots], -2), torch.cat([acc[i][1] for i in slots], -1))
 
 
-def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
+def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None, split=None):
     """Backward around the ring: K/V hop on as in forward; each chunk's dK/dV accumulator
     follows one hop behind and reaches the owner after the last step."""
-    n, c, fused = ring.mesh.size(DIM), ring.layout.chunk_len, ring.use_fused(q.device)
+    n, c, fused = ring.mesh.size(ring.dim), ring.layout.chunk_len, ring.use_fused(q.device)
     dk = q.shape[-1]
     dq = torch.zeros_like(q)
     sends, cur, own, acc_in = [], kv, None, None
@@ -281,15 +352,18 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
         if t < n - 1:
             nxt = torch.empty_like(cur)
             s, kv_recv = ops.batch_send_recv([(cur, ring.peer(1))], [(nxt, ring.peer(-1))],
-                                             ring.mesh, DIM, tag=f"{ring.tag}.bwd")
+                                             ring.mesh, ring.dim, tag=f"{ring.tag}.bwd")
             sends.append(s)
         c0 = time.thread_time()
         k, v = (t.float() for t in _unpack(cur, dk))
         dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
-        for i, j, causal in ring.pairs(src):
+        for i, j, causal in ring.pairs(src, split):
+            mask = ring.block_mask(docs, i, src, j, causal, split)
+            if mask is not None and not mask.any():
+                continue
             dqi, dkj, dvj = _block_backward(
                 _slot(q, i, c), _slot(k, j, c), _slot(v, j, c), _slot(out, i, c),
-                _rows(lse, i, c), _slot(dout, i, c), causal, scale, fused)
+                _rows(lse, i, c), _slot(dout, i, c), causal, scale, fused, mask)
             _slot(dq, i, c).add_(dqi)
             _slot(dkv, j, c)[..., :dk].add_(dkj)
             _slot(dkv, j, c)[..., dk:].add_(dvj)
@@ -302,7 +376,7 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float):
                 dkv += acc_in[0].float()
             buf = torch.empty_like(kv)
             s, r = ops.batch_send_recv([(dkv.to(kv.dtype), ring.peer(1))],
-                                       [(buf, ring.peer(-1))], ring.mesh, DIM,
+                                       [(buf, ring.peer(-1))], ring.mesh, ring.dim,
                                        tag=f"{ring.tag}.bwd")
             sends.append(s)
             acc_in = (buf, r)
@@ -321,22 +395,22 @@ class _RingAttention(Function):
     """softmax(q kᵀ/√d, causal by position) v over the whole sequence, K/V on a ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, docs, split=None):
         scale = q.shape[-1] ** -0.5
         kv = _pack(k, v)
-        out, lse = _ring_forward(ring, q.float(), kv, scale)
+        out, lse = _ring_forward(ring, q.float(), kv, scale, docs, split)
         out = out.to(q.dtype)  # kept in the compute dtype, as a flash kernel keeps it
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.docs, ctx.split = ring, scale, docs, split
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out.float(), lse,
-                                 dout.float().contiguous(), ctx.scale)
+                                 dout.float().contiguous(), ctx.scale, ctx.docs, ctx.split)
         dk, dv = _unpack(dkv.to(kv.dtype), q.shape[-1])
-        return dq.to(q.dtype), dk, dv, None
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
 class ContextParallelAttention(nn.Module):
@@ -344,40 +418,83 @@ class ContextParallelAttention(nn.Module):
     q, k, v are this rank's tokens (after RoPE at their positions), in `layout` order."""
 
     def __init__(self, mesh: ParallelMesh, layout: ContextLayout, mode: str = "ring",
-                 tag: str = "cp", fused: bool | None = None):
+                 tag: str = "cp", fused: bool | None = None, degree: int = 1,
+                 by_documents: bool = False):
         super().__init__()
+        # packed documents split by document (`document_split`): each forward's tokens are
+        # its micro-batch's split, not the layout's chunks
+        self.by_documents = by_documents
         if mode not in MODES:
             raise ValueError(f"cp mode {mode!r}; use one of {', '.join(MODES)}")
         self.mesh, self.layout, self.mode, self.tag = mesh, layout, mode, tag
         self.ring = Ring(mesh, layout, tag, fused)
+        if mode == "hierarchical":  # the ring across the all-to-all groups of `degree`
+            self.ring = Ring(mesh, layout, tag, fused, dim=OUTER, group=degree)
         me = mesh.coord(DIM)
         self.q_pos = layout.positions(me, mesh.device.torch)
         self.k_pos = torch.cat([layout.positions(r, mesh.device.torch)
                                 for r in range(layout.cp)])
+        # a2a: the index that puts the gathered (rank-order) sequence in sequence order
+        natural = torch.equal(self.k_pos, torch.arange(layout.seq_len, device=self.k_pos.device))
+        self.order = None if natural else torch.argsort(self.k_pos)
         self._checked = False  # the positions are checked once: they never change
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: Positions) -> torch.Tensor:
+    def _split(self, q: torch.Tensor, positions: Positions) -> torch.Tensor | None:
+        """The micro-batch's split by documents (b, cp, s/cp), or None for the layout's;
+        raises when the tokens are not this rank's."""
+        docs, me = positions.docs, self.mesh.coord(DIM)
+        if self.by_documents and docs is not None:
+            split = document_split(docs, self.layout.cp)
+            if positions.ids is None or not torch.equal(positions.ids, split[:, me]):
+                raise ValueError("context parallel: the attention's tokens are not this "
+                                 "rank's share of its micro-batch's documents")
+            return split
         if q.shape[-2] != self.q_pos.numel() or not self._checked and (
                 positions.ids is None or not torch.equal(positions.ids, self.q_pos)):
             raise ValueError("context parallel: the attention's tokens are not this rank's "
                              f"{self.layout.layout} chunks {self.layout.chunks(self.ring.me)}")
         self._checked = True
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: Positions) -> torch.Tensor:
+        split, docs = self._split(q, positions), positions.docs
         if self.mode == "ring":
-            return _RingAttention.apply(q, k, v, self.ring)
+            return _RingAttention.apply(q, k, v, self.ring, docs, split)
+        if self.mode == "hierarchical":
+            rep = kv_repeats(q.shape[1], k.shape[1], self.mesh.size(INNER))
+            qh, kh, vh = heads_to_ranks([q, repeat_kv(k, rep), repeat_kv(v, rep)], self.mesh,
+                                        INNER, f"{self.tag}.qkv")
+            out = _RingAttention.apply(qh, kh, vh, self.ring, docs, split)
+            return tokens_to_ranks(out, self.mesh, INNER, f"{self.tag}.out")
+        if self.mode == "a2a":
+            every = torch.arange(self.layout.seq_len, device=q.device)
+            mask = None if docs is None else document_mask(docs, docs, every, every)
+            return ulysses_attention(q, k, v, self.mesh, DIM, self.tag, mask, self.order)
         # (cp, b, kv, L, dk + dv) -> (b, kv, cp*L, dk + dv), rank order
         full = all_gather_kv(_pack(k, v), self.mesh, self.tag, DIM)
         kf, vf = _unpack(full.permute(1, 2, 0, 3, 4).flatten(2, 3), q.shape[-1])
         mask = self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)  # key <= query, exact
+        if split is not None:  # each row's own split: rank order, as gathered
+            qi, ki = split[:, self.mesh.coord(DIM)], split.flatten(1)
+            mask = document_mask(docs.gather(1, qi), docs.gather(1, ki), qi, ki)
+        elif docs is not None:
+            mask = document_mask(docs[:, self.q_pos], docs[:, self.k_pos], self.q_pos,
+                                 self.k_pos)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
 def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mode: str,
-                           layout: ContextLayout) -> torch.Tensor:
+                           layout: ContextLayout, degree: int = 1,
+                           by_documents: bool = False) -> torch.Tensor:
     """Swap every attention core of this rank's stages for the cp one; mark the stages'
     boundary as split cp ways along the sequence. Returns this rank's token positions (the
-    indices of its inputs and targets in each sequence, and RoPE's positions)."""
+    indices of its inputs and targets in each sequence, and RoPE's positions). `degree`:
+    the hierarchical mode's all-to-all group (its groups are made here). `by_documents`:
+    packed documents split by document, per micro-batch (`splits_documents`)."""
+    if mode == "hierarchical":
+        add_hierarchy_groups(mesh, DIM, degree)
     for stage in stages.values():
         for name, mod in stage.named_modules():
             core = getattr(mod, "core", None)
@@ -386,7 +503,8 @@ def apply_context_parallel(stages: dict[int, nn.Module], mesh: ParallelMesh, mod
             if type(core) is not CausalAttentionCore:
                 raise ValueError(f"context parallel cannot shard {name}.core "
                                  f"({type(core).__name__}): it knows causal attention only")
-            mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}")
+            mod.core = ContextParallelAttention(mesh, layout, mode, f"cp.{name}",
+                                                degree=degree, by_documents=by_documents)
         stage.seq_shards *= layout.cp
     return layout.positions(mesh.coord(DIM), mesh.device.torch)
 
@@ -399,5 +517,25 @@ def context_parallel_stages(stages: dict[int, nn.Module], mesh: ParallelMesh, cf
     if p.cp == 1:
         return None
     return apply_context_parallel(stages, mesh, p.cp_mode,
-                                  ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout))
+                                  ContextLayout(p.cp, cfg.train.seq_len, p.cp_layout),
+                                  a2a_degree(p), splits_documents(cfg))
 
+
+def splits_documents(cfg: Config) -> bool:
+    """Whether training splits each micro-batch by its documents: packed documents under
+    cp > 1 in the zigzag layout, in the modes whose work follows the split (ring,
+    all-gather, hierarchical's ring). a2a attends the whole sequence for heads/cp heads on
+    every rank, balanced by heads whatever the split, and keeps the zigzag one."""
+    p = cfg.parallel
+    return (cfg.train.documents and p.cp > 1 and p.cp_layout == "zigzag"
+            and p.cp_mode != "a2a")
+
+
+def documents_positions(cfg: Config, mesh: ParallelMesh
+                        ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Where each micro-batch is split by its documents (`splits_documents`): the function
+    from its document ids (b, s) to this rank's positions (b, s/cp); None otherwise."""
+    if not splits_documents(cfg):
+        return None
+    cp, me = cfg.parallel.cp, mesh.coord(DIM)
+    return lambda docs: document_split(docs, cp)[:, me]

@@ -228,7 +228,7 @@ class FaultTolerantReplicas:
             left = max(self._timeout() - (time.monotonic() - started), 0.5)
             verdict = self._verdict(step, attempt, summed is not None, left)
             if verdict["commit"]:
-                self._started = True
+                self._end_startup_grace()
                 for t, total in zip([*grads(), loss], summed, strict=True):
                     t.copy_(total)
                 if attempt and self.events:
@@ -301,6 +301,16 @@ class FaultTolerantReplicas:
                 group = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         self._group = (e.number, group)
         return group
+
+    def _end_startup_grace(self) -> None:
+        """A sum committed: from now on a silent member is waited for `timeout_s`, in the
+        quorum group made during the start-up grace too (it is kept for its epoch)."""
+        if self._started:
+            return
+        self._started = True
+        group = self._group[1] if self._group is not None else None
+        if group is not None:
+            group._set_default_timeout(timedelta(seconds=self.timeout_s))
 
     def _timeout(self) -> float:
         return self.timeout_s if self._started else max(self.timeout_s, STARTUP_S)

@@ -26,6 +26,8 @@ The order, and why:
    (column/row-parallel linears, vocab-parallel embedding and head, the vocab-parallel
    loss), on the tp group of the stage's pp coordinate; each swapped parameter's split is
    recorded in the placement table.
+   **Float8** (`train.precision = "fp8"`): every block linear, plain or tensor-parallel,
+   multiplies in float8 (plait/parallel/fp8.py); after tp so that it sees the split.
 5. **Context parallel** (its size, mode and layout): each attention's parameter-free `core`
    is swapped for ring (or all-gather) attention over its group
    (plait/parallel/context.py); it composes with TP because it sees only
@@ -64,7 +66,8 @@ from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
 from plait.placement import PlacementTable
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp8: bf16 compute and parameters, the blocks' linears in float8 (plait/parallel/fp8.py)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -108,6 +111,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
                           fill=not shard_init)
     prepare_moe_blocks(pipe.stages.values(), mesh, cfg, placements)  # 3. (before tp)
     _tensor_parallel(pipe, mesh, cfg, placements)  # 4. tp + sp
+    if cfg.train.precision == "fp8":  # 4b. after tp: the swapped linears turn float8 too
+        from plait.parallel.fp8 import apply_float8
+
+        apply_float8(pipe.stages.values(), mesh)
     if shard_init:  # in place: the parameter objects the hooks and placements know stay
         for stage in pipe.stages.values():
             fill_in_place(stage, cfg.model, cfg.train.seed)

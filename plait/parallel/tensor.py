@@ -202,9 +202,9 @@ class VocabParallelLoss:
     valid: int
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        flat = logits.reshape(-1, logits.shape[-1])
-        return vocab_parallel_cross_entropy(flat, targets.reshape(-1), self.mesh, self.start,
-                                            self.valid).sum()
+        flat, t = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        ce = vocab_parallel_cross_entropy(flat, t, self.mesh, self.start, self.valid)
+        return ce.masked_fill(t < 0, 0.0).sum()  # a negative target is ignored (packed.py)
 
 
 # ---- the plan ---------------------------------------------------------------------------

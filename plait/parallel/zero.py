@@ -49,7 +49,9 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.optim import adamw_update, decays, sgd_update
+from plait.parallel import zero_fp8
 from plait.parallel.backward_graph import in_backward, input_gradient_computed, input_node
+from plait.parallel.fp8 import is_float8
 from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import NamedShards
@@ -91,7 +93,10 @@ class ZeroOptimizer(NamedShards):
         # a pipeline's stages accumulate whole gradients, reduced once a step
         self.accumulate = mesh.size("pp") > 1
         cap = None if stage == 3 or bucket_mb is None else bucket_mb * 2**20
-        self.units = make_units(model, mesh, self.placements, dim, kind == "adamw", cap)
+        # ZeRO-3 under precision fp8: the float8 linears' weights gathered in float8
+        fp8 = stage == 3 and any(is_float8(m) for m in model.modules())
+        self.units = make_units(model, mesh, self.placements, dim, kind == "adamw", cap, fp8)
+        self._fp8_stale = fp8  # the float8 shards are cast again before the next gather
         covered = sum(len(u.params) for u in self.units)
         if covered != len(list(model.parameters())):
             raise ValueError("ZeRO units must cover every parameter of the model")
@@ -150,6 +155,12 @@ class ZeroOptimizer(NamedShards):
     def _issue_gather(self, u: _Unit) -> None:
         if u.gathered or u.gather_handle is not None:
             return
+        if u.fp8_modules:  # float8 bytes, never the bf16 weight (zero_fp8.py)
+            if self._fp8_stale:
+                zero_fp8.cast_shards(self.units, self.mesh)
+                self._fp8_stale = False
+            u.gather_handle = zero_fp8.issue_gather(u, self.mesh)
+            return
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         # autograd saved views of `full` from forward; refilling it is not a real mutation
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u.full):
@@ -161,10 +172,14 @@ class ZeroOptimizer(NamedShards):
         if u.gather_handle is not None:
             u.gather_handle.wait()
             u.gather_handle = None
+            if u.fp8_modules:
+                zero_fp8.hand_to_linears(u)
         u.gathered = True
 
     def _free(self, u: _Unit) -> None:
         u.full.untyped_storage().resize_(0)
+        if u.fp8_modules:
+            zero_fp8.free(u)
         u.gathered = False
 
     def _release(self, units: list[_Unit]) -> None:
@@ -439,6 +454,7 @@ class ZeroOptimizer(NamedShards):
             self._release(self.units)
             for u in self.units:
                 u.shard.copy_(u.master)
+            self._fp8_stale = any(u.fp8_modules for u in self.units)
             return
         self.settle()  # one gather at a time into `full`
         for u in self.units:  # all in flight at once; fp32: the input is the master itself
@@ -487,6 +503,7 @@ class ZeroOptimizer(NamedShards):
     def memory_sources(self) -> dict[str, list[torch.Tensor]]:
         params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard
                                                  is not None]
+        params += [t for u in self.units for t in (u.fp8_shard, u.fp8_full) if t is not None]
         grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
         comm_buffers = [u.rs_in for u in self.units if u.rs_in is not None]
         comm_buffers += [t for u in self.units if u.rs_handle is not None

@@ -13,6 +13,7 @@ from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.parallel.buckets import backward_runs
 from plait.parallel.expert import reduce_dim
+from plait.parallel.fp8 import is_float8
 from plait.placement import PlacementTable
 
 
@@ -61,6 +62,13 @@ class _Unit:
         self.rs_handle: Handle | None = None
         self.rs_out: torch.Tensor | None = None
         self.rs_in: torch.Tensor | None = None
+        # float8 (plait/parallel/zero_fp8.py): the linears whose weights these are (empty:
+        # the unit gathers in its own dtype), the weights' scales, this rank's float8 shard
+        # and the gathered float8 whole, as bytes
+        self.fp8_modules: list[nn.Module] = []
+        self.fp8_scales: torch.Tensor | None = None
+        self.fp8_shard: torch.Tensor | None = None
+        self.fp8_full: torch.Tensor | None = None
 
     def segments(self) -> list[tuple[int, int, nn.Parameter]]:
         """(start, end) in shard coordinates of each parameter overlapping this shard."""
@@ -141,21 +149,27 @@ def zero_unit_groups(model: nn.Module, cap_bytes: float | None
 
 
 def make_units(model: nn.Module, mesh: ParallelMesh, placements: PlacementTable, dim: str,
-               moments: bool, cap_bytes: float | None) -> list[_Unit]:
+               moments: bool, cap_bytes: float | None, fp8: bool = False) -> list[_Unit]:
     """One unit per group of `zero_unit_groups` and reduction dim: expert-parallel slices
     are sharded over "edp" (the ranks holding the same experts), the rest over `dim`;
     with hybrid sharding over the part of that group inside this rank's shard group
-    (`ParallelMesh.shard_groups`)."""
+    (`ParallelMesh.shard_groups`). `fp8` (ZeRO-3 under precision fp8): the float8
+    linears' weights are a unit of their own, gathered in float8 (zero_fp8.py)."""
     shard_of, _ = mesh.shard_groups()
     units: list[_Unit] = []
     for stage, group in zero_unit_groups(model, cap_bytes):
-        by_dim: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        by_dim: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
+        owners: dict[int, nn.Module] = {}
         for prefix, module in group:
+            if fp8:
+                owners.update((id(m.weight), m) for m in module.modules() if is_float8(m))
             for name, p in module.named_parameters():
                 d = reduce_dim(placements, p, dim)
-                by_dim.setdefault(d, []).append((f"{prefix}{name}", p))
-        for d, named in by_dim.items():
+                by_dim.setdefault((d, id(p) in owners), []).append((f"{prefix}{name}", p))
+        for (d, in_fp8), named in by_dim.items():
             shard = shard_of.get(d, d)
             units.append(_Unit(len(units), group[0][1], named, shard, mesh.size(shard),
                                mesh.coord(shard), moments, stage, reduced_over=d))
+            if in_fp8:
+                units[-1].fp8_modules = [owners[id(p)] for _, p in named]
     return units

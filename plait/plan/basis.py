@@ -18,17 +18,18 @@ formulas name those, not the dimensions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.plan import bubble, host_share, memory
+from plait.plan import bubble, fp8, host_share, memory, memory_bound
 from plait.plan.comm import price
 from plait.plan.compute import Efficiency, LayerTimes, Num, layer_times
 from plait.plan.hardware import Cluster
 from plait.plan.shape import Shape
+from plait.plan.stack import Stack, stage_layers
 
 # How the planner writes a layout (labels, `--layout`, the JSON's "layout"): these sizes
 # always, in this order, then every other dimension's in the records' order (a label
@@ -112,6 +113,8 @@ class Training:
     # parallel.optimizer_sync: "barrier" (every pipeline rank waits for the last before the
     # next step) or "post_validation" (the simulated pipeline time is the steady state)
     optimizer_sync: str = "barrier"
+    # how the stack runs it: overlaps, uneven pipeline stages (plait/plan/stack.py)
+    stack: Stack = field(default_factory=Stack)
 
 
 @dataclass(init=False)
@@ -130,7 +133,10 @@ class Layout(Sizes):
     # the layer input
     recompute: str
     sp: bool  # sequence parallelism with TP (Korthikanti et al. 2022)
-    cp_mode: str  # context parallel's K/V: "ring" (Liu et al. 2023) | "allgather" (Llama 3)
+    # context parallel's K/V: "ring" (Liu et al. 2023) | "allgather" (Llama 3) | "a2a"
+    # (Ulysses) | "hierarchical" (all-to-all in groups of cp_a2a ranks, ring across them)
+    cp_mode: str
+    cp_a2a: int
     # plait's own train.recompute when the layout is a plait config; it decides which
     # collectives the runtime replays (plait/plan/comm/layer.py). None: `recompute`, but
     # "none" for math's selective (only the attention core is redone, no collective)
@@ -147,7 +153,7 @@ class Layout(Sizes):
                  sp: bool = True, cp_mode: str = "ring", runtime_recompute: str | None = None,
                  attention: str = "flash", recompute_ops: tuple[str, ...] = DEFAULT_OPS,
                  order: tuple[str, ...] = DEFAULT_ORDER, zero3_gather: str = "microbatch",
-                 **by_name: Num) -> None:
+                 cp_a2a: int = 1, **by_name: Num) -> None:
         unknown = sorted(set(sizes or {}) - set(BY_NAME)) + sorted(set(by_name) - set(BY_NAME))
         if unknown:
             raise TypeError(f"Layout: no dimension {', '.join(unknown)}; the dimensions are "
@@ -156,6 +162,7 @@ class Layout(Sizes):
                       for d in DIMENSIONS}
         self.mbs, self.schedule, self.v, self.zero = mbs, schedule, v, zero
         self.recompute, self.sp, self.cp_mode = recompute, sp, cp_mode
+        self.cp_a2a = cp_a2a
         self.runtime_recompute, self.attention = runtime_recompute, attention
         self.recompute_ops, self.order = recompute_ops, order
         self.zero3_gather = zero3_gather
@@ -199,6 +206,10 @@ class Basis(Sizes):
     lt: LayerTimes  # forward times of one layer per micro-batch
     moe_split: Num  # ways an MoE block's tokens split over tp: tp under SP, else 1
     strides: dict[str, Num]  # rank distance between neighbours along each axis (the order)
+    # layers of the first and the last pipeline stage (uneven stages: Training.stack; else
+    # chunk_layers)
+    first_layers: Num = 0.0
+    last_layers: Num = 0.0
 
     def span(self, dim: str) -> Num:
         """Ranks from the first to past the last of a `dim` group: inside one node when
@@ -223,9 +234,20 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
     gemm_scale = peak_scale * (eff.concurrent_gemm if shared_host else 1.0)
     tokens = mbs * shape.seq / seq_split
     cpr = _f(bubble.chunks_per_rank(sched, v))
-    chunk_layers = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
+    even = np.ceil(shape.layers / _f(bubble.stages_per_chain(sched, pp, v)))
+    first, middle, last = stage_layers(shape.layers, pp, even, train.stack)
+    chunk_layers = np.maximum(np.maximum(first, middle), last)  # the slowest stage's
     saved_none = memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, "none", e,
                                           lay.attention)
+    lt = layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
+                     tp if lay.sp else 1.0, lay.attention,
+                     fp8.weight_gemms(train.precision, cluster.gpu, eff, gemm_scale))
+    if memory_bound.priced(eff):  # the published GPU numbers: each kernel's bytes
+        casts = (fp8.cast_kernel(shape, tokens, tp, e, lay.zero),) \
+            if train.precision == fp8.FP8 else ()
+        lt = memory_bound.with_memory_bound(lt, shape, tokens, tp, lay.sp, e, lay.attention,
+                                            tp if lay.sp else 1.0, cluster.gpu, eff,
+                                            train.stack.fused_kernels, casts)
     return Basis(
         sizes=sizes, mbs=mbs, v=v, sched=sched, e=e,
         peak_scale=peak_scale, gemm_scale=gemm_scale, m=train.global_batch / (dp * mbs),
@@ -233,9 +255,9 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
         chunk_layers=chunk_layers, rank_layers=chunk_layers * cpr,
         saved=memory.layer_activations(shape, mbs, tp, seq_split, lay.sp, lay.recompute, e,
                                        lay.attention, lay.recompute_ops),
-        lt=layer_times(shape, tokens, tp, cluster.gpu, eff, saved_none, gemm_scale,
-                       tp if lay.sp else 1.0, lay.attention), moe_split=tp if lay.sp else 1.0,
-        strides=price.order_strides(lay.order, sizes))
+        lt=lt, moe_split=tp if lay.sp else 1.0,
+        strides=price.order_strides(lay.order, sizes), first_layers=first * cpr,
+        last_layers=last * cpr)
 
 
 @dataclass
@@ -254,6 +276,9 @@ class ChunkTimes:
     w_c: Num
     policy: Num = 0.0  # per layer: selective's policy (Efficiency.policy_layer_seconds)
     tp_cpu: Num = 0.0  # per layer: a tp rank's CPU beyond the prices (tp_floor_seconds)
+    # in head_f: the final norm's and the loss's memory-bound kernels (published GPU
+    # numbers: plait/plan/memory_bound.py; 0 otherwise)
+    head_mb: Num = 0.0
 
 
 __all__ = ["ALWAYS_WRITTEN", "SHARD_COPIES", "WRITTEN", "Basis", "ChunkTimes", "Layout",

@@ -15,12 +15,15 @@ import numpy as np
 from plait.dims import DEFAULT_ORDER
 from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
 from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
-from plait.plan import host_share
+from plait.plan import fp8, host_share, trust
+from plait.plan import stack as stack_args
 from plait.plan.basis import WRITTEN
+from plait.plan.bubble import chunks_per_rank
 from plait.plan.compute import FLOP_DEFINITIONS, Efficiency
 from plait.plan.emit import emit_plan
 from plait.plan.estimate import Estimate, Training, evaluate
 from plait.plan.explain import explain, why_no_fit
+from plait.plan.explain_terms import explain_terms
 from plait.plan.goodput import (
     Failures,
     add_goodput_arguments,
@@ -30,6 +33,7 @@ from plait.plan.goodput import (
     layout_goodput,
     layouts_goodput,
 )
+from plait.plan.gpu_data import EFFICIENCY_MODES
 from plait.plan.hardware import GB, GPUS, Cluster
 from plait.plan.inputs import (
     DEFAULT_ORDER_TEXT,
@@ -50,6 +54,7 @@ from plait.plan.plot import plot_memory
 from plait.plan.profile import base_gpu, hardware_of
 from plait.plan.published import published_batch, throughput_note
 from plait.plan.search import PlanError, layout_problems, order_notes, search
+from plait.plan.sequence_modes import mode_notes
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
 from plait.plan.units import flops_rate, nbytes, params
 
@@ -81,13 +86,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--internode-gbs", type=float, help="per GPU per direction (default: the "
                    "preset's)")
     h.add_argument("--gpus-per-node", type=int, metavar="N", help="default: the preset's")
+    h.add_argument("--efficiency", default="published", choices=EFFICIENCY_MODES,
+                   help="GEMM, attention and link efficiency: published (default: per-GPU "
+                   "public measurements, plait/plan/data/gpu_efficiency.json; links are "
+                   "then NCCL bus bandwidths) or fitted (the constants fitted on one A100 "
+                   "paper, links = datasheet x a fitted efficiency)")
     host_share.add_arguments(h)
     t = p.add_argument_group("training")
     t.add_argument("--global-batch", type=int, metavar="N", help="sequences per step")
     t.add_argument("--global-batch-tokens", type=int, metavar="N",
                    help="tokens per step (/ seq), instead of --global-batch")
     t.add_argument("--precision", default=None, choices=list(PRECISIONS),
-                   help="default bf16, what GPU runs use (plait train's default: fp32)")
+                   help="default bf16, what GPU runs use (plait train's default: fp32); "
+                   "fp8: the blocks' linears in float8 at the GPU's float8 peak "
+                   "(docs/float8.md)")
     t.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS), help="default adam")
     t.add_argument("--mem-limit", type=float, default=0.9,
                    help="usable fraction of HBM (default 0.9)")
@@ -123,10 +135,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="the mesh order, innermost first, as parallel.order (default "
                      f"{','.join(DEFAULT_ORDER)}: tp inside a node); decides which groups "
                      "cross nodes")
+    stack_args.add_arguments(p.add_argument_group("how the stack runs it"))
     add_goodput_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown (default 5)")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
+    trust.add_arguments(o)
     o.add_argument("--plot", help="draw the memory breakdown of the shown layouts to this PNG")
     o.add_argument("--emit-config", metavar="RUN.toml",
                    help="write the best layout plait train can run as a config for "
@@ -162,8 +176,12 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
         batch = args.global_batch_tokens // shape.seq
     cluster = Cluster(gpu, args.gpus, getattr(args, "ranks_per_host", None),
                       getattr(args, "host_load", 0.0))
+    if args.precision == fp8.FP8:
+        problems = fp8.plan_problems(shape, gpu, args.efficiency, bool(args.hardware))
+        if problems:
+            raise PlanError("; ".join(problems))
     return shape, cluster, Training(batch, args.precision, args.optimizer, args.mem_limit,
-                                    args.optimizer_sync)
+                                    args.optimizer_sync, stack_args.stack_from_args(args))
 
 
 def _num(x: Any) -> Any:
@@ -285,7 +303,8 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
     """The layouts to show (best first), the notes on them, the search's counts."""
     if args.layout:
         lay = parse_layout(args.layout, args, train.global_batch)
-        problems = layout_problems(shape, cluster, train, lay)
+        problems = layout_problems(shape, cluster, train, lay) + stack_args.stage_problems(
+            shape.layers, int(lay.pp), int(chunks_per_rank(lay.schedule, lay.v)), train.stack)
         if problems:
             raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
         est = evaluate(shape, cluster, train, lay, eff, simulate=True)
@@ -295,6 +314,9 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         raise PlanError(f"--order {args.order}: the search tries every mesh order itself "
                         "and says which it recommends; give --layout too to evaluate one "
                         "layout under --order")
+    if train.stack.uneven():
+        raise PlanError("--first-stage-layers/--last-stage-layers describe one layout's "
+                        "stages: give --layout too")
     cost = None
     if args.rank_by == "goodput" and fail is not None:
         def cost(e: Estimate) -> Any:  # seconds per useful step under failures
@@ -311,6 +333,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
              + (", ranked by goodput (useful tokens/s under failures)." if cost else ".")]
     notes += explain(res.top[0], shape, cluster, train, res.extra.get("best_by"),
                      res.top[1] if len(res.top) > 1 else None) + order_notes(res.top[0])
+    notes += mode_notes(shape, cluster, train, res.top[0].layout, eff)
     return res.top, notes, doc
 
 
@@ -352,6 +375,15 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                             float(ests[0].tokens_per_s), train.precision)
     notes += [paper] if paper else []
     notes += [line for line in [host_share.note(cluster)] if line]  # shared CPU cores
+    eff = hardware_of(args)[1]
+    pub = trust.plan_published(cluster, args.efficiency, bool(args.hardware))
+    if train.precision != fp8.FP8:  # the published runs and the ceiling are bf16's
+        notes += trust.mfu_flags(ests, cluster, pub, eff)
+    notes += trust.provenance(cluster, pub, args.efficiency)
+    if train.precision == fp8.FP8:
+        notes += fp8.hardware_lines(cluster.gpu, eff, pub.entry if pub else None)
+    if args.explain:
+        notes += explain_terms(shape, cluster, train, ests[0], eff)
     if gps:
         notes += goodput_lines(gps[0])
         if len(gps) > 1:

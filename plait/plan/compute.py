@@ -104,6 +104,31 @@ class Efficiency:
     # part of a call that needs a core when ranks share a host's cores (host_share.py)
     comm_cpu_call: float = 0.0
     comm_cpu_byte: float = 0.0
+    # fused attention's measured fraction of peak by sequence length, ((seq, fraction),
+    # ...) ascending (plait/plan/gpu_data.py's published points); empty: the GEMM curve
+    # times attention_scale
+    attention_curve: tuple[tuple[float, float], ...] = ()
+    # the fraction of the datasheet HBM bandwidth a streaming copy reaches and the CPU
+    # seconds to issue one kernel: the published GPU numbers' (plait/plan/gpu_data.py),
+    # which price each memory-bound kernel (plait/plan/memory_bound.py); 0: not priced
+    # there (the fitted passes above, or a measured profile's element-wise rate)
+    hbm_fraction: float = 0.0
+    launch_seconds: float = 0.0
+    # float8 GEMMs' ceiling and half point (the published GPU numbers' `fp8_gemm_*`;
+    # 0: the bf16 curve's, gemm_max and gemm_half): plait/plan/fp8.py
+    fp8_gemm_max: float = 0.0
+    fp8_gemm_half: float = 0.0
+    # how much longer compute runs beside a collective than alone (the published GPU
+    # numbers' `overlap_compute_slowdown`: plait/plan/overlap_slowdown.py; 0: not priced)
+    overlap_slowdown: float = 0.0
+
+
+def attention_eff(seq: Num, curve: tuple[tuple[float, float], ...]) -> Num:
+    """Fused attention's fraction of peak at sequence length `seq`: `curve` interpolated
+    in log(seq), held flat beyond its ends."""
+    xs = np.log([float(s) for s, _ in curve])
+    ys = np.array([float(f) for _, f in curve])
+    return np.interp(np.log(np.maximum(np.asarray(seq, dtype=float), 1.0)), xs, ys)
 
 
 def gemm_eff(work: Num, eff: Efficiency) -> Num:
@@ -129,14 +154,21 @@ def layer_gemms(shape: Shape, tokens: Num, tp: Num, moe_split: Num = 1
                ("q, kv up-projections and out", 2 * n * shape.mla_split_params() / t)]
     if shape.arch == "gpt":  # GeLU MLP: two matrices of h x ffn
         return out + [("fc1", 2 * n * h * shape.ffn / t), ("fc2", 2 * n * shape.ffn * h / t)]
-    if not shape.moe:
-        return out + [("mlp", 2 * n * h * 3 * shape.ffn / t)]
+    if not shape.moe:  # gate and up fused in one GEMM (Megatron-LM's fc1), down apart
+        return out + [("mlp gate+up", 2 * n * h * 2 * shape.ffn / t),
+                      ("mlp down", 2 * n * shape.ffn * h / t)]
     fe = shape.expert_ffn
     out.append(("router", 2 * n * h * shape.experts / ms))
     out.append(("routed experts", 2 * n * shape.top_k * 3 * h * fe / ms))
     if shape.shared_experts:
         out.append(("shared experts", 2 * n * shape.shared_experts * 3 * h * fe / ms))
     return out
+
+
+def gemm_weights(shape: Shape, tp: Num) -> Num:
+    """Weight elements of one layer's weight GEMMs on one rank (each GEMM's forward FLOPs
+    a token over 2): the block linears, without norms or biases."""
+    return sum(f for _, f in layer_gemms(shape, 1, tp)) / 2
 
 
 def causal_fraction(shape: Shape, attention: str | None = None) -> float:
@@ -244,23 +276,39 @@ class LayerTimes:
     attn_fwd: Num
     elementwise_fwd: Num
     flops_fwd: Num  # GEMM + attention core FLOPs, forward
+    # the backward's element-wise seconds (None: twice the forward's)
+    elementwise_bwd: Num = None
 
     @property
     def forward(self) -> Num:
         return self.gemm_fwd + self.attn_fwd + self.elementwise_fwd
 
+    @property
+    def backward_elementwise(self) -> Num:
+        if self.elementwise_bwd is None:
+            return 2 * self.elementwise_fwd
+        return self.elementwise_bwd
+
 
 def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
                 saved_bytes: Num, peak_scale: float = 1.0, moe_split: Num = 1,
-                attention: str = "flash") -> LayerTimes:
+                attention: str = "flash", weight_gemms: tuple[Efficiency, float] | None = None
+                ) -> LayerTimes:
     """Forward times of one layer; `saved_bytes` is what the layer saves without recompute
     (memory.layer_activations with recompute='none'), the proxy for elementwise traffic
-    (with the math kernel it holds the probabilities written and read)."""
+    (with the math kernel it holds the probabilities written and read). `weight_gemms`:
+    the weight GEMMs' (efficiency, peak scale) where they differ from the rest's (float8:
+    plait/plan/fp8.py); the attention core keeps `eff` and `peak_scale`."""
     gemms = layer_gemms(shape, tokens, tp, moe_split)
-    g_time = sum(gemm_time(f, gpu, eff, peak_scale) for _, f in gemms)
+    g_eff, g_scale = weight_gemms or (eff, peak_scale)
+    g_time = sum(gemm_time(f, gpu, g_eff, g_scale) for _, f in gemms)
     a_flops = attention_core_flops(shape, tokens, tp, attention)
     # batched per-head GEMMs: efficiency of the whole batch's work
-    a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
+    if eff.attention_curve and attention == "flash":  # a published fused sweep
+        a_time = a_flops / (gpu.peak_flops * peak_scale
+                            * attention_eff(shape.seq, eff.attention_curve))
+    else:
+        a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
     bw = eff.elementwise_bw or gpu.hbm_bw
     elt = eff.elementwise_passes * saved_bytes / bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

@@ -36,7 +36,7 @@ from plait.plan.hardware import Cluster
 from plait.plan.search import PlanError
 from plait.plan.shape import Shape
 
-_PRECISION = {"bf16": "bf16", "fp32": "fp32", "bf16-fp32grad": "bf16"}
+_PRECISION = {"bf16": "bf16", "fp32": "fp32", "bf16-fp32grad": "bf16", "fp8": "fp8"}
 _OPTIMIZER = {"adam": "adamw", "sgd": "sgd"}
 
 

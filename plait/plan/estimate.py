@@ -14,16 +14,17 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, host_share, memory
+from plait.plan import bubble, host_share, memory, memory_bound, overlap_slowdown, zero3_gpu
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
 from plait.plan.comm.sync import SYNC_TERM, sync_seconds
-from plait.plan.comm.zero import end_gathered, zero3_bytes
+from plait.plan.comm.zero import end_gathered, gathered_bytes, zero3_bytes
 from plait.plan.compute import (
     Efficiency,
     gemm_time,
+    gemm_weights,
     hardware_flops_per_token,
     head_flops,
     model_flops_per_token,
@@ -31,11 +32,16 @@ from plait.plan.compute import (
     tp_floor_seconds,
 )
 from plait.plan.hardware import Cluster
+from plait.plan.memory import LINEAR_GATHER_BYTES
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
+from plait.plan.stack import pp_overlapped
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any
+# the step-time term of the memory-bound kernels (norms, activations, residual adds, the
+# loss) where plait/plan/memory_bound.py prices them
+MEMORY_BOUND_TERM = "memory-bound kernels"
 
 
 @dataclass
@@ -62,7 +68,7 @@ def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b:
     """One layer's F, I, W with its exposed collectives, the head's, and one chunk's."""
     lt, gpu = b.lt, cluster.gpu
     f_layer = lt.forward + TP_COLLECTIVES_FWD * lc.t_ar + lc.seq_exp_f + lc.expert_exp_f
-    i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + 2 * lt.elementwise_fwd + 2 * lc.t_ar \
+    i_layer = lt.gemm_fwd + 2 * lt.attn_fwd + lt.backward_elementwise + 2 * lc.t_ar \
         + lc.seq_exp_b + lc.expert_exp_b
     w_layer = lt.gemm_fwd
     policy = eff.policy_layer_seconds if lay.runtime_mode() == "selective" else 0.0
@@ -71,11 +77,16 @@ def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b:
     f_layer = f_layer + tp_cpu / 3
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
-    head_f = head_g + memory.logits_bytes(shape, b.mbs, b.tp, b.seq_split, b.e) / gpu.hbm_bw \
+    if memory_bound.priced(eff):  # the final norm and the loss, both passes, kernel by kernel
+        head_mb = memory_bound.loss_seconds(shape, b.tokens, b.tp, lay.sp, b.e, gpu, eff)
+    else:  # writing the logits and their fp32 copy
+        head_mb = memory.logits_bytes(shape, b.mbs, b.tp, b.seq_split, b.e) / gpu.hbm_bw
+    head_f = head_g + head_mb \
         + eff.op_seconds * eff.outside_ops + tp_out  # embedding, norm, head, loss: ops
     n = b.chunk_layers
     return ChunkTimes(f_layer, i_layer, w_layer, hf, head_g, head_f, n * f_layer,
-                      n * i_layer, n * w_layer, policy, tp_cpu)
+                      n * i_layer, n * w_layer, policy, tp_cpu,
+                      head_mb if memory_bound.priced(eff) else 0.0)
 
 
 def _pipeline_time(shape: Shape, b: Basis, ct: ChunkTimes, t_pp: Num, simulate: bool,
@@ -137,11 +148,13 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
     # exact while they fit in one chunk, dense_layers <= L/(p v)); their norms whole too
     nd = np.minimum(shape.dense_layers, b.chunk_layers) if shape.moe else 0.0
     dense_extra = nd * (terms.dense_layer - dense_l)
-    first_p = b.rank_layers * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
+    # the ends' layers: uneven stages (Training.stack) or the even split's rank_layers
+    l_first, l_last = b.first_layers, b.last_layers
+    first_p = l_first * dense_l + emb + np.where((pp == 1) | both_ends, head, 0.0) \
         + dense_extra
-    last_p = b.rank_layers * dense_l + head + np.where(pp == 1, dense_extra, 0.0)
-    ex_first = (b.rank_layers - nd) * expert_l
-    ex_last = np.where(pp == 1, ex_first, b.rank_layers * expert_l)
+    last_p = l_last * dense_l + head + np.where(pp == 1, dense_extra, 0.0)
+    ex_first = (l_first - nd) * expert_l
+    ex_last = np.where(pp == 1, ex_first, l_last * expert_l)
     in0, in_last = memory.inflight_chunks(b.sched, pp, m, b.v)
     if simulate and info.get("peaks"):
         in0, in_last = float(info["peaks"][0]), float(info["peaks"][-1])
@@ -153,17 +166,18 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
 
     kinds = (train.precision, train.optimizer, train.optimizer_sync)  # post-val.: + copy
 
-    def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num) -> dict[str, Num]:
+    def rank_mem(dense_p: Num, ex_p: Num, inflight: Num, has_logits: Num,
+                 chunk: Num) -> dict[str, Num]:
         st = memory.model_states(dense_p, dshard, lay.zero, *kinds, pp, lay.zero3_gather)
         ex = memory.model_states(ex_p, eshard, lay.zero, *kinds, pp, lay.zero3_gather)
         out = {k: st[k] + ex[k] for k in st}
-        out["activations"] = np.minimum(inflight, m * cpr) * b.chunk_layers * b.saved
+        out["activations"] = np.minimum(inflight, m * cpr) * chunk * b.saved
         out["logits"] = np.where(has_logits, logits, 0.0)
         out["communication buffers"] = buffers
         return out
 
-    first = rank_mem(first_p, ex_first, in0, (pp == 1) | both_ends)
-    last = rank_mem(last_p, ex_last, in_last, True)
+    first = rank_mem(first_p, ex_first, in0, (pp == 1) | both_ends, l_first / cpr)
+    last = rank_mem(last_p, ex_last, in_last, True, l_last / cpr)
     t_first, t_last = sum(first.values()), sum(last.values())
     use_first = t_first >= t_last
     mem = {k: np.where(use_first, first[k], last[k]) for k in first}
@@ -175,20 +189,32 @@ def _rank_memory(shape: Shape, train: Training, lay: Layout, b: Basis,
 
 
 def _busiest(train: Training, lay: Layout, b: Basis, pr: tuple[Num, Num], chunk: Num,
-             ends: tuple[Num, Num, Num]) -> tuple[Num, Num]:
-    """(parameters, ZeRO-3's gathered parameters) of the pipeline end whose ZeRO-3 bytes
-    are the larger (`end_gathered` of each)."""
-    first = end_gathered(lay, b, False, pr[0], chunk, ends)
-    last = end_gathered(lay, b, True, pr[1], chunk, ends)
-    take_first = zero3_bytes(train, lay, b, *first) >= zero3_bytes(train, lay, b, *last)
-    return np.where(take_first, first[0], last[0]), np.where(take_first, first[1], last[1])
+             ends: tuple[Num, Num, Num], layer_linear: Num = 0.0) -> tuple[Num, Num, Num]:
+    """(parameters, ZeRO-3's gathered parameters, their bytes) of the pipeline end whose
+    ZeRO-3 bytes are the larger (`end_gathered` of each); `layer_linear`: a layer's
+    block-linear weights where they are gathered in fewer bytes (fp8), gathered with
+    each of the end's layers (the first and last stage's `first_layers`,
+    `last_layers`)."""
+    out = []
+    for last, layers in ((False, b.first_layers), (True, b.last_layers)):
+        params, gathered = end_gathered(lay, b, last, pr[int(last)], chunk, ends)
+        linear = end_gathered(lay, b, last, layers * layer_linear,
+                              b.chunk_layers * layer_linear, (0.0, 0.0, 0.0))[1]
+        out.append((params, gathered, gathered_bytes(train, gathered, linear),
+                    zero3_bytes(train, lay, b, params, gathered, linear)))
+    take_first = out[0][3] >= out[1][3]
+    return tuple(np.where(take_first, f, la) for f, la in zip(out[0][:3], out[1][:3],
+                                                               strict=True))  # type: ignore
 
 
 def _optimizer_time(cluster: Cluster, train: Training, lay: Layout, b: Basis,
-                    pr: Num) -> Num:
+                    pr: Num, eff: Efficiency) -> Num:
     """The optimizer step: reading and writing the rank's (ZeRO: shard of the) states."""
     pb, gb, kb = memory.state_bytes(train.precision, train.optimizer)
     opt_shard = b.zero_split if lay.zero >= 1 else 1.0
+    if memory_bound.priced(eff):
+        return memory_bound.optimizer_seconds(pr / opt_shard, train.precision,
+                                              train.optimizer, cluster.gpu, eff)
     return pr / opt_shard * (2 * kb + gb + pb) / cluster.gpu.hbm_bw
 
 
@@ -196,9 +222,15 @@ def _time_breakdown(lay: Layout, b: Basis, lc: LayerComm, ct: ChunkTimes, pipe: 
                     dp_exposed: Num, t_opt: Num) -> dict[str, Num]:
     m, cpr, lt = b.m, b.cpr, b.lt
     busy = busy_of(m, cpr, ct.f_c, ct.i_c, ct.w_c, ct.head_f, ct.head_g, b.sched)
-    return {
-        "compute": m * (cpr * b.chunk_layers * (3 * lt.forward + ct.tp_cpu) + ct.head_f
-                        + 2 * ct.head_g) / schedule_spec(b.sched).chains,
+    chains = schedule_spec(b.sched).chains
+    compute = m * (cpr * b.chunk_layers * (3 * (lt.gemm_fwd + lt.attn_fwd) + lt.elementwise_fwd
+                                           + lt.backward_elementwise + ct.tp_cpu)
+                   + ct.head_f + 2 * ct.head_g) / chains
+    # the memory-bound kernels priced one by one (published GPU numbers) shown apart
+    mb = m * (cpr * b.chunk_layers * (lt.elementwise_fwd + lt.backward_elementwise)
+              + ct.head_mb) / chains if lt.elementwise_bwd is not None else None
+    out = {
+        "compute": compute if mb is None else compute - mb,
         "tp comm (exposed)": lc.tp_count * lc.t_ar,
         EXCHANGE_TERM: lc.exchange_exposed() * b.rank_layers * m,
         # the replayed tp collectives are in "tp comm" (its count has them): not twice
@@ -209,6 +241,9 @@ def _time_breakdown(lay: Layout, b: Basis, lc: LayerComm, ct: ChunkTimes, pipe: 
         "dp comm (exposed)": dp_exposed,
         "optimizer step": t_opt,
     }
+    if mb is not None:
+        out[MEMORY_BOUND_TERM] = mb
+    return out
 
 
 def _step_flops(shape: Shape, train: Training, lay: Layout, b: Basis) -> tuple[Num, Num]:
@@ -227,31 +262,51 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     colls = lc.colls
     ct = chunk_times(shape, cluster, lay, eff, b, lc)
     t_pp = pp_p2p(shape, cluster, eff, b, colls, lay.sp)
+    # sends hidden behind compute (stack.py); a measured profile prices plait's own
+    # runtime's sends (its p2p_post) instead
+    if pp_overlapped(train.stack, b.sched) and not eff.runtime_comm:
+        t_pp = 0.0 * t_pp
     pipe, bub, info = _pipeline_time(shape, b, ct, t_pp, simulate, train.optimizer_sync,
                                      eff.p2p_post, eff.pipeline_gap)
     rm = _rank_memory(shape, train, lay, b, info, simulate)
     # dense parameters sync over the replicas, routed experts over the replicas that hold
     # the same experts (plait/parallel/expert.py)
-    dense, gathered = rm.params - rm.expert_params, None
+    dense, gathered, g_bytes = rm.params - rm.expert_params, None, None
     experts, g_experts = rm.expert_params, None
     if lay.zero == 3:  # each the end that moves more (ZeRO-3's gathers differ by stage)
-        dense, gathered = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
-                                   rm.chunk[0], rm.ends[:3])
-        experts, g_experts = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
-                                      rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
+        linear = gemm_weights(shape, b.tp) if train.precision in LINEAR_GATHER_BYTES else 0.0
+        dense, gathered, g_bytes = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
+                                            rm.chunk[0], rm.ends[:3], linear)
+        experts, g_experts, _ = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
+                                         rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
     dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
-                                 gathered=gathered)
+                                 gathered=gathered, gathered_bytes=g_bytes)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                                   experts, colls, experts=True,
                                                   gathered=g_experts)
+    copies = 0.0
+    if zero3_gpu.applies(lay, eff):  # the published GPU numbers: FSDP's copies, step ends
+        copies = zero3_gpu.copy_seconds(cluster, train, lay, eff, b, dense, gathered, g_bytes)
+        if shape.moe:
+            copies = copies + zero3_gpu.copy_seconds(
+                cluster, train, lay, eff, b, experts, g_experts,
+                gathered_bytes(train, g_experts), experts=True)
+        dp_exposed = dp_exposed + zero3_gpu.end_collectives(cluster, train, lay, eff, b,
+                                                            rm.ends[0], colls)
     if schedule_spec(b.sched).chains > 1 and np.any(b.pp > 1):
         colls.append(dualpipe_copies(cluster, train, eff, b, rm.params - rm.expert_params,
                                      rm.expert_params, lay.zero))
-    t_opt = _optimizer_time(cluster, train, lay, b, rm.params) + eff.op_seconds * (
+    t_opt = _optimizer_time(cluster, train, lay, b, rm.params, eff) + eff.op_seconds * (
         eff.optimizer_layer_ops * b.rank_layers + eff.optimizer_fixed_ops)
     time = _time_breakdown(lay, b, lc, ct, pipe, dp_exposed, t_opt)
     step = pipe + dp_exposed + t_opt
+    if zero3_gpu.applies(lay, eff):
+        time[zero3_gpu.COPIES_TERM], step = copies, step + copies
+    if eff.overlap_slowdown:  # the published GPU numbers: compute beside collectives
+        slowed = overlap_slowdown.slowdown_seconds(colls, time["compute"] + time["recompute"],
+                                                   eff.overlap_slowdown)
+        time[overlap_slowdown.TERM], step = slowed, step + slowed
     if eff.sync_extra or eff.desync_wait:  # a measured profile's (the presets: none)
         time[SYNC_TERM] = sync_seconds(eff, colls, time["compute"] + time["recompute"])
         step = step + time[SYNC_TERM]

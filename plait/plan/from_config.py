@@ -56,20 +56,21 @@ def predict_memory(cfg: Config, kernels: str = "fused", data_windows: int = 0
 def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
     """(shape, cluster, training, layout, efficiency) `evaluate` takes for a plait Config's
     layout: the runtime's attention (SDPA, planned as flash), its recompute and order."""
+    from plait.dims import a2a_degree
     from plait.parallel.pipeline.registry import natural_virtual_stages
     from plait.plan.activations import RUNTIME_ATTENTION
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
 
     p, t = cfg.parallel, cfg.train
     shape = from_model_config(cfg.model, t.seq_len, cfg.model_name)
-    precision = "fp32" if t.precision == "fp32" else "bf16"
+    precision = t.precision if t.precision in ("fp32", "fp8") else "bf16"
     lay = Layout({d.name: getattr(p, d.name) for d in DIMENSIONS}, mbs=cfg.micro_batch_size(),
                  schedule=p.schedule, v=natural_virtual_stages(p.schedule, p.virtual_stages),
                  zero=p.zero,
                  recompute=t.recompute, sp=p.sp, cp_mode=p.cp_mode,
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order),
-                 zero3_gather=p.zero3_gather)
+                 zero3_gather=p.zero3_gather, cp_a2a=a2a_degree(p))
     train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync)
     return shape, Cluster(PLACEHOLDER_GPU, p.world_size), train, lay, EFFICIENCY
 

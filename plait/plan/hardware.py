@@ -24,6 +24,8 @@ class GPU:
     nvlink_alpha: float = 3e-6  # per ring step, seconds
     internode_alpha: float = 10e-6
     fp32_peak_ratio: float = 0.5  # fp32 GEMMs / bf16 peak: TF32 tensor cores run at half
+    # dense float8 (E4M3/E5M2) tensor-core peak / the bf16 peak; 0: no float8 tensor cores
+    fp8_peak_ratio: float = 0.0
     # CPU cores of the host that runs the ranks' compute (a `plait calibrate` profile's);
     # 0: not modelled (a GPU does the work). plait/plan/host_share.py
     host_cores: float = 0.0
@@ -31,6 +33,10 @@ class GPU:
 
 GB = 1e9
 GiB = 2**30
+
+# H100/H800/H200 SXM datasheets: FP8 1,979 TFLOP/s dense against bf16's 989 (the A100
+# has no float8 tensor cores: its ratio stays 0)
+FP8_HOPPER = 1979 / 989
 
 GPUS: dict[str, GPU] = {
     # NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense; 40 GB HBM2 1,555 GB/s,
@@ -40,17 +46,23 @@ GPUS: dict[str, GPU] = {
     "a100-80gb": GPU("a100-80gb", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB),
     # NVIDIA H100 datasheet: SXM5 989 TFLOP/s bf16 dense, 80 GB HBM3 3.35 TB/s, NVLink 4
     # 900 GB/s bidirectional. DGX H100: 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU.
-    "h100-sxm": GPU("h100-sxm", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB),
+    # FP8 1,979 TFLOP/s dense (the datasheet's 3,958 is with 2:4 sparsity).
+    "h100-sxm": GPU("h100-sxm", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB,
+                    fp8_peak_ratio=FP8_HOPPER),
     # H800 SXM (the export variant of the H100 SXM): H100 SXM compute and memory, NVLink
     # 400 GB/s bidirectional (DeepSeek-V3 technical report, section 3.1: 8 GPUs a node on
     # NVLink/NVSwitch, InfiniBand across nodes; section 3.2.2: 50 GB/s IB per GPU).
-    "h800": GPU("h800", 989e12, 80 * GB, 3350 * GB, 200 * GB, 50 * GB),
-    # NVIDIA H200 datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
-    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB),
+    "h800": GPU("h800", 989e12, 80 * GB, 3350 * GB, 200 * GB, 50 * GB,
+                fp8_peak_ratio=FP8_HOPPER),
+    # NVIDIA H200 datasheet: same compute as H100 SXM (FP8 1,979 dense), 141 GB HBM3e at
+    # 4.8 TB/s.
+    "h200": GPU("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB,
+                fp8_peak_ratio=FP8_HOPPER),
     # NVIDIA DGX/HGX B200 datasheets: 2.25 PFLOP/s bf16 dense per GPU (72 PFLOP/s FP8
     # sparse per 8 GPUs), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional,
-    # 8x 400 Gb/s ConnectX-7 per node.
-    "b200": GPU("b200", 2250e12, 180 * GB, 8000 * GB, 900 * GB, 50 * GB),
+    # 8x 400 Gb/s ConnectX-7 per node. FP8 4.5 PFLOP/s dense (the 72 above / 8 / 2).
+    "b200": GPU("b200", 2250e12, 180 * GB, 8000 * GB, 900 * GB, 50 * GB,
+                fp8_peak_ratio=4500 / 2250),
 }
 
 

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from plait.model.recompute_settings import DEFAULT_OPS
+from plait.plan.compute import gemm_weights
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape, activation_terms, per_rank_bytes, selective_terms
 
@@ -45,7 +46,12 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "bf16": (2, 2, 12, 2),  # ZeRO paper's mixed precision: fp32 master + m + v
     "bf16-fp32grad": (2, 4, 12, 2),  # Megatron: fp32 gradient accumulation buffer
     "fp32": (4, 4, 8, 4),  # m + v; the parameters are the master copy
+    # bf16's states and activations; the blocks' weight GEMMs in float8 (plait/plan/fp8.py)
+    "fp8": (2, 2, 12, 2),
 }
+# bytes ZeRO-3's all-gather moves a block-linear weight element where that differs from
+# the parameter's: float8 weights are gathered cast (plait/parallel/zero_fp8.py)
+LINEAR_GATHER_BYTES: dict[str, int] = {"fp8": 1}
 OPTIMIZERS = ("adam", "sgd")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -182,7 +188,8 @@ def comm_buffers(shape: Shape, mbs: Num, tp: Num, seq_split: Num, pp: Num, zero:
     """Transient buffers alive at the peak: the SP all-gather output, pipeline send/recv,
     the split sequence's ring-attention K/V double buffer, MoE dispatch/combine, ZeRO-3's
     gathered layer (the current and the prefetched one) and its unsharded gradient before
-    reduce-scatter."""
+    reduce-scatter (under fp8 the block linears' weights gathered at 1 byte an element,
+    LINEAR_GATHER_BYTES)."""
     e = PRECISIONS[precision][3]
     pb, gb, _ = state_bytes(precision, "adam")
     tp, seq_split, pp = (np.asarray(x, dtype=float) for x in (tp, seq_split, pp))
@@ -197,4 +204,7 @@ def comm_buffers(shape: Shape, mbs: Num, tp: Num, seq_split: Num, pp: Num, zero:
         total = total + 2 * tokens * shape.top_k * shape.hidden * e / (tp if sp else 1.0)
     if zero >= 3:
         total = total + layer_params_rank * (2 * pb + gb)
+        if precision in LINEAR_GATHER_BYTES:  # the gathered block linears' smaller copies
+            linear = gemm_weights(shape, tp)
+            total = total - 2 * linear * (pb - LINEAR_GATHER_BYTES[precision])
     return total

@@ -363,25 +363,36 @@ def load_profile(path: str | Path) -> dict[str, Any]:
 
 
 def hardware_of(args: Any) -> tuple[GPU | None, Efficiency]:
-    """`plait plan --hardware`'s GPU record and efficiency constants, or (None, the
-    calibration set's constants) without it."""
+    """`plait plan --hardware`'s GPU record and efficiency constants, or without it (None,
+    the preset's published constants: plait/plan/gpu_data.py), or with `--efficiency
+    fitted` (None, the calibration set's constants)."""
     from plait.plan.calibration import EFFICIENCY
+    from plait.plan.gpu_data import published
+    from plait.plan.hardware import get_gpu
 
     if not getattr(args, "hardware", None):
-        return None, EFFICIENCY
+        if getattr(args, "efficiency", "published") == "fitted":
+            return None, EFFICIENCY
+        pub = published(get_gpu(args.gpu or "h100-sxm"))
+        return None, EFFICIENCY if pub is None else pub.eff
     if args.gpu is not None:
         raise ValueError(f"give --gpu {args.gpu} or --hardware {args.hardware}, not both")
     return profile_hardware(load_profile(args.hardware))
 
 
 def base_gpu(args: Any, over: dict[str, Any]) -> GPU:
-    """The --gpu preset (h100-sxm by default) or the profile, with the explicit hardware
-    flags (`over`) replacing its values."""
+    """The --gpu preset (h100-sxm by default; with its published bus bandwidths and usable
+    memory unless `--efficiency fitted`) or the profile, with the explicit hardware flags
+    (`over`) replacing its values."""
     from dataclasses import replace
 
+    from plait.plan.gpu_data import published
     from plait.plan.hardware import get_gpu
 
     profiled, _ = hardware_of(args)
     if profiled is None:
-        return get_gpu(args.gpu or "h100-sxm", **over)
+        gpu = get_gpu(args.gpu or "h100-sxm")
+        pub = published(gpu) if getattr(args, "efficiency", "published") != "fitted" else None
+        gpu = gpu if pub is None else pub.gpu
+        return replace(gpu, **over) if over else gpu
     return replace(profiled, **over) if over else profiled

@@ -133,6 +133,18 @@ def write_token_file(path: str | Path, ids: np.ndarray | list[int], vocab_size: 
     return path
 
 
+def end_of_document(data: TokenFile) -> int:
+    """The token that ends each document (`plait data prepare` writes it after every one,
+    and its id in the metadata): what packed documents split windows at."""
+    eot = data.meta.get("end_of_document")
+    if not isinstance(eot, int) or isinstance(eot, bool):
+        raise DataError(
+            f"{data.path} records no end-of-document token, so its document boundaries "
+            "are lost; prepare it again with `plait data prepare` (a tokenizer with "
+            "<|endoftext|>, or --tokenizer hf:DIR) or train without --documents")
+    return eot
+
+
 class GlobalBatches:
     """The global batch of every step, and each data-parallel rank's slice of it."""
 
@@ -151,6 +163,10 @@ class GlobalBatches:
                 f"{seq_len}, fewer than one global batch of {global_batch}; use more data, "
                 "a shorter --seq-len or a smaller --global-batch")
         self._orders: dict[int, torch.Tensor] = {}
+
+    def end_of_document(self) -> int:
+        """The file's end-of-document token (`end_of_document`)."""
+        return end_of_document(self.data)
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:

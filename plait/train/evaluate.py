@@ -26,9 +26,10 @@ from plait.config import Config
 from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
+from plait.parallel.context import documents_positions
 from plait.parallel.parallelize import DTYPES, parallelize
 from plait.parallel.pipeline.runtime import PipelineRuntime
-from plait.train.data import DataError, TokenFile
+from plait.train.data import DataError, TokenFile, end_of_document
 
 
 def eval_windows(data: TokenFile, seq_len: int) -> int:
@@ -81,6 +82,12 @@ def evaluate(cfg: Config, mesh: ParallelMesh, data: TokenFile, sequences: int | 
                               before_weight_grad=par.optimizer.before_backward,
                               after_weight_grad=par.optimizer.after_backward,
                               positions=par.positions)
+    # packed documents: an end-of-document token's target is not predicted, and the mean
+    # is over the targets kept in the n windows (their inputs are the file's first n*s)
+    runtime.documents = end_of_document(data) if t.documents else None
+    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
+    kept = n * s if runtime.documents is None else int(
+        (np.asarray(data.tokens[:n * s]) != runtime.documents).sum())
     per = rows_per_batch // mesh.size("dp")
     lo = mesh.coord("dp") * per
     total = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
@@ -90,7 +97,7 @@ def evaluate(cfg: Config, mesh: ParallelMesh, data: TokenFile, sequences: int | 
                          for w in range(first, first + per)]).astype(np.int64)
         local = torch.from_numpy(rows).to(mesh.device.torch)
         mesh.ledger.step = b
-        total += runtime.step([local[i * mbs:(i + 1) * mbs] for i in range(n_micro)], n * s)
+        total += runtime.step([local[i * mbs:(i + 1) * mbs] for i in range(n_micro)], kept)
         par.optimizer.finish_gradients()
         par.optimizer.zero_grad()
     for dim in LOSS_SUMMED:

@@ -29,7 +29,7 @@ TRAIN_FLAGS = {
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "async_tp": "parallel.async_tp", "compile": "train.compile",
-    "init_from": "train.init_from",
+    "init_from": "train.init_from", "documents": "train.documents",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
     "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
@@ -68,7 +68,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))
     p.add_argument("--lr", type=float, help=_setting_help("lr"))
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, help=_setting_help("schedule"))
-    p.add_argument("--precision", choices=("fp32", "bf16"), help=_setting_help("precision"))
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), help=_setting_help("precision"))
     p.add_argument("--recompute", choices=("none", "selective", "full"),
                    help=_setting_help("recompute"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"),
@@ -77,7 +77,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("optimizer-sync"))
     p.add_argument("--zero3-gather", choices=ZERO3_GATHERS, help=_setting_help("zero3-gather"))
     for setting in (s for d in DIMENSIONS for s in d.settings):
-        p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
+        if setting.choices:
+            p.add_argument(setting.flag, choices=setting.choices, help=setting.help)
+        else:  # an integer
+            p.add_argument(setting.flag, type=int, metavar="N", help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
     p.add_argument("--async-tp", action="store_true", default=None,
@@ -88,6 +91,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer block (inductor; "
                    "train.compile_backend), collectives left eager between the compiled "
                    "graphs (train.compile; docs/compile.md)")
+    p.add_argument("--documents", action="store_true", default=None,
+                   help="packed documents: attention causal within each document of a "
+                   "window and never across one, positions restarting per document, no "
+                   "loss across a boundary (train.documents; docs/context_parallel.md)")
     p.add_argument("--fault-tolerance", action="store_true", default=None,
                    help="each dp_replicate group is a unit of failure: when one dies or "
                    "stops answering the others finish the step without it and go on, and a "
@@ -143,7 +150,8 @@ _SETTING_HELP = {
     "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
     "virtual-stages": "pipeline stages per rank", "gpus-per-node": "ranks per node",
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
-    "dtype (fp32 masters either way)", "recompute": "activation recompute per block: "
+    "dtype (fp32 masters either way); fp8: bf16 with the blocks' linears in float8",
+    "recompute": "activation recompute per block: "
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
     "init-from": "starting weights: a Hugging Face directory hf:DIR, a DCP checkpoint "
@@ -209,5 +217,7 @@ def resolve_data(cfg: Config, data_dir: str | None) -> Path:
 def check_data(cfg: Config, path: Path) -> None:
     from plait.train.data import GlobalBatches, TokenFile
 
-    GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
-                  cfg.train.seed, cfg.model.vocab_size)
+    batches = GlobalBatches(TokenFile.open(path), cfg.train.seq_len, cfg.train.global_batch,
+                            cfg.train.seed, cfg.model.vocab_size)
+    if cfg.train.documents:  # the boundaries are there (DataError naming the fix if not)
+        batches.end_of_document()

@@ -23,8 +23,10 @@ from plait.checkpoint.init_from import load_initial
 from plait.config import Config
 from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
+from plait.model.packed import kept_targets
 from plait.model.transformer import build_model
 from plait.optim import clip_coefficient
+from plait.parallel.context import documents_positions
 from plait.parallel.expert import finish_moe_step
 from plait.parallel.fault_tolerance import FaultTolerantReplicas, held_tensors
 from plait.parallel.optimizer import GradSyncOptimizer
@@ -146,6 +148,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)
+    runtime.documents = batches.end_of_document() if t.documents else None
+    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
     # post-validation: a step's row waits for its check, made inside the next step (at
@@ -312,7 +316,10 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         meter.__enter__()
     timer = mesh.device.timer()  # the device's work, not the host's launches
     start = timer.mark()
-    loss_sum = _micro_batches(cfg, mesh, batches, runtime, par, step, step_tokens, sync,
+    loss_tokens = step_tokens  # packed documents: the targets kept (plait/model/packed.py)
+    if runtime.documents is not None:
+        loss_tokens = kept_targets(batches.rows(step), runtime.documents)
+    loss_sum = _micro_batches(cfg, mesh, batches, runtime, par, step, loss_tokens, sync,
                               replicas, marks)
     marks.point("gradient sync")
     # dp alone: the norm's all-reduce (ZeRO's, expert parallel's) sums the logged loss too

@@ -78,6 +78,25 @@ def _moe_step(by_name: dict[str, MoE], update: bool) -> dict:
     return out
 
 
+def documents_loss(model: torch.nn.Module, tokens: torch.Tensor, eot: int) -> torch.Tensor:
+    """Packed documents, the plain way: each document of each row (up to and including its
+    end-of-document token `eot`) run through the model as a sequence of its own, at
+    positions 0.., with plain causal attention; the mean cross-entropy over the targets
+    of every document's tokens but its end-of-document token's (the next document's)."""
+    total, count = torch.zeros(()), 0
+    for row in tokens:
+        x, y = row[:-1], row[1:]
+        ends = [int(e) + 1 for e in (x == eot).nonzero().flatten()]
+        for a, b in zip([0, *ends], [*ends, len(x)], strict=True):
+            if a == b:
+                continue
+            logits = model(x[a:b].unsqueeze(0))[0].float()
+            keep = x[a:b] != eot
+            total = total + F.cross_entropy(logits[keep], y[a:b][keep], reduction="sum")
+            count += int(keep.sum())
+    return total / count
+
+
 def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
     """Loss, grad norm per step, first-step gradients and final parameters, single process."""
     t = cfg.train
@@ -85,13 +104,18 @@ def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
     optim = _optimizer(cfg, model)
     ref = Reference()
     moes = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    if moes and t.documents:  # routing is per token, but the balance loss is per forward
+        raise ValueError("the reference runs packed documents for dense models only")
     for m in moes.values():  # the balance loss, a mean over the batch's tokens like the CE
         m.aux_loss_scale = 1.0 / (t.global_batch * t.seq_len)
     for step in range(t.steps):
         tokens = batches.rows(step)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                               tokens[:, 1:].reshape(-1), reduction="mean")
+        if t.documents:
+            loss = documents_loss(model, tokens, batches.end_of_document())
+        else:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                   tokens[:, 1:].reshape(-1), reduction="mean")
         loss.backward()
         if step == 0:
             ref.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

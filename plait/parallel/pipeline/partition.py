@@ -141,11 +141,12 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 tokens_in_global_batch: int = 1, positions: torch.Tensor | None = None,
-                aux_losses: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """`positions` and `aux_losses` as in `Transformer.hidden`."""
+                aux_losses: list[torch.Tensor] | None = None,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`, `aux_losses` and `docs` as in `Transformer.hidden`."""
         # RoPE and the mask are over the full sequence, whatever crosses the boundary
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
-        pos = self.rope(seq, x.device, positions)
+        pos = self.rope(seq, x.device, positions, docs)
         if self.first:
             x = self.embed(x)
         x = run_blocks(self.layers.values(), x, pos, self.recompute, aux_losses)

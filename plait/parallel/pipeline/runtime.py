@@ -42,6 +42,7 @@ from torch import nn
 from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
+from plait.model.packed import document_ids, masked_targets
 from plait.parallel.pipeline.ir import Action, Schedule, split_backwards
 from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.split import (
@@ -99,6 +100,12 @@ class PipelineRuntime:
         self.peers = mesh.group_ranks[dim] if mesh.size(dim) > 1 else [mesh.rank]
         self.actions = self.schedule.actions[self.me]
         self.stages, self.positions = stages, positions
+        # packed documents (plait/model/packed.py): the end-of-document token, or None
+        self.documents: int | None = None
+        # packed documents split by document (plait/parallel/context.py,
+        # `documents_positions`): document ids -> this rank's positions, or None for the
+        # one split of `positions`
+        self.document_split: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.act_shape, self.act_dtype = act_shape, act_dtype
         self.before_weight_grad, self.after_weight_grad = before_weight_grad, after_weight_grad
         # a first stage's I sends nothing: where its W follows at once, that I keeps the
@@ -278,18 +285,41 @@ class PipelineRuntime:
             self._sends_f.pop((stage, mb))[0].wait()
         return buf
 
-    def _columns(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _targets(self, mb: int) -> torch.Tensor:
+        """This rank's targets of micro-batch mb; with packed documents, an end-of-document
+        token's target (across the boundary) ignored."""
+        rows = self._micro[mb]
+        if self.documents is None:
+            return self._columns(rows[:, 1:], mb)
+        return self._columns(masked_targets(rows[:, :-1], rows[:, 1:], self.documents), mb)
+
+    def _docs(self, mb: int) -> torch.Tensor | None:
+        """Packed documents: the document of every input token of micro-batch mb."""
+        if self.documents is None:
+            return None
+        return document_ids(self._micro[mb][:, :-1], self.documents)
+
+    def _positions(self, mb: int) -> torch.Tensor | None:
+        """This rank's token positions in micro-batch mb: `positions`, or one row of them
+        per sequence when each micro-batch is split by its documents."""
+        if self.document_split is None:
+            return self.positions
+        return self.document_split(self._docs(mb))
+
+    def _columns(self, tokens: torch.Tensor, mb: int) -> torch.Tensor:
         """This rank's tokens of each sequence (all of them without context parallel)."""
-        if self.positions is None:
+        pos = self._positions(mb)
+        if pos is None:
             return tokens
-        return tokens.index_select(1, self.positions.to(tokens.device))
+        pos = pos.to(tokens.device)
+        return tokens.gather(1, pos) if pos.dim() == 2 else tokens.index_select(1, pos)
 
     def _compute(self, a: Action, index: int) -> Event:
         sched, s, mb = self.schedule, a.stage, a.microbatch
         first, last = sched.prev_stage(s) is None, sched.next_stage(s) is None
         if a.kind == "F":
             if first:
-                x = self._columns(self._micro[mb][:, :-1])
+                x = self._columns(self._micro[mb][:, :-1], mb)
             elif ("F", s, mb) in self._recvs:
                 x = self._arrived("F", s, mb).requires_grad_()
             else:
@@ -360,34 +390,35 @@ class PipelineRuntime:
         the backward is split), or, split with recomputation, without one (see the
         module docstring)."""
         stage, cap = self.stages[s], self.capture.get(s)
-        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        targets = self._targets(mb) if last else None
+        kw = {"positions": self._positions(mb), "docs": self._docs(mb)}
         if stage.recompute is not None and (s, mb) in self.split:
             keep, redo = stage.recompute.contexts()
             with torch.no_grad(), keep:
-                out = stage(x, targets, self._ntok, positions=self.positions)
+                out = stage(x, targets, self._ntok, **kw)
             return _Live(None if first else x, out, redo=redo)
         if (s, mb) not in self.split:
-            return _Live(None if first else x, stage(x, targets, self._ntok,
-                                                     positions=self.positions))
+            return _Live(None if first else x, stage(x, targets, self._ntok, **kw))
         store = SavedStore()
         with store.hooks():
             cap.start()
-            out = stage(x, targets, self._ntok, positions=self.positions)
+            out = stage(x, targets, self._ntok, **kw)
         return _Live(None if first else x, out, cap.stop(), store=store)
 
     def _forward_again(self, s: int, mb: int, live: _Live, first: bool, last: bool) -> None:
         """The recomputation of a split backward: F once more, the saved groups' outputs
         returned by the policy's recompute context, building the graph I and W share."""
         stage, cap = self.stages[s], self.capture[s]
-        x = self._columns(self._micro[mb][:, :-1]) if first else live.x
-        targets = self._columns(self._micro[mb][:, 1:]) if last else None
+        x = self._columns(self._micro[mb][:, :-1], mb) if first else live.x
+        targets = self._targets(mb) if last else None
         setting, stage.recompute = stage.recompute, None  # the whole stage, not per block
         t0 = self.timer.mark()
         live.store = SavedStore()
         try:
             with live.redo, live.store.hooks():
                 cap.start()
-                live.out = stage(x, targets, self._ntok, positions=self.positions)
+                live.out = stage(x, targets, self._ntok, positions=self._positions(mb),
+                                 docs=self._docs(mb))
                 live.kept = cap.stop()
         finally:
             stage.recompute = setting

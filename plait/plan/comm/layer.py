@@ -45,6 +45,7 @@ import numpy as np
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.basis import Basis, Layout
 from plait.plan.comm import price
+from plait.plan.comm.cp_modes import a2a_collectives, hierarchical_collectives
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
@@ -95,7 +96,14 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     # the recomputed forward's exchanges (plait's full and selective both redo attention
     # and the all-to-alls)
     replay = 0 if lay.runtime_mode() == "none" else 1
-    cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode, replay)
+    if lay.cp_mode == "hierarchical":  # plait/plan/comm/cp_modes.py
+        more, cp_exp_f, cp_exp_b = hierarchical_collectives(
+            ("cp", "cp_a2a", "cp_ring"), shape, b, lay.cp_a2a, cluster.gpus_per_node,
+            lambda intra: price.link(cluster.gpu, intra, eff.link_efficiency),
+            layer_visits(b), replay)
+        colls.extend(more)
+    else:
+        cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode, replay)
     ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls, replay)
     return LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
 
@@ -110,6 +118,11 @@ def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     cp_intra = price.intra_node(b.strides["cp"], b.cp, cluster.gpus_per_node)
     bw, al = price.link(cluster.gpu, cp_intra, eff.link_efficiency)
     s_kv = b.tokens * shape.kv_exchange_dim * b.e / b.tp  # MLA: per-head K, V
+    if mode == "a2a":  # Ulysses (plait/plan/comm/cp_modes.py)
+        a2a, t_each = a2a_collectives("cp", shape, b, b.cp, cp_intra, bw, al, layer_visits(b),
+                                      replay)
+        colls.extend(a2a)
+        return t_each, t_each
     if mode == "allgather":
         t_ag = price.gather_like(b.cp * s_kv, b.cp, bw, al)
         if np.any(b.cp > 1):

@@ -26,7 +26,8 @@ from plait.plan.basis import Layout, basis_of
 from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
-from plait.plan.comm.zero import gathered_by_stage
+from plait.plan.comm.zero import gathered_by_stage, gathered_bytes
+from plait.plan.compute import gemm_weights
 from plait.plan.estimate import chunk_times
 from plait.plan.from_config import config_inputs
 from plait.plan.runtime_memory_sizes import rank_stages
@@ -106,6 +107,19 @@ def zero3_gathered_on_rank(cfg: Config, pp_rank: int, lay: Layout, shape: Shape,
     return gathered_by_stage(lay, p.pp, dense), gathered_by_stage(lay, p.pp, expert)
 
 
+def linear_gathered_on_rank(cfg: Config, pp_rank: int, lay: Layout, shape: Shape,
+                            tp: float) -> float:
+    """Block-linear weights ZeRO-3 all-gathers per step on pipeline rank `pp_rank` (each
+    stage's layers' `gemm_weights`), as `zero3_gathered_on_rank` counts parameters."""
+    sched, stages = rank_stages(cfg, pp_rank)
+    recompute = cfg.train.recompute != "none"
+    split = split_backwards(sched, pp_rank, recompute)[1] if cfg.parallel.pp > 1 else set()
+    per_layer = float(gemm_weights(shape, tp))
+    return gathered_by_stage(lay, cfg.parallel.pp, [
+        (len(sched.microbatches_of(s)), sum(1 for st, _ in split if st == s),
+         (z - a) * per_layer, 0.0) for s, (a, z, _, _) in stages.items()])
+
+
 def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
     """Pipeline rank `pp_rank`'s collectives per step (every rank of its stage issues the
     same; the experts' all-to-alls at a balanced routing): `evaluate`'s list, for that
@@ -121,7 +135,12 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
     dense, expert = rank_params(shape, b.tp, b.expert_split, part)
     g_dense, g_expert = zero3_gathered_on_rank(cfg, pp_rank, lay, shape, b.tp, b.expert_split)
     # as in `evaluate`: dense parameters sync over the replicas, routed experts over edp
-    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls, gathered=g_dense)
+    g_bytes = None
+    if lay.zero == 3 and train.precision in memory.LINEAR_GATHER_BYTES:  # fp8's weights
+        g_bytes = gathered_bytes(train, g_dense,
+                                 linear_gathered_on_rank(cfg, pp_rank, lay, shape, b.tp))
+    dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls, gathered=g_dense,
+                    gathered_bytes=g_bytes)
     if shape.moe:
         dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True,
                         gathered=g_expert)

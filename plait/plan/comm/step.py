@@ -73,21 +73,25 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
 
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
-                    experts: bool = False, gathered: Num | None = None) -> Num:
+                    experts: bool = False, gathered: Num | None = None,
+                    gathered_bytes: Num | None = None) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
     same experts, "edp"; `gathered`: the parameters ZeRO-3 all-gathers per step, by
-    default `zero3_gathered`'s); appends the collectives (dim "dp" or "edp"; with hybrid
-    sharding ZeRO's run inside a shard group, "dp_shard" or "edp_shard", and the shards'
-    all-reduce over "dp_replicate": `shard_copies_sync`)."""
+    default `zero3_gathered`'s; `gathered_bytes`: their bytes where not the parameter's
+    (float8 block linears: comm/zero.py gathered_bytes)); appends the collectives (dim
+    "dp" or "edp"; with hybrid sharding ZeRO's run inside a shard group, "dp_shard" or
+    "edp_shard", and the shards' all-reduce over "dp_replicate": `shard_copies_sync`)."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     dim, n, dp_intra = zero_group(cluster, lay, b, experts)
     bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
     g_bytes, p_bytes = pr * gb, pr * pb
     # one micro-batch on this rank: the compute that can hide a collective, as much as
     # the machine overlaps the two (a measured profile's; all of it on a GPU)
-    f_mb = b.cpr * ct.f_c * eff.comm_overlap
-    b_mb = b.cpr * (ct.i_c + ct.w_c) * eff.comm_overlap
+    # (none where the stack reduces after the backward: Training.stack.dp_overlap)
+    hide = eff.comm_overlap * (1.0 if train.stack.dp_overlap else 0.0)
+    f_mb = b.cpr * ct.f_c * hide
+    b_mb = b.cpr * (ct.i_c + ct.w_c) * hide
     # ZeRO's collectives, one per unit (plait/parallel/zero_units.py: ZeRO-3 the
     # embedding, each block, final norm, head; ZeRO-1/2 runs of them of BUCKET_BYTES, at
     # least one a pipeline stage) under a measured profile; one collective of all the
@@ -128,6 +132,9 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
         # each gather of the rank's parameters counted whole (pp: a fraction of them)
         every = (zero3_gathered(lay, b, pr) if gathered is None else gathered) / np.where(
             pr > 0, pr, 1.0)
+        if gathered_bytes is not None:  # float8 block linears: fewer bytes a gather
+            p_bytes = gathered_bytes / np.where(every > 0, every, 1.0)
+            t_ag = units * price.gather_like(p_bytes / units, n, bw, al)
         dp_colls.append(("all-gather (params, fwd+bwd)", p_bytes, every, t_ag,
                          every / 2 * (np.maximum(t_ag - f_mb, 0)
                                       + np.maximum(t_ag - b_mb / 2, 0)),

@@ -104,8 +104,18 @@ def end_gathered(lay: Layout, b: Basis, last: bool, pr: Num, chunk: Num,
     return sum(u for _, _, u, _ in held), gathered_by_stage(lay, pp, held)
 
 
-def zero3_bytes(train: Training, lay: Layout, b: Basis, pr: Num, gathered: Num) -> Num:
+def gathered_bytes(train: Training, gathered: Num, linear: Num = 0.0) -> Num:
+    """Bytes ZeRO-3's all-gathers move per step: `gathered` parameters at the parameter's
+    bytes, `linear` of them block-linear weights at memory.LINEAR_GATHER_BYTES's where the
+    precision has them (fp8: 1 byte)."""
+    pb = memory.state_bytes(train.precision, train.optimizer)[0]
+    return gathered * pb - linear * (pb - memory.LINEAR_GATHER_BYTES.get(train.precision, pb))
+
+
+def zero3_bytes(train: Training, lay: Layout, b: Basis, pr: Num, gathered: Num,
+                linear: Num = 0.0) -> Num:
     """ZeRO-3's bytes per step over the replicas of a rank holding `pr` parameters of
-    which it gathers `gathered`: the gathers and the reduce-scatters."""
-    pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    return pr * gb * zero_reduce_scatters(lay, b) + gathered * pb
+    which it gathers `gathered` (`linear` of them block-linear weights: `gathered_bytes`):
+    the gathers and the reduce-scatters."""
+    _, gb, _ = memory.state_bytes(train.precision, train.optimizer)
+    return pr * gb * zero_reduce_scatters(lay, b) + gathered_bytes(train, gathered, linear)

@@ -1,0 +1,109 @@
+"""Per-GPU efficiency from public measurements (plait/plan/data/gpu_efficiency.json): the
+GEMM ceiling and the GEMM size reaching half of it, fused attention's fraction of peak by
+sequence length, NCCL's bus bandwidth inside a node (NVLink) and across nodes (one NIC per
+GPU), the memory a device reports, and the best model FLOPs utilization a published run
+of that GPU reached. Every value carries its source in the file; `hardware_lines` prints
+the ones a plan used.
+
+The GPU presets (plait/plan/hardware.py) keep their datasheet values; `published_gpu`
+replaces the link bandwidths by the measured bus bandwidths (so `link_efficiency` is 1)
+and the memory by what the device reports. `--efficiency fitted` keeps the older
+constants fitted on one A100 paper (plait/plan/calibration.py) instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from plait.plan.compute import Efficiency
+from plait.plan.hardware import GB, GPU, GiB
+
+DATA_FILE = "gpu_efficiency.json"
+EFFICIENCY_MODES = ("published", "fitted")
+
+
+@lru_cache(maxsize=1)
+def load() -> dict[str, Any]:
+    """The data file, read from the package."""
+    text = resources.files("plait.plan").joinpath("data", DATA_FILE).read_text("utf-8")
+    return json.loads(text)
+
+
+def family_of(preset: str) -> str | None:
+    """The data file's entry for a GPU preset name (None: no published numbers)."""
+    for name, entry in load()["gpus"].items():
+        if preset in entry["presets"]:
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class Published:
+    """The published numbers of one GPU, ready for the cost model."""
+
+    family: str
+    gpu: GPU
+    eff: Efficiency
+    mfu_best: float | None
+    entry: dict[str, Any]
+
+
+def published(gpu: GPU) -> Published | None:
+    """`gpu` (a preset, possibly with overrides already applied to other fields) with the
+    measured bus bandwidths and usable memory, and the efficiency constants; None for a
+    GPU without published numbers (a measured profile, an unknown name)."""
+    fam = family_of(gpu.name)
+    if fam is None:
+        return None
+    doc = load()
+    e = doc["gpus"][fam]
+    nominal_gib = round(gpu.hbm_bytes / GB)  # presets are named by their nominal size
+    lat = doc["latency"]
+    g = replace(gpu, nvlink_bw=e["nvlink_busbw"]["value"],
+                internode_bw=e["internode_busbw"]["value"],
+                hbm_bytes=nominal_gib * GiB * doc["hbm_usable"]["ratio"],
+                nvlink_alpha=lat["nvlink_alpha_s"], internode_alpha=lat["internode_alpha_s"])
+    eff = Efficiency(gemm_max=e["gemm_max"]["value"], gemm_half=e["gemm_half_flops"]["value"],
+                     link_efficiency=1.0, elementwise_passes=0.0,
+                     attention_curve=tuple((float(s), float(f))
+                                           for s, f in e["attention"]["points"]),
+                     hbm_fraction=e["hbm_achievable"]["value"],
+                     launch_seconds=doc["kernel_launch"]["seconds"],
+                     fp8_gemm_max=e["fp8_gemm_max"]["value"] or 0.0,  # 0: bf16's
+                     fp8_gemm_half=e["fp8_gemm_half_flops"]["value"] or 0.0,
+                     overlap_slowdown=doc["overlap_compute_slowdown"]["value"])
+    return Published(fam, g, eff, e["mfu_published_best"]["value"], e)
+
+
+def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
+    """What the plan's hardware numbers are and where each comes from, one line each."""
+    head = (f"Hardware numbers ({gpu.name}): peak {gpu.peak_flops / 1e12:,.0f} TFLOP/s bf16 "
+            f"dense (datasheet), HBM {gpu.hbm_bytes / GiB:.1f} GiB at "
+            f"{gpu.hbm_bw / 1e9:,.0f} GB/s")
+    if pub is None:
+        why = ("--efficiency fitted: the constants fitted on Korthikanti et al. 2022's eight "
+               "A100 runs (plait/plan/calibration.py), links = datasheet x the fitted "
+               "link efficiency" if mode == "fitted" else "a measured profile (--hardware)")
+        return [head + f"; {why}."]
+    e, doc = pub.entry, load()
+    pts = e["attention"]["points"]
+    return [
+        head + " (usable: what the device reports, nominal GiB x 79.11/80: the data "
+        "file's hbm_usable).",
+        f"  GEMM ceiling {pub.eff.gemm_max:.1%} of peak, half of it at "
+        f"{pub.eff.gemm_half:.3g} FLOPs a GEMM: {e['gemm_max']['source']}; "
+        f"{e['gemm_half_flops']['source']}.",
+        f"  Fused attention {pts[0][1]:.0%} of peak at seq {pts[0][0]} to {pts[-1][1]:.0%} "
+        f"at {pts[-1][0]}: {e['attention']['source']}.",
+        f"  Memory-bound kernels at {pub.eff.hbm_fraction:.1%} of the HBM bandwidth "
+        f"({gpu.hbm_bw * pub.eff.hbm_fraction / 1e9:,.0f} GB/s): "
+        f"{e['hbm_achievable']['source']}; {pub.eff.launch_seconds * 1e6:.0f} us of CPU "
+        f"a kernel launch: {doc['kernel_launch']['source']}.",
+        f"  NCCL bus bandwidth {gpu.nvlink_bw / 1e9:,.0f} GB/s inside a node: "
+        f"{e['nvlink_busbw']['source']}; {gpu.internode_bw / 1e9:,.0f} GB/s per GPU "
+        f"across nodes: {e['internode_busbw']['source']}.",
+    ]
