@@ -47,3 +47,21 @@ def test_parity_and_ledger_bytes_with_zero3_split_backward_and_recompute():
 def test_refused_without_sequence_parallel(sets, words):
     problems = load_config(sets=list(sets)).validate()
     assert any("async_tp" in p and words in p for p in problems), problems
+
+
+def test_planner_hides_tp_time_behind_the_rings_matmuls_with_the_same_bytes():
+    from plait.plan import estimate_config
+    from plait.plan.comm.async_tp import async_tp_exposed
+
+    def estimate(async_tp: bool):
+        return estimate_config(load_config(overrides={"model_name": "llama3-8b"}, sets=[
+            "parallel.tp=8", "parallel.sp=true", f"parallel.async_tp={async_tp}".lower(),
+            "train.seq_len=8192", "train.global_batch=8", "train.precision=bf16"]))
+
+    plain, overlapped = estimate(False), estimate(True)
+    assert overlapped.time["tp comm (exposed)"] < plain.time["tp comm (exposed)"]
+    assert overlapped.step_time < plain.step_time
+    assert bytes_by_dim(overlapped.collectives, 1) == bytes_by_dim(plain.collectives, 1)
+    # t - 1 of t chunks of half a layer's GEMMs beside each pair; the rest stays exposed
+    assert async_tp_exposed(1.0, 1.0, 4, 1.0) == pytest.approx(1.0 - 0.5 * 3 / 4)
+    assert async_tp_exposed(1.0, 8.0, 8, 1.0) == 0.0

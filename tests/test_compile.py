@@ -5,8 +5,8 @@ a rank on one compiled graph; and what `--compile` refuses.
 
 The launch traces with `aot_eager` (dynamo and AOTAutograd, where compilation meets
 plait's hooks, collectives and autograd; inductor's code generation would cost minutes on
-two cores): benchmarks/compile_cpu.py checks inductor's parity with the eager run for
-named layouts and times both (docs/results/compile.md)."""
+two cores): benchmarks/speedups_cpu.py checks inductor's parity with the single-process
+run for named layouts and times both (docs/results/speedups.md)."""
 
 import pytest
 from helpers import _train_rank, config, reference, token_file
