@@ -23,8 +23,12 @@ group, its memory released when it ends) under what is left of `--budget-s`:
 5. `fp8` (one GPU with float8 tensor cores, sm >= 8.9): section 1's model and batch with
    `--precision bf16` and `--precision fp8`, tokens/s and MFU of each beside
    `plait plan --precision` (benchmarks/gpu_check_fp8.py); skipped with a line elsewhere.
+6. `compile` (one GPU): section 1's model eager and with `--compile` (inductor): tokens/s,
+   MFU, the speed-up and the compile seconds (benchmarks/gpu_check_speedups.py).
+7. `async-tp` (two GPUs or more): the same model at tp = the GPUs with SP, plain and
+   `--async-tp`: tokens/s, MFU and the exposed and hidden tp communication per step.
 
-On one GPU sections 3 and 4 print that they need two. A section that fails prints its
+On one GPU sections 3, 4 and 7 print that they need two. A section that fails prints its
 error in the table (and its traceback on stderr) and the next one runs; once the budget
 left is below a section's floor, it and the rest are skipped with a line saying so.
 `--smoke` (tiny models, seconds) runs every code path; on CPU the multi-rank sections run
@@ -49,7 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # section -> (GPUs it needs, seconds below which it is not started)
 SECTIONS = {"throughput": (1, 60), "dry-run": (1, 60), "parity": (2, 90), "peers": (2, 60),
-            "fp8": (1, 90)}
+            "fp8": (1, 90), "compile": (1, 120), "async-tp": (2, 90)}
 # torch.cuda.get_device_name substring -> the planner's preset (plait/plan/hardware.py)
 GPU_PRESETS = (("H200", "h200"), ("B200", "b200"), ("H100", "h100-sxm"),
                ("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100-80gb"))
@@ -242,10 +246,12 @@ def run_section(name: str, args) -> list[dict]:
     """One section in this process (the child the driver started)."""
     import gpu_check_fp8
     import gpu_check_multi
+    import gpu_check_speedups
 
     fns = {"throughput": section_throughput, "dry-run": section_dry_run,
            "parity": gpu_check_multi.section_parity, "peers": gpu_check_multi.section_peers,
-           "fp8": gpu_check_fp8.section_fp8}
+           "fp8": gpu_check_fp8.section_fp8, "compile": gpu_check_speedups.section_compile,
+           "async-tp": gpu_check_speedups.section_async_tp}
     with tempfile.TemporaryDirectory() as tmp:
         return fns[name](args, Path(tmp))
 

@@ -276,6 +276,19 @@ def hybrid_shard_counted_by_its_name():
     ZeroOptimizer.local_sq_norm = by_name
 
 
+def async_tp_chunks_misrouted():
+    from plait.parallel import async_tp
+
+    ring = async_tp.ring_reduce_scatter
+
+    def shifted(partial, mesh, dim, **kw):
+        # each hop carries the partial of the next rank's chunk: the ring's order off by one
+        n = mesh.size(dim)
+        return ring(lambda d: partial((d + 1) % n), mesh, dim, **kw)
+
+    async_tp.ring_reduce_scatter = shifted
+
+
 TP = "tests/test_tensor_parallel.py::"
 EP = "tests/test_expert_parallel.py::"
 CP = "tests/test_context_parallel.py::"
@@ -360,6 +373,11 @@ MUTANTS = [
            "fault tolerance: a replacement trains on without the donor's state",
            fault_tolerance_joiner_keeps_its_own_state,
            [FT + "test_a_replacement_joins_with_the_donors_state_at_the_next_step"]),
+    Mutant("async-tp-chunks-misrouted",
+           "async TP's ring reduce-scatter sums each rank's neighbour's chunk",
+           async_tp_chunks_misrouted,
+           ["tests/test_async_tp.py::test_parity_and_ledger_bytes_with_zero3_split_backward_"
+            "and_recompute"]),
     Mutant("zero-padding-not-zeroed", "ZeRO flat gradient's padding left unwritten",
            zero_padding_not_zeroed, [ZERO + "test_shard_padding_stays_zero"]),
 ]

@@ -21,11 +21,12 @@ def test_gpu_check_smoke_on_cpu(tmp_path, capsys):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
     checks = {(r[0].strip("| "), r[1]) for r in rows}
     assert ("throughput", "tokens/s (1 device)") in checks and ("throughput", "MFU") in checks
+    assert ("compile", "speed-up (tokens/s)") in checks  # eager and compiled (aot_eager)
     dry = [r for r in rows if r[0] == "| dry-run" and "tracker peak" in r[1]]
     assert [("rank 0 (pp 0)" in dry[0][1]), ("rank 1 (pp 1)" in dry[1][1])] == [True, True]
     assert all(r[4].endswith("(ok) |") for r in dry), dry  # the planner's eager peak, 5 %
-    assert [r[4] for r in rows if r[0] in ("| parity", "| peers")] == [
-        "needs >= 2 GPUs; this machine has 1 |"] * 2
+    assert [r[4] for r in rows if r[0] in ("| parity", "| peers", "| async-tp")] == [
+        "needs >= 2 GPUs; this machine has 1 |"] * 3
     fp8 = {r[1]: r for r in rows if r[0] == "| fp8"}  # bf16 and emulated fp8, each planned
     assert set(fp8) == {"tokens/s bf16", "tokens/s fp8", "MFU bf16 / fp8 (of the bf16 peak)"}
     assert all(r[3].endswith("planned") for r in fp8.values())

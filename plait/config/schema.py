@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import checks
+from plait.config.compile_checks import compile_problems
 from plait.config.values import coerce_value
 from plait.dims import AXES, DEFAULT_ORDER, DIMENSIONS
 from plait.dims import problems as dimension_problems
@@ -82,6 +83,9 @@ class ParallelConfig:
     ep_dispatch: str = "assignment"
     zero: int = 0
     sp: bool = False
+    # sequence parallel's all-gather and reduce-scatter decomposed into ring hops that
+    # overlap the matmuls beside them (plait/parallel/async_tp.py)
+    async_tp: bool = False
     # context parallel (plait/parallel/context.py): "ring" (Liu et al. 2023) or "allgather"
     # K/V (Llama 3); "zigzag" (rank i: chunks i and 2cp-1-i of 2cp) or "contiguous" slices
     cp_mode: str = "ring"
@@ -141,6 +145,10 @@ class TrainConfig:
     # selective: the operator groups recomputed; the others' outputs are saved
     # (plait/model/recompute.py: matmul, attention, elementwise)
     recompute_ops: tuple[str, ...] = ("attention", "elementwise")
+    # torch.compile each transformer block's forward (plait/parallel/compile.py), with
+    # this backend: "inductor" (generated kernels), "aot_eager" or "eager" (traced only)
+    compile: bool = False
+    compile_backend: str = "inductor"
     seed: int = 1234
     data: str | None = None  # token file (.bin with .json beside it); None: default corpus
     # starting weights: "hf:DIR" (a Hugging Face Llama directory) or a plait checkpoint;
@@ -193,7 +201,7 @@ class Config:
         return (checks.parallel_problems(self, world_size) + checks.model_problems(self)
                 + dimension_problems(self) + checks.moe_problems(self)
                 + checks.unbuilt_problems(self) + checks.batch_problems(self)
-                + checks.train_problems(self))
+                + checks.train_problems(self) + compile_problems(self))
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what was meant, or worth saying."""

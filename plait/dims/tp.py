@@ -15,7 +15,8 @@ def splits_kv_heads(tp: int, kv_heads: int) -> bool:
 
 
 def problems(cfg: Config) -> list[str]:
-    """Shapes tp must divide (plait/parallel/tensor.py), and sequence parallel."""
+    """Shapes tp must divide (plait/parallel/tensor.py), sequence parallel, and async
+    tensor parallel (plait/parallel/async_tp.py), which decomposes SP's collectives."""
     out: list[str] = []
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tp > 1:
@@ -28,6 +29,12 @@ def problems(cfg: Config) -> list[str]:
                 f"tp={p.tp} and model.n_kv_heads={m.n_kv_heads}: KV heads are split when "
                 f"tp divides them and replicated when they divide tp; use tp in "
                 f"{divisors_text(m.n_kv_heads)} or a multiple of {m.n_kv_heads}")
+    if p.async_tp and not (p.sp and p.tp > 1):
+        out.append("parallel.async_tp=true overlaps sequence parallel's all-gather and "
+                   "reduce-scatter with the matmuls beside them; it needs --tp > 1 and --sp")
+    if p.async_tp and t.precision == "fp8":
+        out.append("parallel.async_tp=true with train.precision='fp8': the rings' partial "
+                   "matmuls are not built in float8; use --precision bf16 or drop --async-tp")
     if p.sp and p.tp == 1:
         out.append("parallel.sp=true splits the sequence over tp, but tp=1; set "
                    "--tp > 1 or drop --sp")

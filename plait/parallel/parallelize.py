@@ -39,6 +39,9 @@ The order, and why:
    with naive or bucketed all-reduce, ZeRO 1-3, or DualPipe's two copies summed), over
    the replica axes (the mesh's product group of the dimensions whose ranks hold parameter
    copies: plait/dims/).
+7. **Compile** (`train.compile`): each block's forward compiled (plait/parallel/compile.py),
+   last, so that every module swap and hook is in place and the communicating ones are
+   marked as graph breaks.
 
 Every strategy records where it put each parameter in one `PlacementTable`, returned with
 the parts: the grad norm, full-state gathering and the ZeRO shard index read it.
@@ -55,6 +58,7 @@ from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer, fill_in_place
+from plait.parallel.compile import compile_blocks
 from plait.parallel.context import context_parallel_stages
 from plait.parallel.expert import prepare_moe_blocks
 from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
@@ -116,6 +120,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
             fill_in_place(stage, cfg.model, cfg.train.seed)
     positions = context_parallel_stages(pipe.stages, mesh, cfg)  # 5.
     optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 6. dp / ZeRO
+    if cfg.train.compile:  # 7. each block's forward, once every swap and hook is in place
+        compile_blocks(pipe.stages.values(), cfg.train.compile_backend)
     return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,
                          placements, positions)
 
@@ -132,7 +138,8 @@ def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,
     for stage in pipe.stages.values():
         # a tp slice of a stage's parameter keeps the stage's placement (distinct per pp)
         stage.loss_fn = apply_tensor_parallel(stage, mesh, sp=cfg.parallel.sp, partial=pp,
-                                              placements=placements).loss_sum
+                                              placements=placements,
+                                              async_tp=cfg.parallel.async_tp).loss_sum
     if not pp:  # the one stage shares the model's blocks; re-point the model's ends
         pipe.model.embed, pipe.model.head = pipe.stages[0].embed, pipe.stages[0].head
 

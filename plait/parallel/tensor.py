@@ -53,6 +53,7 @@ from plait.comm.autograd import (
 )
 from plait.mesh import ParallelMesh
 from plait.model.presets import ModelConfig
+from plait.parallel import async_tp as async_tp_mod
 from plait.placement import PlacementTable, Split
 
 DIM = "tp"
@@ -309,16 +310,22 @@ def _replicated_slice_hook(mesh: ParallelMesh, replicas: int, tag: str):
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False,
                           plan: dict[str, str] | None = None, partial: bool = False,
-                          placements: PlacementTable | None = None) -> TensorParallel:
+                          placements: PlacementTable | None = None,
+                          async_tp: bool = False) -> TensorParallel:
     """Swap modules and add region hooks in place, following `plan` (default_plan).
 
     `partial`: `model` is a pipeline stage holding a slice of the model, so plan entries for
     modules it does not hold (the embedding off the first stage, the head off the last) are
     skipped instead of refused. Under SP a module declaring `seq_shards` (a pipeline stage)
     learns that its boundary hidden states are split t ways along the sequence.
+    `async_tp` (with `sp`): regions and the LM head in their ring forms
+    (plait/parallel/async_tp.py).
     """
     cfg: ModelConfig = model.cfg
     plan = default_plan(cfg, sp) if plan is None else plan
+    if async_tp and not sp:
+        raise ValueError("async tensor parallel decomposes sequence parallel's all-gather "
+                         "and reduce-scatter; set sp=True")
     t = mesh.size(DIM)
     tp = TensorParallel(mesh, sp, plan, placements=placements or PlacementTable())
     names = [n for n, _ in model.named_modules() if n]
@@ -357,10 +364,15 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, sp: bool = False
                 if cfg.tie_embeddings and isinstance(getattr(model, "embed", None),
                                                      VocabParallelEmbedding):
                     head.weight = model.embed.weight
+                if async_tp:
+                    head = async_tp_mod.GatheredHead(head.weight, mesh, tag)
                 _set_module(model, name, head)
                 start = mesh.coord(DIM) * (vp // t)
                 tp.loss_sum = VocabParallelLoss(mesh, start,
                                                 max(0, min(vp // t, mod.out_features - start)))
+            elif style == "region" and async_tp:
+                tp.handles += async_tp_mod.install_async_region(
+                    mod, mesh, f"tp.{name}", ColumnParallelLinear, RowParallelLinear)
             elif style == "region":
                 tp.handles += _install_region(mod, mesh, sp, f"tp.{name}")
             elif style == "sequence":

@@ -133,6 +133,8 @@ class Layout(Sizes):
     # the layer input
     recompute: str
     sp: bool  # sequence parallelism with TP (Korthikanti et al. 2022)
+    # SP's collectives as ring hops overlapped with their matmuls (plait/plan/comm/async_tp.py)
+    async_tp: bool
     # context parallel's K/V: "ring" (Liu et al. 2023) | "allgather" (Llama 3) | "a2a"
     # (Ulysses) | "hierarchical" (all-to-all in groups of cp_a2a ranks, ring across them)
     cp_mode: str
@@ -153,7 +155,7 @@ class Layout(Sizes):
                  sp: bool = True, cp_mode: str = "ring", runtime_recompute: str | None = None,
                  attention: str = "flash", recompute_ops: tuple[str, ...] = DEFAULT_OPS,
                  order: tuple[str, ...] = DEFAULT_ORDER, zero3_gather: str = "microbatch",
-                 cp_a2a: int = 1, **by_name: Num) -> None:
+                 cp_a2a: int = 1, async_tp: bool = False, **by_name: Num) -> None:
         unknown = sorted(set(sizes or {}) - set(BY_NAME)) + sorted(set(by_name) - set(BY_NAME))
         if unknown:
             raise TypeError(f"Layout: no dimension {', '.join(unknown)}; the dimensions are "
@@ -165,7 +167,7 @@ class Layout(Sizes):
         self.cp_a2a = cp_a2a
         self.runtime_recompute, self.attention = runtime_recompute, attention
         self.recompute_ops, self.order = recompute_ops, order
-        self.zero3_gather = zero3_gather
+        self.zero3_gather, self.async_tp = zero3_gather, async_tp
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:

@@ -70,7 +70,8 @@ def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
                  recompute=t.recompute, sp=p.sp, cp_mode=p.cp_mode,
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order),
-                 zero3_gather=p.zero3_gather, cp_a2a=a2a_degree(p))
+                 zero3_gather=p.zero3_gather, cp_a2a=a2a_degree(p),
+                 async_tp=p.async_tp)
     train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync)
     return shape, Cluster(PLACEHOLDER_GPU, p.world_size), train, lay, EFFICIENCY
 

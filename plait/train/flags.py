@@ -28,7 +28,8 @@ TRAIN_FLAGS = {
     "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
-    "sp": "parallel.sp", "init_from": "train.init_from", "documents": "train.documents",
+    "sp": "parallel.sp", "async_tp": "parallel.async_tp", "compile": "train.compile",
+    "init_from": "train.init_from", "documents": "train.documents",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
     "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
@@ -82,6 +83,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(setting.flag, type=int, metavar="N", help=setting.help)
     p.add_argument("--sp", action="store_true", default=None,
                    help="sequence parallel: split norms and residual over tp")
+    p.add_argument("--async-tp", action="store_true", default=None,
+                   help="async tensor parallel (with --sp): each all-gather and "
+                   "reduce-scatter of tp runs as ring hops overlapped with the matmuls beside "
+                   "them; the same bytes (parallel.async_tp; docs/async_tp.md)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each transformer block (inductor; "
+                   "train.compile_backend), collectives left eager between the compiled "
+                   "graphs (train.compile; docs/compile.md)")
     p.add_argument("--documents", action="store_true", default=None,
                    help="packed documents: attention causal within each document of a "
                    "window and never across one, positions restarting per document, no "

@@ -45,6 +45,7 @@ import numpy as np
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.basis import Basis, Layout
 from plait.plan.comm import price
+from plait.plan.comm.async_tp import async_tp_exposed
 from plait.plan.comm.cp_modes import a2a_collectives, hierarchical_collectives
 from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
@@ -93,6 +94,8 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
     if eff.runtime_comm and tp_list:  # a measured profile: the runtime's list, its time
         total = sum(c.count * c.time_each for c in tp_list)  # spread over Megatron's slots
         t_ar = np.where(tp_count > 0, total / np.maximum(tp_count, 1e-30), t_ar)
+    if lay.async_tp and lay.sp:  # what of each pair the rings' matmuls leave exposed
+        t_ar = async_tp_exposed(t_ar, b.lt.gemm_fwd, b.tp, eff.comm_overlap)
     # the recomputed forward's exchanges (plait's full and selective both redo attention
     # and the all-to-alls)
     replay = 0 if lay.runtime_mode() == "none" else 1
