@@ -105,14 +105,15 @@ def _fitting_config(args, gpu: str):
     modes = ("none", "selective", "full") if args.recompute == "auto" else (args.recompute,)
     for mode in modes:
         cfg = _throughput_config(args, mode)
-        plan = _planned(cfg, args, gpu)
+        plan = planned(cfg, args, gpu)
         if plan["fits"]:
             break
     return cfg, plan
 
 
-def _planned(cfg, args, gpu: str) -> dict:
-    """`plait plan --gpus 1` for this config's model and layout, as JSON."""
+def planned(cfg, args, gpu: str, *flags: str) -> dict:
+    """`plait plan --gpus 1 FLAGS` for this config's model and layout, as JSON (the first
+    layout)."""
     import io
 
     from plait.plan.cli import add_arguments, run
@@ -122,7 +123,7 @@ def _planned(cfg, args, gpu: str) -> dict:
             m.n_kv_heads, "--ffn", m.ffn_dim, "--vocab", m.vocab_size, "--seq", t.seq_len,
             "--gpus", 1, "--gpu", gpu, "--global-batch", t.global_batch, "--layout",
             "tp=1,pp=1,dp=1", "--microbatch", cfg.micro_batch_size(), "--zero",
-            cfg.parallel.zero, "--recompute", t.recompute, "--json"]
+            cfg.parallel.zero, "--recompute", t.recompute, *flags, "--json"]
     for flag in ("peak_tflops", "hbm_gb", "hbm_bw_gbs"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
@@ -130,7 +131,7 @@ def _planned(cfg, args, gpu: str) -> dict:
     add_arguments(p)
     out = io.StringIO()
     if run(p.parse_args([str(a) for a in argv]), out=out) != 0:
-        raise RuntimeError(f"plait plan failed: {out.getvalue().strip()}")
+        raise RuntimeError(f"plait plan {' '.join(flags)} failed: {out.getvalue().strip()}")
     return json.loads(out.getvalue())["layouts"][0]
 
 

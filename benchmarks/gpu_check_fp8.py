@@ -12,9 +12,6 @@ paths only, no speed.
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,29 +34,6 @@ def no_float8(device) -> str | None:
     return (f"skipped: {torch.cuda.get_device_name(device.torch)} is sm_{cap[0]}{cap[1]}, "
             f"float8 tensor cores need sm_{FP8_CAPABILITY[0]}{FP8_CAPABILITY[1]} or more "
             "(H100, H200, B200)")
-
-
-def planned(cfg, args, gpu: str, precision: str) -> dict:
-    """`plait plan --gpus 1 --precision PRECISION` for the config's model, layout and batch,
-    as JSON (the first layout)."""
-    from plait.plan.cli import add_arguments, run
-
-    m, t = cfg.model, cfg.train
-    argv = ["--layers", m.n_layers, "--hidden", m.dim, "--heads", m.n_heads, "--kv-heads",
-            m.n_kv_heads, "--ffn", m.ffn_dim, "--vocab", m.vocab_size, "--seq", t.seq_len,
-            "--gpus", 1, "--gpu", gpu, "--global-batch", t.global_batch, "--layout",
-            "tp=1,pp=1,dp=1", "--microbatch", cfg.micro_batch_size(), "--zero",
-            cfg.parallel.zero, "--recompute", t.recompute, "--precision", precision, "--json"]
-    for flag in ("peak_tflops", "hbm_gb", "hbm_bw_gbs"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    out = io.StringIO()
-    if run(p.parse_args([str(a) for a in argv]), out=out) != 0:
-        raise RuntimeError(f"plait plan --precision {precision} failed: "
-                           f"{out.getvalue().strip()}")
-    return json.loads(out.getvalue())["layouts"][0]
 
 
 def _measure(cfg, device, path: Path, peak: float) -> tuple[float, float]:
@@ -97,7 +71,7 @@ def section_fp8(args, tmp: Path) -> list[dict]:
     got, plan = {}, {}
     for precision in PRECISIONS:
         cfg = replace(base, train=replace(base.train, precision=precision)).check(1)
-        plan[precision] = planned(cfg, args, gpu, precision)
+        plan[precision] = gpu_check.planned(cfg, args, gpu, "--precision", precision)
         got[precision] = _measure(cfg, device, path, peak)
     t = base.train
     label = (f"{base.model.num_params() / 1e9:.2f} B params, seq {t.seq_len}, batch "

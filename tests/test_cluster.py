@@ -189,23 +189,11 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
     metrics, ck, err_path = tmp_path / f"{marker}.jsonl", tmp_path / "ck", tmp_path / "err"
     steps = 5
     sets = [a for s in (*BASE, *LAYOUT, f"train.steps={steps}") for a in ("--set", s)]
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "plait.cli", "cluster", "--nnodes", "2",
-             "--inter-node-mbit", "1000", "--max-restarts", "1", "--", "--data",
-             str(token_file()), *sets, "--quiet", "--metrics-out", str(metrics),
-             "--timeout", "60", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"],
-            stdout=subprocess.DEVNULL, stderr=err,
-            env={**os.environ, "PLAIT_TEST_FAULT": "stop:2:2"})
-    try:
-        tag = _kill_node_1_once_stopped(
-            proc, err_path, lambda: (ck / "step-00000002" / "COMMITTED").exists())
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = err_path.read_text()
-    assert proc.returncode == 0, err
+    code, err, tag = _kill_node_1_once_stopped(
+        [*sets, "--quiet", "--metrics-out", str(metrics), "--timeout", "60",
+         "--checkpoint-dir", str(ck), "--checkpoint-every", "2"], err_path,
+        lambda: (ck / "step-00000002" / "COMMITTED").exists())
+    assert code == 0, err
     assert "plait: cluster: node 1 died (SIGKILL); starting it again (1 of 1)" in err, err
     assert re.search(r"plait: restart 1 of 1: .* resuming from step 2 \(checkpoint ", err), err
     assert "Warning" not in err and "Traceback" not in err, err
@@ -214,23 +202,36 @@ def test_a_killed_node_comes_back_and_the_job_resumes_from_its_checkpoint(tmp_pa
     assert_restarted_run_matches(metrics, ck, steps, LAYOUT)
 
 
-def _kill_node_1_once_stopped(proc: subprocess.Popen, err_path: Path,
-                              ready=lambda: True) -> str:
-    """Wait (240 s at most) until a process of node 1 is stopped (the test-only fault) and
-    `ready()`, then SIGKILL every process of node 1's namespace; the cluster's tag."""
-    deadline = time.monotonic() + 240
-    tag, pids = None, []
-    while not ready() or not _stopped(pids):
-        assert proc.poll() is None, err_path.read_text()
-        assert time.monotonic() < deadline, "node 1 did not stop in 240 s"
-        time.sleep(0.1)
-        found = re.search(r"plait: cluster (plaitc-\d+-[0-9a-f]+):", err_path.read_text())
-        tag = found[1] if found else None
-        pids = subprocess.run(["ip", "netns", "pids", f"{tag}-n1"], capture_output=True,
-                              text=True).stdout.split() if tag else []
-    for pid in pids:  # the whole node: its launcher, its replica's agent and ranks
-        subprocess.run(["kill", "-9", pid], check=False)
-    return tag
+def _kill_node_1_once_stopped(train_flags: list[str], err_path: Path,
+                              ready=lambda: True) -> tuple[int, str, str]:
+    """`plait cluster --nnodes 2 --max-restarts 1 -- TRAIN FLAGS` with rank 2 (node 1)
+    stalling after step 2 (the test-only fault); once it has stopped and `ready()`, every
+    process of node 1's namespace SIGKILLed. The exit status, stderr and the cluster's tag
+    once the run has ended (240 s at most each)."""
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plait.cli", "cluster", "--nnodes", "2",
+             "--inter-node-mbit", "1000", "--max-restarts", "1", "--", "--data",
+             str(token_file()), *train_flags], stdout=subprocess.DEVNULL, stderr=err,
+            env={**os.environ, "PLAIT_TEST_FAULT": "stop:2:2"})
+    try:
+        deadline = time.monotonic() + 240
+        tag, pids = None, []
+        while not ready() or not _stopped(pids):
+            assert proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, "node 1 did not stop in 240 s"
+            time.sleep(0.1)
+            found = re.search(r"plait: cluster (plaitc-\d+-[0-9a-f]+):", err_path.read_text())
+            tag = found[1] if found else None
+            pids = subprocess.run(["ip", "netns", "pids", f"{tag}-n1"], capture_output=True,
+                                  text=True).stdout.split() if tag else []
+        for pid in pids:  # the whole node: its launcher, its ranks
+            subprocess.run(["kill", "-9", pid], check=False)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err_path.read_text(), tag
 
 
 @needs_namespaces
@@ -248,25 +249,12 @@ def test_a_killed_node_s_replica_is_left_out_and_its_node_rejoins(tmp_path):
     steps = 6
     sets = [a for s in (*BASE, f"train.steps={steps}", "model.tie_embeddings=false")
             for a in ("--set", s)]
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "plait.cli", "cluster", "--nnodes", "2",
-             "--inter-node-mbit", "1000", "--max-restarts", "1", "--", "--data",
-             str(token_file()), *sets, "--dp-shard", "2", "--dp-replicate", "2", "--zero",
-             "2", "--fault-tolerance", "--replica-timeout", "10", "--min-replicas", "2",
-             "--quiet", "--metrics-out",
-             str(metrics), "--timeout", "60", "--checkpoint-dir", str(ck),
-             "--checkpoint-every", str(steps)],
-            stdout=subprocess.DEVNULL, stderr=err,
-            env={**os.environ, "PLAIT_TEST_FAULT": "stop:2:2"})
-    try:
-        tag = _kill_node_1_once_stopped(proc, err_path)
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = err_path.read_text()
-    assert proc.returncode == 0, err
+    code, err, tag = _kill_node_1_once_stopped(
+        [*sets, "--dp-shard", "2", "--dp-replicate", "2", "--zero", "2", "--fault-tolerance",
+         "--replica-timeout", "10", "--min-replicas", "2", "--quiet", "--metrics-out",
+         str(metrics), "--timeout", "60", "--checkpoint-dir", str(ck), "--checkpoint-every",
+         str(steps)], err_path)
+    assert code == 0, err
     assert "plait: cluster: node 1 died (SIGKILL); starting it again (1 of 1)" in err, err
     assert "plait: step 3: replica 1 left the quorum after" in err, err
     assert "replica 1 joined from replica 0; 2 of 2 train" in err, err
