@@ -211,8 +211,8 @@ def cp_grads_over_dp_only():
 def cp_future_blocks_seen():
     from plait.parallel.context import Ring
 
-    def every_block(self, src):  # no key chunk skipped: queries see the future
-        mine, theirs = self.layout.chunks(self.me), self.layout.chunks(src)
+    def every_block(self, src, split=None):  # no key chunk skipped: queries see the future
+        mine, theirs = self.chunks(self.me), self.chunks(src)
         return [(i, j, kq == qq) for i, qq in enumerate(mine) for j, kq in enumerate(theirs)]
 
     Ring.pairs = every_block
