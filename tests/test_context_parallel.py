@@ -13,12 +13,8 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.rope import Positions
 from plait.model.transformer import build_model
-from plait.parallel.context import (
-    ContextLayout,
-    ContextParallelAttention,
-    apply_context_parallel,
-    fused_available,
-)
+from plait.parallel.attention_blocks import fused_available
+from plait.parallel.context import ContextLayout, ContextParallelAttention, apply_context_parallel
 from plait.parallel.pipeline.partition import Stage
 from plait.plan import estimate_config
 from plait.plan.activations import layer_activation_bytes
