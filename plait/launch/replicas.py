@@ -262,7 +262,7 @@ class ReplicaLauncher:
             said = [k for k in range(self.site.nnodes) if self.ft.check([f"done/{k}"])]
             complete = bool(self.rows) and self.rows[-1]["step"] == self.steps - 1
             holding = {self.site.node_of(r) for r in self.members}
-            if complete and holding <= set(said) or len(said) == self.site.nnodes:
+            if (complete and holding <= set(said)) or len(said) == self.site.nnodes:
                 break
             waited_from = waited_from or (time.monotonic() if complete else None)
             if waited_from and time.monotonic() - waited_from > self.timeout_s:
