@@ -44,6 +44,11 @@ def mpt(layers: int, hidden: int, heads: int, seq: int = 2048) -> Shape:
                  name=f"MPT {layers}x{hidden}")
 
 
+# llm-foundry's MPT and torchtitan's runs here are PyTorch eager (no torch.compile), with
+# FlashAttention-2 (flash-attn 2; PyTorch SDPA's flash backend)
+EAGER = Stack(fused_kernels=False)
+EAGER_KNOBS = "FSDP: ZeRO-3; --fused-kernels no --attention-kernel fa2"
+
 # (name, gpu preset, shape, gpus, global batch, layout, tokens/s a GPU, source, note)
 THROUGHPUT_RUNS = [
     ("MPT-1B seq 2048", "h100-sxm", mpt(24, 2048, 16), 8, 112,
@@ -66,11 +71,12 @@ THROUGHPUT_RUNS = [
 ]
 
 
-def predict(shape: Shape, cluster: Cluster, train: Training, lay: Layout, mode: str) -> float:
+def predict(shape: Shape, cluster: Cluster, train: Training, lay: Layout, mode: str,
+            attention: str = "auto") -> float:
     if mode == "fitted":
         eff = EFFICIENCY
     else:
-        pub = published(cluster.gpu)
+        pub = published(cluster.gpu, attention)
         cluster, eff = replace(cluster, gpu=pub.gpu), pub.eff
     return float(evaluate(shape, cluster, train, lay, eff, simulate=True).step_time)
 
@@ -86,10 +92,11 @@ def rows() -> list[tuple]:
     for name, gpu, shape, n, batch, lay, tps, src, note in THROUGHPUT_RUNS:
         cluster = Cluster(get_gpu(gpu), n)
         precision = FP32_REDUCE if name.startswith("Llama") else "bf16"
-        train = Training(batch, precision=precision, stack=Stack())
+        train = Training(batch, precision=precision, stack=EAGER)
         measured = batch * shape.seq / (tps * n)
-        both = [predict(shape, cluster, train, lay, m) for m in ("published", "fitted")]
-        out.append((name, gpu, n, measured, *both, src, note or "FSDP: ZeRO-3"))
+        both = [predict(shape, cluster, train, lay, m, "fa2") for m in ("published", "fitted")]
+        out.append((name, gpu, n, measured, *both, src,
+                    (note + "; " if note else "") + EAGER_KNOBS))
     return out
 
 

@@ -119,12 +119,14 @@ def test_plan_goodput_of_one_layout():
 
 
 def test_rank_by_goodput_orders_by_useful_tokens():
-    """A slow writer (0.01 GB/s) and failures every hour: ranked by throughput, a llama3-8b
-    layout hybrid-sharded (ZeRO inside each node of 8) comes first, with a checkpoint slower
-    to write than ZeRO over all 64's; ranked by goodput, the shown layouts are in order of
-    useful tokens/s and the first has more of them than the fastest layout."""
+    """A slow writer (0.01 GB/s), failures every hour and a slow network (2 GB/s a NIC):
+    ranked by throughput, a llama3-8b layout hybrid-sharded (ZeRO inside each node) comes
+    first, with a checkpoint slower to write than ZeRO over 32's; ranked by goodput, the
+    shown layouts are in order of useful tokens/s and the first has more of them than the
+    fastest layout."""
     base = ("--model", "llama3-8b", "--gpus", "64", "--global-batch", "512", "--mtbf-hours",
-            "1", "--mtbf-per", "job", "--ckpt-write-gbs", "0.01", "--top", "5", "--json")
+            "1", "--mtbf-per", "job", "--ckpt-write-gbs", "0.01", "--internode-gbs", "2",
+            "--top", "5", "--json")
     rc, out = plan(*base, "--rank-by", "goodput")
     assert rc == 0, out
     doc = json.loads(out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,14 +22,17 @@ from plait.plan.hardware import Cluster, get_gpu
 from plait.plan.search import layout_problems, node_replicas, numeric_candidates, search
 from plait.plan.shape import from_preset
 
-# llama3-8b on 32 nodes of 8 H100s: ZeRO-3 over all 256 ranks crosses nodes at every
-# layer; shard groups of one node's 8 keep those on NVLink
+# llama3-8b on 32 nodes of 8 H100s with one NIC a node: ZeRO-3 over all 256 ranks crosses
+# nodes at every layer; shard groups of one node's 8 keep those on NVLink (with a NIC a GPU,
+# a DGX's, a node-spanning ring crosses on eight and hybrid sharding pays little:
+# plait/plan/comm/price.py rails)
 # the module: plait.plan's `search` is the function
 SEARCH = importlib.import_module("plait.plan.search")
-SHAPE, CLUSTER, TRAIN = from_preset("llama3-8b"), Cluster(get_gpu("h100-sxm"), 256), \
-    Training(512)
+SHAPE, TRAIN = from_preset("llama3-8b"), Training(512)
+CLUSTER = Cluster(replace(get_gpu("h100-sxm"), nics_per_node=1), 256)
+ONE_NIC = ("--nics-per-node", "1")
 BASE = ("--model", "llama3-8b", "--gpus", "256", "--global-batch", "512", "--zero", "3",
-        "--recompute", "full", "--json")
+        "--recompute", "full", *ONE_NIC, "--json")
 
 
 def test_sizes_and_label():
@@ -116,10 +120,10 @@ def test_search_offers_a_node_split_and_picks_the_faster(monkeypatch):
 
 
 def test_the_search_says_hybrid_sharding_paid():
-    # the fitted constants' slow inter-node links (0.296 x 50 GB/s), where it pays; the
-    # published bus bandwidths (46 GB/s) make one group of 256 as fast
+    # the fitted constants' slow links (0.296 x the datasheet's) and one NIC a node, where
+    # it pays; the published bus bandwidths on a NIC a GPU make one group of 256 as fast
     rc, out = plan("--model", "llama3-8b", "--gpus", "256", "--global-batch", "512", "--top",
-                   "1", "--json", "--efficiency", "fitted")
+                   "1", "--json", "--efficiency", "fitted", *ONE_NIC)
     assert rc == 0, out
     doc = json.loads(out)
     assert doc["layouts"][0]["layout"]["dp_replicate"] == 32  # one node's 8 ranks a group

@@ -212,6 +212,7 @@ class Basis(Sizes):
     # chunk_layers)
     first_layers: Num = 0.0
     last_layers: Num = 0.0
+    fused_kernels: bool = True  # the stack's (Training.stack): eager counts each operator
 
     def span(self, dim: str) -> Num:
         """Ranks from the first to past the last of a `dim` group: inside one node when
@@ -259,7 +260,7 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
                                        lay.attention, lay.recompute_ops),
         lt=lt, moe_split=tp if lay.sp else 1.0,
         strides=price.order_strides(lay.order, sizes), first_layers=first * cpr,
-        last_layers=last * cpr)
+        last_layers=last * cpr, fused_kernels=train.stack.fused_kernels)
 
 
 @dataclass

@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--internode-gbs", type=float, help="per GPU per direction (default: the "
                    "preset's)")
     h.add_argument("--gpus-per-node", type=int, metavar="N", help="default: the preset's")
+    h.add_argument("--nics-per-node", type=int, metavar="N",
+                   help="NICs a node's GPUs share for inter-node traffic, each of "
+                   "--internode-gbs (default: one a GPU, as the DGX presets: a collective "
+                   "over k ranks of each node crosses nodes on k NICs)")
     h.add_argument("--efficiency", default="published", choices=EFFICIENCY_MODES,
                    help="GEMM, attention and link efficiency: published (default: per-GPU "
                    "public measurements, plait/plan/data/gpu_efficiency.json; links are "
@@ -159,6 +163,8 @@ def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
     over: dict[str, Any] = {k: v * f for k, (v, f) in scale.items() if v is not None}
     if args.gpus_per_node:
         over["gpus_per_node"] = args.gpus_per_node
+    if args.nics_per_node:
+        over["nics_per_node"] = args.nics_per_node
     if getattr(args, "host_cores", None) is not None:
         over["host_cores"] = args.host_cores
     gpu = base_gpu(args, over)
@@ -376,7 +382,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     notes += [paper] if paper else []
     notes += [line for line in [host_share.note(cluster)] if line]  # shared CPU cores
     eff = hardware_of(args)[1]
-    pub = trust.plan_published(cluster, args.efficiency, bool(args.hardware))
+    pub = trust.plan_published(cluster, args.efficiency, bool(args.hardware),
+                               args.attention_kernel)
     if train.precision != fp8.FP8:  # the published runs and the ceiling are bf16's
         notes += trust.mfu_flags(ests, cluster, pub, eff)
     notes += trust.provenance(cluster, pub, args.efficiency)

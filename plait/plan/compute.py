@@ -9,7 +9,10 @@ of the calibration set did); flash kernels skip the masked half.
 Time: each GEMM at peak x efficiency(work), a saturating curve of the GEMM's FLOPs
     eff(W) = e_max * W / (W + W_half)
 (small GEMMs cannot fill the GPU's SMs; e_max and W_half are fitted once in
-plait/plan/calibration.py). Elementwise kernels (norms, softmax, activation functions,
+plait/plan/calibration.py, or published per GPU: plait/plan/gpu_data.py). With the
+published numbers the math kernel's attention GEMMs also meet a roofline: their bytes
+over the achievable HBM bandwidth bound their time (their inner dimension is the head's
+width, far below a large GEMM's). Elementwise kernels (norms, softmax, activation functions,
 dropout) are memory bound: `elementwise_passes` x the bytes the layer saves, over HBM
 bandwidth.
 """
@@ -192,6 +195,18 @@ def attention_core_flops(shape: Shape, tokens: Num, tp: Num, attention: str | No
         shape, attention) / np.asarray(tp, dtype=float)
 
 
+def math_attention_bytes(shape: Shape, tokens: Num, tp: Num) -> Num:
+    """HBM bytes the math kernel's two forward GEMMs move on one rank (bf16): QK^T writes
+    the tokens x s scores of each of the rank's heads and PV reads them back, beside Q, K,
+    V and the output. Per FLOP this is 1 / head dim (the GEMMs' inner dimension is the
+    head's width), so these GEMMs are memory-bound where the head dim is under the GPU's
+    FLOPs per byte; the backward's four GEMMs move the scores four times for twice the
+    FLOPs, the same ratio."""
+    t = np.asarray(tokens, dtype=float)
+    heads = shape.heads / np.asarray(tp, dtype=float)
+    return 2.0 * heads * (2 * t * shape.seq + 2 * t * (shape.qk_dim + shape.v_dim))
+
+
 def head_flops(shape: Shape, tokens: Num, tp: Num) -> Num:
     """LM head forward (vocab-parallel over tp)."""
     return 2 * np.asarray(tokens, dtype=float) * shape.hidden * shape.vocab / np.asarray(
@@ -309,6 +324,9 @@ def layer_times(shape: Shape, tokens: Num, tp: Num, gpu: GPU, eff: Efficiency,
                             * attention_eff(shape.seq, eff.attention_curve))
     else:
         a_time = gemm_time(a_flops, gpu, eff, peak_scale) / eff.attention_scale
+    if attention == "math" and eff.hbm_fraction > 0:  # the published numbers: a roofline
+        a_time = np.maximum(a_time, math_attention_bytes(shape, tokens, tp)
+                            / (gpu.hbm_bw * eff.hbm_fraction))
     bw = eff.elementwise_bw or gpu.hbm_bw
     elt = eff.elementwise_passes * saved_bytes / bw + eff.op_seconds * eff.layer_ops / 3
     return LayerTimes(g_time, a_time, elt, sum(f for _, f in gemms) + a_flops)

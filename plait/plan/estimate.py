@@ -78,7 +78,8 @@ def chunk_times(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency, b:
     hf = head_flops(shape, b.tokens, b.tp)
     head_g = gemm_time(hf, gpu, eff, b.gemm_scale)
     if memory_bound.priced(eff):  # the final norm and the loss, both passes, kernel by kernel
-        head_mb = memory_bound.loss_seconds(shape, b.tokens, b.tp, lay.sp, b.e, gpu, eff)
+        head_mb = memory_bound.loss_seconds(shape, b.tokens, b.tp, lay.sp, b.e, gpu, eff,
+                                            b.fused_kernels)
     else:  # writing the logits and their fp32 copy
         head_mb = memory.logits_bytes(shape, b.mbs, b.tp, b.seq_split, b.e) / gpu.hbm_bw
     head_f = head_g + head_mb \

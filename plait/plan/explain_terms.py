@@ -46,9 +46,10 @@ def _memory_bound_lines(shape: Shape, cluster: Cluster, train: Training, e: Esti
                             b.moe_split)
     if train.precision == fp8.FP8:
         kernels.append(fp8.cast_kernel(shape, b.tokens, b.tp, b.e, e.layout.zero))
-    parts = [f"{k.name} {float(np.asarray(k.fwd_bytes)) / 1e6:,.0f} + "
-             f"{float(np.asarray(k.bwd_bytes)) / 1e6:,.0f} MB" for k in kernels]
-    stack = "fused" if train.stack.fused_kernels else "eager"
+    fused = train.stack.fused_kernels
+    parts = [f"{k.name} {float(np.asarray(k.bytes(fused)[0])) / 1e6:,.0f} + "
+             f"{float(np.asarray(k.bytes(fused)[1])) / 1e6:,.0f} MB" for k in kernels]
+    stack = "fused" if fused else "eager (operator by operator)"
     return [f"    per layer and micro-batch, forward + backward: {'; '.join(parts)}; at "
             f"{achievable_bw(cluster.gpu, eff) / 1e9:,.0f} GB/s, launches {stack} "
             f"(--fused-kernels) at {eff.launch_seconds * 1e6:.0f} us each where they bound "

@@ -24,6 +24,14 @@ from plait.plan.hardware import GB, GPU, GiB
 
 DATA_FILE = "gpu_efficiency.json"
 EFFICIENCY_MODES = ("published", "fitted")
+# fused attention kernels with published sweeps (`--attention-kernel`; auto: the GPU's default)
+ATTENTION_KERNELS = ("auto", "fa2", "cudnn", "fa3")
+# an attention backward executes 2.5 x its forward's FLOPs (five GEMMs against two: Dao
+# 2023, FlashAttention-2, sec. 4.1, the FLOP count of its benchmarks); the planner prices
+# a layer's backward at twice its forward, so a kernel's fraction of peak is taken as the
+# one that makes 3 forward-times equal forward + backward at the measured rates
+BACKWARD_FLOPS = 2.5
+ATTENTION_NAMES = {"fa2": "FlashAttention-2", "cudnn": "cuDNN", "fa3": "FlashAttention-3"}
 
 
 @lru_cache(maxsize=1)
@@ -50,12 +58,41 @@ class Published:
     eff: Efficiency
     mfu_best: float | None
     entry: dict[str, Any]
+    attention_kernel: str = "fa2"
 
 
-def published(gpu: GPU) -> Published | None:
+def attention_kernel(fam: str, kernel: str = "auto") -> tuple[str, dict[str, Any]]:
+    """(the kernel's name, its published sweep) for GPU family `fam`: `kernel`, or the
+    family's default for auto; a family may take another's sweeps (`kernels_of`, as
+    fractions of that GPU's peak)."""
+    att = load()["gpus"][fam]["attention"]
+    src = load()["gpus"][att["kernels_of"]]["attention"] if "kernels_of" in att else att
+    name = src["default"] if kernel == "auto" else kernel
+    if name not in src["kernels"]:
+        raise ValueError(f"--attention-kernel {kernel}: no published {name} sweep for the "
+                         f"{fam.upper()}; give one of {', '.join(sorted(src['kernels']))} "
+                         "or auto")
+    return name, {**src["kernels"][name], "peak": src.get("measured_peak_tflops")}
+
+
+def attention_points(fam: str, kernel: str = "auto") -> tuple[tuple[float, float], ...]:
+    """((seq, fraction of peak), ...) of a forward and backward of the kernel, in the
+    planner's convention (the backward priced at twice the forward): 3 / (1/f + 2.5/b)
+    over the peak, f and b the measured forward and backward TFLOP/s."""
+    _, k = attention_kernel(fam, kernel)
+    if "fwd_bwd_fraction" in k:  # a forward + backward rate, the FLOPs counted 1 + 2.5
+        return tuple((float(s), 3.0 * float(f) / (1.0 + BACKWARD_FLOPS))
+                     for s, f in k["fwd_bwd_fraction"])
+    back = dict(k["backward"])
+    return tuple((float(s), 3.0 / (1.0 / f + BACKWARD_FLOPS / back[s]) / k["peak"])
+                 for s, f in k["forward"])
+
+
+def published(gpu: GPU, attention: str = "auto") -> Published | None:
     """`gpu` (a preset, possibly with overrides already applied to other fields) with the
-    measured bus bandwidths and usable memory, and the efficiency constants; None for a
-    GPU without published numbers (a measured profile, an unknown name)."""
+    measured bus bandwidths and usable memory, and the efficiency constants (fused
+    attention: kernel `attention`, ATTENTION_KERNELS); None for a GPU without published
+    numbers (a measured profile, an unknown name)."""
     fam = family_of(gpu.name)
     if fam is None:
         return None
@@ -69,14 +106,14 @@ def published(gpu: GPU) -> Published | None:
                 nvlink_alpha=lat["nvlink_alpha_s"], internode_alpha=lat["internode_alpha_s"])
     eff = Efficiency(gemm_max=e["gemm_max"]["value"], gemm_half=e["gemm_half_flops"]["value"],
                      link_efficiency=1.0, elementwise_passes=0.0,
-                     attention_curve=tuple((float(s), float(f))
-                                           for s, f in e["attention"]["points"]),
+                     attention_curve=attention_points(fam, attention),
                      hbm_fraction=e["hbm_achievable"]["value"],
                      launch_seconds=doc["kernel_launch"]["seconds"],
                      fp8_gemm_max=e["fp8_gemm_max"]["value"] or 0.0,  # 0: bf16's
                      fp8_gemm_half=e["fp8_gemm_half_flops"]["value"] or 0.0,
                      overlap_slowdown=doc["overlap_compute_slowdown"]["value"])
-    return Published(fam, g, eff, e["mfu_published_best"]["value"], e)
+    return Published(fam, g, eff, e["mfu_published_best"]["value"], e,
+                     attention_kernel(fam, attention)[0])
 
 
 def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
@@ -90,15 +127,17 @@ def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
                "link efficiency" if mode == "fitted" else "a measured profile (--hardware)")
         return [head + f"; {why}."]
     e, doc = pub.entry, load()
-    pts = e["attention"]["points"]
+    pts = pub.eff.attention_curve
+    att_src = e["attention"]["source"]
     return [
         head + " (usable: what the device reports, nominal GiB x 79.11/80: the data "
         "file's hbm_usable).",
         f"  GEMM ceiling {pub.eff.gemm_max:.1%} of peak, half of it at "
         f"{pub.eff.gemm_half:.3g} FLOPs a GEMM: {e['gemm_max']['source']}; "
         f"{e['gemm_half_flops']['source']}.",
-        f"  Fused attention {pts[0][1]:.0%} of peak at seq {pts[0][0]} to {pts[-1][1]:.0%} "
-        f"at {pts[-1][0]}: {e['attention']['source']}.",
+        f"  Fused attention ({ATTENTION_NAMES[pub.attention_kernel]}, --attention-kernel) "
+        f"{pts[0][1]:.0%} of peak at seq {pts[0][0]:.0f} to {pts[-1][1]:.0%} at "
+        f"{pts[-1][0]:.0f}, forward and backward: {att_src}.",
         f"  Memory-bound kernels at {pub.eff.hbm_fraction:.1%} of the HBM bandwidth "
         f"({gpu.hbm_bw * pub.eff.hbm_fraction / 1e9:,.0f} GB/s): "
         f"{e['hbm_achievable']['source']}; {pub.eff.launch_seconds * 1e6:.0f} us of CPU "

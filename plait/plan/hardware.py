@@ -21,6 +21,9 @@ class GPU:
     nvlink_bw: float  # intra-node, per GPU per direction, bytes/s
     internode_bw: float  # inter-node NIC bandwidth per GPU per direction, bytes/s
     gpus_per_node: int = 8
+    # NICs a node has for its GPUs' inter-node traffic (internode_bw each); 0: one a GPU
+    # (the DGX presets: rail-optimised, one 200/400 Gb/s NIC per GPU)
+    nics_per_node: int = 0
     nvlink_alpha: float = 3e-6  # per ring step, seconds
     internode_alpha: float = 10e-6
     fp32_peak_ratio: float = 0.5  # fp32 GEMMs / bf16 peak: TF32 tensor cores run at half

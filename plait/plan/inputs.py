@@ -37,6 +37,7 @@ def _int_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     bounds = [*SHAPE_BOUNDS, ("gpus", 1, MAX_GPUS), ("global-batch", 1, MAX_GLOBAL_BATCH),
               ("global-batch-tokens", 1, MAX_GLOBAL_BATCH_TOKENS), ("gpus-per-node", 1, 1024),
+              ("nics-per-node", 1, 1024),
               ("microbatch", 1, MAX_GLOBAL_BATCH), ("microbatches", 1, MAX_GLOBAL_BATCH),
               ("virtual-stages", 1, 64),
               ("top", 1, MAX_TOP)]

@@ -14,9 +14,14 @@ master weights, moments and gradients, the bf16 copy of the weights, and gradien
 clipping's norm. Recompute re-runs a layer's forward kernels through the planner's
 recompute terms (plait/plan/compute.py recompute_seconds).
 
-Byte counts are each kernel's inputs and outputs once (a fused kernel's traffic; an eager
-stack's unfused intermediates move more and are not priced); kernel counts differ by stack
-(`fused`: one kernel a norm, activation, RoPE; eager PyTorch: one kernel per operator).
+Byte counts are each kernel's inputs and outputs once for a fused stack (one kernel a
+norm, activation, RoPE); an eager PyTorch stack (`--fused-kernels no`) runs one kernel per
+operator, each reading its inputs and writing its output to HBM, so its bytes are
+counted operator by operator (`Kernel.eager_bytes`: RMSNorm's fp32 upcast, square, mean,
+scale, cast back and weight; SwiGLU's SiLU and product; RoPE's complex product in fp32;
+math attention's scale, mask, softmax and dropout apart; the loss's fp32 log-softmax),
+the backward as autograd runs each operator's backward. LayerNorm and GeLU are one
+PyTorch kernel each and move the same bytes either way.
 Only the published GPU path uses this (Efficiency.hbm_fraction > 0); a measured CPU
 profile carries its own element-wise rate (Efficiency.elementwise_bw) and the fitted
 constants their fitted passes.
@@ -47,6 +52,14 @@ class Kernel:
     bwd_bytes: Num
     fused: tuple[int, int]
     eager: tuple[int, int]
+    # (forward, backward) bytes of an eager stack's operators (None: the fused bytes)
+    eager_bytes: tuple[Num, Num] | None = None
+
+    def bytes(self, fused: bool) -> tuple[Num, Num]:
+        """(forward, backward) bytes under a fused or an eager stack."""
+        if fused or self.eager_bytes is None:
+            return self.fwd_bytes, self.bwd_bytes
+        return self.eager_bytes
 
 
 def _f(x: Num) -> Num:
@@ -65,7 +78,12 @@ def layer_kernels(shape: Shape, tokens: Num, tp: Num, sp: bool, e: int, attentio
     gpt = shape.arch == "gpt"
     # norm: forward reads x, writes y; backward reads x and dy, writes dx (the weight's
     # gradient is a reduction over tokens, small)
-    out = [Kernel("norms (2)", 2 * 2 * x, 2 * 3 * x, (2, 4), (2, 4) if gpt else (16, 24))]
+    n = ts * h  # its elements
+    # eager RMSNorm, per element: x.float() (e + 4), pow (8), mean (4), x * rsqrt (8),
+    # type_as (4 + e), * weight (2e); backward: each operator's (6e + 52, counted the same)
+    norm_eager = None if gpt else (2 * n * (28 + 4 * e), 2 * n * (52 + 6 * e))
+    out = [Kernel("norms (2)", 2 * 2 * x, 2 * 3 * x, (2, 4), (2, 4) if gpt else (16, 24),
+                  norm_eager)]
     # residual add (GPT: with the dropout before it): forward reads the branch's output
     # and the stream, writes their sum (and a 1-byte mask); backward adds the branch's
     # input gradient into the stream's (reads two, writes one; dropout reads its mask)
@@ -77,12 +95,16 @@ def layer_kernels(shape: Shape, tokens: Num, tp: Num, sp: bool, e: int, attentio
             qk = t * shape.heads * shape.qk_rope * 2 / tp_
         else:
             qk = t * (h + shape.kv_dim) / tp_
-        out.append(Kernel("rope", 2 * qk * e, 2 * qk * e, (1, 1), (8, 8)))
+        # eager: the complex product in fp32 (cast in, multiply, cast out), both passes
+        rope_eager = (qk * (2 * e + 16), qk * (2 * e + 16))
+        out.append(Kernel("rope", 2 * qk * e, 2 * qk * e, (1, 1), (8, 8), rope_eager))
     out.append(_mlp_kernel(shape, t, tp_, e, moe_split))
     if attention == "math":  # the masked softmax and dropout over the full score matrix
         p = t * shape.seq * shape.heads / tp_  # elements of the probabilities
+        # eager: scale, mask, softmax and dropout each read and write the scores
         out.append(Kernel("softmax + dropout (math attention)", 2 * p * e + (2 * p * e + p),
-                          3 * p * e + (3 * p * e + p), (2, 2), (4, 3)))
+                          3 * p * e + (3 * p * e + p), (2, 2), (4, 3),
+                          (3 * 2 * p * e + (2 * p * e + p), 3 * 3 * p * e + (3 * p * e + p))))
     return out
 
 
@@ -97,7 +119,9 @@ def _mlp_kernel(shape: Shape, t: Num, tp: Num, e: int, moe_split: Num) -> Kernel
         return Kernel("gelu", 2 * a, 3 * a, (1, 1), (2, 2))
     if not shape.moe:
         a = t * shape.ffn / tp * e
-        return Kernel("swiglu", 3 * a, 5 * a, (1, 1), (2, 4))
+        # eager: silu(gate) (2 a), its product with up (3 a); backward: the product's two
+        # gradients (6 a) and silu's (3 a)
+        return Kernel("swiglu", 3 * a, 5 * a, (1, 1), (2, 4), (5 * a, 9 * a))
     ms = _f(moe_split)
     routed = t * shape.top_k / ms
     a = (routed + t / ms * shape.shared_experts) * shape.expert_ffn * e
@@ -114,8 +138,10 @@ def loss_kernels(shape: Shape, tokens: Num, tp: Num, sp: bool, e: int) -> Kernel
     ts = t / tp_ if sp else t
     x = ts * shape.hidden * e
     v = t * shape.vocab / tp_
+    # eager: log_softmax writes its fp32 output and its backward reads it and the
+    # gradient (the fused loss keeps only the log-sum-exp)
     return Kernel("final norm + cross-entropy", 2 * x + v * (e + 4 + 4), 3 * x + v * (4 + e),
-                  (3, 3), (8, 8))
+                  (3, 3), (8, 8), (2 * x + v * (e + 4 + 8), 3 * x + v * (4 + 12 + e)))
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str) -> float:
@@ -146,8 +172,8 @@ def layer_pass_times(kernels: list[Kernel], bw: float, launch_s: float, fused: b
     where the CPU issues the pass's kernels (`launch_s` each: the GEMMs, attention's and
     these) slower than the GPU runs them, the difference (the GPU waits on launches)."""
     counts = [k.fused if fused else k.eager for k in kernels]
-    fwd_b = sum(k.fwd_bytes for k in kernels)
-    bwd_b = sum(k.bwd_bytes for k in kernels)
+    fwd_b = sum(k.bytes(fused)[0] for k in kernels)
+    bwd_b = sum(k.bytes(fused)[1] for k in kernels)
     # + attention's kernels: one forward, three backward (FlashAttention-2's
     # preprocessing, main and dq conversion kernels)
     n_f = float(sum(c[0] for c in counts) + gemms + 1)
@@ -184,10 +210,9 @@ def with_memory_bound(lt: LayerTimes, shape: Shape, tokens: Num, tp: Num, sp: bo
 
 
 def loss_seconds(shape: Shape, tokens: Num, tp: Num, sp: bool, e: int, gpu: GPU,
-                 eff: Efficiency) -> Num:
+                 eff: Efficiency, fused: bool = True) -> Num:
     """The final norm and the cross-entropy of one micro-batch, forward + backward."""
-    k = loss_kernels(shape, tokens, tp, sp, e)
-    return (k.fwd_bytes + k.bwd_bytes) / achievable_bw(gpu, eff)
+    return sum(loss_kernels(shape, tokens, tp, sp, e).bytes(fused)) / achievable_bw(gpu, eff)
 
 
 def optimizer_seconds(params: Num, precision: str, optimizer: str, gpu: GPU,

@@ -370,10 +370,16 @@ def hardware_of(args: Any) -> tuple[GPU | None, Efficiency]:
     from plait.plan.gpu_data import published
     from plait.plan.hardware import get_gpu
 
+    kernel = getattr(args, "attention_kernel", "auto")
+    published_numbers = (not getattr(args, "hardware", None)
+                         and getattr(args, "efficiency", "published") != "fitted")
+    if kernel != "auto" and not published_numbers:
+        raise ValueError(f"--attention-kernel {kernel} picks a published attention sweep: "
+                         "drop it with --hardware or --efficiency fitted")
     if not getattr(args, "hardware", None):
         if getattr(args, "efficiency", "published") == "fitted":
             return None, EFFICIENCY
-        pub = published(get_gpu(args.gpu or "h100-sxm"))
+        pub = published(get_gpu(args.gpu or "h100-sxm"), kernel)
         return None, EFFICIENCY if pub is None else pub.eff
     if args.gpu is not None:
         raise ValueError(f"give --gpu {args.gpu} or --hardware {args.hardware}, not both")

@@ -12,6 +12,10 @@ and how many layers the first and last pipeline stages hold. `plait plan` asks f
   --fused-kernels yes  the stack fuses its element-wise kernels (Megatron-LM, Transformer
                       Engine, torch.compile); no: PyTorch eager, one kernel per operator
                       (the launches the published GPU numbers price)
+  --attention-kernel auto  the fused attention kernel, priced by its published forward
+                      and backward sweeps (plait/plan/data/gpu_efficiency.json): cuDNN's on
+                      Hopper (Transformer Engine), FlashAttention-2 on the A100; fa2 for
+                      PyTorch SDPA's flash backend, fa3 for FlashAttention-3
   --first-stage-layers N, --last-stage-layers N
                       uneven pipeline stages (Megatron-LM's
                       --decoder-first/last-pipeline-num-layers): the first stage, which
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from plait.plan.gpu_data import ATTENTION_KERNELS
 
 PP_OVERLAP = ("auto", "yes", "no")
 
@@ -62,6 +68,12 @@ def add_arguments(group: Any) -> None:
                        "Megatron-LM, Transformer Engine, torch.compile; no: PyTorch eager, "
                        "one kernel per operator): the kernel launches priced with the "
                        "published GPU numbers")
+    group.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
+                       help="the fused attention kernel the stack runs, priced by its "
+                       "published forward and backward sweep (default auto: the GPU's "
+                       "usual one, cuDNN's on Hopper as Transformer Engine runs it, "
+                       "FlashAttention-2 on the A100; fa2: PyTorch SDPA's flash backend or "
+                       "flash-attn 2; fa3: FlashAttention-3)")
     group.add_argument("--first-stage-layers", type=int, metavar="N",
                        help="layers of the first pipeline stage (default: an even split; "
                        "Megatron-LM's --decoder-first-pipeline-num-layers)")

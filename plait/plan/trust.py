@@ -13,11 +13,13 @@ from plait.plan.gpu_data import Published, hardware_lines, published
 from plait.plan.hardware import Cluster
 
 
-def plan_published(cluster: Cluster, mode: str, profiled: bool) -> Published | None:
-    """The published numbers the plan used (None: `--efficiency fitted` or a profile)."""
+def plan_published(cluster: Cluster, mode: str, profiled: bool, attention: str = "auto"
+                   ) -> Published | None:
+    """The published numbers the plan used (None: `--efficiency fitted` or a profile), with
+    fused attention kernel `attention`."""
     if mode == "fitted" or profiled:
         return None
-    return published(cluster.gpu)
+    return published(cluster.gpu, attention)
 
 
 def provenance(cluster: Cluster, pub: Published | None, mode: str) -> list[str]:

@@ -75,7 +75,7 @@ def copy_seconds(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency
                  ) -> Num:
     """Seconds per step of ZeRO-3's copy kernels (`copy_bytes` over the achievable HBM
     bandwidth); `experts`: the routed experts' shard group."""
-    _, n, _ = zero_group(cluster, lay, b, experts)
+    _, n, _, _ = zero_group(cluster, lay, b, experts)
     moved = copy_bytes(train, params, gathered, gathered_bytes, n,
                        zero_reduce_scatters(lay, b))
     return moved / memory_bound.achievable_bw(cluster.gpu, eff)
@@ -87,8 +87,8 @@ def end_collectives(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     `first_unit` parameters (the embedding's on this rank) over the shard group; appends
     both to `colls`."""
     p, g, _ = memory.state_bytes(train.precision, train.optimizer)
-    dim, n, intra = zero_group(cluster, lay, b)
-    bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
+    dim, n, intra, nics = zero_group(cluster, lay, b)
+    bw, al = price.link(cluster.gpu, intra, eff.link_efficiency, nics)
     total = 0.0
     for op, size, how in (("all-gather (first unit, params)", first_unit * p,
                            "none: before the first forward"),

@@ -66,9 +66,24 @@ def replica_block_span(order: tuple[str, ...], sizes: dict[str, Num],
     return span
 
 
-def link(gpu: GPU, intra: Num, efficiency: float) -> tuple[Num, Num]:
-    """(bandwidth bytes/s, latency s) of the slowest link a group uses."""
-    bw = np.where(intra, gpu.nvlink_bw, gpu.internode_bw) * efficiency
+def rails(n: Num, span: Num, gpus_per_node: int, nics_per_node: int = 0) -> Num:
+    """Ranks of a group of `n` ranks over `span` consecutive ranks in each node it
+    touches (at least 1): a node-spanning group's ring collectives cross each node
+    boundary once a channel, and NCCL spreads its channels over the NICs of those ranks
+    (one NIC per GPU: DGX A100 and H100's rail-optimised fabrics, NVIDIA's DGX
+    SuperPOD reference architectures), so the group's bus bandwidth across nodes is that
+    many NICs', at most the node's (`nics_per_node`; 0: one a GPU)."""
+    span = np.maximum(np.asarray(span, dtype=float), 1.0)
+    per_node = np.asarray(n, dtype=float) * gpus_per_node / span
+    return np.clip(per_node, 1.0, nics_per_node or gpus_per_node)
+
+
+def link(gpu: GPU, intra: Num, efficiency: float, nics: Num = 1.0) -> tuple[Num, Num]:
+    """(bandwidth bytes/s, latency s) of the slowest link a group uses; across nodes a
+    ring collective of a group with `nics` ranks in each node (`rails`) moves over that
+    many NICs, at most the NVLink ring inside the node."""
+    across = np.minimum(gpu.internode_bw * np.asarray(nics, dtype=float), gpu.nvlink_bw)
+    bw = np.where(intra, gpu.nvlink_bw, across) * efficiency
     alpha = np.where(intra, gpu.nvlink_alpha, gpu.internode_alpha)
     return bw, alpha
 

@@ -83,8 +83,8 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     "dp" or "edp"; with hybrid sharding ZeRO's run inside a shard group, "dp_shard" or
     "edp_shard", and the shards' all-reduce over "dp_replicate": `shard_copies_sync`)."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
-    dim, n, dp_intra = zero_group(cluster, lay, b, experts)
-    bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency)
+    dim, n, dp_intra, nics = zero_group(cluster, lay, b, experts)
+    bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency, nics)
     g_bytes, p_bytes = pr * gb, pr * pb
     # one micro-batch on this rank: the compute that can hide a collective, as much as
     # the machine overlaps the two (a measured profile's; all of it on a GPU)
@@ -153,8 +153,9 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
 
 
 def zero_group(cluster: Cluster, lay: Layout, b: Basis, experts: bool = False
-               ) -> tuple[str, Num, Num]:
-    """(name, ranks, inside a node) of the group ZeRO's collectives (or ZeRO-0's
+               ) -> tuple[str, Num, Num, Num]:
+    """(name, ranks, inside a node, its ranks in each node: price.rails) of the group
+    ZeRO's collectives (or ZeRO-0's
     all-reduce) run over: the replicas ("dp"; routed experts: the replicas holding the
     same experts, "edp"), or with hybrid sharding one shard group of them, consecutive
     replica ranks ("dp_shard", "edp_shard": the runtime's names,
@@ -164,7 +165,8 @@ def zero_group(cluster: Cluster, lay: Layout, b: Basis, experts: bool = False
     name = ("edp" if experts else "dp") + ("_shard" if hybrid else "")
     span = price.replica_block_span(lay.order, b.sizes, b.strides, b.zero_split)
     n = b.zero_split / (b.expert_split if experts else 1.0)
-    return name, n, span <= cluster.gpus_per_node
+    return (name, n, span <= cluster.gpus_per_node,
+            price.rails(b.zero_split, span, cluster.gpus_per_node, cluster.gpu.nics_per_node))
 
 
 def shard_copies_sync(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
@@ -180,7 +182,9 @@ def shard_copies_sync(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
         return 0.0
     span = price.replica_block_span(lay.order, b.sizes, b.strides, b.replicas)
     intra = span <= cluster.gpus_per_node
-    bw, al = price.link(cluster.gpu, intra, eff.link_efficiency)
+    bw, al = price.link(cluster.gpu, intra, eff.link_efficiency,
+                        price.rails(copies, span, cluster.gpus_per_node,
+                                    cluster.gpu.nics_per_node))
     t_each, _ = price.all_reduce(shard_bytes / units, copies, bw, al)
     count = np.where(copies > 1, units, 0.0)
     colls.append(price.Collective("dp_replicate", "all-reduce (grad shards)",
