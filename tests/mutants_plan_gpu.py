@@ -28,6 +28,42 @@ def plan_overlap_slows_the_whole_collective():
         c.total for c in colls if c.dim not in overlap_slowdown.NOT_BESIDE)
 
 
+def plan_rails_one_nic():
+    """A node-spanning group crosses on one NIC, however many of its ranks a node holds."""
+    import numpy as np
+
+    from plait.plan.comm import price
+
+    price.rails = lambda n, span, gpus_per_node, nics_per_node=0: np.ones_like(
+        np.asarray(n, dtype=float) * np.asarray(span, dtype=float))
+
+
+def plan_attention_backward_at_forward_rate():
+    """Fused attention's backward priced at the forward's measured rate."""
+    from plait.plan import gpu_data
+
+    original = gpu_data.attention_kernel
+
+    def forward_only(fam, kernel="auto"):
+        name, k = original(fam, kernel)
+        return name, ({**k, "backward": k["forward"]} if "forward" in k else k)
+    gpu_data.attention_kernel = forward_only
+
+
+def plan_math_attention_no_roofline():
+    """The math kernel's attention GEMMs move no bytes (the GEMM curve alone)."""
+    from plait.plan import compute
+
+    compute.math_attention_bytes = lambda shape, tokens, tp: 0.0 * tokens
+
+
+def plan_eager_bytes_as_fused():
+    """An eager stack's operators move a fused kernel's bytes."""
+    from plait.plan import memory_bound
+
+    memory_bound.Kernel.bytes = lambda self, fused: (self.fwd_bytes, self.bwd_bytes)
+
+
 MUTANTS = [
     Mutant("plan-zero3-copy-out-once",
            "plait plan counts ZeRO-3's copy-out as a read only (half its bytes)",
@@ -37,4 +73,20 @@ MUTANTS = [
            "plait plan slows compute beside a collective's exposed seconds too",
            plan_overlap_slows_the_whole_collective,
            [GPU_COSTS + "test_compute_beside_hidden_collectives_runs_slower"]),
+    Mutant("plan-rails-one-nic",
+           "plait plan sends a node-spanning ring over one NIC whatever its ranks a node",
+           plan_rails_one_nic,
+           [GPU_COSTS + "test_a_node_spanning_group_crosses_on_its_ranks_nics"]),
+    Mutant("plan-attention-backward-at-forward-rate",
+           "plait plan prices fused attention's backward at the forward's rate",
+           plan_attention_backward_at_forward_rate,
+           [GPU_COSTS + "test_fused_attention_prices_forward_and_backward_at_their_rates"]),
+    Mutant("plan-math-attention-no-roofline",
+           "plait plan runs the math kernel's attention GEMMs on the GEMM curve alone",
+           plan_math_attention_no_roofline,
+           [GPU_COSTS + "test_math_attention_gemms_meet_the_hbm_roofline"]),
+    Mutant("plan-eager-bytes-as-fused",
+           "plait plan counts an eager stack's operators as one fused kernel's bytes",
+           plan_eager_bytes_as_fused,
+           ["tests/test_plan_memory_bound.py::test_eager_launches_bound_a_small_pass_only"]),
 ]

@@ -328,6 +328,10 @@ CASES = [
         limit_s=60.0),
     cmd("plan", "--model", "tiny", "--gpus", "0", "--global-batch", "8",
         phrases="--gpus 0 must be >= 1", id="plan-gpus-0"),
+    cmd("plan", "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--gpu",
+        "a100-80gb", "--attention-kernel", "fa3",
+        phrases="no published fa3 sweep for the A100; give one of fa2 or auto",
+        id="plan-attention-kernel-unmeasured"),
     cmd("plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--layout",
         "tp=2,dp=2", "--order", "tp,dp", phrases="--order tp,dp: name each of tp, cp, pp, "
         "dp once", id="plan-order-incomplete"),

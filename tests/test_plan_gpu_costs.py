@@ -1,7 +1,11 @@
 """What a GPU step pays that the published GPU numbers price beyond GEMMs, attention and
 the memory-bound kernels: ZeRO-3's copy kernels and its exposed first gather and last
-reduce-scatter (plait/plan/zero3_gpu.py), and compute slowed beside the collectives it
-hides (plait/plan/overlap_slowdown.py)."""
+reduce-scatter (plait/plan/zero3_gpu.py), compute slowed beside the collectives it hides
+(plait/plan/overlap_slowdown.py), a node-spanning group's NICs (plait/plan/comm/price.py),
+fused attention's forward and backward rates (plait/plan/gpu_data.py) and the math
+kernel's roofline (plait/plan/compute.py)."""
+
+from dataclasses import replace
 
 import pytest
 
@@ -86,3 +90,64 @@ def test_published_step_slows_compute_beside_its_hidden_collectives():
     assert float(est.time[overlap_slowdown.TERM]) == pytest.approx(hidden * 0.189 / 1.189)
     fitted = evaluate(s, cluster, train, Layout(dp=8, mbs=1, zero=1), EFFICIENCY)
     assert overlap_slowdown.TERM not in fitted.time
+
+
+def test_a_node_spanning_group_crosses_on_its_ranks_nics():
+    """ZeRO over 64 H100s (8 nodes): the group holds 8 ranks of each node, whose 8 NICs
+    carry its rings (8 x 46 GB/s, at most NVLink's 370); with tp=8 inside each node the
+    group holds 1 rank a node and crosses on 1 NIC; a node with one NIC for all its GPUs
+    (--nics-per-node 1) crosses on 1 either way."""
+    assert list(price.rails([64, 8, 2, 8], [64, 64, 16, 4], 8)) == [8, 1, 1, 8]
+    assert list(price.rails([64, 32], [64, 64], 8, nics_per_node=2)) == [2, 2]
+    s, pub = from_preset("llama3-8b", 8192), published(GPUS["h100-sxm"])
+    nic, nvl = pub.gpu.internode_bw, pub.gpu.nvlink_bw
+
+    def dp_bandwidth(gpu, lay):
+        est = evaluate(s, Cluster(gpu, 64), Training(64), lay, pub.eff)
+        (c,) = [c for c in est.collectives if c.op == "reduce-scatter (grads)"]
+        assert not c.intra
+        return c.size * (c.group - 1) / c.group / (c.time_each - (c.group - 1) * 1e-5)
+
+    assert dp_bandwidth(pub.gpu, Layout(dp=64, zero=3)) == pytest.approx(min(8 * nic, nvl))
+    assert dp_bandwidth(pub.gpu, Layout(tp=8, dp=8, zero=3)) == pytest.approx(nic)
+    one_nic = replace(pub.gpu, nics_per_node=1)
+    assert dp_bandwidth(one_nic, Layout(dp=64, zero=3)) == pytest.approx(nic)
+
+
+def test_fused_attention_prices_forward_and_backward_at_their_rates():
+    """A kernel's fraction of peak makes three forward times (the planner's forward +
+    backward) equal the measured forward plus a backward of 2.5 x its FLOPs at the
+    measured backward rate: cuDNN on an H100 at sequence 2048, 484 and 465 TFLOP/s of
+    989; FlashAttention-2's 298 and 291. A fraction-of-peak sweep counted 1 + 2.5 (the
+    A100's) scales by 3 / 3.5. An unknown kernel for a GPU is refused."""
+    from plait.plan.gpu_data import attention_points
+
+    cudnn = dict(attention_points("h100", "cudnn"))[2048.0]
+    assert cudnn == pytest.approx(3 / (1 / 484 + 2.5 / 465) / 989, rel=1e-12)
+    assert dict(attention_points("h100", "fa2"))[2048.0] == pytest.approx(
+        3 / (1 / 298 + 2.5 / 291) / 989, rel=1e-12)
+    assert attention_points("h100") == attention_points("h100", "cudnn")  # Hopper's default
+    assert attention_points("h200", "fa3") == attention_points("h100", "fa3")
+    assert dict(attention_points("a100"))[512.0] == pytest.approx(0.5 * 3 / 3.5, rel=1e-12)
+    with pytest.raises(ValueError, match="no published fa3 sweep for the A100"):
+        attention_points("a100", "fa3")
+
+
+def test_math_attention_gemms_meet_the_hbm_roofline():
+    """The math kernel's QK^T and PV on an A100 with head dim 96 (22B of Korthikanti et
+    al.: 48 heads of 64 at width 6144, tp 8): FLOPs per byte about the head dim, under the
+    A100's ridge (271 TFLOP/s over 1.61 TB/s, 168), so their time is their bytes over the
+    achievable bandwidth; the fitted constants keep the GEMM curve."""
+    from plait.plan.compute import attention_core_flops, layer_times, math_attention_bytes
+    from plait.plan.shape import gpt_shape
+
+    s = gpt_shape(48, 6144, 64, 2048)
+    pub = published(GPUS["a100-80gb"])
+    tokens = 4 * 2048
+    moved = math_attention_bytes(s, tokens, 8)
+    assert moved == 2 * (64 / 8) * (2 * tokens * 2048 + 2 * tokens * 2 * 96)
+    assert attention_core_flops(s, tokens, 8, "math") / moved == pytest.approx(96, rel=0.1)
+    lt = layer_times(s, tokens, 8, pub.gpu, pub.eff, 0.0, attention="math")
+    assert lt.attn_fwd == pytest.approx(moved / (pub.gpu.hbm_bw * pub.eff.hbm_fraction))
+    fitted = layer_times(s, tokens, 8, pub.gpu, EFFICIENCY, 0.0, attention="math")
+    assert fitted.attn_fwd < lt.attn_fwd

@@ -86,10 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--internode-gbs", type=float, help="per GPU per direction (default: the "
                    "preset's)")
     h.add_argument("--gpus-per-node", type=int, metavar="N", help="default: the preset's")
-    h.add_argument("--nics-per-node", type=int, metavar="N",
-                   help="NICs a node's GPUs share for inter-node traffic, each of "
-                   "--internode-gbs (default: one a GPU, as the DGX presets: a collective "
-                   "over k ranks of each node crosses nodes on k NICs)")
+    h.add_argument("--nics-per-node", type=int, metavar="N", help="NICs of --internode-gbs "
+                   "a node's GPUs share (default: one a GPU, as the DGX presets)")
     h.add_argument("--efficiency", default="published", choices=EFFICIENCY_MODES,
                    help="GEMM, attention and link efficiency: published (default: per-GPU "
                    "public measurements, plait/plan/data/gpu_efficiency.json; links are "
