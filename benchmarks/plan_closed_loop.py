@@ -17,9 +17,10 @@ at collectives after compute, the profile's measure_sync, and the hidden collect
 CPU). fp32 (the runtime's default; bf16 is emulated on this CPU), `tiny` with the size
 flags replacing its fields and a 256-token vocabulary (the test token file's). It
 prints the folder it writes the runs to and records the size and steps there;
-`--measured DIR` plans again against the runs kept there at that size (nothing is
-trained): a changed model or profile beside the same measurements. `--write PATH` also
-writes both tables as markdown (docs/results/plan_closed_loop.md).
+`--measured DIR` plans again against the runs kept there at that size, with the
+profile kept there (nothing is trained): a changed model or profile beside the same
+measurements. `--write PATH` also writes both tables as markdown
+(docs/results/plan_closed_loop.md).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hardware", help="a profile (default: measure one now)")
     ap.add_argument("--steps", type=int, default=20, help="steps a run (the first untimed)")
     ap.add_argument("--measured", help="a folder of an earlier run: plan again, train nothing "
-                    "(at the size and steps it recorded; the model flags are ignored)")
+                    "(at the size and steps it recorded, with its profile.json unless "
+                    "--hardware; the model flags are ignored)")
     for k, v in SIZE.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, metavar="N",
                         help=f"default {v}")
@@ -136,7 +138,7 @@ def main() -> None:
     print("model: tiny with " + ", ".join(f"{k} {v}" for k, v in size.items())
           + f", vocabulary 256, fp32; {steps} steps a run")
     prof = a.hardware or str(tmp / "profile.json")
-    if not a.hardware:
+    if not a.hardware and not (a.measured and Path(prof).exists()):  # keep the runs' profile
         print(plait("calibrate", "--out", prof).strip())
     data = str(token_file())
     load0 = os.getloadavg()[0]
