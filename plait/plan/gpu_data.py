@@ -58,7 +58,7 @@ class Published:
     eff: Efficiency
     mfu_best: float | None
     entry: dict[str, Any]
-    attention_kernel: str = "fa2"
+    attention_kernel: str  # the fused attention kernel priced (ATTENTION_KERNELS' names)
 
 
 def attention_kernel(fam: str, kernel: str = "auto") -> tuple[str, dict[str, Any]]:

@@ -155,11 +155,10 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
 def zero_group(cluster: Cluster, lay: Layout, b: Basis, experts: bool = False
                ) -> tuple[str, Num, Num, Num]:
     """(name, ranks, inside a node, its ranks in each node: price.rails) of the group
-    ZeRO's collectives (or ZeRO-0's
-    all-reduce) run over: the replicas ("dp"; routed experts: the replicas holding the
-    same experts, "edp"), or with hybrid sharding one shard group of them, consecutive
-    replica ranks ("dp_shard", "edp_shard": the runtime's names,
-    plait/dims/dp_replicate.py). A batch of layouts with any hybrid one names every
+    ZeRO's collectives (or ZeRO-0's all-reduce) run over: the replicas ("dp"; routed
+    experts: the replicas holding the same experts, "edp"), or with hybrid sharding one
+    shard group of them, consecutive replica ranks ("dp_shard", "edp_shard": the
+    runtime's names, plait/dims/dp_replicate.py). A batch of layouts with any hybrid one names every
     layout's group by the hybrid name (the sizes are each layout's own)."""
     hybrid = bool(np.any(np.asarray(b.shard_copies) > 1))
     name = ("edp" if experts else "dp") + ("_shard" if hybrid else "")
