@@ -17,6 +17,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -48,26 +49,62 @@ def mpt(layers: int, hidden: int, heads: int, seq: int = 2048) -> Shape:
 # FlashAttention-2 (flash-attn 2; PyTorch SDPA's flash backend)
 EAGER = Stack(fused_kernels=False)
 EAGER_KNOBS = "FSDP: ZeRO-3; --fused-kernels no --attention-kernel fa2"
+MEGATRON_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, 25.11 container, "
+                   "DGX-H100, FP8-CS")
+# Megatron-Bridge's H100 recipes: Transformer Engine (fused kernels, cuDNN attention), the
+# distributed optimizer (ZeRO-1) or Megatron FSDP (ZeRO-3), TP's collectives overlapped with
+# the GEMMs (userbuffers, --tp-comm-overlap: plait's --async-tp). Its FP8 current-scaling
+# recipe keeps the first and last block in bf16 and the weights in fp8: neither modelled
+MEGATRON_KNOBS = "fused kernels, cuDNN attention, --precision fp8"
 
-# (name, gpu preset, shape, gpus, global batch, layout, tokens/s a GPU, source, note)
+
+class Run(NamedTuple):
+    name: str
+    gpu: str
+    shape: Shape
+    gpus: int
+    global_batch: int
+    layout: Layout
+    tokens_per_gpu_s: float
+    source: str
+    note: str = ""
+    precision: str = "bf16"
+    stack: Stack = EAGER
+    attention_kernel: str = "fa2"
+    knobs: str = EAGER_KNOBS
+
+
 THROUGHPUT_RUNS = [
-    ("MPT-1B seq 2048", "h100-sxm", mpt(24, 2048, 16), 8, 112,
-     Layout(dp=8, mbs=14, zero=3), 45455, LLM_FOUNDRY + ", H100 80GB BF16", ""),
-    ("MPT-7B seq 2048", "h100-sxm", mpt(32, 4096, 32), 8, 48,
-     Layout(dp=8, mbs=6, zero=3), 10643, LLM_FOUNDRY + ", H100 80GB BF16", ""),
-    ("MPT-13B seq 2048", "h100-sxm", mpt(40, 5120, 40), 8, 16,
-     Layout(dp=8, mbs=2, zero=3), 4792, LLM_FOUNDRY + ", H100 80GB BF16", ""),
-    ("MPT-1B seq 2048", "a100-80gb", mpt(24, 2048, 16), 8, 448,
-     Layout(dp=8, mbs=14, zero=3), 20513, LLM_FOUNDRY + ", A100 80GB", ""),
-    ("MPT-7B seq 2048", "a100-80gb", mpt(32, 4096, 32), 8, 96,
-     Layout(dp=8, mbs=6, zero=3), 4641, LLM_FOUNDRY + ", A100 80GB", ""),
-    ("Llama 3.1 8B seq 8192", "h100-sxm", from_preset("llama3-8b", 8192), 8, 16,
-     Layout(dp=8, mbs=2, zero=3, recompute="selective"), 5762, TORCHTITAN + ", Table 1",
-     "their H100s: 96 GB HBM2e at 500 W (the preset: SXM 80 GB, 700 W); fp32 reduce"),
-    ("Llama 3 8B seq 8192", "a100-80gb", from_preset("llama3-8b", 8192), 64, 64,
-     Layout(dp=64, mbs=1, zero=3, recompute="selective"), 2973,
-     TORCHTITAN + ", Llama 3 on 64 A100",
-     "sequence length not stated: 8192 assumed; fp32 reduce"),
+    Run("MPT-1B seq 2048", "h100-sxm", mpt(24, 2048, 16), 8, 112,
+        Layout(dp=8, mbs=14, zero=3), 45455, LLM_FOUNDRY + ", H100 80GB BF16"),
+    Run("MPT-7B seq 2048", "h100-sxm", mpt(32, 4096, 32), 8, 48,
+        Layout(dp=8, mbs=6, zero=3), 10643, LLM_FOUNDRY + ", H100 80GB BF16"),
+    Run("MPT-13B seq 2048", "h100-sxm", mpt(40, 5120, 40), 8, 16,
+        Layout(dp=8, mbs=2, zero=3), 4792, LLM_FOUNDRY + ", H100 80GB BF16"),
+    Run("MPT-1B seq 2048", "a100-80gb", mpt(24, 2048, 16), 8, 448,
+        Layout(dp=8, mbs=14, zero=3), 20513, LLM_FOUNDRY + ", A100 80GB"),
+    Run("MPT-7B seq 2048", "a100-80gb", mpt(32, 4096, 32), 8, 96,
+        Layout(dp=8, mbs=6, zero=3), 4641, LLM_FOUNDRY + ", A100 80GB"),
+    Run("Llama 3.1 8B seq 8192", "h100-sxm", from_preset("llama3-8b", 8192), 8, 16,
+        Layout(dp=8, mbs=2, zero=3, recompute="selective"), 5762, TORCHTITAN + ", Table 1",
+        "their H100s: 96 GB HBM2e at 500 W (the preset: SXM 80 GB, 700 W); fp32 reduce",
+        precision=FP32_REDUCE),
+    Run("Llama 3 8B seq 8192", "a100-80gb", from_preset("llama3-8b", 8192), 64, 64,
+        Layout(dp=64, mbs=1, zero=3, recompute="selective"), 2973,
+        TORCHTITAN + ", Llama 3 on 64 A100",
+        "sequence length not stated: 8192 assumed; fp32 reduce", precision=FP32_REDUCE),
+    Run("Llama 3 8B seq 8192 fp8", "h100-sxm", from_preset("llama3-8b", 8192), 8, 128,
+        Layout(dp=8, mbs=1, zero=3), 14451, MEGATRON_BRIDGE, "Megatron FSDP: ZeRO-3",
+        precision="fp8", stack=Stack(), attention_kernel="auto", knobs=MEGATRON_KNOBS),
+    Run("Llama 3 70B seq 8192 fp8", "h100-sxm", from_preset("llama3-70b", 8192), 64, 128,
+        Layout(tp=4, pp=8, dp=2, mbs=1, zero=1, schedule="interleaved", v=5, async_tp=True),
+        1602, MEGATRON_BRIDGE, "distributed optimizer: ZeRO-1; --async-tp",
+        precision="fp8", stack=Stack(), attention_kernel="auto", knobs=MEGATRON_KNOBS),
+    Run("Llama 3.1 405B seq 8192 fp8", "h100-sxm", from_preset("llama3-405b", 8192), 1024,
+        512, Layout(tp=8, pp=8, cp=2, dp=8, mbs=1, zero=1, schedule="interleaved", v=8,
+                    async_tp=True),
+        292, MEGATRON_BRIDGE, "distributed optimizer: ZeRO-1; --async-tp",
+        precision="fp8", stack=Stack(), attention_kernel="auto", knobs=MEGATRON_KNOBS),
 ]
 
 
@@ -89,14 +126,14 @@ def rows() -> list[tuple]:
         out.append((f"GPT {run.name}", "a100-80gb", run.cluster.n_gpus, run.measured_s, *both,
                     "Korthikanti et al. 2022, Table 5 (in the fit of `fitted`)",
                     "Megatron-LM 2022: sends waited on, no DP"))
-    for name, gpu, shape, n, batch, lay, tps, src, note in THROUGHPUT_RUNS:
-        cluster = Cluster(get_gpu(gpu), n)
-        precision = FP32_REDUCE if name.startswith("Llama") else "bf16"
-        train = Training(batch, precision=precision, stack=EAGER)
-        measured = batch * shape.seq / (tps * n)
-        both = [predict(shape, cluster, train, lay, m, "fa2") for m in ("published", "fitted")]
-        out.append((name, gpu, n, measured, *both, src,
-                    (note + "; " if note else "") + EAGER_KNOBS))
+    for r in THROUGHPUT_RUNS:
+        cluster = Cluster(get_gpu(r.gpu), r.gpus)
+        train = Training(r.global_batch, precision=r.precision, stack=r.stack)
+        measured = r.global_batch * r.shape.seq / (r.tokens_per_gpu_s * r.gpus)
+        both = [predict(r.shape, cluster, train, r.layout, m, r.attention_kernel)
+                for m in ("published", "fitted")]
+        out.append((r.name, r.gpu, r.gpus, measured, *both, r.source,
+                    (r.note + "; " if r.note else "") + r.knobs))
     return out
 
 

@@ -65,3 +65,43 @@ def test_planner_hides_tp_time_behind_the_rings_matmuls_with_the_same_bytes():
     # t - 1 of t chunks of half a layer's GEMMs beside each pair; the rest stays exposed
     assert async_tp_exposed(1.0, 1.0, 4, 1.0) == pytest.approx(1.0 - 0.5 * 3 / 4)
     assert async_tp_exposed(1.0, 8.0, 8, 1.0) == 0.0
+
+
+def test_plan_flag_evaluates_one_layout_and_searches_with_the_rings():
+    """`plait plan --async-tp`: the --layout it evaluates is the config's async layout
+    (same step, same bytes), the search's layouts all carry it, and --no-sp beside it is
+    refused before anything is computed."""
+    import argparse
+    import io
+    import json
+
+    from plait.plan.cli import add_parser, run
+
+    def plan(*argv: str) -> tuple[int, str]:
+        parser = argparse.ArgumentParser(prog="plait")
+        add_parser(parser.add_subparsers(dest="cmd"))
+        out = io.StringIO()
+        return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
+
+    base = ("--model", "llama3-8b", "--seq", "8192", "--gpus", "8", "--global-batch", "8",
+            "--zero", "0", "--json")
+    steps = {}
+    for flag in ((), ("--async-tp",)):
+        rc, out = plan(*base, "--layout", "tp=8", *flag)
+        assert rc == 0, out
+        steps[flag] = json.loads(out)["layouts"][0]["step_time_s"]
+    from plait.plan.basis import Layout, Training
+    from plait.plan.estimate import evaluate
+    from plait.plan.gpu_data import published
+    from plait.plan.hardware import GPUS, Cluster
+    from plait.plan.shape import from_preset
+
+    pub = published(GPUS["h100-sxm"])
+    want = evaluate(from_preset("llama3-8b", 8192), Cluster(pub.gpu, 8), Training(8),
+                    Layout(tp=8, mbs=1, zero=0, async_tp=True), pub.eff)
+    assert steps[("--async-tp",)] == pytest.approx(float(want.step_time), rel=1e-9)
+    assert steps[("--async-tp",)] < steps[()]
+    rc, out = plan(*base, "--top", "3", "--async-tp")
+    assert rc == 0 and all(lay["async_tp"] for lay in json.loads(out)["layouts"]), out
+    rc, out = plan(*base[:-3], "--top", "3", "--async-tp", "--layout", "tp=8", "--no-sp")
+    assert rc == 2 and "--async-tp overlaps sequence parallel's" in out, out

@@ -8,6 +8,8 @@ import pytest
 
 from plait.model.presets import PRESETS
 from plait.plan.cli import add_parser, run
+from plait.plan.gpu_data import published
+from plait.plan.hardware import GPUS
 
 
 def plan(*argv: str) -> tuple[int, str]:
@@ -105,7 +107,25 @@ def test_model_that_fits_nowhere():
 def test_layout_that_does_not_fit_says_so():
     rc, out = plan("--model", "llama3-70b", "--gpus", "8", "--global-batch", "8",
                    "--layout", "tp=8,pp=1,dp=1", "--zero", "0")
-    assert rc == 0 and "does NOT fit" in out
+    assert rc == 0 and "does NOT fit: this layout needs" in out
+    assert "Add GPUs" in out and "within the device" not in out
+
+
+def test_layout_short_of_headroom_only_says_a_run_may_fit():
+    """Over the usable 90 % but within the device's HBM: the headroom is what is short,
+    and the --mem-limit that plans it is named (the margin is the planner's choice, not a
+    measured need)."""
+    base = ("--model", "llama3-8b", "--seq", "8192", "--gpus", "2", "--global-batch", "8",
+            "--layout", "tp=2", "--zero", "0", "--recompute", "selective")
+    rc, out = plan(*base, "--json")
+    need = json.loads(out)["layouts"][0]["memory_total_bytes"]
+    hbm = published(GPUS["h100-sxm"]).gpu.hbm_bytes  # what the device reports
+    assert 0.9 * hbm < need <= hbm, need / hbm  # the case this test is about
+    rc, out = plan(*base)
+    text = " ".join(out.split())
+    assert rc == 0 and "does NOT fit: this layout needs" in text
+    assert f"within the device's {hbm / 1e9:.1f} GB" in text
+    assert f"--mem-limit {need / hbm + 0.005:.2f}" in text and "Add GPUs" not in text
 
 
 def test_help_explains_attention_and_recompute_in_one_line_each():

@@ -29,7 +29,7 @@ def plan(*argv: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("gpus,layout,extra,want", [
     ("2", "dp=2", ("--zero", "3"), {"dp": 2, "zero": 3}),
-    ("2", "tp=2", ("--zero", "0"), {"tp": 2, "sp": True}),
+    ("2", "tp=2", ("--zero", "0", "--async-tp"), {"tp": 2, "sp": True, "async_tp": True}),
     ("2", "pp=2", ("--schedule", "gpipe", "--zero", "0", "--microbatch", "2"),
      {"pp": 2, "schedule": "gpipe", "microbatches": 4}),
     ("4", "pp=2,dp=2", ("--schedule", "interleaved", "--virtual-stages", "2", "--zero", "1",

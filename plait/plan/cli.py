@@ -133,6 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
                      help="default 1 (plait train's default: 0)")
     lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    lay.add_argument("--async-tp", action="store_true",
+                     help="sequence parallel's all-gathers and reduce-scatters as ring hops "
+                     "beside their matmuls' chunks (plait train's parallel.async_tp; "
+                     "Megatron-LM's --tp-comm-overlap); the search uses it too")
     lay.add_argument("--order", default=",".join(DEFAULT_ORDER), metavar="DIMS",
                      help="the mesh order, innermost first, as parallel.order (default "
                      f"{','.join(DEFAULT_ORDER)}: tp inside a node); decides which groups "
@@ -201,6 +205,7 @@ def to_dict(e: Estimate) -> dict[str, Any]:
         "microbatch": _num(lay.mbs), "microbatches": _num(e.microbatches),
         "schedule": lay.schedule, "virtual_stages": _num(lay.v), "zero": lay.zero,
         "recompute": lay.recompute, "attention": lay.attention, "sequence_parallel": lay.sp,
+        "async_tp": bool(lay.async_tp),
         **({} if tuple(lay.order) == DEFAULT_ORDER else {"order": ",".join(lay.order)}),
         "step_time_s": _num(e.step_time), "tokens_per_s": _num(e.tokens_per_s),
         "model_tflops_per_gpu": _num(e.model_tflops),
@@ -312,7 +317,8 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         if problems:
             raise PlanError("invalid layout:\n" + "\n".join(f"  - {p}" for p in problems))
         est = evaluate(shape, cluster, train, lay, eff, simulate=True)
-        notes = [] if bool(est.fits) else [f"does NOT fit: {why_no_fit(est, cluster, train)}"]
+        why = "" if bool(est.fits) else why_no_fit(est, cluster, train, searched=False)
+        notes = [f"does NOT fit: {why}"] if why else []
         return [est], notes, {}
     if getattr(args, "order", DEFAULT_ORDER_TEXT) != DEFAULT_ORDER_TEXT:
         raise PlanError(f"--order {args.order}: the search tries every mesh order itself "
@@ -326,7 +332,8 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
         def cost(e: Estimate) -> Any:  # seconds per useful step under failures
             return layout_goodput(e, shape, train, cluster.n_gpus, fail)[
                 "seconds_per_useful_step"]
-    res = search(shape, cluster, train, eff, top=args.top, cost=cost, attention=args.attention)
+    res = search(shape, cluster, train, eff, top=args.top, cost=cost, attention=args.attention,
+                 async_tp=args.async_tp)
     doc: dict[str, Any] = {"layouts_considered": res.considered,
                            "layouts_fitting": res.feasible}
     if cost:

@@ -68,6 +68,7 @@ def layout_config(est: Estimate, shape: Shape, cluster: Cluster, train: Training
     par = ParallelConfig(
         **{d.name: int(lay.sizes[d.name]) for d in DIMENSIONS}, zero=int(lay.zero),
         sp=bool(lay.sp) and int(lay.tp) > 1, cp_mode=lay.cp_mode,
+        async_tp=bool(lay.async_tp) and bool(lay.sp) and int(lay.tp) > 1,
         schedule=lay.schedule if pp > 1 else "1f1b",
         virtual_stages=int(lay.v) if pp > 1 and spec.free_virtual_stages else None,
         microbatches=int(est.microbatches), gpus_per_node=cluster.gpus_per_node,

@@ -30,17 +30,26 @@ def dominant_term(est: Estimate) -> tuple[str, float]:
     return k, float(est.memory[k])
 
 
-def why_no_fit(est: Estimate, cluster: Cluster, train: Training) -> str:
-    limit = cluster.gpu.hbm_bytes * train.mem_limit_frac
+def why_no_fit(est: Estimate, cluster: Cluster, train: Training, searched: bool = True) -> str:
+    """Why `est` (the smallest-memory layout of a search, or the one layout given) does
+    not fit, and what to change; where it fits the whole device but not the usable
+    fraction, that the headroom is what it lacks."""
+    hbm = cluster.gpu.hbm_bytes
+    limit = hbm * train.mem_limit_frac
     total = float(est.memory_total)
     term, val = dominant_term(est)
-    return (f"no layout fits: the smallest-memory layout ({est.layout.label()}, zero="
+    what = (f"no layout fits: the smallest-memory layout ({est.layout.label()}, zero="
             f"{est.layout.zero}, recompute={est.layout.recompute}, attention="
-            f"{est.layout.attention}) needs {total / GB:.1f} GB "
-            f"per rank, {(total - limit) / GB:.1f} GB over the {limit / GB:.1f} GB usable "
-            f"({train.mem_limit_frac:.0%} of {cluster.gpu.hbm_bytes / GB:.0f} GB); the largest "
-            f"term is {term} ({val / GB:.1f} GB). Add GPUs, a larger-memory GPU, or a smaller "
-            "batch/sequence.")
+            f"{est.layout.attention})" if searched else "this layout")
+    text = (f"{what} needs {total / GB:.1f} GB per rank, {(total - limit) / GB:.1f} GB over "
+            f"the {limit / GB:.1f} GB usable ({train.mem_limit_frac:.0%} of "
+            f"{hbm / GB:.0f} GB); the largest term is {term} ({val / GB:.1f} GB).")
+    if total <= hbm:
+        return (text + f" It is within the device's {hbm / GB:.1f} GB: only the "
+                f"{1 - train.mem_limit_frac:.0%} kept for the CUDA context, NCCL's buffers and "
+                "the allocator's fragmentation is short, so a run may fit (--mem-limit "
+                f"{min(1.0, total / hbm + 0.005):.2f} plans with that little headroom).")
+    return text + " Add GPUs, a larger-memory GPU, or a smaller batch/sequence."
 
 
 def _zero_ranks(lay: Layout) -> str:

@@ -96,7 +96,9 @@ def explain_terms(shape: Shape, cluster: Cluster, train: Training, e: Estimate,
                              "each reduce-scatter's copy-in (the gradient in the reduce "
                              "dtype) and its shard's division and fp32 accumulation.")
     sends = "overlapped" if pp_overlapped(st, e.layout.schedule) else "on the critical path"
+    rings = "ring hops beside their matmuls" if e.layout.async_tp else "on the critical path"
     lines.append(f"  assumed: data-parallel reduction {'overlaps' if st.dp_overlap else 'after'}"
                  f" the backward (--dp-overlap); pipeline sends {sends} (--pp-overlap); "
+                 f"sequence parallel's collectives {rings} (--async-tp); "
                  f"bubble {float(e.bubble_fraction):.1%}.")
     return lines + _comm_lines(e)

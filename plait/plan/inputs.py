@@ -88,7 +88,15 @@ def layout_text_problems(text: str | None) -> list[str]:
 def plan_flag_problems(args: argparse.Namespace) -> list[str]:
     """Every problem with the flags' values, each with its fix; nothing is computed."""
     return (_int_problems(args) + _float_problems(args) + layout_text_problems(args.layout)
-            + output_problems_of(args))
+            + _async_tp_problems(args) + output_problems_of(args))
+
+
+def _async_tp_problems(args: argparse.Namespace) -> list[str]:
+    """`--async-tp` decomposes sequence parallel's collectives: it needs them."""
+    if getattr(args, "async_tp", False) and getattr(args, "no_sp", False):
+        return ["--async-tp overlaps sequence parallel's all-gathers and reduce-scatters, "
+                "which --no-sp turns off: drop one of them"]
+    return []
 
 
 def output_problems_of(args: argparse.Namespace) -> list[str]:
@@ -178,4 +186,4 @@ def parse_layout(text: str, args: argparse.Namespace, global_batch: int) -> Layo
     mbs = micro_batch_size(args, sizes["dp"], global_batch)
     return Layout(sizes, mbs=mbs, schedule=args.schedule, v=v, zero=args.zero,
                   recompute=args.recompute, sp=not args.no_sp, attention=args.attention,
-                  order=order)
+                  order=order, async_tp=getattr(args, "async_tp", False))

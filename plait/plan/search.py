@@ -190,10 +190,11 @@ class SearchResult:
 def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
            top: int = 5, simulate_top: int | None = None,
            cost: Callable[[Estimate], Any] | None = None,
-           attention: str = "flash") -> SearchResult:
+           attention: str = "flash", async_tp: bool = False) -> SearchResult:
     """The best `top` layouts by step time, or by `cost(estimate)` (seconds per useful
     step, e.g. step time / goodput: plait/plan/goodput.py) when given; every layout with
-    the `attention` kernel (shape.ATTENTION)."""
+    the `attention` kernel (shape.ATTENTION), and tp's collectives as async rings where
+    `async_tp`."""
     seconds = cost or (lambda e: e.step_time)
     c = numeric_candidates(shape, cluster, train)
     if len(c["mbs"]) == 0:
@@ -218,7 +219,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             for rec in RECOMPUTE:
                 lay = Layout({d.name: c[d.name][idx] for d in DIMENSIONS}, mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
-                             recompute=rec, sp=True, attention=attention)
+                             recompute=rec, sp=True, attention=attention, async_tp=async_tp)
                 est, t, choice = _best_of_orders(shape, cluster, train, eff, lay, seconds,
                                                  orders)
                 considered += len(idx)
@@ -240,7 +241,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         return Layout({d.name: int(c[d.name][r]) for d in DIMENSIONS}, mbs=int(c["mbs"][r]),
                       schedule=g["schedule"], v=g["v"], zero=g["zero"],
                       recompute=g["recompute"], sp=True, attention=attention,
-                      order=orders[int(g["order"][j - starts[group[j]]])])
+                      async_tp=async_tp, order=orders[int(g["order"][j - starts[group[j]]])])
 
     if not fits.any():
         j = int(np.argmin(mems))
