@@ -14,6 +14,7 @@ out of this repository; none of them is here.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ import results  # noqa: E402
 from plait.plan.basis import Layout, Training  # noqa: E402
 from plait.plan.calibration import EFFICIENCY, load_runs  # noqa: E402
 from plait.plan.estimate import evaluate  # noqa: E402
-from plait.plan.gpu_data import published  # noqa: E402
+from plait.plan.gpu_data import published, training_rate  # noqa: E402
 from plait.plan.hardware import Cluster, get_gpu  # noqa: E402
 from plait.plan.shape import Shape, from_preset  # noqa: E402
 from plait.plan.stack import Stack  # noqa: E402
@@ -108,41 +109,93 @@ THROUGHPUT_RUNS = [
 ]
 
 
-def predict(shape: Shape, cluster: Cluster, train: Training, lay: Layout, mode: str,
-            attention: str = "auto") -> float:
+class Case(NamedTuple):
+    name: str
+    gpu: str
+    source_family: str  # the source, for leave-one-source-out
+    shape: Shape
+    cluster: Cluster
+    train: Training
+    layout: Layout
+    attention_kernel: str
+    measured_s: float
+    source: str
+    knobs: str
+
+
+def cases() -> list[Case]:
+    out = []
+    for run in load_runs():  # Korthikanti et al. 2022, Table 5 (the calibration set)
+        out.append(Case(f"GPT {run.name}", "a100-80gb", "Korthikanti et al. 2022", run.shape,
+                        run.cluster, run.train, run.layout, "auto", run.measured_s,
+                        "Korthikanti et al. 2022, Table 5 (in the fit of `fitted`)",
+                        "Megatron-LM 2022: sends waited on, no DP"))
+    for r in THROUGHPUT_RUNS:
+        family = r.source.split(" ")[0]
+        out.append(Case(r.name, r.gpu, family, r.shape, Cluster(get_gpu(r.gpu), r.gpus),
+                        Training(r.global_batch, precision=r.precision, stack=r.stack),
+                        r.layout, r.attention_kernel,
+                        r.global_batch * r.shape.seq / (r.tokens_per_gpu_s * r.gpus), r.source,
+                        (r.note + "; " if r.note else "") + r.knobs))
+    return out
+
+
+def predict(c: Case, mode: str, rate: float | None = None) -> float:
+    """The step time `plait plan` predicts: the published numbers (their training rate,
+    or `rate`) or the fitted constants."""
+    cluster = c.cluster
     if mode == "fitted":
         eff = EFFICIENCY
     else:
-        pub = published(cluster.gpu, attention)
+        pub = published(cluster.gpu, c.attention_kernel, training_rate=rate)
         cluster, eff = replace(cluster, gpu=pub.gpu), pub.eff
-    return float(evaluate(shape, cluster, train, lay, eff, simulate=True).step_time)
+    return float(evaluate(c.shape, cluster, c.train, c.layout, eff, simulate=True).step_time)
 
 
-def rows() -> list[tuple]:
-    out = []
-    for run in load_runs():  # Korthikanti et al. 2022, Table 5 (the calibration set)
-        both = [predict(run.shape, run.cluster, run.train, run.layout, m)
-                for m in ("published", "fitted")]
-        out.append((f"GPT {run.name}", "a100-80gb", run.cluster.n_gpus, run.measured_s, *both,
-                    "Korthikanti et al. 2022, Table 5 (in the fit of `fitted`)",
-                    "Megatron-LM 2022: sends waited on, no DP"))
-    for r in THROUGHPUT_RUNS:
-        cluster = Cluster(get_gpu(r.gpu), r.gpus)
-        train = Training(r.global_batch, precision=r.precision, stack=r.stack)
-        measured = r.global_batch * r.shape.seq / (r.tokens_per_gpu_s * r.gpus)
-        both = [predict(r.shape, cluster, train, r.layout, m, r.attention_kernel)
-                for m in ("published", "fitted")]
-        out.append((r.name, r.gpu, r.gpus, measured, *both, r.source,
-                    (r.note + "; " if r.note else "") + r.knobs))
-    return out
+RATES = [round(0.6 + 0.005 * k, 3) for k in range(81)]  # 0.600 ... 1.000
+
+
+def fit_rate(times: dict[float, list[float]], measured: list[float], idx: list[int]) -> float:
+    """The rate of RATES whose predictions of runs `idx` have the least mean |log error|."""
+    return min(RATES, key=lambda r: sum(abs(math.log(times[r][i] / measured[i])) for i in idx))
+
+
+def rate_tables(cs: list[Case]) -> tuple[str, str, float]:
+    """The training rate fitted over every run, and leave-one-source-out: fitted without a
+    source, the errors of that source's runs."""
+    measured = [c.measured_s for c in cs]
+    times = {r: [predict(c, "published", r) for c in cs] for r in RATES}
+    best = fit_rate(times, measured, list(range(len(cs))))
+    rows, held = [], []
+    for fam in dict.fromkeys(c.source_family for c in cs):
+        out_idx = [i for i, c in enumerate(cs) if c.source_family == fam]
+        rate = fit_rate(times, measured, [i for i in range(len(cs)) if i not in out_idx])
+        errs = [(times[rate][i] - measured[i]) / measured[i] for i in out_idx]
+        held += errs
+        rows.append((fam, f"{rate:.3f}", len(out_idx),
+                     f"{100 * sum(map(abs, errs)) / len(errs):.1f} %",
+                     " ".join(f"{100 * e:+.1f}" for e in errs)))
+    rows.append(("all held out", "", len(held), f"{100 * sum(map(abs, held)) / len(held):.1f} %",
+                 f"worst {100 * max(map(abs, held)):.1f} %"))
+    text = results.table(("source left out", "rate fitted on the others", "runs",
+                          "mean |error|", "errors, %"), rows)
+    summary = (f"Training rate fitted over all {len(cs)} runs: {best:.3f} (the data file's "
+               f"`kernel_rate_in_training`: {training_rate():.3f}).")
+    return text, summary, best
+
+
+def rows(cs: list[Case]) -> list[tuple]:
+    return [(c.name, c.gpu, c.cluster.n_gpus, c.measured_s, predict(c, "published"),
+             predict(c, "fitted"), c.source, c.knobs) for c in cs]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     results.add_write_flag(ap)
     args = ap.parse_args()
+    cs = cases()
     table_rows, errs = [], {"published": [], "fitted": []}
-    for name, gpu, n, meas, pub, fit, src, note in rows():
+    for name, gpu, n, meas, pub, fit, src, note in rows(cs):
         e_pub, e_fit = (pub - meas) / meas, (fit - meas) / meas
         errs["published"].append(abs(e_pub))
         errs["fitted"].append(abs(e_fit))
@@ -153,15 +206,18 @@ def main() -> None:
     text = results.table(("run", "GPU", "GPUs", "measured s", "published s", "error",
                           "fitted s", "error", "source", "knobs chosen"), table_rows)
     summ = results.table(("--efficiency", "mean |error|", "worst |error|"), summary)
-    print(text + "\n\n" + summ)
+    loso, rate_line, _ = rate_tables(cs)
+    print(text + "\n\n" + summ + "\n\n" + rate_line + "\n\n" + loso)
     if args.write:
         results.write(args.write, "Planner step time against published GPU runs (in sample)",
-                      [text, summ],
-                      "IN SAMPLE: every run here is from a source plait may read, and some of "
-                      "those sources (llm-foundry's best MFU, Korthikanti et al.'s times for "
-                      "`fitted`) are in plait/plan/data/. The held-out runs that score the "
-                      "planner are not in this repository. Error = (predicted - measured) / "
-                      "measured; negative: predicted too fast.")
+                      [text, summ, rate_line, loso],
+                      "IN SAMPLE: every run here is from a source plait may read, and the "
+                      "published numbers' training rate (`kernel_rate_in_training`) is fitted "
+                      "to these runs, as `fitted`'s constants are to Korthikanti et al.'s; the "
+                      "leave-one-source-out table is the out-of-sample estimate: the rate "
+                      "fitted without a source, that source's errors. The held-out runs that "
+                      "score the planner are not in this repository. Error = (predicted - "
+                      "measured) / measured; negative: predicted too fast.")
 
 
 if __name__ == "__main__":

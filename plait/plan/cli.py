@@ -68,6 +68,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _add_layout_arguments(lay: Any) -> None:
+    """The flags of one layout (`--layout` and what it is run with)."""
+    lay.add_argument("--layout", help=f"e.g. tp=8,pp=8,dp=16[{OPTIONAL_SIZES}]")
+    lay.add_argument("--micro-batch-size", "--microbatch", dest="microbatch", type=int,
+                     default=None, metavar="N",
+                     help="sequences per micro-batch, as plait train's (default 1)")
+    lay.add_argument("--microbatches", type=int, metavar="N",
+                     help="micro-batches per data-parallel replica, as plait train's: "
+                     "instead of --micro-batch-size (global batch / dp / N sequences each)")
+    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULE_NAMES),
+                     help="default 1f1b")
+    lay.add_argument("--virtual-stages", type=int, default=1, metavar="N",
+                     help="stages per rank for interleaved (default 1; the V schedules fix 2)")
+    lay.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
+                     help="what backward computes again: none (nothing; default, as plait "
+                     "train), selective (math: the probabilities; flash: plait train's "
+                     "list, the attention core and element-wise ops, keeping the matmul "
+                     "outputs), full (all but each layer's input)")
+    lay.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                     help="default 1 (plait train's default: 0)")
+    lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    lay.add_argument("--async-tp", action="store_true",
+                     help="sequence parallel's all-gathers and reduce-scatters as ring hops "
+                     "beside their matmuls' chunks (plait train's parallel.async_tp; "
+                     "Megatron-LM's --tp-comm-overlap); the search uses it too")
+    lay.add_argument("--order", default=",".join(DEFAULT_ORDER), metavar="DIMS",
+                     help="the mesh order, innermost first, as parallel.order (default "
+                     f"{','.join(DEFAULT_ORDER)}: tp inside a node); decides which groups "
+                     "cross nodes")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     h = p.add_argument_group("hardware")
@@ -113,34 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="between steps (parallel.optimizer_sync): barrier (every pipeline "
                    "rank waits for the last; default) or post_validation (the simulated "
                    "pipeline time is the steady state of consecutive steps)")
-    lay = p.add_argument_group("one layout (instead of searching)")
-    lay.add_argument("--layout", help=f"e.g. tp=8,pp=8,dp=16[{OPTIONAL_SIZES}]")
-    lay.add_argument("--micro-batch-size", "--microbatch", dest="microbatch", type=int,
-                     default=None, metavar="N",
-                     help="sequences per micro-batch, as plait train's (default 1)")
-    lay.add_argument("--microbatches", type=int, metavar="N",
-                     help="micro-batches per data-parallel replica, as plait train's: "
-                     "instead of --micro-batch-size (global batch / dp / N sequences each)")
-    lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULE_NAMES),
-                     help="default 1f1b")
-    lay.add_argument("--virtual-stages", type=int, default=1, metavar="N",
-                     help="stages per rank for interleaved (default 1; the V schedules fix 2)")
-    lay.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
-                     help="what backward computes again: none (nothing; default, as plait "
-                     "train), selective (math: the probabilities; flash: plait train's "
-                     "list, the attention core and element-wise ops, keeping the matmul "
-                     "outputs), full (all but each layer's input)")
-    lay.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
-                     help="default 1 (plait train's default: 0)")
-    lay.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
-    lay.add_argument("--async-tp", action="store_true",
-                     help="sequence parallel's all-gathers and reduce-scatters as ring hops "
-                     "beside their matmuls' chunks (plait train's parallel.async_tp; "
-                     "Megatron-LM's --tp-comm-overlap); the search uses it too")
-    lay.add_argument("--order", default=",".join(DEFAULT_ORDER), metavar="DIMS",
-                     help="the mesh order, innermost first, as parallel.order (default "
-                     f"{','.join(DEFAULT_ORDER)}: tp inside a node); decides which groups "
-                     "cross nodes")
+    _add_layout_arguments(p.add_argument_group("one layout (instead of searching)"))
     stack_args.add_arguments(p.add_argument_group("how the stack runs it"))
     add_goodput_arguments(p)
     o = p.add_argument_group("output")

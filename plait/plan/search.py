@@ -193,8 +193,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
            attention: str = "flash", async_tp: bool = False) -> SearchResult:
     """The best `top` layouts by step time, or by `cost(estimate)` (seconds per useful
     step, e.g. step time / goodput: plait/plan/goodput.py) when given; every layout with
-    the `attention` kernel (shape.ATTENTION), and tp's collectives as async rings where
-    `async_tp`."""
+    the `attention` kernel (shape.ATTENTION), tp's collectives async where `async_tp`."""
     seconds = cost or (lambda e: e.step_time)
     c = numeric_candidates(shape, cluster, train)
     if len(c["mbs"]) == 0:
