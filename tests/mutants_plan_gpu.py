@@ -3,6 +3,8 @@ bytes (plait/plan/zero3_gpu.py, plait/plan/overlap_slowdown.py), each caught by 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tests.mutant_kit import Mutant
 
 GPU_COSTS = "tests/test_plan_gpu_costs.py::"
@@ -64,6 +66,22 @@ def plan_eager_bytes_as_fused():
     memory_bound.Kernel.bytes = lambda self, fused: (self.fwd_bytes, self.bwd_bytes)
 
 
+def plan_training_rate_skips_attention():
+    """The training rate left off the fused attention sweep."""
+    from plait.plan import gpu_data
+
+    original = gpu_data.published
+
+    def attention_isolated(gpu, attention="auto", training_rate=None):
+        pub = original(gpu, attention, training_rate)
+        if pub is None:
+            return None
+        iso = original(gpu, attention, 1.0)
+        eff = replace(pub.eff, attention_curve=iso.eff.attention_curve)
+        return replace(pub, eff=eff)
+    gpu_data.published = attention_isolated
+
+
 MUTANTS = [
     Mutant("plan-zero3-copy-out-once",
            "plait plan counts ZeRO-3's copy-out as a read only (half its bytes)",
@@ -89,4 +107,9 @@ MUTANTS = [
            "plait plan counts an eager stack's operators as one fused kernel's bytes",
            plan_eager_bytes_as_fused,
            ["tests/test_plan_memory_bound.py::test_eager_launches_bound_a_small_pass_only"]),
+    Mutant("plan-training-rate-skips-attention",
+           "plait plan runs fused attention at its isolated rate in a training step",
+           plan_training_rate_skips_attention,
+           ["tests/test_plan_published.py::"
+            "test_training_rate_scales_every_kernel_rate_and_nothing_else"]),
 ]

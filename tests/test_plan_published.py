@@ -33,6 +33,36 @@ def test_every_published_value_names_its_source():
     assert pub.gpu.hbm_bytes == pytest.approx(79.11 * 2**30, rel=1e-4)
 
 
+def test_training_rate_scales_every_kernel_rate_and_nothing_else():
+    """The data file's kernel_rate_in_training multiplies the isolated GEMM ceilings (bf16,
+    float8), the attention sweep and the streaming-copy bandwidth; links, memory and the
+    GEMM half point stay; rate 1 is the isolated numbers, and a lower rate a longer step;
+    the plan prints the rate with its source and the isolated ceiling with its own."""
+    from plait.plan.basis import Layout, Training
+    from plait.plan.estimate import evaluate
+    from plait.plan.hardware import Cluster
+    from plait.plan.shape import from_preset
+
+    pub, iso = published(GPUS["h100-sxm"]), published(GPUS["h100-sxm"], training_rate=1.0)
+    rate = load()["kernel_rate_in_training"]["value"]
+    assert pub.training_rate == rate and 0.5 < rate < 1.0 and iso.training_rate == 1.0
+    assert pub.eff.gemm_max == pytest.approx(rate * iso.eff.gemm_max, rel=1e-12)
+    assert pub.eff.fp8_gemm_max == pytest.approx(rate * iso.eff.fp8_gemm_max, rel=1e-12)
+    assert pub.eff.hbm_fraction == pytest.approx(rate * iso.eff.hbm_fraction, rel=1e-12)
+    assert [f for _, f in pub.eff.attention_curve] == pytest.approx(
+        [rate * f for _, f in iso.eff.attention_curve], rel=1e-12)
+    assert pub.gpu == iso.gpu and pub.eff.gemm_half == iso.eff.gemm_half
+    s, lay = from_preset("llama3-8b", 8192), Layout(dp=8, mbs=1, zero=1)
+    steps = [float(evaluate(s, Cluster(p.gpu, 8), Training(8), lay, p.eff).step_time)
+             for p in (pub, iso)]
+    assert steps[0] > steps[1]
+    rc, out = plan("--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
+                   "--layout", "dp=8")
+    text = " ".join(out.split())
+    assert rc == 0 and f"Kernels in a training step at {rate:.0%} of the isolated" in text
+    assert f"GEMM ceiling {iso.eff.gemm_max:.1%} of peak, half" in text
+
+
 LLAMA405 = ("--model", "llama3-405b", "--gpus", "8192", "--global-batch", "2048",
             "--seq-len", "8192", "--layout", "tp=8,pp=16,dp=64", "--json")
 

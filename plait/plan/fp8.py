@@ -116,7 +116,8 @@ def hardware_lines(gpu: GPU, eff: Efficiency, entry: dict[str, Any] | None) -> l
            "TFLOP/s dense (datasheet: plait/plan/hardware.py)"
     if entry is not None:
         cap, half = entry["fp8_gemm_max"], entry["fp8_gemm_half_flops"]
-        ceiling = f"ceiling {eff.fp8_gemm_max or eff.gemm_max:.1%} of that peak" + (
+        isolated = cap["value"] or entry["gemm_max"]["value"]
+        ceiling = f"ceiling {isolated:.1%} of that peak (isolated)" + (
             "" if cap["value"] else ", the bf16 fraction (no float8 measurement found)")
         line += f", {ceiling}: {cap['source']}; half of it at " \
                 f"{eff.fp8_gemm_half or eff.gemm_half:.3g} FLOPs: {half['source']}"

@@ -59,6 +59,17 @@ class Published:
     mfu_best: float | None
     entry: dict[str, Any]
     attention_kernel: str  # the fused attention kernel priced (ATTENTION_KERNELS' names)
+    # the share of the isolated kernel rates a training step's kernels run at (the data
+    # file's kernel_rate_in_training): `eff`'s GEMM, attention and HBM rates include it
+    training_rate: float
+
+
+def training_rate() -> float:
+    """The data file's `kernel_rate_in_training`."""
+    return float(load()["kernel_rate_in_training"]["value"])
+
+
+_training_rate = training_rate  # published()'s parameter of the same name shadows it
 
 
 def attention_kernel(fam: str, kernel: str = "auto") -> tuple[str, dict[str, Any]]:
@@ -88,11 +99,13 @@ def attention_points(fam: str, kernel: str = "auto") -> tuple[tuple[float, float
                  for s, f in k["forward"])
 
 
-def published(gpu: GPU, attention: str = "auto") -> Published | None:
+def published(gpu: GPU, attention: str = "auto",
+              training_rate: float | None = None) -> Published | None:
     """`gpu` (a preset, possibly with overrides already applied to other fields) with the
     measured bus bandwidths and usable memory, and the efficiency constants (fused
-    attention: kernel `attention`, ATTENTION_KERNELS); None for a GPU without published
-    numbers (a measured profile, an unknown name)."""
+    attention: kernel `attention`, ATTENTION_KERNELS), the kernels' isolated rates times
+    `training_rate` (default: the data file's); None for a GPU without published numbers
+    (a measured profile, an unknown name)."""
     fam = family_of(gpu.name)
     if fam is None:
         return None
@@ -104,16 +117,19 @@ def published(gpu: GPU, attention: str = "auto") -> Published | None:
                 internode_bw=e["internode_busbw"]["value"],
                 hbm_bytes=nominal_gib * GiB * doc["hbm_usable"]["ratio"],
                 nvlink_alpha=lat["nvlink_alpha_s"], internode_alpha=lat["internode_alpha_s"])
-    eff = Efficiency(gemm_max=e["gemm_max"]["value"], gemm_half=e["gemm_half_flops"]["value"],
+    rate = _training_rate() if training_rate is None else training_rate
+    eff = Efficiency(gemm_max=rate * e["gemm_max"]["value"],
+                     gemm_half=e["gemm_half_flops"]["value"],
                      link_efficiency=1.0, elementwise_passes=0.0,
-                     attention_curve=attention_points(fam, attention),
-                     hbm_fraction=e["hbm_achievable"]["value"],
+                     attention_curve=tuple((s, rate * f)
+                                           for s, f in attention_points(fam, attention)),
+                     hbm_fraction=rate * e["hbm_achievable"]["value"],
                      launch_seconds=doc["kernel_launch"]["seconds"],
-                     fp8_gemm_max=e["fp8_gemm_max"]["value"] or 0.0,  # 0: bf16's
+                     fp8_gemm_max=rate * (e["fp8_gemm_max"]["value"] or 0.0),  # 0: bf16's
                      fp8_gemm_half=e["fp8_gemm_half_flops"]["value"] or 0.0,
                      overlap_slowdown=doc["overlap_compute_slowdown"]["value"])
     return Published(fam, g, eff, e["mfu_published_best"]["value"], e,
-                     attention_kernel(fam, attention)[0])
+                     attention_kernel(fam, attention)[0], rate)
 
 
 def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
@@ -126,20 +142,23 @@ def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
                "A100 runs (plait/plan/calibration.py), links = datasheet x the fitted "
                "link efficiency" if mode == "fitted" else "a measured profile (--hardware)")
         return [head + f"; {why}."]
-    e, doc = pub.entry, load()
+    e, doc, rate = pub.entry, load(), pub.training_rate
     pts = pub.eff.attention_curve
     att_src = e["attention"]["source"]
     return [
         head + " (usable: what the device reports, nominal GiB x 79.11/80: the data "
         "file's hbm_usable).",
-        f"  GEMM ceiling {pub.eff.gemm_max:.1%} of peak, half of it at "
+        f"  Kernels in a training step at {rate:.0%} of the isolated rates below (GEMM "
+        f"ceiling {pub.eff.gemm_max:.1%} of peak, attention and HBM likewise): "
+        f"{doc['kernel_rate_in_training']['source']}.",
+        f"  GEMM ceiling {e['gemm_max']['value']:.1%} of peak, half of it at "
         f"{pub.eff.gemm_half:.3g} FLOPs a GEMM: {e['gemm_max']['source']}; "
         f"{e['gemm_half_flops']['source']}.",
         f"  Fused attention ({ATTENTION_NAMES[pub.attention_kernel]}, --attention-kernel) "
-        f"{pts[0][1]:.0%} of peak at seq {pts[0][0]:.0f} to {pts[-1][1]:.0%} at "
+        f"{pts[0][1] / rate:.0%} of peak at seq {pts[0][0]:.0f} to {pts[-1][1] / rate:.0%} at "
         f"{pts[-1][0]:.0f}, forward and backward: {att_src}.",
-        f"  Memory-bound kernels at {pub.eff.hbm_fraction:.1%} of the HBM bandwidth "
-        f"({gpu.hbm_bw * pub.eff.hbm_fraction / 1e9:,.0f} GB/s): "
+        f"  Memory-bound kernels at {e['hbm_achievable']['value']:.1%} of the HBM bandwidth "
+        f"({gpu.hbm_bw * e['hbm_achievable']['value'] / 1e9:,.0f} GB/s): "
         f"{e['hbm_achievable']['source']}; {pub.eff.launch_seconds * 1e6:.0f} us of CPU "
         f"a kernel launch: {doc['kernel_launch']['source']}.",
         f"  NCCL bus bandwidth {gpu.nvlink_bw / 1e9:,.0f} GB/s inside a node: "
