@@ -7,8 +7,12 @@ Per run: the measured step time (the paper's own time, or its global batch's tok
 its tokens per second), `plait plan`'s prediction with the published per-GPU numbers
 (the default, `--efficiency published`) and with the older constants fitted on one A100
 paper (`--efficiency fitted`), and the errors. Knobs a source does not report are chosen
-as a practitioner would and named in the table. The runs that score the planner are kept
-out of this repository; none of them is here.
+as a practitioner would and named in the table. Then the published numbers' training rate
+(`kernel_rate_in_training`: the share of the isolated kernel rates a training step's
+kernels run at) fitted over these runs, the value plait/plan/data/gpu_efficiency.json
+holds, and leave-one-source-out: the rate fitted without a source, that source's errors
+(the out-of-sample estimate). The runs that score the planner are kept out of this
+repository; none of them is here.
 """
 
 from __future__ import annotations
