@@ -59,7 +59,7 @@ def test_training_rate_scales_every_kernel_rate_and_nothing_else():
     rc, out = plan("--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
                    "--layout", "dp=8")
     text = " ".join(out.split())
-    assert rc == 0 and f"Kernels in a training step at {rate:.0%} of the isolated" in text
+    assert rc == 0 and f"Kernels in a training step at {rate:.1%} of the isolated" in text
     assert f"GEMM ceiling {iso.eff.gemm_max:.1%} of peak, half" in text
 
 

@@ -148,7 +148,7 @@ def hardware_lines(gpu: GPU, pub: Published | None, mode: str) -> list[str]:
     return [
         head + " (usable: what the device reports, nominal GiB x 79.11/80: the data "
         "file's hbm_usable).",
-        f"  Kernels in a training step at {rate:.0%} of the isolated rates below (GEMM "
+        f"  Kernels in a training step at {rate:.1%} of the isolated rates below (GEMM "
         f"ceiling {pub.eff.gemm_max:.1%} of peak, attention and HBM likewise): "
         f"{doc['kernel_rate_in_training']['source']}.",
         f"  GEMM ceiling {e['gemm_max']['value']:.1%} of peak, half of it at "
