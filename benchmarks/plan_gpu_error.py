@@ -151,7 +151,7 @@ def predict(c: Case, mode: str, rate: float | None = None) -> float:
     if mode == "fitted":
         eff = EFFICIENCY
     else:
-        pub = published(cluster.gpu, c.attention_kernel, training_rate=rate)
+        pub = published(cluster.gpu, c.attention_kernel, rate=rate)
         cluster, eff = replace(cluster, gpu=pub.gpu), pub.eff
     return float(evaluate(c.shape, cluster, c.train, c.layout, eff, simulate=True).step_time)
 

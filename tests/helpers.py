@@ -204,3 +204,16 @@ def assert_restarted_run_matches(metrics: Path, ck: Path, steps: int, layout: tu
     assert_parity({"losses": [r["loss"] for r in body],
                    "grad_norms": [r["grad_norm"] for r in body], "params": params},
                   reference(*layout, f"train.steps={steps}"))
+
+
+def plan_cli(*argv: str) -> tuple[int, str]:
+    """`plait plan ARGV` in this process: (exit code, what it printed)."""
+    import argparse
+    import io
+
+    from plait.plan.cli import add_parser, run
+
+    parser = argparse.ArgumentParser(prog="plait")
+    add_parser(parser.add_subparsers(dest="cmd"))
+    out = io.StringIO()
+    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()

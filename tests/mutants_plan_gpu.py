@@ -72,8 +72,8 @@ def plan_training_rate_skips_attention():
 
     original = gpu_data.published
 
-    def attention_isolated(gpu, attention="auto", training_rate=None):
-        pub = original(gpu, attention, training_rate)
+    def attention_isolated(gpu, attention="auto", rate=None):
+        pub = original(gpu, attention, rate)
         if pub is None:
             return None
         iso = original(gpu, attention, 1.0)

@@ -68,20 +68,12 @@ def test_planner_hides_tp_time_behind_the_rings_matmuls_with_the_same_bytes():
 
 
 def test_plan_flag_evaluates_one_layout_and_searches_with_the_rings():
-    """`plait plan --async-tp`: the --layout it evaluates is the config's async layout
-    (same step, same bytes), the search's layouts all carry it, and --no-sp beside it is
-    refused before anything is computed."""
-    import argparse
-    import io
+    """`plait plan --async-tp`: the --layout it evaluates is that layout with async TP on
+    the published numbers, faster than without; the search's layouts all carry it, and
+    --no-sp beside it is refused before anything is computed."""
     import json
 
-    from plait.plan.cli import add_parser, run
-
-    def plan(*argv: str) -> tuple[int, str]:
-        parser = argparse.ArgumentParser(prog="plait")
-        add_parser(parser.add_subparsers(dest="cmd"))
-        out = io.StringIO()
-        return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
+    from helpers import plan_cli as plan
 
     base = ("--model", "llama3-8b", "--seq", "8192", "--gpus", "8", "--global-batch", "8",
             "--zero", "0", "--json")

@@ -1,24 +1,15 @@
 """`plait plan` through run(): one layout, search, JSON, plot, bad input."""
 
 import argparse
-import io
 import json
 
 import pytest
+from helpers import plan_cli as plan
 
 from plait.model.presets import PRESETS
-from plait.plan.cli import add_parser, run
+from plait.plan.cli import add_parser
 from plait.plan.gpu_data import published
 from plait.plan.hardware import GPUS
-
-
-def plan(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(["plan", *argv])
-    out = io.StringIO()
-    return run(args, out=out), out.getvalue()
-
 
 BASE = ("--model", "llama3-70b", "--gpu", "h100-sxm", "--gpus", "1024", "--global-batch",
         "1024")

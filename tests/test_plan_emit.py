@@ -3,8 +3,6 @@ and `plait report --plan` on the run against the same plan."""
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import subprocess
 import sys
@@ -12,19 +10,14 @@ import tomllib
 
 import pytest
 from helpers import batches_for, token_file
+from helpers import plan_cli as plan
 
 from plait.config import load_config
 from plait.launch.forked import run_ranks
-from plait.plan.cli import add_parser, run
 
 TINY = ("--model", "tiny", "--vocab", "256", "--seq", "32", "--global-batch", "8")
 
 
-def plan(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="cmd"))
-    out = io.StringIO()
-    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
 
 
 @pytest.mark.parametrize("gpus,layout,extra,want", [

@@ -15,18 +15,16 @@ summation order differs.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 from dataclasses import replace
 
 import pytest
+from helpers import plan_cli as plan
 
 from plait.model.presets import PRESETS
 from plait.model.recompute import Recompute, extra_forward_flops_per_token
 from plait.model.recompute_settings import DEFAULT_OPS
 from plait.plan.calibration import EFFICIENCY
-from plait.plan.cli import add_parser, run
 from plait.plan.compute import model_flops_per_token, recomputed_flops_per_token
 from plait.plan.estimate import Layout, Training, evaluate
 from plait.plan.hardware import GPUS, Cluster
@@ -35,11 +33,6 @@ from plait.plan.shape import Shape, from_model_config, gpt_shape
 REL = 1e-12
 
 
-def plan(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="cmd"))
-    out = io.StringIO()
-    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
 
 
 def step_flops(shape: Shape, batch: int, recompute: str, attention: str = "math"

@@ -9,16 +9,14 @@ standard error near 0.3 %, so the 1.5 % tolerance is about five of them.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import math
 
 import numpy as np
 import pytest
+from helpers import plan_cli as plan
 
 from plait.model.presets import PRESETS
-from plait.plan.cli import add_parser, run
 from plait.plan.goodput import daly_interval, goodput, young_interval
 
 
@@ -81,11 +79,6 @@ def test_first_order_waste():
     assert 1 - g == pytest.approx(2 * math.sqrt(c / (2 * m)) + r / m, rel=0.02)
 
 
-def plan(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="cmd"))
-    out = io.StringIO()
-    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
 
 
 BASE = ("--model", "llama3-8b", "--gpus", "64", "--global-batch", "512")

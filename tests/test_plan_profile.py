@@ -9,12 +9,11 @@ computes from them alone.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import math
 
 import pytest
+from helpers import plan_cli as plan
 
 from plait.calibrate.machine import ELEMENTWISE_MODELS, QUICK_BYTES, QUICK_GEMMS, calibrate
 from plait.calibrate.steps import (
@@ -23,7 +22,6 @@ from plait.calibrate.steps import (
     SYNC_SEGMENTS,
     SYNC_STATISTIC,
 )
-from plait.plan.cli import add_parser, run
 from plait.plan.profile import (
     PROFILE_VERSION,
     curve,
@@ -36,13 +34,6 @@ from plait.plan.profile import (
     fit_sync,
     profile_hardware,
 )
-
-
-def plan(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="cmd"))
-    out = io.StringIO()
-    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
 
 
 def test_gemm_curve_fit_recovers_a_known_curve():

@@ -2,22 +2,13 @@
 (plait/plan/stack.py), the plausibility flag and --explain (plait/plan/trust.py,
 explain_terms.py)."""
 
-import argparse
-import io
 import json
 
 import pytest
+from helpers import plan_cli as plan
 
-from plait.plan.cli import add_parser, run
 from plait.plan.gpu_data import load, published
 from plait.plan.hardware import GPUS
-
-
-def plan(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="cmd"))
-    out = io.StringIO()
-    return run(parser.parse_args(["plan", *argv]), out=out), out.getvalue()
 
 
 def test_every_published_value_names_its_source():
@@ -43,7 +34,7 @@ def test_training_rate_scales_every_kernel_rate_and_nothing_else():
     from plait.plan.hardware import Cluster
     from plait.plan.shape import from_preset
 
-    pub, iso = published(GPUS["h100-sxm"]), published(GPUS["h100-sxm"], training_rate=1.0)
+    pub, iso = published(GPUS["h100-sxm"]), published(GPUS["h100-sxm"], rate=1.0)
     rate = load()["kernel_rate_in_training"]["value"]
     assert pub.training_rate == rate and 0.5 < rate < 1.0 and iso.training_rate == 1.0
     assert pub.eff.gemm_max == pytest.approx(rate * iso.eff.gemm_max, rel=1e-12)

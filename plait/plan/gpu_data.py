@@ -69,9 +69,6 @@ def training_rate() -> float:
     return float(load()["kernel_rate_in_training"]["value"])
 
 
-_training_rate = training_rate  # published()'s parameter of the same name shadows it
-
-
 def attention_kernel(fam: str, kernel: str = "auto") -> tuple[str, dict[str, Any]]:
     """(the kernel's name, its published sweep) for GPU family `fam`: `kernel`, or the
     family's default for auto; a family may take another's sweeps (`kernels_of`, as
@@ -100,11 +97,11 @@ def attention_points(fam: str, kernel: str = "auto") -> tuple[tuple[float, float
 
 
 def published(gpu: GPU, attention: str = "auto",
-              training_rate: float | None = None) -> Published | None:
+              rate: float | None = None) -> Published | None:
     """`gpu` (a preset, possibly with overrides already applied to other fields) with the
     measured bus bandwidths and usable memory, and the efficiency constants (fused
     attention: kernel `attention`, ATTENTION_KERNELS), the kernels' isolated rates times
-    `training_rate` (default: the data file's); None for a GPU without published numbers
+    `rate` (default: the data file's training rate); None for a GPU without published numbers
     (a measured profile, an unknown name)."""
     fam = family_of(gpu.name)
     if fam is None:
@@ -117,7 +114,7 @@ def published(gpu: GPU, attention: str = "auto",
                 internode_bw=e["internode_busbw"]["value"],
                 hbm_bytes=nominal_gib * GiB * doc["hbm_usable"]["ratio"],
                 nvlink_alpha=lat["nvlink_alpha_s"], internode_alpha=lat["internode_alpha_s"])
-    rate = _training_rate() if training_rate is None else training_rate
+    rate = training_rate() if rate is None else rate
     eff = Efficiency(gemm_max=rate * e["gemm_max"]["value"],
                      gemm_half=e["gemm_half_flops"]["value"],
                      link_efficiency=1.0, elementwise_passes=0.0,
