@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-repeat mutants lint install clean bench gpu-check
+.PHONY: demo test test-slow test-isa test-repeat mutants lint install clean bench gpu-check
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 1; }
@@ -22,9 +22,20 @@ demo: $(STAMP)
 
 # every failure reported (no -x): CI must show all of them
 # two files at a time (--dist loadfile, tests/conftest.py: a file's tests, which share its
-# /tmp folders and fixtures, on one worker; the two files sharing one session fixture too)
+# /tmp folders and fixtures, on one worker; the files sharing one run too; the parity
+# matrix's rows spread over both workers). The process-tree tests (launchers, signals,
+# nodes, restarts, torchrun) and compile are `make test-slow`; CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest tests -n 2 --dist loadfile -m "not slow" --durations=15
+
+test-slow: $(STAMP)
+	$(PY) -m pytest tests -n 2 --dist loadfile -m slow --durations=15
+
+# every parity test under each CPU kernel path this CPU has (ATEN_CPU_CAPABILITY=default,
+# avx2, avx512): the bounds hold on any of them; the table of worst errors by path is
+# printed (docs/parity.md's is written by tests/measure_tolerances.py without --no-write)
+test-isa: $(STAMP)
+	$(PY) tests/measure_tolerances.py --no-write
 
 # the suite N times in a row, failures counted per test (LOAD=k: k CPU burners beside it)
 N ?= 20

@@ -3,7 +3,7 @@
 With precision "bf16" the model holds bf16 parameters and gradients (2 + 2 bytes a
 parameter) and the optimizer holds an fp32 master copy, momentum and variance (4 + 4 + 4):
 the 16 bytes per parameter of Rajbhandari et al. 2020 (ZeRO), section 3.1. With "fp32" the
-parameter is its own master (4 + 4 + 8).
+parameter is its own master (4 + 4 + 8); with "fp64" too, in float64 (8 + 8 + 16).
 The update follows torch.optim.AdamW's arithmetic exactly (Loshchilov & Hutter 2019), so the
 fp32 single-process reference can use torch's optimizer as an independent oracle.
 
@@ -19,6 +19,8 @@ import math
 import torch
 from torch import nn
 
+from plait.model.precision import wide_dtype, widened
+
 
 def decays(name: str, p: torch.Tensor) -> bool:
     """Weight decay on matrices only: not on norm gains (the usual Llama/GPT practice)."""
@@ -27,13 +29,13 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 class MixedPrecisionAdamW:
     """AdamW (or plain SGD) over `named_params`; masters are fp32 (the parameter itself when
-    it is fp32). SGD keeps no moments."""
+    it is fp32 or float64, which keeps its float64). SGD keeps no moments."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], betas: tuple[float, float],
                  eps: float, weight_decay: float, kind: str = "adamw"):
         self.params = [p for _, p in named_params]
         self.decay = [decays(n, p) for n, p in named_params]
-        self.master = [p.data if p.dtype == torch.float32 else p.detach().float().clone()
+        self.master = [p.data if p.dtype == wide_dtype(p.dtype) else widened(p.detach()).clone()
                        for p in self.params]
         self.kind = kind
         moments = kind == "adamw"
@@ -119,8 +121,10 @@ def adamw_update(masters: list[torch.Tensor], grads: list[torch.Tensor],
         size += m.numel()
         if size >= CHUNK or i == len(masters) - 1:
             sl = slice(start, i + 1)
-            _adam_chunk(masters[sl], [g.float() for g in grads[sl]], exp_avgs[sl],
-                        exp_avg_sqs[sl], step, lr, betas, eps, grad_scale)
+            # the widened gradients as an argument, not a name: one chunk's copies alive
+            _adam_chunk(masters[sl],
+                        [g.to(w.dtype) for g, w in zip(grads[sl], masters[sl], strict=True)],
+                        exp_avgs[sl], exp_avg_sqs[sl], step, lr, betas, eps, grad_scale)
             start, size = i + 1, 0
 
 
@@ -130,7 +134,8 @@ def sgd_update(masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float
     """Plain SGD on fp32 masters, torch.optim.SGD's arithmetic (no momentum, no decay):
     the gradient is clipped first (scaled), then master -= lr * gradient."""
     for start in range(0, len(masters), 64):  # bounded fp32 temporaries
-        g = [x.float() for x in grads[start:start + 64]]
+        g = [x.to(w.dtype) for x, w in zip(grads[start:start + 64], masters[start:start + 64],
+                                           strict=True)]
         if grad_scale != 1.0:
             g = torch._foreach_mul(g, grad_scale)
         torch._foreach_add_(masters[start:start + 64], g, alpha=-lr)

@@ -76,6 +76,19 @@ SHARED_RUNS = {"test_metric_sinks.py": "pipeline_cli_run",
                "test_checkpoint_atomic.py": "checkpoint_full_runs",
                "test_checkpoint_async.py": "checkpoint_full_runs"}
 
+# Files whose tests go to the workers by parameter instead of whole: the parity matrix, a
+# row's tests (its parity, ledger and memory checks, and the round trips that resume from
+# its checkpoint) on one worker, the rows spread over both.
+SPLIT_BY_PARAMETER = {"test_matrix.py"}
+
+
+def split_by_parameter(nodeid: str) -> str:
+    """The scheduling group of a parametrised test: its parameter id, a round trip's
+    (`SRC -> DST`) its source row's."""
+    param = nodeid.split("[", 1)[1].rsplit("]", 1)[0]
+    return param.split(" -> ")[0]
+
+
 try:
     from xdist.scheduler import LoadFileScheduling
 except ImportError:  # without xdist the suite runs serially: nothing to group
@@ -85,7 +98,10 @@ if LoadFileScheduling is not None:
     class _FilesSharingARun(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return SHARED_RUNS.get(path.rsplit("/", 1)[-1], path)
+            name = path.rsplit("/", 1)[-1]
+            if name in SPLIT_BY_PARAMETER and "[" in nodeid:
+                return f"{path}::{split_by_parameter(nodeid)}"
+            return SHARED_RUNS.get(name, path)
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's own scheduler choice
     def pytest_xdist_make_scheduler(config, log):

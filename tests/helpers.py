@@ -16,8 +16,11 @@ from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
 from plait.train.loop import full_state, train
 from plait.train.reference import Reference, reference_run
 
+# float64: the parity oracle's precision (docs/parity.md); tests of memory, which the
+# planner models for fp32 and bf16 runs, set their precision themselves
 BASE = ["train.steps=4", "train.global_batch=8", "train.seq_len=32", "train.warmup_steps=1",
-        "model.vocab_size=256", "train.grad_clip=0.5"]
+        "model.vocab_size=256", "train.grad_clip=0.5", "train.precision=fp64"]
+ELEMENT_BYTES = 8  # a float64 element: what the ledger counts for a tensor of these runs
 
 
 # This process's own temporary root (a pytest-xdist worker, or a script that imports the

@@ -11,7 +11,7 @@ hierarchical/A, all-to-all groups of A ranks and a ring across them), `moe` the 
 model (`epN` experts over ep ranks), `mla` multi-head latent attention (plait/model/mla.py)
 in place of GQA, `bf16` bf16 compute with fp32 masters, `rc` full recomputation, `rcs`
 selective (plait/model/recompute.py's default ops). Omitted: dp1 z0 tp1 pp1 cp1, the dense
-model, GQA, fp32, no recompute.
+model, GQA, float64 (the oracle's precision), no recompute.
 
 `FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
 that some valid layout at world <= 8 has, appears in some row (pairwise, or "all-pairs",
@@ -66,7 +66,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "pp": ("pp1", "pp2", "pp4"),
     "cp": ("cp1", "cp2:ring", "cp2:allgather"),
     "ep": ("dense", "moe ep1", "moe ep2", "moe ep4"),
-    "precision": ("fp32", "bf16"),
+    "precision": ("fp64", "bf16"),
     "recompute": ("rc:none", "rc:full", "rc:selective"),
 }
 # the factors a schedule must meet each level of: what reshapes what it moves between
@@ -79,8 +79,8 @@ COST_FIXED = 2  # a row's time ~ (this + world size) x a step: ranks share 2 cor
 # selective checkpoint runs a Python hook on every op; docs/recompute.md)
 RECOMPUTE_COST = {"rc:none": 1.0, "rc:full": 1.3, "rc:selective": 1.75}
 # bf16 rows are held to looser bounds (no first-gradient check with MoE): a pair is better
-# met in fp32 where it can be, so a bf16 row counts as dearer
-PRECISION_COST = {"fp32": 1.0, "bf16": 1.5}
+# met in fp64 where it can be, so a bf16 row counts as dearer
+PRECISION_COST = {"fp64": 1.0, "bf16": 1.5}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev",
              "dualpipe")
 
@@ -167,7 +167,7 @@ def parse(row: str) -> dict:
     """A row's settings by factor, its schedule, and the config `sets` it stands for."""
     tokens = row.split()
     levels = {"dp": "dp1", "zero": "z0", "tp": "tp1", "pp": "pp1", "cp": "cp1",
-              "ep": "dense", "precision": "fp32", "recompute": "rc:none"}
+              "ep": "dense", "precision": "fp64", "recompute": "rc:none"}
     sets: list[str] = []
     schedule = None
     moe = "moe" in tokens

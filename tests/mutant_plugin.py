@@ -3,12 +3,20 @@
 Applies the named mutant (tests/mutants.py, MUTANTS) in `pytest_configure`: before any
 test module is imported (so `from plait... import name` in a test sees the patched
 object) and before any test forks its ranks (run_ranks forks, so the ranks inherit the
-patch). `--mutant none` (the default) applies nothing: the control run.
+patch). Processes a test launches (torchrun, its ranks, launchers) get it too: the
+mutant's name goes in PLAIT_TEST_MUTANT and tests/mutant_site first on PYTHONPATH, whose
+sitecustomize applies it as each interpreter starts. `--mutant none` (the default)
+applies nothing: the control run.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+SITE = Path(__file__).resolve().parent / "mutant_site"
 
 
 def pytest_addoption(parser):
@@ -26,6 +34,10 @@ def pytest_configure(config):
     if name not in by_name:
         raise pytest.UsageError(f"--mutant {name!r}: unknown; known: {', '.join(by_name)}")
     by_name[name].apply()
+    # launched interpreters: tests/mutant_site/sitecustomize.py applies it at their start
+    os.environ["PLAIT_TEST_MUTANT"] = name
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(SITE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 def pytest_report_header(config):

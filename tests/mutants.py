@@ -23,6 +23,7 @@ its torchrun subprocesses would not see the patch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -367,6 +368,26 @@ class Outcome:
     failed: list[str]
     seconds: float
     detail: str = ""
+    # the largest parity error over its bound among the comparisons the run made (None:
+    # no parity comparison ran): how far outside the bounds a mutant that parity catches is
+    margin: float | None = None
+
+
+def parity_margin(record: Path) -> float | None:
+    """The largest error / bound over every parity comparison in a record of
+    tests/parity_record_plugin.py (inf where a zero bound is broken)."""
+    from plait.testing import PARITY_TOLERANCES
+
+    if not record.exists():
+        return None
+    worst = None
+    for line in record.read_text().splitlines():
+        rec = json.loads(line)
+        bounds = PARITY_TOLERANCES[rec["precision"]]
+        for key, (err, _) in rec["errors"].items():
+            ratio = err / bounds[key] if bounds[key] else (float("inf") if err else 0.0)
+            worst = ratio if worst is None else max(worst, ratio)
+    return worst
 
 
 def _failures(junit: Path) -> tuple[list[str], list[str]]:
@@ -393,12 +414,13 @@ def _is_assertion(message: str) -> bool:
 
 
 def run_pytest(mutant: str, tests: list[str], k: str | None, timeout: float) -> tuple[
-        int, list[str], list[str], float, str]:
+        int, list[str], list[str], float, str, float | None]:
     with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
+        junit, record = Path(tmp) / "junit.xml", Path(tmp) / "parity.jsonl"
         cmd = [sys.executable, "-m", "pytest", *tests, "-p", "tests.mutant_plugin",
                "--mutant", mutant, "-q", "-rf", "-p", "no:cacheprovider",
-               f"--junitxml={junit}"]
+               f"--junitxml={junit}", "-p", "tests.parity_record_plugin",
+               "--parity-record", str(record)]
         if mutant != "none":
             cmd.append("-x")
         if k:
@@ -412,15 +434,16 @@ def run_pytest(mutant: str, tests: list[str], k: str | None, timeout: float) -> 
             rc, out = -1, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
         seconds = time.perf_counter() - start
         ids, messages = _failures(junit)
-    return rc, ids, messages, seconds, out
+        margin = parity_margin(record)
+    return rc, ids, messages, seconds, out, margin
 
 
 def run_mutant(m: Mutant, timeout: float) -> Outcome:
-    rc, ids, messages, seconds, out = run_pytest(m.name, m.tests, m.k, timeout)
+    rc, ids, messages, seconds, out, margin = run_pytest(m.name, m.tests, m.k, timeout)
     if rc == 0:
-        return Outcome(m.name, m.bug, "NOT CAUGHT", [], seconds)
+        return Outcome(m.name, m.bug, "NOT CAUGHT", [], seconds, margin=margin)
     if rc == 1 and ids and all(_is_assertion(msg) for msg in messages):
-        return Outcome(m.name, m.bug, "CAUGHT", ids, seconds, messages[0][:160])
+        return Outcome(m.name, m.bug, "CAUGHT", ids, seconds, messages[0][:160], margin)
     tail = "\n".join(out.strip().splitlines()[-15:])
     return Outcome(m.name, m.bug, "BROKEN", ids, seconds,
                    f"pytest exit {rc}; " + (messages[0][:200] if messages else tail))
@@ -446,11 +469,13 @@ def print_table(rows: list[Outcome]) -> None:
     w = max(len(r.name) for r in rows)
     wb = max(len(r.bug) for r in rows)
     print(f"\n{'mutant':<{w}}  {'bug it models':<{wb}}  {'result':<10}  {'time':>6}  "
-          "failed tests")
-    print("-" * (w + wb + 40))
+          f"{'parity err/bound':>16}  failed tests")
+    print("-" * (w + wb + 58))
     for r in rows:
         failed = ", ".join(f.removeprefix("tests/") for f in r.failed) or "-"
-        print(f"{r.name:<{w}}  {r.bug:<{wb}}  {r.status:<10}  {r.seconds:5.0f}s  {failed}")
+        margin = "-" if r.margin is None else f"{r.margin:.3g}"
+        print(f"{r.name:<{w}}  {r.bug:<{wb}}  {r.status:<10}  {r.seconds:5.0f}s  "
+              f"{margin:>16}  {failed}")
     print()
     for r in rows:  # the first failure's message: what the catching test saw
         if r.detail:
@@ -488,12 +513,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_control:
         tests = selection(chosen)
         print(f"control (no mutant): {len(tests)} tests ...", flush=True)
-        rc, ids, _, seconds, out = run_pytest("none", tests, None, args.timeout * 2)
+        rc, ids, _, seconds, out, margin = run_pytest("none", tests, None, args.timeout * 2)
         status = "PASS" if rc == 0 else "FAIL"
         detail = "" if rc == 0 else "\n".join(out.strip().splitlines()[-15:])
         rows.append(Outcome("control", f"no mutant, the same {len(tests)} tests", status, ids,
-                            seconds, detail))
+                            seconds, detail, margin))
     print_table(rows)
+    by_parity = [r for r in rows if r.status == "CAUGHT" and r.margin is not None and r.margin > 1]
+    if by_parity:
+        least = min(by_parity, key=lambda r: r.margin)
+        control = [r.margin for r in rows if r.name == "control" and r.margin is not None]
+        print(f"\n{len(by_parity)} mutants caught by a parity bound; the least is "
+              f"{least.margin:.3g}x its bound ({least.name})"
+              + (f"; the control's worst is {control[0]:.3g}x" if control else ""))
     print(f"\ntotal {time.perf_counter() - total:.0f} s")
     bad = [r.name for r in rows if r.status not in ("CAUGHT", "PASS")]
     if bad:

@@ -45,9 +45,9 @@ MUTANTS = [
     Mutant("fp8-amax-not-reduced", "float8 scales from each rank's part of a split tensor",
            amax_not_reduced,
            [FP8_PARITY + "test_fp8_layout_equals_the_single_process_fp8_run"
-            "[dp2 z2 cp2:ring fp32]",
+            "[dp2 z2 cp2:ring fp64]",
             FP8_PARITY + "test_fp8_layout_equals_the_single_process_fp8_run"
-            "[dp2 z3 tp2 sp pp2:1f1b fp32]"]),
+            "[dp2 z3 tp2 sp pp2:1f1b fp64]"]),
     Mutant("fp8-gradients-e4m3", "float8 backward casts gradients to E4M3, not E5M2",
            gradients_in_e4m3, [FP8 + "test_float8_linear_is_the_recipe"]),
     Mutant("plan-fp8-gather-two-bytes",

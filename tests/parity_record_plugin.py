@@ -27,10 +27,11 @@ def pytest_configure(config):
 
     measure = testing.parity_errors
 
-    def recorded(run, ref, precision="fp32", init=None):
+    def recorded(run, ref, precision="fp64", init=None):
         errors = measure(run, ref, precision, init)
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
-        line = json.dumps({"test": test, "precision": precision,
+        isa = os.environ.get("ATEN_CPU_CAPABILITY") or "native"
+        line = json.dumps({"test": test, "precision": precision, "isa": isa,
                            "errors": {k: [v, where] for k, (v, where) in errors.items()}})
         with open(path, "a") as f:
             f.write(line + "\n")

@@ -47,7 +47,7 @@ def errors(row: str) -> dict[str, float]:
 
 
 def memory_cell(row: str) -> str:
-    why = not_covered(config(*T.row_sets(row)))
+    why = not_covered(config(*T.memory_sets(row)))
     if why is not None:  # its first clause: what it does not follow
         return "refused: " + why.split(";")[0]
     return "within 5 %"
@@ -62,7 +62,7 @@ def table(rows: tuple[str, ...] = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS) -> list[s
         prec = T.precision_of(row)
         world = config(*T.row_sets(row)).parallel.world_size
         grad = f"{e['grad_rtol']:.1e}" if "grad_rtol" in e else f"{e['grad_l2_rtol']:.1e} (L2)"
-        param = (f"{e['param_atol']:.1e}" if "param_atol" in e
+        param = (f"{e['param_lr_rtol']:.1e} (x lr)" if "param_lr_rtol" in e
                  else f"{e['param_move_rtol']:.1e} (movement)")
         aux = f"{e['aux_rtol']:.1e}" if "aux_rtol" in e else "-"
         bias = f"{e['bias_atol']:.1e}" if "bias_atol" in e else "-"

@@ -26,7 +26,7 @@ def _sets() -> tuple[str, ...]:
 def test_parity_and_ledger_bytes_with_zero3_split_backward_and_recompute():
     outs = run_layout(*_sets())
     assert_parity(merge_ranks(outs), reference(*parse(ROW)["model"], f"train.steps={STEPS}"),
-                  "fp32-tp")
+                  "fp64")
     cfg = config(*_sets())
     stride = cfg.parallel.tp * cfg.parallel.cp  # mesh order tp, cp, pp, dp
     for rank, out in enumerate(outs):

@@ -33,6 +33,8 @@ from plait.launch import cluster, cluster_stale
 from plait.mesh import ParallelMesh
 from plait.testing import assert_parity
 
+pytestmark = pytest.mark.slow  # process trees: `make test-slow`
+
 NO_CLUSTER = cluster.capability_problem()
 needs_namespaces = pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
 LAYOUT = ("parallel.dp=2", "parallel.tp=2")  # default order: tp inside a node, dp across

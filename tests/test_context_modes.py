@@ -4,7 +4,7 @@ ledger's bytes per layer against the formula and the planner's, bad input. The r
 tests/matrix.py's LONG_CONTEXT_ROWS compose them with dp, tp + SP, pp, ZeRO-3 and MoE."""
 
 import pytest
-from helpers import config, reference, run_layout
+from helpers import ELEMENT_BYTES, config, reference, run_layout
 
 from plait.ledger import data_bytes_by_dim
 from plait.plan import estimate_config
@@ -27,12 +27,12 @@ def test_a2a_with_one_kv_head_on_four_ranks():
     micro = 2
     sets = ["parallel.cp=4", "parallel.cp_mode=a2a", *KV1, f"parallel.microbatches={micro}"]
     outs = run_layout(*sets)
-    assert_parity(merge_ranks(outs), reference(*KV1), "fp32-gqa")
+    assert_parity(merge_ranks(outs), reference(*KV1), "fp64")
     cfg = config(*sets)
     m, cp = cfg.model, 4
     tokens = cfg.micro_batch_size() * cfg.train.seq_len // cp
-    qkv = tokens * (m.n_heads * m.head_dim + 2 * cp * m.head_dim) * 4  # KV head x4
-    out = tokens * m.n_heads * m.head_dim * 4
+    qkv = tokens * (m.n_heads * m.head_dim + 2 * cp * m.head_dim) * ELEMENT_BYTES  # KV head x4
+    out = tokens * m.n_heads * m.head_dim * ELEMENT_BYTES
     calls = micro * m.n_layers
     for o in outs:
         for end, size in ((".qkv", qkv), (".qkv.grad", qkv), (".out", out),
@@ -66,11 +66,12 @@ def test_hierarchical_all_to_all_pairs_and_ring_across():
     sets = ["parallel.cp=4", "parallel.cp_mode=hierarchical", f"parallel.cp_a2a={a}", *KV1,
             f"parallel.microbatches={micro}"]
     outs = run_layout(*sets)
-    assert_parity(merge_ranks(outs), reference(*KV1), "fp32-gqa")
+    assert_parity(merge_ranks(outs), reference(*KV1), "fp64")
     cfg = config(*sets)
     m, ring = cfg.model, 4 // a
     tokens = cfg.micro_batch_size() * cfg.train.seq_len // 4
-    kv_chunk = tokens * a * 1 * 2 * m.head_dim * 4  # a group's tokens, 2 KV heads / a, K+V
+    # a group's tokens, 2 KV heads / a, K+V
+    kv_chunk = tokens * a * 1 * 2 * m.head_dim * ELEMENT_BYTES
     calls = micro * m.n_layers
     for o in outs:
         hops = [r for r in o["ledger"] if r["step"] == 1 and r["dim"] == "cp_ring"

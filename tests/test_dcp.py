@@ -149,7 +149,9 @@ def _round_trip(rank: int, world: int, root: Path) -> dict:
     """torchtitan-shaped FSDP2 -> DCP -> plait (LAYOUT) -> one step -> plait checkpoint ->
     plait export dcp: -> DCP -> FSDP2, with what to compare at each end."""
     theirs = TitanLlama(MODEL, seed=1)
-    sets = [*model_sets(), *LAYOUT, f"train.init_from=dcp:{root / 'titan'}", "train.steps=1"]
+    # fp32: torchtitan's model and checkpoint, bit for bit both ways
+    sets = [*model_sets(), *LAYOUT, f"train.init_from=dcp:{root / 'titan'}", "train.steps=1",
+            "train.precision=fp32"]
     cfg = config(*sets).check(world)
     batch = batches_for(cfg).rows(0)
     tokens = batch[:, :-1]

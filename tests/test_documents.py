@@ -73,7 +73,7 @@ def test_parity_with_each_document_run_alone(sets):
     outs = run_ranks(_rank, cfg.parallel.world_size, [*DOCS, *sets])
     model = [x for x in sets if x.startswith("model.")]
     ref = reference_run(config(*DOCS, *model), _batches(cfg))
-    precision = "fp32-context" if cfg.parallel.cp > 1 else "fp32-tp"
+    precision = "fp64"
     assert_parity(merge_ranks(outs), ref, precision)
 
 

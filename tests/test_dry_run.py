@@ -11,7 +11,9 @@ from helpers import batches_for, config, run_layout, shared_run
 from plait.observe.dry_run import TABLE_ROWS, dry_run
 
 STEADY = 1  # the real run's step measured: a later step holds what every later one does
-LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+# fp32: the eager memory model prices fp32 and bf16 runs (tests/helpers.py's BASE is fp64)
+FP32 = "train.precision=fp32"
+LAYOUT = [FP32, "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
           "train.steps=2", f"train.memory_step={STEADY}"]
 
 
@@ -78,7 +80,8 @@ def test_dry_run_rank_equals_the_real_rank(real, rank):
 # activations, so the first stage's peak is its first backward's MLP norm backward, with
 # the MLP's three weight gradients new (benchmarks/dry_run.py's rank 0; the eager model
 # had put it at w2's backward, 67 % short on gradients)
-SCALED_8B = ["parallel.dp=32", "parallel.tp=8", "parallel.pp=4", "parallel.microbatches=4",
+SCALED_8B = [FP32, "parallel.dp=32", "parallel.tp=8", "parallel.pp=4",
+             "parallel.microbatches=4",
              "model.dim=256", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=896",
              "model.n_layers=4", "train.seq_len=64", "train.global_batch=128"]
 
@@ -115,7 +118,7 @@ def test_dry_run_of_an_expert_parallel_rank():
     the planner's (the fake group leaves the exchanged counts at this rank's own, a
     symmetric load; the counts' own small all-to-all is the difference, a control
     collective the data bytes leave out)."""
-    moe = ["model.n_experts=16", "model.top_k=2", "model.expert_ffn_dim=64",
+    moe = [FP32, "model.n_experts=16", "model.top_k=2", "model.expert_ffn_dim=64",
            "model.n_layers=2", "parallel.dp=64", "parallel.ep=16", "train.global_batch=64",
            "train.steps=2"]
     dry = _dry(moe, 64, 17)
@@ -131,7 +134,7 @@ def test_dry_run_of_an_expert_parallel_rank():
     assert dry["param_count_local"] == dense + experts_local
 
 
-HYBRID = ["parallel.dp_shard=2", "parallel.dp_replicate=2", "train.steps=2"]
+HYBRID = [FP32, "parallel.dp_shard=2", "parallel.dp_replicate=2", "train.steps=2"]
 
 
 @pytest.mark.parametrize("sets", [
@@ -183,7 +186,8 @@ def test_dry_run_from_the_command_line(tmp_path):
         assert set(dry["bytes_per_step"]) >= {"dp", "pp", "tp"}
 
 
-ZERO3_PIPE = ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1",
+ZERO3_PIPE = [FP32, "parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
+              "parallel.schedule=zb-h1",
               "parallel.microbatches=2", "model.n_layers=4", "model.tie_embeddings=false",
               "train.steps=2", f"train.memory_step={STEADY}"]
 

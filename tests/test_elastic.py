@@ -27,6 +27,8 @@ from plait.testing import assert_parity
 from plait.train.loop import full_state, train
 from plait.train.reference import Reference
 
+pytestmark = pytest.mark.slow  # process trees: `make test-slow`
+
 STEPS, EVERY = 6, 2
 LAYOUT = ("parallel.dp=2", "parallel.zero=1")
 SETS = [*BASE, f"train.steps={STEPS}", *LAYOUT]
@@ -95,7 +97,7 @@ def test_no_restarts_left_fails_the_run(tmp_path):
     assert not metrics.exists()  # NAME: complete runs only
     assert metrics.with_name(metrics.name + ".partial").exists()
     # what the dead job kept resumes on another layout (dp2 ZeRO-1 -> tp2 with SP): the
-    # last two steps within fp32-tp parity of the uninterrupted single-process run
+    # last two steps within float64 parity of the uninterrupted single-process run
     rows, params = run_ranks(_resumed_rank, 2, str(ck / "step-00000004"),
                              ["parallel.tp=2", "parallel.sp=true"])[0]
     ref = reference(f"train.steps={STEPS}")
@@ -103,7 +105,7 @@ def test_no_restarts_left_fails_the_run(tmp_path):
     assert_parity({"losses": [x["loss"] for x in rows], "params": params,
                    "grad_norms": [x["grad_norm"] for x in rows]},
                   Reference(losses=ref.losses[4:], grad_norms=ref.grad_norms[4:],
-                            params=ref.params), "fp32-tp")
+                            params=ref.params, lr=ref.lr), "fp64")
 
 
 def _resumed_rank(rank: int, world: int, path: str, layout: list[str]):

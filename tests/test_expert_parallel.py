@@ -12,7 +12,7 @@ from functools import cache
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import batches_for, config, moe_biases, reference
+from helpers import ELEMENT_BYTES, batches_for, config, moe_biases, reference
 
 from plait.config import load_config
 from plait.launch.forked import run_ranks
@@ -226,7 +226,7 @@ def _run(*sets: str) -> list[dict]:
     return run_ranks(_moe_rank, world, list(sets))
 
 
-def _check(outs: list[dict], *model_sets: str, precision: str = "fp32",
+def _check(outs: list[dict], *model_sets: str, precision: str = "fp64",
            bias_moves: bool = True) -> None:
     """Parity of every rank (plait.testing.assert_parity): losses, grad norms, gradients,
     parameters, the balance loss of every step (summed over layers and ranks; its error is
@@ -310,7 +310,7 @@ def test_dispatch_bytes_equal_the_formula():
         # forward: dispatch + combine per layer and micro-batch
         assert len(dispatch) == 2 * cfg.model.n_layers * cfg.microbatches()
         assert [r["payload"] for r in dispatch[::2]] == \
-            [rows * cfg.model.dim * 4] * (len(dispatch) // 2)
+            [rows * cfg.model.dim * ELEMENT_BYTES] * (len(dispatch) // 2)
     sent = sum(r["sent"] for o in outs for r in o["ledger"] if r["op"] == "all_to_all")
     got = sum(r["received"] for o in outs for r in o["ledger"] if r["op"] == "all_to_all")
     assert sent == got > 0

@@ -33,6 +33,8 @@ from plait.mesh import ParallelMesh
 from plait.parallel.fault_tolerance import Epoch, FaultTolerantReplicas, SlotMap
 from plait.testing import assert_parity
 
+pytestmark = pytest.mark.slow  # process trees: `make test-slow`
+
 TIMEOUT_S = 2.0
 
 
@@ -149,9 +151,9 @@ def _launch(tmp_path: Path, layout: list[str], fault: str, *flags: str):
 
 @pytest.mark.parametrize(("layout", "fault", "timeout", "precision"), [
     # ZeRO-2 over 2 ranks inside each replica; rank 3 (replica 1's second) killed
-    (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "2"], "kill:3:1", "30", "fp32"),
+    (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "2"], "kill:3:1", "30", "fp64"),
     # a 1F1B pipeline inside each replica, ZeRO-1; rank 2 (replica 1's first stage) stalls
-    (["--dp-replicate", "2", "--pp", "2", "--zero", "1"], "stop:2:2", "6", "fp32"),
+    (["--dp-replicate", "2", "--pp", "2", "--zero", "1"], "stop:2:2", "6", "fp64"),
 ], ids=["zero2-killed", "pp2-stalled"])
 def test_a_lost_replica_costs_no_step_and_keeps_parity(tmp_path, layout, fault, timeout,
                                                        precision):

@@ -14,10 +14,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 from helpers import config, initial_params, run_layout
 
-from plait.parallel.parallelize import DTYPES
 from plait.testing import assert_parity, merge_ranks
 
 MODEL = ("model.n_layers=4", "model.tie_embeddings=false", "train.steps=3",
@@ -35,25 +33,27 @@ def reference_of(sets: tuple[str, ...]) -> SimpleNamespace:
     """The one-process fp8 run with the layout's micro-batches in all (dp x its own)."""
     cfg = config(*MODEL, *sets)
     micro = cfg.parallel.dp * cfg.microbatches()
-    run = run_layout(*MODEL, f"parallel.microbatches={micro}")[0]
+    compute = [s for s in sets if s.startswith("train.fp8_compute=")]
+    run = run_layout(*MODEL, *compute, f"parallel.microbatches={micro}")[0]
     return SimpleNamespace(losses=run["losses"], grad_norms=run["grad_norms"],
-                           params=run["params"], first_grads=run["first_grads"])
+                           params=run["params"], first_grads=run["first_grads"],
+                           lr=cfg.train.lr)
 
 
-CASES = [("dp2 z3 tp2 sp pp2:1f1b", "fp32"), ("dp2 z2 cp2:ring", "fp32"),
+CASES = [("dp2 z3 tp2 sp pp2:1f1b", "fp64"), ("dp2 z2 cp2:ring", "fp64"),
          ("dp2 z2 cp2:ring", "bf16")]
 
 
 @pytest.mark.parametrize("row, around", CASES, ids=[f"{r} {a}" for r, a in CASES])
-def test_fp8_layout_equals_the_single_process_fp8_run(row, around, monkeypatch):
+def test_fp8_layout_equals_the_single_process_fp8_run(row, around):
     """Every rank's loss and grad norm, the first gradients and the final parameters
-    against the one-process fp8 run. `around` fp32: the float8 GEMMs in an fp32 model
-    (the "fp8-fp32" class): sums reorder at fp32's ulp, so a float8 value rarely rounds
-    the other way, and a scale not the whole tensor's (an amax not reduced over tp or cp)
-    shows ~100x over the bound; bf16 is the run users make (the "fp8" class)."""
-    if around == "fp32":  # inherited by the forked ranks and the reference
-        monkeypatch.setitem(DTYPES, "fp8", torch.float32)
-    outs = run_layout(*MODEL, *ROWS[row])
-    ref = reference_of(ROWS[row])
-    cls = "fp8-fp32" if around == "fp32" else "fp8"
+    against the one-process fp8 run. `around` fp64 (`train.fp8_compute=fp64`): the float8
+    GEMMs in a float64 model, accumulating in float64 (the "fp8-fp64" class): equal inputs
+    quantise equally, so the layout is held to float64's bounds, and a scale not the whole
+    tensor's (an amax not reduced over tp or cp) is far outside them; bf16 is the run
+    users make (the "fp8" class)."""
+    sets = (*ROWS[row], "train.fp8_compute=fp64") if around == "fp64" else ROWS[row]
+    outs = run_layout(*MODEL, *sets)
+    ref = reference_of(sets)
+    cls = "fp8-fp64" if around == "fp64" else "fp8"
     assert_parity(merge_ranks(outs), ref, cls, init=initial_params(*MODEL))

@@ -185,6 +185,7 @@ def test_train_in_tp_pp_export_and_transformers_agrees(hf_dir, tmp_path):
     assert not math.isclose(theirs, before, rel_tol=1e-3)
 
 
+@pytest.mark.slow  # torchrun
 def test_train_command_starts_from_the_hf_model(hf_dir, tmp_path, capsys):
     """Through `plait train` (torchrun, 2 ranks, tp=2): the first loss is transformers'."""
     out = tmp_path / "m.jsonl"

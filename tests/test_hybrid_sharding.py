@@ -5,7 +5,7 @@ Checkpoints saved under one split and resumed under another: tests/test_checkpoi
 the matrix's rows with it: tests/matrix.py (`dpNxM`)."""
 
 import pytest
-from helpers import config, reference, shared_run
+from helpers import ELEMENT_BYTES, config, reference, shared_run
 
 from plait.config import load_config
 from plait.ledger import data_bytes_by_dim
@@ -52,7 +52,7 @@ def _unit_bytes(n: int, stage: int) -> list[int]:
     cfg = config()
     model = build_model(cfg.model, seed=0, device="meta")
     cap = None if stage == 3 else cfg.parallel.bucket_mb * 2**20
-    return [-(-sum(p.numel() for _, m in group for p in m.parameters()) // n) * n * 4
+    return [-(-sum(p.numel() for _, m in group for p in m.parameters()) // n) * n * ELEMENT_BYTES
             for _, group in zero_unit_groups(model, cap)]
 
 

@@ -29,6 +29,8 @@ from plait.launch.cluster import capability_problem
 from plait.launch.forked import free_port
 from plait.testing import assert_parity
 
+pytestmark = pytest.mark.slow  # process trees: `make test-slow`
+
 LAYOUT = ("parallel.dp=2", "parallel.tp=2")  # tp inside a node, dp across the two
 
 
@@ -87,7 +89,9 @@ def _listeners_of(procs) -> list:
     return listening_sockets([pid for p in procs for pid in process_tree(p.pid)])
 
 
-@pytest.mark.parametrize("dead", [0, 1], ids=["store-host-dies", "other-node-dies"])
+# the store's host (node 0) dies: the harder case, the survivor loses its rendezvous store
+# as well as its peers (a non-store node's death is what test_cluster.py's kills show)
+@pytest.mark.parametrize("dead", [0], ids=["store-host-dies"])
 def test_a_dead_node_brings_the_other_down(tmp_path, dead):
     procs, marker, metrics = _launchers(tmp_path, steps=100000)
     partial = metrics.with_name(metrics.name + ".partial")

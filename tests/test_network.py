@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import BASE, token_file
@@ -42,6 +43,7 @@ def test_harness_ranks_listen_on_loopback_only():
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 
+@pytest.mark.slow  # a launched process tree
 def test_plait_train_listens_on_loopback_only(tmp_path):
     out = tmp_path / "m.jsonl"
     sets = [a for s in BASE + ["train.steps=100000"] for a in ("--set", s)]

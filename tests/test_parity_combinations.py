@@ -6,7 +6,7 @@ docs/parity.md)."""
 import pytest
 from helpers import reference, run_layout
 
-from plait.testing import assert_parity
+from plait.testing import assert_parity, merge_ranks
 
 PP_MODEL = ("model.n_layers=4", "model.tie_embeddings=false")
 
@@ -18,9 +18,9 @@ def test_tied_embeddings_trained_parity():
     outs = run_layout(*tied, "parallel.dp=2", "parallel.microbatches=2")
     ref = reference(*tied)
     assert "head.weight" not in ref.params  # really one tensor
-    assert_parity(outs[0], ref)
+    assert_parity(merge_ranks(outs), ref)
     outs = run_layout(*tied, "parallel.dp=2", "parallel.tp=2", "parallel.sp=true")
-    assert_parity(outs[0], ref, "fp32-tp")
+    assert_parity(merge_ranks(outs), ref)
 
 
 # bf16 with tp (+SP, ZeRO-1) and pp, recompute with tp + SP, ZeRO-1, pp and pp x tp, and
@@ -32,7 +32,8 @@ def test_tied_embeddings_trained_parity():
                                                  (2, {"dp": "inter", "tp": "intra"})])
 def test_ledger_link_and_times(gpus_per_node, want):
     """Every record names the link its group uses (tp innermost: with 2 GPUs a node the tp
-    pairs stay inside a node, the dp groups cross nodes) and spans a non-negative time."""
+    pairs stay inside a node, the dp groups cross nodes), the gradients' all-reduces among
+    them (their times are measurements, not asserted: benchmarks/)."""
     outs = run_layout("parallel.dp=2", "parallel.tp=2", "train.steps=1",
                       f"parallel.gpus_per_node={gpus_per_node}")
     for o in outs:
@@ -40,8 +41,4 @@ def test_ledger_link_and_times(gpus_per_node, want):
         assert {r["dim"] for r in recs} == set(want)
         for r in recs:
             assert r["link"] == want[r["dim"]], r
-            assert 0 <= r["end"] - r["start"] < 60, r
-        # async bucket all-reduces are recorded at their wait: their span covers the rest of
-        # backward, so it is longer than that of the synchronous TP all-reduces on average
-        grads = [r["end"] - r["start"] for r in recs if r["tag"] == "grads"]
-        assert grads and min(grads) >= 0
+        assert {r["dim"] for r in recs if r["tag"] == "grads"} == {"dp"}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import batches_for, config, reference, run_layout
+from helpers import ELEMENT_BYTES, batches_for, config, reference, run_layout
 
 from plait.config import ConfigError
 from plait.device.memory import MemoryTracker
@@ -182,7 +182,7 @@ def test_schedule_parity(schedule, pp, m):
 
 def test_one_stage_runtime_is_gradient_accumulation():
     outs = run_layout("parallel.microbatches=4", STEPS)
-    assert_parity(outs[0], reference(STEPS))
+    assert_parity(merge_ranks(outs), reference(STEPS))
 
 
 # --- ledger: P2P bytes per step are the boundary crossings ----------------------------------
@@ -196,7 +196,7 @@ def test_ledger_p2p_bytes_are_boundary_crossings(schedule, pp, m):
     outs = run_layout(*sets)
     cfg = config(*sets)
     b, s, h = cfg.micro_batch_size(), cfg.train.seq_len, cfg.model.dim
-    act = b * s * h * 4
+    act = b * s * h * ELEMENT_BYTES
     sched = lower(build_schedule(schedule, pp, m, natural_virtual_stages(schedule, None)))
     # stage boundaries that cross ranks, once per micro-batch through them
     crossings = sum(1 for s_ in range(sched.num_stages)

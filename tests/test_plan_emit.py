@@ -88,6 +88,7 @@ def test_emitted_layout_trains_one_step_in_process(tmp_path):
     assert len(losses[0]) == 1 and losses[0] == losses[1]
 
 
+@pytest.mark.slow  # torchrun
 def test_plait_train_runs_it_and_report_compares_with_the_plan(tmp_path, capsys):
     """`plait train --config` (torchrun, 2 ranks) on the emitted file, then `plait report
     --plan` in process (plait.cli.main, as a shell would call it)."""

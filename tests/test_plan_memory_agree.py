@@ -68,7 +68,7 @@ def _peak_pp_rank(cfg) -> int:
 
 @pytest.mark.parametrize("sets", LAYOUTS, ids=lambda s: ",".join(s) or "one rank")
 def test_model_states_agree(sets):
-    cfg = config(*sets)
+    cfg = config("train.precision=fp32", *sets)  # bf16 layouts say so later, and win
     cfg = cfg.check(cfg.parallel.world_size)
     fused = predict_memory(cfg)
     rank = _peak_pp_rank(cfg)

@@ -52,14 +52,21 @@ def test_the_search_asks_every_rule_a_build_does(name):
 BOUND_ONLY = {"dualpipe"}
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+# the registry states no closed-form bubble for these two V-shaped schedules: their bubble
+# is the simulator's
+NO_CLOSED_FORM = {"zb-v", "dualpipev"}
+
+
+def test_the_schedules_without_a_closed_form_are_the_v_shapes():
+    assert {n for n in SCHEDULE_NAMES if schedule_spec(n).paper_bubble is None} == NO_CLOSED_FORM
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULE_NAMES if n not in NO_CLOSED_FORM])
 def test_ranking_bubble_is_the_registrys_closed_form(name):
     spec, p, m = schedule_spec(name), 4, 16
     f, i, w = 1.0, 1.25, 0.75
     slots, idle = facts(name).ranking_bubble(p, f, i, w)
     ranked = max(slots, 0) * max(idle, 0)
-    if spec.paper_bubble is None:
-        pytest.skip(f"the registry states no closed form for {name}")
     paper = spec.paper_bubble(p, m, f, i, w)
     if name in BOUND_ONLY:
         assert ranked <= paper

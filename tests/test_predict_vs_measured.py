@@ -11,6 +11,9 @@ from helpers import assert_ranks_memory_match, config, data_windows, run_layout,
 
 from plait.plan import predict_memory
 
+# fp32 unless a layout says bf16 (its setting comes later and wins): the eager model prices
+# fp32 and bf16 runs, not the float64 of tests/helpers.py's BASE
+FP32 = "train.precision=fp32"
 MEASURE = ["train.memory_step=1", "train.steps=2"]
 # the loader's permutation is passed in (data_windows); nothing else is left out
 
@@ -60,7 +63,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_peak_equals_measured(name):
-    sets = [*LAYOUTS[name], *MEASURE]
+    sets = [FP32, *LAYOUTS[name], *MEASURE]
     cfg = config(*sets)
     outs = run_layout(*sets)
     assert_ranks_memory_match(outs, cfg, name)
@@ -74,7 +77,7 @@ def test_plait_report_on_a_metrics_file(tmp_path, capsys):
 
     from plait.cli.main import main
 
-    sets = ["parallel.dp=2", "parallel.zero=1", f"train.data={token_file()}", *MEASURE]
+    sets = [FP32, "parallel.dp=2", "parallel.zero=1", f"train.data={token_file()}", *MEASURE]
     out = run_layout(*sets)[0]
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [*out["metrics"], out["summary"]]))
@@ -107,7 +110,7 @@ def test_zero3_gathered_for_the_step_is_the_closed_forms_only():
     """ZeRO-3 keeping its units gathered through the step: the eager model refuses it
     (it frees each unit after use); the closed form holds the whole parameters beside
     their shards, the step's gathered copy on top of ZeRO-3's 1/N."""
-    sets = ["parallel.dp=4", "parallel.zero=3", "model.tie_embeddings=false"]
+    sets = [FP32, "parallel.dp=4", "parallel.zero=3", "model.tie_embeddings=false"]
     step = config(*sets, "parallel.zero3_gather=step")
     with pytest.raises(ValueError, match="zero3_gather=step"):
         predict_memory(step, "eager")

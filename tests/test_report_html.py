@@ -29,7 +29,9 @@ pytest.importorskip("matplotlib", reason="the report's figures need plait[plot]"
 
 # pp2: the CLI run the sinks' tests make (tests/conftest.py); dp2-zero1: forked ranks
 LAYOUTS = ("pp2", "dp2-zero1")
-DP_SETS = ["parallel.dp=2", "parallel.zero=1", "train.steps=2", "train.memory_step=1"]
+# fp32: the report compares memory with the eager model, which prices fp32 and bf16 runs
+DP_SETS = ["train.precision=fp32", "parallel.dp=2", "parallel.zero=1", "train.steps=2",
+           "train.memory_step=1"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 BROWSER = next((b for b in map(shutil.which, BROWSERS) if b), None)

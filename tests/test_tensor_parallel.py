@@ -4,7 +4,7 @@ vocab-parallel loss, activation memory against the formula, and bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import batches_for, config, reference, run_layout
+from helpers import ELEMENT_BYTES, batches_for, config, reference, run_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -27,7 +27,7 @@ from plait.testing import assert_parity, merge_ranks
 # ---- parity with the single-process reference --------------------------------------------
 
 
-def _check(outs, *model_sets, precision="fp32-tp"):
+def _check(outs, *model_sets, precision="fp64"):
     assert_parity(merge_ranks(outs), reference(*model_sets), precision)
     for other in outs[1:]:  # every rank logs the same loss and gathers the same weights
         assert other["losses"] == outs[0]["losses"]
@@ -46,7 +46,7 @@ def test_parity(sp, tp=4):
 @pytest.mark.parametrize("tp", [2, 4])  # n_kv_heads=2: split at tp=2, replicated at tp=4
 def test_parity_gqa(tp):
     _check(run_layout(f"parallel.tp={tp}", "parallel.sp=true", "model.n_kv_heads=2"),
-           "model.n_kv_heads=2", precision="fp32-gqa")
+           "model.n_kv_heads=2", precision="fp64")
 
 
 def test_parity_dp_x_tp():
@@ -80,7 +80,7 @@ def test_ledger_per_layer(sp):
     outs = run_layout(f"parallel.tp={tp}", f"parallel.sp={sp}", "train.steps=1",
                       f"parallel.microbatches={micro}")
     cfg = config()
-    bsh = cfg.train.global_batch // micro * cfg.train.seq_len * cfg.model.dim * 4
+    bsh = cfg.train.global_batch // micro * cfg.train.seq_len * cfg.model.dim * ELEMENT_BYTES
     ring_ar = 2 * (tp - 1) / tp * bsh  # sent per rank by an all-reduce of b·s·h
     for rank_out in outs:
         recs = [r for r in rank_out["ledger"] if r["tag"].startswith("tp.layers.")]

@@ -17,6 +17,7 @@ import time
 import uuid
 from contextlib import redirect_stderr
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import BASE, token_file
@@ -28,6 +29,8 @@ from plait.launch.forked import run_ranks
 from plait.launch.watchdog import Watchdog, failure_report, hang_report
 from plait.ledger import FLIGHT_RECORDS, Ledger
 from plait.mesh import ParallelMesh
+
+pytestmark = pytest.mark.slow  # process trees: `make test-slow`
 
 
 def _entry(dim_seq: int, done: bool, op: str = "all_reduce", dim: str = "dp", step: int = 3):

@@ -73,7 +73,7 @@ def test_parity_with_the_single_process_run(case):
     outs, sets = _run(case), CASES[case]
     bf16 = "train.precision=bf16" in sets
     train_sets = [s for s in sets if s.startswith("train.grad_clip")]
-    assert_parity(merge_ranks(outs), reference(*MODEL, *train_sets), "bf16" if bf16 else "fp32",
+    assert_parity(merge_ranks(outs), reference(*MODEL, *train_sets), "bf16" if bf16 else "fp64",
                   init=initial_params(*MODEL) if bf16 else None)
     if "post-validation" in case:  # a restored update, redone, the step run again
         assert any(m.get("rolled_back") for m in outs[0]["metrics"]), outs[0]["metrics"]

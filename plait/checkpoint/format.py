@@ -33,7 +33,14 @@ import numpy as np
 FORMAT = "plait-checkpoint/1"
 BLOCK = 1 << 20  # bytes per checksummed block: reads verify whole blocks
 MARKER, METADATA = "COMMITTED", "metadata.json"
-DTYPE = np.dtype("<f4")  # every saved state is fp32 (masters and moments)
+# every saved state (masters and moments) is fp32, or float64 for a precision-fp64 run
+# (a resumed oracle run continues from exactly its state); metadata names it per tensor
+STATE_DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
+
+
+def state_dtype(meta: dict, name: str) -> np.dtype:
+    """The on-disk dtype of tensor `name`'s states (float32 where the metadata is silent)."""
+    return STATE_DTYPES[meta["tensors"][name].get("dtype", "float32")]
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -138,7 +145,7 @@ def intersect(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]
 
 # ---- writing and reading one rank's file -------------------------------------------------
 class RankWriter:
-    """Appends fp32 chunks to one rank's file, checksumming each BLOCK bytes."""
+    """Appends fp32 or float64 chunks to one rank's file, checksumming each BLOCK bytes."""
 
     def __init__(self, path: Path):
         self.path, self.f = path, open(path, "wb")  # noqa: SIM115 - closed by close()
@@ -146,9 +153,11 @@ class RankWriter:
         self._crc, self._in_block = 0, 0
 
     def write(self, data: np.ndarray) -> int:
-        """Append `data` (fp32); returns its byte offset in the file."""
+        """Append `data` (fp32 or float64, little-endian); returns its byte offset."""
         offset = self.bytes
-        mv = memoryview(np.ascontiguousarray(data, dtype=DTYPE)).cast("B")
+        if data.dtype not in STATE_DTYPES.values():
+            raise TypeError(f"checkpoint states are float32 or float64, not {data.dtype}")
+        mv = memoryview(np.ascontiguousarray(data)).cast("B")
         self.f.write(mv)
         self.bytes += len(mv)
         while len(mv):

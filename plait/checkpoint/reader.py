@@ -30,7 +30,6 @@ from plait.mesh import ParallelMesh
 from plait.parallel.parallelize import ParallelModel
 
 from .format import (
-    DTYPE,
     METADATA,
     CheckpointError,
     CorruptCheckpoint,
@@ -41,6 +40,7 @@ from .format import (
     intersect,
     is_committed,
     read_metadata,
+    state_dtype,
 )
 from .pieces import Piece, param_pieces, pieces
 
@@ -131,7 +131,8 @@ def read_pieces(path: Path, meta: dict, wanted: list[Piece],
     for p in wanted:
         shape = tuple(meta["tensors"][p.name]["shape"])
         need = global_runs(shape, p.box_offset, p.box_shape, p.start, p.stop)
-        buf = np.empty(p.stop - p.start, DTYPE)
+        dtype = state_dtype(meta, p.name)
+        buf = np.empty(p.stop - p.start, dtype)
         filled = 0
         for c in saved.get((p.name, p.state), []):
             key = id(c)
@@ -143,9 +144,9 @@ def read_pieces(path: Path, meta: dict, wanted: list[Piece],
                 continue
             lo = min(b for _, b, _ in pairs)
             hi = max(b + n for _, b, n in pairs)
-            raw = files[c["file"]].read(c["offset"] + DTYPE.itemsize * (lo - c["start"]),
-                                        c["offset"] + DTYPE.itemsize * (hi - c["start"]))
-            data = np.frombuffer(raw, DTYPE)
+            raw = files[c["file"]].read(c["offset"] + dtype.itemsize * (lo - c["start"]),
+                                        c["offset"] + dtype.itemsize * (hi - c["start"]))
+            data = np.frombuffer(raw, dtype)
             for a, b, n in pairs:
                 buf[a - p.start:a - p.start + n] = data[b - lo:b - lo + n]
                 filled += n
@@ -227,9 +228,10 @@ def _restore_rng(meta: dict, mesh: ParallelMesh) -> None:
 
 def full_tensor(path: Path, meta: dict, name: str, state: str = "master",
                 files: dict[str, VerifiedFile] | None = None) -> np.ndarray:
-    """One whole tensor (fp32), read from every chunk that holds part of it."""
+    """One whole tensor (as saved: fp32, or float64 from an fp64 run), read from every
+    chunk that holds part of it."""
     shape = tuple(meta["tensors"][name]["shape"])
-    out = torch.empty(shape, dtype=torch.float32, device="cpu")
+    out = torch.from_numpy(np.empty(shape, state_dtype(meta, name)))
     full = Piece(name, state, (0,) * len(shape), shape, 0, math.prod(shape), out, False)
     read_pieces(path, meta, [full], files)
     return out.numpy()

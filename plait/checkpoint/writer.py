@@ -120,16 +120,21 @@ def _make_tmp(mesh: ParallelMesh, root: Path, step: int) -> Path:
     return root / f"{step_dir(root, step).name}.tmp-{token}"
 
 
+def saved_dtype(cfg: Config) -> torch.dtype:
+    """What the states are saved in: float64 for a precision-fp64 run (its resume continues
+    exactly), else fp32 (masters and moments are fp32 at every other precision)."""
+    return torch.float64 if cfg.train.precision == "fp64" else torch.float32
+
+
 def _snapshot(par: ParallelModel, mesh: ParallelMesh, cfg: Config, copy: bool
               ) -> tuple[list[tuple[dict, torch.Tensor]], dict]:
     """This rank's pieces to write (chunk metadata, fp32 host tensor) and its RNG state.
     `copy`: host copies that later steps cannot change (a background write); otherwise
     views where the state is already on the host (written before training resumes)."""
-    out = []
+    out, saved = [], saved_dtype(cfg)
     for p in pieces(par, mesh, cfg.train.optimizer):
         if p.write:
-            host = p.tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32,
-                                                     copy=copy)
+            host = p.tensor.detach().reshape(-1).to(device="cpu", dtype=saved, copy=copy)
             out.append(({"name": p.name, "state": p.state, "box_offset": list(p.box_offset),
                          "box_shape": list(p.box_shape), "start": p.start, "stop": p.stop},
                         host))
@@ -228,6 +233,7 @@ def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
         chunks += m["chunks"]
         rng[str(r)] = m["rng"]
     model = build_model(cfg.model, seed=0, device="meta")  # names and global shapes
+    dtype = str(saved_dtype(cfg)).removeprefix("torch.")
     meta = {
         "format": FORMAT, "plait_version": plait_version(), "torch_version": torch.__version__,
         "step": step, "created": datetime.datetime.now(datetime.UTC).isoformat(),
@@ -238,10 +244,10 @@ def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
         "config": cfg.to_dict(), "progress": {"next_step": step, **progress},
         "optimizer": {"kind": cfg.train.optimizer, "steps": progress["optimizer_steps"],
                       "states": list(states_of(cfg.train.optimizer))},
-        "tensors": {**{n: {"shape": list(p.shape), "dtype": "float32"}
+        "tensors": {**{n: {"shape": list(p.shape), "dtype": dtype}
                        for n, p in model.named_parameters()},
                     # training state beside the parameters (MoE balancing biases)
-                    **{f"{n}.bias": {"shape": [m.bias.numel()], "dtype": "float32",
+                    **{f"{n}.bias": {"shape": [m.bias.numel()], "dtype": dtype,
                                      "kind": "buffer", "states": ["master"]}
                        for n, m in moe_layers([model])}},
         "rng": rng, "block_bytes": BLOCK, "files": files, "chunks": chunks,

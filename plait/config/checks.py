@@ -220,8 +220,13 @@ def train_problems(cfg: Config) -> list[str]:
          f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
          "model.max_seq_len"),
         (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
-        (t.precision not in ("fp32", "bf16", "fp8"),
-         f"train.precision={t.precision!r}; use 'fp32', 'bf16' or 'fp8'"),
+        (t.precision not in ("fp32", "bf16", "fp8", "fp64"),
+         f"train.precision={t.precision!r}; use 'fp32', 'bf16', 'fp8' or 'fp64'"),
+        (t.fp8_compute not in ("bf16", "fp32", "fp64"),
+         f"train.fp8_compute={t.fp8_compute!r}; use 'bf16', 'fp32' or 'fp64'"),
+        (t.fp8_compute != "bf16" and t.precision != "fp8",
+         f"train.fp8_compute={t.fp8_compute!r} applies to --precision fp8 only (it is "
+         f"{t.precision!r}); drop the setting or use --precision fp8"),
         (t.precision == "fp8" and m.n_experts > 0,
          "train.precision='fp8' is not built for MoE models (the routed experts' grouped "
          "GEMMs have no float8 path); use --precision bf16"),

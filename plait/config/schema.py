@@ -139,8 +139,13 @@ class TrainConfig:
     # parity check that a gradient off by a constant factor cannot pass (docs/parity.md)
     optimizer: str = "adamw"
     # "fp32" | "bf16" (bf16 compute, fp32 master weights) | "fp8" (bf16, and the blocks'
-    # linears in float8: plait/parallel/fp8.py)
+    # linears in float8: plait/parallel/fp8.py) | "fp64" (everything in float64: the
+    # parity oracle's precision, and a divergence's debugger; plait/model/precision.py)
     precision: str = "fp32"
+    # under precision "fp8": the dtype of everything but the float8 GEMMs, and of those
+    # GEMMs' accumulation: "bf16" (a real run), "fp32" or "fp64" (proof: the float8
+    # quantisation is then the only difference between layouts' roundings, docs/parity.md)
+    fp8_compute: str = "bf16"
     recompute: str = "none"  # "none" | "selective" | "full" (per block; docs/recompute.md)
     # selective: the operator groups recomputed; the others' outputs are saved
     # (plait/model/recompute.py: matmul, attention, elementwise)

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import Function
 
+from plait.model.precision import wide_dtype, widened
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 # the scale's floor keeps an all-zero tensor finite (its scale is then huge, its values 0)
@@ -51,21 +53,25 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 scale that maps `amax` onto `dtype`'s largest finite value."""
-    return fp8_max(dtype) / amax.float().clamp(min=AMAX_FLOOR)
+    """The fp32 scale (float64 for a float64 `amax`) that maps `amax` onto `dtype`'s
+    largest finite value."""
+    return fp8_max(dtype) / widened(amax).clamp(min=AMAX_FLOOR)
 
 
 def to_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t * scale rounded to `dtype` (round to nearest even), saturated at its max."""
     m = fp8_max(dtype)
-    return (t.float() * scale).clamp(-m, m).to(dtype)
+    return (widened(t) * scale).clamp(-m, m).to(dtype)
 
 
 def emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor,
                        b_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """(a * a_inv) @ (b * b_inv) for float8 `a` (M, K) and `b` (K, N): fp32 products and
-    sums, rounded once to `out_dtype`, as the float8 kernel does."""
-    return ((a.float() @ b.float()) * (a_inv * b_inv)).to(out_dtype)
+    sums, rounded once to `out_dtype`, as the float8 kernel does; a float64 `out_dtype`
+    (`train.fp8_compute = "fp64"`, the parity oracle) accumulates in float64, so that
+    reordered sums of the same float8 products differ by float64's rounding only."""
+    acc = wide_dtype(out_dtype)
+    return ((a.to(acc) @ b.to(acc)) * (a_inv * b_inv).to(acc)).to(out_dtype)
 
 
 def _kernel_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -78,7 +84,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
               out_dtype: torch.dtype, kernel: bool = True) -> torch.Tensor:
     """The float8 GEMM (a (M, K) @ b (K, N), fp32 accumulation, per-tensor inverse scales):
     torch's kernel on a GPU that has it, else `emulated_scaled_mm` (`kernel` False: always)."""
-    if not (kernel and _kernel_runs(a, b)):
+    if not (kernel and out_dtype != torch.float64 and _kernel_runs(a, b)):
         return emulated_scaled_mm(a, b, a_inv, b_inv, out_dtype)
     # the kernel takes the first operand row-major and the second column-major
     return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_inv.reshape(()),
@@ -97,7 +103,7 @@ class Float8Settings:
 
 
 def _amax(*ts: torch.Tensor) -> torch.Tensor:
-    return torch.stack([t.detach().abs().amax().float() for t in ts])
+    return torch.stack([widened(t.detach().abs().amax()) for t in ts])
 
 
 class _Float8Linear(Function):

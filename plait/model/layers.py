@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.model.precision import widened
 from plait.model.rope import Positions
 
 
@@ -17,8 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 for stability, return in the input dtype
-        xf = x.float()
+        # normalise in fp32 (or wider) for stability, return in the input dtype
+        xf = widened(x)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.to(x.dtype) * self.weight
 

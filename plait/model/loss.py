@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.model.precision import widened
+
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -29,7 +31,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens_in_global_bat
     """
     if loss_fn is not None:
         return loss_fn(logits, targets) / tokens_in_global_batch
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+    loss_sum = F.cross_entropy(widened(logits).reshape(-1, logits.shape[-1]),
                                targets.reshape(-1), reduction="sum")
     return loss_sum / tokens_in_global_batch
 

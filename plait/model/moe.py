@@ -35,18 +35,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from plait.model.precision import widened
 from plait.model.presets import ModelConfig
 
 
 class Router(nn.Module):
-    """Scores per expert, computed in fp32 so routing is the same at every precision."""
+    """Scores per expert, computed in fp32 (float64 in an fp64 run) so routing is the same
+    at every lower precision."""
 
     def __init__(self, dim: int, n_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(widened(x), widened(self.weight))
 
 
 class Experts(nn.Module):
@@ -96,8 +98,8 @@ class _DenseGrad(Function):
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    # grouped_mm: CPU in fp32/bf16; CUDA needs bf16 on sm90+ (else the loop)
-    if not hasattr(F, "grouped_mm"):
+    # grouped_mm: CPU in fp32/bf16 (float64: the loop); CUDA needs bf16 on sm90+
+    if not hasattr(F, "grouped_mm") or x.dtype == torch.float64:
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
@@ -124,13 +126,13 @@ class _BalanceGrad(Function):
 
     @staticmethod
     def forward(ctx, out, aux, moe, stats):
-        ctx.moe, ctx.stats = moe, stats
+        ctx.moe, ctx.stats, ctx.aux_dtype = moe, stats, aux.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.moe.record(*ctx.stats)
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device), None, None
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device), None, None
 
 
 class MoE(nn.Module):

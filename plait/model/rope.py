@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.model.precision import widened
 from plait.model.presets import ModelConfig
 
 
@@ -65,7 +66,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x: (batch, heads, seq, head_dim); cos, sin broadcast
     against (batch, heads, seq, head_dim/2)."""
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    x1, x2 = widened(x[..., 0::2]), widened(x[..., 1::2])
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.to(x.dtype)
 

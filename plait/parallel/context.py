@@ -51,6 +51,7 @@ from plait.config import Config
 from plait.dims.cp import a2a_degree
 from plait.mesh import ParallelMesh
 from plait.model.packed import document_mask
+from plait.model.precision import wide_dtype, widened
 from plait.model.rope import Positions
 from plait.model.transformer import CausalAttentionCore
 from plait.parallel.attention_blocks import (
@@ -228,7 +229,7 @@ def _ring_forward(ring: Ring, q: torch.Tensor, kv: torch.Tensor, scale: float,
                                              ring.mesh, ring.dim, tag=f"{ring.tag}.fwd")
             sends.append(send)
         c0 = time.thread_time()
-        k, v = (t.float() for t in _unpack(cur, dk))
+        k, v = (widened(t) for t in _unpack(cur, dk))
         for i, j, causal in ring.pairs(src, split):
             mask = ring.block_mask(docs, i, src, j, causal, split)
             if mask is not None and not mask.any():
@@ -264,8 +265,8 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None, s
                                              ring.mesh, ring.dim, tag=f"{ring.tag}.bwd")
             sends.append(s)
         c0 = time.thread_time()
-        k, v = (t.float() for t in _unpack(cur, dk))
-        dkv = torch.zeros(cur.shape, dtype=torch.float32, device=cur.device)
+        k, v = (widened(t) for t in _unpack(cur, dk))
+        dkv = torch.zeros(cur.shape, dtype=wide_dtype(cur.dtype), device=cur.device)
         for i, j, causal in ring.pairs(src, split):
             mask = ring.block_mask(docs, i, src, j, causal, split)
             if mask is not None and not mask.any():
@@ -282,7 +283,7 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None, s
         else:
             if acc_in is not None:  # the accumulator for this chunk, from the previous rank
                 acc_in[1].wait()
-                dkv += acc_in[0].float()
+                dkv += widened(acc_in[0])
             buf = torch.empty_like(kv)
             s, r = ops.batch_send_recv([(dkv.to(kv.dtype), ring.peer(1))],
                                        [(buf, ring.peer(-1))], ring.mesh, ring.dim,
@@ -294,7 +295,7 @@ def _ring_backward(ring: Ring, q, kv, out, lse, dout, scale: float, docs=None, s
             cur = nxt
     if acc_in is not None:  # my own chunk's dK/dV from every other rank
         acc_in[1].wait()
-        own += acc_in[0].float()
+        own += widened(acc_in[0])
     for h in sends:
         h.wait()
     return dq, own
@@ -307,7 +308,7 @@ class _RingAttention(Function):
     def forward(ctx, q, k, v, ring: Ring, docs, split=None):
         scale = q.shape[-1] ** -0.5
         kv = _pack(k, v)
-        out, lse = _ring_forward(ring, q.float(), kv, scale, docs, split)
+        out, lse = _ring_forward(ring, widened(q), kv, scale, docs, split)
         out = out.to(q.dtype)  # kept in the compute dtype, as a flash kernel keeps it
         ctx.save_for_backward(q, kv, out, lse)
         ctx.ring, ctx.scale, ctx.docs, ctx.split = ring, scale, docs, split
@@ -316,8 +317,8 @@ class _RingAttention(Function):
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = _ring_backward(ctx.ring, q.float(), kv, out.float(), lse,
-                                 dout.float().contiguous(), ctx.scale, ctx.docs, ctx.split)
+        dq, dkv = _ring_backward(ctx.ring, widened(q), kv, widened(out), lse,
+                                 widened(dout).contiguous(), ctx.scale, ctx.docs, ctx.split)
         dk, dv = _unpack(dkv.to(kv.dtype), q.shape[-1])
         return dq.to(q.dtype), dk, dv, None, None, None
 

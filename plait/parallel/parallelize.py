@@ -56,6 +56,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.model.precision import compute_dtype
 from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer, fill_in_place
 from plait.parallel.compile import compile_blocks
@@ -66,8 +67,11 @@ from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
 from plait.placement import PlacementTable
 
-# fp8: bf16 compute and parameters, the blocks' linears in float8 (plait/parallel/fp8.py)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+def model_dtype(cfg: Config) -> torch.dtype:
+    """The parameters' and activations' dtype of `cfg.train` (fp8: bf16, or its
+    `fp8_compute`, with the blocks' linears in float8: plait/parallel/fp8.py)."""
+    return compute_dtype(cfg.train.precision, cfg.train.fp8_compute)
 
 
 @dataclass
@@ -106,7 +110,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
                          f"only the layers it holds; got parameters on {sorted(on_meta)}")
     placements = PlacementTable()
     model.recompute = Recompute.of(cfg.train.recompute, cfg.train.recompute_ops)  # 1.
-    pipe = build_pipeline(cfg, mesh.coord("pp"), DTYPES[cfg.train.precision],  # 2. pp
+    pipe = build_pipeline(cfg, mesh.coord("pp"), model_dtype(cfg),  # 2. pp
                           placements, model=model, device=mesh.device.torch,
                           fill=not shard_init)
     prepare_moe_blocks(pipe.stages.values(), mesh, cfg, placements)  # 3. (before tp)

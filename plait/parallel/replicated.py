@@ -18,6 +18,7 @@ from torch import nn
 from plait import comm
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.model.precision import wide_dtype, widened
 from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import reduce_dim
@@ -63,7 +64,7 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh,
     """
     grads = [(p, p.grad) for p in params if p.grad is not None]
     if not placements.any_sharded([p for p, _ in grads]) or mesh.world_size == 1:
-        sq = sum(float(g.float().pow(2).sum()) for _, g in grads)
+        sq = sum(float(widened(g).pow(2).sum()) for _, g in grads)
         if summed_with is not None:  # the norm has no all-reduce to carry it
             comm.all_reduce(summed_with, mesh, "dp", tag="metrics")
         return math.sqrt(sq)
@@ -168,11 +169,11 @@ class ReplicatedOptimizer:
         """Nothing: the update writes the parameters in place."""
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {n: q.detach().float().clone() for n, q in self.model.named_parameters()}
+        return {n: widened(q.detach()).clone() for n, q in self.model.named_parameters()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {n: (q.grad.detach().float().clone() if q.grad is not None
-                    else torch.zeros(q.shape, device=q.device))
+        return {n: (widened(q.grad.detach()).clone() if q.grad is not None
+                    else torch.zeros(q.shape, dtype=wide_dtype(q.dtype), device=q.device))
                 for n, q in self.model.named_parameters()}
 
     # ---- checkpoints (GradSyncOptimizer: held_states, params_read_on_load, finish_load) ----

@@ -52,6 +52,7 @@ from plait.comm.autograd import (
     reduce_scatter_to_sp,
 )
 from plait.mesh import ParallelMesh
+from plait.model.precision import widened
 from plait.model.presets import ModelConfig
 from plait.parallel import async_tp as async_tp_mod
 from plait.placement import PlacementTable, Split
@@ -158,7 +159,7 @@ class _VocabParallelCE(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, mesh, start, valid):
-        z = logits.float()
+        z = widened(logits)
         n_local = z.shape[-1]
         if valid < n_local:  # padding columns of the vocabulary never win or count
             z = z.clone()
@@ -414,13 +415,14 @@ def gather_full_state(model: nn.Module, mesh: ParallelMesh, placements: Placemen
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         meta = placements.of(p).split_on(DIM)
-        local = (p if local_state is None else local_state[name]).detach().float()
+        local = widened((p if local_state is None else local_state[name]).detach())
         if meta is None or mesh.size(DIM) == 1:
             out[name] = local.clone()
             continue
         t = mesh.size(DIM)
         front = local.movedim(meta.axis, 0).contiguous()
-        buf = torch.empty((t * front.shape[0], *front.shape[1:]), device=front.device)
+        buf = torch.empty((t * front.shape[0], *front.shape[1:]), dtype=front.dtype,
+                          device=front.device)
         ops.all_gather(buf, front, mesh, DIM, tag="state")
         slices = buf.view(t, *front.shape)[:: meta.replicas]
         full = slices.reshape(-1, *front.shape[1:]).movedim(0, meta.axis)

@@ -48,6 +48,7 @@ from torch import nn
 from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
+from plait.model.precision import widened
 from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel import zero_fp8
 from plait.parallel.backward_graph import in_backward, input_gradient_computed, input_node
@@ -487,13 +488,14 @@ class ZeroOptimizer(NamedShards):
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full fp32 gradients by name (summed over dp), from every rank's gradient shard;
         call between backward and step()."""
-        return self._gather_by_name(lambda u: u.grad_shard.float() if u.grad_shard is not None
-                                    else torch.zeros(u.k, device=u.master.device))
+        return self._gather_by_name(lambda u: widened(u.grad_shard) if u.grad_shard is not None
+                                    else torch.zeros(u.k, dtype=u.master.dtype,
+                                                     device=u.master.device))
 
     def _gather_by_name(self, shard_of) -> dict[str, torch.Tensor]:
         out = {}
         for u in self.units:
-            full = torch.empty(u.k * u.n, dtype=torch.float32, device=u.master.device)
+            full = torch.empty(u.k * u.n, dtype=u.master.dtype, device=u.master.device)
             comm.all_gather(full, shard_of(u), self.mesh, u.dim, tag="state")
             for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
                 out[name] = full[off:off + p.numel()].view(p.shape).clone()

@@ -22,6 +22,7 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.model.fp8 import E4M3, scale_for, to_fp8
+from plait.model.precision import wide_dtype, widened
 from plait.parallel.fp8 import AMAX_TAG
 from plait.parallel.tensor import DIM as TP
 from plait.parallel.zero_units import _Unit
@@ -33,11 +34,12 @@ def cast_shards(units: list[_Unit], mesh: ParallelMesh) -> None:
     fp8 = [u for u in units if u.fp8_modules]
     if not fp8:
         return
-    amax = {id(u): torch.zeros(len(u.params), device=u.shard.device) for u in fp8}
+    amax = {id(u): torch.zeros(len(u.params), dtype=wide_dtype(u.shard.dtype),
+                               device=u.shard.device) for u in fp8}
     for u in fp8:
         index = {id(p): i for i, p in enumerate(u.params)}
         for a, b, p in u.segments():
-            amax[id(u)][index[id(p)]] = u.shard[a:b].detach().abs().amax().float()
+            amax[id(u)][index[id(p)]] = widened(u.shard[a:b].detach().abs().amax())
     for dim in dict.fromkeys(u.dim for u in fp8):
         on_dim = [u for u in fp8 if u.dim == dim]
         flat = torch.cat([amax[id(u)] for u in on_dim])

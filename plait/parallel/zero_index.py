@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from plait.mesh import ParallelMesh
+from plait.model.precision import wide_dtype
 from plait.parallel.held import HeldState
 from plait.placement import FlatShard, PlacementTable, Split
 
@@ -102,7 +103,7 @@ def build_shard_index(named: list[tuple[str, torch.Tensor]], placements: Placeme
             rows = whole_rows(shape, a, b)
             offset = fs.offset + a - r * fs.shard_numel
             out.extend(ShardSlice(name, state, r, a, b, rows, shape,
-                                  p.dtype if state == "param" else torch.float32,
+                                  p.dtype if state == "param" else wide_dtype(p.dtype),
                                   fs.unit, offset, pl.full_shape, pl.splits)
                        for state in states)
     return tuple(out)

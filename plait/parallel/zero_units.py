@@ -11,6 +11,7 @@ from torch import nn
 
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
+from plait.model.precision import widened
 from plait.parallel.buckets import backward_runs
 from plait.parallel.expert import reduce_dim
 from plait.parallel.fp8 import is_float8
@@ -43,7 +44,7 @@ class _Unit:
         for p, off in zip(self.params, self.offsets, strict=True):
             self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.full[off:off + p.numel()].view_as(p)
-        self.master = self.full[self.lo:self.hi].float().clone()
+        self.master = widened(self.full[self.lo:self.hi]).clone()
         # Adam's moments (SGD keeps none: empty tensors, nothing to count)
         none = torch.zeros(0, device=dev)
         self.exp_avg = torch.zeros_like(self.master) if moments else none

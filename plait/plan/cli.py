@@ -129,7 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--global-batch", type=int, metavar="N", help="sequences per step")
     t.add_argument("--global-batch-tokens", type=int, metavar="N",
                    help="tokens per step (/ seq), instead of --global-batch")
-    t.add_argument("--precision", default=None, choices=list(PRECISIONS),
+    # fp64 is the parity oracle's precision on CPU, not a GPU run the planner prices
+    t.add_argument("--precision", default=None, choices=[p for p in PRECISIONS if p != "fp64"],
                    help="default bf16, what GPU runs use (plait train's default: fp32); "
                    "fp8: the blocks' linears in float8 at the GPU's float8 peak "
                    "(docs/float8.md)")

@@ -46,6 +46,8 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "bf16": (2, 2, 12, 2),  # ZeRO paper's mixed precision: fp32 master + m + v
     "bf16-fp32grad": (2, 4, 12, 2),  # Megatron: fp32 gradient accumulation buffer
     "fp32": (4, 4, 8, 4),  # m + v; the parameters are the master copy
+    # the parity oracle's precision: everything float64, the parameters their own masters
+    "fp64": (8, 8, 16, 8),
     # bf16's states and activations; the blocks' weight GEMMs in float8 (plait/plan/fp8.py)
     "fp8": (2, 2, 12, 2),
 }

@@ -340,6 +340,11 @@ def not_covered(cfg: Config) -> str | None:
     form (kernels='fused') and the host check (plait/plan/host_memory.py) price the last
     ZeRO ones."""
     p = cfg.parallel
+    if cfg.train.precision == "fp64":
+        return ("train.precision=fp64: the eager memory model prices fp32 and bf16 runs "
+                "(their fp32 temporaries, masters and moments), not the float64 oracle's, "
+                "whose tensors are each twice their fp32 size; predict the fp32 run (about "
+                "half the float64 run's bytes) or use kernels='fused'")
     if cfg.model.mla:
         return ("model.attention=mla: the eager memory model follows the GQA block's "
                 "tensors only (not the latents, their norms and the per-head K/V of "

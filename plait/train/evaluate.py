@@ -27,7 +27,7 @@ from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.parallel.context import documents_positions
-from plait.parallel.parallelize import DTYPES, parallelize
+from plait.parallel.parallelize import model_dtype, parallelize
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.train.data import DataError, TokenFile, end_of_document
 
@@ -78,7 +78,7 @@ def evaluate(cfg: Config, mesh: ParallelMesh, data: TokenFile, sequences: int | 
         load_initial(par, mesh, cfg, t.init_from)
     mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
     boundary = {st.boundary_shape(mbs, s) for st in par.stages.values()}.pop()
-    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary, DTYPES[t.precision],
+    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary, model_dtype(cfg),
                               before_weight_grad=par.optimizer.before_backward,
                               after_weight_grad=par.optimizer.after_backward,
                               positions=par.positions)

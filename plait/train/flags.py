@@ -68,7 +68,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=int, metavar="N", help=_setting_help(name))
     p.add_argument("--lr", type=float, help=_setting_help("lr"))
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, help=_setting_help("schedule"))
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), help=_setting_help("precision"))
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp8", "fp64"),
+                   help=_setting_help("precision"))
     p.add_argument("--recompute", choices=("none", "selective", "full"),
                    help=_setting_help("recompute"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"),
@@ -150,7 +151,8 @@ _SETTING_HELP = {
     "zero": "ZeRO stage 0-3", "microbatches": "micro-batches per step per replica",
     "virtual-stages": "pipeline stages per rank", "gpus-per-node": "ranks per node",
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
-    "dtype (fp32 masters either way); fp8: bf16 with the blocks' linears in float8",
+    "dtype (fp32 masters either way); fp8: bf16 with the blocks' linears in float8 "
+    "(train.fp8_compute); fp64: everything in float64, the parity oracle's precision",
     "recompute": "activation recompute per block: "
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",

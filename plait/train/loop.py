@@ -24,13 +24,14 @@ from plait.config import Config
 from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.packed import kept_targets
+from plait.model.precision import widened
 from plait.model.transformer import build_model
 from plait.optim import clip_coefficient
 from plait.parallel.context import documents_positions
 from plait.parallel.expert import finish_moe_step
 from plait.parallel.fault_tolerance import FaultTolerantReplicas, held_tensors
 from plait.parallel.optimizer import GradSyncOptimizer
-from plait.parallel.parallelize import DTYPES, ParallelModel, gather_split_state, parallelize
+from plait.parallel.parallelize import ParallelModel, gather_split_state, model_dtype, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.post_validation import PostValidation
@@ -77,7 +78,7 @@ def full_state(model: torch.nn.Module, optimizer: GradSyncOptimizer | None = Non
         if optimizer is not None:
             state = optimizer.full_state()
         else:
-            state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+            state = {n: widened(p.detach()).clone() for n, p in model.named_parameters()}
         return _by_model_name(model, mesh, placements, state)
 
 
@@ -144,7 +145,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     boundary = {st.boundary_shape(mbs, t.seq_len) for st in par.stages.values()}
     if len(boundary) != 1:
         raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
-    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(), DTYPES[t.precision],
+    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(), model_dtype(cfg),
                               before_weight_grad=opt.before_backward,
                               after_weight_grad=opt.after_backward,
                               positions=par.positions)

@@ -4,7 +4,8 @@ Same model, seed, data order and global batch as any layout, but none of plait's
 loss, schedule or optimizer code: the whole global batch in one forward/backward, the mean
 cross-entropy by `F.cross_entropy(reduction="mean")`, the learning rate from its own
 formula, its own weight-decay grouping, torch's AdamW or SGD (foreach off, so the
-arithmetic matches element-wise) and torch's clip_grad_norm_. fp32 only.
+arithmetic matches element-wise) and torch's clip_grad_norm_. In float64 when the run's
+precision is fp64 (the oracle's precision, docs/parity.md), else in fp32.
 
 What it shares with plait is the model (`build_model`, checked on its own by
 tests/test_model.py: causality, RoPE, norms, attention against naive formulas) and the
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from plait.config import Config
 from plait.model.moe import MoE
+from plait.model.precision import widened
 from plait.model.transformer import build_model
 from plait.train.data import GlobalBatches
 
@@ -36,6 +38,7 @@ class Reference:
     # MoE models, per step: balance loss, the worst layer's max / mean load, dropped
     # assignments, the biases by name after the step
     moe: list[dict] = field(default_factory=list)
+    lr: float = 0.0  # the peak learning rate: the scale of a parameter's error after Adam
 
 
 def reference_lr(step: int, cfg: Config) -> float:
@@ -83,16 +86,17 @@ def documents_loss(model: torch.nn.Module, tokens: torch.Tensor, eot: int) -> to
     end-of-document token `eot`) run through the model as a sequence of its own, at
     positions 0.., with plain causal attention; the mean cross-entropy over the targets
     of every document's tokens but its end-of-document token's (the next document's)."""
-    total, count = torch.zeros(()), 0
+    total, count = None, 0
     for row in tokens:
         x, y = row[:-1], row[1:]
         ends = [int(e) + 1 for e in (x == eot).nonzero().flatten()]
         for a, b in zip([0, *ends], [*ends, len(x)], strict=True):
             if a == b:
                 continue
-            logits = model(x[a:b].unsqueeze(0))[0].float()
+            logits = widened(model(x[a:b].unsqueeze(0))[0])
             keep = x[a:b] != eot
-            total = total + F.cross_entropy(logits[keep], y[a:b][keep], reduction="sum")
+            part = F.cross_entropy(logits[keep], y[a:b][keep], reduction="sum")
+            total = part if total is None else total + part
             count += int(keep.sum())
     return total / count
 
@@ -100,9 +104,10 @@ def documents_loss(model: torch.nn.Module, tokens: torch.Tensor, eot: int) -> to
 def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
     """Loss, grad norm per step, first-step gradients and final parameters, single process."""
     t = cfg.train
-    model = build_model(cfg.model, seed=t.seed)
+    dtype = torch.float64 if t.precision == "fp64" else torch.float32
+    model = build_model(cfg.model, seed=t.seed, dtype=dtype)
     optim = _optimizer(cfg, model)
-    ref = Reference()
+    ref = Reference(lr=t.lr)
     moes = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
     if moes and t.documents:  # routing is per token, but the balance loss is per forward
         raise ValueError("the reference runs packed documents for dense models only")
@@ -114,7 +119,7 @@ def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
             loss = documents_loss(model, tokens, batches.end_of_document())
         else:
             logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+            loss = F.cross_entropy(widened(logits).reshape(-1, logits.shape[-1]),
                                    tokens[:, 1:].reshape(-1), reduction="mean")
         loss.backward()
         if step == 0:

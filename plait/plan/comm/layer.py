@@ -33,7 +33,7 @@ hidden x bytes; the ledger's payload is the full message, see plait/ledger.py):
                       scatter forward, all-gather backward), the head input's all-reduce
                       backward (SP: all-gather forward, reduce-scatter backward, the final
                       norm's gradient all-reduce); the vocab-parallel loss's max and sums
-                      (fp32, 4 + 8 bytes a token)
+                      (fp32, 4 + 8 bytes a token; float64 in an fp64 run)
 """
 
 from __future__ import annotations
@@ -253,8 +253,9 @@ def tp_collectives(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
         g = shape.mla_replicated_params() * b.e
         add("all-reduce (MLA down-projections' grads)", g, visits,
             price.all_reduce(g, b.tp, bw, al)[0], "none: each micro-batch's backward")
-    for what, nbytes in (("max", 4), ("sums", 8)):
+    wide = max(4, b.e)  # the loss's fp32 (float64 in an fp64 run) max and two sums
+    for what, nbytes in (("max", wide), ("sums", 2 * wide)):
         size = b.tokens * nbytes
-        add(f"all-reduce (vocab-parallel loss {what}, fp32)", size, (1 + rerun) * head_m,
+        add(f"all-reduce (vocab-parallel loss {what}, fp{8 * wide})", size, (1 + rerun) * head_m,
             price.all_reduce(size, b.tp, bw, al)[0], "none: on the critical path")
     return out
