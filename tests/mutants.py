@@ -16,8 +16,8 @@ A control run (no mutant) over the union of the selections must pass.
     .venv/bin/python tests/mutants.py --list
 
 Not collected by pytest (the name does not start with test_). Exits non-zero when a
-mutant is not caught, is broken, or the control fails. Does not use tests/test_cli.py:
-its torchrun subprocesses would not see the patch.
+mutant is not caught, is broken, or the control fails. Processes a test launches apply
+the mutant too (tests/mutant_plugin.py, tests/mutant_site/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -350,11 +350,13 @@ MUTANTS = [
 ]
 
 from tests.mutants_fp8 import MUTANTS as FP8_MUTANTS  # noqa: E402
+from tests.mutants_oracle import MUTANTS as ORACLE_MUTANTS  # noqa: E402
 from tests.mutants_parallel import MUTANTS as PARALLEL_MUTANTS  # noqa: E402
 from tests.mutants_pipeline import MUTANTS as PIPELINE_MUTANTS  # noqa: E402
 from tests.mutants_plan_gpu import MUTANTS as PLAN_GPU_MUTANTS  # noqa: E402
 
-MUTANTS += PIPELINE_MUTANTS + PARALLEL_MUTANTS + FP8_MUTANTS + PLAN_GPU_MUTANTS
+MUTANTS += (PIPELINE_MUTANTS + PARALLEL_MUTANTS + FP8_MUTANTS + PLAN_GPU_MUTANTS
+            + ORACLE_MUTANTS)
 
 
 # ---- the runner ---------------------------------------------------------------------------

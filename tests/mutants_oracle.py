@@ -1,0 +1,187 @@
+"""Mutants for the oracle's former holes (tests/mutants.py runs them): hierarchical context
+parallel's groups, DCP export's names, the expert capacity drop, token dispatch's gates,
+the non-finite skip, checkpoints' keep order and commit marker, and fault tolerance's row
+mapping and launcher. The last two are caught by a process-tree test: the launched
+interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
+
+from __future__ import annotations
+
+import math
+
+from tests.mutant_kit import Mutant, _Namespace
+
+
+def hierarchy_groups_transposed():
+    """The all-to-all groups take the ranks at one place of each run, the ring the runs."""
+    import torch.distributed as dist
+
+    from plait.parallel import context, context_a2a
+
+    def transposed(mesh, dim, degree):
+        whole = sorted({tuple(mesh.ranks_along(dim, r)) for r in range(mesh.world_size)})
+        for name, pick in ((context_a2a.INNER, 1), (context_a2a.OUTER, 0)):
+            for w in whole:
+                runs = [list(w[i:i + degree]) for i in range(0, len(w), degree)]
+                cols = [list(c) for c in zip(*runs, strict=True)]
+                for ranks in (runs, cols)[pick]:
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if mesh.rank in ranks:
+                        mesh.group_ranks[name], mesh.groups[name] = ranks, group
+
+    context_a2a.add_hierarchy_groups = transposed
+    context.add_hierarchy_groups = transposed
+
+
+def dcp_export_w1_w3_swapped():
+    """plait export dcp: writes the MLP's gate projection under the up projection's name."""
+    from plait.checkpoint import dcp
+
+    names = dcp.export_names
+
+    def swapped(m):
+        out = names(m)
+        for theirs in list(out):
+            if theirs.endswith("feed_forward.w1.weight"):
+                other = theirs.replace(".w1.", ".w3.")
+                out[theirs], out[other] = out[other], out[theirs]
+        return out
+
+    dcp.export_names = swapped
+
+
+def capacity_one_past():
+    """An expert keeps C + 1 assignments of a sequence, not C."""
+    import torch.nn.functional as F
+
+    from plait.model.moe import MoE
+
+    def keep(self, chosen, seq_counts):
+        if self.capacity_factor is None:
+            return None
+        length = int(seq_counts[0].sum()) // self.k
+        cap = math.ceil(self.capacity_factor * length * self.k / self.n)
+        onehot = F.one_hot(chosen, self.n)
+        position = (onehot.cumsum(1) * onehot).sum(-1) - 1
+        return (position <= cap).reshape(-1)
+
+    MoE._capacity_keep = keep
+
+
+def token_dispatch_gates_dropped():
+    """Token dispatch: the destination sums a token's expert outputs without its gates."""
+    import torch
+
+    from plait.parallel.expert import AllToAllDispatch
+
+    by_token = AllToAllDispatch._by_token
+
+    def ungated(self, flat, slots, gates, counts, experts, k):
+        return by_token(self, flat, slots, torch.ones_like(gates), counts, experts, k)
+
+    AllToAllDispatch._by_token = ungated
+
+
+def nonfinite_step_applied():
+    """A step whose global grad norm is not finite updates the weights anyway."""
+    from plait.train import loop
+
+    loop.math = _Namespace(math, isfinite=lambda x: True)
+
+
+def keep_prunes_the_newest():
+    """--keep K deletes the newest committed checkpoints, not the oldest."""
+    import shutil
+
+    from plait.checkpoint import writer
+
+    def prune(root, keep):
+        committed = [p for _, p, ok in writer.checkpoints(root) if ok]
+        gone = committed[:max(len(committed) - keep, 0)]
+        for p in gone:
+            shutil.rmtree(p, ignore_errors=True)
+        return gone
+
+    writer.prune = prune
+
+
+def commit_marker_ignored():
+    """A step directory counts as a checkpoint without its COMMITTED marker."""
+    from pathlib import Path
+
+    from plait.checkpoint import format as ck_format
+    from plait.checkpoint import reader
+
+    def committed(path):
+        return Path(path).is_dir()
+
+    ck_format.is_committed = committed
+    reader.is_committed = committed
+
+
+def ft_rows_of_the_replica():
+    """Fault tolerance: a replica trains its own rows for every slot it holds, a lost
+    replica's slot included."""
+    from plait.parallel.fault_tolerance import FaultTolerantReplicas
+
+    def rows_of(self, slot):
+        n = self.mesh.size("dp")
+        return self.replica * n + self.mesh.coord("dp"), self.count * n
+
+    FaultTolerantReplicas.rows_of = rows_of
+
+
+def ft_launcher_rows_twice():
+    """The replica launcher writes each committed step's metrics row twice (a redone step
+    logged again)."""
+    import json
+
+    from plait.launch.replicas import ReplicaLauncher
+
+    read = ReplicaLauncher._read_rows
+
+    def twice(self):
+        before = len(self.rows)
+        read(self)
+        if self.metrics is not None:
+            for row in self.rows[before:]:
+                self.metrics.write_line(json.dumps(row))
+
+    ReplicaLauncher._read_rows = twice
+
+
+CONTEXT_MODES = "tests/test_context_modes.py::"
+EP = "tests/test_expert_parallel.py::"
+FT = "tests/test_fault_tolerance.py::"
+
+MUTANTS = [
+    Mutant("cp-hierarchy-groups-transposed",
+           "hierarchical context parallel: all-to-all across the runs, the ring inside them",
+           hierarchy_groups_transposed,
+           [CONTEXT_MODES + "test_hierarchical_all_to_all_pairs_and_ring_across"]),
+    Mutant("dcp-export-w1-w3-swapped", "DCP export names the gate projection as the up one",
+           dcp_export_w1_w3_swapped,
+           ["tests/test_dcp.py::test_plait_export_read_by_dcp_into_fsdp2"]),
+    Mutant("moe-capacity-one-past", "an expert keeps one assignment past its capacity",
+           capacity_one_past,
+           [EP + "test_capacity_keeps_the_first_tokens_of_each_expert_per_sequence"]),
+    Mutant("ep-token-dispatch-ungated", "token dispatch sums expert outputs without gates",
+           token_dispatch_gates_dropped,
+           [EP + "test_parity[dp=4,ep=4,ep_dispatch=token]"]),
+    Mutant("nonfinite-step-applied", "a non-finite grad norm's update is applied anyway",
+           nonfinite_step_applied,
+           ["tests/test_nonfinite.py::"
+            "test_one_nonfinite_step_is_skipped_everywhere_and_resume_counts_updates"]),
+    Mutant("ckpt-keep-prunes-newest", "--keep deletes the newest checkpoints",
+           keep_prunes_the_newest,
+           ["tests/test_checkpoint_atomic.py::"
+            "test_keep_deletes_old_checkpoints_only_after_the_new_commit"]),
+    Mutant("ckpt-commit-marker-ignored", "an uncommitted step directory is resumed from",
+           commit_marker_ignored,
+           ["tests/test_checkpoint.py::test_killed_run_resumes_from_latest_complete"]),
+    Mutant("ft-rows-of-the-replica", "fault tolerance: a slot's rows taken by replica index",
+           ft_rows_of_the_replica,
+           [FT + "test_a_lost_replica_costs_no_step_and_keeps_parity[zero2-killed]"]),
+    Mutant("ft-launcher-rows-twice", "the replica launcher writes a step's row twice",
+           ft_launcher_rows_twice,
+           [FT + "test_a_lost_replica_costs_no_step_and_keeps_parity[zero2-killed]"]),
+]
