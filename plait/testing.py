@@ -25,21 +25,26 @@ EPS32 = float(torch.finfo(torch.float32).eps)  # 1.2e-7
 
 # The checks a derived bound covers, each held to epsilon x the class's growth factor:
 # - float64, 2^22 (~1e-9): a reordered sum's error grows with its length and the
-#   condition of what follows it; 4 million ulps is far above any layout's worst (about
-#   2^16 ulps, the parameters after AdamW: its update is lr x m/(sqrt(v)+eps), so a
-#   gradient element near eps moves its weight by lr x its own relative error), and still
-#   about a thousand times below the least any mutant does (docs/parity.md);
+#   condition of what follows it; 4 million ulps is far above any layout's worst scalar or
+#   gradient (2^6 ulps), and still far below the least any mutant does (docs/parity.md);
 # - fp32, 2^10: the worst-case error n x eps of one reordered sum of n = 1024 terms
 #   (Higham, eq. 3.4), longer than any single reduction of the test models; its set runs
 #   plain SGD, whose update is linear in the gradient, so the parameter bound means
 #   something (AdamW's sign steps would not: docs/parity.md).
-# Parameters are compared relative to the peak learning rate (param_lr_rtol).
+# Parameters are compared relative to the peak learning rate (param_lr_rtol), with
+# PARAM_GROWTH more room: AdamW's update is lr x m/(sqrt(v)+eps), so a gradient element
+# near eps moves its weight by lr times that gradient's own relative error, the largest
+# amplification of a rounding in the run (float64's worst: 2^19.5 ulps, a rarely seen
+# token's embedding row under GQA).
 DERIVED_CHECKS = ("loss_rtol", "norm_rtol", "grad_rtol", "param_lr_rtol", "aux_rtol")
+PARAM_GROWTH = 4
 
 
-def _derived(eps: float, growth: int) -> dict[str, float]:
-    # MoE routing is identical, so the balancing biases are equal exactly (bias_atol 0)
-    return {**{k: growth * eps for k in DERIVED_CHECKS}, "bias_atol": 0.0}
+def _derived(eps: float, growth: int, moe: bool = True) -> dict[str, float]:
+    out = {k: growth * eps * (PARAM_GROWTH if k == "param_lr_rtol" else 1)
+           for k in DERIVED_CHECKS if moe or k != "aux_rtol"}
+    # MoE routing is identical, so the balancing biases are equal exactly
+    return {**out, "bias_atol": 0.0} if moe else out
 
 
 PARITY_TOLERANCES = {
@@ -49,10 +54,10 @@ PARITY_TOLERANCES = {
     # float8 GEMMs in a float64 model (train.fp8_compute=fp64) against the one-process run
     # of the same recipe: equal inputs quantise equally, and each float8 GEMM accumulates
     # its exact products in float64, so the float64 bounds hold
-    "fp8-fp64": _derived(EPS64, 2 ** 22),
+    "fp8-fp64": _derived(EPS64, 2 ** 22, moe=False),  # float8 is not built for MoE
     # the fp32 set (tests/test_fp32_parity.py): fp32's epsilon, with AdamW off (plain SGD,
     # whose update is linear in the gradient) so that the parameter bound means something
-    "fp32": _derived(EPS32, 2 ** 10),
+    "fp32": _derived(EPS32, 2 ** 10, moe=False),
     # bf16 compute, fp32 masters and moments: element-wise parameter bounds mean nothing
     # (Adam turns a sign flip of a tiny bf16 gradient into +-lr a step), so each tensor's
     # error is held against the reference's own movement from the initial weights. The
@@ -65,7 +70,7 @@ PARITY_TOLERANCES = {
     # the gradients are compared by each tensor's relative L2 error, not element-wise, and
     # a balancing bias may differ by a few sign steps
     "bf16-moe": {"loss_rtol": 1.6e-4, "norm_rtol": 1.5e-2, "grad_l2_rtol": 0.21,
-                 "param_move_rtol": 0.8, "aux_rtol": 1.6e-3, "bias_atol": 5.9e-2},
+                 "param_move_rtol": 0.8, "aux_rtol": 1.5e-3, "bias_atol": 5.9e-2},
     # float8 layouts in bf16 (the run users make) against the single-process float8 run: a
     # bf16 sum reordered moves a value across a float8 rounding boundary (E5M2 steps are
     # 25 %), and that difference travels through every layer's backward: bf16's kind of

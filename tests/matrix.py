@@ -10,8 +10,9 @@ stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
 hierarchical/A, all-to-all groups of A ranks and a ring across them), `moe` the MoE
 model (`epN` experts over ep ranks), `mla` multi-head latent attention (plait/model/mla.py)
 in place of GQA, `bf16` bf16 compute with fp32 masters, `rc` full recomputation, `rcs`
-selective (plait/model/recompute.py's default ops). Omitted: dp1 z0 tp1 pp1 cp1, the dense
-model, GQA, float64 (the oracle's precision), no recompute.
+selective (plait/model/recompute.py's default ops), `atp` async tensor parallel.
+Omitted: dp1 z0 tp1 pp1 cp1, the dense model, GQA, float64 (the oracle's precision), no
+recompute.
 
 `FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
 that some valid layout at world <= 8 has, appears in some row (pairwise, or "all-pairs",
@@ -160,7 +161,18 @@ LONG_CONTEXT_ROWS: tuple[str, ...] = (
     'z3 tp2 sp cp2:a2a moe ep2',
     'pp2:zb-v cp2:a2a rc',
     'dp2 z1 cp4:hierarchical/2 rcs',
+    # hierarchical beside tp + SP (heads split by tp, then by the all-to-all groups)
+    'tp2 sp cp4:hierarchical/2',
 )
+
+# async tensor parallel (`atp`: sequence parallel's all-gather and reduce-scatter as rings
+# of partial matmuls) beside ZeRO-3 with selective recompute, and inside a split-backward
+# pipeline: by hand, as the long-context rows (not a factor of the cover)
+ASYNC_TP_ROWS: tuple[str, ...] = (
+    'dp2 z3 tp2 sp atp rcs',
+    'tp2 sp pp2:zb-v atp moe',
+)
+ALL_ROWS = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS + ASYNC_TP_ROWS
 
 
 def parse(row: str) -> dict:
@@ -209,6 +221,8 @@ def parse(row: str) -> dict:
         elif tok == "rcs":
             levels["recompute"] = "rc:selective"
             sets.append("train.recompute=selective")
+        elif tok == "atp":
+            sets.append("parallel.async_tp=true")
         else:
             raise ValueError(f"matrix row {row!r}: unknown token {tok!r}")
     if moe and levels["ep"] == "dense":

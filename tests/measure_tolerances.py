@@ -33,7 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from plait.testing import DERIVED_CHECKS, DERIVED_CLASSES, PARITY_TOLERANCES  # noqa: E402
+from plait.testing import (  # noqa: E402
+    DERIVED_CHECKS,
+    DERIVED_CLASSES,
+    PARAM_GROWTH,
+    PARITY_TOLERANCES,
+)
 
 DOC = ROOT / "docs" / "parity.md"
 BEGIN, END = "<!-- tolerances:begin -->", "<!-- tolerances:end -->"
@@ -83,6 +88,7 @@ def how(precision: str, key: str) -> str:
     """How a bound is set: epsilon x growth (derived) or measured over the paths."""
     if precision in DERIVED_CLASSES and key in DERIVED_CHECKS:
         eps, growth = DERIVED_CLASSES[precision]
+        growth *= PARAM_GROWTH if key == "param_lr_rtol" else 1
         return f"2^{growth.bit_length() - 1} eps{64 if eps < 1e-10 else 32}"
     if precision in DERIVED_CLASSES:
         return "exact"

@@ -19,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_matrix as T  # noqa: E402
 from helpers import config, initial_params  # noqa: E402
 from matrix import (  # noqa: E402
+    ALL_ROWS,
+    ASYNC_TP_ROWS,
     FACTORS,
     LONG_CONTEXT_ROWS,
     MLA_ROWS,
@@ -53,7 +55,7 @@ def memory_cell(row: str) -> str:
     return "within 5 %"
 
 
-def table(rows: tuple[str, ...] = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS) -> list[str]:
+def table(rows: tuple[str, ...] = ALL_ROWS) -> list[str]:
     lines = ["| # | layout | world | tolerance | loss | grad norm | first grads | params | "
              "MoE balance loss | MoE bias | memory vs eager model |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -98,10 +100,11 @@ def main() -> int:
     text = DOC.read_text()
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    n, m, lc = len(ROWS), len(MLA_ROWS), len(LONG_CONTEXT_ROWS)
-    body = ["", f"{n + m + lc} layouts (rows {n + 1}-{n + m} with multi-head latent "
-            f"attention, the last {lc} with context parallel's all-to-all modes), {STEPS} "
-            "steps each, the worst error over every rank (python tests/parity_table.py).", "",
+    n, m, lc, a = len(ROWS), len(MLA_ROWS), len(LONG_CONTEXT_ROWS), len(ASYNC_TP_ROWS)
+    body = ["", f"{len(ALL_ROWS)} layouts (rows {n + 1}-{n + m} with multi-head latent "
+            f"attention, the next {lc} with context parallel's all-to-all modes, the last "
+            f"{a} with async tensor parallel), {STEPS} steps each, in float64 but the bf16 "
+            "rows, the worst error over every rank (python tests/parity_table.py).", "",
             *table(), "", "Pairs of levels that no valid layout at world <= 8 has:", "",
             *refused_pairs(), ""]
     DOC.write_text(head + BEGIN + "\n".join(body) + END + tail)

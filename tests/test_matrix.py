@@ -24,6 +24,8 @@ from helpers import (
     token_file,
 )
 from matrix import (
+    ALL_ROWS,
+    ASYNC_TP_ROWS,
     LONG_CONTEXT_ROWS,
     MLA_ROWS,
     ROUND_TRIP_STEP,
@@ -154,9 +156,10 @@ def test_rows_cover_every_pair_and_schedule():
     assert {r for pair in ROUND_TRIPS for r in pair} <= set(ROWS)
     assert all(not validity(r) and "mla" in r.split() for r in MLA_ROWS), MLA_ROWS
     assert all(not validity(r) for r in LONG_CONTEXT_ROWS), LONG_CONTEXT_ROWS
+    assert all(not validity(r) and "atp" in r.split() for r in ASYNC_TP_ROWS), ASYNC_TP_ROWS
 
 
-@pytest.mark.parametrize("row", ROWS + MLA_ROWS + LONG_CONTEXT_ROWS)
+@pytest.mark.parametrize("row", ALL_ROWS)
 def test_row_equals_the_single_process_run(row):
     """Every rank's loss and grad norm at every step, every first-step gradient and final
     parameter (gathered: replicas and tp/cp ranks must agree exactly), and with MoE every
@@ -166,7 +169,7 @@ def test_row_equals_the_single_process_run(row):
     assert_parity(merge_ranks(outs), row_reference(row), precision_of(row), init=init)
 
 
-@pytest.mark.parametrize("row", [r for r in ROWS + MLA_ROWS + LONG_CONTEXT_ROWS
+@pytest.mark.parametrize("row", [r for r in ALL_ROWS
                                  if not_covered(config(*memory_sets(r))) is None])
 def test_row_memory_equals_the_eager_model(row):
     """Peak live bytes per rank and by category at the peak within 5 % of the planner's
@@ -196,7 +199,7 @@ def test_round_trip_continues_within_parity(src, dst):
     assert_parity(run, row_reference(src), precision, init=init)
 
 
-@pytest.mark.parametrize("row", ROWS + MLA_ROWS + LONG_CONTEXT_ROWS)
+@pytest.mark.parametrize("row", ALL_ROWS)
 def test_row_ledger_equals_the_planner(row):
     """Every mesh dim's bytes in one step equal the planner's collectives (size x count),
     exactly: the busiest rank's (`evaluate` describes it), and every rank's its own pipeline
