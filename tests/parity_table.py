@@ -1,10 +1,10 @@
-"""Regenerate the parity matrix's table in docs/parity.md.
+"""Regenerate the parity matrix's table in docs/parity_matrix.md.
 
     .venv/bin/python tests/parity_table.py          # every row (~4 min on 2 cores)
 
 Runs every row of tests/matrix.py as tests/test_matrix.py does (the same functions),
 measures each check's largest error against the single-process run, and rewrites the
-part of docs/parity.md between the two `matrix` markers: one line per row, then the
+part of docs/parity_matrix.md between the two `matrix` markers: one line per row, then the
 pairs of levels no valid layout has, each with the reason `Config.validate` gives.
 """
 
@@ -34,7 +34,7 @@ from matrix import (  # noqa: E402
 from plait.plan.runtime_memory import not_covered  # noqa: E402
 from plait.testing import merge_ranks, parity_errors  # noqa: E402
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "parity.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "parity_matrix.md"
 BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
 
 

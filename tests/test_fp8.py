@@ -102,6 +102,7 @@ def test_fp8_refuses_moe_and_names_the_fix():
     assert any("not built for MoE" in p and "--precision bf16" in p for p in problems)
 
 
+@pytest.mark.slow  # 200 steps in one process: a measurement held to its bound
 def test_loss_within_the_bound_of_bf16_over_100_steps():
     """100 steps of the tiny model in one process: fp8's loss against bf16's at every step
     within FP8_LOSS_RTOL (measured by benchmarks/fp8_loss.py, docs/parity.md)."""

@@ -3,7 +3,7 @@ against the single-process run, the ledger against the planner, the measured mem
 against the planner's eager model, and checkpoint round trips between rows.
 
 Each row trains once (`row_run`, cached per process); the checks read that one run.
-docs/parity.md has the table; `python tests/parity_table.py` regenerates it.
+docs/parity_matrix.md has the table; `python tests/parity_table.py` regenerates it.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def row_reference(row: str):
 def test_rows_cover_every_pair_and_schedule():
     """Every pair of levels some valid layout has is in a row, every schedule appears,
     every row is valid; the pairs no valid layout has are refused (listed in
-    docs/parity.md with their reasons)."""
+    docs/parity_matrix.md with their reasons)."""
     valid = valid_rows()
     missing = coverable_pairs(valid) - coverable_pairs(ROWS)
     assert not missing, f"pairs no row covers (python tests/matrix.py): {sorted(missing)}"
@@ -169,18 +169,28 @@ def test_row_equals_the_single_process_run(row):
     assert_parity(merge_ranks(outs), row_reference(row), precision_of(row), init=init)
 
 
+@pytest.mark.slow  # a run of its own per row (fp32); tests/test_predict_vs_measured.py's
+# layouts hold the eager model in the fast tier
 @pytest.mark.parametrize("row", [r for r in ALL_ROWS
                                  if not_covered(config(*memory_sets(r))) is None])
 def test_row_memory_equals_the_eager_model(row):
     """Peak live bytes per rank and by category at the peak within 5 % of the planner's
     eager model (tests/helpers.py, assert_ranks_memory_match), on the row's fp32 (or
-    bf16) run; the rows it does not cover are in docs/parity.md with its reason
+    bf16) run; the rows it does not cover are in docs/parity_matrix.md with its reason
     (plait.plan.runtime_memory.not_covered)."""
     sets = memory_sets(row)
     assert_ranks_memory_match(run_row(sets), config(*sets), row)
 
 
-@pytest.mark.parametrize("src, dst", ROUND_TRIPS, ids=[f"{a} -> {b}" for a, b in ROUND_TRIPS])
+def _round_trip_param(src: str, dst: str):
+    """A round trip; those resuming on 8 ranks are in the slow tier (each an 8-rank launch
+    of its own on 2 cores)."""
+    eight = config(*row_sets(dst)).parallel.world_size == 8
+    return pytest.param(src, dst, id=f"{src} -> {dst}",
+                        marks=[pytest.mark.slow] if eight else [])
+
+
+@pytest.mark.parametrize("src, dst", [_round_trip_param(a, b) for a, b in ROUND_TRIPS])
 def test_round_trip_continues_within_parity(src, dst):
     """Save after step 1 in one row's layout, resume in another's for step 2 (Adam's
     moments, the step count and the schedule's position all come from the checkpoint):

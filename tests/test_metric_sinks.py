@@ -17,6 +17,9 @@ import pytest
 from helpers import CLI_STEPS
 from sink_readers import tensorboard_scalars, wandb_offline_run
 
+# the run they read is `plait train` through torchrun (tests/conftest.py, pipeline_cli_run)
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("tensorboard", reason="the tensorboard sink needs plait[tensorboard]")
 pytest.importorskip("wandb", reason="the W&B sink needs plait[wandb]")
 

@@ -47,11 +47,11 @@ def test_the_runner_calls_only_assertion_failures_caught(monkeypatch):
     from mutant_kit import Mutant
 
     m = Mutant("m", "a bug", lambda: None, ["tests/test_x.py::test_y"])
-    cases = [((4, [], [], 0.0, "ERROR: not found: tests/test_x.py::test_y"), "BROKEN"),
-             ((0, [], [], 0.0, ""), "NOT CAUGHT"),
-             ((1, ["t"], ["plait.launch.forked.RankFailure: _rank on 2 ranks failed"], 0.0, ""),
-              "BROKEN"),
-             ((1, ["t"], ["AssertionError: step 0: loss 1.0 vs reference 2.0"], 0.0, ""),
+    cases = [((4, [], [], 0.0, "ERROR: not found: tests/test_x.py::test_y", None), "BROKEN"),
+             ((0, [], [], 0.0, "", None), "NOT CAUGHT"),
+             ((1, ["t"], ["plait.launch.forked.RankFailure: _rank on 2 ranks failed"], 0.0, "",
+               None), "BROKEN"),
+             ((1, ["t"], ["AssertionError: step 0: loss 1.0 vs reference 2.0"], 0.0, "", 4e6),
               "CAUGHT")]
     for result, status in cases:
         monkeypatch.setattr(mutants, "run_pytest", lambda *a, r=result: r)

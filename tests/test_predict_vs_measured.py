@@ -61,7 +61,12 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# the 8-rank layout is in the slow tier (an 8-rank launch on 2 cores)
+EIGHT_RANKS = {"pp2 tp4 sp gqa recompute m4"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in EIGHT_RANKS))
+                                  for n in LAYOUTS])
 def test_predicted_peak_equals_measured(name):
     sets = [FP32, *LAYOUTS[name], *MEASURE]
     cfg = config(*sets)

@@ -25,6 +25,9 @@ from plait.observe.figures import MEASURED, PREDICTED
 from plait.observe.html import SECTIONS
 from plait.train.progress import human_bytes
 
+# the run they read is `plait train` through torchrun (tests/conftest.py, pipeline_cli_run)
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("matplotlib", reason="the report's figures need plait[plot]")
 
 # pp2: the CLI run the sinks' tests make (tests/conftest.py); dp2-zero1: forked ranks
