@@ -173,6 +173,8 @@ ASYNC_TP_ROWS: tuple[str, ...] = (
     'tp2 sp pp2:zb-v atp moe',
 )
 ALL_ROWS = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS + ASYNC_TP_ROWS
+# hand-picked 8-rank rows whose checks run in the slow tier (`make test-slow`)
+SLOW_ROWS = {'tp2 sp cp4:hierarchical/2'}
 
 
 def parse(row: str) -> dict:

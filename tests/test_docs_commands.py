@@ -45,7 +45,13 @@ def check(argv: list[str]) -> None:
         parse(argv)
 
 
-@pytest.mark.parametrize("doc", [d.relative_to(ROOT).as_posix() for d in DOCS])
+# the planner's searches of README.md and docs/planner.md take ~10 s each: the slow tier
+HEAVY = {"README.md", "docs/planner.md"}
+
+
+@pytest.mark.parametrize("doc", [
+    pytest.param(d, marks=[pytest.mark.slow] if d in HEAVY else [])
+    for d in (d.relative_to(ROOT).as_posix() for d in DOCS)])
 def test_every_documented_command_works_as_written(doc, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.toml").write_text(toml_example())

@@ -157,6 +157,7 @@ def test_dry_run_of_a_hybrid_sharding_rank(sets):
     assert dry["memory"]["peak"]["optimizer"] == states["optimizer states"]
 
 
+@pytest.mark.slow  # a process per rank
 def test_dry_run_from_the_command_line(tmp_path):
     """`plait train --dry-run --world-size 8 --rank first,last`: the first and the last
     rank of dp2 x tp2 x pp2, one after the other (each in a process of its own); both

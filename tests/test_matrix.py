@@ -31,6 +31,7 @@ from matrix import (
     ROUND_TRIP_STEP,
     ROWS,
     SCHEDULES,
+    SLOW_ROWS,
     STEPS,
     coverable_pairs,
     parse,
@@ -159,7 +160,12 @@ def test_rows_cover_every_pair_and_schedule():
     assert all(not validity(r) and "atp" in r.split() for r in ASYNC_TP_ROWS), ASYNC_TP_ROWS
 
 
-@pytest.mark.parametrize("row", ALL_ROWS)
+def _rows() -> list:
+    return [pytest.param(r, marks=[pytest.mark.slow] if r in SLOW_ROWS else [])
+            for r in ALL_ROWS]
+
+
+@pytest.mark.parametrize("row", _rows())
 def test_row_equals_the_single_process_run(row):
     """Every rank's loss and grad norm at every step, every first-step gradient and final
     parameter (gathered: replicas and tp/cp ranks must agree exactly), and with MoE every
@@ -209,7 +215,7 @@ def test_round_trip_continues_within_parity(src, dst):
     assert_parity(run, row_reference(src), precision, init=init)
 
 
-@pytest.mark.parametrize("row", ALL_ROWS)
+@pytest.mark.parametrize("row", _rows())
 def test_row_ledger_equals_the_planner(row):
     """Every mesh dim's bytes in one step equal the planner's collectives (size x count),
     exactly: the busiest rank's (`evaluate` describes it), and every rank's its own pipeline

@@ -56,6 +56,7 @@ def test_alpha_beta_fit_recovers_the_terms():
     assert got["bandwidth_Bps"] == pytest.approx(bw, rel=1e-6)
 
 
+@pytest.mark.slow  # measures this machine: GEMMs, collectives, dispatch
 def test_calibrate_measures_every_term():
     prof = calibrate(ranks=2, quick=True)
     assert prof["version"] == PROFILE_VERSION and prof["ranks"] == 2

@@ -110,7 +110,9 @@ def test_the_slow_rank_is_named_within_a_few_steps_on_every_rank(slow_run):
     assert first <= RULE.steps + 1, named
     for step, v in named[first:]:
         assert v is not None and (v["rank"], v["node"], v["step"]) == (3, 1, step - 1), named
-        assert v["slower_by"] > 3  # 150 ms against ~10-40 ms of compute
+        # named only above the rule's margin (150 ms of sleep against the step's compute:
+        # the ratio itself depends on the machine's load, not asserted)
+        assert v["slower_by"] > RULE.relative
     for other in slow_run[1:]:  # every rank reached the same verdicts
         assert [r.get("straggler") for r in other["metrics"]] == [v for _, v in named]
     # rank 3 computes most and waits least; its peers wait for it
