@@ -44,7 +44,10 @@ CASES = [("dp2 z3 tp2 sp pp2:1f1b", "fp64"), ("dp2 z2 cp2:ring", "fp64"),
          ("dp2 z2 cp2:ring", "bf16")]
 
 
-@pytest.mark.parametrize("row, around", CASES, ids=[f"{r} {a}" for r, a in CASES])
+# the 8-rank row in the slow tier; ring context parallel (its amaxes reduced over cp) stays
+@pytest.mark.parametrize("row, around", [
+    pytest.param(r, a, id=f"{r} {a}", marks=[pytest.mark.slow] * r.startswith("dp2 z3"))
+    for r, a in CASES])
 def test_fp8_layout_equals_the_single_process_fp8_run(row, around):
     """Every rank's loss and grad norm, the first gradients and the final parameters
     against the one-process fp8 run. `around` fp64 (`train.fp8_compute=fp64`): the float8

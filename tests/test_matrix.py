@@ -189,11 +189,9 @@ def test_row_memory_equals_the_eager_model(row):
 
 
 def _round_trip_param(src: str, dst: str):
-    """A round trip; those resuming on 8 ranks are in the slow tier (each an 8-rank launch
-    of its own on 2 cores)."""
-    eight = config(*row_sets(dst)).parallel.world_size == 8
-    return pytest.param(src, dst, id=f"{src} -> {dst}",
-                        marks=[pytest.mark.slow] if eight else [])
+    """A round trip: the slow tier (a launch of its own each; the fast tier reshards
+    through tests/test_checkpoint.py's pairs)."""
+    return pytest.param(src, dst, id=f"{src} -> {dst}", marks=[pytest.mark.slow])
 
 
 @pytest.mark.parametrize("src, dst", [_round_trip_param(a, b) for a, b in ROUND_TRIPS])
