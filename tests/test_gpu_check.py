@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.slow  # every section of the GPU check at smoke sizes, on this CPU
 def test_gpu_check_smoke_on_cpu(tmp_path, capsys):
     out = tmp_path / "gpu.md"
     assert gpu_check.main(["--device", "cpu", "--smoke", "--in-process", "--devices", "1",

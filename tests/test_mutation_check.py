@@ -18,6 +18,7 @@ def _collect(args: list[str]) -> subprocess.CompletedProcess:
         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow  # a pytest of its own collecting every mutant's tests
 def test_every_mutant_names_a_bug_and_tests_that_exist():
     """One collection of every file the mutants name: each node id is collected, and each
     -k keyword selects a test of its files (the mutants' -k expressions are single words,
