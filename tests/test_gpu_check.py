@@ -7,6 +7,8 @@ guard, and the markdown table written by --out."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_check  # noqa: E402

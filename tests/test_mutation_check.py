@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from mutants import MUTANTS, ROOT
 
 
