@@ -23,6 +23,7 @@ def _sets() -> tuple[str, ...]:
     return (*parse(ROW)["sets"], "parallel.async_tp=true", f"train.steps={STEPS}")
 
 
+@pytest.mark.slow  # 8 ranks; the matrix's `atp` rows prove parity and bytes in the fast tier
 def test_parity_and_ledger_bytes_with_zero3_split_backward_and_recompute():
     outs = run_layout(*_sets())
     assert_parity(merge_ranks(outs), reference(*parse(ROW)["model"], f"train.steps={STEPS}"),

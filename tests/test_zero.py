@@ -229,6 +229,7 @@ def _memory(stage):
     return row, n_params
 
 
+@pytest.mark.slow  # four 4-rank runs; tests/test_predict_vs_measured.py's dp4 layouts are fast
 def test_persistent_memory_matches_formula_planner_and_peaks_order():
     from helpers import config
 
