@@ -45,8 +45,8 @@ def check(argv: list[str]) -> None:
         parse(argv)
 
 
-# the planner's searches of README.md and docs/planner.md take ~10 s each: the slow tier
-HEAVY = {"README.md", "docs/planner.md"}
+# the planner's searches of these documents take 5-10 s each: the slow tier
+HEAVY = {"README.md", "docs/planner.md", "docs/deepseek.md"}
 
 
 @pytest.mark.parametrize("doc", [

@@ -98,6 +98,7 @@ def test_export_refuses_an_existing_directory(hf_dir, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.slow  # evaluates a transformers model's windows in both libraries (~7 s)
 def test_eval_command_is_transformers_loss(hf_dir, tmp_path, capsys):
     """One rank, in this process: the printed line and the JSON hold the mean CE over the
     file's first N windows, which transformers computes too."""
