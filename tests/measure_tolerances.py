@@ -4,7 +4,8 @@ it) with every comparison's errors recorded (tests/parity_record_plugin.py), the
 error of each tolerance class and check over all of them, and the table in docs/parity.md
 rewritten from them.
 
-    .venv/bin/python tests/measure_tolerances.py           # every path (~5 min a path)
+    .venv/bin/python tests/measure_tolerances.py           # every path, both tiers
+    .venv/bin/python tests/measure_tolerances.py --no-write   # `make test-isa`: fast tier
     .venv/bin/python tests/measure_tolerances.py --isa avx2          # one path
     .venv/bin/python tests/measure_tolerances.py --from runs.jsonl   # table from a record
     .venv/bin/python tests/measure_tolerances.py --keep after.jsonl --same-as before.jsonl
@@ -61,10 +62,13 @@ def parity_test_files() -> list[str]:
                   if "assert_parity(" in p.read_text())
 
 
-def record(path: Path, files: list[str], isa: str) -> int:
+def record(path: Path, files: list[str], isa: str, fast_only: bool) -> int:
+    """The parity tests under one kernel path, their comparisons appended to `path`;
+    `fast_only`: `make test`'s tier only (the slow tier's process trees left out)."""
     cmd = [sys.executable, "-m", "pytest", *files, "-n", "2", "--dist", "loadfile", "-q",
-           "-o", "addopts=", "-m", "not slow", "-p", "tests.parity_record_plugin",
-           "--parity-record", str(path), "-p", "no:cacheprovider"]
+           "-o", "addopts=", *(["-m", "not slow"] if fast_only else []),
+           "-p", "tests.parity_record_plugin", "--parity-record", str(path),
+           "-p", "no:cacheprovider"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": isa}
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
@@ -96,31 +100,35 @@ def how(precision: str, key: str) -> str:
 
 
 def table(worst: dict[tuple[str, str], tuple[float, str, int, dict]]
-          ) -> tuple[str, list[str]]:
+          ) -> tuple[str, list[str], list[str]]:
     rows = ["| class | check | bound | set as | worst measured | worst by path (default / "
             "avx2 / avx512) | bound / worst | comparisons | worst seen in |",
             "|---|---|---|---|---|---|---|---|---|"]
-    problems = []
+    # problems: a bound below its worst error; loose: a measured bound over 3x its worst, or
+    # a check nothing measured (a rule of the written table: a run of a subset, as
+    # `make test-isa` on another machine, may see smaller worsts)
+    problems, loose = [], []
     for precision, tol in PARITY_TOLERANCES.items():
         for key, bound in tol.items():
             kind = how(precision, key)
             err, where, n, paths = worst.get((precision, key), (None, "not measured", 0, {}))
             if err is None:
-                problems.append(f"{precision} {key}: no comparison measured it")
+                loose.append(f"{precision} {key}: no comparison measured it")
                 rows.append(f"| {precision} | {key} | {bound:.1e} | {kind} | - | - | - | 0 "
                             "| - |")
                 continue
             by_path = " / ".join(f"{paths[p]:.1e}" if p in paths else "-" for p in PATHS)
             ratio = bound / err if err > 0 else (1.0 if bound == 0 else float("inf"))
             if kind == "measured" and not 1.0 <= ratio <= MAX_HEADROOM:
-                problems.append(f"{precision} {key}: bound {bound:.1e}, worst {err:.2e} "
-                                f"({ratio:.2f}x; a measured bound is 1-{MAX_HEADROOM:g}x)")
+                (problems if ratio < 1.0 else loose).append(
+                    f"{precision} {key}: bound {bound:.1e}, worst {err:.2e} "
+                    f"({ratio:.2f}x; a measured bound is 1-{MAX_HEADROOM:g}x)")
             if kind != "measured" and ratio < 1.0:
                 problems.append(f"{precision} {key}: derived bound {bound:.1e} below the "
                                 f"worst measured {err:.2e}")
             rows.append(f"| {precision} | {key} | {bound:.1e} | {kind} | {err:.2e} | "
                         f"{by_path} | {ratio:.3g} | {n} | {where.replace('|', '/')} |")
-    return "\n".join(rows), problems
+    return "\n".join(rows), problems, loose
 
 
 def errors_by_comparison(lines: list[dict]) -> dict[tuple[str, str], list[str]]:
@@ -169,13 +177,18 @@ def main(argv: list[str] | None = None) -> int:
             path.unlink(missing_ok=True)
             for isa in args.isa or cpu_paths():
                 print(f"== the parity tests under ATEN_CPU_CAPABILITY={isa}", flush=True)
-                rc = record(path, parity_test_files(), isa)
+                rc = record(path, parity_test_files(), isa, fast_only=args.no_write)
                 if rc != 0:
                     failed.append(f"pytest exited {rc} under ATEN_CPU_CAPABILITY={isa}")
             lines = [json.loads(x) for x in path.read_text().splitlines()]
     else:
         lines = [json.loads(x) for x in args.source.read_text().splitlines()]
-    text, problems = table(worst_errors(lines))
+    text, problems, loose = table(worst_errors(lines))
+    if args.no_write:  # checking, not setting, the bounds: a loose bound is a note
+        for note in loose:
+            print(f"note: {note}")
+    else:
+        problems += loose
     print(text)
     if not args.no_write:
         rewrite_doc(text)
