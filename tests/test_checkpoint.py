@@ -390,3 +390,15 @@ def test_a_checkpoint_from_before_new_model_fields_still_resumes():
     meta["config"]["model"]["dim"] = cfg.model.dim // 2
     with pytest.raises(CheckpointError, match="another model"):
         check_compatible(meta, cfg, Path("old"))
+
+
+def test_states_are_saved_in_the_masters_dtype():
+    """float64 where the model is float64 (the oracle's runs, fp8 around float64), so their
+    resume continues exactly; fp32 masters and moments everywhere else."""
+    from plait.checkpoint.writer import saved_dtype
+
+    assert saved_dtype(config("train.precision=fp64")) == torch.float64
+    assert saved_dtype(config("train.precision=fp8", "train.fp8_compute=fp64")) == torch.float64
+    for sets in (("train.precision=fp32",), ("train.precision=bf16",),
+                 ("train.precision=fp8",)):
+        assert saved_dtype(config(*sets)) == torch.float32, sets

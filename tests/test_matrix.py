@@ -81,8 +81,7 @@ build_model(config(*parse("rc")["model"]).model, seed=0, device="meta")
 def precision_of(row: str) -> str:
     """The row's tolerance class (plait/testing.py PARITY_TOLERANCES, docs/parity.md):
     bf16 compute is held to bf16's bounds whatever else it runs with (with MoE, routing
-    flips excepted); fp32 with cp or tp to theirs (sums reordered inside every layer),
-    plain fp32 otherwise."""
+    flips excepted); every other row runs in float64, held to its epsilon-derived bounds."""
     lv = parse(row)["levels"]
     if lv["precision"] == "bf16":
         return "bf16-moe" if lv["ep"] != "dense" else "bf16"

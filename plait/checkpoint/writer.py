@@ -38,9 +38,10 @@ from plait import comm
 from plait.config import Config
 from plait.ledger import OUTSIDE_STEP
 from plait.mesh import ParallelMesh
+from plait.model.precision import wide_dtype
 from plait.model.transformer import build_model
 from plait.parallel.expert import moe_layers
-from plait.parallel.parallelize import ParallelModel
+from plait.parallel.parallelize import ParallelModel, model_dtype
 
 from .format import (
     BLOCK,
@@ -121,9 +122,9 @@ def _make_tmp(mesh: ParallelMesh, root: Path, step: int) -> Path:
 
 
 def saved_dtype(cfg: Config) -> torch.dtype:
-    """What the states are saved in: float64 for a precision-fp64 run (its resume continues
-    exactly), else fp32 (masters and moments are fp32 at every other precision)."""
-    return torch.float64 if cfg.train.precision == "fp64" else torch.float32
+    """What the states are saved in: the masters' and moments' dtype, float64 for a float64
+    model (its resume continues exactly), else fp32."""
+    return wide_dtype(model_dtype(cfg))
 
 
 def _snapshot(par: ParallelModel, mesh: ParallelMesh, cfg: Config, copy: bool

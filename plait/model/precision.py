@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
-# the dtype the model's parameters, activations and gradients are held in; fp8: bf16, with
-# the blocks' linears multiplied in float8 (plait/model/fp8.py) unless `fp8_compute` says
-# otherwise
-COMPUTE_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
-                  "fp8": torch.bfloat16}
+# the dtype the model's parameters, activations and gradients are held in; fp8: the blocks'
+# linears multiplied in float8 (plait/model/fp8.py), everything else in `fp8_compute`'s
+COMPUTE_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
