@@ -56,6 +56,7 @@ from plait.plan.published import published_batch, throughput_note
 from plait.plan.search import PlanError, layout_problems, order_notes, search
 from plait.plan.sequence_modes import mode_notes
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
+from plait.plan.stack_note import stack_lines
 from plait.plan.units import flops_rate, nbytes, params
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
@@ -157,6 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the best layout plait train can run as a config for "
                    "`plait train --config RUN.toml`, and its plan beside it (RUN.plan.json, "
                    "for `plait report --plan`)")
+    o.add_argument("--force", action="store_true", help="replace an existing --plot or "
+                   "--emit-config file (by default plait refuses to)")
 
 
 def build_inputs(args: argparse.Namespace) -> tuple[Shape, Cluster, Training]:
@@ -373,6 +376,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                      if unlike_train else ""))
         fail = failures_from_args(args)
         ests, notes, doc = _choose(args, shape, cluster, train, fail, hardware_of(args)[1])
+        header = "\n".join([header, *stack_lines(args, shape, cluster, train, ests[0])])
         gps = layouts_goodput(ests, shape, train, cluster.n_gpus, fail) if fail else None
         if args.emit_config:
             notes += emit_plan(args, ests, gps, shape, cluster, train, to_dict)
