@@ -6,9 +6,16 @@ tests/test_dry_run.py compare them with the ledgers of real and dry runs)."""
 import pytest
 from helpers import config
 
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, natural_virtual_stages
+from plait.parallel.pipeline.lower import lower
+from plait.parallel.pipeline.registry import (
+    SCHEDULE_NAMES,
+    build_schedule,
+    natural_virtual_stages,
+    validate_schedule_request,
+)
 from plait.plan import estimate_config, rank_collectives
 from plait.plan.comm.rank import bytes_by_dim, rank_part
+from plait.plan.comm.step import pp_sends_of_rank
 
 M = 8  # dualpipev at pp = 4 needs 2 pp - 1
 
@@ -63,3 +70,23 @@ def test_end_ranks_run_only_their_end():
 def test_a_rank_outside_the_pipeline_is_refused():
     with pytest.raises(ValueError, match="pp=2"):
         rank_part(_cfg("1f1b", 2), 2)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_sends_closed_form_equals_the_lowered_schedule_on_every_rank(schedule):
+    """The planner counts a rank's pipeline sends from the placement alone
+    (`pp_sends_of_rank`); the runtime's lowering inserts them one by one. They agree for
+    every schedule, pipeline size, micro-batch count and rank it can build."""
+    checked = 0
+    for pp in (2, 3, 4, 8):
+        for m in (2, 4, 6, 8, 16):
+            for v in ((2, 3) if schedule == "interleaved" else (None,)):
+                v = natural_virtual_stages(schedule, v)
+                if validate_schedule_request(schedule, pp, m, v):
+                    continue
+                lowered = lower(build_schedule(schedule, pp, m, v))
+                for r in range(pp):
+                    sends = sum(1 for a in lowered.actions[r] if a.kind.startswith("SEND"))
+                    assert pp_sends_of_rank(schedule, pp, v, m, r) == sends, (pp, m, v, r)
+                    checked += 1
+    assert checked >= 20

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plait.dims import REPLICA_AXES, REPLICAS
 from plait.parallel.pipeline.ir import split_backwards
-from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.registry import schedule_spec
+from plait.parallel.pipeline.registry import natural_virtual_stages, schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Layout, basis_of
 from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
-from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p, pp_sends_of_rank
 from plait.plan.comm.zero import gathered_by_stage, gathered_bytes
 from plait.plan.compute import gemm_weights
 from plait.plan.estimate import chunk_times
@@ -45,7 +45,7 @@ class RankPart:
     layers: tuple[int, ...]  # the model layers of the rank's stages (both copies: DualPipe)
     embedding_microbatches: int  # micro-batches per step through the embedding here
     head_microbatches: int  # ... through the head and the loss here
-    sends: int  # pipeline sends per step (SEND_F / SEND_B of the lowered schedule)
+    sends: int  # pipeline sends per step (the placement's closed form: step.py)
 
 
 def rank_part(cfg: Config, pp_rank: int) -> RankPart:
@@ -60,9 +60,9 @@ def rank_part(cfg: Config, pp_rank: int) -> RankPart:
         n = len(sched.microbatches_of(s))
         emb += n if first else 0
         head += n if last else 0
-    sends = 0
-    if cfg.parallel.pp > 1:
-        sends = sum(1 for a in lower(sched).actions[pp_rank] if a.kind.startswith("SEND"))
+    p = cfg.parallel
+    v = natural_virtual_stages(p.schedule, p.virtual_stages)
+    sends = pp_sends_of_rank(p.schedule, p.pp, v, p.microbatches, pp_rank)
     return RankPart(pp_rank, tuple(layers), emb, head, sends)
 
 
@@ -153,11 +153,12 @@ def bytes_by_dim(collectives: list[price.Collective], expert_split: int
                  ) -> dict[str, float]:
     """The planner's payload bytes per step per dim (size x count), named as
     plait.ledger.data_bytes_by_dim names the ledger's: with the experts whole on every
-    rank (expert_split = 1) the routed experts' gradients sync with the rest (one group:
-    the runtime's one bucketed sync, or hybrid sharding's one set of units); DualPipe's
-    copy swap is "pp_copies"."""
+    rank (expert_split = 1) the routed experts' gradients sync with the rest (one group,
+    the dense parameters' replica group, "dp" or "dp_cp": the runtime's one bucketed
+    sync, or hybrid sharding's one set of units); DualPipe's copy swap is "pp_copies"."""
     out: dict[str, float] = {}
-    whole = {"edp": "dp", "edp_shard": "dp_shard"} if expert_split == 1 else {}
+    dense = REPLICAS if any(c.dim == REPLICAS for c in collectives) else REPLICA_AXES[0]
+    whole = {"edp": dense, "edp_shard": "dp_shard"} if expert_split == 1 else {}
     for c in collectives:
         dim = whole.get(c.dim, c.dim)
         dim = "pp_copies" if "copies" in c.op else dim

@@ -8,7 +8,7 @@ Counts per step on the most loaded rank (s = one micro-batch's activation on a r
   pp                  a send per stage boundary the rank's stages cross, forward and
                       backward; the full activation (plait does not split it over tp; SP
                       already has); DualPipe also swaps the two copies' gradients
-  dp (edp)            ZeRO-0: the gradients all-reduced once, bucketed; ZeRO-1/2: reduce-
+  dp, dp_cp (edp)     ZeRO-0: the gradients all-reduced once, bucketed; ZeRO-1/2: reduce-
                       scattered (each micro-batch's under ZeRO-2 without pp; once a step
                       with pp) and the parameters all-gathered after the update; ZeRO-3:
                       all-gathered before each forward and backward (comm/zero.py),
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from plait.config import FIRST_BUCKET_MB, ParallelConfig
-from plait.dims import DIMENSIONS, LOSS_SUMMED
+from plait.dims import DIMENSIONS, LOSS_SUMMED, REPLICA_AXES, replica_group
 from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
@@ -49,6 +49,23 @@ def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:
     elif facts(sched).head_on_first_rank:  # V shape
         return np.where(two, 2.0, 4.0)
     return 2.0 * v - np.where(two, 1.0, 0.0)
+
+
+def pp_sends_of_rank(sched: str, pp: int, v: int, m: int, rank: int) -> int:
+    """Pipeline sends per step on pipeline rank `rank`, from the placement alone: each of
+    its stages sends every micro-batch's activation forward unless it ends the chain or
+    the next stage is its own, and its gradient backward unless it starts the chain or
+    the previous stage is its own. Looping (stage s on rank s mod pp, v stages a rank):
+    2v - [first rank] - [last rank] per micro-batch; V (stages r and 2pp-1-r): twice
+    [not first] + [not last], the turn local; DualPipe's two chains, each m / 2
+    micro-batches, reversed on one: v = 1 for both."""
+    if pp < 2:
+        return 0
+    ends = int(rank == 0) + int(rank == pp - 1)
+    if schedule_spec(sched).chains == 1 and facts(sched).head_on_first_rank:  # V shape
+        return m * 2 * (2 - ends)
+    v = 1 if schedule_spec(sched).chains > 1 else v
+    return m * (2 * v - ends)
 
 
 def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
@@ -80,8 +97,9 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     same experts, "edp"; `gathered`: the parameters ZeRO-3 all-gathers per step, by
     default `zero3_gathered`'s; `gathered_bytes`: their bytes where not the parameter's
     (float8 block linears: comm/zero.py gathered_bytes)); appends the collectives (dim
-    "dp" or "edp"; with hybrid sharding ZeRO's run inside a shard group, "dp_shard" or
-    "edp_shard", and the shards' all-reduce over "dp_replicate": `shard_copies_sync`)."""
+    `zero_group`'s: "dp" ("dp_cp" under context parallel) or "edp"; with hybrid sharding
+    ZeRO's run inside a shard group, "dp_shard" or "edp_shard", and the shards'
+    all-reduce over "dp_replicate": `shard_copies_sync`)."""
     pb, gb, _ = memory.state_bytes(train.precision, train.optimizer)
     dim, n, dp_intra, nics = zero_group(cluster, lay, b, experts)
     bw, al = price.link(cluster.gpu, dp_intra, eff.link_efficiency, nics)
@@ -155,13 +173,17 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
 def zero_group(cluster: Cluster, lay: Layout, b: Basis, experts: bool = False
                ) -> tuple[str, Num, Num, Num]:
     """(name, ranks, inside a node, its ranks in each node: price.rails) of the group
-    ZeRO's collectives (or ZeRO-0's all-reduce) run over: the replicas ("dp"; routed
-    experts: the replicas holding the same experts, "edp"), or with hybrid sharding one
-    shard group of them, consecutive replica ranks ("dp_shard", "edp_shard": the
-    runtime's names, plait/dims/dp_replicate.py). A batch of layouts with any hybrid one names every
-    layout's group by the hybrid name (the sizes are each layout's own)."""
+    ZeRO's collectives (or ZeRO-0's all-reduce) run over: the replicas, named as the mesh
+    names them (`plait.dims.replica_group`: "dp", or "dp_cp" under context parallel;
+    routed experts: the replicas holding the same experts, "edp"), or with hybrid sharding
+    one shard group of them, consecutive replica ranks ("dp_shard", "edp_shard": the
+    runtime's names, plait/dims/dp_replicate.py). A batch of layouts names every layout's
+    group by the name of its largest sizes (any hybrid one: the hybrid name; the sizes
+    are each layout's own)."""
     hybrid = bool(np.any(np.asarray(b.shard_copies) > 1))
-    name = ("edp" if experts else "dp") + ("_shard" if hybrid else "")
+    replicas = replica_group({d: int(np.max(b.sizes[d])) for d in REPLICA_AXES})
+    name = "edp_shard" if experts and hybrid else "edp" if experts else \
+        "dp_shard" if hybrid else replicas
     span = price.replica_block_span(lay.order, b.sizes, b.strides, b.zero_split)
     n = b.zero_split / (b.expert_split if experts else 1.0)
     return (name, n, span <= cluster.gpus_per_node,
