@@ -213,16 +213,15 @@ CONTROL_TAGS = ("metrics", "grad_norm", "moe.load", ".counts", "fp8.amax")
 def data_bytes_by_dim(records: list[dict]) -> dict[str, float]:
     """One rank's payload bytes per mesh dim in one step, as the planner names the dims:
     a collective's payload, a send's bytes (a receive is the other end's send), control
-    collectives left out; ZeRO and gradient syncs over the replica axes ("dp_cp") are the
-    planner's "dp";
-    DualPipe's copy swap is its own line ("pp_copies": its busiest rank is an end rank,
-    the sends' a middle one)."""
+    collectives left out; the dims are the mesh's group names, which the planner's
+    collectives use too (ZeRO and gradient syncs over the replica axes under context
+    parallel: "dp_cp"); DualPipe's copy swap is its own line ("pp_copies": its busiest
+    rank is an end rank, the sends' a middle one)."""
     out: dict[str, float] = {}
     for r in records:
         if r["op"] == "recv" or is_control(r["tag"]):
             continue
-        dim = "dp" if r["dim"] == "dp_cp" else r["dim"]
-        dim = "pp_copies" if r["tag"] == "pp_copies" else dim  # DualPipe's gradient swap
+        dim = "pp_copies" if r["tag"] == "pp_copies" else r["dim"]  # DualPipe's swap
         out[dim] = out.get(dim, 0.0) + r["payload"]
     return out
 

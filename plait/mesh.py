@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from plait.config import ParallelConfig
 from plait.device import CPU, Device
-from plait.dims import DEFAULT_ORDER, DIMS, LAID, REPLICA_AXES, REPLICAS
+from plait.dims import DEFAULT_ORDER, DIMS, LAID, REPLICA_AXES, REPLICAS, replica_group
 from plait.ledger import Ledger
 
 # Product dims with a group of their own, named "a_b": the replica axes' product, where
@@ -162,8 +162,7 @@ class ParallelMesh:
         """The group over which the copies of a parameter sum their gradients: the data-
         parallel axis alone, or the replica axes' product group once another of them
         (context parallel) splits ranks too."""
-        first, *others = REPLICA_AXES
-        return REPLICAS if any(self.sizes[d] > 1 for d in others) else first
+        return replica_group(self.sizes)
 
     def laid_groups(self) -> list[str]:
         """The groups of the dimensions laid over the replica ranks (plait/dims/)."""

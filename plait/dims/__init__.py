@@ -11,6 +11,8 @@ checkpoint writer and the timeline read the records.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from plait.dims import cp, dp, dp_replicate, ep, pp, tp
 from plait.dims.record import CHECKPOINT_ROLES, SPLITS, Dimension, Setting
 
@@ -34,6 +36,16 @@ LOSS_SUMMED = tuple(d.name for split in ("layers", "sequence", "batch") for d in
 a2a_degree = cp.a2a_degree  # context parallel's hierarchical all-to-all group
 
 
+def replica_group(sizes: Mapping[str, int]) -> str:
+    """The name of the group over which the copies of a parameter sum their gradients and
+    ZeRO shards them, for axis `sizes` by name: the data-parallel axis alone, or the
+    replica axes' product group (REPLICAS) once another of them (context parallel) splits
+    ranks too. The mesh names its groups by it and the planner its collectives, so the
+    ledger's rows and the planner's match by name."""
+    first, *others = REPLICA_AXES
+    return REPLICAS if any(sizes[d] > 1 for d in others) else first
+
+
 def problems(cfg) -> list[str]:
     """Every dimension's own checks, innermost first."""
     return [msg for d in DIMENSIONS for msg in d.problems(cfg)]
@@ -41,4 +53,4 @@ def problems(cfg) -> list[str]:
 
 __all__ = ["AXES", "BY_NAME", "CHECKPOINT_ROLES", "DEFAULT_ORDER", "DIMENSIONS", "DIMS",
            "LAID", "LOSS_SUMMED", "REPLICAS", "REPLICA_AXES", "SPLITS", "Dimension",
-           "Setting", "a2a_degree", "problems"]
+           "Setting", "a2a_degree", "problems", "replica_group"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from plait.config import FIRST_BUCKET_MB, ZERO_REDUCE_SCATTERS_IN_FLIGHT
+from plait.dims import REPLICA_AXES
 from plait.parallel.buckets import backward_runs
 from plait.plan.activations import (
     FP32,
@@ -377,10 +378,12 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
 
 
 def zero_ranks(cfg: Config) -> int:
-    """Ranks ZeRO shards a unit over in the layouts this model covers (no sequence split):
-    dp, or with hybrid sharding one shard group of it (the copies hold the same shards)."""
+    """Ranks ZeRO shards a unit over, as the runtime does: the replica axes' ranks (dp, and
+    cp's under context parallel: plait/mesh.py `replica_dim`), or with hybrid sharding one
+    shard group of them (the copies hold the same shards)."""
     p = cfg.parallel
-    return p.dp // math.prod(getattr(p, name) for name in SHARD_COPIES)
+    return (math.prod(getattr(p, name) for name in REPLICA_AXES)
+            // math.prod(getattr(p, name) for name in SHARD_COPIES))
 
 
 def _snapshot_bytes(cfg: Config, units: list[ZeroUnit], k: dict) -> float:

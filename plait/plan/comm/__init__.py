@@ -37,10 +37,12 @@ over, "edp_shard" the experts' copies in it, "dp_replicate" the copies of a shar
   pp     DualPipe's swap of its copies'         step.dualpipe_copies         listed, not timed
          gradients
   dp     ZeRO-0 all-reduce; ZeRO-1/2 reduce-    step.dp_exposed_time         dp comm
-         scatter + all-gather; ZeRO-3 all-                                   (exposed)
-         gather forward and backward + reduce-
+  (dp_   scatter + all-gather; ZeRO-3 all-                                   (exposed)
+  cp)    gather forward and backward + reduce-
          scatter: the dense parameters'
-         gradients over the replicas
+         gradients over the replicas (dp_cp:
+         the dp x cp ranks, under context
+         parallel; the mesh's name)
   edp    the same for the routed experts        step.dp_exposed_time         dp comm (exp.)
   dp_    hybrid sharding: ZeRO's as above,      step.dp_exposed_time         dp comm
   shard  inside a shard group of replicas                                    (exposed)
@@ -68,7 +70,8 @@ EXCHANGE_TERM = "cp/ep comm (exposed)"  # layer.py: the K/V exchange and the all
 # each step-time line of exposed communication and the dimensions whose collectives it is
 EXPOSED_TERMS: dict[str, tuple[str, ...]] = {"tp comm (exposed)": ("tp",),
                                              EXCHANGE_TERM: ("cp", "ep"),
-                                             "dp comm (exposed)": ("dp", "dp_shard",
+                                             "dp comm (exposed)": ("dp", "dp_cp",
+                                                                   "dp_shard",
                                                                    "dp_replicate")}
 # dimensions with collectives inside every layer (layer.py): ranks that share one group of
 # them wait for each other at every layer
