@@ -246,7 +246,8 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
            notes: list[str], header: str) -> None:
     from rich.table import Table
 
-    console.print(header)
+    # prose lines unwrapped (the terminal wraps them): each stays one line to grep
+    console.print(header, soft_wrap=True)
     t = Table(title="layouts (best first)", padding=(0, 0))
     for col in ("#", "layout", "mb x n", "schedule", "ZeRO", "recompute", "step s",
                 "tokens/s", "model FLOP/s/GPU", "hw FLOP/s/GPU", "MFU", "bubble",
@@ -290,7 +291,7 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
                    f"{1e3 * float(c.time_each):.3f}", f"{float(c.total):.4f}",
                    f"{float(c.exposed):.4f}", c.overlap)
     console.print(ct)
-    console.print(flops_line(best))
+    console.print(flops_line(best), soft_wrap=True)
     src = best.extra.get("pipeline", {}).get("source")
     if src:
         sync = best.extra["pipeline"].get("optimizer_sync")
@@ -301,9 +302,10 @@ def _print(console: Any, shape: Shape, cluster: Cluster, ests: list[Estimate],
                    "optimizer states include the copy held until the check, 12 bytes a "
                    "parameter of the optimizer's shard)"}
         console.print(f"pipeline time from: {src}"
-                      + (f"; assumes {between[sync]}" if sync in between else ""))
+                      + (f"; assumes {between[sync]}" if sync in between else ""),
+                      soft_wrap=True)
     for line in notes:
-        console.print(line)
+        console.print(line, soft_wrap=True)
 
 
 def flops_line(e: Estimate) -> str:

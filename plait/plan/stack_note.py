@@ -45,7 +45,7 @@ def stack_lines(args: Any, shape: Shape, cluster: Cluster, train: Training,
                 f"{kernel}: the figures below are an eager stack's."]
     head = (f"kernel stack: fused element-wise kernels and {kernel} attention, as "
             "Megatron-LM and Transformer Engine run them: the MFUs below are such a "
-            f"stack's (best layout {float(best.step_time):.3f} s a step, MFU "
+            f"stack's ({best.layout.label()}: {float(best.step_time):.3f} s a step, MFU "
             f"{float(best.mfu):.1%})")
     other = torchtitan_like(shape, cluster, train, best)
     if other is None:
