@@ -351,6 +351,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
                                    cfg.train.global_batch, cfg.train.seed,
                                    cfg.model.vocab_size),  # the test-only fault
                      ft.global_rank(rank, world) if ft else rank)
+    held_out = TokenFile.open(cfg.train.eval_data) if cfg.train.eval_data else None
     lead = rank == 0 and ft is None  # fault-tolerant replicas: the launcher reports
     elastic = ElasticState(args.elastic_state) if args.elastic_state else None
     if lead:
@@ -359,7 +360,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
     try:
         gauges = step_gauges(cfg, device, world) if lead else None
         with progress_reporter(cfg.train.steps, enabled=lead and not args.quiet,
-                               gauges=gauges) as show:
+                               gauges=gauges, every=args.log_every) as show:
             def on_step(row: dict) -> None:
                 run.steps_done = row["step"] + 1
                 show(row)
@@ -381,7 +382,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
                 result = train(run_cfg, mesh, batches, on_step=on_step,
                                checkpoint=checkpoint,
                                stop=run.stop if args.checkpoint_on_stop else None,
-                               timeline=bool(args.trace or args.timeline), replicas=replicas)
+                               timeline=bool(args.trace or args.timeline), replicas=replicas,
+                               held_out=held_out)
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise

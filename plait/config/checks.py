@@ -219,7 +219,7 @@ def train_problems(cfg: Config) -> list[str]:
          f"train.seq_len={t.seq_len} is longer than the model's max_seq_len="
          f"{m.max_seq_len}; use --seq-len {m.max_seq_len} or less, or raise "
          "model.max_seq_len"),
-        (t.steps < 1, f"train.steps={t.steps} must be >= 1"),
+        (t.steps < 1, f"train.steps={t.steps} must be >= 1; use --steps 1 or more"),
         (t.precision not in ("fp32", "bf16", "fp8", "fp64"),
          f"train.precision={t.precision!r}; use 'fp32', 'bf16', 'fp8' or 'fp64'"),
         (t.fp8_compute not in ("bf16", "fp32", "fp64"),
@@ -250,9 +250,30 @@ def train_problems(cfg: Config) -> list[str]:
         (not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1),
          f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1)"),
         (t.eps <= 0, f"train.eps={t.eps} must be > 0"),
-        (t.memory_step < -1 or t.memory_step >= t.steps,
+        # against the run's steps only once they are valid: a bad --steps is one problem
+        (t.steps >= 1 and (t.memory_step < -1 or t.memory_step >= t.steps),
          f"train.memory_step={t.memory_step} is not a step of this run; use 0 to "
          f"{t.steps - 1}, or -1 for none"),
     ]
-    return [problem for broken, problem in checks if broken] + ops_problems(t.recompute_ops)
+    return ([problem for broken, problem in checks if broken] + ops_problems(t.recompute_ops)
+            + eval_problems(cfg))
+
+
+def eval_problems(cfg: Config) -> list[str]:
+    """Validation during training: a positive cadence, and the held-out file it reads
+    (the file itself is checked by plait/train/checks.py)."""
+    t = cfg.train
+    if t.eval_every is None:
+        return ["train.eval_data is read only with --eval-every N; add it, or leave out "
+                "--eval-data"] if t.eval_data is not None else []
+    checks = [
+        (t.eval_every < 1, f"--eval-every {t.eval_every}: evaluate every N >= 1 steps "
+         "(train.eval_every), or leave it out for no evaluation"),
+        (t.eval_data is None, "--eval-every needs the held-out token file: add --eval-data "
+         "FILE.bin (same format as --data)"),
+        (t.eval_sequences is not None and t.eval_sequences < 1,
+         f"train.eval_sequences={t.eval_sequences} must be >= 1 (leave it out for every "
+         "whole batch of --eval-data)"),
+    ]
+    return [problem for broken, problem in checks if broken]
 

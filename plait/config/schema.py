@@ -160,6 +160,12 @@ class TrainConfig:
     # None: the name-seeded init (plait/checkpoint/init_from.py, docs/huggingface.md)
     init_from: str | None = None
     memory_step: int = -1  # measure memory by category during this step (-1: never)
+    # validation during training (plait/train/held_out.py): every eval_every steps and
+    # after the last, the loss over the first eval_sequences windows of eval_data (a token
+    # file like train.data; None: every whole global batch of it), forward only
+    eval_every: int | None = None
+    eval_data: str | None = None
+    eval_sequences: int | None = None
     # packed documents (plait/model/packed.py): each window of the token file holds the
     # documents its end-of-document tokens end; attention never crosses one, positions
     # restart with each, the loss never predicts across a boundary

@@ -57,6 +57,10 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--max-restarts resumes from the last checkpoint: give "
                         "--checkpoint-dir D and --checkpoint-every N too")
     problems += _fault_tolerance_flag_problems(args)
+    log_every = getattr(args, "log_every", None)
+    if log_every is not None and log_every < 1:
+        problems.append(f"--log-every {log_every}: print a step line every N >= 1 steps, or "
+                        "leave it out for about ten a run")
     timeout = args.timeout
     if not math.isfinite(timeout) or timeout <= 0:
         problems.append(f"--timeout {timeout}: seconds a collective may wait must be a "
@@ -175,6 +179,10 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None,
         found.warnings += vocabulary_notes(cfg, found.data)
     except DataError as e:
         found.problems.append(str(e))
+    if cfg.train.eval_data is not None and not config_problems:
+        from plait.train.held_out import held_out_problems
+
+        found.problems += held_out_problems(cfg)
     return found
 
 

@@ -33,6 +33,7 @@ TRAIN_FLAGS = {
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
     "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
+    "eval_every": "train.eval_every", "eval_data": "train.eval_data",
     # each parallel dimension's size and its own settings (plait/dims/)
     **{d.name: d.field for d in DIMENSIONS},
     **{s.key: f"parallel.{s.key}" for d in DIMENSIONS for s in d.settings},
@@ -131,6 +132,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where each rank computes: cuda:LOCAL_RANK with NCCL, or the CPU with "
                    "gloo; auto (default) takes CUDA when torch sees a GPU")
+    p.add_argument("--log-every", type=int, metavar="N",
+                   help="print a step line every N steps, and the last (default: about ten "
+                   "a run, steps / 10)")
+    p.add_argument("--eval-every", type=int, metavar="N", help=_setting_help("eval-every")
+                   + "; val_loss and val_perplexity in that step's row (docs/metrics.md)")
+    p.add_argument("--eval-data", metavar="FILE.bin", help=_setting_help("eval-data"))
     add_sink_args(p)  # --tensorboard, --wandb (plait/train/sinks.py)
     add_checkpoint_args(p)
     p.add_argument("--checkpoint-on-stop", action="store_true",
@@ -164,6 +171,9 @@ _SETTING_HELP = {
     "replacements to join",
     "replica-timeout": "--fault-tolerance: seconds a replica may keep the others waiting "
     "before it is left out",
+    "eval-every": "validation loss every N steps and after the last, forward only",
+    "eval-data": "held-out token file the validation loss is computed on (same format as "
+    "--data; its first train.eval_sequences windows, in file order)",
     "zero3-gather": "ZeRO-3: gather a unit around each forward and backward, or once a "
     "step and keep it to its stage's last backward (more memory, fewer bytes; docs/zero.md)",
 }
@@ -176,6 +186,7 @@ def _setting_help(flag: str) -> str:
     default = getattr(getattr(Config(), section), name)
     shown = "the schedule's own" if default is None and name == "virtual_stages" else (
         "the name-seeded init" if name == "init_from" else
+        "none" if default is None and name in ("eval_every", "eval_data") else
         "derived" if default is None else default)
     return f"{_SETTING_HELP[flag]} ({key}, default {shown})"
 

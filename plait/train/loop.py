@@ -37,7 +37,8 @@ from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.parallel.post_validation import PostValidation
 from plait.placement import PlacementTable
 from plait.throughput import mean_step_time, tokens_per_second, tokens_per_step
-from plait.train.data import GlobalBatches
+from plait.train.data import GlobalBatches, TokenFile
+from plait.train.held_out import HeldOut, held_out_count, perplexity
 from plait.train.lr_schedule import lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
 from plait.train.stragglers import Exchange, observe_step
@@ -117,8 +118,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
           on_step: Callable[[dict], None] | None = None, start_step: int = 0,
           capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
           stop: StopRequest | None = None, timeline: bool = False,
-          shard_init: bool = False, replicas: FaultTolerantReplicas | None = None
-          ) -> TrainResult:
+          shard_init: bool = False, replicas: FaultTolerantReplicas | None = None,
+          held_out: TokenFile | None = None) -> TrainResult:
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
 
     `capture_first_grads`: keep the first step's full gradients (result.first_grads).
@@ -129,7 +130,9 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     every rank (result.timeline; collective at the end). `shard_init`: see `parallelize`.
     `replicas`: this rank's fault-tolerant replica (plait/parallel/fault_tolerance.py; `mesh`
     and `cfg` are the replica's own): each step's gradients summed over the live replicas,
-    or, for a replacement, the state received from a live one first."""
+    or, for a replacement, the state received from a live one first. `held_out`: the
+    token file of train.eval_data, whose loss (plait/train/held_out.py) is added to the
+    row of every train.eval_every-th step and of the last."""
     t = cfg.train
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
@@ -161,6 +164,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     eager = stop is not None or (checkpoint is not None and checkpoint.dir is not None
                                  and bool(checkpoint.every))
     streak = [0]  # non-finite steps in a row
+    validation = _validation(cfg, mesh, par, held_out, replicas)
     waiting: dict | None = None  # the row whose update awaits its check
     for step in range(start_step, t.steps):
         if stop is not None:
@@ -174,9 +178,12 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         if waiting is not None:  # validated at this step's cut
             _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
         waiting = row if sync is not None else None
-        if sync is not None and (eager or step == t.steps - 1):
-            sync.validate()
+        due = validation is not None and _evaluates(t.eval_every, step, t.steps)
+        if sync is not None and (eager or due or step == t.steps - 1):
+            sync.validate()  # an evaluation reads the settled weights
             row, waiting = _validated(row, sync), None
+        if due:
+            _evaluate(row, validation, par, mesh, marks)
         if waiting is None:
             _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak, replicas)
     par.optimizer.settle()  # the last update's collectives (ZeRO-1/2's all-gathers)
@@ -229,6 +236,33 @@ def _starting_state(par: ParallelModel, mesh: ParallelMesh, cfg: Config,
     elif checkpoint is not None:  # every rank reads what it now holds; no step has run
         start_step = checkpoint.restore(par, mesh, cfg, start_step)
     return start_step
+
+
+def _validation(cfg: Config, mesh: ParallelMesh, par: ParallelModel,
+                held_out: TokenFile | None, replicas: FaultTolerantReplicas | None
+                ) -> HeldOut | None:
+    """The held-out evaluation of train.eval_data, where one is asked for. Its windows are
+    counted in the whole job's global batches (a fault-tolerant replica's is a part)."""
+    if held_out is None or cfg.train.eval_every is None:
+        return None
+    job_batch = replicas.global_batch if replicas is not None else cfg.train.global_batch
+    return HeldOut(cfg, mesh, par, held_out, held_out_count(cfg, held_out, job_batch))
+
+
+def _evaluates(every: int | None, step: int, steps: int) -> bool:
+    """Whether the validation loss follows step `step` (0-based): every `every` steps, the
+    first after `every` of them, and after the run's last."""
+    return every is not None and ((step + 1) % every == 0 or step == steps - 1)
+
+
+def _evaluate(row: dict, validation: HeldOut, par: ParallelModel, mesh: ParallelMesh,
+              marks: Marks) -> None:
+    """The held-out loss on the updated weights, into the step's row; its collectives are
+    not the step's, nor its forwards the timeline's."""
+    par.optimizer.settle()  # ZeRO-1/2: the update's all-gathers, before these forwards
+    with mesh.ledger.outside_step(), marks.excluded():
+        loss = validation.loss()
+    row.update(val_loss=loss, val_perplexity=perplexity(loss))
 
 
 def _held_with_steps(opt: GradSyncOptimizer, mesh: ParallelMesh) -> list[torch.Tensor]:
@@ -461,12 +495,16 @@ def _summary(cfg: Config, mesh: ParallelMesh, metrics: list[dict], steps_run: in
     throughput.py: the first step, which warms caches, left out when there are others),
     the ledger's per-step averages, every rank's compute and wait and the stragglers."""
     times = [m["step_time"] for m in metrics]
+    validated = [m for m in metrics if "val_loss" in m]
+    held_out = {"val_loss": validated[-1]["val_loss"],
+                "val_perplexity": validated[-1]["val_perplexity"]} if validated else {}
     return {
         "summary": True,
         "layout": run_layout(cfg, mesh),
         "world_size": mesh.world_size,
         "steps": steps_run,
         "final_loss": metrics[-1]["loss"] if metrics else None,
+        **held_out,  # the last validation (train.eval_every), where there was one
         "mean_step_time": mean_step_time(times),
         "tokens_per_s": tokens_per_second(
             tokens_per_step(cfg.train.global_batch, cfg.train.seq_len), times),

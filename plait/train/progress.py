@@ -50,11 +50,13 @@ class Gauges:
 
 
 @contextlib.contextmanager
-def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = None
-                      ) -> Iterator[Callable[[dict], None]]:
-    """Yields show(row): advances a rich progress bar with the step's loss and speed.
-    Its tokens/s is the summary's (plait/throughput.py: the steps so far, the first left
-    out once there are others), so the bar's last value is the summary's."""
+def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = None,
+                      every: int | None = None) -> Iterator[Callable[[dict], None]]:
+    """Yields show(row): advances a rich progress bar with the step's loss and speed, and
+    prints a step line every `every` steps (default: about ten a run), the last, and each
+    step with a validation loss. Its tokens/s is the summary's (plait/throughput.py: the
+    steps so far, the first left out once there are others), so the bar's last value is
+    the summary's."""
     if not enabled:
         yield lambda row: None
         return
@@ -66,16 +68,18 @@ def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = N
     named: set[int] = set()  # the stragglers already announced
     with progress:
         task = progress.add_task("", total=total_steps)
-        every = max(total_steps // 10, 1)
+        every = every or max(total_steps // 10, 1)
 
         def show(row: dict) -> None:
             times.append(row["step_time"])
             rate = tokens_per_second(row["tokens"], times)
-            if row["step"] % every == 0 or row["step"] == total_steps - 1:
+            if (row["step"] % every == 0 or row["step"] == total_steps - 1
+                    or "val_loss" in row):
                 # stdout, beside the summary (the live bar, on stderr, shows it above itself)
                 print(f"step {row['step']:>5}  loss {row['loss']:.4f}  "
                       f"grad norm {row['grad_norm']:.3f}  {rate:,.0f} tokens/s  "
-                      f"{gauges.text(rate)}{_moe_note(row)}{_straggler_note(row)}".rstrip(),
+                      f"{gauges.text(rate)}{_moe_note(row)}{_straggler_note(row)}"
+                      f"{_validation_note(row)}".rstrip(),
                       flush=True)
             verdict = row.get("straggler")
             if verdict and verdict["rank"] not in named:  # once a rank, when first named
@@ -87,6 +91,13 @@ def progress_reporter(total_steps: int, enabled: bool, gauges: Gauges | None = N
                 f"{_straggler_note(row)}"))
 
         yield show
+
+
+def _validation_note(row: dict) -> str:
+    """The held-out loss after this step, where one was computed (train.eval_every)."""
+    if "val_loss" not in row:
+        return ""
+    return f"  val loss {row['val_loss']:.4f}  val ppl {row['val_perplexity']:.2f}"
 
 
 def _moe_note(row: dict) -> str:
@@ -134,8 +145,9 @@ def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) 
     restarts = summary.get("restarts")  # plait train --max-restarts (plait/launch/elastic.py)
     after = (f" (the last attempt, after {restarts} restart{'s' * (restarts > 1)}, "
              f"{summary['lost_steps']} steps lost)" if restarts else "")
+    val = f" (val {summary['val_loss']:.4f})" if "val_loss" in summary else ""
     return (f"plait: done: {summary['steps']} steps on {layout}{after}, loss {first:.4f} "
-            f"-> {last:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{where}")
+            f"-> {last:.4f}{val}, {summary['tokens_per_s']:,.0f} tokens/s{where}")
 
 
 def print_summary(summary: dict, metrics: list[dict], console: Console | None = None,
@@ -144,6 +156,9 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     fields = [("layout", summary["layout"]), ("params", _params(summary)),
               ("loss", f"{first:.4f} -> {last:.4f}"),
+              *([("val loss", f"{summary['val_loss']:.4f} (perplexity "
+                  f"{summary['val_perplexity']:.2f}, after the last step)")]
+                if "val_loss" in summary else []),
               # plait/throughput.py: global batch tokens / step time, first step left out
               ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
               ("step", f"{summary['mean_step_time'] * 1e3:.1f} ms")]

@@ -34,6 +34,7 @@ With markers off, the loop's `point()` calls are no-ops on `NO_MARKS` and no hoo
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from functools import partial
@@ -67,6 +68,11 @@ class Marks:
 
     def point(self, name: str) -> None:
         pass
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Work inside that is not the step's (an evaluation's forwards): left out."""
+        yield
 
 
 NO_MARKS = Marks()
@@ -107,6 +113,14 @@ class StepMarks(Marks):
     def point(self, name: str) -> None:
         """The phase `name` (of the loop, after the runtime's step) ends here."""
         self.points.append((name, self.timer.mark()))
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        kept = len(self.units)
+        try:
+            yield
+        finally:
+            del self.units[kept:]
 
     # ---- hooks -------------------------------------------------------------------------
     def _pre_forward(self, key: tuple, module: nn.Module, args: tuple) -> None:

@@ -22,6 +22,8 @@ channel is held.
 
 from __future__ import annotations
 
+import dataclasses
+
 from plait.parallel.pipeline.ir import Action, Schedule, trusted, without_gc
 
 LOOKAHEAD = 1  # receives are posted this many computes before the one that needs them
@@ -102,6 +104,17 @@ def lower(schedule: Schedule) -> Schedule:
         schedule.num_chains,
         lowered=True,
     )
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """A schedule's forwards and their activation transfers, in each rank's order:
+    an evaluation's step (no gradient, no backward). The order stays deadlock-free: a
+    forward waits only on forwards, which the full schedule already ran in this order."""
+    if not schedule.lowered:
+        schedule = lower(schedule)
+    keep = ("F", "SEND_F", "RECV_F")
+    return dataclasses.replace(schedule, actions=[[a for a in acts if a.kind in keep]
+                                                  for acts in schedule.actions])
 
 
 def speculative_prefix(schedule: Schedule) -> list[int]:

@@ -123,6 +123,9 @@ class PipelineRuntime:
             if a.kind in ("B", "W"):
                 last[a.stage] = i
         self.last_grad_action = set(last.values())
+        # a forward-only schedule (an evaluation, `lower.forward_only`) keeps nothing for a
+        # backward: each stage's activations are dropped once its output has gone on
+        self.keeps_graph = bool(last)
         self.final_grad_action = max(last.values(), default=-1)
         # post-validation: where the previous step's update is checked (see `step`)
         self.cut = speculative_prefix(self.schedule)[self.me]
@@ -325,7 +328,9 @@ class PipelineRuntime:
             else:
                 x = self._local_in.pop((s, mb))
             t0 = self.timer.mark()
-            self._live[s, mb] = live = self._forward(s, mb, x, first, last)
+            live = self._forward(s, mb, x, first, last)
+            if self.keeps_graph:
+                self._live[s, mb] = live
             out = live.out
             nxt = sched.next_stage(s)
             if last:
