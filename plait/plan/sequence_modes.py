@@ -1,8 +1,9 @@
 """The split sequence's attention modes (plait/parallel/context.py) priced side by side on
 one layout, and the planner's choice among them: per mode the bytes a rank sends per step
 over NVLink and across nodes, the memory of the most loaded rank, the exposed exchange
-and the step time (`evaluate`, the same formulas the ledger is checked against); the
-choice is the fastest mode that fits.
+and the step time (`evaluate` with the pipeline simulated: the call the search's shown
+layouts come from, so a layout's price here is its table row's; the same formulas the
+ledger is checked against); the choice is the fastest mode that fits.
 
 Memory is the same formula for every mode (activations at s/n tokens a rank, n the
 sequence's ranks): what a mode holds only during one layer's attention (the all-gather's
@@ -47,7 +48,8 @@ def node_degree(n: int, tp: int, gpus_per_node: int) -> int:
 
 def price_modes(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
                 eff: Efficiency) -> list[ModePrice]:
-    """Every mode on `lay` (scalar sizes)."""
+    """Every mode on `lay` (scalar sizes), each through `evaluate` with the pipeline
+    simulated, the call that prices the layouts `plait plan` shows."""
     n, tp = int(lay.sizes[SEQ]), int(lay.sizes["tp"])
     heads = shape.heads // tp
     out = []
@@ -60,7 +62,9 @@ def price_modes(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
             continue
         one = copy.copy(lay)
         one.cp_mode, one.cp_a2a = mode, degree
-        e = evaluate(shape, cluster, train, one, eff)
+        # priced as the search prices the layouts it shows (their pipeline simulated), so
+        # the layout's own mode gets the price its table row has
+        e = evaluate(shape, cluster, train, one, eff, simulate=True)
         mine = [c for c in e.collectives if c.dim.split("_")[0] == SEQ]
         by_link = {True: 0.0, False: 0.0}
         for c in mine:
