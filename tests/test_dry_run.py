@@ -6,7 +6,7 @@ import traceback
 
 import pytest
 import torch
-from helpers import batches_for, config, run_layout, shared_run
+from helpers import batches_for, config, run_layout, shared_run, token_file
 
 from plait.observe.dry_run import TABLE_ROWS, dry_run
 
@@ -73,6 +73,28 @@ def test_dry_run_rank_equals_the_real_rank(real, rank):
     # the eager model covers this layout: its prediction for the rank is within 5 %
     pred = dry["predicted_memory"]
     assert pred["total"] == pytest.approx(dry["memory"]["peak_total"], rel=0.05)
+
+
+@pytest.mark.parametrize("sets", [["parallel.dp=2", "parallel.zero=1"],
+                                  ["parallel.tp=2", "parallel.sp=true"], LAYOUT])
+def test_dry_run_and_report_print_one_prediction(sets):
+    """The dry run's predicted memory for rank 0 is `plait report`'s for the same run, every
+    category: a dry run's config names no token file (the command line gives it beside the
+    config, as with the default corpus), and the loader's epoch permutation is priced
+    from the file the loader reads, as the report prices it from the run's train.data."""
+    from plait.observe.report import compare
+
+    sets = [FP32, *sets]
+    cfg = config(*sets)
+    world = cfg.parallel.world_size
+    assert cfg.train.data is None
+    dry = _dry(sets, world, 0)
+    rows = [{"step": dry["measured_step"], "memory": dry["memory"]}]
+    rep = compare(rows, {}, config(*sets, f"train.data={token_file()}"))
+    predicted = {c["category"]: c["predicted"] for c in rep["memory"]["categories"]}
+    mine = dry["predicted_memory"]
+    assert predicted.pop("total (peak)") == mine["total"]
+    assert predicted == {cat: sum(mine[n] for n in names) for cat, names in TABLE_ROWS.items()}
 
 
 # llama3-8b's proportions at tp=8, pp=4 scaled down 16x (dim / tokens = 4, ffn = 3.5 dim,

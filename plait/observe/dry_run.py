@@ -64,6 +64,8 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     the ledger's bytes per mesh dim per step, and the planner's prediction for both."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from plait.plan.runtime_memory import predicted_rank_memory
+
     if cfg.parallel.world_size != world_size:
         raise ValueError(f"the layout needs {cfg.parallel.world_size} ranks (its world size), "
                          f"not --world-size {world_size}")
@@ -83,7 +85,9 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     measured = result.metrics[step]["memory"]
     return {"rank": rank, "world_size": world_size, "coords": dict(mesh.coords),
             "layout": mesh.describe(), "memory": measured,
-            "predicted_memory": _predicted_memory(cfg, mesh.coord("pp")),
+            # the loader's windows: the file it reads is given beside cfg, not in it
+            "predicted_memory": predicted_rank_memory(cfg, mesh.coord("pp"),
+                                                      batches.n_windows),
             "bytes_per_step": payload_by_dim(mesh, step), "measured_step": step,
             "data_bytes_per_step": data_bytes_by_dim(mesh.ledger.to_dicts(step)),
             "predicted_bytes_per_step": _predicted_bytes(cfg, mesh.coord("pp")),
@@ -197,17 +201,6 @@ def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
     for r in mesh.ledger.for_step(step):
         out[r.dim] = out.get(r.dim, 0.0) + r.payload
     return out
-
-
-def _predicted_memory(cfg: Config, pp_rank: int) -> dict[str, Any]:
-    """The eager model's peak for this pipeline rank, or why it has none."""
-    from plait.plan.runtime_memory import eager_memory_by_rank, not_covered
-    from plait.plan.runtime_memory_sizes import token_file_windows
-
-    why = not_covered(cfg)
-    if why is not None:
-        return {"not_covered": why}
-    return eager_memory_by_rank(cfg, token_file_windows(cfg))[pp_rank]
 
 
 def _predicted_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:

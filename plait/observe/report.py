@@ -5,8 +5,9 @@
 
 Memory: the step `train.memory_step` of the metrics file carries the lead rank's (rank 0's)
 measured peak by category (plait/device/memory.py); it is compared with the planner's
-prediction for that rank, `plait.plan.runtime_memory.eager_memory_by_rank` (kernels="eager": plait's
-CPU runtime; one cost model, the code `plait plan` uses). Communication: the summary's
+prediction for that rank, `plait.plan.runtime_memory.predicted_rank_memory`
+(kernels="eager": plait's CPU runtime; one cost model, the code `plait plan` uses; the
+dry run prints the same function's). Communication: the summary's
 ledger (payload bytes per step per collective@dim, rank 0) beside the planner's
 collectives of the same rank (`plait.plan.rank_collectives` for pipeline rank 0: payload
 per call × calls per step), per mesh dim. The configuration comes from the summary line
@@ -113,22 +114,22 @@ def _flags_given(args: argparse.Namespace) -> bool:
 def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     """The comparison as data: memory by category, communication by collective and dim."""
     from plait.plan import rank_collectives
-    from plait.plan.runtime_memory import eager_memory_by_rank, not_covered
+    from plait.plan.runtime_memory import predicted_rank_memory
     from plait.plan.runtime_memory_sizes import token_file_windows
 
     out: dict[str, Any] = {"layout": summary.get("layout"), "memory": None,
                            "communication": None, "notes": []}
     mem_row = next((r for r in rows if "memory" in r), None)
+    # the metrics file is rank 0's (pp rank 0); the run's loader read cfg.train.data
+    pred = predicted_rank_memory(cfg, 0, token_file_windows(cfg))
     if mem_row is None:
         out["memory_missing"] = "no measured memory: train with --set train.memory_step=N"
         out["notes"].append(out["memory_missing"])
-    elif (why := not_covered(cfg)) is not None:
-        out["memory_missing"] = f"no memory prediction: {why}"
+    elif "not_covered" in pred:
+        out["memory_missing"] = f"no memory prediction: {pred['not_covered']}"
         out["notes"].append(out["memory_missing"])
     else:
         measured, peak_total = mem_row["memory"]["peak"], mem_row["memory"]["peak_total"]
-        # the metrics file is rank 0's (pp rank 0)
-        pred = eager_memory_by_rank(cfg, token_file_windows(cfg))[0]
         cats = []
         for cat, names in MEMORY_CATEGORIES.items():
             p = float(sum(pred[n] for n in names))
@@ -219,6 +220,8 @@ def print_stragglers(console: Any, found: dict, shown: int = 16) -> None:
 
 def _explain_exposure(out: dict, cfg: Config) -> None:
     """A note on the dim whose measured exposed share differs most from the planner's."""
+    from plait.dims import REPLICA_AXES, replica_group
+
     pairs = [(abs(d["measured_exposed_share"] - d["predicted_exposed_share"]), d)
              for d in out["communication"]
              if d["measured_exposed_share"] is not None
@@ -227,9 +230,10 @@ def _explain_exposure(out: dict, cfg: Config) -> None:
         return
     gap, d = max(pairs, key=lambda x: x[0])
     p = cfg.parallel
-    if d["dim"] == "dp" and p.zero == 0 and p.data_parallel == "naive":
+    replicas = replica_group({name: getattr(p, name) for name in REPLICA_AXES})
+    if d["dim"] == replicas and p.zero == 0 and p.data_parallel == "naive":
         out["notes"].append(
-            f"overlap: the largest difference is on dp: measured exposed share "
+            f"overlap: the largest difference is on {replicas}: measured exposed share "
             f"{d['measured_exposed_share']:.2f}, planner {d['predicted_exposed_share']:.2f}. "
             "The planner overlaps the gradient all-reduce with the last backward (bucketed "
             "data parallel); this run's naive data parallel all-reduces each gradient "

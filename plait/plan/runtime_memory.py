@@ -419,3 +419,15 @@ def eager_memory_by_rank(cfg: Config, data_windows: int = 0) -> list[dict[str, f
         row["total"], row["moment"], row["rank"] = mo.total, mo.name, r
         rows.append(row)
     return rows
+
+
+def predicted_rank_memory(cfg: Config, pp_rank: int, data_windows: int
+                          ) -> dict[str, float | str]:
+    """The prediction `plait report` and the dry run print for pipeline rank `pp_rank` of
+    a run whose loader permutes `data_windows` windows of its token file (the permutation
+    is held through the run, so it is part of every peak): the rank's row of
+    `eager_memory_by_rank`, or {"not_covered": why} (`not_covered`)."""
+    why = not_covered(cfg)
+    if why is not None:
+        return {"not_covered": why}
+    return eager_memory_by_rank(cfg, data_windows)[pp_rank]
