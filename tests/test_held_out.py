@@ -1,0 +1,213 @@
+"""Validation during training (`plait train --eval-every N --eval-data FILE`,
+plait/train/held_out.py): the held-out loss of every layout equals the single-process
+run's in float64 and an independent computation from the reference's weights; evaluating
+changes nothing of the training; the forward-only schedule of every pipeline schedule
+runs its forwards exactly; bad input is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import SESSION_ROOT, batches_for, config, reference, token_file
+
+from plait.cli.main import main
+from plait.launch.forked import run_ranks
+from plait.mesh import ParallelMesh
+from plait.model.transformer import build_model
+from plait.parallel.pipeline.lower import forward_only, lower
+from plait.parallel.pipeline.registry import (
+    SCHEDULE_NAMES,
+    build_schedule,
+    natural_virtual_stages,
+)
+from plait.testing import PARITY_TOLERANCES
+from plait.train.data import TokenFile, synthetic_token_file
+from plait.train.held_out import held_out_count
+from plait.train.loop import train
+from plait.train.progress import progress_reporter
+
+EVAL = ("train.eval_every=2",)  # 4 steps: the loss after steps 1 and 3
+DENSE = ("model.n_layers=4", "model.tie_embeddings=false")
+LAYOUTS = {
+    "dp2-zero3": ("parallel.dp=2", "parallel.zero=3"),
+    "tp2-sp": ("parallel.tp=2", "parallel.sp=true"),
+    "pp2": ("parallel.pp=2", "parallel.microbatches=4"),
+    "pp2-zbv": ("parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=zb-v"),
+    "pp2-dualpipe": ("parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=dualpipe"),
+    "cp2": ("parallel.cp=2",),
+    "dp2-ep2-moe": ("parallel.dp=2", "parallel.ep=2", "model.n_experts=4", "model.top_k=2",
+                    "model.expert_ffn_dim=32"),
+}
+
+
+@cache
+def held_out_file() -> Path:
+    """3 global batches of held-out windows (another seed than the training file's)."""
+    path = SESSION_ROOT / "held-out-256.bin"
+    if not path.exists():
+        synthetic_token_file(path, 24 * 32 + 1, 256, seed=11)
+    return path
+
+
+def _rank(rank: int, world: int, sets: list[str], evaluate: bool) -> dict:
+    evaluation = (*EVAL, f"train.eval_data={held_out_file()}") if evaluate else ()
+    cfg = config(*DENSE, *sets, *evaluation).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    held = TokenFile.open(held_out_file()) if evaluate else None
+    result = train(cfg, mesh, batches_for(cfg), held_out=held)
+    return {"metrics": result.metrics, "summary": {k: v for k, v in result.summary.items()
+                                                   if k.startswith("val_")},
+            "step_bytes": sum(r.sent for r in mesh.ledger.for_step())}
+
+
+@cache
+def run(layout: str, evaluate: bool = True) -> list[dict]:
+    sets = list(LAYOUTS.get(layout, ()))
+    world = config(*DENSE, *sets).parallel.world_size
+    token_file(), held_out_file()  # made in the parent, before the ranks fork
+    return run_ranks(_rank, world, sets, evaluate)
+
+
+def val_losses(out: dict) -> dict[int, float]:
+    return {m["step"]: m["val_loss"] for m in out["metrics"] if "val_loss" in m}
+
+
+def test_single_process_val_loss_is_the_reference_weights_loss():
+    """An independent computation: the reference's final weights, the plain model, the
+    mean cross-entropy over the held-out file's first whole global batches."""
+    out = run("single")[0]
+    assert sorted(val_losses(out)) == [1, 3]  # every 2 steps; the last is one of them
+    cfg = config(*DENSE)
+    model = build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float64)
+    model.load_state_dict(reference(*DENSE).params)
+    data = TokenFile.open(held_out_file())
+    n, s = held_out_count(cfg, data), cfg.train.seq_len
+    assert n == 24
+    rows = torch.stack([torch.from_numpy(data.tokens[w * s: w * s + s + 1].astype("int64"))
+                        for w in range(n)])
+    with torch.no_grad():
+        logits = model(rows[:, :-1])
+    want = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)))
+    rtol = PARITY_TOLERANCES["fp64"]["loss_rtol"]
+    assert val_losses(out)[3] == pytest.approx(want, rel=rtol, abs=0)
+    assert out["summary"]["val_loss"] == val_losses(out)[3]
+    assert out["summary"]["val_perplexity"] == pytest.approx(torch.tensor(want).exp().item())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_val_loss_equals_the_single_process_run(layout):
+    want = val_losses(run("single")[0]) if "moe" not in layout else None
+    outs = run(layout)
+    if want is None:  # the MoE model's own single-process run
+        want = val_losses(run_ranks(_rank, 1, [s for s in LAYOUTS[layout]
+                                               if s.startswith("model.")], True)[0])
+    rtol = PARITY_TOLERANCES["fp64"]["loss_rtol"]
+    for out in outs:  # every rank reports the same validation
+        got = val_losses(out)
+        assert sorted(got) == sorted(want)
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, rel=rtol, abs=0), (layout, step)
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero3", "pp2"])
+def test_evaluating_changes_nothing_of_the_training(layout):
+    """Forward only, outside the step: the losses, grad norms and the step's bytes are
+    those of the run without evaluation, exactly."""
+    with_eval, without = run(layout)[0], run(layout, evaluate=False)[0]
+    for key in ("loss", "grad_norm", "comm_sent_bytes"):
+        assert [m[key] for m in with_eval["metrics"]] == [m[key] for m in without["metrics"]]
+    assert with_eval["step_bytes"] == without["step_bytes"]
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_the_forward_only_schedule_keeps_each_ranks_forwards_in_order(name):
+    full = lower(build_schedule(name, pp=2, microbatches=4,
+                                virtual_stages=natural_virtual_stages(name, None)))
+    fwd = forward_only(full)
+    for acts, kept in zip(full.actions, fwd.actions, strict=True):
+        assert kept == [a for a in acts if a.kind in ("F", "SEND_F", "RECV_F")]
+        assert kept and all(a.kind not in ("B", "I", "W") for a in kept)
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.err + out.out
+
+
+BASE_ARGS = ["train", "--set", "model.vocab_size=256", "--seq-len", "32",
+             "--global-batch", "8", "--steps", "2"]
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    (["--eval-every", "0", "--eval-data", "{held}"], "--eval-every 0: evaluate every N >= 1"),
+    (["--eval-every", "-2", "--eval-data", "{held}"], "--eval-every -2"),
+    (["--eval-every", "2"], "add --eval-data FILE.bin"),
+    (["--eval-data", "{held}"], "read only with --eval-every N"),
+    (["--eval-every", "2", "--eval-data", "{tmp}/none.bin"], "--eval-data: token file"),
+    (["--eval-every", "2", "--eval-data", "{short}"], "fewer than one global batch of 8"),
+    (["--log-every", "0"], "--log-every 0: print a step line every N >= 1 steps"),
+])
+def test_bad_evaluation_and_log_flags_are_refused_before_anything(extra, phrase, tmp_path,
+                                                                   capsys):
+    short = synthetic_token_file(tmp_path / "short.bin", 7 * 32 + 1, 256, seed=3)
+    names = {"held": held_out_file(), "tmp": tmp_path, "short": short}
+    out = tmp_path / "m.jsonl"
+    argv = [*BASE_ARGS, "--data", str(token_file()), "--metrics-out", str(out),
+            *(a.format(**names) for a in extra)]
+    code, text = _cli(argv, capsys)
+    assert code == 2 and phrase in text, text
+    assert not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_a_non_positive_steps_is_one_problem_naming_steps():
+    for steps in (0, -3):
+        problems = config(f"train.steps={steps}").validate()
+        assert len(problems) == 1 and "--steps" in problems[0], problems
+        assert not any("memory_step" in p for p in problems)
+    # a memory step past a valid run is still named
+    assert any("memory_step=5" in p for p in config("train.steps=3",
+                                                    "train.memory_step=5").validate())
+
+
+def test_step_lines_follow_log_every_and_each_validation(capsys):
+    rows = [{"step": k, "loss": 1.0, "grad_norm": 0.5, "tokens": 8, "step_time": 0.1,
+             "lr": 1e-3} for k in range(7)]
+    rows[4].update(val_loss=2.0, val_perplexity=7.389)
+    with progress_reporter(7, enabled=True, every=3) as show:
+        for row in rows:
+            show(row)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [int(line.split()[1]) for line in lines] == [0, 3, 4, 6]  # 4: its validation
+    assert "val loss 2.0000  val ppl 7.39" in lines[2]
+    with progress_reporter(40, enabled=True) as show:  # the default: about ten a run
+        for k in range(40):
+            show({**rows[0], "step": k})
+    assert sum(line.startswith("step") for line in capsys.readouterr().out.splitlines()) == 11
+
+
+@pytest.mark.slow  # launches a rank through torchrun
+def test_cli_run_reports_validation_in_rows_progress_and_summary(tmp_path, capfd):
+    out = tmp_path / "m.jsonl"  # the rank's lines come through the file descriptors
+    code, text = _cli([*BASE_ARGS[:-1], "3", "--data", str(token_file()), "--eval-every", "2",
+                       "--eval-data", str(held_out_file()), "--log-every", "2",
+                       "--metrics-out", str(out)], capfd)
+    assert code == 0, text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "step" in r and not r.get("summary")}
+    assert [s for s, r in steps.items() if "val_loss" in r] == [1, 2]
+    assert rows[-1]["val_loss"] == steps[2]["val_loss"]
+    lines = [line for line in text.splitlines() if re.match(r"step +\d+  loss", line)]
+    # --log-every 2: steps 0 and 2; step 1 for its validation
+    assert [int(line.split()[1]) for line in lines] == [0, 1, 2]
+    assert "val loss" in lines[1] and "val loss" not in lines[0]
+    assert f"(val {steps[2]['val_loss']:.4f})" in text.splitlines()[-1]
