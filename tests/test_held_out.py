@@ -20,6 +20,7 @@ from plait.cli.main import main
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
+from plait.observe.html import _run_section
 from plait.parallel.pipeline.lower import forward_only, lower
 from plait.parallel.pipeline.registry import (
     SCHEDULE_NAMES,
@@ -61,8 +62,7 @@ def _rank(rank: int, world: int, sets: list[str], evaluate: bool) -> dict:
     mesh = ParallelMesh.build(cfg.parallel)
     held = TokenFile.open(held_out_file()) if evaluate else None
     result = train(cfg, mesh, batches_for(cfg), held_out=held)
-    return {"metrics": result.metrics, "summary": {k: v for k, v in result.summary.items()
-                                                   if k.startswith("val_")},
+    return {"metrics": result.metrics, "summary": result.summary,
             "step_bytes": sum(r.sent for r in mesh.ledger.for_step())}
 
 
@@ -177,6 +177,21 @@ def test_a_non_positive_steps_is_one_problem_naming_steps():
     # a memory step past a valid run is still named
     assert any("memory_step=5" in p for p in config("train.steps=3",
                                                     "train.memory_step=5").validate())
+
+
+def test_plait_report_shows_the_validation_losses(tmp_path, capsys):
+    out = run("single")[0]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*out["metrics"], out["summary"]]))
+    code, text = _cli(["report", "--metrics", str(metrics)], capsys)
+    assert code == 0, text
+    shown = val_losses(out)
+    assert "validation loss (held out, --eval-data) after step: " in text
+    for step, loss in shown.items():
+        assert f"{step} {loss:.4f} (perplexity" in text
+    code, text = _cli(["report", "--metrics", str(metrics), "--json"], capsys)
+    assert [v["val_loss"] for v in json.loads(text)["validation"]] == list(shown.values())
+    assert f"{shown[3]:.4f}" in _run_section(out["metrics"], out["summary"], None)
 
 
 def test_step_lines_follow_log_every_and_each_validation(capsys):

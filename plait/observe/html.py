@@ -67,6 +67,9 @@ def _run_section(rows: list[dict], summary: dict, config: dict | None) -> str:
     facts = [["layout", summary.get("layout", "-")], ["world size", summary.get("world_size", "-")],
              ["steps", len(rows)],
              ["loss", f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}"],
+             *([["validation loss after the last step (perplexity)",
+                 f"{summary['val_loss']:.4f} ({summary['val_perplexity']:.2f})"]]
+               if "val_loss" in summary else []),
              ["tokens/s (first step left out)", _num(summary.get("tokens_per_s"), ",.0f")],
              ["mean step time, ms", _num((summary.get("mean_step_time") or 0) * 1e3, ".1f")],
              ["parameters: the model's (rank 0's)", f"{_count(summary.get('param_count'))} "

@@ -169,6 +169,9 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
     out["step_time_s"] = summary.get("mean_step_time")
     out["stragglers"] = stragglers(rows, summary, cfg.parallel.gpus_per_node)
     if not ledger:
+    # the held-out loss after the steps that computed one (plait train --eval-every)
+    out["validation"] = [{k: r[k] for k in ("step", "val_loss", "val_perplexity")}
+                         for r in rows if "val_loss" in r]
         out["notes"].append("the summary line has no ledger")
     out["notes"].append(
         "communication: the planner lists the collectives that move model data (gradients, "
@@ -346,6 +349,10 @@ def print_report(rep: dict) -> None:
     print_overlap(console, rep["communication"], rep.get("step_time_s"))
     if rep.get("stragglers"):
         print_stragglers(console, rep["stragglers"])
+    if rep.get("validation"):
+        console.print("validation loss (held out, --eval-data) after step: " + ", ".join(
+            f"{v['step']} {v['val_loss']:.4f} (perplexity {v['val_perplexity']:.2f})"
+            for v in rep["validation"]), soft_wrap=True, highlight=False)
     if rep.get("plan"):
         from plait.observe.plan_check import print_plan_check
 
