@@ -713,6 +713,27 @@ def test_host_memory_check_states_the_numbers():
     assert post["optimizer states"] == post["parameters"] / 4 * (8 + 12)
 
 
+def test_host_memory_check_shards_zero_over_dp_and_cp():
+    """ZeRO under context parallel shards the states over the dp x cp ranks, as the runtime
+    does (its group "dp_cp"): at dp 4, cp 2 the optimizer states are a rank's 1/8 of the
+    whole, as at dp 8, and 8 ranks whose states fit are not refused (the shape of the
+    planner's llama3-8b layout, dp 4 x cp 2 with ZeRO-1)."""
+    from plait.config import load_config
+    from plait.plan.host_memory import host_memory_problem, model_state_bytes
+
+    sets = ["parallel.zero=1", "train.global_batch=8"]
+    cfg = load_config(sets=["parallel.dp=4", "parallel.cp=2", *sets])
+    states = model_state_bytes(cfg, 0)
+    over_dp = model_state_bytes(load_config(sets=["parallel.dp=8", *sets]), 0)
+    assert states["optimizer states"] == over_dp["optimizer states"]
+    # the fp32 master, m and v: 12 bytes a parameter, the units padded to 8 shards
+    whole = 12 * cfg.model.num_params()
+    assert states["optimizer states"] == pytest.approx(whole / 8, rel=1e-3)
+    need = 8 * sum(states.values())
+    assert host_memory_problem(cfg, range(8), available=int(need * 1.01)) is None
+    assert host_memory_problem(cfg, range(8), available=int(need * 0.99)) is not None
+
+
 def test_a_token_file_with_a_smaller_vocabulary_is_said_once(tmp_path, capsys):
     """Legal (every id has its embedding) but a mismatch worth one line before launch."""
     import argparse

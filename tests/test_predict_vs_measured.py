@@ -103,6 +103,29 @@ def test_plait_report_on_a_metrics_file(tmp_path, capsys):
     assert "predicted" in text and "all_gather" in text and "exposed share" in text
 
 
+def test_plait_report_matches_every_collective_under_context_parallel(tmp_path, capsys):
+    """dp2 x cp2 with ZeRO-1: the gradients' reduce-scatter and the parameters' all-gather
+    run over the dp x cp ranks, which the ledger and the planner both name "dp_cp": every
+    dim the planner prices has the ledger's bytes beside it, at a ratio of 1, and every
+    dim with more than control bytes in the ledger has a prediction."""
+    import json
+
+    from plait.cli.main import main
+
+    sets = [FP32, "parallel.dp=2", "parallel.cp=2", "parallel.zero=1",
+            f"train.data={token_file()}", *MEASURE]
+    out = run_layout(*sets)[0]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*out["metrics"], out["summary"]]))
+    assert main(["report", "--metrics", str(path), "--json"]) == 0
+    dims = {d["dim"]: d for d in json.loads(capsys.readouterr().out)["communication"]}
+    assert dims["dp_cp"]["predicted_bytes"] > 0 and "dp" not in {
+        d for d, row in dims.items() if row["predicted_bytes"]}
+    for dim, row in dims.items():
+        if row["predicted_bytes"] or row["measured_bytes"] > 1024:  # beyond control bytes
+            assert row["ratio"] == pytest.approx(1.0, abs=0.01), (dim, row)
+
+
 @pytest.mark.parametrize("sets", [["parallel.schedule=zb-h1"], ["parallel.zero=1",
                                                                "parallel.dp=2"]])
 def test_eager_model_refuses_layouts_it_does_not_cover(sets):
