@@ -167,11 +167,11 @@ def compare(rows: list[dict], summary: dict, cfg: Config) -> dict:
                      **_exposure(dim, collectives, overlap.get(dim))})
     out["communication"] = dims
     out["step_time_s"] = summary.get("mean_step_time")
-    out["stragglers"] = stragglers(rows, summary, cfg.parallel.gpus_per_node)
-    if not ledger:
     # the held-out loss after the steps that computed one (plait train --eval-every)
     out["validation"] = [{k: r[k] for k in ("step", "val_loss", "val_perplexity")}
                          for r in rows if "val_loss" in r]
+    out["stragglers"] = stragglers(rows, summary, cfg.parallel.gpus_per_node)
+    if not ledger:
         out["notes"].append("the summary line has no ledger")
     out["notes"].append(
         "communication: the planner lists the collectives that move model data (gradients, "
@@ -347,12 +347,12 @@ def print_report(rep: dict) -> None:
                   "-" if d["ratio"] is None else f"{d['ratio']:.3f}")
     console.print(t)
     print_overlap(console, rep["communication"], rep.get("step_time_s"))
-    if rep.get("stragglers"):
-        print_stragglers(console, rep["stragglers"])
     if rep.get("validation"):
         console.print("validation loss (held out, --eval-data) after step: " + ", ".join(
             f"{v['step']} {v['val_loss']:.4f} (perplexity {v['val_perplexity']:.2f})"
             for v in rep["validation"]), soft_wrap=True, highlight=False)
+    if rep.get("stragglers"):
+        print_stragglers(console, rep["stragglers"])
     if rep.get("plan"):
         from plait.observe.plan_check import print_plan_check
 
