@@ -1,5 +1,5 @@
-"""Mutants for the oracle's former holes (tests/mutants.py runs them): hierarchical context
-parallel's groups, DCP export's names, the expert capacity drop, token dispatch's gates,
+"""Mutants for the oracle's former holes (tests/mutants.py runs them): regional compilation
+computing with stale weights, hierarchical context parallel's groups, DCP export's names, the expert capacity drop, token dispatch's gates,
 the non-finite skip, checkpoints' keep order and commit marker, and fault tolerance's row
 mapping and launcher. The last two are caught by a process-tree test: the launched
 interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
@@ -9,6 +9,37 @@ from __future__ import annotations
 import math
 
 from tests.mutant_kit import Mutant, _Namespace
+
+
+def compile_freezes_first_weights():
+    """--compile's graphs compute with the weights they first saw (parameters folded in
+    as constants, as inductor's freezing does): a ZeRO-3 block's forward reads the first
+    step's gathered weights ever after; gradients still reach the live ones."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from plait.model.transformer import Block
+    from plait.parallel import compile as regional
+    from plait.parallel import parallelize
+
+    def frozen(stages, backend="inductor"):
+        stages = list(stages)
+        n = regional.compile_blocks(stages, backend)
+        blocks = {id(m): m for stage in stages for m in stage.modules() if isinstance(m, Block)}
+        for block in blocks.values():
+            compiled, first = block.forward, {}
+
+            def forward(*args, _block=block, _compiled=compiled, _first=first, **kwargs):
+                live = dict(_block.named_parameters())
+                if not _first:
+                    _first.update({k: p.detach().clone() for k, p in live.items()})
+                stale = {k: p + (_first[k] - p).detach() for k, p in live.items()}
+                with _reparametrize_module(_block, stale):
+                    return _compiled(*args, **kwargs)
+
+            block.forward = forward
+        return n
+
+    parallelize.compile_blocks = frozen
 
 
 def hierarchy_groups_transposed():
@@ -154,6 +185,10 @@ EP = "tests/test_expert_parallel.py::"
 FT = "tests/test_fault_tolerance.py::"
 
 MUTANTS = [
+    Mutant("compile-weights-frozen",
+           "--compile's graphs keep the first step's (ZeRO-3-gathered) weights",
+           compile_freezes_first_weights,
+           ["tests/test_compile.py::test_compiled_blocks_parity_and_one_graph_a_block_kind"]),
     Mutant("cp-hierarchy-groups-transposed",
            "hierarchical context parallel: all-to-all across the runs, the ring inside them",
            hierarchy_groups_transposed,
