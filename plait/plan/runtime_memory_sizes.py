@@ -378,9 +378,9 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
 
 
 def zero_ranks(cfg: Config) -> int:
-    """Ranks ZeRO shards a unit over, as the runtime does: the replica axes' ranks (dp, and
-    cp's under context parallel: plait/mesh.py `replica_dim`), or with hybrid sharding one
-    shard group of them (the copies hold the same shards)."""
+    """Ranks ZeRO shards a unit over, as the runtime does: the replica axes' ranks (data
+    parallel's, times context parallel's: plait/mesh.py `replica_dim`), or with hybrid
+    sharding one shard group of them (the copies hold the same shards)."""
     p = cfg.parallel
     return (math.prod(getattr(p, name) for name in REPLICA_AXES)
             // math.prod(getattr(p, name) for name in SHARD_COPIES))
