@@ -48,9 +48,10 @@ ZERO_STRATEGY = "plait.parallel.zero"  # a record of ZeRO's (how it shards): not
 
 
 # the configuration flags an evaluation reads: the layout and the batch shape; not the
-# training ones (steps, lr, ZeRO and its replica groups, recompute, ...), nor --model (the
-# model is --init-from's; a DCP checkpoint that records none takes --config and --set)
-EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
+# training ones (steps, lr, ZeRO and its replica groups, recompute, ...). The model is
+# --init-from's: --model is checked against it (a DCP checkpoint that records none takes
+# --model, --config and --set)
+EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--model", "--seq-len",
                      "--global-batch", "--micro-batch-size", "--microbatches",
                      "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
                      *(f"--{d.name.replace('_', '-')}" for d in DIMENSIONS
@@ -62,7 +63,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     copy_flags(p, add_config_args, EVAL_CONFIG_FLAGS, helps={
         "--data": "token file (.bin) to evaluate on (required; plait data prepare makes one)",
         "--init-from": "the model to evaluate (required): hf:DIR, dcp:DIR or a plait "
-        "checkpoint"})
+        "checkpoint",
+        "--model": "optional: the preset the --init-from model must be (checked; the model "
+        "comes from --init-from), or the model of a DCP checkpoint that records none"})
     p.add_argument("--eval-sequences", type=int, metavar="N",
                    help="windows of seq_len + 1 tokens to evaluate, from the file's start "
                    "(default: every whole batch of --global-batch windows)")
@@ -113,6 +116,9 @@ def eval_inputs(args: argparse.Namespace) -> tuple[Any, int, list[str]]:
     from plait.train.checks import init_problems
     from plait.train.evaluate import eval_problems
 
+    model_problems = model_flag_problems(args)
+    if model_problems:
+        return None, 0, model_problems
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
@@ -144,6 +150,32 @@ def eval_inputs(args: argparse.Namespace) -> tuple[Any, int, list[str]]:
     return cfg, world, problems
 
 
+def model_flag_problems(args: argparse.Namespace) -> list[str]:
+    """--model beside --init-from: the model to evaluate is the source's. A preset that
+    is that model is accepted (and dropped: the source names it); another is refused,
+    saying so. Unreadable sources and unknown presets are left to the later checks."""
+    from plait.checkpoint.init_from import initial_model
+    from plait.model.presets import PRESETS
+
+    if args.model is None or args.init_from is None or args.model not in PRESETS:
+        return []
+    try:
+        held = initial_model(args.init_from)
+    except CheckpointError:
+        return []
+    if held is None:  # a DCP checkpoint that records no model: --model names it
+        return []
+    preset = PRESETS[args.model]
+    if preset == held:
+        args.model = None
+        return []
+    differ = [f"{f}={getattr(held, f)} (--model {args.model}: {getattr(preset, f)})"
+              for f in preset.__dataclass_fields__ if getattr(held, f) != getattr(preset, f)]
+    return [f"--model {args.model}: the model comes from --init-from, and "
+            f"{args.init_from} holds another one ({', '.join(differ[:3])}"
+            f"{', ...' if len(differ) > 3 else ''}); leave out --model"]
+
+
 def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     cfg, world, problems = eval_inputs(args)
     if problems:
@@ -153,6 +185,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     if world == 1:  # one rank: no launcher, no process group
         return _evaluate_and_report(args, cfg, resolve_device(args.device, 0))
     rank_args = ["eval", *_without(argv, "--nproc")]
+    if args.model is None:  # a --model that matched the source: the ranks take the source's
+        rank_args = _without(rank_args, "--model")
     launch = LocalLaunch(world, rank_args, timeout_s=args.timeout,
                          torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
                          extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
