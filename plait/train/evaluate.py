@@ -6,30 +6,19 @@ windows `GlobalBatches` cuts, taken in order, not shuffled: batch b is windows
 b*B .. (b+1)*B - 1 (B = train.global_batch), data-parallel rank r its rows as in
 training. So the windows, and the loss, are the same whatever the layout.
 
-Each batch runs through the training step's own machinery (the pipeline runtime, tensor
-and context parallel, ZeRO's gathers), forward and backward, and no update: the runtime
-has no forward-only schedule yet, so the gradients are computed and dropped. Each
-micro-batch's summed loss is divided by all N*S tokens, so the sum over batches, stages,
-sequence slices and replicas (ledger tag "metrics") is the mean over every token.
+Each batch runs the training schedule's forwards only, without gradients
+(plait/train/held_out.py, the loss validation during training reports too).
 """
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-import torch
-
-from plait import comm
 from plait.checkpoint.init_from import load_initial
 from plait.config import Config
-from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.parallel.context import documents_positions
-from plait.parallel.parallelize import model_dtype, parallelize
-from plait.parallel.pipeline.runtime import PipelineRuntime
-from plait.train.data import DataError, TokenFile, end_of_document
+from plait.parallel.parallelize import parallelize
+from plait.train.data import DataError, TokenFile
+from plait.train.held_out import HeldOut, perplexity
 
 
 def eval_windows(data: TokenFile, seq_len: int) -> int:
@@ -76,33 +65,7 @@ def evaluate(cfg: Config, mesh: ParallelMesh, data: TokenFile, sequences: int | 
     par = parallelize(build_model(cfg.model, seed=t.seed, device="meta"), mesh, cfg)
     if t.init_from is not None:
         load_initial(par, mesh, cfg, t.init_from)
-    mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
-    boundary = {st.boundary_shape(mbs, s) for st in par.stages.values()}.pop()
-    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary, model_dtype(cfg),
-                              before_weight_grad=par.optimizer.before_backward,
-                              after_weight_grad=par.optimizer.after_backward,
-                              positions=par.positions)
-    # packed documents: an end-of-document token's target is not predicted, and the mean
-    # is over the targets kept in the n windows (their inputs are the file's first n*s)
-    runtime.documents = end_of_document(data) if t.documents else None
-    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
-    kept = n * s if runtime.documents is None else int(
-        (np.asarray(data.tokens[:n * s]) != runtime.documents).sum())
-    per = rows_per_batch // mesh.size("dp")
-    lo = mesh.coord("dp") * per
-    total = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
-    for b in range(n // rows_per_batch):
-        first = b * rows_per_batch + lo
-        rows = np.stack([np.asarray(data.tokens[w * s: w * s + s + 1])
-                         for w in range(first, first + per)]).astype(np.int64)
-        local = torch.from_numpy(rows).to(mesh.device.torch)
-        mesh.ledger.step = b
-        total += runtime.step([local[i * mbs:(i + 1) * mbs] for i in range(n_micro)], kept)
-        par.optimizer.finish_gradients()
-        par.optimizer.zero_grad()
-    for dim in LOSS_SUMMED:
-        comm.all_reduce(total, mesh, dim, tag="metrics")
-    loss = float(total)
-    return {"loss": loss, "perplexity": math.exp(loss), "sequences": n, "seq_len": s,
+    loss = HeldOut(cfg, mesh, par, data, n).loss()
+    return {"loss": loss, "perplexity": perplexity(loss), "sequences": n, "seq_len": s,
             "tokens": n * s, "layout": mesh.describe(), "init_from": t.init_from,
             "data": str(data.path)}
