@@ -1,8 +1,12 @@
 """Output files that are never damaged: checked before any work, written whole or not at all.
 
 Every output a command writes goes through here. `output_problems` checks a path before
-a command starts (not a directory, its directory creatable and writable, not the same
-file as any input), so a bad path is refused with the other bad inputs. `atomic_output`
+a command starts (not a directory, its directory creatable and writable, neither an input
+nor inside an input directory, through symlinks and `..`), so a bad path is refused with
+the other bad inputs. `artifact_problems` adds the rule of the commands that write an
+artifact (a model, a token file, a config, a profile, a plot): an existing file is
+replaced only with `--force`. Metrics and traces use `output_problems` alone: a rerun
+writes them again. `atomic_output`
 hands out a temporary name in the same directory and renames it over the target only
 when the block finishes: a reader sees the old file or the new one, never half of one.
 `PartialFile` streams lines to `NAME.partial` and renames it to NAME when complete; on
@@ -61,11 +65,31 @@ def output_problems(flag: str, path: str | Path, inputs: Iterable[str | Path] = 
     if p.exists() and not os.access(p, os.W_OK):
         return [f"{flag} {text} exists and is not writable; choose another path"]
     for source in inputs:
-        if source and (resolved == Path(source).expanduser().resolve()
-                       or same_file(p, source)):
+        if not source:
+            continue
+        source_resolved = Path(source).expanduser().resolve()
+        if resolved == source_resolved or same_file(p, source):
             return [f"{flag} {text} is also an input of this command ({source}); writing it "
                     "would destroy that input: choose another path"]
+        if resolved.is_relative_to(source_resolved):
+            return [f"{flag} {text} is inside {source}, an input of this command; writing "
+                    "there would damage that input: choose a path outside it"]
     return []
+
+
+FORCE_HELP = "replace an existing output (by default plait refuses to)"
+
+
+def artifact_problems(flag: str, path: str | Path, inputs: Iterable[str | Path] = (),
+                      force: bool = False) -> list[str]:
+    """`output_problems`, and an existing file refused unless `force`: an artifact is
+    never replaced by accident. With `force` it is replaced whole (`atomic_output`)."""
+    problems = output_problems(flag, path, inputs)
+    p = Path(str(path)).expanduser()
+    if not problems and not force and (p.exists() or p.is_symlink()):
+        problems.append(f"{flag} {path} exists; plait does not replace an output unless "
+                        "asked: pass --force to replace it, or choose another path")
+    return problems
 
 
 def directory_problems(flag: str, path: str | Path) -> list[str]:
@@ -126,6 +150,24 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """The process's umask, read where the kernel shows it (setting it to read it would
+    change it for other threads meanwhile)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_usual_mode(path: str | Path) -> None:
+    """The mode a file created by `open` gets (0666 less the umask, e.g. 0644): writers
+    that go through a private temporary file (safetensors' `save_file`) leave 0600."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -231,7 +231,7 @@ def test_consolidate_writes_the_full_model_as_safetensors(tmp_path, capsys):
     # the float64 run's states, written as fp32 (consolidate's default --dtype)
     assert set(got) == set(want) and all(torch.equal(got[n], want[n].float()) for n in want)
     assert main(["checkpoint", "consolidate", str(d / "step-00000002"), "--out", str(out),
-                 "--dtype", "bf16"]) == 0
+                 "--dtype", "bf16", "--force"]) == 0  # replacing the fp32 file
     half = read_safetensors(out)
     assert all(t.dtype == torch.bfloat16 for t in half.values())
     assert half["layers.0.attn.wq.weight"].shape == want["layers.0.attn.wq.weight"].shape

@@ -279,6 +279,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=2, metavar="N",
                    help="gloo ranks for the collectives (default 2; 1: none measured)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    p.add_argument("--force", action="store_true", help="replace an existing --out profile "
+                   "(by default plait refuses to)")
     p.set_defaults(func=run)
     return p
 
@@ -286,9 +288,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from plait.files import output_problems, write_text_atomic
+    from plait.files import artifact_problems, write_text_atomic
 
-    problems = output_problems("--out", args.out)
+    problems = artifact_problems("--out", args.out, force=args.force)
     if not 1 <= args.ranks <= 8:
         problems.append(f"--ranks {args.ranks}: use 1 to 8 (one gloo rank per core is what "
                         "the runtime does)")

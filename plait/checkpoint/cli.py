@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import Config
-from plait.files import output_problems
+from plait.files import FORCE_HELP, artifact_problems
 
 from . import Checkpointing
 from .export import DTYPES, consolidate, inspect_checkpoint
@@ -109,6 +109,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     con.add_argument("--out", required=True, help="the .safetensors file to write")
     con.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                      help="dtype of the exported weights (default fp32: the masters)")
+    con.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.set_defaults(func=run)
     return p
 
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             print(text)
             return 0 if sound else 1  # a script must not take a corrupt one for good
         out = Path(args.out).expanduser()
-        problems = output_problems("--out", out, [args.path])
+        problems = artifact_problems("--out", out, [args.path], args.force)
         if problems:
             raise CheckpointError("; ".join(problems))
         out.parent.mkdir(parents=True, exist_ok=True)  # as every other output does

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from plait.files import atomic_output, give_usual_mode
+
 from .format import (
     CheckpointError,
     CorruptCheckpoint,
@@ -138,8 +140,7 @@ def write_safetensors(out: Path, shapes: dict[str, tuple[int, ...]],
     header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_output(out) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for n, shape in shapes.items():
@@ -147,7 +148,6 @@ def write_safetensors(out: Path, shapes: dict[str, tuple[int, ...]],
             if tuple(t.shape) != tuple(shape):
                 raise CheckpointError(f"{n}: got shape {tuple(t.shape)}, expected {shape}")
             f.write(memoryview(t.view(torch.uint8).numpy()))
-    tmp.replace(out)
     return out
 
 
@@ -192,6 +192,7 @@ def write_shards(out: Path, shapes: dict[str, tuple[int, ...]],
                                       f"{shapes[name]}")
             tensors[name] = t
         save_file(tensors, str(out / file), metadata)
+        give_usual_mode(out / file)
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(math.prod(s) * width for s in shapes.values())},
                  "weight_map": {n: f for f, names in zip(files, groups, strict=True)

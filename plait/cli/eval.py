@@ -92,10 +92,12 @@ def add_parsers(sub: Any) -> None:
                     help="a plait checkpoint (or a directory of them: the newest), hf:DIR, or "
                     "dcp:DIR written by plait export")
     ex.add_argument("--to", dest="target", required=True, metavar="hf:OUT|dcp:OUT",
-                    help="the directory to create (must not exist, or be empty): hf: for "
-                    "transformers, dcp: for torch.distributed.checkpoint (torchtitan)")
+                    help="the directory to create (absent or empty, unless --force): hf: "
+                    "for transformers, dcp: for torch.distributed.checkpoint (torchtitan)")
     ex.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="dtype of the exported weights (default fp32)")
+    ex.add_argument("--force", action="store_true", help="replace an --to directory that "
+                    "holds files (by default plait refuses to)")
     ex.set_defaults(func=cmd_export)
 
 
@@ -103,7 +105,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from plait.checkpoint.interop import export
 
     try:
-        out, n = export(args.source, args.target, args.dtype)
+        out, n = export(args.source, args.target, args.dtype, args.force)
     except CheckpointError as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2

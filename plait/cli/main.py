@@ -223,7 +223,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.tokenizer and args.tokenizer.startswith("hf:"):  # a Hugging Face model's
         hf_dir = Path(args.tokenizer[3:]).expanduser()
         tokenizer = hf_dir / "tokenizer.json"
-    problems = prepare_problems(out, files, tokenizer, args.vocab_size, args.text_field, hf_dir)
+    problems = prepare_problems(out, files, tokenizer, args.vocab_size, args.text_field, hf_dir,
+                                args.force)
     if problems:
         return _fail("cannot prepare data:\n" + "\n".join(f"  - {p}" for p in problems))
     vocab = args.vocab_size or DEFAULT_VOCAB
@@ -335,6 +336,8 @@ def _add_all_commands(sub) -> None:
                       "(default text)")
     prep.add_argument("--vocab-size", type=int, metavar="N",
                       help="BPE vocabulary to train (default 2048)")
+    prep.add_argument("--force", action="store_true", help="replace an existing token file "
+                      "and the files beside it (by default plait refuses to)")
 
     # subcommands that live beside their subsystem register themselves
     from plait.calibrate import machine as calibrate_cli

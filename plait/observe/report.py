@@ -47,6 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "pipeline; no network needed to view it; needs matplotlib)")
     p.add_argument("--png-dir", metavar="DIR", help="also write the same figures as PNG "
                    "files in DIR (needs matplotlib)")
+    p.add_argument("--force", action="store_true", help="replace an existing --html page "
+                   "(by default plait refuses to)")
     p.add_argument("--plan", metavar="RUN.plan.json",
                    help="also compare against this plan (written by plait plan "
                    "--emit-config): layout, step time, bytes per dim")

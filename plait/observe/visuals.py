@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from plait.config import Config
-from plait.files import directory_problems, output_problems
+from plait.files import artifact_problems, directory_problems
 
 NO_PLAN = ("the metrics file records no configuration, so the planner has nothing to "
            "predict from: pass --config run.toml or the run's train flags beside --metrics")
@@ -18,9 +18,9 @@ NO_PLAN = ("the metrics file records no configuration, so the planner has nothin
 def visual_problems(args: argparse.Namespace) -> list[str]:
     """--html and --png-dir: writable, not an input, and matplotlib there to draw."""
     problems: list[str] = []
-    inputs = [args.metrics] + ([args.config] if args.config else [])
-    if args.html is not None:
-        problems += output_problems("--html", args.html, inputs)
+    inputs = [args.metrics] + [f for f in (args.config, getattr(args, "plan", None)) if f]
+    if args.html is not None:  # a page is an artifact: replaced only with --force
+        problems += artifact_problems("--html", args.html, inputs, getattr(args, "force", False))
     if args.png_dir is not None:
         problems += directory_problems("--png-dir", args.png_dir)
     if (args.html is not None or args.png_dir is not None) and (

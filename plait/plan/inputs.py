@@ -100,16 +100,21 @@ def _async_tp_problems(args: argparse.Namespace) -> list[str]:
 
 
 def output_problems_of(args: argparse.Namespace) -> list[str]:
-    from plait.files import output_problems
+    """--plot, --emit-config and the plan beside it: artifacts, so an existing file is
+    replaced only with --force; none may be --hardware, the profile read."""
+    from plait.files import artifact_problems
 
-    out = output_problems("--plot", args.plot) if args.plot is not None else []
+    force = getattr(args, "force", False)
+    inputs = [h for h in [getattr(args, "hardware", None)] if h]
+    out = artifact_problems("--plot", args.plot, inputs, force) if args.plot is not None else []
     emit = getattr(args, "emit_config", None)
     if emit is not None:
         from plait.plan.emit import plan_path
 
-        out += output_problems("--emit-config", emit)
+        out += artifact_problems("--emit-config", emit, inputs, force)
         if not out:
-            out += output_problems("--emit-config (its plan beside it)", plan_path(emit))
+            out += artifact_problems("--emit-config (its plan beside it)", plan_path(emit),
+                                     inputs, force)
     return out
 
 

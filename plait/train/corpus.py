@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from plait.files import atomic_output, output_problems
+from plait.files import artifact_problems, atomic_output
 from plait.train.data import DataError
 from plait.train.documents import STRUCTURED, TokenWriter, documents, structured_problem
 
@@ -154,9 +154,10 @@ def _tokenizer_problem(path: Path) -> str | None:
 
 def prepare_problems(out: Path, files: list[Path], tokenizer_file: Path | None,
                      vocab_size: int | None, text_field: str = "text",
-                     hf_dir: Path | None = None) -> list[str]:
+                     hf_dir: Path | None = None, force: bool = False) -> list[str]:
     """Every problem with a `plait data prepare` request, each with its fix; nothing is
-    written or trained. `hf_dir`: the tokenizer is that Hugging Face model's."""
+    written or trained. `hf_dir`: the tokenizer is that Hugging Face model's. `force`:
+    existing outputs may be replaced."""
     problems = [p for p in (structured_problem(f, text_field) if f.suffix in STRUCTURED
                             else _text_problem(f) for f in files) if p]
     if hf_dir is not None:
@@ -174,10 +175,11 @@ def prepare_problems(out: Path, files: list[Path], tokenizer_file: Path | None,
         return [*problems, f"--out {out} is a directory; give a token file path inside it, "
                 f"e.g. {Path(out) / 'tokens.bin'}"]
     bin_path = Path(out).with_suffix(".bin")
-    inputs = [*files, *([tokenizer_file] if tokenizer_file else [])]
+    inputs = [*files, *([tokenizer_file] if tokenizer_file else []),
+              *([hf_dir] if hf_dir else [])]
     for path in (bin_path, bin_path.with_suffix(".json"),
                  bin_path.with_suffix(".tokenizer.json")):
-        problems += output_problems("--out", path, inputs)
+        problems += artifact_problems("--out", path, inputs, force)
     return problems
 
 

@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from plait.files import output_problems, write_text_atomic
+from plait.files import artifact_problems, output_problems, write_text_atomic
 from plait.parallel.pipeline.check import check, deadlocks
 from plait.parallel.pipeline.ir import Schedule, without_gc
 from plait.parallel.pipeline.lower import lower
@@ -87,6 +87,8 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     sp.add_argument("--save", help="write the lowered schedule as text")
     sp.add_argument("--load", help="read a schedule from text instead of building one")
+    sp.add_argument("--force", action="store_true", help="replace an existing --png or "
+                    "--save file (by default plait refuses to; --trace is always rewritten)")
     sp.add_argument("--show", action="store_true", help="print the schedule as a time grid")
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -138,8 +140,13 @@ def input_problems(args: argparse.Namespace) -> list[str]:
     inputs = [args.load] if args.load else []
     for flag in ("png", "trace", "save"):
         out = getattr(args, flag)
-        if out is not None:
+        if out is None:
+            continue
+        if flag == "trace":  # a trace, like metrics, is rewritten by a rerun
             problems += output_problems(f"--{flag}", out, inputs)
+        else:  # the picture and the schedule are artifacts
+            problems += artifact_problems(f"--{flag}", out, inputs,
+                                          getattr(args, "force", False))
     return problems
 
 
