@@ -81,7 +81,7 @@ def predict(order: str, profile: Path, mbit: float, out: Path, load: float,
               str(RANKS_PER_NODE), "--layout", "tp=2,dp=2", "--order", order,
               "--internode-gbs", f"{per_rank_gbs:.6g}", "--ranks-per-host",
               str(NODES * RANKS_PER_NODE), "--host-load", f"{load:.3g}",
-              "--emit-config", str(out), "--json")
+              "--emit-config", str(out), "--force", "--json")  # called twice: rewritten
     lay = json.loads(r.stdout)["layouts"][0]
     terms = lay["time_breakdown_s"]
     own = lay["step_time_s"] - terms.get(host_share.TERM, 0.0)

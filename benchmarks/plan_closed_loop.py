@@ -150,7 +150,7 @@ def main() -> None:
     for name, (gpus, flags) in layouts(size["global_batch"]).items():
         cfg = tmp / f"{name.replace(' ', '-')}.toml"
         plait("plan", "--hardware", prof, *model_flags(size), "--gpus", gpus, *flags,
-              "--emit-config", str(cfg))
+              "--emit-config", str(cfg), "--force")  # a rerun over --measured: rewritten
         metrics = cfg.with_suffix(".jsonl")
         if not a.measured:
             plait("train", "--config", str(cfg), "--nproc", gpus, "--data", data, "--steps",
