@@ -12,7 +12,7 @@ from plait.config import Config, load_config
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
+from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file, write_token_file
 from plait.train.loop import full_state, train
 from plait.train.reference import Reference, reference_run
 
@@ -50,8 +50,31 @@ def config(*sets: str) -> Config:
     return load_config(sets=[*BASE, *sets])
 
 
+END_OF_DOCUMENT = 3  # the documents file's end-of-document token
+
+
+@cache
+def documents_file() -> Path:
+    """Packed documents of 1 to 40 tokens (the windows of 32 hold several, and cut some),
+    each ended by END_OF_DOCUMENT; no other."""
+    import torch
+
+    gen = torch.Generator().manual_seed(11)
+    ids: list[int] = []
+    while len(ids) < 20_000:
+        n = int(torch.randint(1, 41, (1,), generator=gen))
+        doc = torch.randint(4, 256, (n,), generator=gen)
+        doc[1::2] = (doc[::2][: len(doc[1::2])] * 7) % 252 + 4  # learnable pairs
+        ids += [*doc.tolist(), END_OF_DOCUMENT]
+    return write_token_file(SESSION_ROOT / "documents.bin", ids, 256,
+                            {"end_of_document": END_OF_DOCUMENT})
+
+
 def batches_for(cfg: Config) -> GlobalBatches:
-    return GlobalBatches(TokenFile.open(token_file()), cfg.train.seq_len,
+    """The global batches of `cfg`: the documents file's with `train.documents`, the
+    synthetic file's otherwise."""
+    path = documents_file() if cfg.train.documents else token_file()
+    return GlobalBatches(TokenFile.open(path), cfg.train.seq_len,
                          cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
 
 

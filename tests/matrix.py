@@ -10,9 +10,11 @@ stage, `tpN` (+ `sp`) tensor (+ sequence) parallel,
 hierarchical/A, all-to-all groups of A ranks and a ring across them), `moe` the MoE
 model (`epN` experts over ep ranks), `mla` multi-head latent attention (plait/model/mla.py)
 in place of GQA, `bf16` bf16 compute with fp32 masters, `rc` full recomputation, `rcs`
-selective (plait/model/recompute.py's default ops), `atp` async tensor parallel.
-Omitted: dp1 z0 tp1 pp1 cp1, the dense model, GQA, float64 (the oracle's precision), no
-recompute.
+selective (plait/model/recompute.py's default ops), `atp` async tensor parallel, `docs`
+packed documents (`train.documents`: attention and loss inside each document), `fp8`
+float8 GEMMs in a float64 model (`train.fp8_compute=fp64`), `cmp` regional compilation
+(aot_eager: dynamo and AOTAutograd, without inductor's code generation). Omitted: dp1 z0
+tp1 pp1 cp1, the dense model, GQA, float64 (the oracle's precision), no recompute.
 
 `FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
 that some valid layout at world <= 8 has, appears in some row (pairwise, or "all-pairs",
@@ -55,6 +57,12 @@ MOE = (*DENSE, "model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=32",
 # latent 16, 16 + 8 RoPE features a head, values 16)
 MLA = ("model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16")
+# settings that change what is computed, not where: the single-process reference runs them
+# too (packed documents; float8 GEMMs, in a float64 model so that the bounds stay float64's)
+RECIPES = {"docs": ("train.documents=true",),
+           "fp8": ("train.precision=fp8", "train.fp8_compute=fp64")}
+# regional compilation changes neither: the reference runs eagerly
+COMPILE = ("train.compile=true", "train.compile_backend=aot_eager")
 # every row trains 3 steps (the last update is seen by the parameters only, the one before
 # by the loss too); round trips save after step 1 and resume for steps 2 and 3
 STEPS = 3
@@ -172,9 +180,23 @@ ASYNC_TP_ROWS: tuple[str, ...] = (
     'dp2 z3 tp2 sp atp rcs',
     'tp2 sp pp2:zb-v atp moe',
 )
-ALL_ROWS = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS + ASYNC_TP_ROWS
-# hand-picked 8-rank rows whose checks run in the slow tier (`make test-slow`)
-SLOW_ROWS = {'tp2 sp cp4:hierarchical/2'}
+# what changes the computation beside the layouts that meet it most: packed documents
+# (a document's mask and positions) under ZeRO-3, tp + SP and ring context parallel (each
+# rank's chunk of a sequence holds pieces of documents) and under a split-backward pipeline
+# (dense: the reference's balance loss is per forward, a document's is not);
+# float8 GEMMs under tp + SP (amaxes all-reduced over tp) with ZeRO-1 and selective
+# recompute; compilation beside ZeRO-3 (the gather around a compiled block), tp + SP and
+# a pipeline
+RECIPE_ROWS: tuple[str, ...] = (
+    'dp2 z3 tp2 sp cp2:ring docs',
+    'pp2:zb-v cp2:allgather docs rc',
+    'dp2 z1 tp2 sp fp8 rcs',
+    'dp2 z3 tp2 sp cmp',
+)
+ALL_ROWS = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS + ASYNC_TP_ROWS + RECIPE_ROWS
+# hand-picked rows whose checks run in the slow tier (`make test-slow`): 8 ranks, or a
+# compilation (its first step alone costs a minute on two cores)
+SLOW_ROWS = {'tp2 sp cp4:hierarchical/2', 'dp2 z3 tp2 sp cmp'}
 
 
 def parse(row: str) -> dict:
@@ -187,6 +209,8 @@ def parse(row: str) -> dict:
     moe = "moe" in tokens
     for tok in tokens:
         if tok in ("moe", "sp", "mla"):
+            continue
+        if tok in RECIPES:  # what the reference runs too (`model`)
             continue
         if tok.startswith("dp") and "x" in tok:
             levels["dp"] = tok
@@ -225,6 +249,8 @@ def parse(row: str) -> dict:
             sets.append("train.recompute=selective")
         elif tok == "atp":
             sets.append("parallel.async_tp=true")
+        elif tok == "cmp":
+            sets += COMPILE
         else:
             raise ValueError(f"matrix row {row!r}: unknown token {tok!r}")
     if moe and levels["ep"] == "dense":
@@ -234,7 +260,8 @@ def parse(row: str) -> dict:
     # need m >= pp, dualpipev 2pp - 1); without a pipeline 2, to exercise accumulation
     micro = min(4, 8 // dp) if pp > 1 else 2
     sets.append(f"parallel.microbatches={micro}")
-    model = (*(MOE if moe else DENSE), *(MLA if "mla" in tokens else ()))
+    model = (*(MOE if moe else DENSE), *(MLA if "mla" in tokens else ()),
+             *(x for tok in tokens for x in RECIPES.get(tok, ())))
     return {"levels": levels, "schedule": schedule, "model": model, "sets": (*model, *sets)}
 
 

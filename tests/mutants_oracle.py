@@ -1,8 +1,9 @@
 """Mutants for the oracle's former holes (tests/mutants.py runs them): regional compilation
-computing with stale weights, hierarchical context parallel's groups, DCP export's names, the expert capacity drop, token dispatch's gates,
-the non-finite skip, checkpoints' keep order and commit marker, and fault tolerance's row
-mapping and launcher. The last two are caught by a process-tree test: the launched
-interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
+computing with stale weights, hierarchical context parallel's groups, DCP export's names,
+the expert capacity drop, token dispatch's gates, the non-finite skip, checkpoints' keep
+order and commit marker, and fault tolerance's row mapping and launcher. The last two are
+caught by a process-tree test: the launched interpreters apply the mutant through
+tests/mutant_site/sitecustomize.py."""
 
 from __future__ import annotations
 

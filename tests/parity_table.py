@@ -24,6 +24,7 @@ from matrix import (  # noqa: E402
     FACTORS,
     LONG_CONTEXT_ROWS,
     MLA_ROWS,
+    RECIPE_ROWS,
     ROWS,
     STEPS,
     coverable_pairs,
@@ -102,9 +103,12 @@ def main() -> int:
     _, tail = rest.split(END)
     n, m, lc, a = len(ROWS), len(MLA_ROWS), len(LONG_CONTEXT_ROWS), len(ASYNC_TP_ROWS)
     body = ["", f"{len(ALL_ROWS)} layouts (rows {n + 1}-{n + m} with multi-head latent "
-            f"attention, the next {lc} with context parallel's all-to-all modes, the last "
-            f"{a} with async tensor parallel), {STEPS} steps each, in float64 but the bf16 "
-            "rows, the worst error over every rank (python tests/parity_table.py).", "",
+            f"attention, the next {lc} with context parallel's all-to-all modes, the next "
+            f"{a} with async tensor parallel, the last {len(RECIPE_ROWS)} with packed "
+            "documents, float8 GEMMs and compilation), "
+            f"{STEPS} steps each, in float64 but the bf16 rows (the fp8 rows: float8 GEMMs "
+            "in float64), the worst error over every rank (python tests/parity_table.py).",
+            "",
             *table(), "", "Pairs of levels that no valid layout at world <= 8 has:", "",
             *refused_pairs(), ""]
     DOC.write_text(head + BEGIN + "\n".join(body) + END + tail)

@@ -4,11 +4,10 @@ boundary; without context parallel and in each cp mode, against an independent r
 that runs every document as a sequence of its own (plait/train/reference.py,
 `documents_loss`)."""
 
-from functools import cache
 
 import pytest
 import torch
-from helpers import SESSION_ROOT, config
+from helpers import END_OF_DOCUMENT, batches_for, config, documents_file
 
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
@@ -19,34 +18,14 @@ from plait.train.data import DataError, GlobalBatches, TokenFile, write_token_fi
 from plait.train.loop import full_state, train
 from plait.train.reference import reference_run
 
-EOT = 3
+EOT = END_OF_DOCUMENT
 DOCS = ("train.documents=true", "train.steps=3")
-
-
-@cache
-def documents_file():
-    """Documents of 1 to 40 tokens (the windows of 32 hold several, and cut some), each
-    ended by EOT; no other EOT."""
-    gen = torch.Generator().manual_seed(11)
-    ids = []
-    while len(ids) < 20_000:
-        n = int(torch.randint(1, 41, (1,), generator=gen))
-        doc = torch.randint(4, 256, (n,), generator=gen)
-        doc[1::2] = (doc[::2][: len(doc[1::2])] * 7) % 252 + 4  # learnable pairs
-        ids += [*doc.tolist(), EOT]
-    return write_token_file(SESSION_ROOT / "documents.bin", ids, 256,
-                            {"end_of_document": EOT})
-
-
-def _batches(cfg):
-    return GlobalBatches(TokenFile.open(documents_file()), cfg.train.seq_len,
-                         cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
 
 
 def _rank(rank, world, sets):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, _batches(cfg), capture_first_grads=True)
+    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             "first_grads": result.first_grads, "metrics": result.metrics,
             "params": full_state(result.model, result.optimizer, mesh, result.placements)}
@@ -70,9 +49,10 @@ def test_ids_positions_and_targets():
 ], ids=lambda s: ",".join(x.split(".", 1)[1] for x in s))
 def test_parity_with_each_document_run_alone(sets):
     cfg = config(*DOCS, *sets)
+    documents_file()  # made once, before the ranks fork
     outs = run_ranks(_rank, cfg.parallel.world_size, [*DOCS, *sets])
     model = [x for x in sets if x.startswith("model.")]
-    ref = reference_run(config(*DOCS, *model), _batches(cfg))
+    ref = reference_run(config(*DOCS, *model), batches_for(cfg))
     precision = "fp64"
     assert_parity(merge_ranks(outs), ref, precision)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import (
@@ -20,14 +21,15 @@ from helpers import (
     initial_params,
     moe_biases,
     reference,
+    run_layout,
     session_dir,
-    token_file,
 )
 from matrix import (
     ALL_ROWS,
     ASYNC_TP_ROWS,
     LONG_CONTEXT_ROWS,
     MLA_ROWS,
+    RECIPE_ROWS,
     ROUND_TRIP_STEP,
     ROWS,
     SCHEDULES,
@@ -85,7 +87,7 @@ def precision_of(row: str) -> str:
     lv = parse(row)["levels"]
     if lv["precision"] == "bf16":
         return "bf16-moe" if lv["ep"] != "dense" else "bf16"
-    return "fp64"
+    return "fp8-fp64" if "fp8" in row.split() else "fp64"
 
 
 def row_sets(row: str) -> tuple[str, ...]:
@@ -94,11 +96,13 @@ def row_sets(row: str) -> tuple[str, ...]:
 
 
 def memory_sets(row: str) -> tuple[str, ...]:
-    """The row in fp32 (bf16 where it says so) with memory measured on step 1: the planner's
+    """The row in fp32 (bf16 or fp8 where it says so) with memory measured on step 1: the planner's
     eager model (plait/plan/runtime_memory.py) prices fp32 and bf16 runs, not float64's, so
     the memory check is a run of its own where the model covers the row (`not_covered`)."""
     sets = row_sets(row)
-    if "train.precision=bf16" not in sets:
+    if "fp8" in row.split():  # float8 around bf16, the run users make
+        sets = (*sets, "train.fp8_compute=bf16")
+    elif "train.precision=bf16" not in sets:
         sets = (*sets, "train.precision=fp32")  # after BASE's fp64: the last setting wins
     return (*sets, "train.memory_step=1")
 
@@ -121,7 +125,7 @@ def _rank(rank: int, world: int, sets: list[str], ck: dict | None) -> dict:
 
 
 def run_row(sets: tuple[str, ...], ck: dict | None = None) -> list[dict]:
-    token_file()
+    batches_for(config(*sets))  # its token file made once, before the ranks fork
     return run_ranks(_rank, config(*sets).parallel.world_size, list(sets), ck)
 
 
@@ -139,8 +143,20 @@ def row_run(row: str) -> list[dict]:
     return run_row(row_sets(row), ck)
 
 
+@cache
 def row_reference(row: str):
-    return reference(*parse(row)["model"], f"train.steps={STEPS}")
+    """The single-process run: torch's (plait/train/reference.py); for float8 plait's own
+    one-process fp8 run with as many micro-batches as the row has in all, so that each
+    GEMM, and so each dynamic scale, sees the same tokens (tests/test_fp8_parity.py)."""
+    model = (*parse(row)["model"], f"train.steps={STEPS}")
+    if "fp8" not in row.split():
+        return reference(*model)
+    cfg = config(*row_sets(row))
+    micro = cfg.parallel.dp * cfg.microbatches()
+    run = run_layout(*model, f"parallel.microbatches={micro}")[0]
+    return SimpleNamespace(losses=run["losses"], grad_norms=run["grad_norms"],
+                           params=run["params"], first_grads=run["first_grads"],
+                           lr=cfg.train.lr)
 
 
 def test_rows_cover_every_pair_and_schedule():
@@ -157,6 +173,8 @@ def test_rows_cover_every_pair_and_schedule():
     assert all(not validity(r) and "mla" in r.split() for r in MLA_ROWS), MLA_ROWS
     assert all(not validity(r) for r in LONG_CONTEXT_ROWS), LONG_CONTEXT_ROWS
     assert all(not validity(r) and "atp" in r.split() for r in ASYNC_TP_ROWS), ASYNC_TP_ROWS
+    assert {t for r in RECIPE_ROWS for t in r.split()} >= {"docs", "fp8", "cmp"}
+    assert all(not validity(r) for r in RECIPE_ROWS), RECIPE_ROWS
 
 
 def _rows() -> list:
@@ -206,7 +224,7 @@ def test_round_trip_continues_within_parity(src, dst):
     run = {"losses": head["losses"][:ROUND_TRIP_STEP] + resumed[0]["losses"],
            "grad_norms": head["grad_norms"][:ROUND_TRIP_STEP] + resumed[0]["grad_norms"],
            "params": merge_ranks(resumed)["params"]}
-    order = ["fp64", "bf16", "bf16-moe"]
+    order = ["fp64", "fp8-fp64", "bf16", "bf16-moe"]
     precision = max(precision_of(src), precision_of(dst), key=order.index)
     init = initial_params(*parse(src)["model"], f"train.steps={STEPS}")
     assert_parity(run, row_reference(src), precision, init=init)

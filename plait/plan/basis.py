@@ -247,7 +247,7 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
                      fp8.weight_gemms(train.precision, cluster.gpu, eff, gemm_scale))
     if memory_bound.priced(eff):  # the published GPU numbers: each kernel's bytes
         casts = (fp8.cast_kernel(shape, tokens, tp, e, lay.zero),) \
-            if train.precision == fp8.FP8 else ()
+            if fp8.is_fp8(train.precision) else ()
         lt = memory_bound.with_memory_bound(lt, shape, tokens, tp, lay.sp, e, lay.attention,
                                             tp if lay.sp else 1.0, cluster.gpu, eff,
                                             train.stack.fused_kernels, casts)

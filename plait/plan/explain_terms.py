@@ -44,7 +44,7 @@ def _memory_bound_lines(shape: Shape, cluster: Cluster, train: Training, e: Esti
     b = basis_of(shape, cluster, train, e.layout, eff)
     kernels = layer_kernels(shape, b.tokens, b.tp, e.layout.sp, b.e, e.layout.attention,
                             b.moe_split)
-    if train.precision == fp8.FP8:
+    if fp8.is_fp8(train.precision):
         kernels.append(fp8.cast_kernel(shape, b.tokens, b.tp, b.e, e.layout.zero))
     fused = train.stack.fused_kernels
     parts = [f"{k.name} {float(np.asarray(k.bytes(fused)[0])) / 1e6:,.0f} + "

@@ -38,6 +38,12 @@ from plait.plan.shape import Shape
 FP8 = "fp8"
 
 
+def is_fp8(precision: str) -> bool:
+    """Float8 block GEMMs, around bf16 (`fp8`) or fp32 / float64 (`fp8-fp32`, `fp8-fp64`:
+    train.fp8_compute, whose states and activations are that format's)."""
+    return precision == FP8 or precision.startswith(FP8 + "-")
+
+
 def weight_gemm_sides(shape: Shape, tp: Num) -> list[tuple[str, Num, Num]]:
     """(name, input width, output width) a token of each weight GEMM of one layer on one
     rank: a GEMM's weight has input x output elements, its FLOPs are 2 x that a token
@@ -80,7 +86,7 @@ def weight_gemms(precision: str, gpu: GPU, eff: Efficiency, gemm_scale: float
     """The block weight GEMMs' (efficiency, peak scale) under `precision`: float8's curve
     at the float8 peak; None (the bf16 rate) for any other precision. A GPU without a
     float8 peak (the placeholder device of config_inputs: bytes only) keeps bf16's."""
-    if precision != FP8:
+    if not is_fp8(precision):
         return None
     curve = replace(eff, gemm_max=eff.fp8_gemm_max or eff.gemm_max,
                     gemm_half=eff.fp8_gemm_half or eff.gemm_half)

@@ -64,6 +64,8 @@ def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
     p, t = cfg.parallel, cfg.train
     shape = from_model_config(cfg.model, t.seq_len, cfg.model_name)
     precision = t.precision if t.precision in ("fp32", "fp8", "fp64") else "bf16"
+    if precision == "fp8" and t.fp8_compute != "bf16":  # float8 GEMMs around fp32/float64
+        precision = f"fp8-{t.fp8_compute}"
     lay = Layout({d.name: getattr(p, d.name) for d in DIMENSIONS}, mbs=cfg.micro_batch_size(),
                  schedule=p.schedule, v=natural_virtual_stages(p.schedule, p.virtual_stages),
                  zero=p.zero,

@@ -50,10 +50,13 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "fp64": (8, 8, 16, 8),
     # bf16's states and activations; the blocks' weight GEMMs in float8 (plait/plan/fp8.py)
     "fp8": (2, 2, 12, 2),
+    # float8 GEMMs around fp32 or float64 (train.fp8_compute): those formats' bytes
+    "fp8-fp32": (4, 4, 8, 4),
+    "fp8-fp64": (8, 8, 16, 8),
 }
 # bytes ZeRO-3's all-gather moves a block-linear weight element where that differs from
 # the parameter's: float8 weights are gathered cast (plait/parallel/zero_fp8.py)
-LINEAR_GATHER_BYTES: dict[str, int] = {"fp8": 1}
+LINEAR_GATHER_BYTES: dict[str, int] = {"fp8": 1, "fp8-fp32": 1, "fp8-fp64": 1}
 OPTIMIZERS = ("adam", "sgd")
 RECOMPUTE = ("none", "selective", "full")
 
