@@ -94,8 +94,8 @@ def doc_commands() -> list[DocCommand]:
 
 
 def toml_example() -> str:
-    """README.md's TOML file (the `run.toml` its `--config` commands name)."""
-    text = (ROOT / "README.md").read_text()
+    """docs/usage.md's TOML file (the `run.toml` its `--config` commands name)."""
+    text = (ROOT / "docs" / "usage.md").read_text()
     return re.search(r"^```toml\n(.*?)^```", text, re.S | re.M).group(1)
 
 

@@ -3,7 +3,7 @@
 
 Cheap by design, each document in a directory of its own, its commands in order (a
 `plait plan --emit-config run.toml` makes the config a later `plait train --config
-run.toml` reads; README.md's TOML example is `run.toml` before that):
+run.toml` reads; docs/usage.md's TOML example is `run.toml` before that):
 - `plait train`: its flags parsed and the configuration validated against the world, as
   `plait train` does before it launches (nothing launched, no model built; so big models
   such as llama3-8b cost nothing and are not scaled down);
@@ -46,7 +46,7 @@ def check(argv: list[str]) -> None:
 
 
 # the planner's searches of these documents take 5-10 s each: the slow tier
-HEAVY = {"README.md", "docs/planner.md", "docs/deepseek.md"}
+HEAVY = {"README.md", "docs/usage.md", "docs/planner.md", "docs/deepseek.md"}
 
 
 @pytest.mark.parametrize("doc", [
