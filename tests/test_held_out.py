@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import SESSION_ROOT, batches_for, config, reference, token_file
+from sink_readers import tensorboard_scalars, wandb_offline_run
 
 from plait.cli.main import main
 from plait.launch.forked import run_ranks
@@ -32,6 +33,7 @@ from plait.train.data import TokenFile, synthetic_token_file
 from plait.train.held_out import held_out_count
 from plait.train.loop import train
 from plait.train.progress import progress_reporter
+from plait.train.sinks import MetricSinks
 
 EVAL = ("train.eval_every=2",)  # 4 steps: the loss after steps 1 and 3
 DENSE = ("model.n_layers=4", "model.tie_embeddings=false")
@@ -192,6 +194,27 @@ def test_plait_report_shows_the_validation_losses(tmp_path, capsys):
     code, text = _cli(["report", "--metrics", str(metrics), "--json"], capsys)
     assert [v["val_loss"] for v in json.loads(text)["validation"]] == list(shown.values())
     assert f"{shown[3]:.4f}" in _run_section(out["metrics"], out["summary"], None)
+
+
+@pytest.mark.slow  # W&B starts a service process
+def test_the_sinks_carry_the_validation_losses(tmp_path):
+    """TensorBoard and the offline W&B run, read back: the rows' val_loss at their steps
+    and the summary's last one, equal to the JSON's."""
+    pytest.importorskip("tensorboard")
+    wandb = pytest.importorskip("wandb")
+    out = run("single")[0]
+    sinks = MetricSinks(str(tmp_path / "tb"), "held-out", str(tmp_path / "wb"), "offline")
+    for row in out["metrics"]:
+        sinks.write_row(row)
+    sinks.write_summary(out["summary"])
+    sinks.close()
+    wandb.teardown()  # its service process, which a rank's exit would end
+    want = val_losses(out)
+    assert tensorboard_scalars(tmp_path / "tb")["val_loss"] == want
+    assert tensorboard_scalars(tmp_path / "tb")["summary/val_loss"] == {3: want[3]}
+    wb = wandb_offline_run(tmp_path / "wb")
+    assert {k: r["val_loss"] for k, r in wb["history"].items() if "val_loss" in r} == want
+    assert wb["summary"]["summary/val_perplexity"] == out["summary"]["val_perplexity"]
 
 
 def test_step_lines_follow_log_every_and_each_validation(capsys):
