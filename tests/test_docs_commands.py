@@ -15,6 +15,8 @@ run.toml` reads; docs/usage.md's TOML example is `run.toml` before that):
 - `--help`: run.
 """
 
+import re
+
 import pytest
 from docs_commands import DOCS, ROOT, doc_commands, parse, toml_example, train_problems
 
@@ -92,3 +94,8 @@ def test_the_docs_do_not_call_built_strategies_unbuilt():
     for claim in ("`n_experts > 0` is refused", "refused until built", "(ep, MoE, and the"):
         assert claim not in arch, claim
     assert any(c.argv[:1] == ("train",) and "--ep" in c.argv for c in COMMANDS)
+    # hybrid sharding and fault-tolerant replicas are built; extending.md says where a
+    # model block and a change to the training step go
+    extending = (ROOT / "docs" / "extending.md").read_text()
+    assert not re.search(r"\bnext\b", extending), "extending.md calls something 'next'"
+    assert "## A new model block" in extending and "## A change to the training step" in extending
