@@ -74,6 +74,23 @@ def check(source: str, cfg: Config) -> None:
                               "this run's; leave model settings to the checkpoint")
 
 
+def describe_initial(source: str, model: ModelConfig) -> str:
+    """What `load_initial` reads from `source` for `model`, in a line: the resolved source,
+    how many tensors, and the training step it records (metadata only)."""
+    directory = hf.hf_dir(source)
+    if directory is not None:
+        return (f"hf:{directory}: {len(hf.weight_names(model))} tensors (a Hugging Face "
+                "model: no training step recorded)")
+    directory = dcp.dcp_dir(source)
+    if directory is not None:
+        return (f"dcp:{directory}: {len(dcp.titan_names(model))} tensors (torchtitan's names: "
+                "no training step recorded)")
+    path, meta = checkpoint_source(source)
+    steps = meta["step"]
+    return (f"{path}: the masters of {len(meta['tensors'])} tensors, saved after {steps} "
+            f"step{'s' * (steps != 1)}")
+
+
 def load_initial(par: ParallelModel, mesh: ParallelMesh, cfg: Config, source: str) -> None:
     """Fill this rank's part of `par` from `source`; the optimizer restarts at step 0."""
     directory = hf.hf_dir(source)

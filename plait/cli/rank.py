@@ -57,10 +57,12 @@ from plait.train.flags import add_train_args, resolve_data
 from plait.train.loop import run_layout, train
 from plait.train.progress import (
     Gauges,
+    compile_note,
     final_line,
     plait_warnings,
     print_summary,
     progress_reporter,
+    steps_done_text,
 )
 from plait.train.sinks import MetricSinks
 from plait.train.stop import StoppedAtBoundary, StopRequest
@@ -210,15 +212,18 @@ def _outcome(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
         return _run_rank(args, rank, world, run)
     except StopRequested as stop:
         if rank == 0:
-            print(f"plait: stopped by {signal_name(stop.signum)} after {run.steps_done} of "
-                  f"{run.total_steps} steps{run.kept_metrics()}", file=sys.stderr)
+            print(f"plait: {_who(args)}stopped by {signal_name(stop.signum)} "
+                  f"{steps_done_text(run.steps_done, run.total_steps)}{run.kept_metrics()}",
+                  file=sys.stderr)
         return 128 + stop.signum
     except StoppedAtBoundary as stop:
         if rank == 0:
-            saved = (f"; final checkpoint {stop.checkpoint} (continue with --resume)"
-                     if stop.checkpoint else "; no step done since the start: nothing saved")
-            print(f"plait: stopped by {signal_name(stop.signum)} after {stop.steps_done} of "
-                  f"{run.total_steps} steps{saved}{run.kept_metrics()}", file=sys.stderr)
+            saved = (f"; final checkpoint {stop.checkpoint} (--resume continues at step "
+                     f"{stop.steps_done})" if stop.checkpoint
+                     else "; no step done since the start: nothing saved")
+            print(f"plait: {_who(args)}stopped by {signal_name(stop.signum)} "
+                  f"{steps_done_text(stop.steps_done, run.total_steps)}{saved}"
+                  f"{run.kept_metrics()}", file=sys.stderr)
         return 128 + stop.signum
     except (BadInput, ConfigError, DataError, DeviceError) as e:
         if args.debug:
@@ -237,12 +242,19 @@ def _outcome(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
             signal.signal(sig, signal.SIG_IGN)
         if args.debug:
             traceback.print_exc()
-        print(f"plait: rank {rank} failed after {run.steps_done} steps: {describe_error(e)}"
+        when = (steps_done_text(run.steps_done, run.total_steps) if run.total_steps
+                else "before training")
+        print(f"plait: {_who(args)}rank {rank} failed {when}: {describe_error(e)}"
               f"{run.kept_metrics()}" + ("" if args.debug else " (rerun with --debug "
                                             "for the traceback)"), file=sys.stderr)
         if run.watchdog is not None:
             run.watchdog.report_failure()
         return 1
+
+
+def _who(args: argparse.Namespace) -> str:
+    """A fault-tolerant replica's rank 0 speaks for its replica, not for the job."""
+    return f"replica {ReplicaArg.parse(args.replica).index}: " if args.replica else ""
 
 
 def check_rank_inputs(args: argparse.Namespace, rank: int, world: int, local_rank: int,
@@ -302,6 +314,18 @@ def _tell_checkpoint_events(checkpoint: Checkpointing, quiet: bool) -> None:
         print(f"plait: {note}", file=sys.stderr, flush=True)
     if not quiet:
         checkpoint.say = lambda line: print(line, flush=True)
+
+
+def _say_start(cfg: Config, checkpoint: Checkpointing) -> None:
+    """Rank 0's lines before the first step: the starting weights a run reads (not a
+    resume's: the checkpoint says that), and a compiled run's slow first step."""
+    if cfg.train.init_from is not None and checkpoint.source() is None:
+        from plait.checkpoint.init_from import describe_initial
+
+        print(f"plait: starting weights from {describe_initial(cfg.train.init_from, cfg.model)}"
+              "; the optimizer starts at step 0", flush=True)
+    if cfg.train.compile:
+        print(compile_note(cfg.train.compile_backend), flush=True)
 
 
 def _run_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> int:
@@ -376,6 +400,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
                              lambda: comm.all_reduce(torch.zeros(1, device=device.torch),
                                                      mesh, "dp", tag="fault"))
 
+            if lead and not args.quiet:
+                _say_start(cfg, checkpoint)
             if args.checkpoint_on_stop:  # from here a signal waits for the step boundary
                 raise_on_stop_signals(record=run.stop.request)
             try:

@@ -480,12 +480,16 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
 
 def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
     """The mesh's sizes and the settings that shape the run beside them, e.g. 'dp=2 x
-    pp=1 x ... x tp=1, ZeRO-3, bf16, recompute full (order innermost first: ...)':
+    pp=1 x ... x tp=2, ZeRO-3, SP, async-TP, cp ring, bf16, recompute full, compiled
+    (inductor) (order innermost first: ...)':
     the summary, the final line and the timeline's title show it."""
     sizes, _, order = mesh.describe().partition(" (")
     p, t = cfg.parallel, cfg.train
     extra = ([f"ZeRO-{p.zero}"] if p.zero else []) + (["SP"] if p.sp and p.tp > 1 else [])
+    extra += (["async-TP"] if p.async_tp and p.tp > 1 else []) + (
+        [f"cp {p.cp_mode}"] if p.cp > 1 else [])
     extra += [t.precision] + ([f"recompute {t.recompute}"] if t.recompute != "none" else [])
+    extra += [f"compiled ({t.compile_backend})"] if t.compile else []
     return ", ".join([sizes, *extra]) + (f" ({order}" if order else "")
 
 

@@ -137,6 +137,20 @@ def _params(summary: dict) -> str:
     return f"{total:,} (rank 0 holds {local:,})"
 
 
+def compile_note(backend: str) -> str:
+    """What the first step of a --compile run is doing, said before it starts."""
+    return (f"plait: compiling each transformer block (torch.compile, {backend}) during the "
+            "first step: it takes far longer than the others (a minute or more on a CPU)")
+
+
+def steps_done_text(done: int, total: int) -> str:
+    """How far a run got, numbered as the step lines number steps (from 0): 'after step
+    56 (57 of 150 steps done)', or 'before step 0 (none of 150 steps done)'."""
+    if done <= 0:
+        return f"before step 0 (none of {total} steps done)"
+    return f"after step {done - 1} ({done} of {total} steps done)"
+
+
 def final_line(summary: dict, metrics: list[dict], metrics_path: object = None) -> str:
     """The one line every run ends with, --quiet or not."""
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
