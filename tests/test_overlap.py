@@ -93,6 +93,20 @@ def test_report_puts_naive_dp_beside_the_planner_and_says_why():
     assert any("naive data parallel" in n for n in rep["notes"])
 
 
+def test_the_naive_dp_note_names_the_replica_group_under_context_parallel():
+    """Under context parallel the gradients' all-reduce is the dp x cp group's ("dp_cp" on
+    both sides of the report): its overlap gap gets the naive data-parallel note too."""
+    from plait.observe.report import _explain_exposure
+
+    out = {"notes": [], "communication": [
+        {"dim": "cp", "measured_exposed_share": 0.3, "predicted_exposed_share": 0.2},
+        {"dim": "dp_cp", "measured_exposed_share": 1.0, "predicted_exposed_share": 0.1}]}
+    _explain_exposure(out, config("parallel.dp=2", "parallel.cp=2",
+                                  "parallel.data_parallel=naive"))
+    (note,) = out["notes"]
+    assert "on dp_cp" in note and "naive data parallel" in note
+
+
 def test_bucketed_dp_hides_buckets_behind_backward():
     for rank in _run(BUCKETED_TP):
         buckets = [r for r in _step(rank["ledger"], 0) if r["tag"] == "grads"]
