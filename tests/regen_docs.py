@@ -60,10 +60,13 @@ class MarkedBlock:
         """The plait command's arguments, after `plait`."""
         return split_pipeline(self.command)[0][1:]
 
-    def is_plan_search(self) -> bool:
-        """A `plait plan` that searches every layout (seconds; the slow tier)."""
+    def is_slow(self) -> bool:
+        """The slow tier's: a `plait plan` that searches every layout (seconds), and a
+        `plait train` (a dry run forks a rank and reads the default corpus, which the
+        first use prepares)."""
         argv = self.argv()
-        return argv[:1] == ["plan"] and "--layout" not in argv and "--help" not in argv
+        search = argv[:1] == ["plan"] and "--layout" not in argv and "--help" not in argv
+        return search or argv[:1] == ["train"]
 
 
 def split_pipeline(command: str) -> list[list[str]]:

@@ -1,7 +1,8 @@
 """Every command output the docs show is what the command prints now: each block marked
 `<!-- plait-output: COMMAND -->` in README.md and docs/*.md against its command run
 again (tests/regen_docs.py, which also rewrites them). A `plait plan` search takes
-seconds: those blocks are the slow tier; every other block runs in the fast tier."""
+seconds and a dry run forks a rank: those blocks are the slow tier; every other block
+runs in the fast tier."""
 
 import re
 
@@ -22,7 +23,7 @@ BLOCKS = [b for path in DOCS for b in marked_blocks(path)]
 
 
 @pytest.mark.parametrize("block", [
-    pytest.param(b, marks=[pytest.mark.slow] if b.is_plan_search() else [])
+    pytest.param(b, marks=[pytest.mark.slow] if b.is_slow() else [])
     for b in BLOCKS], ids=lambda b: f"{b.doc}:{' '.join(b.argv()[:4])}")
 def test_each_marked_block_is_what_its_command_prints_now(block):
     diff = stale(block)
@@ -70,5 +71,6 @@ def test_the_filters_and_their_refusals():
         ["plait", "plan", "--gpus", "8"], ["grep", "-E", "a|b"]]
     with pytest.raises(MarkError, match="exited 2"):
         render("plait simulate --pp 0")
-    assert MarkedBlock("d", "plait plan --model x", "").is_plan_search()
-    assert not MarkedBlock("d", "plait plan --layout dp=8", "").is_plan_search()
+    assert MarkedBlock("d", "plait plan --model x", "").is_slow()
+    assert MarkedBlock("d", "plait train --dry-run", "").is_slow()
+    assert not MarkedBlock("d", "plait plan --layout dp=8", "").is_slow()
