@@ -97,6 +97,25 @@ def apply_filter(words: list[str], lines: list[str]) -> list[str]:
     raise MarkError(f"filter {' '.join(words)!r}: use one of {FILTERS}")
 
 
+def mark_problems(paths: list[Path]) -> list[str]:
+    """What would stop a rewrite of `paths`, found before any command runs or any file is
+    written: a missing document, a mark whose command or filters cannot run."""
+    problems = []
+    for path in paths:
+        if not path.is_file():
+            problems.append(f"{path}: no such document")
+            continue
+        for block in marked_blocks(path):
+            try:
+                for words in split_pipeline(block.command)[1:]:
+                    if words[:1] == ["grep"]:
+                        re.compile(words[-1])
+                    apply_filter(words, [])
+            except (MarkError, re.error, ValueError) as e:
+                problems.append(f"{block.doc}: {e}")
+    return problems
+
+
 def plait_stdout(argv: list[str]) -> str:
     """What `plait ARGV` prints to stdout, run in this process in an empty temporary
     directory (a command that writes a file writes it there) at COLUMNS columns; a
@@ -164,6 +183,11 @@ def stale(block: MarkedBlock) -> str:
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     paths = [Path(a).resolve() for a in argv if a != "--check"] or DOCS
+    problems = mark_problems(paths)
+    if problems:
+        print("regen_docs: nothing rewritten:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
     found = 0
     for path in paths:
         if check:

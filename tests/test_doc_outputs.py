@@ -12,6 +12,8 @@ from regen_docs import (
     MarkedBlock,
     MarkError,
     apply_filter,
+    main,
+    mark_problems,
     marked_blocks,
     regenerate,
     render,
@@ -74,3 +76,16 @@ def test_the_filters_and_their_refusals():
     assert MarkedBlock("d", "plait plan --model x", "").is_slow()
     assert MarkedBlock("d", "plait train --dry-run", "").is_slow()
     assert not MarkedBlock("d", "plait plan --layout dp=8", "").is_slow()
+
+
+def test_bad_marks_are_named_before_any_rewrite(tmp_path, capsys):
+    good = "plait simulate --pp 2 --microbatches 2 | head -n 1"
+    doc = tmp_path / "doc.md"
+    text = "".join(f"<!-- plait-output: {c} -->\n```text\nold\n```\n<!-- /plait-output -->\n"
+                   for c in (good, "plait simulate | sort", "plait simulate | grep -E '('"))
+    doc.write_text(text)
+    problems = mark_problems([doc, tmp_path / "missing.md"])
+    assert len(problems) == 3 and "use one of" in problems[0] and "missing.md" in problems[2]
+    assert main([str(doc)]) == 2
+    assert doc.read_text() == text  # the good block was not rewritten either
+    assert "nothing rewritten" in capsys.readouterr().err
