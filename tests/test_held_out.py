@@ -43,6 +43,9 @@ LAYOUTS = {
     "pp2": ("parallel.pp=2", "parallel.microbatches=4"),
     "pp2-zbv": ("parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=zb-v"),
     "pp2-dualpipe": ("parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=dualpipe"),
+    "pp2-post-validation": ("parallel.pp=2", "parallel.microbatches=4",
+                            "parallel.optimizer_sync=post_validation"),
+    "dp2-zero1": ("parallel.dp=2", "parallel.zero=1"),
     "cp2": ("parallel.cp=2",),
     "dp2-ep2-moe": ("parallel.dp=2", "parallel.ep=2", "model.n_experts=4", "model.top_k=2",
                     "model.expert_ffn_dim=32"),
@@ -63,9 +66,10 @@ def _rank(rank: int, world: int, sets: list[str], evaluate: bool) -> dict:
     cfg = config(*DENSE, *sets, *evaluation).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     held = TokenFile.open(held_out_file()) if evaluate else None
-    result = train(cfg, mesh, batches_for(cfg), held_out=held)
+    result = train(cfg, mesh, batches_for(cfg), held_out=held, timeline=True)
     return {"metrics": result.metrics, "summary": result.summary,
-            "step_bytes": sum(r.sent for r in mesh.ledger.for_step())}
+            "step_bytes": sum(r.sent for r in mesh.ledger.for_step()),
+            "timeline_units": [[u[:3] for u in r["units"]] for r in result.timeline["ranks"]]}
 
 
 @cache
@@ -117,14 +121,20 @@ def test_every_layout_val_loss_equals_the_single_process_run(layout):
             assert got[step] == pytest.approx(loss, rel=rtol, abs=0), (layout, step)
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero3", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2-zero3", "pp2", "pp2-post-validation", "dp2-zero1"])
 def test_evaluating_changes_nothing_of_the_training(layout):
     """Forward only, outside the step: the losses, grad norms and the step's bytes are
-    those of the run without evaluation, exactly."""
+    those of the run without evaluation, exactly. Post-validation checks an evaluated
+    step's update at once (the evaluation reads settled weights), not at the next step's
+    cut: that check's bytes move to the evaluated step."""
     with_eval, without = run(layout)[0], run(layout, evaluate=False)[0]
-    for key in ("loss", "grad_norm", "comm_sent_bytes"):
+    same = ("loss", "grad_norm") + (() if "post" in layout else ("comm_sent_bytes",))
+    for key in same:
         assert [m[key] for m in with_eval["metrics"]] == [m[key] for m in without["metrics"]]
-    assert with_eval["step_bytes"] == without["step_bytes"]
+    if "post" not in layout:
+        assert with_eval["step_bytes"] == without["step_bytes"]
+    # the last step's timeline: its own forwards and backwards, not the evaluation's
+    assert with_eval["timeline_units"] == without["timeline_units"]
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
