@@ -24,8 +24,11 @@ TORCHTITAN_FLAGS = "--fused-kernels no --attention-kernel fa2"
 def torchtitan_like(shape: Shape, cluster: Cluster, train: Training,
                     best: Estimate) -> Estimate | None:
     """`best`'s layout under the torchtitan-like stack; None where the GPU has no published
-    numbers to price it with."""
-    pub = published(cluster.gpu, "fa2")
+    numbers to price it with (no FlashAttention-2 sweep among them)."""
+    try:
+        pub = published(cluster.gpu, "fa2")
+    except ValueError:
+        return None
     if pub is None:
         return None
     eager = replace(train, stack=replace(train.stack, fused_kernels=False))
