@@ -49,9 +49,9 @@ ZERO_STRATEGY = "plait.parallel.zero"  # a record of ZeRO's (how it shards): not
 
 # the configuration flags an evaluation reads: the layout and the batch shape; not the
 # training ones (steps, lr, ZeRO and its replica groups, recompute, ...). The model is
-# --init-from's: --model is checked against it (a DCP checkpoint that records none takes
-# --model, --config and --set)
-EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--model", "--seq-len",
+# --init-from's: --model is accepted unlisted and checked against it (a DCP checkpoint
+# that records none takes --model, --config and --set)
+EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--seq-len",
                      "--global-batch", "--micro-batch-size", "--microbatches",
                      "--virtual-stages", "--schedule", "--gpus-per-node", "--precision", "--sp",
                      *(f"--{d.name.replace('_', '-')}" for d in DIMENSIONS
@@ -60,12 +60,11 @@ EVAL_CONFIG_FLAGS = ("--config", "--set", "--data", "--init-from", "--model", "-
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    copy_flags(p, add_config_args, EVAL_CONFIG_FLAGS, helps={
+    copy_flags(p, add_config_args, EVAL_CONFIG_FLAGS, hidden=("--model",), helps={
         "--data": "token file (.bin) to evaluate on (required; plait data prepare makes one)",
         "--init-from": "the model to evaluate (required): hf:DIR, dcp:DIR or a plait "
-        "checkpoint",
-        "--model": "optional: the preset the --init-from model must be (checked; the model "
-        "comes from --init-from), or the model of a DCP checkpoint that records none"})
+        "checkpoint (it defines the model: a --model given beside it is only checked "
+        "against it)"})
     p.add_argument("--eval-sequences", type=int, metavar="N",
                    help="windows of seq_len + 1 tokens to evaluate, from the file's start "
                    "(default: every whole batch of --global-batch windows)")

@@ -142,18 +142,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     model, opt = par.model, par.optimizer
     start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    mbs = cfg.micro_batch_size()
-    # gradient accumulation is the one-stage case of the same runtime; what crosses a
-    # stage boundary is as the stages say (sequence parallel splits it)
-    boundary = {st.boundary_shape(mbs, t.seq_len) for st in par.stages.values()}
-    if len(boundary) != 1:
-        raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
-    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(), model_dtype(cfg),
-                              before_weight_grad=opt.before_backward,
-                              after_weight_grad=opt.after_backward,
-                              positions=par.positions)
-    runtime.documents = batches.end_of_document() if t.documents else None
-    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
+    runtime = _training_runtime(cfg, mesh, par, batches)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
     marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
     # post-validation: a step's row waits for its check, made inside the next step (at
@@ -198,6 +187,24 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                                              "restarts": sum(runtime.steps_restarts)}
     _measured_outputs(result, cfg, mesh, runtime, par, marks if timeline else None)
     return result
+
+
+def _training_runtime(cfg: Config, mesh: ParallelMesh, par: ParallelModel,
+                      batches: GlobalBatches) -> PipelineRuntime:
+    """The pipeline runtime of the training steps, the optimizer's hooks plugged in."""
+    # gradient accumulation is the one-stage case of the same runtime; what crosses a
+    # stage boundary is as the stages say (sequence parallel splits it)
+    boundary = {st.boundary_shape(cfg.micro_batch_size(), cfg.train.seq_len)
+                for st in par.stages.values()}
+    if len(boundary) != 1:
+        raise RuntimeError(f"stages of one rank disagree on the boundary shape: {boundary}")
+    runtime = PipelineRuntime(par.schedule, par.stages, mesh, boundary.pop(), model_dtype(cfg),
+                              before_weight_grad=par.optimizer.before_backward,
+                              after_weight_grad=par.optimizer.after_backward,
+                              positions=par.positions)
+    runtime.documents = batches.end_of_document() if cfg.train.documents else None
+    runtime.document_split = documents_positions(cfg, mesh)  # split by its documents
+    return runtime
 
 
 def _measured_outputs(result: TrainResult, cfg: Config, mesh: ParallelMesh,
