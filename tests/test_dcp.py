@@ -1,6 +1,8 @@
 """torch.distributed.checkpoint (DCP) in and out, against the real thing: a Llama-shaped torch
-model with torchtitan's names, sharded by FSDP2 (`fully_shard`) on gloo ranks, saved by
-DCP, read by plait under another layout; plait's export read back by DCP into FSDP2."""
+model with torchtitan's module structure and names (today's: the `qkv_linear` submodule,
+`lm_head`; and 2025's), sharded by FSDP2 (`fully_shard`) on gloo ranks, saved by DCP,
+read by plait under another layout; plait's export read back by DCP into FSDP2, in
+either naming. DeepSeek-V3 / MoE checkpoints: tests/test_dcp_moe.py."""
 
 from __future__ import annotations
 
@@ -36,22 +38,56 @@ LOGIT_RTOL = 1e-5  # fp32, the largest logit's share (tests/test_hf.py's bound)
 LAYOUT = ("parallel.dp=2", "parallel.zero=3", "parallel.tp=2")  # boxes and flat runs
 
 
-# ---- a Llama with torchtitan's module names (torchtitan/models/llama3/model/model.py) -----
+# ---- a Llama with torchtitan's module structure ---------------------------------------------
+# torchtitan/models/llama3 at b5bcd76 (2026-08-21): the projections in a `qkv_linear`
+# submodule and the head `lm_head`; in 2025 the projections sat on the attention module and
+# the head was `output`. Written out here, as the test's own oracle of the names.
+TITAN_NAMES = {
+    "2026": {"attn.wq.weight": "attention.qkv_linear.wq.weight",
+             "attn.wk.weight": "attention.qkv_linear.wk.weight",
+             "attn.wv.weight": "attention.qkv_linear.wv.weight", "head.weight": "lm_head.weight"},
+    "2025": {"attn.wq.weight": "attention.wq.weight", "attn.wk.weight": "attention.wk.weight",
+             "attn.wv.weight": "attention.wv.weight", "head.weight": "output.weight"},
+}
+SAME_NAMES = {"embed.weight": "tok_embeddings.weight", "norm.weight": "norm.weight",
+              "attn_norm.weight": "attention_norm.weight", "attn.wo.weight": "attention.wo.weight",
+              "mlp_norm.weight": "ffn_norm.weight", "mlp.w1.weight": "feed_forward.w1.weight",
+              "mlp.w2.weight": "feed_forward.w2.weight", "mlp.w3.weight": "feed_forward.w3.weight"}
 
-class TitanAttention(nn.Module):
+
+def titan_key(ours: str, naming: str = "2026") -> str:
+    """torchtitan's name of plait parameter `ours` (the test's table, not plait's)."""
+    layer, _, rest = ours.partition(".") if ours.startswith("layers.") else ("", "", ours)
+    if layer:
+        index, _, rest = rest.partition(".")
+        layer = f"layers.{index}."
+    return layer + {**SAME_NAMES, **TITAN_NAMES[naming]}[rest]
+
+
+class QKVLinear(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.heads, self.kv, self.hd = m.n_heads, m.n_kv_heads, m.head_dim
         self.wq = nn.Linear(m.dim, m.n_heads * m.head_dim, bias=False)
         self.wk = nn.Linear(m.dim, m.n_kv_heads * m.head_dim, bias=False)
         self.wv = nn.Linear(m.dim, m.n_kv_heads * m.head_dim, bias=False)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, m: ModelConfig, naming: str):
+        super().__init__()
+        self.heads, self.kv, self.hd = m.n_heads, m.n_kv_heads, m.head_dim
+        if naming == "2026":
+            self.qkv_linear = QKVLinear(m)
+        else:
+            self.wq, self.wk, self.wv = QKVLinear(m).children()
         self.wo = nn.Linear(m.n_heads * m.head_dim, m.dim, bias=False)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.heads, self.hd)
-        k = self.wk(x).view(b, s, self.kv, self.hd)
-        v = self.wv(x).view(b, s, self.kv, self.hd)
+        proj = getattr(self, "qkv_linear", self)
+        q = proj.wq(x).view(b, s, self.heads, self.hd)
+        k = proj.wk(x).view(b, s, self.kv, self.hd)
+        v = proj.wv(x).view(b, s, self.kv, self.hd)
 
         def rotate(t):  # consecutive pairs as complex numbers, times e^(i pos f)
             c = torch.view_as_complex(t.float().reshape(b, s, t.shape[2], -1, 2))
@@ -77,9 +113,9 @@ class TitanFeedForward(nn.Module):
 
 
 class TitanBlock(nn.Module):
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, naming: str):
         super().__init__()
-        self.attention = TitanAttention(m)
+        self.attention = TitanAttention(m, naming)
         self.feed_forward = TitanFeedForward(m.dim, m.ffn_dim)
         self.attention_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.ffn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
@@ -90,12 +126,14 @@ class TitanBlock(nn.Module):
 
 
 class TitanLlama(nn.Module):
-    def __init__(self, m: ModelConfig, seed: int):
+    def __init__(self, m: ModelConfig, seed: int, naming: str = "2026"):
         super().__init__()
         self.tok_embeddings = nn.Embedding(m.vocab_size, m.dim)
-        self.layers = nn.ModuleDict({str(i): TitanBlock(m) for i in range(m.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TitanBlock(m, naming) for i in range(m.n_layers)})
         self.norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
-        self.output = nn.Linear(m.dim, m.vocab_size, bias=False)
+        head = nn.Linear(m.dim, m.vocab_size, bias=False)
+        self.head_name = "lm_head" if naming == "2026" else "output"
+        setattr(self, self.head_name, head)
         freqs = 1.0 / m.rope_theta ** (torch.arange(0, m.head_dim, 2).float() / m.head_dim)
         angles = torch.outer(torch.arange(m.max_seq_len).float(), freqs)
         self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
@@ -110,7 +148,7 @@ class TitanLlama(nn.Module):
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        return getattr(self, self.head_name)(self.norm(h))
 
 
 def fsdp2(model: TitanLlama, world: int) -> TitanLlama:
@@ -163,10 +201,11 @@ def _round_trip(rank: int, world: int, root: Path) -> dict:
 
     mesh = ParallelMesh.build(cfg.parallel)  # read into plait's layout, gather, compare
     par = parallelize(build_model(cfg.model, seed=0, device="meta"), mesh, cfg)
-    requested = plait_dcp.load_into(par, mesh, cfg, root / "titan")
+    weights = plait_dcp.load_into(par, mesh, cfg, root / "titan")
     loaded = full_state(par.model, par.optimizer, mesh, par.placements)
-    out = {"requested": requested,
-           "bit_identical_in": all(torch.equal(t, ref_params[plait_dcp.titan_name(n)])
+    out = {"requested": sum(math.prod(r.lengths) for r in weights.read_items),
+           "naming": weights.naming,
+           "bit_identical_in": all(torch.equal(t, ref_params[titan_key(n)])
                                    for n, t in loaded.items()),
            "logits_in": rel_diff(plait_logits(loaded, tokens), ref_logits)}
 
@@ -182,7 +221,7 @@ def _round_trip(rank: int, world: int, root: Path) -> dict:
     with torch.no_grad():
         back_logits = back(tokens)
     back_params = full_params(back)
-    out["bit_identical_out"] = all(torch.equal(t, back_params[plait_dcp.titan_name(n)])
+    out["bit_identical_out"] = all(torch.equal(t, back_params[titan_key(n)])
                                    for n, t in trained.items())
     out["logits_out"] = rel_diff(back_logits, plait_logits(trained, tokens))
     out["trained_moved"] = float((trained["layers.0.attn.wq.weight"]
@@ -204,6 +243,7 @@ def test_fsdp2_checkpoint_read_by_plait_in_another_layout(round_trip):
     runs, _ = round_trip
     total = MODEL.num_params()
     for r in runs:
+        assert r["naming"] == "2026", r
         assert r["bit_identical_in"], r
         assert r["logits_in"] <= LOGIT_RTOL, r
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=LOGIT_RTOL), r
@@ -238,51 +278,121 @@ def test_bad_input_is_refused_naming_the_fix(round_trip, tmp_path):
     with pytest.raises(CheckpointError, match="no .metadata, not a DCP checkpoint"):
         check(f"dcp:{tmp_path}", config(*model_sets()))
     other = dataclasses.replace(MODEL, dim=32, ffn_dim=48, n_layers=3)
-    with pytest.raises(CheckpointError, match=r"layers.0.attention.wq.weight is \[64, 64\] "
-                       r"there, this run's model needs \[32, 32\].*--set model.dim=64 "
+    with pytest.raises(CheckpointError, match=r"read as torchtitan's 2026 names.*"
+                       r"layers.0.attention.qkv_linear.wq.weight is \[64, 64\] there, this "
+                       r"run's model needs \[32, 32\].*--set model.dim=64 "
                        r"--set model.n_layers=2 --set model.ffn_dim=90"):
         check(titan, config(*model_sets(other)))
-    odd = TitanLlama(MODEL, seed=3).state_dict()  # no output, a bias plait has no place for
-    odd.pop("output.weight")
-    odd["layers.1.attention.wq.bias"] = torch.zeros(MODEL.dim)
+    odd = TitanLlama(MODEL, seed=3).state_dict()  # no head, a bias plait has no place for
+    odd.pop("lm_head.weight")
+    odd["layers.1.attention.qkv_linear.wq.bias"] = torch.zeros(MODEL.dim)
     with plait_dcp.quiet_dcp():
         dcp.save(odd, checkpoint_id=tmp_path / "odd", no_dist=True)
-    with pytest.raises(CheckpointError, match=r"output.weight is missing; tensors plait's "
-                       r"block has no place for: layers.1.attention.wq.bias.*--set "
+    with pytest.raises(CheckpointError, match=r"lm_head.weight is missing; tensors plait's "
+                       r"block has no place for: layers.1.attention.qkv_linear.wq.bias.*--set "
                        r"model.tie_embeddings=true"):
         check(f"dcp:{tmp_path / 'odd'}", config(*model_sets()))
-    with pytest.raises(CheckpointError, match="dense Llama models only"):
+    with pytest.raises(CheckpointError, match=r"layers.0.moe.router.gate.weight is missing"):
         check(titan, config(*model_sets(), "model.n_experts=4", "model.top_k=2",
                             "model.expert_ffn_dim=32"))
+    with pytest.raises(CheckpointError, match="--dcp-names 2024: choose one of 2026, 2025"):
+        export(str(root / "ck"), f"dcp:{tmp_path / 'out'}", dcp_names="2024")
+    with pytest.raises(CheckpointError, match="--dcp-names 2025: .*for --to dcp:OUT only"):
+        export(str(root / "ck"), f"hf:{tmp_path / 'out'}", dcp_names="2025")
+    assert not (tmp_path / "out").exists()
     with pytest.raises(CheckpointError, match="exists and is not an empty directory"):
         export(f"dcp:{root / 'plait'}", f"dcp:{root / 'titan'}")
 
 
 def test_the_commands_read_and_write_dcp(round_trip, tmp_path, capsys):
     """`plait export --from dcp:` (plait's, which records its model) to hf:, and `plait eval`
-    of both: the same weights give the same loss; a torchtitan checkpoint, which records no
-    model, is evaluated with the model's settings; a missing one is refused (exit 2)."""
+    of both: the same weights give the same loss, with no model settings given; torchtitan's
+    checkpoints, which record no model, are evaluated with the model's settings, in either
+    naming (said on stderr) to the same loss; a missing one is refused (exit 2)."""
     import json
 
     from plait.cli.main import main
 
     _, root = round_trip
+    _titan_2025(tmp_path / "t2025")
     assert main(["export", "--from", f"dcp:{root / 'plait'}", "--to",
                  f"hf:{tmp_path / 'hf'}"]) == 0
-    losses = {}
+    assert main(["export", "--from", str(root / "ck"), "--to", f"dcp:{tmp_path / 'p2025'}",
+                 "--dcp-names", "2025"]) == 0
+    assert "torchtitan's 2025 names" in capsys.readouterr().out
+    settings = [a for s in model_sets() for a in ("--set", s)]
+    losses, said = {}, {}
     for name, source, extra in (("dcp", f"dcp:{root / 'plait'}", []),
+                                ("dcp2025", f"dcp:{tmp_path / 'p2025'}", []),
                                 ("hf", f"hf:{tmp_path / 'hf'}", []),
-                                ("titan", f"dcp:{root / 'titan'}",
-                                 [a for s in model_sets() for a in ("--set", s)])):
+                                ("titan", f"dcp:{root / 'titan'}", settings),
+                                ("titan2025", f"dcp:{tmp_path / 't2025'}", settings)):
         out = tmp_path / f"{name}.json"
         code = main(["eval", "--init-from", source, "--data", str(token_file()), "--seq-len",
                      "32", "--eval-sequences", "8", "--global-batch", "8", "--metrics-out",
                      str(out), *extra])
-        assert code == 0, capsys.readouterr().err
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert captured.out.startswith("loss "), captured.out
         losses[name] = json.loads(out.read_text())["loss"]
-    assert math.isclose(losses["dcp"], losses["hf"], rel_tol=LOGIT_RTOL), losses
+        said[name] = captured.err
+    for name in ("dcp2025", "hf"):
+        assert math.isclose(losses["dcp"], losses[name], rel_tol=LOGIT_RTOL), losses
+    assert math.isclose(losses["titan"], losses["titan2025"], rel_tol=LOGIT_RTOL), losses
     assert not math.isclose(losses["dcp"], losses["titan"], rel_tol=1e-3), losses  # trained
-    capsys.readouterr()
+    for name, naming in (("dcp", "2026"), ("dcp2025", "2025"), ("titan", "2026"),
+                         ("titan2025", "2025")):
+        assert f"torchtitan's {naming} names" in said[name], (name, said[name])
+    assert "torchtitan" not in said["hf"]
     code = main(["eval", "--init-from", f"dcp:{tmp_path / 'missing'}", "--data",
                  str(token_file()), "--seq-len", "32"])
     assert code == 2 and "no such directory" in capsys.readouterr().err
+
+def _titan_2025(directory: Path) -> dict[str, torch.Tensor]:
+    """torchtitan's 2025 Llama (the fixture's weights: the same seed) saved by DCP."""
+    state = TitanLlama(MODEL, seed=1, naming="2025").state_dict()
+    with plait_dcp.quiet_dcp():
+        dcp.save(state, checkpoint_id=directory, no_dist=True)
+    return state
+
+
+def test_a_2025_checkpoint_is_read_as_the_2026_one(round_trip, tmp_path):
+    """torchtitan's older names (attention.wq, output) are found and said; every tensor
+    plait reads from them is the 2026 checkpoint's of the same weights, bit for bit."""
+    _, root = round_trip
+    state = _titan_2025(tmp_path / "t2025")
+    old = plait_dcp.DCPWeights(tmp_path / "t2025", MODEL)
+    today = plait_dcp.DCPWeights(root / "titan", MODEL)
+    assert (old.naming, today.naming) == ("2025", "2026")
+    assert "torchtitan's 2025 names (layers.N.attention.wq.weight, output.weight" in \
+        plait_dcp.describe_source(tmp_path / "t2025", MODEL)
+    old.check()
+    for ours in plait_dcp.titan_names(MODEL):
+        got = old.full(ours)
+        assert torch.equal(got, state[titan_key(ours, "2025")]), ours
+        assert torch.equal(got, today.full(ours)), ours
+
+
+def test_export_in_either_naming_loads_into_that_torchtitan_model(round_trip, tmp_path):
+    """plait's checkpoint exported with --dcp-names 2026 and 2025: each holds exactly the
+    tensors of torchtitan's model of that naming (DCP loads it strictly), the same weights
+    in both; neither naming loads into the other's model."""
+    _, root = round_trip
+    ck = str(root / "ck")
+    back = {}
+    for naming in ("2026", "2025"):
+        out, n = export(ck, f"dcp:{tmp_path / naming}", dcp_names=naming)
+        model = TitanLlama(MODEL, seed=7, naming=naming)
+        state = model.state_dict()
+        assert set(plait_dcp.read_metadata(out).state_dict_metadata) == set(state), naming
+        assert n == len(state)
+        with plait_dcp.quiet_dcp():
+            dcp.load(state, checkpoint_id=out, no_dist=True)
+        back[naming] = {ours: state[titan_key(ours, naming)]
+                        for ours in plait_dcp.titan_names(MODEL)}
+    assert all(torch.equal(back["2026"][k], back["2025"][k]) for k in back["2026"])
+    for naming, other in (("2026", "2025"), ("2025", "2026")):
+        with plait_dcp.quiet_dcp(), pytest.raises(dcp.CheckpointException,
+                                                  match="Missing key"):
+            dcp.load(TitanLlama(MODEL, seed=7, naming=other).state_dict(),
+                     checkpoint_id=tmp_path / naming, no_dist=True)

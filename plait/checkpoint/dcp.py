@@ -1,11 +1,11 @@
-"""torch.distributed.checkpoint (DCP) directories with torchtitan's Llama names, in
+"""torch.distributed.checkpoint (DCP) directories with torchtitan's names, in
 (docs/interop.md): `--init-from dcp:DIR`.
 
-Names: torchtitan's Llama 3 model (`torchtitan/models/llama3/model/model.py`) calls
-plait's `embed` `tok_embeddings`, `layers.i.attn` `layers.i.attention`, `attn_norm`
-`attention_norm`, `mlp` `feed_forward`, `mlp_norm` `ffn_norm`, `head` `output`
-(`titan_names`). Shapes and row order are plait's: both rotate the interleaved pairs
-(x_2i, x_2i+1) of each head (torchtitan through `view_as_complex`), so no permutation.
+Names: plait/checkpoint/titan_names.py's table, torchtitan's Llama 3 and DeepSeek-V3
+(MLA, MoE) names in its two namings (2026: `layers.N.attention.qkv_linear.wq.weight`,
+`lm_head.weight`, `moe.routed_experts.inner_experts.w1_EFD`; 2025: `attention.wq.weight`,
+`output.weight`, `moe.experts.w1`). A checkpoint's naming is detected from its names
+(`DCPWeights.naming`, said by `describe`). Shapes and row order are plait's in both.
 The names may sit under a prefix (a checkpoint that saved `{"model": state_dict}` holds
 `model.tok_embeddings.weight`); optimizer, data loader and train-state entries beside
 them are ignored.
@@ -16,12 +16,14 @@ A DCP checkpoint records no model settings. plait's own export adds `plait_model
 metadata, naming the settings that would make them agree.
 
 Reading: after `parallelize`, each rank lists the rectangles covering what it holds
-(`pieces.covering_box`: its tensor-parallel box, the rows around a ZeRO flat run) and
-hands them to DCP's loader as one state dict of plain buffers, one per tensor, with a
-load planner (`BoxPlanner`) that places each at its offset in the global tensor: DCP's
-own `create_read_items_for_chunk_list` then intersects them with the saved chunks, as it
-does for a DTensor's local shard. `no_dist=True`: no collective, every rank plans and
-reads alone (as with `hf:`); DCP reads each saved chunk that overlaps and narrows it.
+(`pieces.covering_box`: its tensor-parallel box, its expert-parallel rows of a stacked
+expert weight, the rows around a ZeRO flat run) and hands them to DCP's loader as one
+state dict of plain buffers, one per tensor, with a load planner (`BoxPlanner`) that
+places each at its offset in the global tensor: DCP's own
+`create_read_items_for_chunk_list` then intersects them with the saved chunks, as it
+does for a DTensor's local shard, so a rank reads its experts, never the whole stack.
+`no_dist=True`: no collective, every rank plans and reads alone (as with `hf:`); DCP
+reads each saved chunk that overlaps and narrows it.
 """
 
 from __future__ import annotations
@@ -44,21 +46,14 @@ from plait.parallel.parallelize import ParallelModel
 from . import hf
 from .format import CheckpointError
 from .pieces import Piece, covering_box, cut, initial_pieces
+from .titan_names import DEFAULT_NAMING, detect, head_name, is_ignored, marks, names
 
 DCP_PREFIX = "dcp:"
 MODEL_RECORD = "plait_model.json"  # plait's ModelConfig, beside DCP's own files
 RECORD_FORMAT = "plait-dcp-model/1"
 DCP_METADATA = ".metadata"  # DCP's FileSystemWriter names its metadata file so
 # keys a torchtitan model checkpoint holds beside the weights: left alone
-MODEL_ROOTS = ("tok_embeddings.", "layers.", "norm.", "output.")
-
-_LAYER = {"attn_norm.weight": "attention_norm.weight", "attn.wq.weight": "attention.wq.weight",
-          "attn.wk.weight": "attention.wk.weight", "attn.wv.weight": "attention.wv.weight",
-          "attn.wo.weight": "attention.wo.weight", "mlp_norm.weight": "ffn_norm.weight",
-          "mlp.w1.weight": "feed_forward.w1.weight", "mlp.w2.weight": "feed_forward.w2.weight",
-          "mlp.w3.weight": "feed_forward.w3.weight"}
-_TOP = {"embed.weight": "tok_embeddings.weight", "norm.weight": "norm.weight",
-        "head.weight": "output.weight"}
+MODEL_ROOTS = ("tok_embeddings.", "layers.", "norm.", "output.", "lm_head.")
 
 
 class DCPError(CheckpointError):
@@ -70,35 +65,22 @@ def dcp_dir(source: str | None) -> Path | None:
     return hf.source_dir(source, DCP_PREFIX)
 
 
-def titan_name(ours: str) -> str:
-    """torchtitan's name of plait parameter `ours`."""
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
-    if m is not None:
-        return f"layers.{m[1]}.{_LAYER[m[2]]}"
-    return _TOP[ours]
+def titan_names(m: ModelConfig, naming: str = DEFAULT_NAMING
+                ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """plait name -> (torchtitan name in `naming`, shape), in the model's order. A tied
+    model has no `head.weight`: torchtitan has no tying, so an export writes the head as
+    a copy of the embedding (`export_names`)."""
+    return names(m, naming)
 
 
-def titan_names(m: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """plait parameter name -> (torchtitan name, shape), in the model's order. A tied
-    model has no `head.weight`: torchtitan's Llama has no tying, so an export writes
-    `output.weight` as a copy of the embedding (`export_names`)."""
-    refuse_moe(m)
-    return {ours: (titan_name(ours), shape) for ours, (_, shape) in hf.weight_names(m).items()}
-
-
-def export_names(m: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """torchtitan name -> (the plait parameter that fills it, shape): every tensor of a
-    torchtitan Llama, `output.weight` from the embedding where plait ties them."""
-    out = {theirs: (ours, shape) for ours, (theirs, shape) in titan_names(m).items()}
+def export_names(m: ModelConfig, naming: str = DEFAULT_NAMING
+                 ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """torchtitan name -> (the plait tensor that fills it, shape): every tensor of the
+    torchtitan model, the head from the embedding where plait ties them."""
+    out = {theirs: (ours, shape) for ours, (theirs, shape) in titan_names(m, naming).items()}
     if m.tie_embeddings:
-        out["output.weight"] = ("embed.weight", (m.vocab_size, m.dim))
+        out[head_name(naming)] = ("embed.weight", (m.vocab_size, m.dim))
     return out
-
-
-def refuse_moe(m: ModelConfig) -> None:
-    if m.n_experts:
-        raise DCPError("dcp: carries dense Llama models only (torchtitan's MoE names are "
-                       "not mapped); use a plait checkpoint or hf: for an MoE model")
 
 
 def read_record(directory: Path) -> ModelConfig | None:
@@ -155,16 +137,17 @@ def read_metadata(directory: Path):
 
 def _box_planner():
     """A DCP load planner whose state dict holds plain buffers, each a rectangle of its
-    global tensor at `offsets[name]` (built lazily: importing DCP's planner costs time)."""
+    global tensor at `offsets[name]`; it appends its read items to `requests` (built
+    lazily: importing DCP's planner costs time)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class BoxPlanner(DefaultLoadPlanner):
-        def __init__(self, offsets: dict[str, tuple[int, ...]]):
+        def __init__(self, offsets: dict[str, tuple[int, ...]], requests: list):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self.offsets = offsets
+            self.offsets, self.requests = offsets, requests
 
         def create_local_plan(self) -> LoadPlan:
             items = []
@@ -173,6 +156,7 @@ def _box_planner():
                                              sizes=buf.size())
                 items += create_read_items_for_chunk_list(
                     name, self.metadata.state_dict_metadata[name], [chunk])
+            self.requests += items
             return LoadPlan(items)
 
         def lookup_tensor(self, index) -> torch.Tensor:
@@ -182,13 +166,22 @@ def _box_planner():
 
 
 class DCPWeights:
-    """The tensors of a DCP directory, by torchtitan's names, read by rectangles."""
+    """The tensors of a DCP directory, by torchtitan's names (the naming its names show:
+    `naming`), read by rectangles."""
 
     def __init__(self, directory: Path, cfg: ModelConfig):
         self.dir, self.cfg = Path(directory), cfg
-        self.names = titan_names(cfg)
         self.meta = read_metadata(self.dir)
         self.prefix = self._prefix()
+        ours = {k[len(self.prefix):] for k in self.meta.state_dict_metadata
+                if k.startswith(self.prefix)}
+        self.naming = detect(ours, cfg)
+        self.names = titan_names(cfg, self.naming)
+        self.read_items: list = []  # DCP's read requests of the last `load`
+
+    def describe(self) -> str:
+        """Which of torchtitan's namings the checkpoint holds, as a user reads it."""
+        return f"torchtitan's {self.naming} names ({marks(self.naming)})"
 
     def _prefix(self) -> str:
         keys = self.meta.state_dict_metadata
@@ -197,7 +190,7 @@ class DCPWeights:
         if len(found) != 1:
             shown = ", ".join(sorted(keys)[:4])
             raise DCPError(f"dcp:{self.dir}: {'no' if not found else 'several'} "
-                           f"tok_embeddings.weight, not one torchtitan Llama (it holds "
+                           f"tok_embeddings.weight, not one torchtitan model (it holds "
                            f"{shown}{', ...' if len(keys) > 4 else ''})")
         return found[0]
 
@@ -217,22 +210,23 @@ class DCPWeights:
             elif found != want:
                 problems.append(f"{theirs} is {list(found)} there, this run's model needs "
                                 f"{list(want)}")
-        known = {t for t, _ in self.names.values()} | {"output.weight", "freqs_cis"}
+        known = {t for t, _ in self.names.values()} | {head_name(self.naming)}
         extra = sorted(k[len(self.prefix):] for k in self.meta.state_dict_metadata
                        if k.startswith(self.prefix) and k[len(self.prefix):] not in known
-                       and k[len(self.prefix):].startswith(MODEL_ROOTS))
+                       and k[len(self.prefix):].startswith(MODEL_ROOTS)
+                       and not is_ignored(k[len(self.prefix):]))
         if extra:
             problems.append(f"tensors plait's block has no place for: {', '.join(extra[:4])}"
                             + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
         if problems:
-            raise DCPError(f"dcp:{self.dir}: the checkpoint does not fit the model: "
-                           + "; ".join(problems[:6]) + self._fix())
+            raise DCPError(f"dcp:{self.dir}: the checkpoint (read as {self.describe()}) does "
+                           "not fit the model: " + "; ".join(problems[:6]) + self._fix())
 
     def _fix(self) -> str:
         """The settings that give the run the checkpoint's shapes, as `--set`s."""
-        emb, w1, wk = (self.shape(n) for n in ("tok_embeddings.weight",
-                                                "layers.0.feed_forward.w1.weight",
-                                                "layers.0.attention.wk.weight"))
+        at = {row: self.shape(theirs) for row, (theirs, _) in self.names.items()}
+        emb, w1, wk = (at.get(n) for n in ("embed.weight", "layers.0.mlp.w1.weight",
+                                            "layers.0.attn.wk.weight"))
         layers = {int(m[1]) for k in self.meta.state_dict_metadata
                   if (m := re.match(re.escape(self.prefix) + r"layers\.(\d+)\.", k))}
         m, want = self.cfg, {}
@@ -242,7 +236,7 @@ class DCPWeights:
             want["n_layers"] = max(layers) + 1
         if w1 is not None:
             want["ffn_dim"] = w1[0]
-        if self.shape("output.weight") is None:
+        if self.shape(head_name(self.naming)) is None:
             want["tie_embeddings"] = True
         dim = want.get("dim", m.dim)
         if wk is not None and dim % m.n_heads == 0 and wk[0] % (dim // m.n_heads) == 0:
@@ -268,9 +262,11 @@ class DCPWeights:
         # host buffers: DCP reads files into them; the pieces are then copied to the device
         bufs = {n: torch.empty([h - o for o, h in zip(lo, hi, strict=True)], device="cpu")
                 for n, (lo, hi) in boxes.items()}
+        self.read_items = []
         with quiet_dcp():
             dcp_load(bufs, storage_reader=FileSystemReader(str(self.dir)), no_dist=True,
-                     planner=_box_planner()({n: lo for n, (lo, _) in boxes.items()}))
+                     planner=_box_planner()({n: lo for n, (lo, _) in boxes.items()},
+                                            self.read_items))
         with torch.no_grad():
             for p in wanted:
                 theirs = self.prefix + self._titan(p.name)
@@ -295,12 +291,19 @@ class DCPWeights:
         return out
 
 
-def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> int:
-    """Fill this rank's part of `par` (its masters, and the compute parameters where they
-    are read directly) from a DCP directory; returns the elements requested. No
-    collective. The optimizer starts fresh (step 0)."""
+def describe_source(directory: Path, m: ModelConfig) -> str:
+    """`dcp:DIR: N tensors in torchtitan's 2026 names (...)`: what a run reads, in a line."""
+    weights = DCPWeights(directory, m)
+    return f"dcp:{weights.dir}: {len(weights.names)} tensors in {weights.describe()}"
+
+
+def load_into(par: ParallelModel, mesh: ParallelMesh, cfg, directory: Path) -> DCPWeights:
+    """Fill this rank's part of `par` (its masters, the balancing biases, and the compute
+    parameters where they are read directly) from a DCP directory; returns the reader
+    (its naming, and DCP's read requests: `read_items`). No collective. The optimizer
+    starts fresh (step 0)."""
     weights = DCPWeights(directory, cfg.model)
     weights.check()
-    requested = weights.load(initial_pieces(par, mesh, cfg.train.optimizer))
+    weights.load(initial_pieces(par, mesh, cfg.train.optimizer))
     par.optimizer.finish_load(0)
-    return requested
+    return weights

@@ -1,5 +1,7 @@
-"""`plait export ... --to dcp:OUT` (plait/checkpoint/interop.py): a
-torch.distributed.checkpoint directory with torchtitan's Llama names (docs/interop.md).
+"""`plait export ... --to dcp:OUT [--dcp-names 2026|2025]` (plait/checkpoint/interop.py):
+a torch.distributed.checkpoint directory with torchtitan's names (docs/interop.md), today's
+(2026) unless asked for the older ones (plait/checkpoint/titan_names.py): Llama, and
+DeepSeek-V3's MLA and MoE, its stacked experts one tensor each as torchtitan holds them.
 
 Written by DCP itself (`torch.distributed.checkpoint.save`, `FileSystemWriter`, one
 file), so torchtitan (`checkpoint.initial_load_path` with `initial_load_model_only`),
@@ -39,14 +41,14 @@ def _lazy_save_planner(load, dtype: torch.dtype):
     return _LazySavePlanner()
 
 
-def write_dcp(src: Source, out: Path, dtype: str) -> int:
-    """`src` as a DCP checkpoint with torchtitan's names in `out` (an empty directory);
-    returns the tensors written."""
+def write_dcp(src: Source, out: Path, dtype: str, naming: str = dcp.DEFAULT_NAMING) -> int:
+    """`src` as a DCP checkpoint with torchtitan's names of `naming` in `out` (an empty
+    directory); returns the tensors written."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     tdtype = DTYPES[dtype][0]
-    names = dcp.export_names(src.model)
+    names = dcp.export_names(src.model, naming)
     shapes = {theirs: torch.empty(shape, dtype=tdtype, device="meta")
               for theirs, (_, shape) in names.items()}
     with dcp.quiet_dcp():

@@ -1,8 +1,8 @@
-"""`plait export --from CHECKPOINT|hf:DIR|dcp:DIR --to hf:OUT|dcp:OUT [--dtype fp32|bf16]`:
-a model for the rest of the ecosystem (docs/interop.md).
+"""`plait export --from CHECKPOINT|hf:DIR|dcp:DIR --to hf:OUT|dcp:OUT [--dtype fp32|bf16]
+[--dcp-names 2026|2025]`: a model for the rest of the ecosystem (docs/interop.md).
 
 `hf:OUT` is a directory `transformers` loads (plait/checkpoint/hf_export.py); `dcp:OUT` a
-torch.distributed.checkpoint directory with torchtitan's Llama names
+torch.distributed.checkpoint directory with torchtitan's names, today's or its 2025 ones
 (plait/checkpoint/dcp_export.py). Either is built under a temporary name beside OUT and
 renamed into place: a failed export leaves nothing. An OUT that holds files is refused
 unless `--force`, which replaces it whole once the new one is complete; OUT never lies
@@ -21,6 +21,7 @@ from . import dcp, hf
 from .export import DTYPES
 from .format import CheckpointError
 from .source import Source
+from .titan_names import DEFAULT_NAMING, NAMINGS
 
 EXPORT_DTYPES = ("fp32", "bf16")
 
@@ -52,7 +53,7 @@ def _overlap_problem(kind: str, out: Path, source: str) -> str | None:
 
 
 def export_problems(target: str, dtype: str, source: str | None = None,
-                    force: bool = False) -> list[str]:
+                    force: bool = False, dcp_names: str | None = None) -> list[str]:
     """The output's problems, before anything is read or written."""
     try:
         kind, out = _out_dir(target)
@@ -60,6 +61,11 @@ def export_problems(target: str, dtype: str, source: str | None = None,
         return [str(e)]
     problems = [] if dtype in EXPORT_DTYPES and dtype in DTYPES else [
         f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}"]
+    if dcp_names is not None and dcp_names not in NAMINGS:
+        problems.append(f"--dcp-names {dcp_names}: choose one of {', '.join(NAMINGS)}")
+    elif dcp_names is not None and kind != "dcp":
+        problems.append(f"--dcp-names {dcp_names}: names torchtitan's tensors, for --to "
+                        "dcp:OUT only; leave it out for --to hf:")
     overlap = _overlap_problem(kind, out, source) if source else None
     if overlap:
         problems.append(overlap)
@@ -77,20 +83,23 @@ def export_problems(target: str, dtype: str, source: str | None = None,
     return problems
 
 
-def export(source: str, target: str, dtype: str = "fp32",
-           force: bool = False) -> tuple[Path, int]:
-    """Write `source` (a checkpoint, hf:DIR or dcp:DIR) as `target` (hf:OUT or dcp:OUT;
-    with `force`, one that holds files is replaced); returns (OUT, tensors written)."""
-    problems = export_problems(target, dtype, source, force)
+def export(source: str, target: str, dtype: str = "fp32", force: bool = False,
+           dcp_names: str | None = None) -> tuple[Path, int]:
+    """Write `source` (a checkpoint, hf:DIR or dcp:DIR) as `target` (hf:OUT or dcp:OUT,
+    the latter in torchtitan's `dcp_names`, default today's; with `force`, one that holds
+    files is replaced); returns (OUT, tensors written)."""
+    problems = export_problems(target, dtype, source, force, dcp_names)
     if problems:
         raise CheckpointError("; ".join(problems))
     kind, out = _out_dir(target)
     src = Source(source)
     if kind == "dcp":
-        from .dcp_export import write_dcp as write
-    else:
-        from .hf_export import write_hf as write
-    return out, into_new_dir(out, lambda tmp: write(src, tmp, dtype))
+        from .dcp_export import write_dcp
+
+        naming = dcp_names or DEFAULT_NAMING
+        return out, into_new_dir(out, lambda tmp: write_dcp(src, tmp, dtype, naming))
+    from .hf_export import write_hf
+    return out, into_new_dir(out, lambda tmp: write_hf(src, tmp, dtype))
 
 
 def into_new_dir(out: Path, fill: Callable[[Path], int]) -> int:

@@ -97,6 +97,9 @@ def add_parsers(sub: Any) -> None:
                     help="dtype of the exported weights (default fp32)")
     ex.add_argument("--force", action="store_true", help="replace an --to directory that "
                     "holds files (by default plait refuses to)")
+    ex.add_argument("--dcp-names", choices=("2026", "2025"), metavar="2026|2025",
+                    help="torchtitan's naming for --to dcp: (default 2026, today's: "
+                    "attention.qkv_linear.wq, lm_head; 2025: attention.wq, output)")
     ex.set_defaults(func=cmd_export)
 
 
@@ -104,11 +107,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from plait.checkpoint.interop import export
 
     try:
-        out, n = export(args.source, args.target, args.dtype, args.force)
+        out, n = export(args.source, args.target, args.dtype, args.force, args.dcp_names)
     except CheckpointError as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.target.split(':', 1)[0]}:{out}: {n} tensors, {args.dtype}")
+    kind = args.target.split(":", 1)[0]
+    names = f", torchtitan's {args.dcp_names or '2026'} names" if kind == "dcp" else ""
+    print(f"wrote {kind}:{out}: {n} tensors, {args.dtype}{names}")
     return 0
 
 
@@ -183,6 +188,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         print("plait: cannot evaluate:\n" + "\n".join(f"  - {p}" for p in problems),
               file=sys.stderr)
         return 2
+    _say_naming(cfg)
     if world == 1:  # one rank: no launcher, no process group
         return _evaluate_and_report(args, cfg, resolve_device(args.device, 0))
     rank_args = ["eval", *_without(argv, "--nproc")]
@@ -192,6 +198,16 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                          torchrun=[sys.executable, "-m", "plait.cli", TORCHRUN_COMMAND],
                          extra=[f"--shutdown-timeout={int(STOP_GRACE_S) // 2}"])
     return launch_ranks(launch.command, launch.env)
+
+
+def _say_naming(cfg: Any) -> None:
+    """A DCP source's naming, torchtitan's 2026 or 2025: which one was read is worth a line."""
+    from plait.checkpoint import dcp
+
+    directory = dcp.dcp_dir(cfg.train.init_from)
+    if directory is not None:
+        print(f"plait: reading {dcp.describe_source(directory, cfg.model)}", file=sys.stderr,
+              flush=True)
 
 
 def _without(argv: list[str], flag: str) -> list[str]:
