@@ -21,7 +21,7 @@ from torch import nn
 from plait.checkpoint import Checkpointing
 from plait.checkpoint import dcp as plait_dcp
 from plait.checkpoint.format import CheckpointError
-from plait.checkpoint.init_from import check, initial_model
+from plait.checkpoint.init_from import check, describe_initial, initial_model
 from plait.checkpoint.interop import export
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
@@ -364,7 +364,12 @@ def test_a_2025_checkpoint_is_read_as_the_2026_one(round_trip, tmp_path):
     old = plait_dcp.DCPWeights(tmp_path / "t2025", MODEL)
     today = plait_dcp.DCPWeights(root / "titan", MODEL)
     assert (old.naming, today.naming) == ("2025", "2026")
-    assert "torchtitan's 2025 names (layers.N.attention.wq.weight, output.weight" in \
+    for directory, naming in ((tmp_path / "t2025", "2025"), (root / "titan", "2026")):
+        # what plait train says of its starting weights
+        said = describe_initial(f"dcp:{directory}", MODEL)
+        assert said.startswith(f"dcp:{directory}: 21 tensors in torchtitan's {naming} "
+                               "names (layers.N.attention."), said
+    assert "(layers.N.attention.wq.weight, output.weight" in \
         plait_dcp.describe_source(tmp_path / "t2025", MODEL)
     old.check()
     for ours in plait_dcp.titan_names(MODEL):

@@ -83,8 +83,7 @@ def describe_initial(source: str, model: ModelConfig) -> str:
                 "model: no training step recorded)")
     directory = dcp.dcp_dir(source)
     if directory is not None:
-        return (f"dcp:{directory}: {len(dcp.titan_names(model))} tensors (torchtitan's names: "
-                "no training step recorded)")
+        return f"{dcp.describe_source(directory, model)} (no training step recorded)"
     path, meta = checkpoint_source(source)
     steps = meta["step"]
     return (f"{path}: the masters of {len(meta['tensors'])} tensors, saved after {steps} "
