@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SESSION_ROOT, batches_for, config, reference, token_file
+from helpers import BASE, SESSION_ROOT, batches_for, config, reference, token_file
 from sink_readers import tensorboard_scalars, wandb_offline_run
 
 from plait.cli.main import main
@@ -259,3 +259,24 @@ def test_cli_run_reports_validation_in_rows_progress_and_summary(tmp_path, capfd
     assert [int(line.split()[1]) for line in lines] == [0, 1, 2]
     assert "val loss" in lines[1] and "val loss" not in lines[0]
     assert f"(val {steps[2]['val_loss']:.4f})" in text.splitlines()[-1]
+
+
+@pytest.mark.slow  # the fault-tolerant launcher and its replicas' process trees
+def test_fault_tolerant_replicas_report_the_single_process_validation(tmp_path, capfd):
+    """Each replica evaluates the whole held-out set on its own ranks: the job's rows hold
+    the single-process run's val_loss; the launcher's step lines number steps from 0."""
+    out = tmp_path / "ft.jsonl"
+    sets = [a for s in (*BASE, *DENSE) for a in ("--set", s)]
+    code, text = _cli(["train", "--data", str(token_file()), *sets, "--dp-replicate", "2",
+                       "--zero", "1", "--fault-tolerance", "--eval-every", "2", "--eval-data",
+                       str(held_out_file()), "--metrics-out", str(out)], capfd)
+    assert code == 0, text
+    rows = [json.loads(line) for line in out.read_text().splitlines()][:-1]
+    want = val_losses(run("single")[0])
+    got = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(got) == sorted(want)
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=PARITY_TOLERANCES["fp64"]["loss_rtol"])
+    lines = [line for line in text.splitlines() if re.match(r"step +\d+ of 4 ", line)]
+    assert [int(line.split()[1]) for line in lines] == [0, 1, 2, 3], text
+    assert "val loss" in lines[1] and "val loss" not in lines[0]

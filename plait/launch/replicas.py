@@ -324,10 +324,12 @@ class ReplicaLauncher:
             self.rows.append(row)
             if self.metrics is not None:
                 self.metrics.write_line(json.dumps(row))
-            if not self.quiet:
-                print(f"step {row['step'] + 1}/{self.steps}  loss {row['loss']:.4f}  "
+            if not self.quiet:  # numbered from 0, as every step line and event is
+                val = (f"  val loss {row['val_loss']:.4f}  val ppl {row['val_perplexity']:.2f}"
+                       if "val_loss" in row else "")
+                print(f"step {row['step']:>5} of {self.steps}  loss {row['loss']:.4f}  "
                       f"replicas {row.get('replicas', self.count)}/{self.count}  "
-                      f"{row['tokens_per_s']:,.0f} tokens/s", flush=True)
+                      f"{row['tokens_per_s']:,.0f} tokens/s{val}", flush=True)
 
     def _read_events(self) -> None:
         """Membership changes the replicas agreed on: a line each (node 0); a replica of
