@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.config import checks
 from plait.config.compile_checks import compile_problems
+from plait.config.fp8_checks import fp8_problems
 from plait.config.values import coerce_value
 from plait.dims import AXES, DEFAULT_ORDER, DIMENSIONS
 from plait.dims import problems as dimension_problems
@@ -146,6 +147,11 @@ class TrainConfig:
     # GEMMs' accumulation: "bf16" (a real run), "fp32" or "fp64" (proof: the float8
     # quantisation is then the only difference between layouts' roundings, docs/parity.md)
     fp8_compute: str = "bf16"
+    # under precision "fp8": "tensorwise" (one scale a tensor: plait/model/fp8.py) or
+    # "blockwise" (DeepSeek-V3's: activations in 1 x fp8_block tiles, weights in
+    # fp8_block x fp8_block blocks, promoted every fp8_block: plait/model/fp8_blockwise.py)
+    fp8_recipe: str = "tensorwise"
+    fp8_block: int = 128
     recompute: str = "none"  # "none" | "selective" | "full" (per block; docs/recompute.md)
     # selective: the operator groups recomputed; the others' outputs are saved
     # (plait/model/recompute.py: matmul, attention, elementwise)
@@ -212,7 +218,7 @@ class Config:
         return (checks.parallel_problems(self, world_size) + checks.model_problems(self)
                 + dimension_problems(self) + checks.moe_problems(self)
                 + checks.unbuilt_problems(self) + checks.batch_problems(self)
-                + checks.train_problems(self) + compile_problems(self))
+                + checks.train_problems(self) + fp8_problems(self) + compile_problems(self))
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what was meant, or worth saying."""

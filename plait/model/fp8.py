@@ -96,10 +96,14 @@ class Float8Settings:
     """What one float8 linear needs beyond its weight. `reduce_amax`: a max over the ranks
     sharing the linear's tensors (None: one rank sees them whole), applied in place to a
     vector of amaxes; `gathered`: the weight's float8 value and scale when ZeRO-3 brought
-    them (None: the linear casts its own weight)."""
+    them (None: the linear casts its own weight; blockwise: the scales are the blocks'
+    inverse ones). `recipe`: "tensorwise" (this module) or "blockwise"
+    (plait/model/fp8_blockwise.py, tiles of `block` elements)."""
 
     reduce_amax: Callable[[torch.Tensor], None] | None = None
     gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+    recipe: str = "tensorwise"
+    block: int = 128
 
 
 def _amax(*ts: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ its own with a float8 forward, so checkpoints, the placement table, ZeRO's units
 isinstance test see the same module. Where a linear's tensors are split over ranks (tp
 shards weights and the row-parallel inputs; context parallel splits the sequence), its
 amaxes are all-reduced (max) over those dims: every rank scales by the whole tensor's amax, the
-single-process run's scale (plait/model/fp8.py).
+single-process run's scale (plait/model/fp8.py). The blockwise recipe
+(`train.fp8_recipe`, plait/model/fp8_blockwise.py) reduces nothing: the config checks make
+every rank's share of a width or of a sequence whole tiles, so each tile's amax is local.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from plait import comm
 from plait.dims import DIMENSIONS
 from plait.mesh import ParallelMesh
 from plait.model.fp8 import Float8Settings, float8_linear
+from plait.model.fp8_blockwise import blockwise_linear
 from plait.model.transformer import Block
 from plait.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -47,6 +50,8 @@ class Float8Forward:
         enter = getattr(self, "enter", None)  # a column-parallel linear's region entry
         if enter is not None:
             x = enter(x)
+        if self.fp8.recipe == "blockwise":
+            return blockwise_linear(x, self.weight, self.fp8)
         return float8_linear(x, self.weight, self.fp8)
 
 
@@ -73,11 +78,13 @@ def _reduce_amax(mesh: ParallelMesh, dims: tuple[str, ...], amax: torch.Tensor) 
         comm.all_reduce(amax, mesh, dim, op="max", tag=AMAX_TAG)
 
 
-def apply_float8(stages: Iterable[nn.Module], mesh: ParallelMesh) -> int:
-    """Swap every block linear of `stages` to float8 (the module docstring); returns how
-    many."""
+def apply_float8(stages: Iterable[nn.Module], mesh: ParallelMesh, recipe: str = "tensorwise",
+                 block: int = 128) -> int:
+    """Swap every block linear of `stages` to float8 under `recipe` ("tensorwise", or
+    "blockwise" in tiles of `block`: the module docstring); returns how many."""
     dims = tuple(d for d in SPLITTING_DIMS if mesh.size(d) > 1)
-    reduce = partial(_reduce_amax, mesh, dims) if dims else None
+    tensorwise = recipe == "tensorwise"
+    reduce = partial(_reduce_amax, mesh, dims) if dims and tensorwise else None
     count = 0
     for stage in stages:
         for m in float8_linears(stage):
@@ -85,6 +92,6 @@ def apply_float8(stages: Iterable[nn.Module], mesh: ParallelMesh) -> int:
                 raise ValueError("float8 linears take no bias; plait's blocks have none")
             if not is_float8(m):
                 m.__class__ = float8_class(type(m))
-                m.fp8 = Float8Settings(reduce_amax=reduce)
+                m.fp8 = Float8Settings(reduce_amax=reduce, recipe=recipe, block=block)
                 count += 1
     return count

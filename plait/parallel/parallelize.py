@@ -118,7 +118,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
     if cfg.train.precision == "fp8":  # 4b. after tp: the swapped linears turn float8 too
         from plait.parallel.fp8 import apply_float8
 
-        apply_float8(pipe.stages.values(), mesh)
+        apply_float8(pipe.stages.values(), mesh, cfg.train.fp8_recipe, cfg.train.fp8_block)
     if shard_init:  # in place: the parameter objects the hooks and placements know stay
         for stage in pipe.stages.values():
             fill_in_place(stage, cfg.model, cfg.train.seed)

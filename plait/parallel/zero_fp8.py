@@ -11,7 +11,8 @@ the float8 shard; each linear reads its float8 weight and scale straight from th
 gathered buffer (`Float8Settings.gathered`), and the bf16 weight is never formed. The
 values are those of casting the whole bf16 weight, bit for bit: the cast is element-wise
 and the scale the same. torchao's float8 all-gather for FSDP2 does the same, its amaxes
-in one all-reduce too (`precompute_float8_dynamic_scale_for_fsdp`).
+in one all-reduce too (`precompute_float8_dynamic_scale_for_fsdp`). Under the blockwise
+recipe each weight has a scale a block instead (plait/parallel/zero_fp8_blocks.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from plait.model.fp8 import E4M3, scale_for, to_fp8
 from plait.model.precision import wide_dtype, widened
 from plait.parallel.fp8 import AMAX_TAG
 from plait.parallel.tensor import DIM as TP
+from plait.parallel.zero_fp8_blocks import cast_block_shards
 from plait.parallel.zero_units import _Unit
 
 
@@ -32,6 +34,10 @@ def cast_shards(units: list[_Unit], mesh: ParallelMesh) -> None:
     """Each float8 unit's shard cast to E4M3 (as bytes) with its weights' whole-tensor
     scales: the module docstring. Collective over the units' shard dims (and tp)."""
     fp8 = [u for u in units if u.fp8_modules]
+    blockwise = [u for u in fp8 if u.fp8_modules[0].fp8.recipe == "blockwise"]
+    if blockwise:
+        cast_block_shards(blockwise, mesh, blockwise[0].fp8_modules[0].fp8.block)
+        fp8 = [u for u in fp8 if u.fp8_modules[0].fp8.recipe != "blockwise"]
     if not fp8:
         return
     amax = {id(u): torch.zeros(len(u.params), dtype=wide_dtype(u.shard.dtype),

@@ -67,7 +67,7 @@ class _Unit:
         # the unit gathers in its own dtype), the weights' scales, this rank's float8 shard
         # and the gathered float8 whole, as bytes
         self.fp8_modules: list[nn.Module] = []
-        self.fp8_scales: torch.Tensor | None = None
+        self.fp8_scales: torch.Tensor | list[torch.Tensor] | None = None
         self.fp8_shard: torch.Tensor | None = None
         self.fp8_full: torch.Tensor | None = None
 

@@ -24,7 +24,8 @@ TRAIN_FLAGS = {
     "model": "model_name", "steps": "train.steps", "seed": "train.seed",
     "global_batch": "train.global_batch", "seq_len": "train.seq_len",
     "micro_batch_size": "train.micro_batch_size", "lr": "train.lr",
-    "precision": "train.precision", "recompute": "train.recompute", "data": "train.data",
+    "precision": "train.precision", "fp8_recipe": "train.fp8_recipe",
+    "recompute": "train.recompute", "data": "train.data",
     "zero": "parallel.zero", "schedule": "parallel.schedule",
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
@@ -71,6 +72,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, help=_setting_help("schedule"))
     p.add_argument("--precision", choices=("fp32", "bf16", "fp8", "fp64"),
                    help=_setting_help("precision"))
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "blockwise"),
+                   help=_setting_help("fp8-recipe"))
     p.add_argument("--recompute", choices=("none", "selective", "full"),
                    help=_setting_help("recompute"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"),
@@ -160,6 +163,9 @@ _SETTING_HELP = {
     "lr": "peak learning rate", "schedule": "pipeline schedule", "precision": "compute "
     "dtype (fp32 masters either way); fp8: bf16 with the blocks' linears in float8 "
     "(train.fp8_compute); fp64: everything in float64, the parity oracle's precision",
+    "fp8-recipe": "--precision fp8's scaling: tensorwise (one scale a tensor) or "
+    "blockwise (DeepSeek-V3's 1 x B activation tiles and B x B weight blocks, "
+    "B = train.fp8_block, default 128)",
     "recompute": "activation recompute per block: "
     "none, selective (saves matmul outputs; train.recompute_ops) or full",
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",

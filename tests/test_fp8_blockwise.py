@@ -1,0 +1,128 @@
+"""The blockwise float8 recipe (`--fp8-recipe blockwise`, plait/model/fp8_blockwise.py):
+each GEMM against DeepSeek-V3's recipe written out here tile by tile, the flag, and the
+settings it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.cli.main import build_parser
+from plait.config import load_config
+from plait.model.fp8 import E4M3, Float8Settings
+from plait.model.fp8_blockwise import blockwise_linear
+from plait.train.flags import config_from_args
+
+B = 16  # tiles of 16: the widths and the sequence below end in partial tiles
+
+
+def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 21, 40, generator=gen) * 3
+    x[0, :, 3] *= 1e5  # an outlier feature: only its own tiles' scales follow it
+    w = torch.randn(24, 40, generator=gen) * 0.02
+    g = torch.randn(2, 21, 24, generator=gen) * 1e-4
+    return x.to(dtype), w.to(dtype), g.to(dtype)
+
+
+def _tiles(t: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` (2-D) cast to E4M3 tile by tile, each rows x cols tile (partial at the ends)
+    scaled by 448 / its own amax: the E4M3 values and each element's inverse scale."""
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    t = t.to(wide)
+    q = torch.empty(t.shape, dtype=E4M3)
+    inv = torch.empty(t.shape, dtype=wide)
+    for r in range(0, t.shape[0], rows):
+        for c in range(0, t.shape[1], cols):
+            tile = t[r:r + rows, c:c + cols]
+            scale = 448 / tile.abs().max()
+            q[r:r + rows, c:c + cols] = (tile * scale).clamp(-448, 448).to(E4M3)
+            inv[r:r + rows, c:c + cols] = 1 / scale
+    return q, inv
+
+
+def _gemm(aq, a_inv, bq, b_inv, chunks, out_dtype):
+    """a @ b: per chunk of the inner dimension the exact sum of the float8 products,
+    rounded to the accumulator, times the chunk's two inverse scales, accumulated."""
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    total = torch.zeros(aq.shape[0], bq.shape[1], dtype=acc)
+    for lo, hi in chunks:
+        part = (aq[:, lo:hi].double() @ bq[lo:hi].double()).to(acc)
+        total = total + part * (a_inv[:, lo, None].to(acc) * b_inv[None, lo].to(acc))
+    return total.to(out_dtype)
+
+
+def _chunks(n: int, size: int, start: int = 0) -> list[tuple[int, int]]:
+    return [(start + lo, start + min(lo + size, n)) for lo in range(0, n, size)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+def test_each_gemm_is_the_recipe_written_out(dtype):
+    """Forward x (1 x B tiles) times w (B x B blocks); the input gradient g (1 x B tiles)
+    times the same blocks; the weight gradient g and x in B x 1 tiles along each sequence;
+    E4M3 everywhere, promoted every B of the inner dimension; bit for bit."""
+    x, w, g = _inputs(dtype)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = blockwise_linear(xl, wl, Float8Settings(recipe="blockwise", block=B))
+    y.backward(g)
+    x2, g2 = x.reshape(-1, 40), g.reshape(-1, 24)
+    xq, x_inv = _tiles(x2, 1, B)
+    wq, w_inv = _tiles(w, B, B)
+    gq, g_inv = _tiles(g2, 1, B)
+    assert torch.equal(y.reshape(-1, 24), _gemm(xq, x_inv, wq.t(), w_inv.t(), _chunks(40, B),
+                                                dtype))
+    assert torch.equal(xl.grad.reshape(-1, 40), _gemm(gq, g_inv, wq, w_inv, _chunks(24, B),
+                                                      dtype))
+    # the weight gradient's tiles: B positions of one sequence (21 = 16 + a partial 5)
+    per_seq = [(_tiles(x[s], B, 1), _tiles(g[s], B, 1)) for s in range(2)]
+    xc = torch.cat([q for (q, _), _ in per_seq])
+    xc_inv = torch.cat([i for (_, i), _ in per_seq])
+    gc = torch.cat([q for _, (q, _) in per_seq])
+    gc_inv = torch.cat([i for _, (_, i) in per_seq])
+    chunks = _chunks(21, B) + _chunks(21, B, start=21)
+    assert torch.equal(wl.grad, _gemm(gc.t(), gc_inv.t(), xc, xc_inv, chunks, dtype))
+    exact = x.double().reshape(-1, 40) @ w.double().t()
+    assert (y.reshape(-1, 24).double() - exact).norm() / exact.norm() < 0.05
+
+
+def test_blockwise_is_not_one_scale_a_tensor():
+    """An outlier feature costs the other tokens nothing: on the sequence without it,
+    blockwise is closer to the exact product than tensorwise, whose one scale follows the
+    outlier (10^5 times the rest) and leaves the others in E4M3's subnormals."""
+    from plait.model.fp8 import float8_linear
+
+    x, w, _ = _inputs(torch.float64)
+    exact = x[1] @ w.t()  # the sequence without the outlier
+    err = {name: ((f(x, w, Float8Settings(recipe=name, block=B))[1] - exact).norm()
+                  / exact.norm()).item()
+           for name, f in (("blockwise", blockwise_linear), ("tensorwise", float8_linear))}
+    assert err["blockwise"] < 0.5 * err["tensorwise"], err
+
+
+def test_the_flag_sets_the_recipe():
+    args = build_parser().parse_args(["train", "--precision", "fp8", "--fp8-recipe",
+                                      "blockwise", "--set", "train.fp8_block=16"])
+    train = config_from_args(args).train
+    assert (train.fp8_recipe, train.fp8_block) == ("blockwise", 16)
+    assert load_config().train.fp8_recipe == "tensorwise"
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["train.fp8_recipe=blockwise"], "--precision fp8"),
+    (["train.precision=fp8", "train.fp8_recipe=rowwise"], "'tensorwise' or 'blockwise'"),
+    (["train.precision=fp8", "train.fp8_recipe=blockwise", "train.fp8_block=0"], "1..65536"),
+    (["train.precision=fp8", "train.fp8_block=16"], "--fp8-recipe blockwise"),
+    (["train.precision=fp8", "train.fp8_recipe=blockwise", "parallel.tp=2"],
+     "mlp.w1 88"),  # 88 ffn columns a rank: not whole tiles of 128
+    (["train.precision=fp8", "train.fp8_recipe=blockwise", "train.fp8_block=16",
+      "parallel.cp=4"], "one of 1, 2, 4, 8"),  # chunks of 8 tokens
+])
+def test_bad_recipe_settings_are_refused_naming_the_fix(sets, says):
+    problems = load_config(sets=sets).validate(None)
+    assert any(says in p for p in problems), problems
+
+
+def test_tiles_that_fit_the_split_are_accepted():
+    sets = ["train.precision=fp8", "train.fp8_recipe=blockwise", "train.fp8_block=8",
+            "parallel.tp=2", "parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]
+    assert load_config(sets=sets).validate(None) == []
