@@ -168,6 +168,8 @@ BASE_ARGS = ["train", "--set", "model.vocab_size=256", "--seq-len", "32",
     (["--eval-every", "2", "--eval-data", "{tmp}/none.bin"], "--eval-data: token file"),
     (["--eval-every", "2", "--eval-data", "{short}"], "fewer than one global batch of 8"),
     (["--log-every", "0"], "--log-every 0: print a step line every N >= 1 steps"),
+    (["--dry-run", "--eval-every", "2", "--eval-data", "{held}"],
+     "--dry-run runs one rank in this process and saves nothing; leave out --eval-every"),
 ])
 def test_bad_evaluation_and_log_flags_are_refused_before_anything(extra, phrase, tmp_path,
                                                                    capsys):

@@ -138,7 +138,7 @@ def dry_run_flag_problems(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--nproc", args.nproc), ("--checkpoint-dir", args.checkpoint_dir),
                         ("--resume", args.resume), ("--trace", args.trace),
                         ("--timeline", args.timeline), ("--tensorboard", args.tensorboard),
-                        ("--wandb", args.wandb),
+                        ("--wandb", args.wandb), ("--eval-every", args.eval_every),
                         ("--checkpoint-on-stop", args.checkpoint_on_stop or None)):
         if value is not None:
             problems.append(f"--dry-run runs one rank in this process and saves nothing; "
