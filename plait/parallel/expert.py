@@ -215,7 +215,7 @@ def finish_moe_step(stages: Iterable[nn.Module], mesh: ParallelMesh, sp: bool,
     for d in token_groups(mesh, sp):
         ops.all_reduce(loads, mesh, d, tag="moe.load")
         ops.all_reduce(extra, mesh, d, tag="moe.load")
-    for (_, m), load in zip(layers, loads, strict=True):
+    for (_, m), load in zip(layers, loads[:len(layers)], strict=True):  # a dense stage: none
         rate = m.bias_rate
         if update_bias and rate > 0:
             with torch.no_grad():
