@@ -46,6 +46,7 @@ LAYOUTS = {
     "pp2-post-validation": ("parallel.pp=2", "parallel.microbatches=4",
                             "parallel.optimizer_sync=post_validation"),
     "dp2-zero1": ("parallel.dp=2", "parallel.zero=1"),
+    "dp2-zero3-step": ("parallel.dp=2", "parallel.zero=3", "parallel.zero3_gather=step"),
     "cp2": ("parallel.cp=2",),
     "dp2-ep2-moe": ("parallel.dp=2", "parallel.ep=2", "model.n_experts=4", "model.top_k=2",
                     "model.expert_ffn_dim=32"),
@@ -121,7 +122,8 @@ def test_every_layout_val_loss_equals_the_single_process_run(layout):
             assert got[step] == pytest.approx(loss, rel=rtol, abs=0), (layout, step)
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero3", "pp2", "pp2-post-validation", "dp2-zero1"])
+@pytest.mark.parametrize("layout", ["dp2-zero3", "dp2-zero3-step", "pp2", "pp2-post-validation",
+                                    "dp2-zero1"])
 def test_evaluating_changes_nothing_of_the_training(layout):
     """Forward only, outside the step: the losses, grad norms and the step's bytes are
     those of the run without evaluation, exactly. Post-validation checks an evaluated

@@ -91,6 +91,10 @@ class GradSyncOptimizer(Protocol):
         """Complete what the update left in flight (ZeRO-1/2's parameter all-gathers, which
         each unit's next forward waits on): the parameters are the updated ones after it."""
 
+    def release_gathered(self) -> None:
+        """Free what forwards without a backward (an evaluation) left gathered, so the
+        next step starts as it would without them."""
+
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared global norm (float64, (1,)); no communication."""
 

@@ -168,6 +168,9 @@ class ReplicatedOptimizer:
     def settle(self) -> None:
         """Nothing: the update writes the parameters in place."""
 
+    def release_gathered(self) -> None:
+        """Nothing: every parameter is held whole."""
+
     def full_state(self) -> dict[str, torch.Tensor]:
         return {n: widened(q.detach()).clone() for n, q in self.model.named_parameters()}
 

@@ -277,6 +277,13 @@ class ZeroOptimizer(NamedShards):
         if self.stage < 3:
             self._published(self.units)
 
+    def release_gathered(self) -> None:
+        """Stage 3: free every unit gathered. With gathers once a step a unit stays
+        gathered from its forward to its stage's last backward, which an evaluation's
+        forwards never reach."""
+        if self.stage == 3:
+            self._release(self.units)
+
     # ---- gradients: reduce-scatter as units complete (stage >= 2) ---------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         u = self._where[id(p)]

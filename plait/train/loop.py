@@ -269,6 +269,7 @@ def _evaluate(row: dict, validation: HeldOut, par: ParallelModel, mesh: Parallel
     par.optimizer.settle()  # ZeRO-1/2: the update's all-gathers, before these forwards
     with mesh.ledger.outside_step(), marks.excluded():
         loss = validation.loss()
+    par.optimizer.release_gathered()  # ZeRO-3: the units its forwards gathered
     row.update(val_loss=loss, val_perplexity=perplexity(loss))
 
 
