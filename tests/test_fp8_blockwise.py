@@ -1,16 +1,25 @@
 """The blockwise float8 recipe (`--fp8-recipe blockwise`, plait/model/fp8_blockwise.py):
-each GEMM against DeepSeek-V3's recipe written out here tile by tile, the flag, and the
-settings it refuses."""
+each GEMM against DeepSeek-V3's recipe written out here tile by tile, the flag, the
+settings it refuses, and ZeRO-3's block-scaled all-gather against the planner."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from helpers import config, run_layout
 
 from plait.cli.main import build_parser
 from plait.config import load_config
+from plait.ledger import data_bytes_by_dim
 from plait.model.fp8 import E4M3, Float8Settings
 from plait.model.fp8_blockwise import blockwise_linear
+from plait.model.transformer import build_model
+from plait.parallel.fp8 import AMAX_TAG, float8_linears
+from plait.parallel.zero_fp8_blocks import SCALES_TAG
+from plait.plan import estimate_config
+from plait.plan.comm.rank import bytes_by_dim, rank_bytes_by_dim
 from plait.train.flags import config_from_args
 
 B = 16  # tiles of 16: the widths and the sequence below end in partial tiles
@@ -126,3 +135,27 @@ def test_tiles_that_fit_the_split_are_accepted():
     sets = ["train.precision=fp8", "train.fp8_recipe=blockwise", "train.fp8_block=8",
             "parallel.tp=2", "parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]
     assert load_config(sets=sets).validate(None) == []
+
+
+def test_zero3_gathers_block_scaled_weights_as_the_planner_counts():
+    """ZeRO-3 under the blockwise recipe, in blocks of 48 (partial at every width's end):
+    the payload all-gathered at one byte a block-linear element, and once a step the
+    blocks' amaxes (the scales) all-reduced at 4 bytes a block, partial blocks counted
+    whole; the planner's bytes are the ledger's, every dim."""
+    sets = ("model.tie_embeddings=false", "parallel.dp=2", "parallel.zero=3",
+            "train.steps=2", "parallel.microbatches=2", "train.precision=fp8",
+            "train.fp8_recipe=blockwise", "train.fp8_block=48")
+    step = [r for r in run_layout(*sets)[0]["ledger"] if r["step"] == 1]
+    cfg = config(*sets)
+    planned = bytes_by_dim(estimate_config(cfg).collectives, 1)
+    assert planned == data_bytes_by_dim(step) == rank_bytes_by_dim(cfg, 0)
+    model = build_model(cfg.model, seed=0, device="meta")
+    weights = [m.weight for m in float8_linears(model)]
+    linear = sum(w.numel() for w in weights)
+    rest = sum(p.numel() for p in model.parameters()) - linear
+    blocks = sum(math.ceil(w.shape[0] / 48) * math.ceil(w.shape[1] / 48) for w in weights)
+    gathered = sum(r["payload"] for r in step if r["tag"].startswith("params"))
+    assert gathered == 2 * 2 * (linear * 1 + rest * 2)  # (forward + backward) x 2 micro
+    scales = [r for r in step if r["tag"] == SCALES_TAG]
+    assert [r["payload"] for r in scales] == [blocks * 4]
+    assert not [r for r in step if r["tag"] == AMAX_TAG]  # no tensor-wide amax

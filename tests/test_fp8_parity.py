@@ -6,7 +6,9 @@ has in all, so that each GEMM's tokens, and so each dynamic scale, are the same 
 is the amax of what one GEMM multiplies: a micro-batch's tokens). Two launches, every
 dimension a float8 linear meets: ZeRO-3 (its float8 weight all-gather), tp + SP (weight
 shards and row-parallel inputs, whose amaxes are all-reduced), a pipeline, dp and ZeRO-2,
-and ring context parallel (a sequence's tokens over two ranks).
+and ring context parallel (a sequence's tokens over two ranks). The blockwise recipe
+(`train.fp8_recipe`) against the one-process blockwise run: ZeRO-3 with tp + SP (its
+block-scaled all-gather) and ring context parallel.
 """
 
 from __future__ import annotations
@@ -27,21 +29,31 @@ ROWS = {
     "dp2 z2 cp2:ring": ("parallel.dp=2", "parallel.zero=2", "parallel.cp=2",
                         "parallel.cp_mode=ring", "parallel.microbatches=2"),
 }
+# the blockwise recipe in tiles of 8 (whole on every rank of these splits: a tp rank's
+# 32 and 88 features, a cp rank's chunks of 16 tokens); ZeRO-3's shards cut its blocks
+BLOCKWISE = ("train.fp8_recipe=blockwise", "train.fp8_block=8")
+ROWS.update({
+    "dp2 z3 tp2 sp blockwise": ("parallel.dp=2", "parallel.zero=3", "parallel.tp=2",
+                                "parallel.sp=true", "parallel.microbatches=2", *BLOCKWISE),
+    "dp2 z2 cp2:ring blockwise": (*ROWS["dp2 z2 cp2:ring"], *BLOCKWISE),
+})
+RECIPE_SETTINGS = ("train.fp8_compute=", "train.fp8_recipe=", "train.fp8_block=")
 
 
 def reference_of(sets: tuple[str, ...]) -> SimpleNamespace:
     """The one-process fp8 run with the layout's micro-batches in all (dp x its own)."""
     cfg = config(*MODEL, *sets)
     micro = cfg.parallel.dp * cfg.microbatches()
-    compute = [s for s in sets if s.startswith("train.fp8_compute=")]
-    run = run_layout(*MODEL, *compute, f"parallel.microbatches={micro}")[0]
+    recipe = [s for s in sets if s.startswith(RECIPE_SETTINGS)]
+    run = run_layout(*MODEL, *recipe, f"parallel.microbatches={micro}")[0]
     return SimpleNamespace(losses=run["losses"], grad_norms=run["grad_norms"],
                            params=run["params"], first_grads=run["first_grads"],
                            lr=cfg.train.lr)
 
 
 CASES = [("dp2 z3 tp2 sp pp2:1f1b", "fp64"), ("dp2 z2 cp2:ring", "fp64"),
-         ("dp2 z2 cp2:ring", "bf16")]
+         ("dp2 z2 cp2:ring", "bf16"), ("dp2 z3 tp2 sp blockwise", "fp64"),
+         ("dp2 z2 cp2:ring blockwise", "fp64")]
 
 
 # the 8-rank row in the slow tier; ring context parallel (its amaxes reduced over cp) stays

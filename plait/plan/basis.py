@@ -115,6 +115,8 @@ class Training:
     optimizer_sync: str = "barrier"
     # how the stack runs it: overlaps, uneven pipeline stages (plait/plan/stack.py)
     stack: Stack = field(default_factory=Stack)
+    # float8's blockwise recipe: its tile B (train.fp8_block); 0: tensorwise or no float8
+    fp8_block: int = 0
 
 
 @dataclass(init=False)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from plait.parallel.pipeline.registry import schedule_spec
-from plait.plan import bubble, host_share, memory, memory_bound, overlap_slowdown, zero3_gpu
+from plait.plan import bubble, fp8, host_share, memory, memory_bound, overlap_slowdown, zero3_gpu
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
@@ -281,7 +281,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
         experts, g_experts, _ = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
                                          rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
     dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
-                                 gathered=gathered, gathered_bytes=g_bytes)
+                                 gathered=gathered, gathered_bytes=g_bytes,
+                                 layer_blocks=fp8.layer_blocks(shape, b.tp, train.fp8_block))
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                                   experts, colls, experts=True,

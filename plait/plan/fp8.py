@@ -63,6 +63,30 @@ def weight_gemm_sides(shape: Shape, tp: Num) -> list[tuple[str, Num, Num]]:
     return out + [("mlp in", h, mlp_out), ("mlp out", shape.ffn / t, h)]
 
 
+def weight_blocks(shape: Shape, tp: Num, block: int) -> Num:
+    """The blockwise recipe's B x B blocks of one layer's weights on one rank (partial
+    blocks at a width's end counted whole): each weight apart, as the runtime casts them
+    (`weight_gemm_sides` fuses QKV and gate+up, whose blocks would differ)."""
+    t = np.asarray(tp, dtype=float)
+    h = shape.hidden
+    if shape.mla:
+        attn = [(k, o) for name, k, o in weight_gemm_sides(shape, tp) if name[0] == "w"]
+    else:
+        attn = [(h, h / t), (h, shape.kv_dim / t), (h, shape.kv_dim / t), (h / t, h)]
+    mlp = [(h, shape.ffn / t)] * (1 if shape.arch == "gpt" else 2) + [(shape.ffn / t, h)]
+    return sum(np.ceil(k / block) * np.ceil(o / block) for k, o in attn + mlp)
+
+
+def layer_blocks(shape: Shape, tp: Num, block: int) -> Num:
+    """`weight_blocks` under the blockwise recipe; 0 (no block scales) for `block` 0."""
+    return weight_blocks(shape, tp, block) if block else 0.0
+
+
+def scale_bytes(precision: str) -> int:
+    """A block's amax as ZeRO-3 all-reduces it: fp32, float64 around float64."""
+    return 8 if precision == FP8 + "-fp64" else 4
+
+
 def cast_kernel(shape: Shape, tokens: Num, tp: Num, e: int, zero: int) -> Kernel:
     """The amax and cast kernels of one layer's weight GEMMs for `tokens` tokens of one
     rank (the module docstring); `e` bytes an element of a bf16 tensor."""

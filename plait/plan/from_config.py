@@ -74,7 +74,9 @@ def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order),
                  zero3_gather=p.zero3_gather, cp_a2a=a2a_degree(p),
                  async_tp=p.async_tp)
-    train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync)
+    block = t.fp8_block if t.precision == "fp8" and t.fp8_recipe == "blockwise" else 0
+    train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync,
+                     fp8_block=block)
     return shape, Cluster(PLACEHOLDER_GPU, p.world_size), train, lay, EFFICIENCY
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from plait.dims import REPLICA_AXES, REPLICAS
 from plait.parallel.pipeline.ir import split_backwards
 from plait.parallel.pipeline.registry import natural_virtual_stages, schedule_spec
-from plait.plan import memory
+from plait.plan import fp8, memory
 from plait.plan.basis import Layout, basis_of
 from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
@@ -140,7 +140,8 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
         g_bytes = gathered_bytes(train, g_dense,
                                  linear_gathered_on_rank(cfg, pp_rank, lay, shape, b.tp))
     dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls, gathered=g_dense,
-                    gathered_bytes=g_bytes)
+                    gathered_bytes=g_bytes,
+                    layer_blocks=fp8.layer_blocks(shape, b.tp, train.fp8_block))
     if shape.moe:
         dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True,
                         gathered=g_expert)
