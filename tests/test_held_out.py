@@ -170,6 +170,8 @@ BASE_ARGS = ["train", "--set", "model.vocab_size=256", "--seq-len", "32",
     (["--eval-every", "2", "--eval-data", "{tmp}/none.bin"], "--eval-data: token file"),
     (["--eval-every", "2", "--eval-data", "{short}"], "fewer than one global batch of 8"),
     (["--log-every", "0"], "--log-every 0: print a step line every N >= 1 steps"),
+    (["--eval-every", "2", "--eval-data", "{short}", "--trace", "{tmp}/short.json"],
+     "short.json is also an input of this command"),
     (["--dry-run", "--eval-every", "2", "--eval-data", "{held}"],
      "--dry-run runs one rank in this process and saves nothing; leave out --eval-every"),
 ])

@@ -99,9 +99,11 @@ def _stop_checkpoint_problems(args: argparse.Namespace) -> list[str]:
 def _input_paths(args: argparse.Namespace, data: Path | None) -> list[Path]:
     """The files this run reads; no output may name one of them."""
     inputs = [Path(args.config)] if args.config else []
-    if data is not None:
-        bin_path = data.with_suffix(".bin")
-        inputs += [bin_path, bin_path.with_suffix(".json")]
+    held_out = getattr(args, "eval_data", None)
+    for token_file in (data, Path(held_out) if held_out else None):
+        if token_file is not None:
+            bin_path = token_file.with_suffix(".bin")
+            inputs += [bin_path, bin_path.with_suffix(".json")]
     return inputs
 
 
