@@ -1,9 +1,9 @@
 """Mutants for the oracle's former holes (tests/mutants.py runs them): regional compilation
 computing with stale weights, hierarchical context parallel's groups, DCP export's names,
-the expert capacity drop, token dispatch's gates, the non-finite skip, checkpoints' keep
-order and commit marker, and fault tolerance's row mapping and launcher. The last two are
-caught by a process-tree test: the launched interpreters apply the mutant through
-tests/mutant_site/sitecustomize.py."""
+DCP's stacked experts' axis order and its naming detection, the expert capacity drop,
+token dispatch's gates, the non-finite skip, checkpoints' keep order and commit marker,
+and fault tolerance's row mapping and launcher. The last two are caught by a process-tree
+test: the launched interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
 
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def dcp_export_w1_w3_swapped():
 
     names = dcp.export_names
 
-    def swapped(m):
-        out = names(m)
+    def swapped(m, naming="2026"):
+        out = names(m, naming)
         for theirs in list(out):
             if theirs.endswith("feed_forward.w1.weight"):
                 other = theirs.replace(".w1.", ".w3.")
@@ -79,6 +79,36 @@ def dcp_export_w1_w3_swapped():
         return out
 
     dcp.export_names = swapped
+
+
+def dcp_expert_stack_transposed():
+    """plait export dcp: writes each stacked expert weight with its last two axes swapped
+    (w1 and w3 as E x D x F, w2 as E x F x D: the older grouped-matmul layout)."""
+    from plait.checkpoint import dcp, dcp_export
+
+    names, write = dcp.export_names, dcp_export.write_dcp
+
+    def transposed_names(m, naming="2026"):
+        out = names(m, naming)
+        for theirs, (ours, shape) in out.items():
+            if ".mlp.experts." in ours:
+                out[theirs] = (ours, (shape[0], shape[2], shape[1]))
+        return out
+
+    def write_transposed(src, out, dtype, naming="2026"):
+        load = src.load
+        src.load = lambda n: load(n).transpose(1, 2) if ".mlp.experts." in n else load(n)
+        return write(src, out, dtype, naming)
+
+    dcp.export_names, dcp_export.write_dcp = transposed_names, write_transposed
+
+
+def dcp_2025_read_as_2026():
+    """--init-from dcp: takes every checkpoint for torchtitan's 2026 naming: a 2025 name
+    is looked for under its 2026 name (attention.wq as attention.qkv_linear.wq)."""
+    from plait.checkpoint import dcp
+
+    dcp.detect = lambda keys, m: "2026"
 
 
 def capacity_one_past():
@@ -197,6 +227,14 @@ MUTANTS = [
     Mutant("dcp-export-w1-w3-swapped", "DCP export names the gate projection as the up one",
            dcp_export_w1_w3_swapped,
            ["tests/test_dcp.py::test_plait_export_read_by_dcp_into_fsdp2"]),
+    Mutant("dcp-expert-stack-transposed",
+           "DCP export writes the stacked experts' last two axes swapped (E x D x F for w1)",
+           dcp_expert_stack_transposed,
+           ["tests/test_dcp_moe.py::test_plait_export_loads_into_fsdp2_deepseek"]),
+    Mutant("dcp-2025-read-as-2026",
+           "--init-from dcp: reads a 2025-named checkpoint under the 2026 names",
+           dcp_2025_read_as_2026,
+           ["tests/test_dcp.py::test_a_2025_checkpoint_is_read_as_the_2026_one"]),
     Mutant("moe-capacity-one-past", "an expert keeps one assignment past its capacity",
            capacity_one_past,
            [EP + "test_capacity_keeps_the_first_tokens_of_each_expert_per_sequence"]),
