@@ -39,7 +39,69 @@ def plan_fp8_at_the_bf16_peak():
     fp8.weight_gemms = lambda *args: None
 
 
+def block_activations_per_row():
+    """Blockwise: an activation (or output gradient) scaled per row of the GEMM, one scale
+    a token over all its features, instead of per 1 x B tile."""
+    import torch
+
+    from plait.model import fp8_blockwise as fb
+
+    tiled = fb.quantize_rows
+
+    def per_row(t, block):
+        q, inv = tiled(t, block)
+        row = fb.scale_for(fb.widened(t).abs().amax(-1, keepdim=True), fb.E4M3)
+        padded = fb._pad_to(fb.widened(t), 1, block).view(q.shape)
+        return fb.to_fp8(padded, row[..., None], fb.E4M3), torch.ones_like(inv) / row
+
+    fb.quantize_rows = per_row
+
+
+def block_weights_per_tensor():
+    """Blockwise: a weight scaled by one scale for the whole tensor, not per B x B block."""
+    from plait.model import fp8_blockwise as fb
+
+    blocked = fb.quantize_weight
+
+    def per_tensor(w, block):
+        _, inv = blocked(w, block)
+        scale = fb.scale_for(fb.widened(w).abs().amax(), fb.E4M3)
+        return fb.to_fp8(w, scale, fb.E4M3), (inv * 0 + 1) / scale
+
+    fb.quantize_weight = per_tensor
+
+
+def block_promotion_ignored():
+    """Blockwise: the GEMM dequantizes its operands and sums the whole inner dimension in
+    one matmul at the accumulator's precision, never promoting every B."""
+    from plait.model import fp8_blockwise as fb
+
+    def unpromoted(a, a_inv, b, b_inv, out_dtype):
+        acc = fb.wide_dtype(out_dtype)
+        left = (a.to(acc) * a_inv[..., None].to(acc)).flatten(1)
+        right = (b.to(acc) * b_inv[:, None].to(acc)).flatten(0, 1)
+        return (left @ right).to(out_dtype)
+
+    fb.promoted_mm = unpromoted
+
+
+def block_scales_not_reduced():
+    """ZeRO-3 under blockwise: each rank casts its shard with the amaxes of the block parts
+    it holds, the blocks' amaxes never all-reduced."""
+    from plait.parallel import zero_fp8_blocks
+
+    class _Local:
+        @staticmethod
+        def all_reduce(*args, **kwargs):
+            return None
+
+    zero_fp8_blocks.comm = _Local
+
+
 PLAN_FP8 = "tests/test_plan_fp8.py::"
+BLOCKWISE = "tests/test_fp8_blockwise.py::"
+RECIPE_WRITTEN_OUT = [BLOCKWISE + "test_each_gemm_is_the_recipe_written_out[bf16]",
+                      BLOCKWISE + "test_each_gemm_is_the_recipe_written_out[fp64]"]
 
 MUTANTS = [
     Mutant("fp8-amax-not-reduced", "float8 scales from each rank's part of a split tensor",
@@ -58,4 +120,18 @@ MUTANTS = [
     Mutant("plan-fp8-bf16-peak", "plait plan prices float8 GEMMs at the bf16 peak",
            plan_fp8_at_the_bf16_peak,
            [PLAN_FP8 + "test_weight_gemms_at_the_float8_peak_the_rest_at_bf16s"]),
+    Mutant("fp8-block-activations-per-row",
+           "blockwise float8 scales an activation per row, not per 1 x B tile",
+           block_activations_per_row, RECIPE_WRITTEN_OUT),
+    Mutant("fp8-block-weights-per-tensor",
+           "blockwise float8 scales a weight per tensor, not per B x B block",
+           block_weights_per_tensor, RECIPE_WRITTEN_OUT),
+    Mutant("fp8-block-promotion-ignored",
+           "blockwise float8 sums the whole inner dimension without promoting every B",
+           block_promotion_ignored, RECIPE_WRITTEN_OUT),
+    Mutant("fp8-block-scales-not-reduced",
+           "ZeRO-3 casts each shard by its own part of a block's amax",
+           block_scales_not_reduced,
+           [FP8_PARITY + "test_fp8_layout_equals_the_single_process_fp8_run"
+            "[dp2 z3 tp2 sp blockwise fp64]"]),
 ]
