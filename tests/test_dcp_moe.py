@@ -32,7 +32,7 @@ from plait.checkpoint import dcp as plait_dcp
 from plait.checkpoint.interop import export
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
-from plait.model.presets import ModelConfig
+from plait.model.presets import PRESETS, ModelConfig
 from plait.model.transformer import Transformer, build_model
 from plait.parallel.parallelize import parallelize
 from plait.train.loop import full_state, train
@@ -56,12 +56,14 @@ SAME = {"embed.weight": "tok_embeddings.weight", "norm.weight": "norm.weight",
         **{f"mlp.{w}.weight": f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3")},
         "mlp.router.weight": "moe.router.gate.weight",
         **{f"mlp.shared.{w}.weight": f"moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")}}
-BY_NAMING = {
+BY_NAMING = {  # attn.w{q,k,v}: grouped-query attention's (tiny-moe)
     "2026": {"head.weight": "lm_head.weight", "mlp.bias": "moe.expert_bias_E",
+             **{f"attn.w{w}.weight": f"attention.qkv_linear.w{w}.weight" for w in "qkv"},
              "mlp.experts.w1": "moe.routed_experts.inner_experts.w1_EFD",
              "mlp.experts.w3": "moe.routed_experts.inner_experts.w3_EFD",
              "mlp.experts.w2": "moe.routed_experts.inner_experts.w2_EDF"},
     "2025": {"head.weight": "output.weight", "mlp.bias": "moe.expert_bias",
+             **{f"attn.w{w}.weight": f"attention.w{w}.weight" for w in "qkv"},
              "mlp.experts.w1": "moe.experts.w1", "mlp.experts.w3": "moe.experts.w3",
              "mlp.experts.w2": "moe.experts.w2"},
 }
@@ -324,3 +326,41 @@ def test_the_export_in_either_naming_and_plait_eval_without_settings(titan, ep_r
         losses[name] = json.loads(out.read_text())["loss"]
     for name in ("2026", "2025"):
         assert math.isclose(losses[name], losses["ck"], rel_tol=LOGIT_RTOL), losses
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mla", "deepseek-v3"])
+def test_the_name_table_names_every_tensor_of_the_model(preset):
+    """Every parameter and balancing bias of plait's model (built on the meta device) has
+    torchtitan's name in each naming (the test's table) and plait's shape."""
+    m = PRESETS[preset]
+    with torch.device("meta"):
+        model = Transformer(m)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    for naming in ("2026", "2025"):
+        table = plait_dcp.titan_names(m, naming)
+        assert {n: s for n, (_, s) in table.items()} == shapes, naming
+        assert all(theirs == titan_key(n, naming) for n, (theirs, _) in table.items())
+
+
+def test_a_gqa_moe_model_round_trips_in_both_namings(tmp_path):
+    """tiny-moe (grouped-query attention, MoE in every layer): a DCP checkpoint in
+    torchtitan's names is read bit for bit, and plait's export of it in either naming
+    holds exactly that naming's tensors, read back bit for bit."""
+    m = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=256, max_seq_len=64)
+    state = build_model(m, seed=4).state_dict()
+    gen = torch.Generator().manual_seed(5)
+    for i in range(m.n_layers):  # a bias that is not the init's zeros
+        state[f"layers.{i}.mlp.bias"] = torch.randn(m.n_experts, generator=gen)
+    with plait_dcp.quiet_dcp():
+        dcp.save({titan_key(n): t for n, t in state.items()}, checkpoint_id=tmp_path / "in",
+                 no_dist=True)
+    plait_dcp.write_record(tmp_path / "in", m)  # the model, as plait's export records it
+    for source, naming in ((tmp_path / "in", "2026"),
+                           *((export(f"dcp:{tmp_path / 'in'}", f"dcp:{tmp_path / n}",
+                                     dcp_names=n)[0], n) for n in ("2026", "2025"))):
+        keys = set(plait_dcp.read_metadata(source).state_dict_metadata)
+        assert keys == {titan_key(n, naming) for n in state}, (source, naming)
+        weights = plait_dcp.DCPWeights(source, m)
+        weights.check()
+        assert weights.naming == naming
+        assert all(torch.equal(weights.full(n), state[n]) for n in state), source
