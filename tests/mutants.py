@@ -251,8 +251,8 @@ def dcp_slice_offset_lost():
         cls = planner()
 
         class AtZero(cls):
-            def __init__(self, offsets):
-                super().__init__({n: (0,) * len(o) for n, o in offsets.items()})
+            def __init__(self, offsets, requests):
+                super().__init__({n: (0,) * len(o) for n, o in offsets.items()}, requests)
 
         return AtZero
 
