@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from torch import nn
 
 from plait.checkpoint import Checkpointing
 from plait.checkpoint import dcp as plait_dcp
+from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.interop import export
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
@@ -364,3 +367,41 @@ def test_a_gqa_moe_model_round_trips_in_both_namings(tmp_path):
         weights.check()
         assert weights.naming == naming
         assert all(torch.equal(weights.full(n), state[n]) for n in state), source
+
+
+def _metadata_only(directory: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A DCP directory whose `.metadata` describes tensors of `shapes`, bf16, one chunk
+    each, and holds no data: what plait's preflight reads of a checkpoint."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    directory.mkdir()
+    md = Metadata(state_dict_metadata={
+        n: TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape),
+                                 [ChunkStorageMetadata(torch.Size([0] * len(shape)),
+                                                       torch.Size(shape))])
+        for n, shape in shapes.items()})
+    (directory / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("naming", ["2026", "2025"])
+def test_the_deepseek_v3_shape_is_read_by_its_metadata(tmp_path, naming):
+    """A checkpoint of the published DeepSeek-V3 (61 layers, 256 experts; too big to fill
+    here) in torchtitan's names: its naming found and every shape accepted from DCP's
+    metadata; an expert stack in the other axis order is refused naming it."""
+    m = PRESETS["deepseek-v3"]
+    shapes = {titan_key(n, naming): shape for n, (_, shape) in
+              plait_dcp.titan_names(m, naming).items()}
+    _metadata_only(tmp_path / "ok", shapes)
+    weights = plait_dcp.DCPWeights(tmp_path / "ok", m)
+    assert weights.naming == naming
+    weights.check()
+    stack = titan_key("layers.3.mlp.experts.w1", naming)
+    _metadata_only(tmp_path / "bad", {**shapes, stack: (256, 7168, 2048)})
+    with pytest.raises(CheckpointError, match=re.escape(stack) + r" is \[256, 7168, 2048\] "
+                       r"there, this run's model needs \[256, 2048, 7168\]"):
+        plait_dcp.DCPWeights(tmp_path / "bad", m).check()
