@@ -110,4 +110,5 @@ DIMENSION = Dimension(
                       "(parallel.cp_layout, default zigzag) or contiguous slices")),
     color="#17becf", help="context-parallel size", problems=problems,
     plan_sizes=plan_sizes, plan_problems=plan_problems,
+    words=lambda p: [f"cp {p.cp_mode}"] if p.cp > 1 else [],
 )

@@ -92,6 +92,9 @@ class Dimension:
     plan_sizes: Callable[[list[int], ModelShape, int], list[int]] = _every_size
     plan_problems: Callable[[Planned, ModelShape], list[str]] = field(
         default=lambda lay, shape: [])
+    # the words a run's layout line adds for the dimension's settings (its mode, ...),
+    # from the parallel config; nothing where the size alone says it
+    words: Callable[[Any], list[str]] = field(default=lambda p: [])
 
     @property
     def field(self) -> str:

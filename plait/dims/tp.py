@@ -71,4 +71,6 @@ DIMENSION = Dimension(
     name="tp", title="tensor parallel", strategy="plait.parallel.tensor", splits="hidden",
     checkpoint="gathered", color="#d62728", help="tensor-parallel size", problems=problems,
     plan_sizes=plan_sizes, plan_problems=plan_problems,
+    words=lambda p: (["SP"] if p.sp else []) + (["async-TP"] if p.async_tp else [])
+    if p.tp > 1 else [],
 )

@@ -21,7 +21,7 @@ from plait import comm
 from plait.checkpoint import Checkpointing
 from plait.checkpoint.init_from import load_initial
 from plait.config import Config
-from plait.dims import LOSS_SUMMED
+from plait.dims import DIMENSIONS, LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.model.packed import kept_targets
 from plait.model.precision import widened
@@ -493,9 +493,8 @@ def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
     the summary, the final line and the timeline's title show it."""
     sizes, _, order = mesh.describe().partition(" (")
     p, t = cfg.parallel, cfg.train
-    extra = ([f"ZeRO-{p.zero}"] if p.zero else []) + (["SP"] if p.sp and p.tp > 1 else [])
-    extra += (["async-TP"] if p.async_tp and p.tp > 1 else []) + (
-        [f"cp {p.cp_mode}"] if p.cp > 1 else [])
+    extra = [f"ZeRO-{p.zero}"] if p.zero else []
+    extra += [w for d in DIMENSIONS for w in d.words(p)]  # SP, async-TP, the cp mode
     extra += [t.precision] + ([f"recompute {t.recompute}"] if t.recompute != "none" else [])
     extra += [f"compiled ({t.compile_backend})"] if t.compile else []
     return ", ".join([sizes, *extra]) + (f" ({order}" if order else "")
