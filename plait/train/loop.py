@@ -488,13 +488,13 @@ def _nonfinite_message(step: int, streak: int, checkpoint: Checkpointing | None)
 
 def run_layout(cfg: Config, mesh: ParallelMesh) -> str:
     """The mesh's sizes and the settings that shape the run beside them, e.g. 'dp=2 x
-    pp=1 x ... x tp=2, ZeRO-3, SP, async-TP, cp ring, bf16, recompute full, compiled
+    pp=1 x ... x tp=2, ZeRO-3, SP, async-TP, bf16, recompute full, compiled
     (inductor) (order innermost first: ...)':
     the summary, the final line and the timeline's title show it."""
     sizes, _, order = mesh.describe().partition(" (")
     p, t = cfg.parallel, cfg.train
     extra = [f"ZeRO-{p.zero}"] if p.zero else []
-    extra += [w for d in DIMENSIONS for w in d.words(p)]  # SP, async-TP, the cp mode
+    extra += [w for d in DIMENSIONS for w in d.words(p)]  # their records' (Dimension.words)
     extra += [t.precision] + ([f"recompute {t.recompute}"] if t.recompute != "none" else [])
     extra += [f"compiled ({t.compile_backend})"] if t.compile else []
     return ", ".join([sizes, *extra]) + (f" ({order}" if order else "")
