@@ -36,8 +36,12 @@ ROWS.update({
     "dp2 z3 tp2 sp blockwise": ("parallel.dp=2", "parallel.zero=3", "parallel.tp=2",
                                 "parallel.sp=true", "parallel.microbatches=2", *BLOCKWISE),
     "dp2 z2 cp2:ring blockwise": (*ROWS["dp2 z2 cp2:ring"], *BLOCKWISE),
+    # MoE: the routed and the shared experts in float8, replicated over tp
+    "dp2 z3 tp2 moe blockwise": ("model_name=tiny-moe", "parallel.dp=2", "parallel.zero=3",
+                                 "parallel.tp=2", "parallel.microbatches=2", *BLOCKWISE),
 })
-RECIPE_SETTINGS = ("train.fp8_compute=", "train.fp8_recipe=", "train.fp8_block=")
+RECIPE_SETTINGS = ("train.fp8_compute=", "train.fp8_recipe=", "train.fp8_block=",
+                   "model_name=")
 
 
 def reference_of(sets: tuple[str, ...]) -> SimpleNamespace:
@@ -53,7 +57,7 @@ def reference_of(sets: tuple[str, ...]) -> SimpleNamespace:
 
 CASES = [("dp2 z3 tp2 sp pp2:1f1b", "fp64"), ("dp2 z2 cp2:ring", "fp64"),
          ("dp2 z2 cp2:ring", "bf16"), ("dp2 z3 tp2 sp blockwise", "fp64"),
-         ("dp2 z2 cp2:ring blockwise", "fp64")]
+         ("dp2 z2 cp2:ring blockwise", "fp64"), ("dp2 z3 tp2 moe blockwise", "fp64")]
 
 
 # the 8-rank row in the slow tier; ring context parallel (its amaxes reduced over cp) stays
@@ -71,4 +75,5 @@ def test_fp8_layout_equals_the_single_process_fp8_run(row, around):
     outs = run_layout(*MODEL, *sets)
     ref = reference_of(sets)
     cls = "fp8-fp64" if around == "fp64" else "fp8"
-    assert_parity(merge_ranks(outs), ref, cls, init=initial_params(*MODEL))
+    model = [s for s in sets if s.startswith("model_name=")]
+    assert_parity(merge_ranks(outs), ref, cls, init=initial_params(*MODEL, *model))

@@ -227,9 +227,10 @@ def train_problems(cfg: Config) -> list[str]:
         (t.fp8_compute != "bf16" and t.precision != "fp8",
          f"train.fp8_compute={t.fp8_compute!r} applies to --precision fp8 only (it is "
          f"{t.precision!r}); drop the setting or use --precision fp8"),
-        (t.precision == "fp8" and m.n_experts > 0,
-         "train.precision='fp8' is not built for MoE models (the routed experts' grouped "
-         "GEMMs have no float8 path); use --precision bf16"),
+        (t.precision == "fp8" and m.n_experts > 0 and t.fp8_recipe == "tensorwise",
+         "train.precision='fp8' with the tensorwise recipe is not built for MoE models (the "
+         "routed experts' grouped GEMMs have no per-tensor float8 path); use --fp8-recipe "
+         "blockwise or --precision bf16"),
         (t.recompute not in RECOMPUTE_MODES,
          f"train.recompute={t.recompute!r}; use 'none', 'selective' or 'full'"),
         (t.lr <= 0, f"train.lr={t.lr} must be > 0"),

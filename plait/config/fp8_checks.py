@@ -59,6 +59,11 @@ def _tile_problems(cfg: Config) -> list[str]:
         out.append(f"train.fp8_block={b} with cp={p.cp}: each of the {n} sequence chunks "
                    f"({t.seq_len // n} tokens) must be whole weight-gradient tiles; set "
                    f"train.fp8_block to one of {divisors_text(t.seq_len // n)}")
+    if m.n_experts and (p.ep > 1 or p.cp > 1 or p.sp):
+        out.append("train.fp8_recipe='blockwise' on a MoE model with ep, cp or sp is not "
+                   "built (an expert's weight-gradient tiles follow its tokens' order, which "
+                   "these layouts change); use dp, tp without --sp, pp and ZeRO, or "
+                   "--precision bf16")
     if p.cp > 1 and t.documents:
         out.append("train.fp8_recipe='blockwise' with packed documents under cp>1 is not "
                    "built (the documents' split moves tokens between cp ranks, cutting the "

@@ -62,7 +62,7 @@ def _pad_to(t: torch.Tensor, dim: int, block: int) -> torch.Tensor:
 def quantize_rows(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) in 1 x B tiles along K: the E4M3 values as (M, C, B) (C = ceil(K / B),
     zero-padded) and the inverse scales (M, C)."""
-    padded = _pad_to(widened(t), 1, block).view(t.shape[0], -1, block)
+    padded = _pad_to(widened(t), 1, block).view(t.shape[0], _blocks(t.shape[1], block), block)
     scale = scale_for(padded.abs().amax(-1), E4M3)
     return to_fp8(padded, scale[..., None], E4M3), 1 / scale
 
@@ -70,10 +70,10 @@ def quantize_rows(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 def quantize_columns(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., S, D) in B x 1 tiles along each sequence's S positions: the E4M3 values as
     (C, B, D) (C = sequences x ceil(S / B), each sequence zero-padded) and the inverse
-    scales (C, D)."""
+    scales (C, D). A 2-D (T, D) is one run of T tokens (the experts' routed tokens)."""
     seqs = t.reshape(-1, t.shape[-2], t.shape[-1]) if t.dim() > 2 else t[None]
     padded = _pad_to(widened(seqs), 1, block)
-    tiles = padded.view(-1, block, t.shape[-1])
+    tiles = padded.view(padded.shape[0] * padded.shape[1] // block, block, t.shape[-1])
     scale = scale_for(tiles.abs().amax(1), E4M3)
     return to_fp8(tiles, scale[:, None, :], E4M3), 1 / scale
 
@@ -147,6 +147,23 @@ class _BlockwiseLinear(Function):
         xc, xc_inv = quantize_columns(x, block)
         dw = promoted_mm(gc.permute(2, 0, 1), gc_inv.t(), xc, xc_inv, w.dtype)
         return dx.view(x.shape), dw, None
+
+
+def blockwise_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
+                      w2: torch.Tensor, w3: torch.Tensor, settings: Float8Settings
+                      ) -> torch.Tensor:
+    """The routed experts' SwiGLU (plait/model/moe.py `Experts`: `x` (T, dim) sorted by
+    expert, `counts` per expert, stacked weights), each expert's three GEMMs in block-wise
+    float8; an expert's weight-gradient tiles run along its own tokens, in their order."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:  # an expert with no tokens adds nothing (its weights' gradient stays zero)
+            xe = x[start:start + n]
+            hidden = F.silu(blockwise_linear(xe, w1[e], settings)) * \
+                blockwise_linear(xe, w3[e], settings)
+            out.append(blockwise_linear(hidden, w2[e], settings))
+        start += n
+    return torch.cat(out)
 
 
 def blockwise_linear(x: torch.Tensor, weight: torch.Tensor,

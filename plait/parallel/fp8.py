@@ -5,8 +5,10 @@ Which layers: every linear inside a transformer block (attention's projections, 
 MLA's, and the SwiGLU MLP's three), plain or tensor-parallel. What stays in bf16: the
 token embedding, the LM head (the logits feed a softmax over the vocabulary), the norms,
 attention's softmax, and everything that is not a GEMM; the optimizer keeps fp32 masters
-as with bf16. MoE models are refused by the config checks (the routed experts' grouped
-GEMMs have no float8 path here).
+as with bf16. In MoE blocks the shared experts' linears turn float8 with the rest, and
+under the blockwise recipe the routed experts too (`Float8ExpertsForward`: each expert's
+three GEMMs); the router stays in fp32. The config checks refuse MoE models under the
+tensorwise recipe (its per-tensor scales have no grouped-expert form here).
 
 The swap keeps each module, its parameter and its name: its class becomes a subclass of
 its own with a float8 forward, so checkpoints, the placement table, ZeRO's units and any
@@ -30,7 +32,8 @@ from plait import comm
 from plait.dims import DIMENSIONS
 from plait.mesh import ParallelMesh
 from plait.model.fp8 import Float8Settings, float8_linear
-from plait.model.fp8_blockwise import blockwise_linear
+from plait.model.fp8_blockwise import blockwise_experts, blockwise_linear
+from plait.model.moe import Experts
 from plait.model.transformer import Block
 from plait.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -55,21 +58,33 @@ class Float8Forward:
         return float8_linear(x, self.weight, self.fp8)
 
 
+class Float8ExpertsForward:
+    """The routed experts' blockwise float8 forward, mixed into `Experts`."""
+
+    fp8: Float8Settings
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:  # nothing routed here: the experts' own path keeps the graph
+            return super().forward(x, counts)
+        return blockwise_experts(x, counts, self.w1, self.w2, self.w3, self.fp8)
+
+
 @cache
-def float8_class(cls: type) -> type:
-    """`cls` with the float8 forward (one class per linear class)."""
-    return type(f"Float8{cls.__name__}", (Float8Forward, cls), {})
+def float8_class(cls: type, mixin: type = Float8Forward) -> type:
+    """`cls` with the float8 forward `mixin` (one class per module class)."""
+    return type(f"Float8{cls.__name__}", (mixin, cls), {})
 
 
 def is_float8(module: nn.Module) -> bool:
     return isinstance(module, Float8Forward)
 
 
-def float8_linears(root: nn.Module) -> list[nn.Module]:
-    """The linears of every block under `root` (a model or a pipeline stage)."""
+def float8_linears(root: nn.Module, kinds: tuple[type, ...] = LINEARS) -> list[nn.Module]:
+    """The linears (or other `kinds`) of every block under `root` (a model or a pipeline
+    stage): with MoE, the shared experts' linears; the router is not a linear."""
     out = []
     for block in (m for m in root.modules() if isinstance(m, Block)):
-        out += [m for m in block.modules() if isinstance(m, LINEARS)]
+        out += [m for m in block.modules() if isinstance(m, kinds)]
     return out
 
 
@@ -93,5 +108,10 @@ def apply_float8(stages: Iterable[nn.Module], mesh: ParallelMesh, recipe: str = 
             if not is_float8(m):
                 m.__class__ = float8_class(type(m))
                 m.fp8 = Float8Settings(reduce_amax=reduce, recipe=recipe, block=block)
+                count += 1
+        for m in float8_linears(stage, (Experts,)) if not tensorwise else ():
+            if not isinstance(m, Float8ExpertsForward):
+                m.__class__ = float8_class(type(m), Float8ExpertsForward)
+                m.fp8 = Float8Settings(recipe=recipe, block=block)
                 count += 1
     return count

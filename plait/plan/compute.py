@@ -174,6 +174,19 @@ def gemm_weights(shape: Shape, tp: Num) -> Num:
     return sum(f for _, f in layer_gemms(shape, 1, tp)) / 2
 
 
+def float8_gathered_weights(shape: Shape, tp: Num) -> Num:
+    """Weight elements of one layer on one rank that ZeRO-3 all-gathers in float8
+    (`--precision fp8`): the block linears, but in an MoE layer not the router and the
+    routed experts, which travel at the parameters' bytes; an MoE model's dense first
+    layers averaged in (exact for a rank that holds every layer)."""
+    if not shape.moe:
+        return gemm_weights(shape, tp)
+    moe = sum(f for name, f in layer_gemms(shape, 1, tp)
+              if name not in ("router", "routed experts")) / 2
+    dense = gemm_weights(shape.dense_version(), tp)
+    return ((shape.layers - shape.dense_layers) * moe + shape.dense_layers * dense) / shape.layers
+
+
 def causal_fraction(shape: Shape, attention: str | None = None) -> float:
     """Fraction of the s x s score matrix computed. A kernel's (`attention`): math computes
     the full masked matrix (the GPT runs of the calibration set did), flash skips the

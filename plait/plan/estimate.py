@@ -23,8 +23,8 @@ from plait.plan.comm.sync import SYNC_TERM, sync_seconds
 from plait.plan.comm.zero import end_gathered, gathered_bytes, zero3_bytes
 from plait.plan.compute import (
     Efficiency,
+    float8_gathered_weights,
     gemm_time,
-    gemm_weights,
     hardware_flops_per_token,
     head_flops,
     model_flops_per_token,
@@ -275,7 +275,8 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     dense, gathered, g_bytes = rm.params - rm.expert_params, None, None
     experts, g_experts = rm.expert_params, None
     if lay.zero == 3:  # each the end that moves more (ZeRO-3's gathers differ by stage)
-        linear = gemm_weights(shape, b.tp) if train.precision in LINEAR_GATHER_BYTES else 0.0
+        linear = float8_gathered_weights(shape, b.tp) if train.precision in LINEAR_GATHER_BYTES \
+            else 0.0
         dense, gathered, g_bytes = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
                                             rm.chunk[0], rm.ends[:3], linear)
         experts, g_experts, _ = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),

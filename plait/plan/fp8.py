@@ -73,8 +73,19 @@ def weight_blocks(shape: Shape, tp: Num, block: int) -> Num:
         attn = [(k, o) for name, k, o in weight_gemm_sides(shape, tp) if name[0] == "w"]
     else:
         attn = [(h, h / t), (h, shape.kv_dim / t), (h, shape.kv_dim / t), (h / t, h)]
-    mlp = [(h, shape.ffn / t)] * (1 if shape.arch == "gpt" else 2) + [(shape.ffn / t, h)]
-    return sum(np.ceil(k / block) * np.ceil(o / block) for k, o in attn + mlp)
+
+    def blocks(ffn: Num, split: Num) -> Num:
+        mlp = [(h, ffn / split)] * (1 if shape.arch == "gpt" else 2) + [(ffn / split, h)]
+        return sum(np.ceil(k / block) * np.ceil(o / block) for k, o in attn + mlp)
+
+    if not shape.moe:
+        return blocks(shape.ffn, t)
+    # an MoE layer: the shared experts' linears (replicated over tp), the routed experts
+    # gathered at the parameters' bytes; the dense first layers averaged in
+    moe = blocks(shape.shared_experts * shape.expert_ffn, 1.0) if shape.shared_experts \
+        else blocks(0.0, 1.0)
+    dense = blocks(shape.ffn, t)
+    return ((shape.layers - shape.dense_layers) * moe + shape.dense_layers * dense) / shape.layers
 
 
 def layer_blocks(shape: Shape, tp: Num, block: int) -> Num:

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from plait.model.recompute_settings import DEFAULT_OPS
-from plait.plan.compute import gemm_weights
+from plait.plan.compute import float8_gathered_weights
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape, activation_terms, per_rank_bytes, selective_terms
 
@@ -210,6 +210,6 @@ def comm_buffers(shape: Shape, mbs: Num, tp: Num, seq_split: Num, pp: Num, zero:
     if zero >= 3:
         total = total + layer_params_rank * (2 * pb + gb)
         if precision in LINEAR_GATHER_BYTES:  # the gathered block linears' smaller copies
-            linear = gemm_weights(shape, tp)
+            linear = float8_gathered_weights(shape, tp)
             total = total - 2 * linear * (pb - LINEAR_GATHER_BYTES[precision])
     return total

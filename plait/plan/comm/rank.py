@@ -27,7 +27,7 @@ from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
 from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p, pp_sends_of_rank
 from plait.plan.comm.zero import gathered_by_stage, gathered_bytes
-from plait.plan.compute import gemm_weights
+from plait.plan.compute import float8_gathered_weights
 from plait.plan.estimate import chunk_times
 from plait.plan.from_config import config_inputs
 from plait.plan.runtime_memory_sizes import rank_stages
@@ -110,11 +110,11 @@ def zero3_gathered_on_rank(cfg: Config, pp_rank: int, lay: Layout, shape: Shape,
 def linear_gathered_on_rank(cfg: Config, pp_rank: int, lay: Layout, shape: Shape,
                             tp: float) -> float:
     """Block-linear weights ZeRO-3 all-gathers per step on pipeline rank `pp_rank` (each
-    stage's layers' `gemm_weights`), as `zero3_gathered_on_rank` counts parameters."""
+    stage's layers' `float8_gathered_weights`), as `zero3_gathered_on_rank` counts parameters."""
     sched, stages = rank_stages(cfg, pp_rank)
     recompute = cfg.train.recompute != "none"
     split = split_backwards(sched, pp_rank, recompute)[1] if cfg.parallel.pp > 1 else set()
-    per_layer = float(gemm_weights(shape, tp))
+    per_layer = float(float8_gathered_weights(shape, tp))
     return gathered_by_stage(lay, cfg.parallel.pp, [
         (len(sched.microbatches_of(s)), sum(1 for st, _ in split if st == s),
          (z - a) * per_layer, 0.0) for s, (a, z, _, _) in stages.items()])
