@@ -231,3 +231,33 @@ def test_blockwise_loss_within_2_percent_of_bf16_on_tiny_mla():
     fp8 = run_layout(*run, "train.precision=fp8", *BLOCKWISE_16)[0]["losses"]
     assert abs(fp8[-1] - bf16[-1]) / bf16[-1] < 0.02, (fp8[-1], bf16[-1])
     assert fp8[-1] < 0.75 * fp8[0]  # it learns
+
+
+def test_the_planner_prices_the_blockwise_casts():
+    """Blockwise backward casts the output gradient twice (1 x B and B x 1 tiles) and the
+    input anew (B x 1 tiles), each an amax (2 bytes read) and a cast (2 read, 1 written),
+    and re-casts the weight's blocks (3); forward as tensorwise. A plan with
+    train.fp8_block set carries exactly those bytes more in its memory-bound term."""
+    from plait.plan import fp8, memory_bound
+    from plait.plan.basis import Layout, Training
+    from plait.plan.estimate import MEMORY_BOUND_TERM, evaluate
+    from plait.plan.gpu_data import published
+    from plait.plan.hardware import GPUS, Cluster
+    from plait.plan.shape import from_preset
+
+    s = from_preset("llama3-8b", 4096)
+    t, h, f, kv = 4096, s.hidden, s.ffn, s.kv_dim
+    x = t * (h + h + h + f)
+    g = t * ((h + 2 * kv) + h + 2 * f + h)
+    w = h * (h + 2 * kv) + h * h + 3 * h * f
+    tensor = fp8.cast_kernel(s, t, 1, 2, zero=1)
+    block = fp8.cast_kernel(s, t, 1, 2, zero=1, blockwise=True)
+    assert (block.fwd_bytes, block.bwd_bytes) == (5 * (x + w), 5 * (2 * g + x) + 3 * w)
+    pub = published(GPUS["h100-sxm"])
+    cluster, lay = Cluster(pub.gpu, 8), Layout(dp=8, zero=1)
+    plans = [evaluate(s, cluster, Training(8, "fp8", fp8_block=b), lay, pub.eff)
+             for b in (0, 128)]
+    extra = s.layers * (block.bwd_bytes - tensor.bwd_bytes) / memory_bound.achievable_bw(
+        pub.gpu, pub.eff)
+    assert float(plans[1].time[MEMORY_BOUND_TERM] - plans[0].time[MEMORY_BOUND_TERM]) == \
+        pytest.approx(extra, rel=1e-9)

@@ -248,7 +248,7 @@ def basis_of(shape: Shape, cluster: Cluster, train: Training, lay: Layout,
                      tp if lay.sp else 1.0, lay.attention,
                      fp8.weight_gemms(train.precision, cluster.gpu, eff, gemm_scale))
     if memory_bound.priced(eff):  # the published GPU numbers: each kernel's bytes
-        casts = (fp8.cast_kernel(shape, tokens, tp, e, lay.zero),) \
+        casts = (fp8.cast_kernel(shape, tokens, tp, e, lay.zero, bool(train.fp8_block)),) \
             if fp8.is_fp8(train.precision) else ()
         lt = memory_bound.with_memory_bound(lt, shape, tokens, tp, lay.sp, e, lay.attention,
                                             tp if lay.sp else 1.0, cluster.gpu, eff,

@@ -45,7 +45,8 @@ def _memory_bound_lines(shape: Shape, cluster: Cluster, train: Training, e: Esti
     kernels = layer_kernels(shape, b.tokens, b.tp, e.layout.sp, b.e, e.layout.attention,
                             b.moe_split)
     if fp8.is_fp8(train.precision):
-        kernels.append(fp8.cast_kernel(shape, b.tokens, b.tp, b.e, e.layout.zero))
+        kernels.append(fp8.cast_kernel(shape, b.tokens, b.tp, b.e, e.layout.zero,
+                                       bool(train.fp8_block)))
     fused = train.stack.fused_kernels
     parts = [f"{k.name} {float(np.asarray(k.bytes(fused)[0])) / 1e6:,.0f} + "
              f"{float(np.asarray(k.bytes(fused)[1])) / 1e6:,.0f} MB" for k in kernels]

@@ -98,9 +98,14 @@ def scale_bytes(precision: str) -> int:
     return 8 if precision == FP8 + "-fp64" else 4
 
 
-def cast_kernel(shape: Shape, tokens: Num, tp: Num, e: int, zero: int) -> Kernel:
+def cast_kernel(shape: Shape, tokens: Num, tp: Num, e: int, zero: int,
+                blockwise: bool = False) -> Kernel:
     """The amax and cast kernels of one layer's weight GEMMs for `tokens` tokens of one
-    rank (the module docstring); `e` bytes an element of a bf16 tensor."""
+    rank (the module docstring); `e` bytes an element of a bf16 tensor. `blockwise`
+    (train.fp8_recipe): backward tiles the output gradient twice (1 x B for the input
+    gradient, B x 1 for the weight gradient) and the input again in B x 1 tiles, each a
+    new amax and cast; the weight's blocks re-cast with their scales (the scales
+    themselves, 4 bytes a tile, left out: 1/B of a cast's bytes)."""
     n = np.asarray(tokens, dtype=float)
     sides = weight_gemm_sides(shape, tp)
     x = n * sum(k for _, k, _ in sides)  # the inputs' elements
@@ -111,6 +116,10 @@ def cast_kernel(shape: Shape, tokens: Num, tp: Num, e: int, zero: int) -> Kernel
     count = len(sides)
     # launches: fused, an amax and a cast kernel a tensor (a re-cast one); eager torch,
     # abs + amax, then float, mul, clamp, to (plait/model/fp8.py)
+    if blockwise:  # g twice and x anew, each amax + cast; w's blocks re-cast
+        return Kernel("float8 amax + casts", scaled * (x + w), scaled * (2 * g + x)
+                      + recast * w, (count * 2 * (1 + per_w), count * (6 + per_w)),
+                      (count * 6 * (1 + per_w), count * (18 + 4 * per_w)))
     return Kernel("float8 amax + casts", scaled * (x + w), scaled * g + recast * (x + w),
                   (count * 2 * (1 + per_w), count * (2 + 1 + per_w)),
                   (count * 6 * (1 + per_w), count * (6 + 4 + 4 * per_w)))
