@@ -60,8 +60,8 @@ from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.loss import token_loss  # noqa: E402
 from plait.parallel.pipeline.measure import pipeline_report  # noqa: E402
 from plait.parallel.pipeline.partition import build_pipeline  # noqa: E402
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES  # noqa: E402
 from plait.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
+from plait.schedule.registry import SCHEDULE_NAMES  # noqa: E402
 
 WARMUP = 2
 TORCH = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",

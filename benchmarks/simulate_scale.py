@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES  # noqa: E402
+from plait.schedule.registry import SCHEDULE_NAMES  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import results  # noqa: E402

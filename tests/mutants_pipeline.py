@@ -13,9 +13,9 @@ def recv_order_ignored():
     """Lowering places each receive just before its consumer, forgetting that transfers on
     one channel match in posting order: a receive then gets another micro-batch's (or
     another stage's) activation."""
-    from plait.parallel.pipeline import lower as lower_mod
     from plait.parallel.pipeline import runtime
-    from plait.parallel.pipeline.ir import Schedule, trusted
+    from plait.schedule import lower as lower_mod
+    from plait.schedule.ir import Schedule, trusted
 
     def unordered(schedule: Schedule) -> Schedule:
         rank_of, p = schedule.stage_to_rank, schedule.pp
@@ -61,8 +61,8 @@ def recv_order_ignored():
 
 
 def zb_last_w_dropped():
-    from plait.parallel.pipeline import schedules
-    from plait.parallel.pipeline.ir import trusted
+    from plait.schedule import schedules
+    from plait.schedule.ir import trusted
 
     def split_1f1b(name, p, m, warm, w_delay):  # schedules._split_1f1b, one W short
         acts = []

@@ -22,8 +22,8 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.observe.html import _run_section
-from plait.parallel.pipeline.lower import forward_only, lower
-from plait.parallel.pipeline.registry import (
+from plait.schedule.lower import forward_only, lower
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     build_schedule,
     natural_virtual_stages,

@@ -13,16 +13,16 @@ from plait.mesh import ParallelMesh
 from plait.model.presets import PRESETS
 from plait.model.rope import Positions, rope_tables
 from plait.model.transformer import Block, build_model
-from plait.parallel.pipeline.lower import lower
 from plait.parallel.pipeline.partition import Stage, partition_layers
-from plait.parallel.pipeline.registry import (
+from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
+from plait.parallel.pipeline.split import SavedStore
+from plait.schedule.lower import lower
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     build_schedule,
     natural_virtual_stages,
     validate_schedule_request,
 )
-from plait.parallel.pipeline.runtime import OutputCapture, backward_input, backward_weight
-from plait.parallel.pipeline.split import SavedStore
 from plait.testing import assert_parity, merge_ranks
 from plait.train.loop import train
 

@@ -419,8 +419,8 @@ def test_posting_transfers_priced_in_the_pipeline(tmp_path):
     (the shared simulator's `post`): a pipelined step grows by it, inside "pipeline
     bubble + p2p", by at most every rank's posts; a layout without a pipeline does not
     change."""
-    from plait.parallel.pipeline.lower import lower
-    from plait.parallel.pipeline.registry import build_schedule
+    from plait.schedule.lower import lower
+    from plait.schedule.registry import build_schedule
 
     path, prof = tmp_path / "p.json", _profile()
     flags = ("--gpus", "2", "--zero", "0", "--microbatch", "2")

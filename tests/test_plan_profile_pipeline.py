@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from test_plan_profile import _plan_json, _profile, lay_step
 
-from plait.parallel.pipeline.simulate import Durations, simulate
 from plait.plan import bubble
 from plait.plan.profile import fit_profile, fit_sync, fit_sync_spread
+from plait.schedule.simulate import Durations, simulate
 
 BUBBLE = "pipeline bubble + p2p"
 

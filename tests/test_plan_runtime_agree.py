@@ -15,12 +15,12 @@ import itertools
 import pytest
 from helpers import config
 
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, natural_virtual_stages
 from plait.plan.estimate import Layout, Training
 from plait.plan.from_config import PLACEHOLDER_GPU
 from plait.plan.hardware import Cluster
 from plait.plan.search import layout_problems, search
 from plait.plan.shape import from_model_config
+from plait.schedule.registry import SCHEDULE_NAMES, natural_virtual_stages
 
 WORLD = 8
 BASE = config("model.n_layers=8", "train.seq_len=64", "train.global_batch=16")

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from plait.parallel.pipeline.ir import peak_activations
-from plait.parallel.pipeline.registry import (
+from plait.plan.schedule_facts import FACTS, facts, planner_rules, search_schedules
+from plait.schedule.ir import peak_activations
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     build_schedule,
     natural_virtual_stages,
     schedule_spec,
 )
-from plait.plan.schedule_facts import FACTS, facts, planner_rules, search_schedules
 
 
 def test_every_registry_schedule_has_planner_facts_and_no_other():

@@ -30,13 +30,13 @@ from helpers import assert_memory_matches, batches_for, config, data_windows, re
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
-from plait.parallel.pipeline.check import check
-from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.measure import pipeline_report
 from plait.parallel.pipeline.partition import build_pipeline
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
 from plait.parallel.pipeline.runtime import PipelineRuntime
 from plait.plan.runtime_memory import eager_memory_by_rank
+from plait.schedule.check import check
+from plait.schedule.lower import lower, speculative_prefix
+from plait.schedule.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
 from plait.testing import assert_parity, merge_ranks
 from plait.train import loop
 from plait.train.reference import Reference

@@ -6,16 +6,16 @@ tests/test_dry_run.py compare them with the ledgers of real and dry runs)."""
 import pytest
 from helpers import config
 
-from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.registry import (
+from plait.plan import estimate_config, rank_collectives
+from plait.plan.comm.rank import bytes_by_dim, rank_part
+from plait.plan.comm.step import pp_sends_of_rank
+from plait.schedule.lower import lower
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     build_schedule,
     natural_virtual_stages,
     validate_schedule_request,
 )
-from plait.plan import estimate_config, rank_collectives
-from plait.plan.comm.rank import bytes_by_dim, rank_part
-from plait.plan.comm.step import pp_sends_of_rank
 
 M = 8  # dualpipev at pp = 4 needs 2 pp - 1
 

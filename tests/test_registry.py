@@ -17,7 +17,11 @@ import pytest
 
 from plait.cli.main import build_parser
 from plait.config import load_config
-from plait.parallel.pipeline.registry import (
+from plait.plan.estimate import Layout, Training
+from plait.plan.hardware import Cluster, get_gpu
+from plait.plan.schedule_facts import planner_rules
+from plait.plan.shape import from_preset
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     SCHEDULES,
     build_schedule,
@@ -26,10 +30,6 @@ from plait.parallel.pipeline.registry import (
     schedule_spec,
     validate_schedule_request,
 )
-from plait.plan.estimate import Layout, Training
-from plait.plan.hardware import Cluster, get_gpu
-from plait.plan.schedule_facts import planner_rules
-from plait.plan.shape import from_preset
 
 search = importlib.import_module("plait.plan.search")  # plait.plan re-exports a function
 

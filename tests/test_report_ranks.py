@@ -77,7 +77,7 @@ def test_bubble_table_and_figures_give_one_number_per_definition():
 
 def test_the_timeline_is_drawn_in_ms_titled_with_the_last_steps_bubble(monkeypatch):
     from plait.parallel.pipeline import measure
-    from plait.parallel.pipeline.registry import build_schedule
+    from plait.schedule.registry import build_schedule
 
     drawn = {}
     monkeypatch.setattr(measure, "draw_timeline", lambda result, schedule, path, **kw:

@@ -26,17 +26,17 @@ from pathlib import Path
 
 import pytest
 
-from plait.parallel.pipeline.check import check
-from plait.parallel.pipeline.ir import Action, Schedule
-from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.registry import (
+from plait.schedule.check import check
+from plait.schedule.ir import Action, Schedule
+from plait.schedule.lower import lower
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     SCHEDULES,
     build_schedule,
     natural_virtual_stages,
     validate_schedule_request,
 )
-from plait.parallel.pipeline.simulate import Durations, simulate
+from plait.schedule.simulate import Durations, simulate
 
 ORACLE = Path(__file__).resolve().parent / "golden" / "schedule_oracle.json"
 
@@ -164,7 +164,7 @@ def test_fast_transfer_verdict_agrees_with_the_full_check():
     it says no: both must agree, on valid lowerings and on randomly broken ones."""
     import random
 
-    from plait.parallel.pipeline import check as checks
+    from plait.schedule import check as checks
 
     rng = random.Random(11)
     compared = 0

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: validity, deadlock freedom, text round-trip, closed forms.
 
-Pure Python, no processes. Closed forms cite their papers in plait/parallel/pipeline/
+Pure Python, no processes. Closed forms cite their papers in plait/schedule/
 (the registry holds them, one entry per schedule).
 """
 
@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from plait.parallel.pipeline import cli
-from plait.parallel.pipeline.check import check, deadlocks, peak_activations
-from plait.parallel.pipeline.draw import format_table
-from plait.parallel.pipeline.ir import Action, Schedule
-from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.registry import (
+from plait.schedule import cli
+from plait.schedule.check import check, deadlocks, peak_activations
+from plait.schedule.draw import format_table
+from plait.schedule.ir import Action, Schedule
+from plait.schedule.lower import lower
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     build_schedule,
     closed_form_bubble,
@@ -25,7 +25,7 @@ from plait.parallel.pipeline.registry import (
     paper_bubble_time,
     validate_schedule_request,
 )
-from plait.parallel.pipeline.simulate import DeadlockError, Durations, simulate
+from plait.schedule.simulate import DeadlockError, Durations, simulate
 
 EXACT = 1e-9
 EQUAL = Durations(1.0, 1.0, 1.0)  # T_F = T_I = T_W
@@ -269,7 +269,7 @@ def test_a_list_scheduled_order_is_laid_out_as_the_simulator_lays_it_out():
     """The list scheduler's own clock (its `layout`) is `simulate`'s lay-out of the order
     for the durations it was built for, when they are positive: `plait simulate` reuses
     it. Bit for bit, every figure and event."""
-    from plait.parallel.pipeline.simulate import events_of, result_of
+    from plait.schedule.simulate import events_of, result_of
 
     for name, p, m in (("zb-v", 4, 8), ("zb-v", 3, 13), ("dualpipe", 4, 8), ("dualpipe", 6, 6)):
         for d in (EQUAL, Durations(1.0, 1.25, 0.75, 0.05), Durations(1.0, 2.0, 0.5, 0.3)):
@@ -515,7 +515,7 @@ def test_format_table():
 
 def test_draw_and_trace(tmp_path):
     pytest.importorskip("matplotlib")
-    from plait.parallel.pipeline.draw import draw_timeline, to_chrome_trace
+    from plait.schedule.draw import draw_timeline, to_chrome_trace
 
     s = build_schedule("zb-h1", 4, 8)
     res = simulate(s, EQUAL)
@@ -580,7 +580,7 @@ def test_lowering_places_transfers():
 
 
 def test_list_scheduler_refuses_an_unknown_gate_or_freeing_kind():
-    from plait.parallel.pipeline.list_schedule import list_schedule
+    from plait.schedule.list_schedule import list_schedule
 
     for quota, freed_by in ((lambda s: (s, 2, True), "I"), (lambda s: (s, 2, "room"), "B")):
         with pytest.raises(ValueError, match="freed_by"):

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 
 from plait.cli.main import main
-from plait.parallel.pipeline import list_schedule
-from plait.parallel.pipeline import simulate as simulate_mod
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
-from plait.parallel.pipeline.simulate import DeadlockError, Durations, simulate
+from plait.schedule import list_schedule
+from plait.schedule import simulate as simulate_mod
+from plait.schedule.registry import SCHEDULE_NAMES, build_schedule, natural_virtual_stages
+from plait.schedule.simulate import DeadlockError, Durations, simulate
 
 UNIT = Durations(1.0, 1.0, 1.0)  # T_F = T_I = T_W = 1
 

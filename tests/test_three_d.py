@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import ELEMENT_BYTES, config, reference, run_layout
 
-from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.registry import build_schedule
+from plait.schedule.lower import lower
+from plait.schedule.registry import build_schedule
 from plait.testing import assert_parity, merge_ranks
 
 LAYERS, STEPS = "model.n_layers=4", "train.steps=2"

@@ -271,7 +271,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     if only == "simulate":
-        from plait.parallel.pipeline import cli as simulate_cli
+        from plait.schedule import cli as simulate_cli
 
         simulate_cli.add_parser(sub)
     elif only == "plan":
@@ -345,8 +345,8 @@ def _add_all_commands(sub) -> None:
     from plait.cli import eval as eval_cli
     from plait.launch import cluster as cluster_cli
     from plait.observe import report as report_cli
-    from plait.parallel.pipeline import cli as simulate_cli
     from plait.plan import cli as plan_cli
+    from plait.schedule import cli as simulate_cli
 
     simulate_cli.add_parser(sub)
     plan_cli.add_parser(sub)

@@ -14,7 +14,7 @@ from plait.dims import DIMS
 from plait.dims.record import divisors_text
 from plait.model.recompute_settings import MODES as RECOMPUTE_MODES
 from plait.model.recompute_settings import ops_problems
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
+from plait.schedule.registry import SCHEDULE_NAMES, SCHEDULES
 
 if TYPE_CHECKING:
     from plait.config.schema import Config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plait.parallel.pipeline.registry import SCHEDULES
+from plait.schedule.registry import SCHEDULES
 
 if TYPE_CHECKING:
     from plait.config import Config

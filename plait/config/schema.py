@@ -243,8 +243,8 @@ class Config:
 
     def _bubble_notes(self) -> list[str]:
         """Fewer micro-batches than pipeline stages: most of each step is bubble."""
-        from plait.parallel.pipeline.registry import closed_form_bubble, natural_virtual_stages
-        from plait.parallel.pipeline.simulate import Durations
+        from plait.schedule.registry import closed_form_bubble, natural_virtual_stages
+        from plait.schedule.simulate import Durations
 
         p = self.parallel
         m = self.microbatches()

@@ -8,7 +8,7 @@ whose gradients are summed)."""
 from __future__ import annotations
 
 from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting, divisors_text
-from plait.parallel.pipeline.registry import SCHEDULES
+from plait.schedule.registry import SCHEDULES
 
 DISPATCHES = ("assignment", "token")
 

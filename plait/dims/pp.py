@@ -1,12 +1,12 @@
 """Pipeline parallel: the ranks of a `pp` group hold consecutive stages of the layers and
 pass activations forward and gradients back by point-to-point sends, in the order a
-schedule lists (plait/parallel/pipeline/; Huang et al. 2019, GPipe; Narayanan et al. 2021;
+schedule lists (plait/schedule/; Huang et al. 2019, GPipe; Narayanan et al. 2021;
 Qi et al. 2024, zero bubble). The loss is computed on the last stage."""
 
 from __future__ import annotations
 
 from plait.dims.record import Config, Dimension, ModelShape
-from plait.parallel.pipeline.registry import (
+from plait.schedule.registry import (
     SCHEDULES,
     natural_virtual_stages,
     validate_schedule_request,

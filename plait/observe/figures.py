@@ -136,7 +136,7 @@ def bubble_figure(summary: dict) -> bytes:
 def timeline_figure(pipeline: dict, events: list[list]) -> bytes:
     """The last step's measured computes, drawn as `plait train --timeline` draws them."""
     from plait.parallel.pipeline.measure import draw_measured
-    from plait.parallel.pipeline.registry import build_schedule
+    from plait.schedule.registry import build_schedule
 
     schedule = build_schedule(pipeline["schedule"], pipeline["pp"], pipeline["microbatches"],
                               pipeline["virtual_stages"])

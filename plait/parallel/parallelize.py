@@ -63,9 +63,9 @@ from plait.parallel.compile import compile_blocks
 from plait.parallel.context import context_parallel_stages
 from plait.parallel.expert import prepare_moe_blocks
 from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
-from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
 from plait.placement import PlacementTable
+from plait.schedule.ir import Schedule
 
 
 def model_dtype(cfg: Config) -> torch.dtype:

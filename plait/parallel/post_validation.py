@@ -17,7 +17,7 @@ removes that barrier:
    does not update yet.
 2. The next step's forwards start on these parameters. At the rank's *cut* (the end of
    its forward-only prefix, closed under matching transfers: `speculative_prefix` in
-   plait/parallel/pipeline/lower.py) the runtime calls `at_cut`: the other stages'
+   plait/schedule/lower.py) the runtime calls `at_cut`: the other stages'
    partials are waited for and summed in pp order, the same on every rank. A squared
    norm is non-finite exactly when some gradient element is (the barrier's test).
 3. Check passed (finite, clip coefficient exactly 1): the copy is dropped. The update was

@@ -23,8 +23,8 @@ from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import reduce_dim
 from plait.parallel.held import HeldState
-from plait.parallel.pipeline.ir import Schedule
 from plait.placement import PlacementTable
+from plait.schedule.ir import Schedule
 
 
 def sum_copy_gradients(stages: dict[int, nn.Module], schedule: Schedule, mesh: ParallelMesh,

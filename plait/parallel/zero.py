@@ -53,11 +53,11 @@ from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel import zero_fp8
 from plait.parallel.backward_graph import in_backward, input_gradient_computed, input_node
 from plait.parallel.fp8 import is_float8
-from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import NamedShards
 from plait.parallel.zero_units import _Unit, make_units
 from plait.placement import PlacementTable
+from plait.schedule.ir import Schedule
 
 GATHERS = ("microbatch", "step")  # parallel.zero3_gather
 

@@ -1,5 +1,5 @@
 """Pipeline time: closed forms for ranking many layouts, the shared simulator for the
-numbers a layout shows (plait/parallel/pipeline/simulate.py: one cost model).
+numbers a layout shows (plait/schedule/simulate.py: one cost model).
 
 F, I, W below are one micro-batch's forward, input-gradient and weight-gradient time on
 one *chunk* (a stage of the schedule: L/p layers, L/(pv) interleaved, L/(2p) for the V
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from plait.parallel.pipeline.registry import build_schedule, schedule_spec
 from plait.plan.schedule_facts import facts, planner_rules
+from plait.schedule.registry import build_schedule, schedule_spec
 
 Num = Any
 
@@ -84,7 +84,7 @@ def _peaks_grow_with_m(schedule: str, p: int, v: int) -> bool:
 def _build(schedule: str, pp: int, m: int, v: int, ratios: tuple[float, float, float]) -> Any:
     """The schedule, built once per (name, p, m, v, rounded duration ratios): list-scheduled
     orders are tuned to the ratios I/F, W/F, p2p/F, valid under any durations."""
-    from plait.parallel.pipeline.simulate import Durations
+    from plait.schedule.simulate import Durations
 
     return build_schedule(schedule, pp, m, v, durations=Durations(1.0, *ratios))
 
@@ -101,8 +101,8 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: tuple[float, ...],
     """(step, bubble, peaks): one step under the barrier; under post-validation the
     steady-state step of STEADY_STEPS consecutive ones (a rank starts its next step when
     its own is done)."""
-    from plait.parallel.pipeline.ir import peak_activations
-    from plait.parallel.pipeline.simulate import Durations, simulate
+    from plait.schedule.ir import peak_activations
+    from plait.schedule.simulate import Durations, simulate
 
     d = Durations(f[0], i[0], w[0], p2p, forward_per_stage=f, backward_input_per_stage=i,
                   backward_weight_per_stage=w, post=post, gap=gap)

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 
 from plait.dims import DEFAULT_ORDER
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
-from plait.parallel.pipeline.simulate import OPTIMIZER_SYNCS
 from plait.plan import fp8, host_share, trust
 from plait.plan import stack as stack_args
 from plait.plan.basis import WRITTEN
@@ -58,6 +56,8 @@ from plait.plan.sequence_modes import mode_notes
 from plait.plan.shape import ATTENTION, ATTENTION_HELP, Shape
 from plait.plan.stack_note import stack_lines
 from plait.plan.units import flops_rate, nbytes, params
+from plait.schedule.registry import SCHEDULE_NAMES, schedule_spec
+from plait.schedule.simulate import OPTIMIZER_SYNCS
 
 _USAGE = __doc__.split("\n\n")[0]  # the first paragraph; the rest is for readers of the code
 

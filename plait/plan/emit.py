@@ -29,12 +29,12 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.dims import DIMENSIONS
 from plait.files import atomic_output
 from plait.model.presets import PRESETS, ModelConfig
-from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.activations import RUNTIME_ATTENTION
 from plait.plan.estimate import Estimate, Training
 from plait.plan.hardware import Cluster
 from plait.plan.search import PlanError
 from plait.plan.shape import Shape
+from plait.schedule.registry import schedule_spec
 
 _PRECISION = {"bf16": "bf16", "fp32": "fp32", "bf16-fp32grad": "bf16", "fp8": "fp8"}
 _OPTIMIZER = {"adam": "adamw", "sgd": "sgd"}

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import bubble, fp8, host_share, memory, memory_bound, overlap_slowdown, zero3_gpu
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
@@ -36,6 +35,7 @@ from plait.plan.memory import LINEAR_GATHER_BYTES
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
 from plait.plan.stack import pp_overlapped
+from plait.schedule.registry import schedule_spec
 from plait.throughput import tokens_per_second, tokens_per_step
 
 Num = Any

@@ -9,13 +9,13 @@ Stanford CS336, lecture 8 (parallelism), checked one by one.
 from __future__ import annotations
 
 from plait.dims import REPLICA_AXES
-from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.basis import SHARD_COPIES
 from plait.plan.estimate import Estimate, Layout, Training
 from plait.plan.hardware import GB, Cluster
 from plait.plan.memory import state_bytes
 from plait.plan.shape import Shape
 from plait.plan.units import nbytes, params
+from plait.schedule.registry import schedule_spec
 
 
 def _pct(a: float, b: float) -> str:

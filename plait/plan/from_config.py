@@ -57,9 +57,9 @@ def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
     """(shape, cluster, training, layout, efficiency) `evaluate` takes for a plait Config's
     layout: the runtime's attention (SDPA, planned as flash), its recompute and order."""
     from plait.dims import a2a_degree
-    from plait.parallel.pipeline.registry import natural_virtual_stages
     from plait.plan.activations import RUNTIME_ATTENTION
     from plait.plan.calibration import EFFICIENCY  # memory does not use it; evaluate does
+    from plait.schedule.registry import natural_virtual_stages
 
     p, t = cfg.parallel, cfg.train
     shape = from_model_config(cfg.model, t.seq_len, cfg.model_name)

@@ -12,9 +12,9 @@ import argparse
 import math
 
 from plait.dims import DEFAULT_ORDER, LAID
-from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.basis import ALWAYS_WRITTEN, WRITTEN, Layout
 from plait.plan.search import PlanError
+from plait.schedule.registry import schedule_spec
 
 MAX_GPUS = 1 << 24  # 16,777,216
 MAX_GLOBAL_BATCH = 1 << 24  # sequences per step

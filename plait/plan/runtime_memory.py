@@ -215,7 +215,7 @@ def rank_moments(cfg: Config, rank: int = 0, data_windows: int = 0) -> list[Mome
 
     `data_windows`: seq_len windows in the token file, when known: the data loader keeps an
     int64 permutation of them for the epoch (8 bytes each), alive through every step."""
-    from plait.parallel.pipeline.lower import lower, speculative_prefix
+    from plait.schedule.lower import lower, speculative_prefix
 
     sz = rank_sizes(cfg, rank, data_windows)
     sched, recv = sz.sched, sz.recv
@@ -370,7 +370,7 @@ def not_covered(cfg: Config) -> str | None:
         return None
     sched, _ = rank_stages(cfg, 0)
     if any(a.kind == "I" for acts in sched.actions for a in acts):
-        from plait.parallel.pipeline.registry import SCHEDULES
+        from plait.schedule.registry import SCHEDULES
 
         whole_b = ", ".join(n for n, spec in SCHEDULES.items() if not spec.split_backward)
         return (f"schedule {p.schedule} splits backward into I and W; the eager memory model "

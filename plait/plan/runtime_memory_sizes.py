@@ -74,7 +74,7 @@ def _shapes(cfg: Config):
 def rank_stages(cfg: Config, rank: int):
     """(schedule, {stage: (first layer, end layer, is_first, is_last)}) of pipeline rank."""
     from plait.parallel.pipeline.partition import partition_for
-    from plait.parallel.pipeline.registry import (
+    from plait.schedule.registry import (
         build_schedule,
         natural_virtual_stages,
         num_model_stages,

@@ -1,6 +1,6 @@
 """What the planner knows of each pipeline schedule beyond what the runtime builds.
 
-The schedule registry (plait/parallel/pipeline/registry.py, `ScheduleSpec`) holds what
+The schedule registry (plait/schedule/registry.py, `ScheduleSpec`) holds what
 config validation, the runtime and the simulator need: the builder, the rules a build
 asks, stage counts, chains, the backward split, the simulator's closed forms. This module
 holds what only the planner's formulas read, one `ScheduleFacts` per registry name:
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from plait.parallel.pipeline import rules as r
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, schedule_spec
-from plait.parallel.pipeline.rules import Rule
+from plait.schedule import rules as r
+from plait.schedule.registry import SCHEDULE_NAMES, schedule_spec
+from plait.schedule.rules import Rule
 
 Num = Any  # a number or a numpy array of them
 

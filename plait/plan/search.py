@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from plait.dims import AXES, BY_NAME, DEFAULT_ORDER, DIMENSIONS, LAID, REPLICA_AXES
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES, SCHEDULES
 from plait.plan.basis import SHARD_COPIES, WRITTEN, product
 from plait.plan.bubble import stages_per_chain
 from plait.plan.comm import price
@@ -39,6 +38,7 @@ from plait.plan.hardware import Cluster
 from plait.plan.memory import RECOMPUTE
 from plait.plan.schedule_facts import planner_rules, search_schedules
 from plait.plan.shape import ATTENTION, Shape
+from plait.schedule.registry import SCHEDULE_NAMES, SCHEDULES
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 MAX_MICROBATCH = 16  # sequences; larger micro-batches only add activation memory

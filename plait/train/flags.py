@@ -16,7 +16,7 @@ from plait.config.checks import ZERO3_GATHERS
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.dims import DIMENSIONS, DIMS, LAID
 from plait.model.presets import PRESETS
-from plait.parallel.pipeline.registry import SCHEDULE_NAMES
+from plait.schedule.registry import SCHEDULE_NAMES
 from plait.train.sinks import add_sink_args
 
 # flag -> config key (None value = flag not given)

@@ -28,8 +28,8 @@ from plait.dims import LOSS_SUMMED
 from plait.mesh import ParallelMesh
 from plait.parallel.context import documents_positions
 from plait.parallel.parallelize import ParallelModel, model_dtype
-from plait.parallel.pipeline.lower import forward_only
 from plait.parallel.pipeline.runtime import PipelineRuntime
+from plait.schedule.lower import forward_only
 from plait.train.data import DataError, TokenFile, end_of_document
 
 

@@ -1,1 +1,2 @@
-"""Pipeline parallelism: schedules as data (IR, builders, lowering, checks, simulation)."""
+"""Pipeline parallelism's runtime: partition the model, execute the lowered lists that
+plait/schedule/ builds, measure the steps."""

@@ -36,8 +36,6 @@ import torch
 
 from plait import comm
 from plait.mesh import ParallelMesh
-from plait.parallel.pipeline.draw import draw_timeline, to_chrome_trace
-from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.partition import Partition
 from plait.parallel.pipeline.runtime import Event, PipelineRuntime
 from plait.parallel.pipeline.runtime_stats import (
@@ -55,7 +53,9 @@ from plait.parallel.pipeline.runtime_stats import (
     step_bubble,
     step_periods,
 )
-from plait.parallel.pipeline.simulate import Durations, SimResult, simulate
+from plait.schedule.draw import draw_timeline, to_chrome_trace
+from plait.schedule.ir import Schedule
+from plait.schedule.simulate import Durations, SimResult, simulate
 
 _KINDS = ("F", "B", "I", "W")
 

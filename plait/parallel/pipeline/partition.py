@@ -25,13 +25,13 @@ from plait.model.loss import token_loss
 from plait.model.presets import ModelConfig
 from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer, build_model, materialise, run_blocks
-from plait.parallel.pipeline.ir import Schedule
-from plait.parallel.pipeline.registry import (
+from plait.placement import PlacementTable
+from plait.schedule.ir import Schedule
+from plait.schedule.registry import (
     build_schedule,
     natural_virtual_stages,
     num_model_stages,
 )
-from plait.placement import PlacementTable
 
 if TYPE_CHECKING:
     from plait.config import Config

@@ -43,8 +43,6 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.model.packed import document_ids, masked_targets
-from plait.parallel.pipeline.ir import Action, Schedule, split_backwards
-from plait.parallel.pipeline.lower import lower, speculative_prefix
 from plait.parallel.pipeline.split import (
     Deferred,
     OutputCapture,
@@ -52,6 +50,8 @@ from plait.parallel.pipeline.split import (
     backward_input,
     backward_weight,
 )
+from plait.schedule.ir import Action, Schedule, split_backwards
+from plait.schedule.lower import lower, speculative_prefix
 
 __all__ = ["OutputCapture", "PipelineRuntime", "backward_input", "backward_weight"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from statistics import mean
 
-from plait.parallel.pipeline.ir import Schedule
 from plait.parallel.pipeline.runtime import Detail, Event
+from plait.schedule.ir import Schedule
 
 # a consumer that waited longer than this for its input saw the transfer. Completing a
 # receive that has already arrived costs a wait() call too: 50-150 us with gloo at pp = 2

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan.basis import Basis, Layout
 from plait.plan.comm import price
 from plait.plan.comm.async_tp import async_tp_exposed
@@ -51,6 +50,7 @@ from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
+from plait.schedule.registry import schedule_spec
 
 TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
 

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from plait.dims import REPLICA_AXES, REPLICAS
-from plait.parallel.pipeline.ir import split_backwards
-from plait.parallel.pipeline.registry import natural_virtual_stages, schedule_spec
 from plait.plan import fp8, memory
 from plait.plan.basis import Layout, basis_of
 from plait.plan.comm import price
@@ -31,6 +29,8 @@ from plait.plan.compute import float8_gathered_weights
 from plait.plan.estimate import chunk_times
 from plait.plan.from_config import config_inputs
 from plait.plan.runtime_memory_sizes import rank_stages
+from plait.schedule.ir import split_backwards
+from plait.schedule.registry import natural_virtual_stages, schedule_spec
 
 if TYPE_CHECKING:
     from plait.config import Config

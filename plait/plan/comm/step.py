@@ -26,7 +26,6 @@ import numpy as np
 
 from plait.config import FIRST_BUCKET_MB, ParallelConfig
 from plait.dims import DIMENSIONS, LOSS_SUMMED, REPLICA_AXES, replica_group
-from plait.parallel.pipeline.registry import schedule_spec
 from plait.plan import fp8, memory
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training
 from plait.plan.comm import price
@@ -35,6 +34,7 @@ from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
+from plait.schedule.registry import schedule_spec
 
 
 def pp_sends_per_microbatch(sched: str, pp: Num, v: Num) -> Num:

@@ -17,7 +17,7 @@ none); s of the m backwards are split into I and W, which gather each (I compute
 input gradients; some weight-gradient formulas view the weight), and with recomputation
 a split backward's I runs the stage's forward again (its F ran without a graph). A chain's
 first stage whose W follows its I at once runs the whole backward in W: not split
-(plait/parallel/pipeline/ir.py `split_backwards`). The closed form (`zero3_gathered`, a
+(plait/schedule/ir.py `split_backwards`). The closed form (`zero3_gathered`, a
 batch of layouts) takes every backward of a splitting schedule as split; for one layout
 `end_gathered` counts the built schedule's, the pipeline rank's stages of L / (p v)
 layers each, and plait/plan/comm/rank.py the runtime's own partition.
@@ -30,11 +30,11 @@ from functools import cache
 
 import numpy as np
 
-from plait.parallel.pipeline.ir import split_backwards
-from plait.parallel.pipeline.registry import build_schedule, schedule_spec
 from plait.plan import memory
 from plait.plan.basis import Basis, Layout, Training
 from plait.plan.compute import Num
+from plait.schedule.ir import split_backwards
+from plait.schedule.registry import build_schedule, schedule_spec
 
 
 def zero_reduce_scatters(lay: Layout, b: Basis) -> Num:

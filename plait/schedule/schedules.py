@@ -16,10 +16,10 @@ from __future__ import annotations
 from itertools import chain, repeat
 from operator import add
 
-from plait.parallel.pipeline.ir import Action, Schedule
-from plait.parallel.pipeline.ir import trusted as _act
-from plait.parallel.pipeline.list_schedule import list_schedule
-from plait.parallel.pipeline.simulate import Durations
+from plait.schedule.ir import Action, Schedule
+from plait.schedule.ir import trusted as _act
+from plait.schedule.list_schedule import list_schedule
+from plait.schedule.simulate import Durations
 
 
 def _linear(name: str, p: int, m: int, actions: list[list[Action]]) -> Schedule:

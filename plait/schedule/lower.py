@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from plait.parallel.pipeline.ir import Action, Schedule, trusted, without_gc
+from plait.schedule.ir import Action, Schedule, trusted, without_gc
 
 LOOKAHEAD = 1  # receives are posted this many computes before the one that needs them
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from operator import add
 
-from plait.parallel.pipeline.ir import Action, Schedule, without_gc
-from plait.parallel.pipeline.ir import peak_activations as peak_activations  # (its home)
+from plait.schedule.ir import Action, Schedule, without_gc
+from plait.schedule.ir import peak_activations as peak_activations  # (its home)
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 

@@ -15,8 +15,8 @@ from bisect import insort
 from collections.abc import Callable
 from itertools import repeat
 
-from plait.parallel.pipeline.ir import Action, Schedule
-from plait.parallel.pipeline.simulate import Durations
+from plait.schedule.ir import Action, Schedule
+from plait.schedule.simulate import Durations
 
 _KINDS = ("F", "I", "W")  # the list scheduler's kinds, by index
 Quota = Callable[[int], tuple[object, int, str]]  # stage -> (key, limit, gate)

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from plait.parallel.pipeline import rules as r
-from plait.parallel.pipeline import schedules as b
-from plait.parallel.pipeline.ir import Schedule, without_gc
-from plait.parallel.pipeline.rules import Rule
-from plait.parallel.pipeline.simulate import Durations
+from plait.schedule import rules as r
+from plait.schedule import schedules as b
+from plait.schedule.ir import Schedule, without_gc
+from plait.schedule.rules import Rule
+from plait.schedule.simulate import Durations
 
 Num = Any  # an int or float, or a numpy array of them (the planner)
 Bubble = Callable[[int, int, float, float, float], float | None]  # (p, m, F, I, W)

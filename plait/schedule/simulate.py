@@ -52,8 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from operator import itemgetter
 
-from plait.parallel.pipeline.ir import COMPUTE, Action, Schedule, without_gc
-from plait.parallel.pipeline.results import Event, SimResult, events_of, result_of
+from plait.schedule.ir import COMPUTE, Action, Schedule, without_gc
+from plait.schedule.results import Event, SimResult, events_of, result_of
 
 __all__ = ["OPTIMIZER_SYNCS", "DeadlockError", "Durations", "Event", "SimResult", "events_of",
            "result_of", "simulate"]
@@ -151,7 +151,7 @@ def _queues(schedule: Schedule, durations: Durations) -> tuple[Schedule, list[Qu
         return schedule, [acts if set(map(_KIND, acts)) <= _COMPUTE else
                           [a for a in acts if len(a[0]) == 1] for acts in schedule.actions]
     if not schedule.lowered:
-        from plait.parallel.pipeline.lower import lower
+        from plait.schedule.lower import lower
 
         schedule = lower(schedule)
     queues = []
@@ -174,7 +174,7 @@ _CHECK, _CHECK_SPLIT = ("C", -1, -1, False), ("C", -1, -1, True)
 
 def _with_checks(schedule: Schedule, queues: list[Queue]) -> list[Queue]:
     """Each rank's queue with its check where the runtime makes it (`lower.cut_positions`)."""
-    from plait.parallel.pipeline.lower import cut_positions
+    from plait.schedule.lower import cut_positions
 
     out = []
     for q, at in zip(queues, cut_positions(schedule)):

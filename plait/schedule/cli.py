@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 from plait.files import artifact_problems, output_problems, write_text_atomic
-from plait.parallel.pipeline.check import check, deadlocks
-from plait.parallel.pipeline.ir import Schedule, without_gc
-from plait.parallel.pipeline.lower import lower
-from plait.parallel.pipeline.registry import (
+from plait.schedule.check import check, deadlocks
+from plait.schedule.ir import Schedule, without_gc
+from plait.schedule.lower import lower
+from plait.schedule.registry import (
     SCHEDULE_NAMES,
     SCHEDULES,
     build_schedule,
@@ -35,7 +35,7 @@ from plait.parallel.pipeline.registry import (
     natural_virtual_stages,
     paper_bubble_time,
 )
-from plait.parallel.pipeline.simulate import (
+from plait.schedule.simulate import (
     OPTIMIZER_SYNCS,
     DeadlockError,
     Durations,
@@ -175,11 +175,11 @@ def _write_outputs(args: argparse.Namespace, res, compute_only: Schedule,
     if args.save:
         written.append(("schedule", write_text_atomic(args.save, lowered.to_text())))
     if args.trace:
-        from plait.parallel.pipeline.draw import to_chrome_trace  # only when asked
+        from plait.schedule.draw import to_chrome_trace  # only when asked
 
         written.append(("Chrome trace", to_chrome_trace(res.events, args.trace)))
     if args.png:
-        from plait.parallel.pipeline.draw import draw_timeline
+        from plait.schedule.draw import draw_timeline
 
         written.append(("timeline PNG", draw_timeline(res, compute_only, args.png)))
     for what, path in written:  # stderr: --json's stdout stays one document
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(summary)
     if args.show:
-        from plait.parallel.pipeline.draw import format_table
+        from plait.schedule.draw import format_table
 
         print(format_table(compute_only))
     return 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from itertools import cycle
 from operator import sub
 
-from plait.parallel.pipeline.ir import Action, Schedule, peak_activations
+from plait.schedule.ir import Action, Schedule, peak_activations
 
 Event = tuple[str, int, int, float, float]  # (kind, stage, microbatch, start, end)
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from plait.files import write_png, write_text_atomic
-from plait.parallel.pipeline.ir import Schedule
-from plait.parallel.pipeline.simulate import Durations, Event, SimResult, simulate
+from plait.schedule.ir import Schedule
+from plait.schedule.simulate import Durations, Event, SimResult, simulate
 
 COLORS = {"F": "#4c8bf5", "B": "#f5a623", "I": "#e8603c", "W": "#57b85a"}
 
