@@ -18,6 +18,7 @@ repository; none of them is here.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import replace
@@ -30,8 +31,9 @@ import results  # noqa: E402
 
 from plait.plan.basis import Layout, Training  # noqa: E402
 from plait.plan.calibration import EFFICIENCY, load_runs  # noqa: E402
+from plait.plan.error_band import DATA_FILE  # noqa: E402
 from plait.plan.estimate import evaluate  # noqa: E402
-from plait.plan.gpu_data import published, training_rate  # noqa: E402
+from plait.plan.gpu_data import family_of, published, training_rate  # noqa: E402
 from plait.plan.hardware import Cluster, get_gpu  # noqa: E402
 from plait.plan.shape import Shape, from_preset  # noqa: E402
 from plait.plan.stack import Stack  # noqa: E402
@@ -164,18 +166,19 @@ def fit_rate(times: dict[float, list[float]], measured: list[float], idx: list[i
     return min(RATES, key=lambda r: sum(abs(math.log(times[r][i] / measured[i])) for i in idx))
 
 
-def rate_tables(cs: list[Case]) -> tuple[str, str, float]:
+def rate_tables(cs: list[Case]) -> tuple[str, str, dict[int, float]]:
     """The training rate fitted over every run, and leave-one-source-out: fitted without a
-    source, the errors of that source's runs."""
+    source, the errors of that source's runs (also returned, by the run's index)."""
     measured = [c.measured_s for c in cs]
     times = {r: [predict(c, "published", r) for c in cs] for r in RATES}
     best = fit_rate(times, measured, list(range(len(cs))))
-    rows, held = [], []
+    rows, held, by_run = [], [], {}
     for fam in dict.fromkeys(c.source_family for c in cs):
         out_idx = [i for i, c in enumerate(cs) if c.source_family == fam]
         rate = fit_rate(times, measured, [i for i in range(len(cs)) if i not in out_idx])
         errs = [(times[rate][i] - measured[i]) / measured[i] for i in out_idx]
         held += errs
+        by_run.update(zip(out_idx, errs, strict=True))
         rows.append((fam, f"{rate:.3f}", len(out_idx),
                      f"{100 * sum(map(abs, errs)) / len(errs):.1f} %",
                      " ".join(f"{100 * e:+.1f}" for e in errs)))
@@ -185,7 +188,21 @@ def rate_tables(cs: list[Case]) -> tuple[str, str, float]:
                           "mean |error|", "errors, %"), rows)
     summary = (f"Training rate fitted over all {len(cs)} runs: {best:.3f} (the data file's "
                f"`kernel_rate_in_training`: {training_rate():.3f}).")
-    return text, summary, best
+    return text, summary, by_run
+
+
+def bands(cs: list[Case], held: dict[int, float]) -> dict:
+    """The data file plait plan's step-time range reads (plait/plan/error_band.py): each
+    run's GPU family, GPU count and held-out error."""
+    return {"about": "Written by benchmarks/plan_gpu_error.py --write-bands: each published "
+                     "run's leave-one-source-out error ((predicted - measured) / measured, "
+                     "the training rate fitted without the run's source), read by "
+                     "plait/plan/error_band.py to print a plan's step time as a range.",
+            "source": f"leave-one-source-out over the {len(cs)} runs of "
+                      "benchmarks/plan_gpu_error.py",
+            "runs": [{"name": c.name, "family": family_of(c.cluster.gpu.name),
+                      "gpus": c.cluster.n_gpus, "source": c.source,
+                      "error": round(held[i], 4)} for i, c in enumerate(cs)]}
 
 
 def rows(cs: list[Case]) -> list[tuple]:
@@ -196,6 +213,9 @@ def rows(cs: list[Case]) -> list[tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     results.add_write_flag(ap)
+    ap.add_argument("--write-bands", action="store_true",
+                    help=f"also write plait/plan/data/{DATA_FILE} (the held-out errors "
+                         "plait plan's step-time range reads)")
     args = ap.parse_args()
     cs = cases()
     table_rows, errs = [], {"published": [], "fitted": []}
@@ -210,7 +230,10 @@ def main() -> None:
     text = results.table(("run", "GPU", "GPUs", "measured s", "published s", "error",
                           "fitted s", "error", "source", "knobs chosen"), table_rows)
     summ = results.table(("--efficiency", "mean |error|", "worst |error|"), summary)
-    loso, rate_line, _ = rate_tables(cs)
+    loso, rate_line, held = rate_tables(cs)
+    if args.write_bands:
+        path = Path(__file__).resolve().parents[1] / "plait" / "plan" / "data" / DATA_FILE
+        path.write_text(json.dumps(bands(cs, held), indent=1) + "\n", encoding="utf-8")
     print(text + "\n\n" + summ + "\n\n" + rate_line + "\n\n" + loso)
     if args.write:
         results.write(args.write, "Planner step time against published GPU runs (in sample)",

@@ -1,12 +1,14 @@
 """What a plan's numbers rest on: the hardware numbers it used and their sources
-(`provenance`), and a flag where a predicted MFU is above what any published run of that
-GPU reached, naming the term that drives it (`mfu_flags`).
+(`provenance`), the step time as the range published runs like it measured
+(`step_range`: plait/plan/error_band.py), and a flag where a predicted MFU is above what
+any published run of that GPU reached, naming the term that drives it (`mfu_flags`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from plait.plan import error_band
 from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate
 from plait.plan.gpu_data import Published, hardware_lines, published
@@ -24,6 +26,14 @@ def plan_published(cluster: Cluster, mode: str, profiled: bool, attention: str =
 
 def provenance(cluster: Cluster, pub: Published | None, mode: str) -> list[str]:
     return hardware_lines(cluster.gpu, pub, mode)
+
+
+def step_range(est: Estimate, cluster: Cluster, pub: Published | None) -> list[str]:
+    """The first layout's step time with the held-out error of the published runs like it
+    (the published numbers' path only: the errors were measured on it)."""
+    if pub is None:
+        return []
+    return error_band.range_lines(float(est.step_time), pub.family, cluster.n_gpus)
 
 
 def _driver(e: Estimate) -> str:

@@ -1,0 +1,94 @@
+"""A plan's step time as a range: the leave-one-source-out error that
+benchmarks/plan_gpu_error.py measured on published runs like this one (the same GPU
+family, the same scale: one node or several), read from plait/plan/data/step_time_error.json,
+which that script writes (`--write-bands`).
+
+A run's held-out error e = (predicted - measured) / measured was measured with the
+training rate fitted without the run's source, so predicted / (1 + e) is what such a run
+measured for that prediction: the range is the prediction divided by (1 + the largest
+error) to (1 + the smallest). Where no published run of the GPU family was scored, or the
+plan is beyond the largest GPU count scored, the line says so: the prediction rests on
+terms the data never tested there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+DATA_FILE = "step_time_error.json"
+# a scale class needs this many scored runs to stand on its own (else the family's runs)
+MIN_RUNS = 2
+NODE_GPUS = 8  # one node of the GPU presets (8 GPUs a node)
+
+
+@lru_cache(maxsize=1)
+def load() -> dict[str, Any]:
+    """The data file, read from the package."""
+    text = resources.files("plait.plan").joinpath("data", DATA_FILE).read_text("utf-8")
+    return json.loads(text)
+
+
+def scale_of(n_gpus: int) -> str:
+    """The scale class of a run: one node, or several."""
+    return "one node" if n_gpus <= NODE_GPUS else "several nodes"
+
+
+@dataclass(frozen=True)
+class Band:
+    """The held-out errors of the scored runs like a plan's."""
+
+    family: str
+    scale: str  # scale_of's class, or "every scale" where that class had too few runs
+    errors: tuple[float, ...]  # (predicted - measured) / measured, one a run
+    largest_gpus: int  # the most GPUs of a scored run of the family
+
+    def measured_range(self, predicted: float) -> tuple[float, float]:
+        """(fastest, slowest) step time the scored runs measured for such a prediction."""
+        return predicted / (1 + max(self.errors)), predicted / (1 + min(self.errors))
+
+    @property
+    def mean_abs(self) -> float:
+        return sum(map(abs, self.errors)) / len(self.errors)
+
+
+def band_of(family: str | None, n_gpus: int, runs: list[dict[str, Any]] | None = None
+            ) -> Band | None:
+    """The band of the scored `runs` (default: the data file's) of GPU family `family` at
+    `n_gpus`' scale, or of all its runs where that scale has under MIN_RUNS; None where
+    no run of the family was scored."""
+    runs = load()["runs"] if runs is None else runs
+    same = [r for r in runs if r["family"] == family]
+    if not same:
+        return None
+    scale = scale_of(n_gpus)
+    like = [r for r in same if scale_of(r["gpus"]) == scale]
+    if len(like) < MIN_RUNS:
+        like, scale = same, "every scale"
+    return Band(family or "", scale, tuple(r["error"] for r in like),
+                max(r["gpus"] for r in same))
+
+
+def range_lines(predicted: float, family: str | None, n_gpus: int,
+                runs: list[dict[str, Any]] | None = None) -> list[str]:
+    """The plan's step time with the range runs like it measured, and a flag where the
+    data never tested its GPU family or its scale."""
+    band = band_of(family, n_gpus, runs)
+    src = load()["source"]
+    if band is None:
+        return [f"UNTESTED: step time {predicted:.3f} s with no measured error: no published "
+                f"run on a {(family or 'this GPU').upper()} was scored ({src})."]
+    lo, hi = band.measured_range(predicted)
+    lines = [f"Step time {predicted:.3f} s; runs like this one measured {lo:.3f}-{hi:.3f} s "
+             f"for such a prediction: leave-one-source-out errors {100 * min(band.errors):+.1f} "
+             f"% to {100 * max(band.errors):+.1f} % (mean |error| {100 * band.mean_abs:.1f} %) "
+             f"over the {len(band.errors)} published {band.family.upper()} runs at "
+             f"{band.scale} ({src})."]
+    if n_gpus > band.largest_gpus:
+        lines.append(f"UNTESTED SCALE: {n_gpus:,} GPUs, beyond the largest scored "
+                     f"{band.family.upper()} run ({band.largest_gpus:,}): collectives at "
+                     "this scale rest on terms the data never tested.")
+    return lines

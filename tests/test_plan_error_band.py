@@ -1,0 +1,85 @@
+"""A plan's step time as a range: the held-out errors of published runs like it
+(plait/plan/error_band.py), the data file against benchmarks/plan_gpu_error.py, and the
+line `plait plan` prints."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import plan_cli as plan
+
+from plait.plan import error_band
+from plait.plan.gpu_data import family_of
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = [{"family": "h100", "gpus": 8, "error": -0.2}, {"family": "h100", "gpus": 8, "error": 0.25},
+        {"family": "h100", "gpus": 512, "error": 0.05}, {"family": "a100", "gpus": 64,
+                                                         "error": -0.1}]
+
+
+def test_band_takes_the_runs_at_the_same_scale():
+    band = error_band.band_of("h100", 8, RUNS)
+    assert band.scale == "one node" and band.errors == (-0.2, 0.25)
+    assert band.largest_gpus == 512
+    # measured = predicted / (1 + error): a run 20 % too fast measured 1.25 x the prediction
+    assert band.measured_range(1.0) == pytest.approx((0.8, 1.25))
+    assert band.mean_abs == pytest.approx(0.225)
+
+
+def test_band_falls_back_to_the_family_where_a_scale_has_one_run():
+    band = error_band.band_of("h100", 256, RUNS)
+    assert band.scale == "every scale" and sorted(band.errors) == [-0.2, 0.05, 0.25]
+    assert error_band.band_of("b200", 8, RUNS) is None
+
+
+def test_lines_flag_an_untested_gpu_and_scale():
+    (line,) = error_band.range_lines(2.0, "h100", 8, RUNS)
+    assert line.startswith("Step time 2.000 s; runs like this one measured 1.600-2.500 s")
+    assert "-20.0 % to +25.0 %" in line and "2 published H100 runs at one node" in line
+    lines = error_band.range_lines(2.0, "h100", 1024, RUNS)
+    assert lines[-1].startswith("UNTESTED SCALE: 1,024 GPUs, beyond the largest scored H100 "
+                                "run (512)")
+    (untested,) = error_band.range_lines(2.0, "b200", 8, RUNS)
+    assert untested.startswith("UNTESTED: step time 2.000 s with no measured error")
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_gpu_error
+    return plan_gpu_error
+
+
+def test_data_file_names_the_scripts_runs():
+    """Every run the range reads is one of the error script's, with its family and size."""
+    cases = _script().cases()
+    runs = error_band.load()["runs"]
+    assert [(r["name"], r["family"], r["gpus"]) for r in runs] == [
+        (c.name, family_of(c.cluster.gpu.name), c.cluster.n_gpus) for c in cases]
+
+
+@pytest.mark.slow
+def test_data_file_holds_the_scripts_held_out_errors():
+    """The errors are what benchmarks/plan_gpu_error.py --write-bands measures now."""
+    script = _script()
+    cases = script.cases()
+    _, _, held = script.rate_tables(cases)
+    written = json.loads(json.dumps(script.bands(cases, held)))
+    assert written == error_band.load()
+
+
+def test_plan_prints_the_range_on_the_published_numbers_only():
+    base = ("--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--global-batch", "16",
+            "--layout", "dp=8", "--microbatch", "2", "--zero", "3")
+    rc, out = plan(*base, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    step = doc["layouts"][0]["step_time_s"]
+    (line,) = [x for x in doc["explanation"] if x.startswith("Step time")]
+    band = error_band.band_of("h100", 8)
+    lo, hi = band.measured_range(step)
+    assert line.startswith(f"Step time {step:.3f} s; runs like this one measured "
+                           f"{lo:.3f}-{hi:.3f} s")
+    rc, out = plan(*base, "--json", "--efficiency", "fitted")
+    assert rc == 0
+    assert not [x for x in json.loads(out)["explanation"] if x.startswith("Step time")]
