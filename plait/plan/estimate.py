@@ -17,12 +17,11 @@ from plait.plan import bubble, fp8, host_share, memory, memory_bound, overlap_sl
 from plait.plan.basis import Basis, ChunkTimes, Layout, Training, basis_of
 from plait.plan.comm import EXCHANGE_TERM, price
 from plait.plan.comm.layer import TP_COLLECTIVES_FWD, LayerComm, layer_comm
-from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p
+from plait.plan.comm.step import block_scales_sync, dp_exposed_time, dualpipe_copies, pp_p2p
 from plait.plan.comm.sync import SYNC_TERM, sync_seconds
 from plait.plan.comm.zero import end_gathered, gathered_bytes, zero3_bytes
 from plait.plan.compute import (
     Efficiency,
-    float8_gathered_weights,
     gemm_time,
     hardware_flops_per_token,
     head_flops,
@@ -31,7 +30,6 @@ from plait.plan.compute import (
     tp_floor_seconds,
 )
 from plait.plan.hardware import Cluster
-from plait.plan.memory import LINEAR_GATHER_BYTES
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
 from plait.plan.stack import pp_overlapped
@@ -275,15 +273,14 @@ def evaluate(shape: Shape, cluster: Cluster, train: Training, lay: Layout, eff: 
     dense, gathered, g_bytes = rm.params - rm.expert_params, None, None
     experts, g_experts = rm.expert_params, None
     if lay.zero == 3:  # each the end that moves more (ZeRO-3's gathers differ by stage)
-        linear = float8_gathered_weights(shape, b.tp) if train.precision in LINEAR_GATHER_BYTES \
-            else 0.0
+        linear = fp8.gathered_linear(shape, b.tp, train.precision)
         dense, gathered, g_bytes = _busiest(train, lay, b, (rm.first_dense, rm.last_dense),
                                             rm.chunk[0], rm.ends[:3], linear)
         experts, g_experts, _ = _busiest(train, lay, b, (rm.first_experts, rm.last_experts),
                                          rm.chunk[1], (0.0, 0.0, -rm.ends[3]))
     dp_exposed = dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls,
-                                 gathered=gathered, gathered_bytes=g_bytes,
-                                 layer_blocks=fp8.layer_blocks(shape, b.tp, train.fp8_block))
+                                 gathered=gathered, gathered_bytes=g_bytes)
+    dp_exposed = dp_exposed + block_scales_sync(cluster, train, lay, eff, b, shape, colls)
     if shape.moe:
         dp_exposed = dp_exposed + dp_exposed_time(cluster, train, lay, eff, b, ct,
                                                   experts, colls, experts=True,

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.plan.compute import Efficiency, Num
+from plait.plan.compute import Efficiency, Num, float8_gathered_weights
 from plait.plan.hardware import GPU
 from plait.plan.memory_bound import Kernel
 from plait.plan.shape import Shape
@@ -88,9 +88,9 @@ def weight_blocks(shape: Shape, tp: Num, block: int) -> Num:
     return ((shape.layers - shape.dense_layers) * moe + shape.dense_layers * dense) / shape.layers
 
 
-def layer_blocks(shape: Shape, tp: Num, block: int) -> Num:
-    """`weight_blocks` under the blockwise recipe; 0 (no block scales) for `block` 0."""
-    return weight_blocks(shape, tp, block) if block else 0.0
+def gathered_linear(shape: Shape, tp: Num, precision: str) -> Num:
+    """A layer's weights ZeRO-3 gathers in float8 under `precision` (0 but for fp8)."""
+    return float8_gathered_weights(shape, tp) if is_fp8(precision) else 0.0
 
 
 def scale_bytes(precision: str) -> int:

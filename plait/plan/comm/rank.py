@@ -19,11 +19,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from plait.dims import REPLICA_AXES, REPLICAS
-from plait.plan import fp8, memory
+from plait.plan import memory
 from plait.plan.basis import Layout, basis_of
 from plait.plan.comm import price
 from plait.plan.comm.layer import layer_comm
-from plait.plan.comm.step import dp_exposed_time, dualpipe_copies, pp_p2p, pp_sends_of_rank
+from plait.plan.comm.step import (
+    block_scales_sync,
+    dp_exposed_time,
+    dualpipe_copies,
+    pp_p2p,
+    pp_sends_of_rank,
+)
 from plait.plan.comm.zero import gathered_by_stage, gathered_bytes
 from plait.plan.compute import float8_gathered_weights
 from plait.plan.estimate import chunk_times
@@ -140,8 +146,8 @@ def rank_collectives(cfg: Config, pp_rank: int) -> list[price.Collective]:
         g_bytes = gathered_bytes(train, g_dense,
                                  linear_gathered_on_rank(cfg, pp_rank, lay, shape, b.tp))
     dp_exposed_time(cluster, train, lay, eff, b, ct, dense, colls, gathered=g_dense,
-                    gathered_bytes=g_bytes,
-                    layer_blocks=fp8.layer_blocks(shape, b.tp, train.fp8_block))
+                    gathered_bytes=g_bytes)
+    block_scales_sync(cluster, train, lay, eff, b, shape, colls)
     if shape.moe:
         dp_exposed_time(cluster, train, lay, eff, b, ct, expert, colls, experts=True,
                         gathered=g_expert)

@@ -91,14 +91,12 @@ def pp_p2p(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
 def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
                     b: Basis, ct: ChunkTimes, pr: Num, colls: list[price.Collective],
                     experts: bool = False, gathered: Num | None = None,
-                    gathered_bytes: Num | None = None, layer_blocks: Num = 0.0) -> Num:
+                    gathered_bytes: Num | None = None) -> Num:
     """Exposed data-parallel / ZeRO time per step (`pr`: parameters on the rank, synced
     over the replicas, or with `experts` routed experts', over the replicas that hold the
     same experts, "edp"; `gathered`: the parameters ZeRO-3 all-gathers per step, by
     default `zero3_gathered`'s; `gathered_bytes`: their bytes where not the parameter's
-    (float8 block linears: comm/zero.py gathered_bytes); `layer_blocks`: a layer's
-    float8 weight blocks under the blockwise recipe, whose scales ZeRO-3 syncs:
-    `block_scales_sync`); appends the collectives (dim
+    (float8 block linears: comm/zero.py gathered_bytes)); appends the collectives (dim
     `zero_group`'s: "dp" ("dp_cp" under context parallel) or "edp"; with hybrid sharding
     ZeRO's run inside a shard group, "dp_shard" or "edp_shard", and the shards'
     all-reduce over "dp_replicate": `shard_copies_sync`)."""
@@ -167,9 +165,6 @@ def dp_exposed_time(cluster: Cluster, train: Training, lay: Layout, eff: Efficie
     if lay.zero >= 1:
         dp_exposed = dp_exposed + shard_copies_sync(cluster, lay, eff, b, g_bytes / n,
                                                     units, colls)
-    if lay.zero == 3 and train.fp8_block and not experts:
-        size = layer_blocks * b.rank_layers * fp8.scale_bytes(train.precision)
-        dp_exposed = dp_exposed + block_scales_sync(size, dim, n, bw, al, dp_intra, colls)
     if eff.runtime_comm and not experts:
         dp_exposed = dp_exposed + step_end_collectives(cluster, lay, eff, b, colls)
     return dp_exposed
@@ -220,12 +215,19 @@ def shard_copies_sync(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
     return count * t_each
 
 
-def block_scales_sync(size: Num, dim: str, n: Num, bw: Num, alpha: Num, intra: Num,
-                      colls: list[price.Collective]) -> Num:
+def block_scales_sync(cluster: Cluster, train: Training, lay: Layout, eff: Efficiency,
+                      b: Basis, shape: Shape, colls: list[price.Collective]) -> Num:
     """ZeRO-3 under float8's blockwise recipe: once a step, before the first gather, one
-    all-reduce (max) of the amaxes of the rank's weight blocks (`size` bytes) over ZeRO's
-    group, the scales every rank casts its shard with (plait/parallel/zero_fp8_blocks.py);
-    waited on at once. Appends the collective; its seconds."""
+    all-reduce (max) of the amaxes of the rank's float8 weight blocks (`fp8.weight_blocks`
+    a layer) over ZeRO's group (the dense parameters'), the scales every rank casts its
+    shard with (plait/parallel/zero_fp8_blocks.py); waited on at once. Appends it; its
+    seconds (0 under any other recipe or stage)."""
+    if lay.zero != 3 or not train.fp8_block:
+        return 0.0
+    dim, n, intra, nics = zero_group(cluster, lay, b)
+    bw, alpha = price.link(cluster.gpu, intra, eff.link_efficiency, nics)
+    size = fp8.weight_blocks(shape, b.tp, train.fp8_block) * b.rank_layers * \
+        fp8.scale_bytes(train.precision)
     t_each, _ = price.all_reduce(size, n, bw, alpha)
     live = np.where(n > 1, 1.0, 0.0)
     colls.append(price.Collective(dim, "all-reduce (float8 block scales)", size, live, n,
