@@ -115,6 +115,75 @@ THROUGHPUT_RUNS = [
 ]
 
 
+class Series(NamedTuple):
+    """One model on one GPU at several GPU counts (the source's own rows): is the change
+    of tokens/s per GPU with the GPU count predicted with the right sign?"""
+
+    name: str
+    gpu: str
+    shape: Shape
+    # (GPUs, global batch, micro-batch, measured tokens/s per GPU), by GPU count
+    points: tuple[tuple[int, int, int, float], ...]
+    source: str
+
+
+# llm-foundry's H100 BF16 table, seq 2048, no activation checkpointing, FSDP FULL_SHARD;
+# the shapes are its yamls' (scripts/train/yamls/pretrain/mpt-*.yaml: d_model, n_heads,
+# n_layers). Not in the training rate's fit: only the direction of change is scored
+SCALING_SERIES = [
+    Series("MPT-760m seq 2048", "h100-sxm", mpt(24, 1536, 12),
+           ((8, 384, 24, 63147), (16, 384, 24, 68551), (32, 768, 24, 67971)),
+           LLM_FOUNDRY + ", H100 80GB BF16"),
+    Series("MPT-1B seq 2048", "h100-sxm", mpt(24, 2048, 16),
+           ((8, 112, 14, 45455), (16, 320, 20, 46037), (32, 640, 20, 45130),
+            (64, 1280, 20, 44402)), LLM_FOUNDRY + ", H100 80GB BF16"),
+    Series("MPT-3B seq 2048", "h100-sxm", mpt(32, 2560, 20),
+           ((16, 480, 10, 24142), (32, 576, 6, 23021), (64, 1152, 6, 22525)),
+           LLM_FOUNDRY + ", H100 80GB BF16"),
+    Series("MPT-13B seq 2048", "h100-sxm", mpt(40, 5120, 40),
+           ((8, 16, 2, 4792), (16, 32, 2, 4767), (32, 64, 2, 4811), (64, 128, 2, 4800)),
+           LLM_FOUNDRY + ", H100 80GB BF16"),
+]
+# a change of tokens/s per GPU within 1 % counts as flat: the tables' runs are 12 steps
+# each (llm-foundry's README), below what their step-to-step spread resolves
+FLAT = 0.01
+
+
+def direction(change: float, flat: float = FLAT) -> int:
+    """+1 faster per GPU, -1 slower, 0 flat (within `flat`)."""
+    return 0 if abs(change) <= flat else (1 if change > 0 else -1)
+
+
+def series_rows(series: list[Series]) -> list[tuple]:
+    """Per step of GPU count: the measured and predicted change of tokens/s per GPU and
+    whether their directions agree (the published numbers, the data file's rate)."""
+    out = []
+    for sr in series:
+        pub = published(get_gpu(sr.gpu), "fa2")
+        pred = []
+        for n, batch, mbs, _ in sr.points:
+            est = evaluate(sr.shape, Cluster(pub.gpu, n), Training(batch, stack=EAGER),
+                           Layout(dp=n, mbs=mbs, zero=3), pub.eff, simulate=True)
+            pred.append(batch * sr.shape.seq / float(est.step_time) / n)
+        for (a, b), (pa, pb) in zip(zip(sr.points, sr.points[1:]), zip(pred, pred[1:])):
+            meas, model = b[3] / a[3] - 1, pb / pa - 1
+            out.append((sr.name, f"{a[0]} -> {b[0]}", f"{100 * meas:+.1f} %",
+                        f"{100 * model:+.1f} %", direction(meas) == direction(model)))
+    return out
+
+
+def series_table(series: list[Series]) -> tuple[str, str]:
+    """The scaling series' table and the count of steps with the right direction."""
+    rows = series_rows(series)
+    right = sum(r[-1] for r in rows)
+    text = results.table(("series", "GPUs", "measured change of tokens/s/GPU",
+                          "predicted change", "same direction"),
+                         [(*r[:-1], "yes" if r[-1] else "no") for r in rows])
+    return text, (f"Scaling series ({SCALING_SERIES[0].source.split(' ')[0]}): the direction "
+                  f"of change (within ±{100 * FLAT:.0f} %: flat) right on {right} of "
+                  f"{len(rows)} steps of GPU count.")
+
+
 class Case(NamedTuple):
     name: str
     gpu: str
@@ -231,13 +300,14 @@ def main() -> None:
                           "fitted s", "error", "source", "knobs chosen"), table_rows)
     summ = results.table(("--efficiency", "mean |error|", "worst |error|"), summary)
     loso, rate_line, held = rate_tables(cs)
+    scaling, scaling_line = series_table(SCALING_SERIES)
     if args.write_bands:
         path = Path(__file__).resolve().parents[1] / "plait" / "plan" / "data" / DATA_FILE
         path.write_text(json.dumps(bands(cs, held), indent=1) + "\n", encoding="utf-8")
-    print(text + "\n\n" + summ + "\n\n" + rate_line + "\n\n" + loso)
+    print("\n\n".join([text, summ, rate_line, loso, scaling_line, scaling]))
     if args.write:
         results.write(args.write, "Planner step time against published GPU runs (in sample)",
-                      [text, summ, rate_line, loso],
+                      [text, summ, rate_line, loso, scaling_line, scaling],
                       "IN SAMPLE: every run here is from a source plait may read, and the "
                       "published numbers' training rate (`kernel_rate_in_training`) is fitted "
                       "to these runs, as `fitted`'s constants are to Korthikanti et al.'s; the "
