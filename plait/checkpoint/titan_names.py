@@ -5,7 +5,11 @@ torchtitan/models/llama3/state_dict_adapter.py and
 torchtitan/models/deepseek_v3/state_dict_adapter.py at commit b5bcd76 (2026-08-21).
 `2026` is the naming those files use; `2025` the one they used before torchtitan renamed
 the Llama projections (under `qkv_linear`), the head (`lm_head`), the stacked experts
-(`routed_experts.inner_experts.*_EFD`) and the balancing bias (`expert_bias_E`).
+(`routed_experts.inner_experts.*_EFD`) and the balancing bias (`expert_bias_E`): the same
+repository at commit 64dc922 (2025-12-12), torchtitan/models/llama3/model/
+state_dict_adapter.py, torchtitan/models/deepseek_v3/model/state_dict_adapter.py
+(`output.weight`, `moe.experts.w1/w2/w3`, `moe.expert_bias`) and
+torchtitan/models/moe/moe.py (the stacks already E x F x D and E x D x F).
 
 Every row of `TABLE` is one plait parameter: its torchtitan name in each naming, its
 shape in torchtitan's axis letters and the file it comes from. `N` is the layer. Shapes
