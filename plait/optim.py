@@ -1,4 +1,5 @@
-"""The optimizer's maths: AdamW and plain SGD on fp32 masters, in place, no communication.
+"""The optimizer's maths: AdamW, plain SGD and Muon (its maths in plait/muon.py) on fp32
+masters, in place, no communication.
 
 With precision "bf16" the model holds bf16 parameters and gradients (2 + 2 bytes a
 parameter) and the optimizer holds an fp32 master copy, momentum and variance (4 + 4 + 4):
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from plait.model.precision import wide_dtype, widened
+from plait.muon import MuonSettings, is_muon_matrix, muon_update
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -28,22 +30,37 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 
 class MixedPrecisionAdamW:
-    """AdamW (or plain SGD) over `named_params`; masters are fp32 (the parameter itself when
-    it is fp32 or float64, which keeps its float64). SGD keeps no moments."""
+    """AdamW, plain SGD or Muon over `named_params`; masters are fp32 (the parameter itself
+    when it is fp32 or float64, which keeps its float64). SGD keeps no moments; Muon keeps
+    one momentum buffer a matrix (plait/muon.py's rule) and AdamW's moments for the rest."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], betas: tuple[float, float],
-                 eps: float, weight_decay: float, kind: str = "adamw"):
+                 eps: float, weight_decay: float, kind: str = "adamw",
+                 muon: MuonSettings | None = None):
         self.params = [p for _, p in named_params]
         self.decay = [decays(n, p) for n, p in named_params]
         self.master = [p.data if p.dtype == wide_dtype(p.dtype) else widened(p.detach()).clone()
                        for p in self.params]
-        self.kind = kind
-        moments = kind == "adamw"
-        self.exp_avg = [torch.zeros_like(m) for m in self.master] if moments else []
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if moments else []
+        self.kind, self.muon = kind, muon or MuonSettings()
+        on_muon = [kind == "muon" and is_muon_matrix(n, p) for n, p in named_params]
+        # indices of the parameters each rule updates; the states follow their order
+        self.muon_ids = [i for i, m in enumerate(on_muon) if m]
+        self.adam_ids = [i for i, m in enumerate(on_muon) if not m] if kind != "sgd" else []
+        self.exp_avg = [torch.zeros_like(self.master[i]) for i in self.adam_ids]
+        self.exp_avg_sq = [torch.zeros_like(self.master[i]) for i in self.adam_ids]
+        self.momentum = [torch.zeros_like(self.master[i]) for i in self.muon_ids]
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
         self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
+
+    def states(self, i: int) -> dict[str, torch.Tensor]:
+        """The optimizer states of parameter i beside its master, by name."""
+        if i in self.muon_ids:
+            return {"momentum": self.momentum[self.muon_ids.index(i)]}
+        if i in self.adam_ids:
+            j = self.adam_ids.index(i)
+            return {"exp_avg": self.exp_avg[j], "exp_avg_sq": self.exp_avg_sq[j]}
+        return {}
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -55,15 +72,23 @@ class MixedPrecisionAdamW:
         if self.kind == "sgd":
             sgd_update([self.master[i] for i in live], [self.params[i].grad for i in live],
                        lr, grad_scale)
-        else:
+        adam = [(i, j) for j, i in enumerate(self.adam_ids) if self.params[i].grad is not None]
+        if adam:
             adamw_update(
-                masters=[self.master[i] for i in live],
-                grads=[self.params[i].grad for i in live],
-                exp_avgs=[self.exp_avg[i] for i in live],
-                exp_avg_sqs=[self.exp_avg_sq[i] for i in live],
-                decayed=[self.master[i] for i in live if self.decay[i]],
+                masters=[self.master[i] for i, _ in adam],
+                grads=[self.params[i].grad for i, _ in adam],
+                exp_avgs=[self.exp_avg[j] for _, j in adam],
+                exp_avg_sqs=[self.exp_avg_sq[j] for _, j in adam],
+                decayed=[self.master[i] for i, _ in adam if self.decay[i]],
                 step=self.steps, lr=lr, betas=self.betas, eps=self.eps,
                 weight_decay=self.weight_decay, grad_scale=grad_scale)
+        on_muon = [(i, j) for j, i in enumerate(self.muon_ids) if self.params[i].grad is not None]
+        if on_muon:
+            m = self.muon
+            muon_update([self.master[i] for i, _ in on_muon],
+                        [self.params[i].grad for i, _ in on_muon],
+                        [self.momentum[j] for _, j in on_muon], lr, m.momentum,
+                        self.weight_decay, m.scale, m.ns_dtype, grad_scale)
         for i in live:
             if self.master[i] is not self.params[i].data:
                 self.params[i].data.copy_(self.master[i])
@@ -71,7 +96,7 @@ class MixedPrecisionAdamW:
     def snapshot(self) -> None:
         """Copy the masters, moments and update count, so that `restore` undoes the next
         updates exactly (a copy, not the update's inverse: bit for bit)."""
-        self._saved = ([t.clone() for t in self.master + self.exp_avg + self.exp_avg_sq],
+        self._saved = ([t.clone() for t in self._state_tensors()],
                        self.steps)
 
     @torch.no_grad()
@@ -81,7 +106,7 @@ class MixedPrecisionAdamW:
         if self._saved is None:
             raise RuntimeError("restore() without a snapshot()")
         copies, self.steps = self._saved
-        for t, c in zip(self.master + self.exp_avg + self.exp_avg_sq, copies, strict=True):
+        for t, c in zip(self._state_tensors(), copies, strict=True):
             t.copy_(c)
         for m, p in zip(self.master, self.params, strict=True):
             if m is not p.data:
@@ -91,14 +116,19 @@ class MixedPrecisionAdamW:
     def drop_snapshot(self) -> None:
         self._saved = None
 
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return self.master + self.exp_avg + self.exp_avg_sq + self.momentum
+
     def snapshot_tensors(self) -> list[torch.Tensor]:
         """The snapshot's copies while one is held (what the memory meter counts)."""
         return list(self._saved[0]) if self._saved is not None else []
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes held by the optimizer: fp32 master (when separate) and the two moments."""
+        """Bytes held by the optimizer: fp32 master (when separate), the two moments (and
+        Muon's momentum buffers)."""
         master = sum(m.numel() * 4 for m, p in zip(self.master, self.params) if m is not p.data)
-        moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+        moments = sum(t.numel() * t.element_size()
+                      for t in self.exp_avg + self.exp_avg_sq + self.momentum)
         return {"master": master, "moments": moments}
 
 

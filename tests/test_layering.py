@@ -48,7 +48,7 @@ LAYERS = [
     ("ledger", ["plait.ledger"]),  # the mesh carries the rank's ledger
     ("mesh", ["plait.mesh"]),
     ("placement", ["plait.placement"]),
-    ("optim", ["plait.optim"]),  # the update maths: torch only, no communication
+    ("optim", ["plait.optim", "plait.muon"]),  # the update maths: torch only, no communication
     ("comm", ["plait.comm"]),
     ("parallel", ["plait.parallel"]),
     ("checkpoint", ["plait.checkpoint"]),  # save/load what parallelize placed; train drives it

@@ -48,6 +48,9 @@ class Piece:
 
 
 def states_of(kind: str) -> tuple[str, ...]:
+    if kind == "muon":  # refused before a run starts (plait/train/checks.py)
+        raise CheckpointError("checkpoints do not carry Muon's momentum buffers yet; train "
+                              "without checkpoints, or with --optimizer adamw")
     return ("master", "exp_avg", "exp_avg_sq") if kind == "adamw" else ("master",)
 
 

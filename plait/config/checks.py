@@ -236,8 +236,8 @@ def train_problems(cfg: Config) -> list[str]:
         (t.lr <= 0, f"train.lr={t.lr} must be > 0"),
         (t.grad_clip < 0,
          f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)"),
-        (t.optimizer not in ("adamw", "sgd"),
-         f"train.optimizer={t.optimizer!r}; use 'adamw' or 'sgd'"),
+        (t.optimizer not in ("adamw", "sgd", "muon"),
+         f"train.optimizer={t.optimizer!r}; use 'adamw', 'sgd' or 'muon'"),
         (t.optimizer == "sgd" and bool(t.weight_decay),
          f"train.optimizer='sgd' has no weight decay; set train.weight_decay=0 (it is "
          f"{t.weight_decay})"),

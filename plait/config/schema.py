@@ -17,6 +17,7 @@ from typing import Any
 from plait.config import checks
 from plait.config.compile_checks import compile_problems
 from plait.config.fp8_checks import fp8_problems
+from plait.config.muon_checks import muon_problems
 from plait.config.values import coerce_value
 from plait.dims import AXES, DEFAULT_ORDER, DIMENSIONS
 from plait.dims import problems as dimension_problems
@@ -136,9 +137,16 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    # "adamw" | "sgd": plain SGD (no momentum, no weight decay) is scale-sensitive, the
-    # parity check that a gradient off by a constant factor cannot pass (docs/parity.md)
+    # "adamw" | "sgd" | "muon": plain SGD (no momentum, no weight decay) is scale-sensitive,
+    # the parity check that a gradient off by a constant factor cannot pass (docs/parity.md);
+    # Muon (plait/muon.py, docs/muon.md) orthogonalises each hidden matrix's momentum
     optimizer: str = "adamw"
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    # the orthogonalised update's factor: "moonlight" (0.2 * sqrt(max(A, B)): AdamW's RMS,
+    # so lr and weight decay carry over) or "original" (sqrt(max(1, A / B)))
+    muon_scale: str = "moonlight"
+    # the Newton-Schulz iteration's dtype: "bf16" (published), "fp32" or "fp64" (parity)
+    muon_ns_dtype: str = "bf16"
     # "fp32" | "bf16" (bf16 compute, fp32 master weights) | "fp8" (bf16, and the blocks'
     # linears in float8: plait/parallel/fp8.py) | "fp64" (everything in float64: the
     # parity oracle's precision, and a divergence's debugger; plait/model/precision.py)
@@ -218,7 +226,8 @@ class Config:
         return (checks.parallel_problems(self, world_size) + checks.model_problems(self)
                 + dimension_problems(self) + checks.moe_problems(self)
                 + checks.unbuilt_problems(self) + checks.batch_problems(self)
-                + checks.train_problems(self) + fp8_problems(self) + compile_problems(self))
+                + checks.train_problems(self) + fp8_problems(self) + compile_problems(self)
+                + muon_problems(self))
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what was meant, or worth saying."""

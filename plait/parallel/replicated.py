@@ -19,6 +19,7 @@ from plait import comm
 from plait.config import Config
 from plait.mesh import ParallelMesh
 from plait.model.precision import wide_dtype, widened
+from plait.muon import muon_settings
 from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import reduce_dim
@@ -126,7 +127,7 @@ class ReplicatedOptimizer:
                                    dim=d, params=qs) for d, qs in by_dim.items()]
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
-                                         kind=t.optimizer)
+                                         kind=t.optimizer, muon=muon_settings(t))
 
     def before_backward(self, last_microbatch: bool) -> None:
         for sync in self.syncs:
@@ -191,9 +192,7 @@ class ReplicatedOptimizer:
         out = []
         for name, p, owned in named_local(self.model):
             i = index[id(p)]
-            tensors = {"master": o.master[i]}
-            if o.kind == "adamw":
-                tensors.update(exp_avg=o.exp_avg[i], exp_avg_sq=o.exp_avg_sq[i])
+            tensors = {"master": o.master[i], **o.states(i)}
             copy = self.two_copies and not owned
             out.extend(HeldState(name, state, p, 0, p.numel(), t, second_copy=copy)
                        for state, t in tensors.items())
@@ -217,7 +216,8 @@ class ReplicatedOptimizer:
         masters = [m for m, q in zip(o.master, o.params) if m.data_ptr() != q.data_ptr()]
         return {"params": list(self.params),
                 "grads": [q.grad for q in self.params if q.grad is not None],
-                "optimizer": masters + o.exp_avg + o.exp_avg_sq + o.snapshot_tensors(),
+                "optimizer": (masters + o.exp_avg + o.exp_avg_sq + o.momentum
+                              + o.snapshot_tensors()),
                 "comm": [b.flat for sync in self.syncs for b in sync.buckets
                          if b.flat is not None]}
 

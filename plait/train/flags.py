@@ -13,6 +13,7 @@ from pathlib import Path
 from plait.checkpoint.cli import add_checkpoint_args
 from plait.config import Config, ConfigError, load_config
 from plait.config.checks import ZERO3_GATHERS
+from plait.config.muon_checks import MUON_NS_DTYPES, MUON_SCALES
 from plait.device import CHOICES as DEVICE_CHOICES
 from plait.dims import DIMENSIONS, DIMS, LAID
 from plait.model.presets import PRESETS
@@ -35,6 +36,8 @@ TRAIN_FLAGS = {
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
     "replica_timeout": "parallel.replica_timeout_s", "min_replicas": "parallel.min_replicas",
     "eval_every": "train.eval_every", "eval_data": "train.eval_data",
+    "optimizer": "train.optimizer", "muon_scale": "train.muon_scale",
+    "muon_ns_dtype": "train.muon_ns_dtype",
     # each parallel dimension's size and its own settings (plait/dims/)
     **{d.name: d.field for d in DIMENSIONS},
     **{s.key: f"parallel.{s.key}" for d in DIMENSIONS for s in d.settings},
@@ -78,6 +81,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help=_setting_help("recompute"))
     p.add_argument("--data-parallel", choices=("naive", "bucketed"),
                    help=_setting_help("data-parallel"))
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "muon"),
+                   help=_setting_help("optimizer"))
+    p.add_argument("--muon-scale", choices=MUON_SCALES, help=_setting_help("muon-scale"))
+    p.add_argument("--muon-ns-dtype", choices=MUON_NS_DTYPES,
+                   help=_setting_help("muon-ns-dtype"))
     p.add_argument("--optimizer-sync", choices=("barrier", "post_validation"),
                    help=_setting_help("optimizer-sync"))
     p.add_argument("--zero3-gather", choices=ZERO3_GATHERS, help=_setting_help("zero3-gather"))
@@ -171,6 +179,12 @@ _SETTING_HELP = {
     "data-parallel": "gradient all-reduce: one per gradient, or bucketed and overlapped",
     "init-from": "starting weights: a Hugging Face directory hf:DIR, a DCP checkpoint "
     "with torchtitan's names dcp:DIR, or a plait checkpoint",
+    "optimizer": "the update: AdamW, plain SGD (no momentum, no decay), or Muon on the "
+    "hidden matrices with AdamW for the rest (docs/muon.md)",
+    "muon-scale": "Muon's update factor: moonlight (0.2 sqrt(max(A, B)), AdamW's RMS) or "
+    "original (sqrt(max(1, A/B)))",
+    "muon-ns-dtype": "the dtype of Muon's Newton-Schulz iteration (bf16 as published; fp32 or "
+    "fp64 for parity)",
     "optimizer-sync": "pipelines: update after one global grad-norm check, or each stage "
     "at once, validated and rolled back on failure (docs/pipeline_runtime.md)",
     "min-replicas": "--fault-tolerance: with fewer live replicas, a step waits for "

@@ -26,6 +26,7 @@ from plait.mesh import ParallelMesh
 from plait.model.packed import kept_targets
 from plait.model.precision import widened
 from plait.model.transformer import build_model
+from plait.muon import muon_summary
 from plait.optim import clip_coefficient
 from plait.parallel.context import documents_positions
 from plait.parallel.expert import finish_moe_step
@@ -138,6 +139,9 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     plain = build_model(cfg.model, seed=t.seed, device="meta")
     # the model's total, whatever the layout; the local count is this rank's share
     param_count = {"total": sum(q.numel() for q in plain.parameters() if q.requires_grad)}
+    # which parameters Muon takes, said in the summary (the rule: plait/muon.py)
+    optimizer_note = (muon_summary(plain.named_parameters(), t) if t.optimizer == "muon"
+                      else None)
     par = parallelize(plain, mesh, cfg, shard_init=shard_init)
     model, opt = par.model, par.optimizer
     start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step)
@@ -180,6 +184,8 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         checkpoint.finish()
     result.summary = _summary(cfg, mesh, result.metrics, max(t.steps - start_step, 1),
                               param_count, result.stragglers.finish())
+    if optimizer_note is not None:
+        result.summary["optimizer"] = optimizer_note
     if replicas is not None:
         result.summary["fault_tolerance"] = replicas.summary(_held_with_steps(opt, mesh))
     if sync is not None:

@@ -176,6 +176,8 @@ def print_summary(summary: dict, metrics: list[dict], console: Console | None = 
               # plait/throughput.py: global batch tokens / step time, first step left out
               ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
               ("step", f"{summary['mean_step_time'] * 1e3:.1f} ms")]
+    if "optimizer" in summary:  # Muon: which parameters it takes (plait/muon.py's rule)
+        fields.append(("optimizer", summary["optimizer"]))
     if gauges is not None and summary["tokens_per_s"]:
         fields.append(("rank 0", gauges.text(summary["tokens_per_s"])))
     if metrics and metrics[-1].get("moe"):  # routing of the last step

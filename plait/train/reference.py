@@ -4,7 +4,9 @@ Same model, seed, data order and global batch as any layout, but none of plait's
 loss, schedule or optimizer code: the whole global batch in one forward/backward, the mean
 cross-entropy by `F.cross_entropy(reduction="mean")`, the learning rate from its own
 formula, its own weight-decay grouping, torch's AdamW or SGD (foreach off, so the
-arithmetic matches element-wise) and torch's clip_grad_norm_. In float64 when the run's
+arithmetic matches element-wise) or its own Muon (`ReferenceMuon`: the matrices found by
+module type, not by plait's name rule; Newton-Schulz written out a matrix at a time) and
+torch's clip_grad_norm_. In float64 when the run's
 precision is fp64 (the oracle's precision, docs/parity.md), else in fp32.
 
 What it shares with plait is the model (`build_model`, checked on its own by
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import Config
-from plait.model.moe import MoE
+from plait.model.moe import Experts, MoE, Router
 from plait.model.precision import widened
 from plait.model.transformer import build_model
 from plait.train.data import GlobalBatches
@@ -57,12 +59,87 @@ def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = cfg.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=t.lr, foreach=False)
+    on_muon = {id(p) for p in _muon_matrices(model)} if t.optimizer == "muon" else set()
+    rest = [p for p in model.parameters() if id(p) not in on_muon]
     # decay on weight matrices only, never on norm gains (the 1-D parameters)
-    matrices = [p for p in model.parameters() if p.dim() > 1]
-    gains = [p for p in model.parameters() if p.dim() <= 1]
-    return torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
-                              {"params": gains, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+    matrices = [p for p in rest if p.dim() > 1]
+    gains = [p for p in rest if p.dim() <= 1]
+    adamw = torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                               {"params": gains, "weight_decay": 0.0}],
+                              lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+    if t.optimizer != "muon":
+        return adamw
+    return ReferenceMuon([p for p in model.parameters() if id(p) in on_muon], adamw, cfg)
+
+
+def _muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Muon's matrices found by module, not by name: every Linear's weight and the expert
+    stacks inside the blocks, less the MoE routers' (the embedding, the head and the norms
+    are outside the blocks or not Linear)."""
+    routers = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters()}
+    found = []
+    for block in model.layers:
+        for m in block.modules():
+            if isinstance(m, torch.nn.Linear) and id(m.weight) not in routers:
+                found.append(m.weight)
+            elif isinstance(m, Experts):
+                found.extend(m.parameters(recurse=False))
+    return found
+
+
+def newton_schulz5(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Five steps of X <- 3.4445 X - 4.7750 (X X^T) X + 2.0315 (X X^T)^2 X from
+    X = G / ||G||_F, in `dtype`, one matrix at a time (Jordan et al. 2024)."""
+    x = g.to(dtype)
+    x = x / (torch.sqrt((x * x).sum()) + 1e-7)
+    for _ in range(5):
+        xxt = x @ x.T
+        x = 3.4445 * x - 4.7750 * (xxt @ x) + 2.0315 * (xxt @ (xxt @ x))
+    return x.to(g.dtype)
+
+
+class ReferenceMuon:
+    """Muon as Moonlight states it, one matrix (one expert's) at a time, in a loop of its
+    own; the other parameters go to torch's AdamW (`adamw`). Looks like an optimizer to
+    the reference loop: param_groups (the learning rate), step, zero_grad."""
+
+    def __init__(self, matrices: list[torch.nn.Parameter], adamw: torch.optim.Optimizer,
+                 cfg: Config):
+        t = cfg.train
+        self.matrices, self.adamw, self.train = matrices, adamw, t
+        self.lr = t.lr
+        self.buffers = [torch.zeros_like(p) for p in matrices]
+        self.param_groups = [*adamw.param_groups, self]  # the loop sets each group's lr
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
+                      "fp64": torch.float64}[t.muon_ns_dtype]
+
+    def __setitem__(self, key: str, value: float) -> None:
+        self.lr = value
+
+    def _factor(self, rows: int, cols: int) -> float:
+        if self.train.muon_scale == "moonlight":
+            return 0.2 * max(rows, cols) ** 0.5
+        return max(1.0, rows / cols) ** 0.5
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.adamw.step()
+        t, mu = self.train, self.train.muon_momentum
+        for p, buf in zip(self.matrices, self.buffers, strict=True):
+            if p.grad is None:
+                continue
+            buf.copy_(mu * buf + p.grad)
+            ahead = p.grad + mu * buf
+            mats = [(p, ahead)] if p.dim() == 2 else list(zip(p, ahead, strict=True))
+            for w, g in mats:
+                update = newton_schulz5(g, self.dtype)
+                w.copy_(w * (1 - self.lr * t.weight_decay)
+                        - self.lr * self._factor(*w.shape) * update)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        for p in self.matrices:
+            p.grad = None
 
 
 def _moe_step(by_name: dict[str, MoE], update: bool) -> dict:
