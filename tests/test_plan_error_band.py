@@ -13,34 +13,42 @@ from plait.plan import error_band
 from plait.plan.gpu_data import family_of
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = [{"family": "h100", "gpus": 8, "error": -0.2}, {"family": "h100", "gpus": 8, "error": 0.25},
-        {"family": "h100", "gpus": 512, "error": 0.05}, {"family": "a100", "gpus": 64,
-                                                         "error": -0.1}]
+RUNS = [{"family": "h100", "gpus": 8, "stack": "fused", "error": -0.2},
+        {"family": "h100", "gpus": 8, "stack": "fused", "error": 0.25},
+        {"family": "h100", "gpus": 512, "stack": "fused", "error": 0.05},
+        {"family": "h100", "gpus": 8, "stack": "eager", "error": -0.15},
+        {"family": "h100", "gpus": 64, "stack": "eager", "error": -0.17},
+        {"family": "a100", "gpus": 64, "stack": "fused", "error": -0.1}]
 
 
-def test_band_takes_the_runs_at_the_same_scale():
-    band = error_band.band_of("h100", 8, RUNS)
-    assert band.scale == "one node" and band.errors == (-0.2, 0.25)
+def test_band_takes_the_runs_of_the_same_stack_and_scale():
+    band = error_band.band_of("h100", 8, "fused", RUNS)
+    assert band.like == "fused stack, one node" and band.errors == (-0.2, 0.25)
     assert band.largest_gpus == 512
     # measured = predicted / (1 + error): a run 20 % too fast measured 1.25 x the prediction
     assert band.measured_range(1.0) == pytest.approx((0.8, 1.25))
     assert band.mean_abs == pytest.approx(0.225)
 
 
-def test_band_falls_back_to_the_family_where_a_scale_has_one_run():
-    band = error_band.band_of("h100", 256, RUNS)
-    assert band.scale == "every scale" and sorted(band.errors) == [-0.2, 0.05, 0.25]
-    assert error_band.band_of("b200", 8, RUNS) is None
+def test_band_falls_back_where_a_class_has_one_run():
+    band = error_band.band_of("h100", 256, "fused", RUNS)
+    assert band.like == "fused stack, every scale" and sorted(band.errors) == [-0.2, 0.05, 0.25]
+    band = error_band.band_of("h100", 8, "eager", RUNS)  # one eager run on one node
+    assert band.like == "eager stack, every scale" and band.errors == (-0.15, -0.17)
+    band = error_band.band_of("a100", 8, "eager", RUNS)  # one a100 run in all
+    assert band.like == "every stack and scale" and band.errors == (-0.1,)
+    assert error_band.band_of("b200", 8, "fused", RUNS) is None
 
 
 def test_lines_flag_an_untested_gpu_and_scale():
-    (line,) = error_band.range_lines(2.0, "h100", 8, RUNS)
+    (line,) = error_band.range_lines(2.0, "h100", 8, "fused", RUNS)
     assert line.startswith("Step time 2.000 s; runs like this one measured 1.600-2.500 s")
-    assert "-20.0 % to +25.0 %" in line and "2 published H100 runs at one node" in line
-    lines = error_band.range_lines(2.0, "h100", 1024, RUNS)
+    assert "-20.0 % to +25.0 %" in line
+    assert "2 published H100 runs like it (fused stack, one node;" in line
+    lines = error_band.range_lines(2.0, "h100", 1024, "fused", RUNS)
     assert lines[-1].startswith("UNTESTED SCALE: 1,024 GPUs, beyond the largest scored H100 "
                                 "run (512)")
-    (untested,) = error_band.range_lines(2.0, "b200", 8, RUNS)
+    (untested,) = error_band.range_lines(2.0, "b200", 8, "fused", RUNS)
     assert untested.startswith("UNTESTED: step time 2.000 s with no measured error")
 
 
@@ -54,8 +62,9 @@ def test_data_file_names_the_scripts_runs():
     """Every run the range reads is one of the error script's, with its family and size."""
     cases = _script().cases()
     runs = error_band.load()["runs"]
-    assert [(r["name"], r["family"], r["gpus"]) for r in runs] == [
-        (c.name, family_of(c.cluster.gpu.name), c.cluster.n_gpus) for c in cases]
+    assert [(r["name"], r["family"], r["gpus"], r["stack"]) for r in runs] == [
+        (c.name, family_of(c.cluster.gpu.name), c.cluster.n_gpus,
+         error_band.stack_of(c.train.stack.fused_kernels)) for c in cases]
 
 
 @pytest.mark.slow
@@ -76,10 +85,16 @@ def test_plan_prints_the_range_on_the_published_numbers_only():
     doc = json.loads(out)
     step = doc["layouts"][0]["step_time_s"]
     (line,) = [x for x in doc["explanation"] if x.startswith("Step time")]
-    band = error_band.band_of("h100", 8)
+    band = error_band.band_of("h100", 8, "fused")
     lo, hi = band.measured_range(step)
     assert line.startswith(f"Step time {step:.3f} s; runs like this one measured "
                            f"{lo:.3f}-{hi:.3f} s")
+    rc, out = plan(*base, "--json", "--fused-kernels", "no")  # the eager runs' errors
+    doc = json.loads(out)
+    (line,) = [x for x in doc["explanation"] if x.startswith("Step time")]
+    lo, hi = error_band.band_of("h100", 8, "eager").measured_range(
+        doc["layouts"][0]["step_time_s"])
+    assert f"measured {lo:.3f}-{hi:.3f} s" in line and "(eager stack, one node;" in line
     rc, out = plan(*base, "--json", "--efficiency", "fitted")
     assert rc == 0
     assert not [x for x in json.loads(out)["explanation"] if x.startswith("Step time")]

@@ -1,7 +1,7 @@
 """A plan's step time as a range: the leave-one-source-out error that
 benchmarks/plan_gpu_error.py measured on published runs like this one (the same GPU
-family, the same scale: one node or several), read from plait/plan/data/step_time_error.json,
-which that script writes (`--write-bands`).
+family, kernel stack, fused or eager, and scale, one node or several), read from
+plait/plan/data/step_time_error.json, which that script writes (`--write-bands`).
 
 A run's held-out error e = (predicted - measured) / measured was measured with the
 training rate fitted without the run's source, so predicted / (1 + e) is what such a run
@@ -37,12 +37,20 @@ def scale_of(n_gpus: int) -> str:
     return "one node" if n_gpus <= NODE_GPUS else "several nodes"
 
 
+def stack_of(fused_kernels: bool) -> str:
+    """The kernel stack class of a run (Stack.fused_kernels): the step's kernels fused (a
+    compiled or Transformer Engine stack) or eager (one kernel an operator)."""
+    return "fused" if fused_kernels else "eager"
+
+
 @dataclass(frozen=True)
 class Band:
     """The held-out errors of the scored runs like a plan's."""
 
     family: str
-    scale: str  # scale_of's class, or "every scale" where that class had too few runs
+    # the runs taken, in words: their stack and scale classes, or "every ..." where the
+    # runs of that class were too few
+    like: str
     errors: tuple[float, ...]  # (predicted - measured) / measured, one a run
     largest_gpus: int  # the most GPUs of a scored run of the family
 
@@ -55,28 +63,36 @@ class Band:
         return sum(map(abs, self.errors)) / len(self.errors)
 
 
-def band_of(family: str | None, n_gpus: int, runs: list[dict[str, Any]] | None = None
-            ) -> Band | None:
-    """The band of the scored `runs` (default: the data file's) of GPU family `family` at
-    `n_gpus`' scale, or of all its runs where that scale has under MIN_RUNS; None where
-    no run of the family was scored."""
+def band_of(family: str | None, n_gpus: int, stack: str = "fused",
+            runs: list[dict[str, Any]] | None = None) -> Band | None:
+    """The band of the scored `runs` (default: the data file's) of GPU family `family`
+    with kernel stack `stack` (stack_of's class) at `n_gpus`' scale; where those are under
+    MIN_RUNS, the family's runs of that stack at every scale, then of every stack at that
+    scale, then all of them. None where no run of the family was scored."""
     runs = load()["runs"] if runs is None else runs
     same = [r for r in runs if r["family"] == family]
     if not same:
         return None
     scale = scale_of(n_gpus)
-    like = [r for r in same if scale_of(r["gpus"]) == scale]
-    if len(like) < MIN_RUNS:
-        like, scale = same, "every scale"
-    return Band(family or "", scale, tuple(r["error"] for r in like),
+    tries = [(f"{stack} stack, {scale}", lambda r: r["stack"] == stack
+              and scale_of(r["gpus"]) == scale),
+             (f"{stack} stack, every scale", lambda r: r["stack"] == stack),
+             (f"every stack, {scale}", lambda r: scale_of(r["gpus"]) == scale)]
+    like, words = same, "every stack and scale"
+    for label, keep in tries:
+        chosen = [r for r in same if keep(r)]
+        if len(chosen) >= MIN_RUNS:
+            like, words = chosen, label
+            break
+    return Band(family or "", words, tuple(r["error"] for r in like),
                 max(r["gpus"] for r in same))
 
 
-def range_lines(predicted: float, family: str | None, n_gpus: int,
+def range_lines(predicted: float, family: str | None, n_gpus: int, stack: str = "fused",
                 runs: list[dict[str, Any]] | None = None) -> list[str]:
     """The plan's step time with the range runs like it measured, and a flag where the
     data never tested its GPU family or its scale."""
-    band = band_of(family, n_gpus, runs)
+    band = band_of(family, n_gpus, stack, runs)
     src = load()["source"]
     if band is None:
         return [f"UNTESTED: step time {predicted:.3f} s with no measured error: no published "
@@ -85,8 +101,8 @@ def range_lines(predicted: float, family: str | None, n_gpus: int,
     lines = [f"Step time {predicted:.3f} s; runs like this one measured {lo:.3f}-{hi:.3f} s "
              f"for such a prediction: leave-one-source-out errors {100 * min(band.errors):+.1f} "
              f"% to {100 * max(band.errors):+.1f} % (mean |error| {100 * band.mean_abs:.1f} %) "
-             f"over the {len(band.errors)} published {band.family.upper()} runs at "
-             f"{band.scale} ({src})."]
+             f"over the {len(band.errors)} published {band.family.upper()} runs like it "
+             f"({band.like}; {src})."]
     if n_gpus > band.largest_gpus:
         lines.append(f"UNTESTED SCALE: {n_gpus:,} GPUs, beyond the largest scored "
                      f"{band.family.upper()} run ({band.largest_gpus:,}): collectives at "

@@ -13,6 +13,7 @@ from plait.plan.compute import Efficiency
 from plait.plan.estimate import Estimate
 from plait.plan.gpu_data import Published, hardware_lines, published
 from plait.plan.hardware import Cluster
+from plait.plan.stack import Stack
 
 
 def plan_published(cluster: Cluster, mode: str, profiled: bool, attention: str = "auto"
@@ -28,12 +29,14 @@ def provenance(cluster: Cluster, pub: Published | None, mode: str) -> list[str]:
     return hardware_lines(cluster.gpu, pub, mode)
 
 
-def step_range(est: Estimate, cluster: Cluster, pub: Published | None) -> list[str]:
+def step_range(est: Estimate, cluster: Cluster, pub: Published | None, stack: Stack
+               ) -> list[str]:
     """The first layout's step time with the held-out error of the published runs like it
     (the published numbers' path only: the errors were measured on it)."""
     if pub is None:
         return []
-    return error_band.range_lines(float(est.step_time), pub.family, cluster.n_gpus)
+    return error_band.range_lines(float(est.step_time), pub.family, cluster.n_gpus,
+                                  error_band.stack_of(stack.fused_kernels))
 
 
 def _driver(e: Estimate) -> str:
