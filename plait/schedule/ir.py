@@ -156,6 +156,9 @@ class Schedule:
     actions: list[list[Action]]  # actions[rank] in execution order
     num_chains: int = 1
     lowered: bool = field(default=False)
+    # lowered with each F directly followed by an I/B of another micro-batch run as one
+    # overlapped pair (`lower(..., pair_fb=True)`, `fb_pairs`)
+    paired_fb: bool = field(default=False)
 
     def __post_init__(self) -> None:
         if len(self.stage_to_rank) != self.num_stages:
@@ -165,6 +168,8 @@ class Schedule:
             )
         if len(self.actions) != self.pp:
             raise ValueError(f"{len(self.actions)} action lists for pp={self.pp}")
+        if self.paired_fb and not self.lowered:
+            raise ValueError("paired_fb marks a lowered schedule; lower it with pair_fb=True")
         if self.num_stages % self.num_chains or self.microbatches % self.num_chains:
             raise ValueError(
                 f"num_chains={self.num_chains} must divide num_stages={self.num_stages} "
@@ -213,7 +218,7 @@ class Schedule:
             f"schedule,{self.name},pp={self.pp},microbatches={self.microbatches},"
             f"virtual_stages={self.virtual_stages},num_stages={self.num_stages},"
             f"num_chains={self.num_chains},lowered={int(self.lowered)}"
-        )
+        ) + (",paired_fb=1" if self.paired_fb else "")
         lines = [head, "stage_to_rank," + ",".join(map(str, self.stage_to_rank))]
         for r, acts in enumerate(self.actions):
             lines.append(",".join([str(r)] + [str(a) for a in acts]))
@@ -247,6 +252,7 @@ class Schedule:
             actions=actions,
             num_chains=int(meta.get("num_chains", 1)),
             lowered=bool(int(meta.get("lowered", 0))),
+            paired_fb=bool(int(meta.get("paired_fb", 0))),
         )
 
 
@@ -283,3 +289,16 @@ def split_backwards(schedule: Schedule, rank: int, recompute: bool
     split = {(a.stage, a.microbatch) for a in computes
              if a.kind == "I" and (a.stage, a.microbatch) not in whole}
     return whole, split
+
+
+def fb_pairs(schedule: Schedule) -> list[list[int]]:
+    """Per rank, the index of each F that runs overlapped with the action after it: in a
+    schedule lowered with `pair_fb`, every F directly followed (no transfer between) by an
+    I or B of another micro-batch (DualPipe's F&B chunks; the steady phase of 1F1B-like
+    orders). The pair starts when both inputs are there and its transfers go after it.
+    Empty lists for a schedule lowered without pairing."""
+    if not schedule.paired_fb:
+        return [[] for _ in schedule.actions]
+    return [[i for i, (a, b) in enumerate(zip(acts, acts[1:]))
+             if a[0] == "F" and b[0] in ("I", "B") and a[2] != b[2]]
+            for acts in schedule.actions]

@@ -30,8 +30,9 @@ LOOKAHEAD = 1  # receives are posted this many computes before the one that need
 
 
 @without_gc
-def lower(schedule: Schedule) -> Schedule:
-    """A copy of `schedule` with SEND/RECV actions inserted (see module docstring)."""
+def lower(schedule: Schedule, pair_fb: bool = False) -> Schedule:
+    """A copy of `schedule` with SEND/RECV actions inserted (see module docstring);
+    `pair_fb`: paired F&B kept adjacent, marked `paired_fb`."""
     if schedule.lowered or any(a.is_comm for acts in schedule.actions for a in acts):
         raise ValueError(f"schedule {schedule.name!r} is already lowered")
     rank_of = schedule.stage_to_rank
@@ -43,6 +44,10 @@ def lower(schedule: Schedule) -> Schedule:
         for i, (kind, stage, mb, _) in enumerate(acts):
             if kind != "W":
                 where[kind][(stage, mb)] = i
+    pairs = [_pairs(acts) if pair_fb else [] for acts in computes]
+    for acts, firsts in zip(computes, pairs):
+        for i in firsts:  # the pair's backward is consumed where the pair starts
+            where[acts[i + 1].kind][acts[i + 1][1:3]] = i
     nxt = [schedule.next_stage(st) for st in range(schedule.num_stages)]
     prv = [schedule.prev_stage(st) for st in range(schedule.num_stages)]
 
@@ -85,14 +90,8 @@ def lower(schedule: Schedule) -> Schedule:
             pos = max(pos, min(max(consumer - LOOKAHEAD, 0), upper[k]))
             recvs_before[b_rank].setdefault(pos, []).append(recv)
 
-    lowered = []
-    for r, acts in enumerate(computes):
-        seq: list[Action] = []
-        for i, act in enumerate(acts):
-            seq += recvs_before[r].get(i, [])
-            seq.append(act)
-            seq += sends_after[r].get(i, [])
-        lowered.append(seq)
+    lowered = [_interleave(acts, recvs_before[r], sends_after[r], pairs[r])
+               for r, acts in enumerate(computes)]
     return Schedule(
         schedule.name,
         schedule.pp,
@@ -103,7 +102,29 @@ def lower(schedule: Schedule) -> Schedule:
         lowered,
         schedule.num_chains,
         lowered=True,
+        paired_fb=pair_fb,
     )
+
+
+def _interleave(computes: list[Action], recvs_before: dict[int, list[Action]],
+                sends_after: dict[int, list[Action]], pairs: list[int]) -> list[Action]:
+    """One rank's lowered list: each compute with its receives before and sends after;
+    what would sit between a pair's two computes goes after the pair."""
+    for i in pairs:
+        sends_after[i + 1] = sends_after.pop(i, []) + sends_after.get(i + 1, [])
+        recvs_before[i + 2] = recvs_before.pop(i + 1, []) + recvs_before.get(i + 2, [])
+    seq: list[Action] = []
+    for i, act in enumerate(computes):
+        seq += recvs_before.get(i, [])
+        seq.append(act)
+        seq += sends_after.get(i, [])
+    return seq + recvs_before.get(len(computes), [])
+
+
+def _pairs(computes: list[Action]) -> list[int]:
+    """Indices of the F's that pair with the compute after them (see `ir.fb_pairs`)."""
+    return [i for i, (a, b) in enumerate(zip(computes, computes[1:]))
+            if a[0] == "F" and b[0] in ("I", "B") and a[2] != b[2]]
 
 
 def forward_only(schedule: Schedule) -> Schedule:

@@ -36,8 +36,13 @@ own gap before it, `post_steps` each post its own time, `between_steps` each ste
 to the next per rank: with every one measured, what is left between the lay-out and the
 measurement is these rules.
 
+A schedule lowered with `pair_fb` (`ir.fb_pairs`): a paired F and I/B run back to back as
+one unit, which starts when both inputs are there; the F's output leaves after the pair
+(the runtime sends it then). The all-to-all time the pair hides is not modelled: the
+durations given are the pair's own.
+
 Not modelled: bandwidth contention between concurrent transfers, compute/communication
-interference, overlap of a forward with a backward chunk (DualPipe's F&B), the time of the
+interference, the time of the
 optimizer step and of the gradient all-reduce after the flush unless given as `between`,
 the check's wait for a late stage's partial other than through the measured `check`, and
 per-micro-batch jitter unless each action is given its own time (`per_action`).
@@ -246,6 +251,10 @@ class _Timeline:
                          for q in queues]
         self.starts: list[list[float]] = [[] for _ in range(p)]  # per rank, every compute's
         self.ends: list[list[float]] = [[] for _ in range(p)]
+        # queue positions of the F's of F&B pairs (`ir.fb_pairs`: adjacent in the queue too)
+        self.pairs = [{k for k, (a, b) in enumerate(zip(q, q[1:])) if a and b and a[0] == "F"
+                       and b[0] in "IB" and a[2] != b[2]} if schedule.paired_fb else set()
+                      for q in queues]
         self.resumed = 0  # times a rank was run (once, then once per wake-up): O(actions)
 
     def run(self) -> list[float]:
@@ -262,84 +271,105 @@ class _Timeline:
 
     def _lay_out(self) -> None:
         """Run ranks, each until it waits, lowest first, then whichever were woken."""
+        ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
+        while ready:
+            resumed += 1
+            self._resume(ready.pop(), ready)
+        self.resumed += resumed
+
+    def _resume(self, r: int, ready: list[int]) -> None:
+        """Run rank r from where it waits until it waits again; the woken go on `ready`."""
         m, size, post, dur, gaps = self.m, self.size, self.post, self.dur, self.gaps
         (f_end, g_end, waiting), (dur_f, dur_w), (gap_f, gap_w) = (
             (self.f_end, self.g_end, self.waiting), (dur["F"], dur["W"]), (gaps["F"], gaps["W"]))
         f_src, g_src, gk = self.f_src, self.g_src, size * self.steps  # gk: G's waiting keys
-        queues, ranks_pos, ranks_free, ranks_step = self.queues, self.pos, self.free, self.step
-        start_ats, end_ats = ([x.append for x in xs] for xs in (self.starts, self.ends))
-        ready, resumed = list(range(self.s.pp - 1, -1, -1)), 0
-        while ready:
-            r, resumed = ready.pop(), resumed + 1
-            q, n, start_at, end_at = queues[r], len(queues[r]), start_ats[r], end_ats[r]
-            pos, free, step = ranks_pos[r], ranks_free[r], ranks_step[r]
-            while True:  # one step's queue, from pos
-                base, post_of = step * size, self.post_at[r][step]
-                for pos in range(pos, n):  # noqa: B020 (pos is where the rank waits)
-                    a = q[pos]
-                    if a is None:  # posting a batch of transfers
-                        free += post_of[pos]
-                        continue
-                    kind, st, mb, _ = a
-                    i = base + st * m + mb
-                    if kind == "F":
-                        off, hop = f_src[st]
-                        if off is None:
-                            t = 0.0
-                        else:
-                            t = f_end[i + off]
-                            if t is None:
-                                waiting.setdefault(i + off, []).append(r)
-                                break
-                            t += hop
-                        free += gap_f[i]  # + 0.0 is exact: gap 0 leaves every time as it was
-                        if free < t:
-                            free = t
-                        start_at(free)
-                        free += dur_f[i]
-                        end_at(free)
-                        f_end[i] = free
-                        if i in waiting:
-                            ready += waiting.pop(i)
-                        continue
-                    if kind == "W":
-                        if (t := g_end[i]) is None:
-                            waiting.setdefault(gk + i, []).append(r)
+        q, n, start_at, end_at = self.queues[r], len(self.queues[r]), self.starts[r].append, \
+            self.ends[r].append
+        pos, free, step, pairs = self.pos[r], self.free[r], self.step[r], self.pairs[r]
+        while True:  # one step's queue, from pos
+            base, post_of = step * size, self.post_at[r][step]
+            for pos in range(pos, n):  # noqa: B020 (pos is where the rank waits)
+                a = q[pos]
+                if a is None:  # posting a batch of transfers
+                    free += post_of[pos]
+                    continue
+                kind, st, mb, _ = a
+                i = base + st * m + mb
+                if kind == "F":
+                    off, hop = f_src[st]
+                    if off is None:
+                        t = 0.0
+                    else:
+                        t = f_end[i + off]
+                        if t is None:
+                            waiting.setdefault(i + off, []).append(r)
                             break
-                        free += gap_w[i]
-                        free = t if free < t else free
-                        start_at(free)
-                        free += dur_w[i]
-                        end_at(free)
-                        continue
-                    if kind == "C":  # the check at the cut, from the second step on
-                        free += (self.check[r] + (post if a[3] else 0.0)) if step else 0.0
-                        continue
-                    # I or B: the next stage's gradient (after its F), else the loss's F
-                    off, hop = g_src[st]
-                    t = f_end[i] if off is None else g_end[i + off]
-                    if t is None:
-                        waiting.setdefault(i if off is None else gk + i + off, []).append(r)
+                        t += hop
+                    if pos in pairs:  # with its I/B's input; its output after both
+                        tb, after = self._pair(q[pos + 1], base, r)
+                        if tb is None:
+                            break
+                        t = tb if tb > t else t
+                    free += gap_f[i]  # + 0.0 is exact: gap 0 leaves every time as it was
+                    if free < t:
+                        free = t
+                    start_at(free)
+                    free += dur_f[i]
+                    end_at(free)
+                    f_end[i] = free + after if pos in pairs else free
+                    if i in waiting:
+                        ready += waiting.pop(i)
+                    continue
+                if kind == "W":
+                    if (t := g_end[i]) is None:
+                        waiting.setdefault(gk + i, []).append(r)
                         break
-                    t += hop
-                    free += gaps[kind][i]
+                    free += gap_w[i]
                     free = t if free < t else free
                     start_at(free)
-                    free += dur[kind][i]
+                    free += dur_w[i]
                     end_at(free)
-                    g_end[i] = free
-                    if gk + i in waiting:
-                        ready += waiting.pop(gk + i)
-                else:  # the rank's step is done
-                    self.last[step][r] = self.ends[r][-1] if self.computes[r] else free
-                    pos, step = 0, step + 1
-                    opens = self._step_done(r, step, ready)
-                    if opens is not None:
-                        free = max(free + self.between[step - 1][r], opens)
-                        continue
-                break
-            ranks_pos[r], ranks_free[r], ranks_step[r] = pos, free, step
-        self.resumed += resumed
+                    continue
+                if kind == "C":  # the check at the cut, from the second step on
+                    free += (self.check[r] + (post if a[3] else 0.0)) if step else 0.0
+                    continue
+                # I or B: the next stage's gradient (after its F), else the loss's F
+                off, hop = g_src[st]
+                t = f_end[i] if off is None else g_end[i + off]
+                if t is None:
+                    waiting.setdefault(i if off is None else gk + i + off, []).append(r)
+                    break
+                t += hop
+                free += gaps[kind][i]
+                free = t if free < t else free
+                start_at(free)
+                free += dur[kind][i]
+                end_at(free)
+                g_end[i] = free
+                if gk + i in waiting:
+                    ready += waiting.pop(gk + i)
+            else:  # the rank's step is done
+                self.last[step][r] = self.ends[r][-1] if self.computes[r] else free
+                pos, step = 0, step + 1
+                opens = self._step_done(r, step, ready)
+                if opens is not None:
+                    free = max(free + self.between[step - 1][r], opens)
+                    continue
+            break
+        self.pos[r], self.free[r], self.step[r] = pos, free, step
+
+    def _pair(self, b: Action, base: int, r: int) -> tuple[float | None, float]:
+        """A paired F's I/B `b`: when its input is there (None: not yet, rank r now waits
+        on it), and its gap and duration, after which the pair's F output leaves."""
+        kind, st, mb, _ = b
+        i = base + st * self.m + mb
+        off, hop = self.g_src[st]
+        t = self.f_end[i] if off is None else self.g_end[i + off]
+        if t is None:
+            key = i if off is None else self.size * self.steps + i + off
+            self.waiting.setdefault(key, []).append(r)
+            return None, 0.0
+        return t + hop, self.gaps[kind][i] + self.dur[kind][i]
 
     def _step_done(self, r: int, step: int, woke: list[int]) -> float | None:
         """Rank r has finished step `step` - 1: when it may start `step`; None: not yet
