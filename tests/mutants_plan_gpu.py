@@ -82,6 +82,28 @@ def plan_training_rate_skips_attention():
     gpu_data.published = attention_isolated
 
 
+def plan_range_times_error():
+    """The step-time range multiplies the prediction by (1 + error): a run predicted 20 %
+    too fast read as one that ran faster still."""
+    from plait.plan import error_band
+
+    error_band.Band.measured_range = lambda self, predicted: (
+        predicted * (1 + min(self.errors)), predicted * (1 + max(self.errors)))
+
+
+def plan_range_any_stack():
+    """The step-time range takes the runs of every kernel stack alike."""
+    from plait.plan import error_band
+
+    original = error_band.band_of
+
+    def any_stack(family, n_gpus, stack="fused", runs=None):
+        runs = error_band.load()["runs"] if runs is None else runs
+        return original(family, n_gpus, stack, [{**r, "stack": stack} for r in runs])
+    error_band.band_of = any_stack
+
+
+BAND = "tests/test_plan_error_band.py::"
 MUTANTS = [
     Mutant("plan-zero3-copy-out-once",
            "plait plan counts ZeRO-3's copy-out as a read only (half its bytes)",
@@ -112,4 +134,12 @@ MUTANTS = [
            plan_training_rate_skips_attention,
            ["tests/test_plan_published.py::"
             "test_training_rate_scales_every_kernel_rate_and_nothing_else"]),
+    Mutant("plan-range-times-error",
+           "plait plan's step-time range multiplies the prediction by (1 + error)",
+           plan_range_times_error,
+           [BAND + "test_band_takes_the_runs_of_the_same_stack_and_scale"]),
+    Mutant("plan-range-any-stack",
+           "plait plan's step-time range takes the runs of every kernel stack alike",
+           plan_range_any_stack,
+           [BAND + "test_band_falls_back_where_a_class_has_one_run"]),
 ]
