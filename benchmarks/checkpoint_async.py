@@ -36,7 +36,7 @@ from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.model.transformer import build_model  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file  # noqa: E402
-from plait.train.loop import train  # noqa: E402
+from plait.train.loop import TrainOptions, train  # noqa: E402
 
 
 def _config(args):
@@ -54,8 +54,8 @@ def _rank(rank, world, args, data: Path, out: Path, background: bool) -> dict:
                             cfg.train.seed, cfg.model.vocab_size)
     ck = Checkpointing(dir=out, every=args.every, background=background)
     marks = [time.perf_counter()]
-    train(cfg, mesh, batches, on_step=lambda row: marks.append(time.perf_counter()),
-          checkpoint=ck)
+    train(cfg, mesh, batches, TrainOptions(on_step=lambda row: marks.append(time.perf_counter()),
+                                           checkpoint=ck))
     return {"iterations": [b - a for a, b in zip(marks, marks[1:], strict=False)],
             "timings": ck.timings, "bytes": sum(f.stat().st_size for f in out.rglob("*.bin")
                                                 if f.name == f"rank-{rank:05d}.bin")}

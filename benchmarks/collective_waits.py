@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, sets: list[str], steps: int) -> dict:
     from plait.config import load_config
     from plait.mesh import ParallelMesh
     from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
-    from plait.train.loop import train
+    from plait.train.loop import TrainOptions, train
 
     cfg = load_config(sets=sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
@@ -65,8 +65,8 @@ def _rank(rank: int, world: int, sets: list[str], steps: int) -> dict:
         batches = GlobalBatches(data, cfg.train.seq_len, cfg.train.global_batch,
                                 cfg.train.seed, 256)
         marks = [(time.perf_counter(), time.thread_time(), time.process_time())]
-        train(cfg, mesh, batches, on_step=lambda row: marks.append(
-            (time.perf_counter(), time.thread_time(), time.process_time())))
+        train(cfg, mesh, batches, TrainOptions(on_step=lambda row: marks.append(
+            (time.perf_counter(), time.thread_time(), time.process_time()))))
     recs = [(f"{r.op}@{r.dim}", r.start, r.end, r.step) for r in mesh.ledger.records]
     return {"marks": marks, "recs": recs}
 

@@ -27,7 +27,7 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.testing import assert_parity, merge_ranks
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 # float64, the oracle's precision (docs/parity.md): the bounds follow from its epsilon, on
 # a GPU's kernels as on a CPU's
@@ -76,7 +76,7 @@ def _parity_rank(rank: int, world: int, sets, smoke: bool, device_kind: str, pat
     cfg = _config(sets, world, smoke)
     device = resolve_device(device_kind, rank)
     mesh = ParallelMesh.build(cfg.parallel, device=device)
-    result = train(cfg, mesh, _batches(cfg, path), capture_first_grads=True)
+    result = train(cfg, mesh, _batches(cfg, path), TrainOptions(capture_first_grads=True))
     params = full_state(result.model, result.optimizer, mesh, result.placements)
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             "params": _cpu(params), "first_grads": _cpu(result.first_grads)}

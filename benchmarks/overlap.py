@@ -32,7 +32,7 @@ from plait.mesh import ParallelMesh
 from plait.plan import estimate_config
 from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
-from plait.train.loop import train
+from plait.train.loop import TrainOptions, train
 
 LAYOUTS = {
     "dp4 naive": ["parallel.dp=4", "parallel.data_parallel=naive"],
@@ -55,7 +55,7 @@ def _cfg(args, sets):
 def _rank(rank, world, args, sets, path, name):
     cfg = _cfg(args, sets)
     mesh = ParallelMesh.build(cfg.parallel)
-    res = train(cfg, mesh, batches(cfg, path), timeline=bool(args.timeline_dir))
+    res = train(cfg, mesh, batches(cfg, path), TrainOptions(timeline=bool(args.timeline_dir)))
     if args.timeline_dir and rank == 0:
         from plait.observe.timeline import draw_step_timeline, write_chrome_trace
 

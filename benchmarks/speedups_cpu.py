@@ -37,7 +37,7 @@ from plait.mesh import ParallelMesh
 from plait.testing import assert_parity, merge_ranks
 from plait.throughput import mean_step_time
 from plait.train.data import synthetic_token_file
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 COMPILE_LAYOUTS = {
     "1 rank": ((), "fp32"),
@@ -64,7 +64,7 @@ def _cfg(args, sets):
 def _rank(rank, world, args, sets, path):
     cfg = _cfg(args, sets)
     mesh = ParallelMesh.build(cfg.parallel)
-    res = train(cfg, mesh, batches(cfg, path), capture_first_grads=True)
+    res = train(cfg, mesh, batches(cfg, path), TrainOptions(capture_first_grads=True))
     times = [m["step_time"] for m in res.metrics]
     tp = [mesh.ledger.overlap_by_dim(s).get("tp", {}) for s in range(1, cfg.train.steps)]
     per_step = {k: sum(r.get(k, 0.0) for r in tp) / len(tp)

@@ -13,7 +13,7 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file, write_token_file
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 from plait.train.reference import Reference, reference_run
 
 # float64: the parity oracle's precision (docs/parity.md); tests of memory, which the
@@ -81,7 +81,7 @@ def batches_for(cfg: Config) -> GlobalBatches:
 def _train_rank(rank: int, world: int, sets: list[str]):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(capture_first_grads=True))
     # dp shards (ZeRO) and tp shards gathered; a pipeline rank gives its stages' parameters
     params = full_state(result.model, result.optimizer, mesh, result.placements)
     return {"losses": result.losses, "params": params,

@@ -182,8 +182,9 @@ def resume_data_from_zero():
 
     train = loop.train
 
-    def restarted(cfg, mesh, batches, *args, checkpoint=None, **kwargs):
-        start = [0]
+    def restarted(cfg, mesh, batches, options=None):
+        options = options if options is not None else loop.TrainOptions()
+        start, checkpoint = [0], options.checkpoint
         if checkpoint is not None:
             restore = checkpoint.restore
 
@@ -200,7 +201,7 @@ def resume_data_from_zero():
             def local_batch(self, step, dp_rank, dp_size):
                 return batches.local_batch(step - start[0], dp_rank, dp_size)
 
-        return train(cfg, mesh, FromZero(), *args, checkpoint=checkpoint, **kwargs)
+        return train(cfg, mesh, FromZero(), options)
 
     loop.train = restarted
 

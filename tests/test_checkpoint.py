@@ -27,7 +27,7 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.model.transformer import build_model
 from plait.testing import assert_parity
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 LAYERS = "model.n_layers=4"  # pp=2 with two chunks a rank (zb-v, dualpipe) needs 4 stages
 ROOT = session_dir("checkpoints")
@@ -86,7 +86,8 @@ def _rank(rank: int, world: int, sets: list[str], ck: dict, stop_after: int | No
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", CheckpointWarning)
         try:
-            result = train(cfg, mesh, batches_for(cfg), on_step=on_step, checkpoint=checkpoint)
+            result = train(cfg, mesh, batches_for(cfg),
+                           TrainOptions(on_step=on_step, checkpoint=checkpoint))
             out["params"] = full_state(result.model, result.optimizer, mesh,
                                        result.placements)
         except _Stop:

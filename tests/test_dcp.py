@@ -28,7 +28,7 @@ from plait.mesh import ParallelMesh
 from plait.model.presets import ModelConfig
 from plait.model.transformer import Transformer, build_model
 from plait.parallel.parallelize import parallelize
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 # GQA (2 KV heads of 4) so that the KV head order matters; untied, as torchtitan's Llama;
 # ffn_dim 90: a tp2 rank's w1 has 45 rows, so ZeRO-3's halves of it end mid-row
@@ -210,7 +210,7 @@ def _round_trip(rank: int, world: int, root: Path) -> dict:
            "logits_in": rel_diff(plait_logits(loaded, tokens), ref_logits)}
 
     ck = Checkpointing(dir=root / "ck", final=True)  # one step, then out through DCP
-    result = train(cfg, mesh, batches_for(cfg), checkpoint=ck)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(checkpoint=ck))
     out["loss"], out["ref_loss"] = result.losses[0], ref_loss
     trained = full_state(result.model, result.optimizer, mesh, result.placements)
     if rank == 0:

@@ -38,7 +38,7 @@ from plait.mesh import ParallelMesh
 from plait.model.presets import PRESETS, ModelConfig
 from plait.model.transformer import Transformer, build_model
 from plait.parallel.parallelize import parallelize
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 M = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=96,
                 max_seq_len=64, attention="mla", q_lora_rank=32, kv_lora_rank=16,
@@ -212,7 +212,7 @@ def _read_and_train(rank: int, world: int, root: Path, layout: tuple[str, ...]) 
            "expert_rows": _expert_rows(weights.read_items),
            "ep": mesh.coord("ep") if cfg.parallel.ep > 1 else None}
     ck = Checkpointing(dir=root / f"ck-{cfg.parallel.ep}", final=True)
-    result = train(cfg, mesh, batches_for(cfg), checkpoint=ck)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(checkpoint=ck))
     out["loss"] = result.losses[0]
     if cfg.parallel.ep == 1:
         return out

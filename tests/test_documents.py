@@ -15,7 +15,7 @@ from plait.model.packed import IGNORE, document_ids, document_positions, masked_
 from plait.parallel.context_balance import document_split, document_work, zigzag_split
 from plait.testing import assert_parity, merge_ranks
 from plait.train.data import DataError, GlobalBatches, TokenFile, write_token_file
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 from plait.train.reference import reference_run
 
 EOT = END_OF_DOCUMENT
@@ -25,7 +25,7 @@ DOCS = ("train.documents=true", "train.steps=3")
 def _rank(rank, world, sets):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(capture_first_grads=True))
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             "first_grads": result.first_grads, "metrics": result.metrics,
             "params": full_state(result.model, result.optimizer, mesh, result.placements)}

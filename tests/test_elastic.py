@@ -24,7 +24,7 @@ from plait.checkpoint import Checkpointing
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.testing import assert_parity
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 from plait.train.reference import Reference
 
 pytestmark = pytest.mark.slow  # process trees: `make test-slow`
@@ -37,7 +37,7 @@ SETS = [*BASE, f"train.steps={STEPS}", *LAYOUT]
 def _uninterrupted_rank(rank: int, world: int, root: str) -> list[dict]:
     cfg = config(f"train.steps={STEPS}", *LAYOUT).check(world)
     result = train(cfg, ParallelMesh.build(cfg.parallel), batches_for(cfg),
-                   checkpoint=Checkpointing(dir=Path(root), every=EVERY))
+                   TrainOptions(checkpoint=Checkpointing(dir=Path(root), every=EVERY)))
     return result.metrics
 
 
@@ -111,5 +111,6 @@ def test_no_restarts_left_fails_the_run(tmp_path):
 def _resumed_rank(rank: int, world: int, path: str, layout: list[str]):
     cfg = config(f"train.steps={STEPS}", *layout).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, batches_for(cfg), checkpoint=Checkpointing(resume=path))
+    result = train(cfg, mesh, batches_for(cfg),
+                   TrainOptions(checkpoint=Checkpointing(resume=path)))
     return result.metrics, full_state(result.model, result.optimizer, mesh, result.placements)

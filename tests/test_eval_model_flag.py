@@ -15,7 +15,7 @@ from plait.config import load_config
 from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches, TokenFile
-from plait.train.loop import train
+from plait.train.loop import TrainOptions, train
 
 SETS = ["train.steps=1", "train.global_batch=8", "train.seq_len=32"]
 
@@ -25,7 +25,7 @@ def _save_tiny(rank: int, world: int, directory: str) -> None:
     batches = GlobalBatches(TokenFile.open(token_file()), 32, 8, cfg.train.seed,
                             cfg.model.vocab_size)
     train(cfg, ParallelMesh.build(cfg.parallel), batches,
-          checkpoint=Checkpointing(dir=Path(directory), every=1))
+          TrainOptions(checkpoint=Checkpointing(dir=Path(directory), every=1)))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from plait.model.moe import MoE
 from plait.model.presets import PRESETS
 from plait.parallel.expert import expert_major, finish_moe_step
 from plait.testing import assert_parity, merge_ranks
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 MOE = dataclasses.replace(PRESETS["tiny"], n_experts=8, top_k=2, expert_ffn_dim=32,
                           n_shared_experts=1, aux_loss_coef=0.01)
@@ -207,7 +207,7 @@ M = ["model.n_experts=8", "model.top_k=2", "model.expert_ffn_dim=64",
 def _moe_rank(rank: int, world: int, sets: list[str]) -> dict:
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(capture_first_grads=True))
     params = full_state(result.model, result.optimizer, mesh, result.placements)
     biases = moe_biases(result.model)
     src = result.optimizer.memory_sources()

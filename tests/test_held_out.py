@@ -31,7 +31,7 @@ from plait.schedule.registry import (
 from plait.testing import PARITY_TOLERANCES
 from plait.train.data import TokenFile, synthetic_token_file
 from plait.train.held_out import held_out_count
-from plait.train.loop import train
+from plait.train.loop import TrainOptions, train
 from plait.train.progress import progress_reporter
 from plait.train.sinks import MetricSinks
 
@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, sets: list[str], evaluate: bool) -> dict:
     cfg = config(*DENSE, *sets, *evaluation).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     held = TokenFile.open(held_out_file()) if evaluate else None
-    result = train(cfg, mesh, batches_for(cfg), held_out=held, timeline=True)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(held_out=held, timeline=True))
     return {"metrics": result.metrics, "summary": result.summary,
             "step_bytes": sum(r.sent for r in mesh.ledger.for_step()),
             "timeline_units": [[u[:3] for u in r["units"]] for r in result.timeline["ranks"]]}

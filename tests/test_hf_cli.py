@@ -31,7 +31,7 @@ from plait.launch.forked import run_ranks  # noqa: E402
 from plait.mesh import ParallelMesh  # noqa: E402
 from plait.train.data import GlobalBatches, TokenFile  # noqa: E402
 from plait.train.evaluate import evaluate  # noqa: E402
-from plait.train.loop import train  # noqa: E402
+from plait.train.loop import TrainOptions, train  # noqa: E402
 
 RTOL = 1e-5
 SEQ, EVAL_N = 32, 16
@@ -155,7 +155,7 @@ def _train_then_eval(rank: int, world: int, sets: list[str], root: str) -> dict:
     batches = GlobalBatches(TokenFile.open(token_file()), cfg.train.seq_len,
                             cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
     ck = Checkpointing(dir=Path(root), every=cfg.train.steps)
-    result = train(cfg, mesh, batches, checkpoint=ck)
+    result = train(cfg, mesh, batches, TrainOptions(checkpoint=ck))
     saved = str(ck.saved[-1])
     cfg_eval = config(*sets, f"train.init_from={saved}").check(world)
     ev = evaluate(cfg_eval, ParallelMesh.build(cfg.parallel), TokenFile.open(token_file()),

@@ -1,4 +1,5 @@
-"""The house's shape, enforced: no function in plait/ over 80 lines.
+"""The house's shape, enforced: no function in plait/ over 80 lines, none in the training
+loop over 6 parameters (a step reads the run's parts from one object).
 
 A reader should be able to take in a function at once. A module holds one topic, of a size
 a reader takes in one sitting: that is a judgement, not a line count, so no test holds
@@ -26,3 +27,19 @@ def test_no_function_over_80_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
     assert not long, "split into named steps:\n" + "\n".join(long)
+
+
+MAX_LOOP_PARAMETERS = 6
+
+
+def test_no_function_of_the_loop_over_6_parameters():
+    src = (PLAIT / "train" / "loop.py").read_text()
+    wide = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            n = (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg)
+                 + bool(a.kwarg))
+            if n > MAX_LOOP_PARAMETERS:
+                wide.append(f"train/loop.py:{node.lineno} {node.name} ({n} parameters)")
+    assert not wide, "pass the run's parts in one object:\n" + "\n".join(wide)

@@ -50,7 +50,7 @@ from plait.plan import estimate_config, rank_collectives
 from plait.plan.comm.rank import bytes_by_dim
 from plait.plan.runtime_memory import not_covered
 from plait.testing import assert_parity, merge_ranks
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 ROOT = session_dir("matrix")
 # (source row, destination row): save after step 1 in one layout, train step 2 in the
@@ -112,8 +112,8 @@ def _rank(rank: int, world: int, sets: list[str], ck: dict | None) -> dict:
     mesh = ParallelMesh.build(cfg.parallel)
     checkpoint = Checkpointing(**ck) if ck is not None else None
     resumed = ck is not None and "resume" in ck
-    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=not resumed,
-                   checkpoint=checkpoint)
+    result = train(cfg, mesh, batches_for(cfg),
+                   TrainOptions(capture_first_grads=not resumed, checkpoint=checkpoint))
     moe = cfg.model.n_experts > 0
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             **({"aux_losses": [m["moe"]["aux_loss"] for m in result.metrics],

@@ -38,8 +38,8 @@ def _rank(rank: int, world: int, nan_steps: tuple[int, ...], ck: dict, limit: in
     checkpoint = Checkpointing(**ck)
     rows: list[dict] = []
     try:
-        result = loop.train(cfg, mesh, batches_for(cfg), on_step=rows.append,
-                            checkpoint=checkpoint)
+        result = loop.train(cfg, mesh, batches_for(cfg),
+                            loop.TrainOptions(on_step=rows.append, checkpoint=checkpoint))
     except loop.NonFiniteError as e:
         return {"rows": rows, "error": str(e)}
     params = loop.full_state(result.model, result.optimizer, mesh, result.placements)

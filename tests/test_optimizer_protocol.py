@@ -142,6 +142,40 @@ def test_the_loop_has_no_strategy_special_case():
         assert needle not in loop, needle
 
 
+def _loop_optimizer_calls() -> set[str]:
+    """The methods plait/train/loop.py calls on the optimizer: `opt.x(...)`,
+    `par.optimizer.x(...)`, and `opt.x` handed on as a callable."""
+    tree = ast.parse((PLAIT / "train" / "loop.py").read_text())
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "opt") or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "optimizer"):
+                called.add(node.attr)
+    return called
+
+
+def test_the_loop_calls_only_what_the_protocol_declares():
+    called = _loop_optimizer_calls()
+    assert {"finish_gradients", "step", "zero_grad"} <= called  # the walk sees the calls
+    undeclared = called - _protocol_members()
+    assert not undeclared, f"declare in GradSyncOptimizer or drop from the loop: {undeclared}"
+
+
+@pytest.mark.parametrize("sets, cls", STRATEGIES)
+def test_replica_gradients_are_the_live_gradients(sets, cls):
+    """What replicas sum in place is what the update reads: zeros where there was no
+    gradient, and an addition to the returned tensors is seen by `full_grads`."""
+    opt = _made(*sets)
+    grads = opt.replica_gradients()
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+    assert opt.replica_gradients()[0] is grads[0]  # the same live tensors, not copies
+    for g in grads:
+        g += 1.0
+    assert all(torch.all(v == 1.0) for v in opt.full_grads().values())
+
+
 OPTIMIZER_NAMES = {cls.__name__ for _, cls in STRATEGIES}
 
 

@@ -28,11 +28,11 @@ STEP = "step-00000004"
 def _save_checkpoint(rank: int, world: int, root: str) -> int:
     from plait.checkpoint import Checkpointing
     from plait.mesh import ParallelMesh
-    from plait.train.loop import train
+    from plait.train.loop import TrainOptions, train
 
     cfg = config("train.steps=4").check(world)
     train(cfg, ParallelMesh.build(cfg.parallel), batches_for(cfg),
-          checkpoint=Checkpointing(dir=Path(root), every=4, final=True))
+          TrainOptions(checkpoint=Checkpointing(dir=Path(root), every=4, final=True)))
     return rank
 
 

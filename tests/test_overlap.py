@@ -24,7 +24,7 @@ from plait.mesh import ParallelMesh
 from plait.observe.report import compare
 from plait.observe.timeline import draw_step_timeline, write_chrome_trace
 from plait.parallel.zero_units import zero_units
-from plait.train.loop import train
+from plait.train.loop import TrainOptions, train
 
 BUCKETED_TP = ("parallel.dp=2", "parallel.tp=2", "parallel.data_parallel=bucketed",
                "parallel.bucket_mb=0.02", "train.steps=1")  # several buckets per tp shard
@@ -55,7 +55,7 @@ def test_sync_call_is_all_exposed_async_call_hides_until_its_wait():
 def _train_rank(rank, world, sets, timeline):
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, batches_for(cfg), timeline=timeline)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(timeline=timeline))
     return {"rank": rank, "summary": result.summary, "metrics": result.metrics,
             "ledger": mesh.ledger.to_dicts(), "timeline": result.timeline,
             # ZeRO's units in order: tag params:i gathers the i-th

@@ -73,7 +73,7 @@ def _train(sets: list[str], world: int, inf_step: int | None = None,
     loop.parallelize = poisoned
     try:
         result = loop.train(cfg, mesh, batches_for(cfg),
-                            stop=StopRequest() if eager else None)
+                            loop.TrainOptions(stop=StopRequest() if eager else None))
     finally:
         loop.parallelize = real
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],

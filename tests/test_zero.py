@@ -209,7 +209,7 @@ def _gather_probe(rank, world, stage):
 
     loop.parallelize = probed
     try:
-        loop.train(cfg, mesh, batches_for(cfg), on_step=on_step)
+        loop.train(cfg, mesh, batches_for(cfg), loop.TrainOptions(on_step=on_step))
     finally:
         loop.parallelize = real
     seen["after_train"] = pending()

@@ -15,7 +15,7 @@ from plait.launch.forked import run_ranks
 from plait.mesh import ParallelMesh
 from plait.parallel.pipeline.partition import partition_for
 from plait.testing import assert_parity, merge_ranks
-from plait.train.loop import full_state, train
+from plait.train.loop import TrainOptions, full_state, train
 
 MODEL = ("model.n_layers=4", "model.tie_embeddings=false")
 PIPE = (*MODEL, "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=4")
@@ -48,7 +48,7 @@ CASES = {
 def _rank(rank: int, world: int, sets: list[str]) -> dict:
     cfg = config(*sets).check(world)
     mesh = ParallelMesh.build(cfg.parallel)
-    result = train(cfg, mesh, batches_for(cfg), capture_first_grads=True)
+    result = train(cfg, mesh, batches_for(cfg), TrainOptions(capture_first_grads=True))
     held = [(h.name, h.start, h.stop, h.second_copy, h.tensor.clone())
             for h in result.optimizer.held_states() if h.state == "master"]
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],

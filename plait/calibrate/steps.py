@@ -137,7 +137,7 @@ def runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none",
     from plait.config import load_config
     from plait.mesh import ParallelMesh
     from plait.train.data import GlobalBatches, TokenFile, synthetic_token_file
-    from plait.train.loop import train
+    from plait.train.loop import TrainOptions, train
 
     cfg = load_config(sets=["model_name=tiny", "model.vocab_size=64", "model.dim=16",
                             f"model.n_layers={layers}", "model.n_heads=2",
@@ -171,9 +171,9 @@ def runtime_steps(layers: int, steps: int, count: bool, recompute: str = "none",
 
         if count:
             with Count():
-                train(cfg, mesh, batches, on_step=on_step)
+                train(cfg, mesh, batches, TrainOptions(on_step=on_step))
         else:
-            train(cfg, mesh, batches, on_step=cpu_times)
+            train(cfg, mesh, batches, TrainOptions(on_step=cpu_times))
     return ops[0], times, mesh
 
 

@@ -54,7 +54,7 @@ from plait.plan.host_memory import host_memory_problem
 from plait.train.checks import train_inputs
 from plait.train.data import DataError, GlobalBatches, TokenFile
 from plait.train.flags import add_train_args, resolve_data
-from plait.train.loop import run_layout, train
+from plait.train.loop import TrainOptions, run_layout, train
 from plait.train.progress import (
     Gauges,
     compile_note,
@@ -405,11 +405,11 @@ def _train_rank(args: argparse.Namespace, rank: int, world: int, run: _Run) -> i
             if args.checkpoint_on_stop:  # from here a signal waits for the step boundary
                 raise_on_stop_signals(record=run.stop.request)
             try:
-                result = train(run_cfg, mesh, batches, on_step=on_step,
-                               checkpoint=checkpoint,
-                               stop=run.stop if args.checkpoint_on_stop else None,
-                               timeline=bool(args.trace or args.timeline), replicas=replicas,
-                               held_out=held_out)
+                result = train(run_cfg, mesh, batches,
+                               TrainOptions(on_step=on_step, checkpoint=checkpoint,
+                                            stop=run.stop if args.checkpoint_on_stop else None,
+                                            timeline=bool(args.trace or args.timeline),
+                                            replicas=replicas, held_out=held_out))
             except StoppedAtBoundary:
                 finished = True  # every rank is at the same boundary: end together
                 raise

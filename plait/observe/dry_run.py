@@ -40,7 +40,7 @@ from plait.device import CPU, Device
 from plait.ledger import data_bytes_by_dim
 from plait.mesh import ParallelMesh
 from plait.train.data import GlobalBatches
-from plait.train.loop import train
+from plait.train.loop import TrainOptions, train
 
 
 def measure_step(cfg: Config) -> int:
@@ -79,7 +79,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = ParallelMesh.build(cfg.parallel, device=device)
-        result = train(cfg, mesh, batches, shard_init=True)  # only this rank's slices
+        result = train(cfg, mesh, batches, TrainOptions(shard_init=True))  # only this rank's slices
     finally:
         dist.destroy_process_group()
     measured = result.metrics[step]["memory"]

@@ -21,6 +21,8 @@ Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/
 4. optionally `full_grads()` (the parity check's first-step gradients, collective over dp);
 5. `step(lr, grad_scale)`: the update with gradients x grad_scale (the clip coefficient);
 6. `zero_grad()`.
+Fault-tolerant replicas (plait/parallel/fault_tolerance.py) sum `replica_gradients()` in
+place between 2 and 3.
 After the last step: `settle()` (ZeRO-1/2 complete their parameters' all-gathers; every
 read of the parameters outside a forward settles first).
 Between steps: `full_state()` (collective over dp for ZeRO) and, on the memory step,
@@ -49,6 +51,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.muon import muon_settings
 from plait.parallel.held import HeldState
 from plait.parallel.replicated import ReplicatedOptimizer, TwoCopyOptimizer
 from plait.parallel.zero import ZeroOptimizer
@@ -86,6 +89,10 @@ class GradSyncOptimizer(Protocol):
 
     def zero_grad(self) -> None:
         """Drop the step's gradients (or zero the accumulating shards)."""
+
+    def replica_gradients(self) -> list[torch.Tensor]:
+        """The step's final gradients this rank holds, as live tensors (zeros where a
+        parameter had none): what the replicas of this rank's state sum in place."""
 
     def settle(self) -> None:
         """Complete what the update left in flight (ZeRO-1/2's parameter all-gathers, which
@@ -154,4 +161,5 @@ def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
                          t.weight_decay, dim=dim, kind=t.optimizer, placements=placements,
                          bucket_mb=cfg.parallel.bucket_mb, gather=cfg.parallel.zero3_gather,
-                         copies=pipeline.schedule if two_copies else None)
+                         copies=pipeline.schedule if two_copies else None,
+                         muon=muon_settings(t))

@@ -166,6 +166,14 @@ class ReplicatedOptimizer:
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
+    def replica_gradients(self) -> list[torch.Tensor]:
+        """The step's final gradients, zeros where a parameter had none: what replicas of
+        this rank's state sum (plait/parallel/fault_tolerance.py)."""
+        for q in self.params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        return [q.grad for q in self.params]
+
     def settle(self) -> None:
         """Nothing: the update writes the parameters in place."""
 

@@ -53,11 +53,11 @@ class TrainResult:
     model: torch.nn.Module | None = None  # the Transformer, or this rank's pipeline stages
     optimizer: GradSyncOptimizer | None = None
     pipeline: dict | None = None  # pp > 1: measured timeline and bubble (see measure.py)
-    # train(capture_first_grads=True): the first step's full gradients by name, summed
+    # TrainOptions(capture_first_grads=True): the first step's full gradients by name, summed
     # over the mesh, before clipping (what the parity oracle compares)
     first_grads: dict[str, torch.Tensor] | None = None
     placements: PlacementTable | None = None  # where each of this rank's parameters lives
-    # train(timeline=True): the last step's compute and communication spans of every rank
+    # TrainOptions(timeline=True): the last step's compute and communication spans of every rank
     # (plait/train/timeline.py; plait train --trace / --timeline draw it)
     timeline: dict | None = None
     # every rank's compute and wait per step, and the stragglers named (stragglers.py)
@@ -115,26 +115,56 @@ def ledger_summary(mesh: ParallelMesh, steps: int) -> dict:
                                  for d, row in mesh.ledger.overlap_by_dim().items()}}
 
 
-def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
-          on_step: Callable[[dict], None] | None = None, start_step: int = 0,
-          capture_first_grads: bool = False, checkpoint: Checkpointing | None = None,
-          stop: StopRequest | None = None, timeline: bool = False,
-          shard_init: bool = False, replicas: FaultTolerantReplicas | None = None,
-          held_out: TokenFile | None = None) -> TrainResult:
-    """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
+@dataclass
+class TrainOptions:
+    """What a caller adds to a run besides its configuration, mesh and batches."""
 
-    `capture_first_grads`: keep the first step's full gradients (result.first_grads).
-    `checkpoint`: resume from (the start step becomes the checkpoint's) and save into
-    (plait/checkpoint). `stop`: checked at every step boundary (plait/train/stop.py); once any
-    rank has recorded a signal, every rank saves the steps done into `checkpoint` and raises
-    StoppedAtBoundary. `timeline`: mark compute spans and keep the last step's timeline of
-    every rank (result.timeline; collective at the end). `shard_init`: see `parallelize`.
-    `replicas`: this rank's fault-tolerant replica (plait/parallel/fault_tolerance.py; `mesh`
-    and `cfg` are the replica's own): each step's gradients summed over the live replicas,
-    or, for a replacement, the state received from a live one first. `held_out`: the
-    token file of train.eval_data, whose loss (plait/train/held_out.py) is added to the
-    row of every train.eval_every-th step and of the last."""
-    t = cfg.train
+    on_step: Callable[[dict], None] | None = None  # each settled row, as it is logged
+    start_step: int = 0
+    # keep the first step's full gradients (result.first_grads)
+    capture_first_grads: bool = False
+    # resume from (the start step becomes the checkpoint's) and save into (plait/checkpoint)
+    checkpoint: Checkpointing | None = None
+    # checked at every step boundary (plait/train/stop.py); once any rank has recorded a
+    # signal, every rank saves the steps done into `checkpoint` and raises StoppedAtBoundary
+    stop: StopRequest | None = None
+    # mark compute spans and keep the last step's timeline of every rank (result.timeline;
+    # collective at the end)
+    timeline: bool = False
+    shard_init: bool = False  # see `parallelize`
+    # this rank's fault-tolerant replica (plait/parallel/fault_tolerance.py; `mesh` and `cfg`
+    # are the replica's own): each step's gradients summed over the live replicas, or, for
+    # a replacement, the state received from a live one first
+    replicas: FaultTolerantReplicas | None = None
+    # the token file of train.eval_data, whose loss (plait/train/held_out.py) is added to
+    # the row of every train.eval_every-th step and of the last
+    held_out: TokenFile | None = None
+
+
+@dataclass
+class _Run:
+    """One run's parts, built once by `train` and read by each step."""
+
+    cfg: Config
+    mesh: ParallelMesh
+    batches: GlobalBatches
+    par: ParallelModel
+    runtime: PipelineRuntime
+    result: TrainResult
+    options: TrainOptions
+    marks: Marks
+    # post-validation: the previous step is checked at this step's cut (plait/parallel/
+    # post_validation.py)
+    sync: PostValidation | None
+    nonfinite_in_a_row: int = 0  # settled steps whose gradient norm was not finite
+
+
+def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
+          options: TrainOptions | None = None) -> TrainResult:
+    """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
+    `options`: what the caller adds (TrainOptions: hooks, checkpoints, stop, replicas)."""
+    t, o = cfg.train, options if options is not None else TrainOptions()
+    checkpoint, replicas, stop = o.checkpoint, o.replicas, o.stop
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
     # the model's total, whatever the layout; the local count is this rank's share
@@ -142,34 +172,32 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     # which parameters Muon takes, said in the summary (the rule: plait/muon.py)
     optimizer_note = (muon_summary(plain.named_parameters(), t) if t.optimizer == "muon"
                       else None)
-    par = parallelize(plain, mesh, cfg, shard_init=shard_init)
+    par = parallelize(plain, mesh, cfg, shard_init=o.shard_init)
     model, opt = par.model, par.optimizer
-    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, start_step)
+    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, o.start_step)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     runtime = _training_runtime(cfg, mesh, par, batches)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
-    marks: Marks = StepMarks(par.stages, mesh) if timeline else NO_MARKS
+    marks: Marks = StepMarks(par.stages, mesh) if o.timeline else NO_MARKS
     # post-validation: a step's row waits for its check, made inside the next step (at
     # each rank's cut), or at once where a checkpoint save or a stop must see settled
     # weights
     sync = (PostValidation(opt, mesh, t.grad_clip)
             if cfg.parallel.optimizer_sync == "post_validation" else None)
+    run = _Run(cfg, mesh, batches, par, runtime, result, o, marks, sync)
     eager = stop is not None or (checkpoint is not None and checkpoint.dir is not None
                                  and bool(checkpoint.every))
-    streak = [0]  # non-finite steps in a row
-    validation = _validation(cfg, mesh, par, held_out, replicas)
+    validation = _validation(cfg, mesh, par, o.held_out, replicas)
     waiting: dict | None = None  # the row whose update awaits its check
     for step in range(start_step, t.steps):
         if stop is not None:
-            _stop_at_boundary(stop, checkpoint, par, mesh, cfg, step, start_step, result)
-        row = _train_step(cfg, mesh, batches, runtime, par, step,
-                          capture_first_grads and step == start_step, result, sync, marks,
-                          replicas)
+            _stop_at_boundary(run, step, start_step)
+        row = _train_step(run, step, o.capture_first_grads and step == start_step)
         if replicas is not None:  # those that trained it; then a replacement admitted
             row["replicas"] = len(replicas.epoch.members)
             replicas.hand_over(step, lambda: _held_with_steps(opt, mesh))
         if waiting is not None:  # validated at this step's cut
-            _emit(_validated(waiting, sync), result, cfg, par, mesh, checkpoint, on_step, streak)
+            _emit(run, _validated(waiting, sync))
         waiting = row if sync is not None else None
         due = validation is not None and _evaluates(t.eval_every, step, t.steps)
         if sync is not None and (eager or due or step == t.steps - 1):
@@ -178,7 +206,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         if due:
             _evaluate(row, validation, par, mesh, marks)
         if waiting is None:
-            _emit(row, result, cfg, par, mesh, checkpoint, on_step, streak, replicas)
+            _emit(run, row)
     par.optimizer.settle()  # the last update's collectives (ZeRO-1/2's all-gathers)
     if checkpoint is not None:  # a background save of the last step
         checkpoint.finish()
@@ -191,7 +219,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
-    _measured_outputs(result, cfg, mesh, runtime, par, marks if timeline else None)
+    _measured_outputs(result, cfg, mesh, runtime, par, marks if o.timeline else None)
     return result
 
 
@@ -216,7 +244,7 @@ def _training_runtime(cfg: Config, mesh: ParallelMesh, par: ParallelModel,
 def _measured_outputs(result: TrainResult, cfg: Config, mesh: ParallelMesh,
                       runtime: PipelineRuntime, par: ParallelModel, marks: Marks | None
                       ) -> None:
-    """The last step's timeline (`marks`: the StepMarks, with train(timeline=True)) and,
+    """The last step's timeline (`marks`: the StepMarks, with TrainOptions(timeline=True)) and,
     with pp, the measured bubble beside the simulator's."""
     timeline = marks is not None
     if timeline:  # marks are the StepMarks
@@ -285,13 +313,12 @@ def _held_with_steps(opt: GradSyncOptimizer, mesh: ParallelMesh) -> list[torch.T
                                              device=mesh.device.torch)]
 
 
-def _emit(row: dict, result: TrainResult, cfg: Config, par: ParallelModel,
-          mesh: ParallelMesh, checkpoint: Checkpointing | None,
-          on_step: Callable[[dict], None] | None, streak: list[int],
-          replicas: FaultTolerantReplicas | None = None) -> None:
+def _emit(run: _Run, row: dict) -> None:
     """A settled step's row: logged, checkpointed, handed to `on_step`; a streak of
     non-finite steps stops the run."""
-    result.metrics.append(row)
+    cfg, par, mesh = run.cfg, run.par, run.mesh
+    checkpoint, replicas = run.options.checkpoint, run.options.replicas
+    run.result.metrics.append(row)
     step = row["step"]
     # outside the step: its collectives are tagged so. Fault-tolerant replicas hold the
     # same state: the lowest live one writes
@@ -301,13 +328,14 @@ def _emit(row: dict, result: TrainResult, cfg: Config, par: ParallelModel,
             progress["data"]["global_batch"] = replicas.global_batch
             progress["replicas"] = {"live": len(replicas.epoch.members), "of": replicas.count}
         checkpoint.after_step(step, par, mesh, cfg, progress)
-    if on_step is not None:
-        on_step(row)
-    streak[0] = streak[0] + 1 if row.get("skipped") else 0
-    if streak[0] >= max(cfg.train.max_nonfinite_steps, 1):  # every rank alike: global norm
+    if run.options.on_step is not None:
+        run.options.on_step(row)
+    run.nonfinite_in_a_row = run.nonfinite_in_a_row + 1 if row.get("skipped") else 0
+    # every rank alike: the norm is global
+    if run.nonfinite_in_a_row >= max(cfg.train.max_nonfinite_steps, 1):
         if checkpoint is not None:
             checkpoint.finish()
-        raise NonFiniteError(_nonfinite_message(step, streak[0], checkpoint))
+        raise NonFiniteError(_nonfinite_message(step, run.nonfinite_in_a_row, checkpoint))
 
 
 def _validated(row: dict, sync: PostValidation) -> dict:
@@ -329,32 +357,27 @@ def _progress(cfg: Config, next_step: int, lr: float) -> dict:
                                "global_batch": t.global_batch, "seq_len": t.seq_len}}
 
 
-def _stop_at_boundary(stop: StopRequest, checkpoint: Checkpointing | None,
-                      par: ParallelModel, mesh: ParallelMesh, cfg: Config, step: int,
-                      start_step: int, result: TrainResult) -> None:
+def _stop_at_boundary(run: _Run, step: int, start_step: int) -> None:
     """Before step `step`: when any rank has recorded a stop signal, every rank saves the
     `step` steps done (when this run did any) and raises StoppedAtBoundary."""
-    signum = agreed_stop(stop, mesh)
+    signum = agreed_stop(run.options.stop, run.mesh)
     if not signum:
         return
-    saved = None
+    saved, checkpoint = None, run.options.checkpoint
     if checkpoint is not None and step > start_step:
-        saved = save_on_stop(checkpoint, par, mesh, cfg, step,
-                             _progress(cfg, step, result.metrics[-1]["lr"]))
+        saved = save_on_stop(checkpoint, run.par, run.mesh, run.cfg, step,
+                             _progress(run.cfg, step, run.result.metrics[-1]["lr"]))
     raise StoppedAtBoundary(signum, step, saved)
 
 
-def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
-                runtime: PipelineRuntime, par: ParallelModel, step: int, capture: bool,
-                result: TrainResult, sync: PostValidation | None = None,
-                marks: Marks = NO_MARKS, replicas: FaultTolerantReplicas | None = None
-                ) -> dict:
+def _train_step(run: _Run, step: int, capture: bool) -> dict:
     """One optimizer step: micro-batches through the runtime, gradient sync, norm, clip,
     update, the logged loss; its metrics row. `capture`: keep the full gradients.
-    `sync` (post-validation): the previous step is checked at this step's cut, this
-    step's update is optimistic and its row's loss and grad norm wait for its check.
-    `marks`: the timeline's markers, a point at the end of each part of the step."""
-    t, opt = cfg.train, par.optimizer
+    With post-validation (`run.sync`) the previous step is checked at this step's cut,
+    this step's update is optimistic and its row's loss and grad norm wait for its check.
+    `run.marks`: the timeline's markers, a point at the end of each part of the step."""
+    cfg, mesh, par, marks, sync = run.cfg, run.mesh, run.par, run.marks, run.sync
+    t, opt, replicas, result = cfg.train, par.optimizer, run.options.replicas, run.result
     marks.begin_step()
     step_tokens = tokens_per_step(t.global_batch, t.seq_len)
     if replicas is not None:  # the whole job's rows, whichever replicas train them
@@ -366,10 +389,9 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     timer = mesh.device.timer()  # the device's work, not the host's launches
     start = timer.mark()
     loss_tokens = step_tokens  # packed documents: the targets kept (plait/model/packed.py)
-    if runtime.documents is not None:
-        loss_tokens = kept_targets(batches.rows(step), runtime.documents)
-    loss_sum = _micro_batches(cfg, mesh, batches, runtime, par, step, loss_tokens, sync,
-                              replicas, marks)
+    if run.runtime.documents is not None:
+        loss_tokens = kept_targets(run.batches.rows(step), run.runtime.documents)
+    loss_sum = _micro_batches(run, step, loss_tokens)
     marks.point("gradient sync")
     # dp alone: the norm's all-reduce (ZeRO's, expert parallel's) sums the logged loss too
     folded = mesh.size("dp") == mesh.world_size
@@ -389,8 +411,7 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         sync.begin(step, lr, loss_sum)
         marks.point("optimizer")
     else:
-        skipped, moe = _barrier_update(cfg, mesh, par, norm, lr, loss_sum, marks,
-                                       loss_summed=folded)
+        skipped, moe = _barrier_update(run, norm, lr, loss_sum, loss_summed=folded)
     if meter is not None:
         meter.__exit__(None, None, None)
         memory.update(peak=meter.peak.bytes, peak_total=meter.peak_total,
@@ -413,26 +434,25 @@ def _train_step(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     return row
 
 
-def _micro_batches(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
-                   runtime: PipelineRuntime, par: ParallelModel, step: int, step_tokens: int,
-                   sync: PostValidation | None, replicas: FaultTolerantReplicas | None,
-                   marks: Marks) -> torch.Tensor:
+def _micro_batches(run: _Run, step: int, step_tokens: int) -> torch.Tensor:
     """The step's micro-batches through the runtime and the gradient sync over dp; the
     rank's partial loss. With fault-tolerant replicas: this replica's slots of the global
     batch, their gradients then summed over the live replicas (a lost replica's slots
     trained here too where the quorum hands them over)."""
-    opt, mbs, n_micro = par.optimizer, cfg.micro_batch_size(), cfg.microbatches()
+    cfg, mesh, batches, sync = run.cfg, run.mesh, run.batches, run.sync
+    opt, replicas = run.par.optimizer, run.options.replicas
+    mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
 
-    def run(rows: torch.Tensor, validate=None) -> torch.Tensor:
-        loss = runtime.step([rows[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
-                            step_tokens, validate=validate)
-        marks.point("micro-batches")
+    def through_runtime(rows: torch.Tensor, validate=None) -> torch.Tensor:
+        loss = run.runtime.step([rows[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
+                                step_tokens, validate=validate)
+        run.marks.point("micro-batches")
         opt.finish_gradients()
         return loss
 
     if replicas is None:
-        return run(batches.local_batch(step, mesh.coord("dp"), mesh.size("dp")),
-                   sync.at_cut if sync is not None and sync.pending else None)
+        return through_runtime(batches.local_batch(step, mesh.coord("dp"), mesh.size("dp")),
+                               sync.at_cut if sync is not None and sync.pending else None)
 
     def train_slots(slots: list[int], onto: bool = True) -> torch.Tensor:
         """Train `slots`, their gradients added to those held (`onto`)."""
@@ -440,7 +460,7 @@ def _micro_batches(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
         for slot in slots:
             kept = [g.clone() for g in opt.replica_gradients()] if onto else None
             opt.zero_grad()
-            loss += run(batches.local_batch(step, *replicas.rows_of(slot)))
+            loss += through_runtime(batches.local_batch(step, *replicas.rows_of(slot)))
             for g, k in zip(opt.replica_gradients(), kept or [], strict=bool(kept)):
                 g += k
             onto = True
@@ -450,11 +470,11 @@ def _micro_batches(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     return replicas.sum_gradients(step, opt.replica_gradients, loss, train_slots)
 
 
-def _barrier_update(cfg: Config, mesh: ParallelMesh, par: ParallelModel, norm: float,
-                    lr: float, loss_sum: torch.Tensor, marks: Marks = NO_MARKS,
+def _barrier_update(run: _Run, norm: float, lr: float, loss_sum: torch.Tensor,
                     loss_summed: bool = False) -> tuple[bool, dict]:
     """The update after the global norm (the barrier), and the logged loss summed in
     place (`loss_summed`: the norm's all-reduce did it); (skipped, MoE metrics)."""
+    cfg, mesh, par, marks = run.cfg, run.mesh, run.par, run.marks
     opt = par.optimizer
     # the logged loss is the global-batch mean: sum the partial sums over every dimension
     # whose ranks each hold a part (the last stages, the sequence's slices, the replicas:

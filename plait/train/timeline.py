@@ -1,7 +1,7 @@
 """One step's timeline on every rank, for any layout: compute spans beside the ledger's
 communication spans (what `plait train --trace/--timeline` draws; plait/observe/timeline.py).
 
-Recorded only when asked (`train(..., timeline=True)`): `StepMarks` puts light markers on
+Recorded only when asked (`TrainOptions(timeline=True)`): `StepMarks` puts light markers on
 this rank's model and step, and `gather_timeline` collects the last step on every rank.
 
 * **Units**: each top-level child of a stage module that holds parameters, and each
