@@ -3,8 +3,12 @@ single-process reference Muon (plait/train/reference.py), in float64 with the
 Newton-Schulz iteration in float64: every step's loss and grad norm on every rank, the
 first step's gradients, every final parameter (plait/testing.py's fp64 class)."""
 
-from helpers import reference, run_layout
+import re
 
+import pytest
+from helpers import ELEMENT_BYTES, config, reference, run_layout
+
+from plait.launch.forked import run_ranks
 from plait.testing import assert_parity, merge_ranks
 
 MUON = ("train.optimizer=muon", "train.muon_ns_dtype=fp64", "model.tie_embeddings=false")
@@ -21,3 +25,74 @@ def test_muon_moe_data_parallel_parity_each_expert_its_own_matrix():
     sets = (*MUON, "model_name=tiny-moe", "train.muon_scale=original")
     outs = run_layout(*sets, "parallel.dp=2")
     assert_parity(merge_ranks(outs), reference(*sets))
+
+
+
+def _zero_rank(rank: int, world: int, sets: list[str]) -> dict:
+    """A ZeRO rank's run, with its pieces of each Muon momentum buffer (name -> (first
+    element, elements)), its bytes sent by Muon's all-to-alls, the matrices' owners."""
+    from helpers import batches_for, config
+
+    from plait.mesh import ParallelMesh
+    from plait.muon import is_muon_matrix
+    from plait.train.loop import full_state, train
+
+    cfg = config(*sets).check(world)
+    mesh = ParallelMesh.build(cfg.parallel)
+    result = train(cfg, mesh, batches_for(cfg))
+    opt = result.optimizer
+    pieces = {}
+    for u in opt.units:
+        for name, p, off in zip(u.names, u.params, u.offsets, strict=True):
+            for a, b, q in u.segments():
+                if q is p and is_muon_matrix(name, p):
+                    plain = re.sub(r"^stages\.\d+\.", "", name)  # a stage's prefix
+                    pieces[plain] = (u.lo + a - off, opt.muon.momentum[id(u)][a:b].clone())
+    me = mesh.coord(opt.dim)
+    return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
+            "params": full_state(result.model, opt, mesh, result.placements),
+            "momentum": pieces, "balance": opt.muon.balance(),
+            "cut": sum(0 < _len(m.piece(me)) < m.stop - m.start
+                       for ms in opt.muon.groups.values() for m in ms),
+            "muon_sent": sum(r["sent"] for r in mesh.ledger.to_dicts() if r["tag"] == "muon"),
+            # what this rank sends a step: its pieces of others' matrices, there, and the
+            # other ranks' pieces of its own, back
+            "expected_sent": sum(
+                (m.stop - m.start - _len(m.piece(me))) if m.owner == me
+                else _len(m.piece(me)) for ms in opt.muon.groups.values() for m in ms)}
+
+
+def _len(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
+@pytest.mark.parametrize("layout", [
+    # units of about 0.1 MB: ZeRO-1/2's shard boundaries fall inside matrices
+    ("parallel.zero=1", "parallel.bucket_mb=0.1"), ("parallel.zero=2", "parallel.bucket_mb=0.1"),
+    ("parallel.zero=3",),
+    ("parallel.zero=1", "parallel.pp=2", "parallel.microbatches=2"),
+    ("parallel.zero=3", "parallel.pp=2", "parallel.schedule=interleaved",
+     "parallel.microbatches=4"),
+    ("parallel.zero=2", "parallel.cp=2"),
+])
+def test_muon_zero_parity_every_rank_and_the_momentum(layout):
+    """dp 2 under ZeRO (with pp: each stage's shard group; with cp: dp x cp): each
+    matrix cut by the shard boundaries, orthogonalised whole on its owner; parameters,
+    losses and norms in the fp64 class, every rank's pieces of every momentum buffer equal
+    to the reference's, Muon's bytes as its pieces say, the work within 1.3x."""
+    sets = (*MUON, "model.n_layers=4")
+    cfg = config(*sets, "parallel.dp=2", *layout)
+    outs = run_ranks(_zero_rank, cfg.parallel.world_size, [*sets, "parallel.dp=2", *layout])
+    ref = reference(*sets)
+    assert_parity(merge_ranks(outs), ref)
+    covered = dict.fromkeys(ref.momentum, 0)
+    for out in outs:
+        for name, (start, piece) in out["momentum"].items():
+            want = ref.momentum[name].reshape(-1)[start:start + piece.numel()]
+            assert (piece - want).abs().max() <= 1e-12 * want.abs().max(), name
+            covered[name] += piece.numel()
+        steps = cfg.train.steps
+        assert out["muon_sent"] == out["expected_sent"] * ELEMENT_BYTES * steps
+        assert all(b <= 1.3 for b in out["balance"].values()), out["balance"]
+        assert out["cut"] > 0  # some matrix really is in pieces on this rank
+    assert covered == {n: t.numel() for n, t in ref.momentum.items()}  # each element once

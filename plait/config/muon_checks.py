@@ -1,9 +1,9 @@
 """What `train.optimizer='muon'` refuses, each with its fix.
 
-Muon orthogonalises each weight matrix whole (plait/muon.py). Built: every layout whose
-ranks hold whole matrices (replicated over data and context parallel, pipeline stages); a
-layout that cuts a matrix (ZeRO's flat shards, tensor parallel's slices, expert parallel's
-split stacks) needs the matrix gathered where its iteration runs, which is not built yet.
+Muon orthogonalises each weight matrix whole (plait/muon.py). Built: replicated over data
+and context parallel, pipeline stages, and ZeRO 1, 2, 3 (each matrix gathered on one
+owner rank: plait/parallel/muon.py). Not built yet: tensor parallel's slices, expert
+parallel's split stacks, and the ZeRO combinations named below.
 """
 
 from __future__ import annotations
@@ -30,13 +30,18 @@ def muon_problems(cfg: Config) -> list[str]:
     ]
     if t.optimizer == "muon":
         checks += [
-            (p.zero > 0, f"--optimizer muon with ZeRO-{p.zero} is not built yet (each "
-             "matrix's momentum would have to be gathered whole); use --zero 0"),
             (p.tp > 1, f"--optimizer muon with tp={p.tp} is not built yet (tensor "
              "parallel cuts each matrix); use --tp 1"),
             (p.ep > 1, f"--optimizer muon with ep={p.ep} is not built yet (expert "
              "parallel splits the expert stacks); use --ep 1"),
             (p.fault_tolerance, "--optimizer muon with parallel.fault_tolerance is not "
              "built yet; train without --fault-tolerance"),
+            (p.zero > 0 and p.dp_replicate > 1, "--optimizer muon with hybrid sharding "
+             f"(dp_replicate={p.dp_replicate}) is not built yet; use --dp-replicate 1"),
+            (p.zero > 0 and p.optimizer_sync == "post_validation", "--optimizer muon with "
+             "ZeRO and --optimizer-sync post_validation is not built yet (the rollback "
+             "would not restore the momentum); use --optimizer-sync barrier"),
+            (p.zero > 0 and t.precision == "fp8", "--optimizer muon with ZeRO and "
+             "--precision fp8 is not built yet; use --precision bf16"),
         ]
     return [problem for broken, problem in checks if broken]

@@ -49,10 +49,12 @@ from plait import comm
 from plait.config import ZERO_REDUCE_SCATTERS_IN_FLIGHT
 from plait.mesh import ParallelMesh
 from plait.model.precision import widened
+from plait.muon import MuonSettings
 from plait.optim import adamw_update, decays, sgd_update
 from plait.parallel import zero_fp8
 from plait.parallel.backward_graph import in_backward, input_gradient_computed, input_node
 from plait.parallel.fp8 import is_float8
+from plait.parallel.muon import ShardedMuon
 from plait.parallel.replicated import sum_over_world
 from plait.parallel.zero_index import NamedShards
 from plait.parallel.zero_units import _Unit, make_units
@@ -70,7 +72,8 @@ class ZeroOptimizer(NamedShards):
                  betas: tuple[float, float], eps: float, weight_decay: float,
                  dim: str = "dp", kind: str = "adamw",
                  placements: PlacementTable | None = None, bucket_mb: float | None = None,
-                 gather: str = "microbatch", copies: Schedule | None = None):
+                 gather: str = "microbatch", copies: Schedule | None = None,
+                 muon: MuonSettings | None = None):
         """`bucket_mb` (stages 1, 2): consecutive modules share a unit up to about this
         many MB of parameters (`zero_unit_groups`); None: a unit per module, as stage 3.
         `gather` (stage 3): "microbatch" or "step" (module docstring). `copies`: DualPipe's
@@ -96,7 +99,10 @@ class ZeroOptimizer(NamedShards):
         cap = None if stage == 3 or bucket_mb is None else bucket_mb * 2**20
         # ZeRO-3 under precision fp8: the float8 linears' weights gathered in float8
         fp8 = stage == 3 and any(is_float8(m) for m in model.modules())
-        self.units = make_units(model, mesh, self.placements, dim, kind == "adamw", cap, fp8)
+        self.units = make_units(model, mesh, self.placements, dim, kind != "sgd", cap, fp8)
+        # Muon: each matrix gathered whole on one owner rank (plait/parallel/muon.py)
+        self.muon = (ShardedMuon(self.units, mesh, muon or MuonSettings())
+                     if kind == "muon" else None)
         self._fp8_stale = fp8  # the float8 shards are cast again before the next gather
         covered = sum(len(u.params) for u in self.units)
         if covered != len(list(model.parameters())):
@@ -442,6 +448,9 @@ class ZeroOptimizer(NamedShards):
         units = [u for u in self.units if u.grad_shard is not None]
         if self.kind == "sgd":
             sgd_update([u.master for u in units], [u.grad_shard for u in units], lr, grad_scale)
+        elif self.muon is not None:
+            self.muon.step(units, lr, self.steps, self.betas, self.eps, self.weight_decay,
+                           grad_scale)
         else:
             self._adamw(units, lr, grad_scale)
         self._publish()
@@ -527,6 +536,7 @@ class ZeroOptimizer(NamedShards):
         shards = [u.grad_shard for u in self.units if u.grad_shard is not None]
         (comm_buffers if self.stage == 1 else grads).extend(shards)
         optim = [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        optim += list(self.muon.momentum.values()) if self.muon is not None else []
         # the updated shards cast for their all-gather (bf16), until the next forward
         optim += [u.gather_in for u in self.units if u.gather_in is not None]
         optim += list(self._saved[0]) if self._saved is not None else []

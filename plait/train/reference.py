@@ -41,6 +41,7 @@ class Reference:
     # assignments, the biases by name after the step
     moe: list[dict] = field(default_factory=list)
     lr: float = 0.0  # the peak learning rate: the scale of a parameter's error after Adam
+    momentum: dict[str, torch.Tensor] = field(default_factory=dict)  # Muon's, by name
 
 
 def reference_lr(step: int, cfg: Config) -> float:
@@ -213,4 +214,8 @@ def reference_run(cfg: Config, batches: GlobalBatches) -> Reference:
         if moes:
             ref.moe.append(_moe_step(moes, update=math.isfinite(float(norm))))
     ref.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if t.optimizer == "muon":  # the reference's own Muon: its buffers by name
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        ref.momentum = {name_of[id(p)]: b.clone()
+                        for p, b in zip(optim.matrices, optim.buffers, strict=True)}
     return ref
