@@ -51,6 +51,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.mesh import ParallelMesh
+from plait.muon import muon_settings
 from plait.parallel.held import HeldState
 from plait.parallel.replicated import ReplicatedOptimizer, TwoCopyOptimizer
 from plait.parallel.zero import ZeroOptimizer
@@ -160,4 +161,5 @@ def make_optimizer(model: nn.Module, mesh: ParallelMesh, cfg: Config,
     return ZeroOptimizer(model, mesh, cfg.parallel.zero, (t.beta1, t.beta2), t.eps,
                          t.weight_decay, dim=dim, kind=t.optimizer, placements=placements,
                          bucket_mb=cfg.parallel.bucket_mb, gather=cfg.parallel.zero3_gather,
-                         copies=pipeline.schedule if two_copies else None)
+                         copies=pipeline.schedule if two_copies else None,
+                         muon=muon_settings(t))
