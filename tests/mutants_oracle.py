@@ -2,8 +2,9 @@
 computing with stale weights, hierarchical context parallel's groups, DCP export's names,
 DCP's stacked experts' axis order and its naming detection, the expert capacity drop,
 token dispatch's gates, the non-finite skip, checkpoints' keep order and commit marker,
-and fault tolerance's row mapping and launcher. The last two are caught by a process-tree
-test: the launched interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
+Muon's (per-shard orthogonalisation, the scale, Nesterov, the rule), and fault tolerance's
+row mapping and launcher. The last two are caught by a process-tree test: the launched
+interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
 
 from __future__ import annotations
 
@@ -211,9 +212,87 @@ def ft_launcher_rows_twice():
     ReplicaLauncher._read_rows = twice
 
 
+def muon_orthogonalised_per_shard():
+    """ZeRO's Muon: each rank's piece of a matrix orthogonalised on its own (rows of the
+    matrix where the piece holds whole rows), not the gathered whole."""
+    import torch
+
+    from plait.muon import orthogonalise
+    from plait.parallel import muon
+
+    def per_piece(self, mine, gathered, n):
+        out, at = [], 0
+        pieces: list[list[torch.Tensor]] = [[] for _ in mine]
+        for r in range(n):
+            for i, m in enumerate(mine):
+                size = m.piece(r)[1] - m.piece(r)[0]
+                pieces[i].append(gathered[at:at + size])
+                at += size
+        for ps, m in zip(pieces, mine, strict=True):
+            cols = m.shape[1]
+            out.append(torch.cat([orthogonalise(p.view(-1, cols) if p.numel() % cols == 0
+                                                else p.view(1, -1), self.settings.ns_dtype)
+                                  .reshape(-1) for p in ps if p.numel()]))
+        return out
+
+    muon.ShardedMuon._orthogonalised = per_piece
+
+
+def muon_original_scale_for_moonlight():
+    """Muon's update scaled by the original sqrt(max(1, A / B)) under Moonlight's name."""
+    import math
+
+    from plait import muon
+    from plait.parallel import muon as sharded
+
+    def original(shape, form):
+        return math.sqrt(max(1.0, shape[-2] / shape[-1]))
+
+    muon.update_scale = sharded.update_scale = original
+
+
+def muon_nesterov_dropped():
+    """Muon orthogonalises the momentum itself, not the Nesterov look-ahead g + mu B."""
+    from plait import muon, optim
+    from plait.parallel import muon as sharded
+
+    def plain_momentum(masters, grads, momenta, lr, momentum, weight_decay, scale, ns_dtype,
+                       grad_scale=1.0):
+        for master, grad, buf in zip(masters, grads, momenta, strict=True):
+            buf.mul_(momentum).add_(grad.to(master.dtype) * grad_scale)
+            master.mul_(1 - lr * weight_decay)
+            master.add_(muon.orthogonalise(buf, ns_dtype),
+                        alpha=-lr * muon.update_scale(master.shape, scale))
+
+    def lookahead(self, m, rank, grad_scale):
+        ahead = original(self, m, rank, grad_scale)  # updates the momentum
+        u, (a, b) = m.unit, m.piece(rank)
+        lo = m.start + a - u.lo
+        return self.momentum[id(u)][lo:lo + b - a].clone() + 0 * ahead
+
+    original = sharded.ShardedMuon._lookahead
+    muon.muon_update = plain_momentum
+    sharded.ShardedMuon._lookahead = lookahead
+    optim.muon_update = plain_momentum
+
+
+def muon_takes_the_embedding():
+    """Muon's rule sends every 2-D weight to Muon: the embedding, the head and the router
+    too (they should stay on AdamW)."""
+    from plait import muon, optim
+    from plait.parallel import muon as sharded
+
+    def every_matrix(name, p):
+        return p.ndim >= 2
+
+    muon.is_muon_matrix = optim.is_muon_matrix = sharded.is_muon_matrix = every_matrix
+
+
 CONTEXT_MODES = "tests/test_context_modes.py::"
 EP = "tests/test_expert_parallel.py::"
 FT = "tests/test_fault_tolerance.py::"
+MUON = "tests/test_muon.py::test_muon_matches_the_reference_muon"
+MUON_ZERO = "tests/test_muon_parity.py::test_muon_zero_parity_every_rank_and_the_momentum"
 
 MUTANTS = [
     Mutant("compile-weights-frozen",
@@ -258,4 +337,14 @@ MUTANTS = [
     Mutant("ft-launcher-rows-twice", "the replica launcher writes a step's row twice",
            ft_launcher_rows_twice,
            [FT + "test_a_lost_replica_costs_no_step_and_keeps_parity[zero2-killed]"]),
+    Mutant("muon-orthogonalised-per-shard",
+           "ZeRO's Muon orthogonalises each rank's piece of a matrix, not the whole",
+           muon_orthogonalised_per_shard, [MUON_ZERO + "[layout0]"]),
+    Mutant("muon-wrong-scale", "Muon's update takes the original scale under Moonlight's",
+           muon_original_scale_for_moonlight, [MUON + "[tiny-moonlight]"]),
+    Mutant("muon-nesterov-dropped", "Muon orthogonalises the momentum, not the look-ahead",
+           muon_nesterov_dropped, [MUON + "[tiny-moonlight]", MUON_ZERO + "[layout0]"]),
+    Mutant("muon-adamw-param-to-muon",
+           "Muon takes the embedding, head and router (AdamW's) as its matrices",
+           muon_takes_the_embedding, [MUON + "[tiny-moe-original]"]),
 ]
