@@ -6,8 +6,9 @@ replica over the network, and the run's losses, grad norms and final parameters 
 within parity of the single-process run.
 
 The quorum protocol runs first in one process (threads as replicas, a HashStore as the
-job's store); then two launched jobs, one a layout: ZeRO-2 inside each replica with a
-killed rank, and a pipeline inside each replica with a stalled one.
+job's store); then three launched jobs, one a layout: ZeRO-2 inside each replica with a
+killed rank, a pipeline inside each replica with a stalled one, and plain data-parallel
+replicas (zero=0) with a killed rank.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ def _launch(tmp_path: Path, layout: list[str], fault: str, *flags: str):
     (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "2"], "kill:3:1", "30", "fp64"),
     # a 1F1B pipeline inside each replica, ZeRO-1; rank 2 (replica 1's first stage) stalls
     (["--dp-replicate", "2", "--pp", "2", "--zero", "1"], "stop:2:2", "6", "fp64"),
-], ids=["zero2-killed", "pp2-stalled"])
+    # plain data-parallel copies (zero=0, torchft's FT-DDP); rank 2 (replica 1's first) killed
+    (["--dp-shard", "2", "--dp-replicate", "2", "--zero", "0"], "kill:2:2", "30", "fp64"),
+], ids=["zero2-killed", "pp2-stalled", "plain-killed"])
 def test_a_lost_replica_costs_no_step_and_keeps_parity(tmp_path, layout, fault, timeout,
                                                        precision):
     r, metrics, ck = _launch(tmp_path, layout, fault, "--replica-timeout", timeout)

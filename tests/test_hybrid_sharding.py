@@ -133,3 +133,12 @@ def test_groups_cut_the_replica_ranks_into_shard_blocks_and_their_copies():
 def test_refused_with_the_fix_named(sets, fix):
     problems = load_config(sets=sets).validate()
     assert any(fix in p for p in problems), problems
+
+
+def test_plain_replicas_are_a_fault_tolerant_layout():
+    """With --fault-tolerance each replica is a unit of failure: plain data-parallel
+    copies (zero=0) are accepted there, and only there."""
+    sets = ["parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=0"]
+    assert load_config(sets=[*sets, "parallel.fault_tolerance=true"]).validate() == []
+    assert any("--fault-tolerance to make each replica a unit of failure" in p
+               for p in load_config(sets=sets).validate())

@@ -38,16 +38,20 @@ def problems(cfg: Config) -> list[str]:
          f"{divisors_text(p.dp)}, or give dp = dp_shard x dp_replicate (--dp-shard N)"),
         (n > 0 and n * m != p.dp, f"parallel.dp_shard={n} x dp_replicate={m} = {n * m} "
          f"but dp={p.dp}; give dp = dp_shard x dp_replicate (or leave dp out)"),
-        (m > 1 and p.zero == 0, f"parallel.dp_replicate={m} with zero=0: nothing is "
-         "sharded, every rank already holds a replica; use --dp alone, or --zero 1, 2 or 3 "
-         "to shard inside each dp_shard group"),
+        # fault tolerance makes each replica a unit of failure: plain data-parallel copies
+        # (torchft's FT-DDP) are a layout of their own there
+        (m > 1 and p.zero == 0 and not p.fault_tolerance, f"parallel.dp_replicate={m} with "
+         "zero=0: nothing is sharded, every rank already holds a replica; use --dp alone, "
+         "--zero 1, 2 or 3 to shard inside each dp_shard group, or --fault-tolerance to make "
+         "each replica a unit of failure"),
     ]
     return [msg for bad, msg in checks if bad] + fault_tolerance_problems(cfg)
 
 
 def fault_tolerance_problems(cfg: Config) -> list[str]:
     """--fault-tolerance: replicas to lose, what is summed across them only (ZeRO's
-    shards), nothing else that crosses them (plait/parallel/fault_tolerance.py)."""
+    shards, or with zero=0 each replica's whole gradients), nothing else that crosses them
+    (plait/parallel/fault_tolerance.py)."""
     p, m = cfg.parallel, cfg.model
     if not p.fault_tolerance:
         return []
