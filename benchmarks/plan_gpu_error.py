@@ -31,7 +31,7 @@ import results  # noqa: E402
 
 from plait.plan.basis import Layout, Training  # noqa: E402
 from plait.plan.calibration import EFFICIENCY, load_runs  # noqa: E402
-from plait.plan.error_band import DATA_FILE, stack_of  # noqa: E402
+from plait.plan.error_band import DATA_FILE, stack_of, terms_of  # noqa: E402
 from plait.plan.estimate import evaluate  # noqa: E402
 from plait.plan.gpu_data import family_of, published, training_rate  # noqa: E402
 from plait.plan.hardware import Cluster, get_gpu  # noqa: E402
@@ -262,7 +262,8 @@ def rate_tables(cs: list[Case]) -> tuple[str, str, dict[int, float]]:
 
 def bands(cs: list[Case], held: dict[int, float]) -> dict:
     """The data file plait plan's step-time range reads (plait/plan/error_band.py): each
-    run's GPU family, GPU count, kernel stack and held-out error."""
+    run's GPU family, GPU count, kernel stack, the terms its layout rests on and its
+    held-out error."""
     return {"about": "Written by benchmarks/plan_gpu_error.py --write-bands: each published "
                      "run's leave-one-source-out error ((predicted - measured) / measured, "
                      "the training rate fitted without the run's source), read by "
@@ -271,7 +272,10 @@ def bands(cs: list[Case], held: dict[int, float]) -> dict:
                       "benchmarks/plan_gpu_error.py",
             "runs": [{"name": c.name, "family": family_of(c.cluster.gpu.name),
                       "gpus": c.cluster.n_gpus,
-                      "stack": stack_of(c.train.stack.fused_kernels), "source": c.source,
+                      "stack": stack_of(c.train.stack.fused_kernels),
+                      "terms": terms_of(c.layout.sizes, c.layout.schedule, c.layout.zero,
+                                        c.layout.recompute, bool(c.shape.moe)),
+                      "source": c.source,
                       "error": round(held[i], 4)} for i, c in enumerate(cs)]}
 
 

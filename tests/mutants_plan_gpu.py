@@ -103,6 +103,13 @@ def plan_range_any_stack():
     error_band.band_of = any_stack
 
 
+def plan_untested_terms_silent():
+    """Every layout term counts as tested: the flag never prints."""
+    from plait.plan import error_band
+
+    error_band.untested_lines = lambda terms, runs=None: []
+
+
 BAND = "tests/test_plan_error_band.py::"
 MUTANTS = [
     Mutant("plan-zero3-copy-out-once",
@@ -142,4 +149,8 @@ MUTANTS = [
            "plait plan's step-time range takes the runs of every kernel stack alike",
            plan_range_any_stack,
            [BAND + "test_band_falls_back_where_a_class_has_one_run"]),
+    Mutant("plan-untested-terms-silent",
+           "plait plan flags no layout term the scored runs never used",
+           plan_untested_terms_silent,
+           [BAND + "test_plan_prints_the_range_on_the_published_numbers_only"]),
 ]

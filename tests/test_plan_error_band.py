@@ -53,6 +53,25 @@ def test_lines_flag_an_untested_gpu_and_scale():
     assert untested.startswith("UNTESTED: step time 2.000 s with no measured error")
 
 
+def test_terms_name_each_split_the_schedule_when_pipelined_and_the_rest():
+    assert error_band.terms_of({"tp": 8, "pp": 4, "dp": 2}, "zb-v", 1, "full", True) == [
+        "tensor parallel", "pipeline parallel", "the zb-v schedule", "ZeRO-1",
+        "recompute full", "routed experts"]
+    assert error_band.terms_of({"tp": 1, "pp": 1, "dp": 8}, "zb-v", 3, "none", False) == [
+        "ZeRO-3", "recompute none"]
+
+
+def test_untested_terms_are_those_no_scored_run_used():
+    runs = [{"terms": ["tensor parallel", "ZeRO-1", "recompute none"]},
+            {"terms": ["ZeRO-3", "recompute full"]}]
+    assert error_band.untested_lines(["tensor parallel", "ZeRO-3", "recompute full"],
+                                     runs) == []
+    (line,) = error_band.untested_lines(["pipeline parallel", "the 1f1b schedule", "ZeRO-1",
+                                         "recompute none"], runs)
+    assert line.startswith("UNTESTED TERMS: no scored run used pipeline parallel, the 1f1b "
+                           "schedule; the step time prices them")
+
+
 def _script():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_gpu_error
@@ -63,9 +82,11 @@ def test_data_file_names_the_scripts_runs():
     """Every run the range reads is one of the error script's, with its family and size."""
     cases = _script().cases()
     runs = error_band.load()["runs"]
-    assert [(r["name"], r["family"], r["gpus"], r["stack"]) for r in runs] == [
+    assert [(r["name"], r["family"], r["gpus"], r["stack"], r["terms"]) for r in runs] == [
         (c.name, family_of(c.cluster.gpu.name), c.cluster.n_gpus,
-         error_band.stack_of(c.train.stack.fused_kernels)) for c in cases]
+         error_band.stack_of(c.train.stack.fused_kernels),
+         error_band.terms_of(c.layout.sizes, c.layout.schedule, c.layout.zero,
+                             c.layout.recompute, bool(c.shape.moe))) for c in cases]
 
 
 @pytest.mark.slow
@@ -96,6 +117,10 @@ def test_plan_prints_the_range_on_the_published_numbers_only():
     lo, hi = error_band.band_of("h100", 8, "eager").measured_range(
         doc["layouts"][0]["step_time_s"])
     assert f"measured {lo:.3f}-{hi:.3f} s" in line and "(eager stack, one node;" in line
+    assert not [x for x in doc["explanation"] if x.startswith("UNTESTED TERMS")]
+    rc, out = plan(*base[:-1], "2", "--json")  # ZeRO-2: no scored run used it
+    flags = [x for x in json.loads(out)["explanation"] if x.startswith("UNTESTED TERMS")]
+    assert [x.split(";")[0] for x in flags] == ["UNTESTED TERMS: no scored run used ZeRO-2"]
     rc, out = plan(*base, "--json", "--efficiency", "fitted")
     assert rc == 0
     assert not [x for x in json.loads(out)["explanation"] if x.startswith("Step time")]

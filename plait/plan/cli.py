@@ -402,7 +402,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                                args.attention_kernel)
     if train.precision != fp8.FP8:  # the published runs and the ceiling are bf16's
         notes += trust.mfu_flags(ests, cluster, pub, eff)
-    notes += trust.step_range(ests[0], cluster, pub, train.stack)
+    notes += trust.step_range(ests[0], cluster, pub, train.stack, bool(shape.moe))
     notes += trust.provenance(cluster, pub, args.efficiency)
     if train.precision == fp8.FP8:
         notes += fp8.hardware_lines(cluster.gpu, eff, pub.entry if pub else None)

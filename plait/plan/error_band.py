@@ -7,8 +7,9 @@ A run's held-out error e = (predicted - measured) / measured was measured with t
 training rate fitted without the run's source, so predicted / (1 + e) is what such a run
 measured for that prediction: the range is the prediction divided by (1 + the largest
 error) to (1 + the smallest). Where no published run of the GPU family was scored, or the
-plan is beyond the largest GPU count scored, the line says so: the prediction rests on
-terms the data never tested there.
+plan is beyond the largest GPU count scored, the line says so, as it names each term of
+the layout no scored run used (a dimension split, a pipeline schedule, a ZeRO stage, a
+recompute mode, routed experts): the prediction rests on terms the data never tested.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from typing import Any
+
+from plait.dims import AXES, LAID
 
 DATA_FILE = "step_time_error.json"
 # a scale class needs this many scored runs to stand on its own (else the family's runs)
@@ -108,3 +111,26 @@ def range_lines(predicted: float, family: str | None, n_gpus: int, stack: str = 
                      f"{band.family.upper()} run ({band.largest_gpus:,}): collectives at "
                      "this scale rest on terms the data never tested.")
     return lines
+
+
+def terms_of(sizes: dict[str, Any], schedule: str, zero: int, recompute: str, moe: bool
+             ) -> list[str]:
+    """The terms a layout's step time rests on, in words: each dimension it splits, its
+    pipeline schedule (when pipelined), its ZeRO stage and recompute mode, routed experts."""
+    dims = AXES + LAID
+    split = [d for d in dims if d.splits != "batch" and float(sizes.get(d.name, 1)) > 1]
+    piped = any(d.splits == "layers" for d in split)
+    return ([d.title for d in split] + ([f"the {schedule} schedule"] if piped else [])
+            + [f"ZeRO-{zero}", f"recompute {recompute}"] + (["routed experts"] if moe else []))
+
+
+def untested_lines(terms: list[str], runs: list[dict[str, Any]] | None = None) -> list[str]:
+    """A flag naming the `terms` (terms_of's) no scored run used, on any GPU (a schedule's
+    or a ZeRO stage's price is the same model on every GPU)."""
+    runs = load()["runs"] if runs is None else runs
+    seen = {t for r in runs for t in r["terms"]}
+    new = [t for t in terms if t not in seen]
+    if not new:
+        return []
+    return [f"UNTESTED TERMS: no scored run used {', '.join(new)}; the step time prices "
+            f"{'it' if len(new) == 1 else 'them'} unchecked against a measured run."]

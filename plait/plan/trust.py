@@ -29,14 +29,18 @@ def provenance(cluster: Cluster, pub: Published | None, mode: str) -> list[str]:
     return hardware_lines(cluster.gpu, pub, mode)
 
 
-def step_range(est: Estimate, cluster: Cluster, pub: Published | None, stack: Stack
-               ) -> list[str]:
+def step_range(est: Estimate, cluster: Cluster, pub: Published | None, stack: Stack,
+               moe: bool) -> list[str]:
     """The first layout's step time with the held-out error of the published runs like it
-    (the published numbers' path only: the errors were measured on it)."""
+    (the published numbers' path only: the errors were measured on it), and the terms of
+    it (`moe`: the model routes experts) no scored run used."""
     if pub is None:
         return []
+    lay = est.layout
+    terms = error_band.terms_of(lay.sizes, lay.schedule, lay.zero, lay.recompute, moe)
     return error_band.range_lines(float(est.step_time), pub.family, cluster.n_gpus,
-                                  error_band.stack_of(stack.fused_kernels))
+                                  error_band.stack_of(stack.fused_kernels)) \
+        + error_band.untested_lines(terms)
 
 
 def _driver(e: Estimate) -> str:
