@@ -13,7 +13,8 @@ in place of GQA, `bf16` bf16 compute with fp32 masters, `rc` full recomputation,
 selective (plait/model/recompute.py's default ops), `atp` async tensor parallel, `docs`
 packed documents (`train.documents`: attention and loss inside each document), `fp8`
 float8 GEMMs in a float64 model (`train.fp8_compute=fp64`), `cmp` regional compilation
-(aot_eager: dynamo and AOTAutograd, without inductor's code generation). Omitted: dp1 z0
+(aot_eager: dynamo and AOTAutograd, without inductor's code generation), `ofb` DualPipe's
+F&B pairs run overlapped (`parallel.overlap_fb`). Omitted: dp1 z0
 tp1 pp1 cp1, the dense model, GQA, float64 (the oracle's precision), no recompute.
 
 `FACTORS` are the levels the matrix must combine: every *pair* of levels of two factors
@@ -193,7 +194,13 @@ RECIPE_ROWS: tuple[str, ...] = (
     'dp2 z1 tp2 sp fp8 rcs',
     'dp2 z3 tp2 sp cmp',
 )
-ALL_ROWS = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS + ASYNC_TP_ROWS + RECIPE_ROWS
+# DualPipe's overlapped F&B pairs (`ofb`): MoE with ep over dp and ZeRO-1 (the all-to-alls
+# interleaved), and dense (a pair without all-to-alls runs its sides in turn)
+OVERLAP_FB_ROWS: tuple[str, ...] = (
+    'dp2 z1 pp2:dualpipev moe ep2 ofb',
+    'pp2:dualpipe ofb',
+)
+ALL_ROWS = ROWS + MLA_ROWS + LONG_CONTEXT_ROWS + ASYNC_TP_ROWS + RECIPE_ROWS + OVERLAP_FB_ROWS
 # hand-picked rows whose checks run in the slow tier (`make test-slow`): 8 ranks, or a
 # compilation (its first step alone costs a minute on two cores)
 SLOW_ROWS = {'tp2 sp cp4:hierarchical/2', 'dp2 z3 tp2 sp cmp'}
@@ -251,6 +258,8 @@ def parse(row: str) -> dict:
             sets.append("parallel.async_tp=true")
         elif tok == "cmp":
             sets += COMPILE
+        elif tok == "ofb":
+            sets.append("parallel.overlap_fb=true")
         else:
             raise ValueError(f"matrix row {row!r}: unknown token {tok!r}")
     if moe and levels["ep"] == "dense":

@@ -31,12 +31,14 @@ and the ring attention's send/receive (plait/parallel/context.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd import Function
 
 from plait.comm import ops
+from plait.comm.ops import Handle
 
 if TYPE_CHECKING:
     from plait.mesh import ParallelMesh
@@ -198,31 +200,53 @@ def reduce_scatter_to_sp(x: torch.Tensor, mesh: ParallelMesh, dim: str = "tp",
 
 # ---- expert parallel: token rows to their experts' ranks ----------------------------------
 
+class OverlapSeam:
+    """Where an overlapped F&B pair (plait/parallel/pipeline/fb_overlap.py) takes over the
+    waits of the all-to-alls it interleaves: while `wait` is set, each is issued async and
+    handed to `wait(handle, backward)`, which runs the pair's other side before completing
+    it; None: each completes at once (a blocking collective)."""
+
+    def __init__(self) -> None:
+        self.wait: Callable[[Handle, bool], None] | None = None
+
+
+def _exchange(out: torch.Tensor, x: torch.Tensor, mesh: ParallelMesh, dim: str,
+              splits: tuple[list[int], list[int]], tag: str, seam: OverlapSeam | None,
+              backward: bool) -> None:
+    wait = seam.wait if seam is not None else None
+    if wait is None:
+        ops.all_to_all(out, x, mesh, dim, *splits, tag=tag)
+        return
+    wait(ops.all_to_all(out, x, mesh, dim, *splits, async_op=True, tag=tag), backward)
+
+
 class _AllToAll(Function):
     """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x, mesh, out_splits, in_splits, tag, dim):
+    def forward(ctx, x, mesh, out_splits, in_splits, tag, dim, seam):
         ctx.mesh, ctx.splits, ctx.tag, ctx.dim = mesh, (out_splits, in_splits), tag, dim
+        ctx.seam = seam
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        ops.all_to_all(out, x.contiguous(), mesh, dim, out_splits, in_splits, tag=tag)
+        _exchange(out, x.contiguous(), mesh, dim, (out_splits, in_splits), tag, seam, False)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ops.all_to_all(back, grad.contiguous(), ctx.mesh, ctx.dim, in_splits, out_splits,
-                       tag=ctx.tag + ".grad")
-        return back, None, None, None, None, None
+        _exchange(back, grad.contiguous(), ctx.mesh, ctx.dim, (in_splits, out_splits),
+                  ctx.tag + ".grad", ctx.seam, True)
+        return back, None, None, None, None, None, None
 
 
 def all_to_all_tokens(x: torch.Tensor, mesh: ParallelMesh, out_splits: list[int],
-                      in_splits: list[int], tag: str, dim: str) -> torch.Tensor:
+                      in_splits: list[int], tag: str, dim: str,
+                      seam: OverlapSeam | None = None) -> torch.Tensor:
     """Forward: all-to-all of `x`'s rows (`in_splits[r]` rows to rank r, `out_splits[r]`
     from it; `<tag>`). Backward: the reverse all-to-all sends the gradient rows back
-    (`<tag>.grad`)."""
-    return _AllToAll.apply(x, mesh, out_splits, in_splits, tag, dim)
+    (`<tag>.grad`). `seam`: read when each direction is issued (see OverlapSeam)."""
+    return _AllToAll.apply(x, mesh, out_splits, in_splits, tag, dim, seam)
 
 
 # ---- context parallel ("allgather" mode): K/V over its ranks ------------------------------

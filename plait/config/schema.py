@@ -18,6 +18,7 @@ from plait.config import checks
 from plait.config.compile_checks import compile_problems
 from plait.config.fp8_checks import fp8_problems
 from plait.config.muon_checks import muon_problems
+from plait.config.overlap_checks import overlap_fb_problems
 from plait.config.values import coerce_value
 from plait.dims import AXES, DEFAULT_ORDER, DIMENSIONS
 from plait.dims import problems as dimension_problems
@@ -88,6 +89,9 @@ class ParallelConfig:
     # sequence parallel's all-gather and reduce-scatter decomposed into ring hops that
     # overlap the matmuls beside them (plait/parallel/async_tp.py)
     async_tp: bool = False
+    # DualPipe's F&B pairs run overlapped: one micro-batch's all-to-alls in flight under
+    # the other's compute (plait/parallel/pipeline/fb_overlap.py)
+    overlap_fb: bool = False
     # context parallel (plait/parallel/context.py): "ring" (Liu et al. 2023) or "allgather"
     # K/V (Llama 3); "zigzag" (rank i: chunks i and 2cp-1-i of 2cp) or "contiguous" slices
     cp_mode: str = "ring"
@@ -227,7 +231,7 @@ class Config:
                 + dimension_problems(self) + checks.moe_problems(self)
                 + checks.unbuilt_problems(self) + checks.batch_problems(self)
                 + checks.train_problems(self) + fp8_problems(self) + compile_problems(self)
-                + muon_problems(self))
+                + muon_problems(self) + overlap_fb_problems(self))
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what was meant, or worth saying."""

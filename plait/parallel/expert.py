@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from plait.comm import ops
-from plait.comm.autograd import all_to_all_tokens
+from plait.comm.autograd import OverlapSeam, all_to_all_tokens
 from plait.config import Config
 from plait.dims import AXES, REPLICAS
 from plait.mesh import ParallelMesh
@@ -76,6 +76,8 @@ class AllToAllDispatch:
     def __init__(self, mesh: ParallelMesh, layer: str, dedup: bool = False):
         self.mesh, self.tag, self.dedup = mesh, f"ep.{layer}", dedup
         self.size = mesh.size(DIM)
+        # the token all-to-alls' waits, taken over inside an overlapped F&B pair
+        self.seam = OverlapSeam()
 
     def _exchange_counts(self, send: torch.Tensor) -> torch.Tensor:
         # pre-filled with what this rank sends: a real all-to-all overwrites it; under a dry
@@ -92,11 +94,11 @@ class AllToAllDispatch:
         in_splits, out_splits = counts.view(self.size, -1).sum(1).tolist(), \
             recv.sum(1).tolist()
         arrived = all_to_all_tokens(flat[slots // k], self.mesh, out_splits, in_splits,
-                                    self.tag, DIM)
+                                    self.tag, DIM, self.seam)
         order = expert_major(recv)
         y = experts(arrived[order], recv.sum(0))
         back = torch.empty_like(y).index_copy(0, order, y)  # (source, expert)-major again
-        y = all_to_all_tokens(back, self.mesh, in_splits, out_splits, self.tag, DIM)
+        y = all_to_all_tokens(back, self.mesh, in_splits, out_splits, self.tag, DIM, self.seam)
         weighted = y * gates[slots].unsqueeze(-1).to(y.dtype)
         combined = weighted.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(
             0, slots, weighted)

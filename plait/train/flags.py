@@ -31,6 +31,7 @@ TRAIN_FLAGS = {
     "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
     "data_parallel": "parallel.data_parallel", "gpus_per_node": "parallel.gpus_per_node",
     "sp": "parallel.sp", "async_tp": "parallel.async_tp", "compile": "train.compile",
+    "overlap_fb": "parallel.overlap_fb",
     "init_from": "train.init_from", "documents": "train.documents",
     "optimizer_sync": "parallel.optimizer_sync", "dp_shard": "parallel.dp_shard",
     "zero3_gather": "parallel.zero3_gather", "fault_tolerance": "parallel.fault_tolerance",
@@ -100,6 +101,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="async tensor parallel (with --sp): each all-gather and "
                    "reduce-scatter of tp runs as ring hops overlapped with the matmuls beside "
                    "them; the same bytes (parallel.async_tp; docs/async_tp.md)")
+    p.add_argument("--overlap-fb", action="store_true", default=None,
+                   help="dualpipe/dualpipev: run each F&B pair interleaved, one micro-batch's "
+                   "expert all-to-alls in flight under the other's compute "
+                   "(parallel.overlap_fb; docs/pipeline_runtime.md)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each transformer block (inductor; "
                    "train.compile_backend), collectives left eager between the compiled "

@@ -27,6 +27,7 @@ from plait.model.recompute import Recompute
 from plait.model.transformer import Transformer, build_model, materialise, run_blocks
 from plait.placement import PlacementTable
 from plait.schedule.ir import Schedule
+from plait.schedule.lower import lower
 from plait.schedule.registry import (
     build_schedule,
     natural_virtual_stages,
@@ -216,6 +217,8 @@ def build_pipeline(cfg: Config, pp_rank: int, dtype: torch.dtype,
                              build_schedule("1f1b", 1, m), part)
     v = natural_virtual_stages(p.schedule, p.virtual_stages)
     schedule = build_schedule(p.schedule, p.pp, m, v)
+    if p.overlap_fb:  # the F&B pairs marked, for the runtime's overlapped executor
+        schedule = lower(schedule, pair_fb=True)
     part = partition_for(cfg.model, t.seq_len, num_model_stages(p.schedule, p.pp, v))
     stages = {}
     for s in schedule.stages_on(pp_rank):

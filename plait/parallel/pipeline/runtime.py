@@ -43,6 +43,7 @@ from plait import comm
 from plait.comm.ops import Handle
 from plait.mesh import ParallelMesh
 from plait.model.packed import document_ids, masked_targets
+from plait.parallel.pipeline.fb_overlap import FBPair
 from plait.parallel.pipeline.split import (
     Deferred,
     OutputCapture,
@@ -50,7 +51,7 @@ from plait.parallel.pipeline.split import (
     backward_input,
     backward_weight,
 )
-from plait.schedule.ir import Action, Schedule, split_backwards
+from plait.schedule.ir import Action, Schedule, fb_pairs, split_backwards
 from plait.schedule.lower import lower, speculative_prefix
 
 __all__ = ["OutputCapture", "PipelineRuntime", "backward_input", "backward_weight"]
@@ -127,6 +128,9 @@ class PipelineRuntime:
         # backward: each stage's activations are dropped once its output has gone on
         self.keeps_graph = bool(last)
         self.final_grad_action = max(last.values(), default=-1)
+        # F&B pairs (a schedule lowered with pair_fb): run interleaved, see fb_overlap.py
+        self.pairs = set(fb_pairs(self.schedule)[self.me])
+        self.fb_pair = FBPair(stages.values(), mesh.device.torch) if self.pairs else None
         # post-validation: where the previous step's update is checked (see `step`)
         self.cut = speculative_prefix(self.schedule)[self.me]
         self.steps_restarts: list[int] = []  # per step: runs of the step's prefix dropped
@@ -208,6 +212,13 @@ class PipelineRuntime:
                 self._post(self.actions[i:j])
                 i = j
                 continue
+            if i in self.pairs:
+                for ev, d in self._run_pair(i):
+                    events.append(ev)
+                    detail.append(d)
+                self._reap_sends()
+                i += 2
+                continue
             self._wait_start = None
             c0 = time.thread_time()
             ev = self._compute(self.actions[i], i)
@@ -216,6 +227,27 @@ class PipelineRuntime:
             self._reap_sends()
             i += 1
         return events, detail
+
+    def _run_pair(self, i: int) -> list[tuple[Event, Detail]]:
+        """The F&B pair at actions i, i + 1: both inputs first (the pair starts with them
+        there, as the simulator lays it out), then the two interleaved (fb_overlap.py);
+        their events and details, F's first."""
+        self._wait_start = None
+        for a in self.actions[i:i + 2]:
+            key = ("B" if a.kind in ("I", "B") else "F", a.stage, a.microbatch)
+            if key in self._recvs:
+                self._wait_start = self._wait_start or time.perf_counter()
+                self._recvs[key][1].wait()  # idempotent: the compute's own wait returns
+        waited = self._wait_start
+
+        def side(index: int) -> Callable[[], tuple[Event, Detail]]:
+            def run() -> tuple[Event, Detail]:
+                c0 = time.thread_time()
+                ev = self._compute(self.actions[index], index)
+                return ev, (waited if index == i else None, time.thread_time() - c0)
+            return run
+
+        return list(self.fb_pair.run(side(i), side(i + 1)))
 
     def _drain(self) -> None:
         """Complete every transfer the speculative prefix posted (its peers posted the
