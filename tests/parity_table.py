@@ -24,6 +24,7 @@ from matrix import (  # noqa: E402
     FACTORS,
     LONG_CONTEXT_ROWS,
     MLA_ROWS,
+    OVERLAP_FB_ROWS,
     RECIPE_ROWS,
     ROWS,
     STEPS,
@@ -104,8 +105,9 @@ def main() -> int:
     n, m, lc, a = len(ROWS), len(MLA_ROWS), len(LONG_CONTEXT_ROWS), len(ASYNC_TP_ROWS)
     body = ["", f"{len(ALL_ROWS)} layouts (rows {n + 1}-{n + m} with multi-head latent "
             f"attention, the next {lc} with context parallel's all-to-all modes, the next "
-            f"{a} with async tensor parallel, the last {len(RECIPE_ROWS)} with packed "
-            "documents, float8 GEMMs and compilation), "
+            f"{a} with async tensor parallel, the next {len(RECIPE_ROWS)} with packed "
+            "documents, float8 GEMMs and compilation, the last "
+            f"{len(OVERLAP_FB_ROWS)} with DualPipe's F&B pairs overlapped), "
             f"{STEPS} steps each, in float64 but the bf16 rows (the fp8 rows: float8 GEMMs "
             "in float64), the worst error over every rank (python tests/parity_table.py).",
             "",
