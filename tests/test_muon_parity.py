@@ -21,9 +21,9 @@ def test_muon_data_and_pipeline_parallel_parity():
     assert "muon (moonlight scale" in outs[0]["summary"]["optimizer"]
 
 
-def test_muon_moe_data_parallel_parity_each_expert_its_own_matrix():
+def test_muon_moe_expert_parallel_parity_each_expert_its_own_matrix():
     sets = (*MUON, "model_name=tiny-moe", "train.muon_scale=original")
-    outs = run_layout(*sets, "parallel.dp=2")
+    outs = run_layout(*sets, "parallel.dp=2", "parallel.ep=2")
     assert_parity(merge_ranks(outs), reference(*sets))
 
 
@@ -47,19 +47,22 @@ def _zero_rank(rank: int, world: int, sets: list[str]) -> dict:
             for a, b, q in u.segments():
                 if q is p and is_muon_matrix(name, p):
                     plain = re.sub(r"^stages\.\d+\.", "", name)  # a stage's prefix
-                    pieces[plain] = (u.lo + a - off, opt.muon.momentum[id(u)][a:b].clone())
-    me = mesh.coord(opt.dim)
+                    # expert parallel: this rank's experts, a run of the whole stack
+                    first = mesh.coord("ep") * p.numel() if ".experts." in name else 0
+                    pieces[plain] = (first + u.lo + a - off,
+                                     opt.muon.momentum[id(u)][a:b].clone())
+    me = {d: mesh.coord(d) for d in opt.muon.groups}  # this rank in each shard group
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             "params": full_state(result.model, opt, mesh, result.placements),
             "momentum": pieces, "balance": opt.muon.balance(),
-            "cut": sum(0 < _len(m.piece(me)) < m.stop - m.start
-                       for ms in opt.muon.groups.values() for m in ms),
+            "cut": sum(0 < _len(m.piece(me[d])) < m.stop - m.start
+                       for d, ms in opt.muon.groups.items() for m in ms),
             "muon_sent": sum(r["sent"] for r in mesh.ledger.to_dicts() if r["tag"] == "muon"),
             # what this rank sends a step: its pieces of others' matrices, there, and the
             # other ranks' pieces of its own, back
             "expected_sent": sum(
-                (m.stop - m.start - _len(m.piece(me))) if m.owner == me
-                else _len(m.piece(me)) for ms in opt.muon.groups.values() for m in ms)}
+                (m.stop - m.start - _len(m.piece(me[d]))) if m.owner == me[d]
+                else _len(m.piece(me[d])) for d, ms in opt.muon.groups.items() for m in ms)}
 
 
 def _len(span: tuple[int, int]) -> int:
@@ -74,15 +77,21 @@ def _len(span: tuple[int, int]) -> int:
     ("parallel.zero=3", "parallel.pp=2", "parallel.schedule=interleaved",
      "parallel.microbatches=4"),
     ("parallel.zero=2", "parallel.cp=2"),
+    # experts sharded over their own group (edp), each expert's matrix alone
+    ("model_name=tiny-moe", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1",
+     "parallel.bucket_mb=0.1"),
+    ("model_name=tiny-moe", "parallel.ep=2", "parallel.zero=3"),
 ])
 def test_muon_zero_parity_every_rank_and_the_momentum(layout):
-    """dp 2 under ZeRO (with pp: each stage's shard group; with cp: dp x cp): each
+    """dp 2 under ZeRO (with pp: each stage's shard group; with cp: dp x cp; with ep: the
+    experts' own shard group): each
     matrix cut by the shard boundaries, orthogonalised whole on its owner; parameters,
     losses and norms in the fp64 class, every rank's pieces of every momentum buffer equal
     to the reference's, Muon's bytes as its pieces say, the work within 1.3x."""
-    sets = (*MUON, "model.n_layers=4")
-    cfg = config(*sets, "parallel.dp=2", *layout)
-    outs = run_ranks(_zero_rank, cfg.parallel.world_size, [*sets, "parallel.dp=2", *layout])
+    sets = (*MUON, "model.n_layers=4", *(s for s in layout if s.startswith("model")))
+    run = ("parallel.dp=2", *(s for s in layout if not s.startswith("model")))
+    cfg = config(*sets, *run)
+    outs = run_ranks(_zero_rank, cfg.parallel.world_size, [*sets, *run])
     ref = reference(*sets)
     assert_parity(merge_ranks(outs), ref)
     covered = dict.fromkeys(ref.momentum, 0)

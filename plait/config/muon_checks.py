@@ -1,9 +1,9 @@
 """What `train.optimizer='muon'` refuses, each with its fix.
 
 Muon orthogonalises each weight matrix whole (plait/muon.py). Built: replicated over data
-and context parallel, pipeline stages, and ZeRO 1, 2, 3 (each matrix gathered on one
-owner rank: plait/parallel/muon.py). Not built yet: tensor parallel's slices, expert
-parallel's split stacks, and the ZeRO combinations named below.
+and context parallel, pipeline stages, expert parallel (each rank's experts whole), and
+ZeRO 1, 2, 3 (each matrix gathered on one owner rank: plait/parallel/muon.py). Not built
+yet: tensor parallel's slices, and the ZeRO combinations named below.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ def muon_problems(cfg: Config) -> list[str]:
         checks += [
             (p.tp > 1, f"--optimizer muon with tp={p.tp} is not built yet (tensor "
              "parallel cuts each matrix); use --tp 1"),
-            (p.ep > 1, f"--optimizer muon with ep={p.ep} is not built yet (expert "
-             "parallel splits the expert stacks); use --ep 1"),
             (p.fault_tolerance, "--optimizer muon with parallel.fault_tolerance is not "
              "built yet; train without --fault-tolerance"),
             (p.zero > 0 and p.dp_replicate > 1, "--optimizer muon with hybrid sharding "
