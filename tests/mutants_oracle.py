@@ -2,7 +2,8 @@
 computing with stale weights, hierarchical context parallel's groups, DCP export's names,
 DCP's stacked experts' axis order and its naming detection, the expert capacity drop,
 token dispatch's gates, the non-finite skip, checkpoints' keep order and commit marker,
-Muon's (per-shard orthogonalisation, the scale, Nesterov, the rule), and fault tolerance's
+Muon's (per-shard orthogonalisation, the scale, Nesterov, the rule), the overlapped F&B
+pair's (the other micro-batch read, the sides never interleaved), and fault tolerance's
 row mapping and launcher. The last two are caught by a process-tree test: the launched
 interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
 
@@ -288,6 +289,40 @@ def muon_takes_the_embedding():
     muon.is_muon_matrix = optim.is_muon_matrix = sharded.is_muon_matrix = every_matrix
 
 
+def fb_pair_reads_the_other_microbatch():
+    """In an overlapped F&B pair the forward reads the paired backward's micro-batch's
+    tokens in place of its own."""
+    from plait.parallel.pipeline import runtime
+
+    original = runtime.PipelineRuntime._run_pair
+
+    def swapped(self, i):
+        f, b = self.actions[i], self.actions[i + 1]
+        own = self._micro
+        self._micro = [own[b.microbatch] if k == f.microbatch else t
+                       for k, t in enumerate(own)]
+        try:
+            return original(self, i)
+        finally:
+            self._micro = own
+
+    runtime.PipelineRuntime._run_pair = swapped
+
+
+def fb_pair_never_hands_over():
+    """The overlapped F&B executor finds no all-to-all seam: each pair runs its forward
+    whole, then its backward (correct, and nothing overlapped)."""
+    from plait.parallel.pipeline import fb_overlap
+
+    original = fb_overlap.FBPair.__init__
+
+    def without_seams(self, stages, device):
+        original(self, stages, device)
+        self.seams = []
+
+    fb_overlap.FBPair.__init__ = without_seams
+
+
 CONTEXT_MODES = "tests/test_context_modes.py::"
 EP = "tests/test_expert_parallel.py::"
 FT = "tests/test_fault_tolerance.py::"
@@ -347,4 +382,12 @@ MUTANTS = [
     Mutant("muon-adamw-param-to-muon",
            "Muon takes the embedding, head and router (AdamW's) as its matrices",
            muon_takes_the_embedding, [MUON + "[tiny-moe-original]"]),
+    Mutant("fb-pair-other-microbatch",
+           "--overlap-fb: a pair's forward reads its backward's micro-batch",
+           fb_pair_reads_the_other_microbatch,
+           ["tests/test_matrix.py::test_row_equals_the_single_process_run["
+            "dp2 z1 pp2:dualpipev moe ep2 ofb]"]),
+    Mutant("fb-pair-sequential", "--overlap-fb: a pair's sides run one after the other",
+           fb_pair_never_hands_over,
+           ["tests/test_fb_overlap.py::test_a_pairs_all_to_alls_are_issued_interleaved"]),
 ]
