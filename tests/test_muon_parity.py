@@ -55,6 +55,12 @@ def _zero_rank(rank: int, world: int, sets: list[str]) -> dict:
     return {"losses": result.losses, "grad_norms": [m["grad_norm"] for m in result.metrics],
             "params": full_state(result.model, opt, mesh, result.placements),
             "momentum": pieces, "balance": opt.muon.balance(),
+            # the optimizer's bytes against AdamW's three fp32 states (master and two
+            # moments): Muon's momentum lives in the first moment's buffer
+            "optimizer_bytes": sum(t.numel() * t.element_size()
+                                   for t in opt.memory_sources()["optimizer"]),
+            "adamw_bytes": sum(3 * u.master.numel() * u.master.element_size()
+                               for u in opt.units),
             "cut": sum(0 < _len(m.piece(me[d])) < m.stop - m.start
                        for d, ms in opt.muon.groups.items() for m in ms),
             "muon_sent": sum(r["sent"] for r in mesh.ledger.to_dicts() if r["tag"] == "muon"),
@@ -104,4 +110,5 @@ def test_muon_zero_parity_every_rank_and_the_momentum(layout):
         assert out["muon_sent"] == out["expected_sent"] * ELEMENT_BYTES * steps
         assert all(b <= 1.3 for b in out["balance"].values()), out["balance"]
         assert out["cut"] > 0  # some matrix really is in pieces on this rank
+        assert out["optimizer_bytes"] == out["adamw_bytes"]
     assert covered == {n: t.numel() for n, t in ref.momentum.items()}  # each element once

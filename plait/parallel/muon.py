@@ -85,8 +85,9 @@ class ShardedMuon:
         for u in units:
             self.groups.setdefault(u.dim, []).extend(unit_matrices(u))
         self.loads = {d: assign_owners(ms, mesh.size(d)) for d, ms in self.groups.items()}
-        # this rank's momentum, one buffer a unit's shard (Muon's elements used)
-        self.momentum = {id(u): torch.zeros_like(u.master) for u in units}
+        # this rank's momentum: Muon's elements of each shard's first-moment buffer, which
+        # AdamW uses only for the other elements (no third fp32 state a parameter)
+        self.momentum = {id(u): u.exp_avg for u in units}
 
     def balance(self) -> dict[str, float]:
         """Per shard group: the largest rank's Newton-Schulz work over the mean."""

@@ -536,7 +536,6 @@ class ZeroOptimizer(NamedShards):
         shards = [u.grad_shard for u in self.units if u.grad_shard is not None]
         (comm_buffers if self.stage == 1 else grads).extend(shards)
         optim = [t for u in self.units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
-        optim += list(self.muon.momentum.values()) if self.muon is not None else []
         # the updated shards cast for their all-gather (bf16), until the next forward
         optim += [u.gather_in for u in self.units if u.gather_in is not None]
         optim += list(self._saved[0]) if self._saved is not None else []
