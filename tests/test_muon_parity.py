@@ -35,6 +35,7 @@ def _zero_rank(rank: int, world: int, sets: list[str]) -> dict:
 
     from plait.mesh import ParallelMesh
     from plait.muon import is_muon_matrix
+    from plait.plan.muon import muon_payload
     from plait.train.loop import full_state, train
 
     cfg = config(*sets).check(world)
@@ -64,6 +65,10 @@ def _zero_rank(rank: int, world: int, sets: list[str]) -> dict:
             "cut": sum(0 < _len(m.piece(me[d])) < m.stop - m.start
                        for d, ms in opt.muon.groups.items() for m in ms),
             "muon_sent": sum(r["sent"] for r in mesh.ledger.to_dicts() if r["tag"] == "muon"),
+            "muon_payload": sum(r["payload"] for r in mesh.ledger.to_dicts()
+                                if r["tag"] == "muon") / cfg.train.steps,
+            "planned": (None if cfg.model.n_experts else
+                        muon_payload(cfg, mesh.coord("pp"), mesh.coord(opt.dim))),
             # what this rank sends a step: its pieces of others' matrices, there, and the
             # other ranks' pieces of its own, back
             "expected_sent": sum(
@@ -111,4 +116,6 @@ def test_muon_zero_parity_every_rank_and_the_momentum(layout):
         assert all(b <= 1.3 for b in out["balance"].values()), out["balance"]
         assert out["cut"] > 0  # some matrix really is in pieces on this rank
         assert out["optimizer_bytes"] == out["adamw_bytes"]
+        if out["planned"] is not None:  # the planner's count of this rank's payload
+            assert out["muon_payload"] == out["planned"]
     assert covered == {n: t.numel() for n, t in ref.momentum.items()}  # each element once
