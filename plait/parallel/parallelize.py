@@ -42,6 +42,9 @@ The order, and why:
 7. **Compile** (`train.compile`): each block's forward compiled (plait/parallel/compile.py),
    last, so that every module swap and hook is in place and the communicating ones are
    marked as graph breaks.
+8. **Replica synchronisation** (plait/parallel/replicas/): how the copies of this rank's
+   state that train other rows agree each step, chosen once: the mesh's own (the
+   optimizer of 6. sums them), or a fault-tolerant job's quorum.
 
 Every strategy records where it put each parameter in one `PlacementTable`, returned with
 the parts: the grad norm, full-state gathering and the ZeRO shard index read it.
@@ -50,6 +53,7 @@ the parts: the grad norm, full-state gathering and the ZeRO shard index read it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -64,8 +68,12 @@ from plait.parallel.context import context_parallel_stages
 from plait.parallel.expert import prepare_moe_blocks
 from plait.parallel.optimizer import GradSyncOptimizer, make_optimizer
 from plait.parallel.pipeline.partition import Partition, PipelineParts, Stage, build_pipeline
+from plait.parallel.replicas.sync import ReplicaSync, replica_sync
 from plait.placement import PlacementTable
 from plait.schedule.ir import Schedule
+
+if TYPE_CHECKING:
+    from plait.parallel.fault_tolerance import FaultTolerantReplicas
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
@@ -84,6 +92,8 @@ class ParallelModel:
     partition: Partition  # the layers of each model stage
     optimizer: GradSyncOptimizer  # gradient sync over dp + the update
     placements: PlacementTable  # where each of this rank's parameters lives
+    # how the replicas of this rank's state agree each step (plait/parallel/replicas/)
+    replicas: ReplicaSync
     # a split sequence: this rank's token positions in each one (int64); None: all
     positions: torch.Tensor | None = None
 
@@ -93,7 +103,8 @@ class ParallelModel:
 
 
 def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
-                shard_init: bool = False) -> ParallelModel:
+                shard_init: bool = False, replicas: FaultTolerantReplicas | None = None
+                ) -> ParallelModel:
     """Apply every strategy of `cfg.parallel` to `model` (built on the meta device) for this
     rank of `mesh`, in the order of this module's docstring.
 
@@ -102,7 +113,11 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
     filled at its own size (`fill_in_place`): no full stage is ever written, so the host
     holds one rank's slices and initialises only those. The values are then not the
     reference's slices (a dry run's values are meaningless); a real run keeps `False`:
-    slices of the full name-seeded init."""
+    slices of the full name-seeded init.
+
+    `replicas`: this rank's fault-tolerant replica, where the job is one
+    (plait/parallel/fault_tolerance.py; `mesh` and `cfg` are the replica's own): the
+    replicas then agree through its quorum (plait/parallel/replicas/)."""
     on_meta = {p.device.type for p in model.parameters()}
     if on_meta != {"meta"}:
         raise ValueError("parallelize takes the model built on the meta device "
@@ -126,8 +141,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, cfg: Config,
     optimizer = make_optimizer(pipe.model, mesh, cfg, placements, pipe)  # 6. dp / ZeRO
     if cfg.train.compile:  # 7. each block's forward, once every swap and hook is in place
         compile_blocks(pipe.stages.values(), cfg.train.compile_backend)
+    sync = replica_sync(mesh, cfg.train.global_batch, optimizer, replicas)  # 8.
     return ParallelModel(pipe.model, pipe.stages, pipe.schedule, pipe.partition, optimizer,
-                         placements, positions)
+                         placements, sync, positions)
 
 
 def _tensor_parallel(pipe: PipelineParts, mesh: ParallelMesh, cfg: Config,

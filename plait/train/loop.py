@@ -14,6 +14,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +31,6 @@ from plait.muon import muon_summary
 from plait.optim import clip_coefficient
 from plait.parallel.context import documents_positions
 from plait.parallel.expert import finish_moe_step
-from plait.parallel.fault_tolerance import FaultTolerantReplicas, held_tensors
 from plait.parallel.optimizer import GradSyncOptimizer
 from plait.parallel.parallelize import ParallelModel, gather_split_state, model_dtype, parallelize
 from plait.parallel.pipeline.measure import pipeline_report
@@ -44,6 +44,9 @@ from plait.train.lr_schedule import lr_at
 from plait.train.stop import StoppedAtBoundary, StopRequest, agreed_stop, save_on_stop
 from plait.train.stragglers import Exchange, observe_step
 from plait.train.timeline import NO_MARKS, Marks, StepMarks, gather_timeline
+
+if TYPE_CHECKING:
+    from plait.parallel.fault_tolerance import FaultTolerantReplicas
 
 
 @dataclass
@@ -132,9 +135,8 @@ class TrainOptions:
     # collective at the end)
     timeline: bool = False
     shard_init: bool = False  # see `parallelize`
-    # this rank's fault-tolerant replica (plait/parallel/fault_tolerance.py; `mesh` and `cfg`
-    # are the replica's own): each step's gradients summed over the live replicas, or, for
-    # a replacement, the state received from a live one first
+    # this rank's fault-tolerant replica, where the job is one (`mesh` and `cfg` are the
+    # replica's own): `parallelize` makes it the run's replica synchronisation
     replicas: FaultTolerantReplicas | None = None
     # the token file of train.eval_data, whose loss (plait/train/held_out.py) is added to
     # the row of every train.eval_every-th step and of the last
@@ -164,7 +166,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     """Train for cfg.train.steps steps on this rank; every rank returns the same metrics.
     `options`: what the caller adds (TrainOptions: hooks, checkpoints, stop, replicas)."""
     t, o = cfg.train, options if options is not None else TrainOptions()
-    checkpoint, replicas, stop = o.checkpoint, o.replicas, o.stop
+    checkpoint, stop = o.checkpoint, o.stop
     # the plain model, on meta: parallelize materialises only what this rank holds
     plain = build_model(cfg.model, seed=t.seed, device="meta")
     # the model's total, whatever the layout; the local count is this rank's share
@@ -172,9 +174,9 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     # which parameters Muon takes, said in the summary (the rule: plait/muon.py)
     optimizer_note = (muon_summary(plain.named_parameters(), t) if t.optimizer == "muon"
                       else None)
-    par = parallelize(plain, mesh, cfg, shard_init=o.shard_init)
+    par = parallelize(plain, mesh, cfg, shard_init=o.shard_init, replicas=o.replicas)
     model, opt = par.model, par.optimizer
-    start_step = _starting_state(par, mesh, cfg, checkpoint, replicas, o.start_step)
+    start_step = _starting_state(par, mesh, cfg, checkpoint, o.start_step)
     param_count["local"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     runtime = _training_runtime(cfg, mesh, par, batches)
     result = TrainResult(model=model, optimizer=opt, placements=par.placements)
@@ -187,15 +189,13 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
     run = _Run(cfg, mesh, batches, par, runtime, result, o, marks, sync)
     eager = stop is not None or (checkpoint is not None and checkpoint.dir is not None
                                  and bool(checkpoint.every))
-    validation = _validation(cfg, mesh, par, o.held_out, replicas)
+    validation = _validation(cfg, mesh, par, o.held_out)
     waiting: dict | None = None  # the row whose update awaits its check
     for step in range(start_step, t.steps):
         if stop is not None:
             _stop_at_boundary(run, step, start_step)
         row = _train_step(run, step, o.capture_first_grads and step == start_step)
-        if replicas is not None:  # those that trained it; then a replacement admitted
-            row["replicas"] = len(replicas.epoch.members)
-            replicas.hand_over(step, lambda: _held_with_steps(opt, mesh))
+        par.replicas.after_step(step, row)
         if waiting is not None:  # validated at this step's cut
             _emit(run, _validated(waiting, sync))
         waiting = row if sync is not None else None
@@ -214,8 +214,7 @@ def train(cfg: Config, mesh: ParallelMesh, batches: GlobalBatches,
                               param_count, result.stragglers.finish())
     if optimizer_note is not None:
         result.summary["optimizer"] = optimizer_note
-    if replicas is not None:
-        result.summary["fault_tolerance"] = replicas.summary(_held_with_steps(opt, mesh))
+    result.summary.update(par.replicas.summary())
     if sync is not None:
         result.summary["post_validation"] = {"rollbacks": sync.rollbacks,
                                              "restarts": sum(runtime.steps_restarts)}
@@ -262,31 +261,27 @@ def _measured_outputs(result: TrainResult, cfg: Config, mesh: ParallelMesh,
 
 
 def _starting_state(par: ParallelModel, mesh: ParallelMesh, cfg: Config,
-                    checkpoint: Checkpointing | None, replicas: FaultTolerantReplicas | None,
-                    start_step: int) -> int:
+                    checkpoint: Checkpointing | None, start_step: int) -> int:
     """The weights and state the run starts from: the initial source's (train.init_from),
-    a live replica's (a fault-tolerant replacement: over the network, no disk) or the
-    checkpoint's being resumed; the step to start at."""
-    opt = par.optimizer
+    a live replica's (a replacement: over the network, no disk) or the checkpoint's being
+    resumed; the step to start at."""
     if cfg.train.init_from is not None and (checkpoint is None or checkpoint.source() is None):
         load_initial(par, mesh, cfg, cfg.train.init_from)  # this rank's slices
-    if replicas is not None and replicas.joining:
-        steps = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
-        start_step = replicas.join(lambda: [*held_tensors(opt), steps])
-        opt.finish_load(int(steps.item()))
-    elif checkpoint is not None:  # every rank reads what it now holds; no step has run
+    received = par.replicas.start()
+    if received is not None:
+        return received
+    if checkpoint is not None:  # every rank reads what it now holds; no step has run
         start_step = checkpoint.restore(par, mesh, cfg, start_step)
     return start_step
 
 
 def _validation(cfg: Config, mesh: ParallelMesh, par: ParallelModel,
-                held_out: TokenFile | None, replicas: FaultTolerantReplicas | None
-                ) -> HeldOut | None:
+                held_out: TokenFile | None) -> HeldOut | None:
     """The held-out evaluation of train.eval_data, where one is asked for. Its windows are
-    counted in the whole job's global batches (a fault-tolerant replica's is a part)."""
+    counted in the whole job's global batches (a replica job's is a part)."""
     if held_out is None or cfg.train.eval_every is None:
         return None
-    job_batch = replicas.global_batch if replicas is not None else cfg.train.global_batch
+    job_batch = par.replicas.job_batch()
     return HeldOut(cfg, mesh, par, held_out, held_out_count(cfg, held_out, job_batch))
 
 
@@ -307,26 +302,17 @@ def _evaluate(row: dict, validation: HeldOut, par: ParallelModel, mesh: Parallel
     row.update(val_loss=loss, val_perplexity=perplexity(loss))
 
 
-def _held_with_steps(opt: GradSyncOptimizer, mesh: ParallelMesh) -> list[torch.Tensor]:
-    """What a replacement replica receives: the held state and the update count."""
-    return [*held_tensors(opt), torch.tensor([float(opt.steps)], dtype=torch.float64,
-                                             device=mesh.device.torch)]
-
-
 def _emit(run: _Run, row: dict) -> None:
     """A settled step's row: logged, checkpointed, handed to `on_step`; a streak of
     non-finite steps stops the run."""
-    cfg, par, mesh = run.cfg, run.par, run.mesh
-    checkpoint, replicas = run.options.checkpoint, run.options.replicas
+    cfg, par, mesh, checkpoint = run.cfg, run.par, run.mesh, run.options.checkpoint
     run.result.metrics.append(row)
     step = row["step"]
-    # outside the step: its collectives are tagged so. Fault-tolerant replicas hold the
-    # same state: the lowest live one writes
-    if checkpoint is not None and (replicas is None or replicas.writes()):
+    # outside the step: its collectives are tagged so. Replicas hold the same state: one
+    # writes
+    if checkpoint is not None and par.replicas.writes():
         progress = _progress(cfg, step + 1, row["lr"])
-        if replicas is not None:  # the whole job's batch; the replicas it had
-            progress["data"]["global_batch"] = replicas.global_batch
-            progress["replicas"] = {"live": len(replicas.epoch.members), "of": replicas.count}
+        par.replicas.progress(progress)
         checkpoint.after_step(step, par, mesh, cfg, progress)
     if run.options.on_step is not None:
         run.options.on_step(row)
@@ -377,11 +363,10 @@ def _train_step(run: _Run, step: int, capture: bool) -> dict:
     this step's update is optimistic and its row's loss and grad norm wait for its check.
     `run.marks`: the timeline's markers, a point at the end of each part of the step."""
     cfg, mesh, par, marks, sync = run.cfg, run.mesh, run.par, run.marks, run.sync
-    t, opt, replicas, result = cfg.train, par.optimizer, run.options.replicas, run.result
+    t, opt, result = cfg.train, par.optimizer, run.result
     marks.begin_step()
-    step_tokens = tokens_per_step(t.global_batch, t.seq_len)
-    if replicas is not None:  # the whole job's rows, whichever replicas train them
-        step_tokens = tokens_per_step(replicas.global_batch, t.seq_len)
+    # the whole job's rows, whichever replicas train them
+    step_tokens = tokens_per_step(par.replicas.job_batch(), t.seq_len)
     mesh.ledger.step = step
     meter = mesh.device.memory_meter(opt.memory_sources) if step == t.memory_step else None
     if meter is not None:
@@ -435,39 +420,25 @@ def _train_step(run: _Run, step: int, capture: bool) -> dict:
 
 
 def _micro_batches(run: _Run, step: int, step_tokens: int) -> torch.Tensor:
-    """The step's micro-batches through the runtime and the gradient sync over dp; the
-    rank's partial loss. With fault-tolerant replicas: this replica's slots of the global
-    batch, their gradients then summed over the live replicas (a lost replica's slots
-    trained here too where the quorum hands them over)."""
-    cfg, mesh, batches, sync = run.cfg, run.mesh, run.batches, run.sync
-    opt, replicas = run.par.optimizer, run.options.replicas
+    """The step's micro-batches through the runtime and the gradient sync; the rank's
+    partial loss. Which rows this rank trains and how their gradients meet the other
+    replicas' is the run's replica synchronisation (plait/parallel/replicas/)."""
+    cfg, opt = run.cfg, run.par.optimizer
     mbs, n_micro = cfg.micro_batch_size(), cfg.microbatches()
+    # post-validation: the previous step is checked at the cut of this step's runtime
+    validate = run.sync.at_cut if run.sync is not None and run.sync.pending else None
 
-    def through_runtime(rows: torch.Tensor, validate=None) -> torch.Tensor:
+    def through_runtime(rows: torch.Tensor) -> torch.Tensor:
+        nonlocal validate
         loss = run.runtime.step([rows[mb * mbs:(mb + 1) * mbs] for mb in range(n_micro)],
                                 step_tokens, validate=validate)
+        validate = None  # checked once
         run.marks.point("micro-batches")
         opt.finish_gradients()
         return loss
 
-    if replicas is None:
-        return through_runtime(batches.local_batch(step, mesh.coord("dp"), mesh.size("dp")),
-                               sync.at_cut if sync is not None and sync.pending else None)
-
-    def train_slots(slots: list[int], onto: bool = True) -> torch.Tensor:
-        """Train `slots`, their gradients added to those held (`onto`)."""
-        loss = torch.zeros(1, dtype=torch.float64, device=mesh.device.torch)
-        for slot in slots:
-            kept = [g.clone() for g in opt.replica_gradients()] if onto else None
-            opt.zero_grad()
-            loss += through_runtime(batches.local_batch(step, *replicas.rows_of(slot)))
-            for g, k in zip(opt.replica_gradients(), kept or [], strict=bool(kept)):
-                g += k
-            onto = True
-        return loss
-
-    loss = train_slots(replicas.slots(), onto=False)
-    return replicas.sum_gradients(step, opt.replica_gradients, loss, train_slots)
+    return run.par.replicas.gradients(
+        step, lambda index, count: run.batches.local_batch(step, index, count), through_runtime)
 
 
 def _barrier_update(run: _Run, norm: float, lr: float, loss_sum: torch.Tensor,
