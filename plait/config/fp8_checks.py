@@ -2,9 +2,9 @@
 
 The blockwise recipe (plait/model/fp8_blockwise.py) scales each tile of B elements from
 the tile's own amax and reduces no amax over ranks, so every rank's share of a tile must be
-the whole tile: each tensor-parallel share of a split width, and each context-parallel
-chunk of a sequence (the weight gradient's tiles run along the sequence), must be a
-multiple of B.
+the whole tile: each tensor-parallel share of a split width must be a multiple of B (here),
+and so must each context-parallel chunk of a sequence, along which the weight gradient's
+tiles run (context parallel's record in plait/dims/ checks that).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from plait.dims.cp import chunks
+from plait.dims import DIMENSIONS
 from plait.dims.record import divisors_text
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ def tp_split_widths(m: ModelConfig, tp: int) -> dict[str, int]:
 
 
 def _tile_problems(cfg: Config) -> list[str]:
-    """The blockwise recipe's tiles against tp's and cp's splits (the module docstring)."""
+    """The blockwise recipe's tiles against tensor parallel's splits, and MoE's token
+    order (the module docstring)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     b, out = t.fp8_block, []
     if p.tp > 1 and all(n % p.tp == 0 for n in (m.n_heads, m.dim, m.ffn_dim)):
@@ -54,20 +55,13 @@ def _tile_problems(cfg: Config) -> list[str]:
             out.append(f"train.fp8_block={b} with tp={p.tp}: each rank's share of a split "
                        f"width must be whole tiles, but {shown} are not multiples of {b}; "
                        f"set train.fp8_block to one of {divisors_text(common)}, or use tp=1")
-    n = chunks(p.cp, p.cp_layout)
-    if p.cp > 1 and t.seq_len % n == 0 and (t.seq_len // n) % b:
-        out.append(f"train.fp8_block={b} with cp={p.cp}: each of the {n} sequence chunks "
-                   f"({t.seq_len // n} tokens) must be whole weight-gradient tiles; set "
-                   f"train.fp8_block to one of {divisors_text(t.seq_len // n)}")
-    if m.n_experts and (p.ep > 1 or p.cp > 1 or p.sp):
-        out.append("train.fp8_recipe='blockwise' on a MoE model with ep, cp or sp is not "
-                   "built (an expert's weight-gradient tiles follow its tokens' order, which "
-                   "these layouts change); use dp, tp without --sp, pp and ZeRO, or "
-                   "--precision bf16")
-    if p.cp > 1 and t.documents:
-        out.append("train.fp8_recipe='blockwise' with packed documents under cp>1 is not "
-                   "built (the documents' split moves tokens between cp ranks, cutting the "
-                   "weight-gradient tiles); drop train.documents or use the tensorwise recipe")
+    # a sequence split over ranks (context parallel, whose record checks its chunks' tiles)
+    split = any(getattr(p, d.name) > 1 for d in DIMENSIONS if d.splits == "sequence")
+    if m.n_experts and (p.ep > 1 or split or p.sp):
+        out.append("train.fp8_recipe='blockwise' on a MoE model with expert, context or "
+                   "sequence parallel is not built (an expert's weight-gradient tiles follow "
+                   "its tokens' order, which these layouts change); use dp, tp without --sp, "
+                   "pp and ZeRO, or --precision bf16")
     return out
 
 

@@ -6,7 +6,7 @@ gradients are summed over cp with dp's."""
 
 from __future__ import annotations
 
-from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting
+from plait.dims.record import Config, Dimension, ModelShape, Planned, Setting, divisors_text
 
 MODES = ("ring", "allgather", "a2a", "hierarchical")
 LAYOUTS = ("zigzag", "contiguous")
@@ -46,7 +46,27 @@ def problems(cfg: Config) -> list[str]:
          f"tp={p.tp}; use a seq_len that is a multiple of {n * p.tp}"),
     ]
     return ([problem for broken, problem in checks if broken] + _a2a_problems(cfg)
-            + _hierarchical_problems(cfg))
+            + _hierarchical_problems(cfg) + _fp8_tile_problems(cfg))
+
+
+def _fp8_tile_problems(cfg: Config) -> list[str]:
+    """Float8's blockwise recipe scales each tile from its own amax, reducing none over
+    ranks: a chunk of a sequence must be whole weight-gradient tiles (they run along the
+    sequence), and packed documents, whose split moves tokens between ranks, would cut
+    them (plait/config/fp8_checks.py has the recipe's other rules)."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1 or t.precision != "fp8" or t.fp8_recipe != "blockwise" or t.fp8_block < 1:
+        return []
+    n, b, out = chunks(p.cp, p.cp_layout), t.fp8_block, []
+    if t.seq_len % n == 0 and (t.seq_len // n) % b:
+        out.append(f"train.fp8_block={b} with cp={p.cp}: each of the {n} sequence chunks "
+                   f"({t.seq_len // n} tokens) must be whole weight-gradient tiles; set "
+                   f"train.fp8_block to one of {divisors_text(t.seq_len // n)}")
+    if t.documents:
+        out.append("train.fp8_recipe='blockwise' with packed documents under cp>1 is not "
+                   "built (the documents' split moves tokens between cp ranks, cutting the "
+                   "weight-gradient tiles); drop train.documents or use the tensorwise recipe")
+    return out
 
 
 def _hierarchical_problems(cfg: Config) -> list[str]:
