@@ -42,6 +42,13 @@ def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
     return p.ndim >= 2 and not any(part in ADAMW_MATRICES for part in name.split("."))
 
 
+def muon_states(name: str, p: torch.Tensor) -> tuple[str, ...]:
+    """The optimizer states a parameter keeps under --optimizer muon (checkpoints save
+    these): a Muon matrix its momentum, the others AdamW's two moments."""
+    return ("master", "momentum") if is_muon_matrix(name, p) else (
+        "master", "exp_avg", "exp_avg_sq")
+
+
 def update_scale(shape: tuple[int, ...] | torch.Size, form: str) -> float:
     """The factor on the orthogonalised update of an A x B matrix (the last two axes):
     Moonlight's 0.2 * sqrt(max(A, B)), or the original sqrt(max(1, A / B))."""

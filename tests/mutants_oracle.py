@@ -2,7 +2,8 @@
 computing with stale weights, hierarchical context parallel's groups, DCP export's names,
 DCP's stacked experts' axis order and its naming detection, the expert capacity drop,
 token dispatch's gates, the non-finite skip, checkpoints' keep order and commit marker,
-Muon's (per-shard orthogonalisation, the scale, Nesterov, the rule), the overlapped F&B
+Muon's (per-shard orthogonalisation, the scale, Nesterov, the rule, the momentum on
+resume), the overlapped F&B
 pair's (the other micro-batch read, the sides never interleaved), and fault tolerance's
 row mapping and launcher. The last two are caught by a process-tree test: the launched
 interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
@@ -323,6 +324,30 @@ def fb_pair_never_hands_over():
     fb_overlap.FBPair.__init__ = without_seams
 
 
+def muon_momentum_not_restored():
+    """A resumed Muon run starts each matrix's momentum from zero (masters and AdamW's
+    moments loaded as saved)."""
+    from plait.muon import is_muon_matrix
+    from plait.parallel.replicated import ReplicatedOptimizer
+    from plait.parallel.zero import ZeroOptimizer
+
+    def replicated(self, steps, _load=ReplicatedOptimizer.finish_load):
+        _load(self, steps)
+        for buf in self.optim.momentum:
+            buf.zero_()
+
+    def sharded(self, steps, _load=ZeroOptimizer.finish_load):
+        _load(self, steps)
+        for u in self.units if self.muon is not None else []:
+            names = dict(zip(map(id, u.params), u.names, strict=True))
+            for a, b, p in u.segments():
+                if is_muon_matrix(names[id(p)], p):
+                    u.exp_avg[a:b].zero_()
+
+    ReplicatedOptimizer.finish_load = replicated
+    ZeroOptimizer.finish_load = sharded
+
+
 CONTEXT_MODES = "tests/test_context_modes.py::"
 EP = "tests/test_expert_parallel.py::"
 FT = "tests/test_fault_tolerance.py::"
@@ -382,6 +407,12 @@ MUTANTS = [
     Mutant("muon-adamw-param-to-muon",
            "Muon takes the embedding, head and router (AdamW's) as its matrices",
            muon_takes_the_embedding, [MUON + "[tiny-moe-original]"]),
+    Mutant("muon-momentum-not-restored", "a resumed Muon run starts its momentum from zero",
+           muon_momentum_not_restored,
+           ["tests/test_muon_checkpoint.py::"
+            "test_muon_checkpoint_reshards_and_continues_within_parity[z1-single]",
+            "tests/test_muon_checkpoint.py::"
+            "test_muon_checkpoint_reshards_and_continues_within_parity[dp2-z3pp2]"]),
     Mutant("fb-pair-other-microbatch",
            "--overlap-fb: a pair's forward reads its backward's micro-batch",
            fb_pair_reads_the_other_microbatch,

@@ -48,9 +48,8 @@ class Piece:
 
 
 def states_of(kind: str) -> tuple[str, ...]:
-    if kind == "muon":  # refused before a run starts (plait/train/checks.py)
-        raise CheckpointError("checkpoints do not carry Muon's momentum buffers yet; train "
-                              "without checkpoints, or with --optimizer adamw")
+    if kind == "muon":  # each tensor keeps some of these (plait/muon.py muon_states)
+        return ("master", "exp_avg", "exp_avg_sq", "momentum")
     return ("master", "exp_avg", "exp_avg_sq") if kind == "adamw" else ("master",)
 
 

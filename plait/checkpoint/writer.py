@@ -40,6 +40,7 @@ from plait.ledger import OUTSIDE_STEP
 from plait.mesh import ParallelMesh
 from plait.model.precision import wide_dtype
 from plait.model.transformer import build_model
+from plait.muon import muon_states
 from plait.parallel.expert import moe_layers
 from plait.parallel.parallelize import ParallelModel, model_dtype
 
@@ -224,6 +225,12 @@ def _commit_all(mesh: ParallelMesh, cfg: Config, tmp: Path, root: Path, step: in
     return final
 
 
+def _own_states(cfg: Config, name: str, p: torch.Tensor) -> dict:
+    """Muon: each tensor's own states (a matrix its momentum, the rest AdamW's moments);
+    other optimizers: the optimizer's list, said once."""
+    return {"states": list(muon_states(name, p))} if cfg.train.optimizer == "muon" else {}
+
+
 def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
             progress: dict) -> None:
     files, chunks, rng = {}, [], {}
@@ -245,7 +252,7 @@ def _commit(mesh: ParallelMesh, cfg: Config, tmp: Path, final: Path, step: int,
         "config": cfg.to_dict(), "progress": {"next_step": step, **progress},
         "optimizer": {"kind": cfg.train.optimizer, "steps": progress["optimizer_steps"],
                       "states": list(states_of(cfg.train.optimizer))},
-        "tensors": {**{n: {"shape": list(p.shape), "dtype": dtype}
+        "tensors": {**{n: {"shape": list(p.shape), "dtype": dtype, **_own_states(cfg, n, p)}
                        for n, p in model.named_parameters()},
                     # training state beside the parameters (MoE balancing biases)
                     **{f"{n}.bias": {"shape": [m.bias.numel()], "dtype": dtype,

@@ -88,6 +88,8 @@ class ShardedMuon:
         # this rank's momentum: Muon's elements of each shard's first-moment buffer, which
         # AdamW uses only for the other elements (no third fp32 state a parameter)
         self.momentum = {id(u): u.exp_avg for u in units}
+        for u in units:  # the checkpoints' name for it (zero_index.py's `momentum` state)
+            u.momentum = u.exp_avg
 
     def balance(self) -> dict[str, float]:
         """Per shard group: the largest rank's Newton-Schulz work over the mean."""

@@ -29,6 +29,7 @@ from torch import nn
 
 from plait.mesh import ParallelMesh
 from plait.model.precision import wide_dtype
+from plait.muon import muon_states
 from plait.parallel.held import HeldState
 from plait.placement import FlatShard, PlacementTable, Split
 
@@ -161,7 +162,8 @@ class NamedShards:
                 self._named.append((name, p))
                 self._param_of[u.index, name] = p
                 named.setdefault(u.dim, []).append((name, p))
-        self.states = STATES if self.kind == "adamw" else ("param", "master")
+        self.states = {"adamw": STATES, "muon": (*STATES, "momentum")}.get(
+            self.kind, ("param", "master"))
         self._index = tuple(e for d, group in named.items() for e in build_shard_index(
             group, self.placements, self.mesh.size(d), self.states))
 
@@ -181,7 +183,7 @@ class NamedShards:
         if state == "param":
             self.settle()
             return u.shard if self.stage == 3 else u.full[u.lo:u.hi]
-        return getattr(u, state)  # master, exp_avg, exp_avg_sq
+        return getattr(u, state)  # master, exp_avg, exp_avg_sq; Muon's momentum
 
     def shard_view(self, entry: ShardSlice) -> torch.Tensor:
         """The live elements of `entry` on this rank (a flat view, no copy; shaped
@@ -203,7 +205,12 @@ class NamedShards:
                           sharded_over=(self.units[e.unit].reduced_over,),
                           copies_over=(self.replicate,) if self.replicate else (),
                           second_copy=self.units[e.unit].second_copy)
-                for e in self.shard_index() if e.state != "param"]
+                for e in self.shard_index() if e.state != "param" and self._keeps(e)]
+
+    def _keeps(self, e: ShardSlice) -> bool:
+        """Muon: a matrix's momentum, the other parameters' moments (plait/muon.py)."""
+        return self.kind != "muon" or e.state in muon_states(e.name, self._param_of[
+            e.unit, e.name])
 
     def params_read_on_load(self) -> list[tuple[str, nn.Parameter]]:
         """Stages 1, 2: every parameter, whole on each rank while its masters are shards

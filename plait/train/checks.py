@@ -145,7 +145,7 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None,
     nproc = getattr(args, "nproc", None)
     found.nproc = world_size or (nproc if nproc and nproc > 0 else cfg.parallel.world_size)
     config_problems = cfg.validate(world_size=found.nproc)
-    found.problems += config_problems + muon_checkpoint_problems(args, cfg)
+    found.problems += config_problems
     found.problems += init_problems(cfg)
     found.warnings = cfg.warnings()
     if cfg.train.init_from is not None and not cfg.train.data:
@@ -186,16 +186,6 @@ def train_inputs(args: argparse.Namespace, world_size: int | None = None,
 
         found.problems += held_out_problems(cfg)
     return found
-
-
-def muon_checkpoint_problems(args: argparse.Namespace, cfg: Config) -> list[str]:
-    """Muon's momentum buffers are not in the checkpoint format yet: no save, no resume."""
-    used = [f for f, v in (("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
-                           ("--resume", getattr(args, "resume", None))) if v]
-    if cfg.train.optimizer != "muon" or not used:
-        return []
-    return [f"{' and '.join(used)} with --optimizer muon: checkpoints do not carry Muon's "
-            "momentum yet; leave out the checkpoint flags, or use --optimizer adamw"]
 
 
 def init_problems(cfg: Config) -> list[str]:
