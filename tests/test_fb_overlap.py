@@ -112,3 +112,32 @@ def test_a_pairs_all_to_alls_are_issued_interleaved():
     # and combine: sequential runs turn once into and out of each backward
     assert _switches(overlapped) >= _switches(plain) + 6
     assert overlapped[0]["losses"] == pytest.approx(plain[0]["losses"], rel=1e-12)
+
+
+def _ep_all_to_all(*sets: str):
+    from plait.plan.from_config import estimate_config
+
+    est = estimate_config(config(*parse("dp2 z1 pp2:dualpipev moe ep2")["sets"], *sets))
+    (a2a,) = [c for c in est.collectives if c.dim == "ep" and c.op == "all-to-all"]
+    return a2a
+
+
+def test_the_planner_credits_the_overlap_only_where_the_runtime_runs_it():
+    off = _ep_all_to_all()
+    on = _ep_all_to_all("parallel.overlap_fb=true")
+    assert off.exposed == pytest.approx(off.count * off.time_each, rel=1e-12)
+    assert off.overlap.startswith("none")
+    assert on.exposed < off.exposed and "DualPipe" in on.overlap
+    assert (on.size, on.count) == (off.size, off.count)  # the same bytes either way
+
+
+@pytest.mark.slow  # two plan searches of DeepSeek-V3 at 2048 GPUs (seconds each)
+def test_deepseek_plans_dualpipe_only_when_its_overlap_runs():
+    from helpers import plan_cli
+
+    argv = ("--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h800")
+    rc_on, on = plan_cli(*argv, "--overlap-fb")
+    rc_off, off = plan_cli(*argv)  # its runner-up has a term the best has not: explained
+    best = [next(ln for ln in out.splitlines() if ln.startswith("Best:")) for out in (on, off)]
+    assert (rc_on, rc_off) == (0, 0)
+    assert "schedule dualpipev" in best[0] and "dualpipe" not in best[1], best

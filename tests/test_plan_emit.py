@@ -27,6 +27,8 @@ TINY = ("--model", "tiny", "--vocab", "256", "--seq", "32", "--global-batch", "8
      {"pp": 2, "schedule": "gpipe", "microbatches": 4}),
     ("4", "pp=2,dp=2", ("--schedule", "interleaved", "--virtual-stages", "2", "--zero", "1",
                         "--model", "small"), {"virtual_stages": 2, "zero": 1}),
+    ("2", "pp=2", ("--schedule", "dualpipev", "--zero", "0", "--overlap-fb", "--model",
+                   "small"), {"schedule": "dualpipev", "overlap_fb": True}),
     ("2", "cp=2", ("--recompute", "full"), {"cp": 2}),
     ("2", "tp=2", ("--recompute", "selective", "--zero", "0"), {"tp": 2}),
     ("4", "dp=4,dp_replicate=2", ("--zero", "2"), {"dp": 4, "dp_replicate": 2, "zero": 2}),

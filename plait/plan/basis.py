@@ -151,13 +151,17 @@ class Layout(Sizes):
     # The default keeps tp innermost; a custom order is modelled for dense layouts
     order: tuple[str, ...]
     zero3_gather: str  # parallel.zero3_gather: "microbatch" | "step" (comm/step.py)
+    # DualPipe's F&B pairs run overlapped (plait train's parallel.overlap_fb): only then
+    # are a pair's expert all-to-alls priced as hidden (comm/layer.py)
+    overlap_fb: bool
 
     def __init__(self, sizes: Mapping[str, Num] | None = None, mbs: Num = 1,
                  schedule: str = "1f1b", v: Num = 1, zero: int = 1, recompute: str = "none",
                  sp: bool = True, cp_mode: str = "ring", runtime_recompute: str | None = None,
                  attention: str = "flash", recompute_ops: tuple[str, ...] = DEFAULT_OPS,
                  order: tuple[str, ...] = DEFAULT_ORDER, zero3_gather: str = "microbatch",
-                 cp_a2a: int = 1, async_tp: bool = False, **by_name: Num) -> None:
+                 cp_a2a: int = 1, async_tp: bool = False, overlap_fb: bool = False,
+                 **by_name: Num) -> None:
         unknown = sorted(set(sizes or {}) - set(BY_NAME)) + sorted(set(by_name) - set(BY_NAME))
         if unknown:
             raise TypeError(f"Layout: no dimension {', '.join(unknown)}; the dimensions are "
@@ -169,7 +173,7 @@ class Layout(Sizes):
         self.cp_a2a = cp_a2a
         self.runtime_recompute, self.attention = runtime_recompute, attention
         self.recompute_ops, self.order = recompute_ops, order
-        self.zero3_gather, self.async_tp = zero3_gather, async_tp
+        self.zero3_gather, self.async_tp, self.overlap_fb = zero3_gather, async_tp, overlap_fb
 
     def runtime_mode(self) -> str:
         if self.runtime_recompute is not None:

@@ -94,6 +94,10 @@ def _add_layout_arguments(lay: Any) -> None:
                      help="sequence parallel's all-gathers and reduce-scatters as ring hops "
                      "beside their matmuls' chunks (plait train's parallel.async_tp; "
                      "Megatron-LM's --tp-comm-overlap); the search uses it too")
+    lay.add_argument("--overlap-fb", action="store_true",
+                     help="dualpipe/dualpipev's F&B pairs run overlapped (plait train's "
+                     "--overlap-fb): only then are a pair's expert all-to-alls priced as "
+                     "hidden behind the other micro-batch; the search uses it too")
     lay.add_argument("--order", default=",".join(DEFAULT_ORDER), metavar="DIMS",
                      help="the mesh order, innermost first, as parallel.order (default "
                      f"{','.join(DEFAULT_ORDER)}: tp inside a node); decides which groups "
@@ -343,7 +347,7 @@ def _choose(args: argparse.Namespace, shape: Shape, cluster: Cluster, train: Tra
             return layout_goodput(e, shape, train, cluster.n_gpus, fail)[
                 "seconds_per_useful_step"]
     res = search(shape, cluster, train, eff, top=args.top, cost=cost, attention=args.attention,
-                 async_tp=args.async_tp)
+                 async_tp=args.async_tp, overlap_fb=args.overlap_fb)
     doc: dict[str, Any] = {"layouts_considered": res.considered,
                            "layouts_fitting": res.feasible}
     if cost:

@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from plait.config import Config, ParallelConfig, TrainConfig
+from plait.config.overlap_checks import PAIRING_SCHEDULES
 from plait.dims import DIMENSIONS
 from plait.files import atomic_output
 from plait.model.presets import PRESETS, ModelConfig
@@ -69,6 +70,7 @@ def layout_config(est: Estimate, shape: Shape, cluster: Cluster, train: Training
         **{d.name: int(lay.sizes[d.name]) for d in DIMENSIONS}, zero=int(lay.zero),
         sp=bool(lay.sp) and int(lay.tp) > 1, cp_mode=lay.cp_mode,
         async_tp=bool(lay.async_tp) and bool(lay.sp) and int(lay.tp) > 1,
+        overlap_fb=bool(lay.overlap_fb) and pp > 1 and lay.schedule in PAIRING_SCHEDULES,
         schedule=lay.schedule if pp > 1 else "1f1b",
         virtual_stages=int(lay.v) if pp > 1 and spec.free_virtual_stages else None,
         microbatches=int(est.microbatches), gpus_per_node=cluster.gpus_per_node,

@@ -152,10 +152,17 @@ def explain(best: Estimate, shape: Shape, cluster: Cluster, train: Training,
             "no layout fits without recompute." if rn is None else
             f"the best layout without recompute is {_pct(rn, t)}."))
     if runner_up is not None:
-        d = {k: float(runner_up.time[k]) - float(best.time[k]) for k in best.time}
-        k = max(d, key=lambda k: d[k])
-        lines.append(f"Runner-up {runner_up.layout.label()} ({runner_up.layout.schedule}, "
-                     f"ZeRO-{runner_up.layout.zero}, {runner_up.layout.recompute}) is "
-                     f"{_pct(float(runner_up.step_time), float(best.step_time))}, mostly {k} "
-                     f"({d[k]:+.3f} s).")
+        lines.append(_runner_up_line(best, runner_up))
     return lines
+
+
+def _runner_up_line(best: Estimate, runner_up: Estimate) -> str:
+    """The runner-up against the best, by the term it loses most on."""
+    # a term one layout has and the other not (ZeRO-3's copies) counts as zero there
+    d = {k: float(runner_up.time.get(k, 0.0)) - float(best.time.get(k, 0.0))
+         for k in {**best.time, **runner_up.time}}
+    k = max(d, key=lambda k: d[k])
+    return (f"Runner-up {runner_up.layout.label()} ({runner_up.layout.schedule}, "
+            f"ZeRO-{runner_up.layout.zero}, {runner_up.layout.recompute}) is "
+            f"{_pct(float(runner_up.step_time), float(best.step_time))}, mostly {k} "
+            f"({d[k]:+.3f} s).")

@@ -73,7 +73,7 @@ def config_inputs(cfg: Config) -> tuple[Shape, Cluster, Training, Layout, Any]:
                  runtime_recompute=t.recompute, attention=RUNTIME_ATTENTION,
                  recompute_ops=tuple(t.recompute_ops), order=tuple(p.order),
                  zero3_gather=p.zero3_gather, cp_a2a=a2a_degree(p),
-                 async_tp=p.async_tp)
+                 async_tp=p.async_tp, overlap_fb=p.overlap_fb)
     block = t.fp8_block if t.precision == "fp8" and t.fp8_recipe == "blockwise" else 0
     train = Training(t.global_batch, precision, optimizer_sync=p.optimizer_sync,
                      fp8_block=block)

@@ -191,4 +191,5 @@ def parse_layout(text: str, args: argparse.Namespace, global_batch: int) -> Layo
     mbs = micro_batch_size(args, sizes["dp"], global_batch)
     return Layout(sizes, mbs=mbs, schedule=args.schedule, v=v, zero=args.zero,
                   recompute=args.recompute, sp=not args.no_sp, attention=args.attention,
-                  order=order, async_tp=getattr(args, "async_tp", False))
+                  order=order, async_tp=getattr(args, "async_tp", False),
+                  overlap_fb=getattr(args, "overlap_fb", False))

@@ -187,14 +187,14 @@ class SearchResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
-           top: int = 5, simulate_top: int | None = None,
-           cost: Callable[[Estimate], Any] | None = None,
-           attention: str = "flash", async_tp: bool = False) -> SearchResult:
-    """The best `top` layouts by step time, or by `cost(estimate)` (seconds per useful
-    step, e.g. step time / goodput: plait/plan/goodput.py) when given; every layout with
-    the `attention` kernel (shape.ATTENTION), tp's collectives async where `async_tp`."""
+def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency, top: int = 5,
+           simulate_top: int | None = None, cost: Callable[[Estimate], Any] | None = None,
+           attention: str = "flash", async_tp: bool = False, overlap_fb: bool = False,
+           ) -> SearchResult:
+    """The best `top` layouts by step time or `cost(estimate)` (plait/plan/goodput.py); every
+    layout with the given kernel, async tp and DualPipe's overlap (Layout's fields)."""
     seconds = cost or (lambda e: e.step_time)
+    given = {"sp": True, "attention": attention, "async_tp": async_tp, "overlap_fb": overlap_fb}
     c = numeric_candidates(shape, cluster, train)
     if len(c["mbs"]) == 0:
         raise PlanError(f"no layout divides {cluster.n_gpus} GPUs with a global batch of "
@@ -218,7 +218,7 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
             for rec in RECOMPUTE:
                 lay = Layout({d.name: c[d.name][idx] for d in DIMENSIONS}, mbs=c["mbs"][idx],
                              schedule="1f1b" if sched == "none" else sched, v=v, zero=zero,
-                             recompute=rec, sp=True, attention=attention, async_tp=async_tp)
+                             recompute=rec, **given)
                 est, t, choice = _best_of_orders(shape, cluster, train, eff, lay, seconds,
                                                  orders)
                 considered += len(idx)
@@ -239,8 +239,8 @@ def search(shape: Shape, cluster: Cluster, train: Training, eff: Efficiency,
         r, g = rows[j], scored[group[j]][3]
         return Layout({d.name: int(c[d.name][r]) for d in DIMENSIONS}, mbs=int(c["mbs"][r]),
                       schedule=g["schedule"], v=g["v"], zero=g["zero"],
-                      recompute=g["recompute"], sp=True, attention=attention,
-                      async_tp=async_tp, order=orders[int(g["order"][j - starts[group[j]]])])
+                      recompute=g["recompute"], **given,
+                      order=orders[int(g["order"][j - starts[group[j]]])])
 
     if not fits.any():
         j = int(np.argmin(mems))

@@ -107,7 +107,7 @@ def layer_comm(shape: Shape, cluster: Cluster, lay: Layout, eff: Efficiency,
         colls.extend(more)
     else:
         cp_exp_f, cp_exp_b = _cp_exposure(shape, cluster, eff, b, colls, lay.cp_mode, replay)
-    ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls, replay)
+    ep_exp_f, ep_exp_b = _ep_exposure(shape, cluster, eff, b, colls, replay, lay.overlap_fb)
     return LayerComm(colls, t_ar, tp_count, cp_exp_f, cp_exp_b, ep_exp_f, ep_exp_b)
 
 
@@ -149,9 +149,11 @@ def _cp_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
 
 
 def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
-                 colls: list[price.Collective], replay: int = 0) -> tuple[Num, Num]:
+                 colls: list[price.Collective], replay: int = 0, overlap_fb: bool = False
+                 ) -> tuple[Num, Num]:
     """Exposed (forward, backward) expert all-to-all time per layer (0 for a dense
-    model); appends ep's collective."""
+    model); appends ep's collective. Hidden behind the paired chunk only where the
+    runtime overlaps DualPipe's F&B pairs (`overlap_fb`); otherwise all exposed."""
     if not shape.moe:
         return 0.0, 0.0
     tp, cp, pp, ep = b.tp, b.cp, b.pp, b.ep
@@ -160,7 +162,7 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     bw, al = price.link(cluster.gpu, ep_intra, eff.link_efficiency)
     s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / b.moe_split
     t_a2a = price.gather_like(s_a2a, ep, bw, al)
-    if facts(b.sched).pairs_forward_with_backward and np.all(pp > 1):
+    if overlap_fb and facts(b.sched).pairs_forward_with_backward and np.all(pp > 1):
         ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
         ep_exp_b = np.maximum(2 * t_a2a - 2 * b.lt.forward, 0)
         how = "the other micro-batch's compute (DualPipe)"
