@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.config import ParallelConfig
+from plait.config import ParallelConfig, load_config
 from plait.mesh import ParallelMesh
 from plait.parallel.fault_tolerance import FaultTolerantReplicas
 from plait.parallel.replicas.quorum import Quorum
-from plait.parallel.replicas.sync import InMesh, ReplicaSync, replica_sync
+from plait.parallel.replicas.sync import EveryStep, InMesh, ReplicaSync, replica_sync
 
 LOOP = Path(__file__).resolve().parent.parent / "plait" / "train" / "loop.py"
 
@@ -25,7 +25,7 @@ def _protocol() -> dict[str, inspect.Signature]:
 
 def test_every_implementation_has_the_protocols_methods():
     assert {"start", "gradients", "after_step", "summary"} <= set(_protocol())
-    for cls in (InMesh, Quorum):
+    for cls in (InMesh, EveryStep, Quorum):
         for name, want in _protocol().items():
             got = inspect.signature(getattr(cls, name))
             assert list(got.parameters) == list(want.parameters), (cls.__name__, name)
@@ -59,3 +59,15 @@ def test_a_fault_tolerant_job_syncs_through_its_quorum():
     progress = {"data": {"global_batch": 4}}
     sync.progress(progress)
     assert progress == {"data": {"global_batch": 12}, "replicas": {"live": 3, "of": 3}}
+
+
+def test_hybrid_sharding_sums_over_the_group_holding_copies_of_the_shards():
+    """Chosen once from the mesh: replica groups laid over ZeRO's shard groups sum every
+    step over the group the mesh names as holding the copies; without them, nothing."""
+    hybrid = load_config(sets=["parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero=1"])
+    mesh = ParallelMesh.arithmetic(hybrid.parallel, 1)
+    sync = replica_sync(mesh, 8, optimizer=None, fault_tolerant=None)
+    assert type(sync) is EveryStep and sync.group == mesh.shard_groups()[1] is not None
+    plain = ParallelMesh.arithmetic(load_config(sets=["parallel.dp=4", "parallel.zero=1"]
+                                                ).parallel, 1)
+    assert type(replica_sync(plain, 8, optimizer=None, fault_tolerant=None)) is InMesh

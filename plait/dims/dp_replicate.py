@@ -3,7 +3,7 @@ are replicas of each other (Zhao et al. 2023, "PyTorch FSDP", section 3.2.2: hyb
 sharding; DeepSpeed's ZeRO++ hpZ, Wang et al. 2023). Each layer's all-gathers and
 reduce-scatters stay inside a shard group (a node, when it fits one), and only the
 already-reduced gradient shards cross between groups, all-reduced over `dp_replicate`
-(plait/parallel/zero.py). dp = dp_shard x dp_replicate.
+(plait/parallel/replicas/sync.py's `EveryStep`). dp = dp_shard x dp_replicate.
 
 It is not an axis of the rank grid: it is laid over the replica ranks (the product of the
 replica axes, plait/dims/__init__.py, in the mesh's order), cut into `dp_shard` groups of

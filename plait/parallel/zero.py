@@ -88,7 +88,8 @@ class ZeroOptimizer(NamedShards):
                 raise ValueError("ZeRO shards each parameter in one unit: untie embeddings")
             seen.add(id(p))
         self.mesh, self.stage, self.dim = mesh, stage, dim
-        # hybrid sharding: the ranks holding copies of this rank's shards (None: no copies)
+        # hybrid sharding: the ranks holding copies of this rank's shards (None: no copies);
+        # the replicas sum the reduced shards once a step (plait/parallel/replicas/)
         self.replicate = mesh.shard_groups()[1]
         self.placements = placements or PlacementTable()
         self.n, self.rank = mesh.size(dim), mesh.coord(dim)
@@ -357,20 +358,6 @@ class ZeroOptimizer(NamedShards):
             self._complete_reduce_scatter(self._inflight.pop(0))
         if self.stage == 3 and (self.gather == "microbatch" or last_microbatch):
             self._release(self.units)
-        if last_microbatch:
-            self._sum_shard_copies()
-
-    def _sum_shard_copies(self) -> None:
-        """Hybrid sharding: each reduced gradient shard summed over the ranks holding the
-        same shard, once a step: 1/N of the gradient crosses between shard groups (a ring
-        all-reduce moves 2(M-1)/M of it a rank, the bytes of a reduce-scatter and an
-        all-gather together, in one collective)."""
-        if self.replicate is None:
-            return
-        handles = [comm.all_reduce(u.grad_shard, self.mesh, self.replicate, async_op=True,
-                                   tag="grads") for u in self.units]
-        for h in handles:
-            h.wait()
 
     def finish_gradients(self) -> None:
         """DualPipe's copies: their gradient shards summed (`_sum_copies`); otherwise

@@ -5,8 +5,13 @@ Replicas are the copies of this rank's state that train other rows of the global
 The implementations:
 
 * `InMesh`: every replica is a rank of this job's mesh. The optimizer sums their gradients
-  during the backward (data parallel, ZeRO, hybrid sharding's once-a-step all-reduce), so
-  a step trains this rank's data-parallel slice and nothing more crosses replicas;
+  during the backward (data parallel, ZeRO), so a step trains this rank's data-parallel
+  slice and nothing more crosses replicas;
+* `EveryStep`: hybrid sharding (Zhao et al. 2023, PyTorch FSDP section 3.2.2): ZeRO
+  shards inside each shard group, whose ranks reduce their gradients during the
+  backward, and the groups are replicas of each other: each reduced shard is summed over
+  the ranks holding the same shard once a step (1/N of the gradient crosses between shard
+  groups; a ring all-reduce moves 2(M-1)/M of it a rank);
 * `Quorum` (quorum.py): fault-tolerant replicas, each a job of its own
   (plait/parallel/fault_tolerance.py): this replica's slots, their gradients summed over
   the live replicas, a lost replica's slots trained here too, a replacement's state
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from plait import comm
 from plait.mesh import ParallelMesh
 
 if TYPE_CHECKING:
@@ -88,12 +94,34 @@ class InMesh:
         return {}
 
 
+class EveryStep(InMesh):
+    """Hybrid sharding's replicas: the optimizer's reduced shards (`replica_gradients`)
+    summed over `group`, the ranks holding the same shards, after each step's backward."""
+
+    def __init__(self, mesh: ParallelMesh, global_batch: int, optimizer: GradSyncOptimizer,
+                 group: str):
+        super().__init__(mesh, global_batch)
+        self.optimizer, self.group = optimizer, group
+
+    def gradients(self, step: int, rows: Rows, train: Train) -> torch.Tensor:
+        loss = super().gradients(step, rows, train)
+        handles = [comm.all_reduce(g, self.mesh, self.group, async_op=True, tag="grads")
+                   for g in self.optimizer.replica_gradients()]
+        for h in handles:
+            h.wait()
+        return loss
+
+
 def replica_sync(mesh: ParallelMesh, global_batch: int, optimizer: GradSyncOptimizer,
                  fault_tolerant: FaultTolerantReplicas | None) -> ReplicaSync:
     """The run's replica synchronisation: the fault-tolerant quorum where this rank is one
-    replica of a fault-tolerant job, else the mesh's own."""
-    if fault_tolerant is None:
-        return InMesh(mesh, global_batch)
-    from plait.parallel.replicas.quorum import Quorum
+    replica of a fault-tolerant job, the every-step sum where the mesh lays replica groups
+    over ZeRO's shard groups, else the mesh's own."""
+    if fault_tolerant is not None:
+        from plait.parallel.replicas.quorum import Quorum
 
-    return Quorum(fault_tolerant, optimizer, mesh)
+        return Quorum(fault_tolerant, optimizer, mesh)
+    copies = mesh.shard_groups()[1]
+    if copies is not None:
+        return EveryStep(mesh, global_batch, optimizer, copies)
+    return InMesh(mesh, global_batch)

@@ -196,8 +196,8 @@ def shard_copies_sync(cluster: Cluster, lay: Layout, eff: Efficiency, b: Basis,
     unit's reduced gradient shard (`shard_bytes` in all, on this rank) all-reduced over
     the ranks holding copies of it ("dp_replicate": the same position in every shard
     group, spanning the whole replica group: usually across nodes). Issued together and
-    waited on before the update, nothing hides them (plait/parallel/zero.py's
-    `_sum_shard_copies`); appends the collective. 0 without copies."""
+    waited on before the update, nothing hides them (plait/parallel/replicas/sync.py's
+    `EveryStep`); appends the collective. 0 without copies."""
     copies = np.asarray(b.shard_copies, dtype=float)
     if not np.any(copies > 1):
         return 0.0
