@@ -119,3 +119,16 @@ def test_muon_zero_parity_every_rank_and_the_momentum(layout):
         if out["planned"] is not None:  # the planner's count of this rank's payload
             assert out["muon_payload"] == out["planned"]
     assert covered == {n: t.numel() for n, t in ref.momentum.items()}  # each element once
+
+
+@pytest.mark.parametrize("layout,world,rank", [
+    (("parallel.dp=2", "parallel.zero=1"), 2, 1),
+    (("parallel.dp=2", "parallel.zero=3", "parallel.pp=2", "parallel.microbatches=2"), 4, 3),
+])
+def test_muon_dry_run_bytes_equal_the_planner(layout, world, rank):
+    """One rank on the fake process group: the ledger's bytes by dim, Muon's all-to-alls
+    among them, equal to the planner's (plait/plan/muon.py beside the rank's own)."""
+    from test_dry_run import _dry
+
+    dry = _dry([*MUON, "model.n_layers=4", *layout], world, rank)
+    assert dry["data_bytes_per_step"] == dry["predicted_bytes_per_step"]

@@ -90,7 +90,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
                                                       batches.n_windows),
             "bytes_per_step": payload_by_dim(mesh, step), "measured_step": step,
             "data_bytes_per_step": data_bytes_by_dim(mesh.ledger.to_dicts(step)),
-            "predicted_bytes_per_step": _predicted_bytes(cfg, mesh.coord("pp")),
+            "predicted_bytes_per_step": _predicted_bytes(cfg, mesh),
             "param_count_local": sum(p.numel() for p in result.model.parameters())}
 
 
@@ -203,12 +203,19 @@ def payload_by_dim(mesh: ParallelMesh, step: int) -> dict[str, float]:
     return out
 
 
-def _predicted_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
-    """The planner's payload bytes per step by mesh dim for this pipeline rank: its own
-    collectives, from the runtime's partition (plait/plan/comm/rank.py)."""
+def _predicted_bytes(cfg: Config, mesh: ParallelMesh) -> dict[str, float]:
+    """The planner's payload bytes per step by mesh dim for this rank: its pipeline rank's
+    own collectives, from the runtime's partition (plait/plan/comm/rank.py), and under
+    ZeRO Muon's all-to-alls of this rank (plait/plan/muon.py: dense models)."""
     from plait.plan.comm.rank import rank_bytes_by_dim
+    from plait.plan.muon import muon_payload
 
-    return rank_bytes_by_dim(cfg, pp_rank)
+    out = rank_bytes_by_dim(cfg, mesh.coord("pp"))
+    m = cfg.model
+    if cfg.train.optimizer == "muon" and cfg.parallel.zero and not (m.n_experts or m.mla):
+        dim = mesh.replica_dim()
+        out[dim] = out.get(dim, 0.0) + muon_payload(cfg, mesh.coord("pp"), mesh.coord(dim))
+    return out
 
 
 # measured category -> the planner's categories it stands beside
