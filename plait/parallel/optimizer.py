@@ -21,8 +21,8 @@ Who calls what, when, in one step (plait/train/loop.py, plait/parallel/pipeline/
 4. optionally `full_grads()` (the parity check's first-step gradients, collective over dp);
 5. `step(lr, grad_scale)`: the update with gradients x grad_scale (the clip coefficient);
 6. `zero_grad()`.
-Fault-tolerant replicas (plait/parallel/fault_tolerance.py) sum `replica_gradients()` in
-place between 2 and 3.
+The run's replica synchronisation (plait/parallel/replicas/: hybrid sharding's sum,
+fault-tolerant replicas') sums `replica_gradients()` in place between 2 and 3.
 After the last step: `settle()` (ZeRO-1/2 complete their parameters' all-gathers; every
 read of the parameters outside a forward settles first).
 Between steps: `full_state()` (collective over dp for ZeRO) and, on the memory step,
