@@ -4,7 +4,8 @@ DCP's stacked experts' axis order and its naming detection, the expert capacity 
 token dispatch's gates, the non-finite skip, checkpoints' keep order and commit marker,
 Muon's (per-shard orthogonalisation, the scale, Nesterov, the rule, the momentum on
 resume), the overlapped F&B
-pair's (the other micro-batch read, the sides never interleaved), and fault tolerance's
+pair's (the other micro-batch read, the wrong handle waited, the sides never interleaved),
+and fault tolerance's
 row mapping and launcher. The last two are caught by a process-tree test: the launched
 interpreters apply the mutant through tests/mutant_site/sitecustomize.py."""
 
@@ -348,6 +349,25 @@ def muon_momentum_not_restored():
     ZeroOptimizer.finish_load = sharded
 
 
+def fb_pair_waits_the_wrong_handle():
+    """When a side of an overlapped F&B pair gets the turn back it waits for the other
+    side's last all-to-all, not its own (its own is never completed)."""
+    from plait.parallel.pipeline import fb_overlap
+
+    def wrong(self, handle, backward):
+        side, other = ("B", "F") if backward else ("F", "B")
+        last = self.__dict__.setdefault("_last", {})
+        last[side] = handle
+        with self._cv:
+            if self._running[other]:
+                self._turn = other
+                self._cv.notify_all()
+                self._cv.wait_for(lambda: self._turn == side)
+        last.get(other, handle).wait()
+
+    fb_overlap.FBPair._wait = wrong
+
+
 CONTEXT_MODES = "tests/test_context_modes.py::"
 EP = "tests/test_expert_parallel.py::"
 FT = "tests/test_fault_tolerance.py::"
@@ -418,6 +438,10 @@ MUTANTS = [
            fb_pair_reads_the_other_microbatch,
            ["tests/test_matrix.py::test_row_equals_the_single_process_run["
             "dp2 z1 pp2:dualpipev moe ep2 ofb]"]),
+    Mutant("fb-pair-wrong-handle",
+           "--overlap-fb: a side waits for the other side's all-to-all, not its own",
+           fb_pair_waits_the_wrong_handle,
+           ["tests/test_fb_overlap.py::test_a_pairs_all_to_alls_are_issued_interleaved"]),
     Mutant("fb-pair-sequential", "--overlap-fb: a pair's sides run one after the other",
            fb_pair_never_hands_over,
            ["tests/test_fb_overlap.py::test_a_pairs_all_to_alls_are_issued_interleaved"]),

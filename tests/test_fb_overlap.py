@@ -112,6 +112,10 @@ def test_a_pairs_all_to_alls_are_issued_interleaved():
     # and combine: sequential runs turn once into and out of each backward
     assert _switches(overlapped) >= _switches(plain) + 6
     assert overlapped[0]["losses"] == pytest.approx(plain[0]["losses"], rel=1e-12)
+    # every all-to-all a pair issued was waited for (its record timed at completion)
+    for out in overlapped:
+        waits = [r for r in out["ledger"] if r["dim"] == "ep" and r["op"] == "all_to_all"]
+        assert waits and all(r["end"] > r["start"] for r in waits)
 
 
 def _ep_all_to_all(*sets: str):
