@@ -11,8 +11,10 @@ work first to the least loaded rank). Dense models without tensor parallel only.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+from plait.dims import REPLICA_AXES
 from plait.plan.runtime_memory_sizes import _runs, _shapes, _stage_params, rank_stages
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ def muon_matrices(cfg: Config, pp_rank: int
         raise ValueError("the planner counts Muon's bytes for dense models without tensor "
                          "parallel only")
     _, stages = rank_stages(cfg, pp_rank)
-    n = cfg.parallel.dp * cfg.parallel.cp
+    n = _shard_group(cfg)
     cap = None if cfg.parallel.zero == 3 else cfg.parallel.bucket_mb * 2 ** 20
     sh, layer = _shapes(cfg), _block_shapes(cfg)
     out, shard = [], []
@@ -52,6 +54,11 @@ def muon_matrices(cfg: Config, pp_rank: int
     return out, shard
 
 
+def _shard_group(cfg: Config) -> int:
+    """Ranks ZeRO shards a unit over: the replica axes' product (data x context)."""
+    return math.prod(getattr(cfg.parallel, d) for d in REPLICA_AXES)
+
+
 def _element(cfg: Config) -> int:
     """Bytes of a master element (what the all-to-alls carry)."""
     return 8 if cfg.train.precision == "fp64" else 4
@@ -59,7 +66,7 @@ def _element(cfg: Config) -> int:
 
 def muon_payload(cfg: Config, pp_rank: int, dp_rank: int) -> float:
     """Bytes a step this rank's two Muon all-to-alls carry (each call's input)."""
-    n = cfg.parallel.dp * cfg.parallel.cp
+    n = _shard_group(cfg)
     if n == 1:  # one rank a group: nothing sent, nothing ledgered
         return 0.0
     matrices, shard = muon_matrices(cfg, pp_rank)
