@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -80,19 +81,38 @@ def orthogonalise(g: torch.Tensor, dtype: torch.dtype, steps: int = NS_STEPS
 def muon_update(masters: list[torch.Tensor], grads: list[torch.Tensor],
                 momenta: list[torch.Tensor], lr: float, momentum: float,
                 weight_decay: float, scale: str, ns_dtype: torch.dtype,
-                grad_scale: float = 1.0) -> None:
-    """Muon on whole matrices in place: buf = momentum * buf + g; the Nesterov look-ahead
-    g + momentum * buf orthogonalised; master *= 1 - lr * weight_decay; master -= lr *
-    update_scale * the orthogonalised look-ahead."""
+                grad_scale: float = 1.0, sliced: SlicedMatrices | None = None) -> None:
+    """Muon in place: buf = momentum * buf + g; the Nesterov look-ahead g + momentum * buf
+    orthogonalised; master *= 1 - lr * weight_decay; master -= lr * update_scale * the
+    orthogonalised look-ahead. `sliced`: the masters are slices of matrices cut over
+    ranks (tensor parallel), orthogonalised whole by `sliced` (a collective), scaled by
+    their whole shapes; None: whole matrices."""
+    looks = []
     for master, grad, buf in zip(masters, grads, momenta, strict=True):
         g = grad.to(master.dtype)
         if grad_scale != 1.0:
             g = g * grad_scale
         buf.mul_(momentum).add_(g)
-        direction = orthogonalise(g.add(buf, alpha=momentum), ns_dtype)
+        looks.append(g.add(buf, alpha=momentum))
+    if sliced is None:
+        directions = [orthogonalise(x, ns_dtype) for x in looks]
+        shapes = [m.shape for m in masters]
+    else:
+        directions, shapes = sliced.orthogonalise(looks, ns_dtype), sliced.shapes
+    for master, direction, shape in zip(masters, directions, shapes, strict=True):
         if weight_decay:
             master.mul_(1 - lr * weight_decay)
-        master.add_(direction, alpha=-lr * update_scale(master.shape, scale))
+        master.add_(direction, alpha=-lr * update_scale(shape, scale))
+
+
+class SlicedMatrices(Protocol):
+    """Muon's matrices held as slices (plait/parallel/muon_tp.py): orthogonalised whole."""
+
+    shapes: list[tuple[int, ...]]  # each matrix's whole shape
+
+    def orthogonalise(self, looks: list[torch.Tensor], dtype: torch.dtype
+                      ) -> list[torch.Tensor]:
+        """Each slice's part of its whole matrix's orthogonalisation (collective)."""
 
 
 class MuonSettings:

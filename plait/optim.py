@@ -49,6 +49,9 @@ class MixedPrecisionAdamW:
         self.exp_avg = [torch.zeros_like(self.master[i]) for i in self.adam_ids]
         self.exp_avg_sq = [torch.zeros_like(self.master[i]) for i in self.adam_ids]
         self.momentum = [torch.zeros_like(self.master[i]) for i in self.muon_ids]
+        # Muon's matrices held as slices (tensor parallel: plait/parallel/muon_tp.py), set
+        # by the strategy that cut them; None: every matrix whole
+        self.sliced = None
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
         self._saved: tuple[list[torch.Tensor], int] | None = None  # see `snapshot`
@@ -88,7 +91,9 @@ class MixedPrecisionAdamW:
             muon_update([self.master[i] for i, _ in on_muon],
                         [self.params[i].grad for i, _ in on_muon],
                         [self.momentum[j] for _, j in on_muon], lr, m.momentum,
-                        self.weight_decay, m.scale, m.ns_dtype, grad_scale)
+                        self.weight_decay, m.scale, m.ns_dtype, grad_scale,
+                        sliced=(self.sliced.select([i for i, _ in on_muon])
+                                if self.sliced is not None else None))
         for i in live:
             if self.master[i] is not self.params[i].data:
                 self.params[i].data.copy_(self.master[i])

@@ -260,7 +260,7 @@ def muon_nesterov_dropped():
     from plait.parallel import muon as sharded
 
     def plain_momentum(masters, grads, momenta, lr, momentum, weight_decay, scale, ns_dtype,
-                       grad_scale=1.0):
+                       grad_scale=1.0, sliced=None):
         for master, grad, buf in zip(masters, grads, momenta, strict=True):
             buf.mul_(momentum).add_(grad.to(master.dtype) * grad_scale)
             master.mul_(1 - lr * weight_decay)
@@ -323,6 +323,17 @@ def fb_pair_never_hands_over():
         self.seams = []
 
     fb_overlap.FBPair.__init__ = without_seams
+
+
+def muon_tp_slices_alone():
+    """Tensor parallel's Muon: each rank orthogonalises its own slice of a cut matrix."""
+    from plait.muon import orthogonalise
+    from plait.parallel import muon_tp
+
+    def alone(self, looks, dtype):
+        return [orthogonalise(x, dtype) for x in looks]
+
+    muon_tp._Selected.orthogonalise = alone
 
 
 def muon_momentum_not_restored():
@@ -427,6 +438,9 @@ MUTANTS = [
     Mutant("muon-adamw-param-to-muon",
            "Muon takes the embedding, head and router (AdamW's) as its matrices",
            muon_takes_the_embedding, [MUON + "[tiny-moe-original]"]),
+    Mutant("muon-tp-slices-alone", "tensor parallel's Muon orthogonalises each slice alone",
+           muon_tp_slices_alone,
+           ["tests/test_muon_parity.py::test_muon_tensor_parallel_parity[layout0]"]),
     Mutant("muon-momentum-not-restored", "a resumed Muon run starts its momentum from zero",
            muon_momentum_not_restored,
            ["tests/test_muon_checkpoint.py::"

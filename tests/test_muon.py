@@ -141,7 +141,8 @@ def test_muon_matches_the_reference_muon(preset, scale):
     (["parallel.zero=1", "parallel.dp=2", "parallel.pp=2",
       "parallel.optimizer_sync=post_validation", "model.n_layers=4"],
      "use --optimizer-sync barrier"),
-    (["parallel.tp=2"], "use --tp 1"),
+    (["parallel.tp=2", "parallel.zero=1"], "use --zero 0"),
+    (["parallel.tp=2", "model.n_kv_heads=1"], "use a tp dividing the key/value heads"),
     (["train.muon_scale=rms"], "use 'moonlight' or 'original'"),
     (["train.muon_ns_dtype=fp16"], "use 'bf16', 'fp32' or 'fp64'"),
 ])

@@ -132,3 +132,20 @@ def test_muon_dry_run_bytes_equal_the_planner(layout, world, rank):
 
     dry = _dry([*MUON, "model.n_layers=4", *layout], world, rank)
     assert dry["data_bytes_per_step"] == dry["predicted_bytes_per_step"]
+
+
+@pytest.mark.parametrize("layout", [
+    ("parallel.tp=2",),
+    ("parallel.dp=2", "parallel.tp=2", "parallel.sp=true"),
+    ("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"),
+])
+def test_muon_tensor_parallel_parity(layout):
+    """Tensor parallel's row and column slices joined on each matrix's owner, the
+    orthogonalised slices returned: the fp64 class against the reference; every tp rank
+    sends Muon's all-to-alls over tp, and only there."""
+    sets = (*MUON, "model.n_layers=4")
+    outs = run_layout(*sets, *layout)
+    assert_parity(merge_ranks(outs), reference(*sets))
+    for out in outs:
+        dims = {r["dim"] for r in out["ledger"] if r["tag"] == "muon"}
+        assert dims == {"tp"}, dims

@@ -1,9 +1,9 @@
 """What `train.optimizer='muon'` refuses, each with its fix.
 
 Muon orthogonalises each weight matrix whole (plait/muon.py). Built: replicated over data
-and context parallel, pipeline stages, expert parallel (each rank's experts whole), and
-ZeRO 1, 2, 3 (each matrix gathered on one owner rank: plait/parallel/muon.py). Not built
-yet: tensor parallel's slices, and the ZeRO combinations named below.
+and context parallel, pipeline stages, expert parallel (each rank's experts whole), tensor
+parallel (slices joined on an owner: plait/parallel/muon_tp.py) and ZeRO 1, 2, 3 (pieces
+gathered on an owner: plait/parallel/muon.py). Not built yet: the combinations below.
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ def muon_problems(cfg: Config) -> list[str]:
     ]
     if t.optimizer == "muon":
         checks += [
-            (p.tp > 1, f"--optimizer muon with tp={p.tp} is not built yet (tensor "
-             "parallel cuts each matrix); use --tp 1"),
+            (p.tp > 1 and p.zero > 0, f"--optimizer muon with tp={p.tp} and ZeRO-{p.zero} is "
+             "not built yet (ZeRO's shards of tensor-parallel slices); use --zero 0"),
+            (p.tp > 1 and cfg.model.n_experts > 0, "--optimizer muon with tensor parallel "
+             "experts is not built yet; use --tp 1"),
+            (p.tp > 1 and cfg.model.n_kv_heads < p.tp, "--optimizer muon with tp="
+             f"{p.tp} above the model's {cfg.model.n_kv_heads} key/value heads is not built "
+             "yet (the K/V slices repeat); use a tp dividing the key/value heads"),
             (p.fault_tolerance, "--optimizer muon with parallel.fault_tolerance is not "
              "built yet; train without --fault-tolerance"),
             (p.zero > 0 and p.dp_replicate > 1, "--optimizer muon with hybrid sharding "

@@ -24,6 +24,7 @@ from plait.optim import MixedPrecisionAdamW
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import reduce_dim
 from plait.parallel.held import HeldState
+from plait.parallel.muon_tp import TP, TensorParallelMuon
 from plait.placement import PlacementTable
 from plait.schedule.ir import Schedule
 
@@ -128,6 +129,10 @@ class ReplicatedOptimizer:
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         self.optim = MixedPrecisionAdamW(named, (t.beta1, t.beta2), t.eps, t.weight_decay,
                                          kind=t.optimizer, muon=muon_settings(t))
+        if t.optimizer == "muon" and mesh.size(TP) > 1:  # each cut matrix joined to its owner
+            o = self.optim
+            o.sliced = TensorParallelMuon({i: o.params[i] for i in o.muon_ids}, placements,
+                                          mesh)
 
     def before_backward(self, last_microbatch: bool) -> None:
         for sync in self.syncs:
