@@ -9,6 +9,7 @@ import pytest
 from helpers import ELEMENT_BYTES, config, reference, run_layout
 
 from plait.launch.forked import run_ranks
+from plait.plan.muon import muon_tp_payload
 from plait.testing import assert_parity, merge_ranks
 
 MUON = ("train.optimizer=muon", "train.muon_ns_dtype=fp64", "model.tie_embeddings=false")
@@ -124,6 +125,7 @@ def test_muon_zero_parity_every_rank_and_the_momentum(layout):
 @pytest.mark.parametrize("layout,world,rank", [
     (("parallel.dp=2", "parallel.zero=1"), 2, 1),
     (("parallel.dp=2", "parallel.zero=3", "parallel.pp=2", "parallel.microbatches=2"), 4, 3),
+    (("parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"), 4, 1),
 ])
 def test_muon_dry_run_bytes_equal_the_planner(layout, world, rank):
     """One rank on the fake process group: the ledger's bytes by dim, Muon's all-to-alls
@@ -146,6 +148,12 @@ def test_muon_tensor_parallel_parity(layout):
     sets = (*MUON, "model.n_layers=4")
     outs = run_layout(*sets, *layout)
     assert_parity(merge_ranks(outs), reference(*sets))
-    for out in outs:
+    cfg = config(*sets, *layout)
+    p = cfg.parallel
+    for rank, out in enumerate(outs):
         dims = {r["dim"] for r in out["ledger"] if r["tag"] == "muon"}
         assert dims == {"tp"}, dims
+        payload = sum(r["payload"] for r in out["ledger"] if r["tag"] == "muon")
+        # ranks innermost tp, then cp, pp, dp (the default order)
+        planned = muon_tp_payload(cfg, rank // (p.tp * p.cp) % p.pp, rank % p.tp)
+        assert payload == planned * cfg.train.steps

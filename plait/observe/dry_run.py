@@ -208,13 +208,16 @@ def _predicted_bytes(cfg: Config, mesh: ParallelMesh) -> dict[str, float]:
     own collectives, from the runtime's partition (plait/plan/comm/rank.py), and under
     ZeRO Muon's all-to-alls of this rank (plait/plan/muon.py: dense models)."""
     from plait.plan.comm.rank import rank_bytes_by_dim
-    from plait.plan.muon import muon_payload
+    from plait.plan.muon import muon_payload, muon_tp_payload
 
     out = rank_bytes_by_dim(cfg, mesh.coord("pp"))
-    m = cfg.model
-    if cfg.train.optimizer == "muon" and cfg.parallel.zero and not (m.n_experts or m.mla):
-        dim = mesh.replica_dim()
-        out[dim] = out.get(dim, 0.0) + muon_payload(cfg, mesh.coord("pp"), mesh.coord(dim))
+    m, pp = cfg.model, mesh.coord("pp")
+    if cfg.train.optimizer == "muon" and not (m.n_experts or m.mla):
+        dim = mesh.replica_dim() if cfg.parallel.zero else "tp"
+        muon = (muon_payload(cfg, pp, mesh.coord(dim)) if cfg.parallel.zero
+                else muon_tp_payload(cfg, pp, mesh.coord(dim)))
+        if muon:
+            out[dim] = out.get(dim, 0.0) + muon
     return out
 
 

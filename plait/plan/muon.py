@@ -26,7 +26,8 @@ _BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)
 
 
 def _block_shapes(cfg: Config) -> list[tuple[int, int] | None]:
-    h, f, kv = cfg.model.dim, cfg.model.ffn_dim, _shapes(cfg)["k_t"]
+    # the whole matrices: tp's per-rank key/value width times tp (tp divides the heads)
+    h, f, kv = cfg.model.dim, cfg.model.ffn_dim, _shapes(cfg)["k_t"] * cfg.parallel.tp
     return [None, (h, h), (kv, h), (kv, h), (h, h), None, (f, h), (f, h), (h, f)]
 
 
@@ -86,3 +87,22 @@ def _owners(shapes: list[tuple[int, int]], n: int) -> list[int]:
         owner[j] = min(range(n), key=lambda r: (load[r], r))
         load[owner[j]] += work[j]
     return owner
+
+
+def muon_tp_payload(cfg: Config, pp_rank: int, tp_rank: int) -> float:
+    """Bytes a step this rank's two Muon all-to-alls over tensor parallel carry (ZeRO 0):
+    its slice of every cut matrix there, and each matrix it owns whole back. Every block
+    matrix is cut (tp divides the heads and the feed-forward width)."""
+    tp = cfg.parallel.tp
+    if tp == 1:
+        return 0.0
+    if cfg.model.n_experts or cfg.model.mla:
+        raise ValueError("the planner counts Muon's tensor-parallel bytes for dense "
+                         "models without multi-head latent attention only")
+    _, stages = rank_stages(cfg, pp_rank)
+    block = [s for j, s in enumerate(_block_shapes(cfg)) if j in _BLOCK_MATRICES]
+    shapes = [s for st in sorted(stages) for _ in range(*stages[st][:2]) for s in block]
+    owners = _owners(shapes, tp)
+    sliced = sum(a * b // tp for a, b in shapes)
+    owned = sum(a * b for (a, b), o in zip(shapes, owners, strict=True) if o == tp_rank)
+    return float((sliced + owned) * _element(cfg))
