@@ -12,6 +12,8 @@ from torch import nn
 
 from plait.comm.autograd import OverlapSeam
 from plait.parallel.pipeline.fb_overlap import FBPair
+from plait.schedule.ir import paired_share
+from plait.schedule.registry import build_schedule
 
 
 class _Handle:
@@ -132,6 +134,10 @@ def test_the_planner_credits_the_overlap_only_where_the_runtime_runs_it():
     assert off.exposed == pytest.approx(off.count * off.time_each, rel=1e-12)
     assert off.overlap.startswith("none")
     assert on.exposed < off.exposed and "DualPipe" in on.overlap
+    # only the chunks the runtime pairs hide theirs: dualpipev at pp=2, m=4 pairs 3 of
+    # rank 0's 8 forwards
+    share = paired_share(build_schedule("dualpipev", 2, 4, 2))
+    assert share == 3 / 8 and on.exposed >= (1 - share) * off.exposed * (1 - 1e-12)
     assert (on.size, on.count) == (off.size, off.count)  # the same bytes either way
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from plait.schedule.check import check
-from plait.schedule.ir import Schedule, fb_pairs
+from plait.schedule.ir import Schedule, fb_pairs, paired_share
 from plait.schedule.lower import lower
 from plait.schedule.registry import build_schedule
 from plait.schedule.simulate import Durations, simulate
@@ -98,3 +98,11 @@ def test_paired_schedules_finish_in_the_simulator(name, p, m, v):
     assert check(paired) == []
     res = simulate(paired, Durations(1.0, 1.5, 0.5, p2p=0.1, post=0.05), steps=2)
     assert res.step_time > 0
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (8, 24)])
+def test_paired_share_is_dualpipevs_steady_phase(p, m):
+    """dualpipev pairs 2m - 2p of a rank's 2m forwards, and rank 0, which opens and
+    closes the V, 2m - 3p + 1: the least share is rank 0's."""
+    assert paired_share(build_schedule("dualpipev", p, m, 2)) == (2 * m - 3 * p + 1) / (2 * m)
+    assert paired_share(build_schedule("1f1b", p, m)) == 0.0  # rank p-1 pairs none

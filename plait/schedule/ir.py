@@ -291,6 +291,24 @@ def split_backwards(schedule: Schedule, rank: int, recompute: bool
     return whole, split
 
 
+def pair_starts(computes: list[Action]) -> list[int]:
+    """Indices, in a rank's compute order, of the F's directly followed by an I or B of
+    another micro-batch: the F&B pairs (`fb_pairs`)."""
+    return [i for i, (a, b) in enumerate(zip(computes, computes[1:]))
+            if a[0] == "F" and b[0] in ("I", "B") and a[2] != b[2]]
+
+
+def paired_share(schedule: Schedule) -> float:
+    """The least share, over ranks, of a rank's forwards that start an F&B pair: the part
+    of its chunks whose all-to-alls the overlapped executor can hide (the planner's)."""
+    shares = []
+    for acts in schedule.actions:
+        computes = [a for a in acts if a[0] in COMPUTE]
+        forwards = sum(a[0] == "F" for a in computes)
+        shares.append(len(pair_starts(computes)) / forwards if forwards else 0.0)
+    return min(shares)
+
+
 def fb_pairs(schedule: Schedule) -> list[list[int]]:
     """Per rank, the index of each F that runs overlapped with the action after it: in a
     schedule lowered with `pair_fb`, every F directly followed (no transfer between) by an

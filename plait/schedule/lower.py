@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from plait.schedule.ir import Action, Schedule, trusted, without_gc
+from plait.schedule.ir import Action, Schedule, pair_starts, trusted, without_gc
 
 LOOKAHEAD = 1  # receives are posted this many computes before the one that needs them
 
@@ -44,7 +44,7 @@ def lower(schedule: Schedule, pair_fb: bool = False) -> Schedule:
         for i, (kind, stage, mb, _) in enumerate(acts):
             if kind != "W":
                 where[kind][(stage, mb)] = i
-    pairs = [_pairs(acts) if pair_fb else [] for acts in computes]
+    pairs = [pair_starts(acts) if pair_fb else [] for acts in computes]
     for acts, firsts in zip(computes, pairs):
         for i in firsts:  # the pair's backward is consumed where the pair starts
             where[acts[i + 1].kind][acts[i + 1][1:3]] = i
@@ -121,10 +121,6 @@ def _interleave(computes: list[Action], recvs_before: dict[int, list[Action]],
     return seq + recvs_before.get(len(computes), [])
 
 
-def _pairs(computes: list[Action]) -> list[int]:
-    """Indices of the F's that pair with the compute after them (see `ir.fb_pairs`)."""
-    return [i for i, (a, b) in enumerate(zip(computes, computes[1:]))
-            if a[0] == "F" and b[0] in ("I", "B") and a[2] != b[2]]
 
 
 def forward_only(schedule: Schedule) -> Schedule:

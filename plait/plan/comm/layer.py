@@ -39,6 +39,7 @@ hidden x bytes; the ledger's payload is the full message, see plait/ledger.py):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -50,7 +51,8 @@ from plait.plan.compute import Efficiency, Num
 from plait.plan.hardware import Cluster
 from plait.plan.schedule_facts import facts
 from plait.plan.shape import Shape
-from plait.schedule.registry import schedule_spec
+from plait.schedule.ir import paired_share
+from plait.schedule.registry import build_schedule, schedule_spec
 
 TP_COLLECTIVES_FWD = 2  # per layer in the forward: attention's and the MLP's (Megatron)
 
@@ -163,8 +165,11 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
     s_a2a = b.tokens * shape.top_k * shape.hidden * b.e / b.moe_split
     t_a2a = price.gather_like(s_a2a, ep, bw, al)
     if overlap_fb and facts(b.sched).pairs_forward_with_backward and np.all(pp > 1):
-        ep_exp_f = np.maximum(2 * t_a2a - b.lt.forward, 0)  # hidden by the paired chunk
-        ep_exp_b = np.maximum(2 * t_a2a - 2 * b.lt.forward, 0)
+        # hidden by the paired chunk, in the chunks the runtime pairs (the rest exposed)
+        share = paired_share_of(b)
+        ep_exp_f = share * np.maximum(2 * t_a2a - b.lt.forward, 0) + (1 - share) * 2 * t_a2a
+        ep_exp_b = share * np.maximum(2 * t_a2a - 2 * b.lt.forward, 0) + (
+            1 - share) * 2 * t_a2a
         how = "the other micro-batch's compute (DualPipe)"
     else:
         ep_exp_f, ep_exp_b = 2 * t_a2a, 2 * t_a2a
@@ -174,6 +179,21 @@ def _ep_exposure(shape: Shape, cluster: Cluster, eff: Efficiency, b: Basis,
         colls.append(price.Collective("ep", "all-to-all", s_a2a, n, ep, ep_intra, t_a2a,
                                      (ep_exp_f + ep_exp_b) * layer_visits(b), how))
     return ep_exp_f, ep_exp_b
+
+
+@lru_cache(maxsize=1024)
+def _paired_share(sched: str, pp: int, m: int, v: int) -> float:
+    try:
+        return paired_share(build_schedule(sched, pp, m, v))
+    except ValueError:  # no such schedule at (pp, m): nothing paired
+        return 0.0
+
+
+def paired_share_of(b: Basis) -> Num:
+    """Per layout, the least share of a rank's chunks that its schedule, as the runtime
+    builds it, runs as F&B pairs (`ir.paired_share`)."""
+    return np.vectorize(lambda pp, m, v: _paired_share(b.sched, int(pp), int(m), int(v)),
+                        otypes=[float])(b.pp, b.m, b.v)
 
 
 def chains(sched: str) -> int:
