@@ -135,10 +135,13 @@ def test_refused_with_the_fix_named(sets, fix):
     assert any(fix in p for p in problems), problems
 
 
-def test_plain_replicas_are_a_fault_tolerant_layout():
+@pytest.mark.parametrize("sets", [
+    ["parallel.dp_replicate=2", "parallel.zero=0"],  # a replica of one rank each
+    ["parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=0"],
+])
+def test_plain_replicas_are_a_fault_tolerant_layout(sets):
     """With --fault-tolerance each replica is a unit of failure: plain data-parallel
     copies (zero=0) are accepted there, and only there."""
-    sets = ["parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero=0"]
     assert load_config(sets=[*sets, "parallel.fault_tolerance=true"]).validate() == []
     assert any("--fault-tolerance to make each replica a unit of failure" in p
                for p in load_config(sets=sets).validate())
