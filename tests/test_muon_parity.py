@@ -157,3 +157,18 @@ def test_muon_tensor_parallel_parity(layout):
         # ranks innermost tp, then cp, pp, dp (the default order)
         planned = muon_tp_payload(cfg, rank // (p.tp * p.cp) % p.pp, rank % p.tp)
         assert payload == planned * cfg.train.steps
+
+
+@pytest.mark.parametrize("layout,world,rank", [
+    (("parallel.dp=2",), 2, 1),
+    (("parallel.tp=2",), 2, 1),
+    (("parallel.pp=2", "parallel.microbatches=2"), 2, 1),
+])
+def test_muon_optimizer_memory_is_the_planners(layout, world, rank):
+    """ZeRO 0: one fp32 momentum buffer a Muon matrix element where AdamW keeps two
+    moments; the dry run's measured optimizer bytes at the peak equal the planner's,
+    fp32."""
+    from test_dry_run import _dry
+
+    dry = _dry([*MUON, "model.n_layers=4", "train.precision=fp32", *layout], world, rank)
+    assert dry["memory"]["peak"]["optimizer"] == dry["predicted_memory"]["optimizer states"]

@@ -15,14 +15,18 @@ import math
 from typing import TYPE_CHECKING
 
 from plait.dims import REPLICA_AXES
-from plait.plan.runtime_memory_sizes import _runs, _shapes, _stage_params, rank_stages
+from plait.plan.runtime_memory_sizes import (
+    MUON_LAYER_PARAMS,
+    _runs,
+    _shapes,
+    _stage_params,
+    rank_stages,
+)
 
 if TYPE_CHECKING:
     from plait.config import Config
 
-# which of a block's parameters (runtime_memory_sizes' `layer` order: norm, wq, wk, wv,
-# wo, norm, w1, w3, w2) are Muon's matrices
-_BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)
+_BLOCK_MATRICES = MUON_LAYER_PARAMS  # which of a block's parameters are Muon's matrices
 
 
 def _block_shapes(cfg: Config) -> list[tuple[int, int] | None]:
@@ -106,3 +110,4 @@ def muon_tp_payload(cfg: Config, pp_rank: int, tp_rank: int) -> float:
     sliced = sum(a * b // tp for a, b in shapes)
     owned = sum(a * b for (a, b), o in zip(shapes, owners, strict=True) if o == tp_rank)
     return float((sliced + owned) * _element(cfg))
+

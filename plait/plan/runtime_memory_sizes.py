@@ -55,6 +55,11 @@ class ZeroUnit:
     params: list[int]
 
 
+# which of a block's parameters (the `layer` list of `_shapes`: norm, wq, wk, wv, wo, norm,
+# w1, w3, w2) are Muon's matrices (plait/muon.py's rule)
+MUON_LAYER_PARAMS = (1, 2, 3, 4, 6, 7, 8)
+
+
 def _padded_vocab(v: int, t: int) -> int:
     return -(-v // t) * t
 
@@ -358,6 +363,10 @@ def rank_sizes(cfg: Config, rank: int, data_windows: int) -> RankSizes:
     units, k, padded = _rank_units(sh, stages, zero_ranks(cfg), cap, pb)
     params, optim, grads_full, grad_shards = _model_state_bytes(units, k, padded, p.zero, e,
                                                                 pb)
+    if tr.optimizer == "muon" and p.zero == 0 and not (cfg.model.n_experts or cfg.model.mla):
+        # one fp32 momentum buffer a Muon matrix element, not AdamW's two moments
+        layers = sum(stages[st][1] - stages[st][0] for st in stages)
+        optim -= FP32 * layers * sum(sh["layer"][j] for j in MUON_LAYER_PARAMS)
     tp_ids = (8 * tok + tok) if t > 1 else 0
     loss_fwd, loss_bwd = _loss_transients(cfg, e, tok, v_t, t)
     # first MLP backward of a block: d(out) (whole sequence inside the region), then
