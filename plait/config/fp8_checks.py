@@ -55,9 +55,11 @@ def _tile_problems(cfg: Config) -> list[str]:
             out.append(f"train.fp8_block={b} with tp={p.tp}: each rank's share of a split "
                        f"width must be whole tiles, but {shown} are not multiples of {b}; "
                        f"set train.fp8_block to one of {divisors_text(common)}, or use tp=1")
-    # a sequence split over ranks (context parallel, whose record checks its chunks' tiles)
-    split = any(getattr(p, d.name) > 1 for d in DIMENSIONS if d.splits == "sequence")
-    if m.n_experts and (p.ep > 1 or split or p.sp):
+    # experts or a sequence split over ranks: an expert's tokens arrive in another order
+    # (context parallel's record checks its chunks' tiles itself)
+    reordered = any(getattr(p, d.name) > 1 for d in DIMENSIONS
+                    if d.splits in ("experts", "sequence"))
+    if m.n_experts and (reordered or p.sp):
         out.append("train.fp8_recipe='blockwise' on a MoE model with expert, context or "
                    "sequence parallel is not built (an expert's weight-gradient tiles follow "
                    "its tokens' order, which these layouts change); use dp, tp without --sp, "
