@@ -113,7 +113,7 @@ def test_planner_prices_every_mode_and_chooses():
 
 
 def test_the_mode_line_prices_the_chosen_layout_as_its_table_row(capsys):
-    """docs/deepseek.md's plan: the best layout splits the sequence (cp=2, ring) under a
+    """docs/deepseek.md's plan (with --overlap-fb): the best layout splits the sequence (cp=2, ring) under a
     simulated DualPipeV pipeline; the context-parallel line's price of the layout's own mode
     is the step time of the layout's row, not a second estimate of it (a closed-form
     pipeline gave 28.8 s beside the row's 23.8 s)."""
@@ -123,7 +123,7 @@ def test_the_mode_line_prices_the_chosen_layout_as_its_table_row(capsys):
     from plait.cli.main import main
 
     assert main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h800",
-                 "--json"]) == 0
+                 "--overlap-fb", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     best = doc["layouts"][0]
     assert best["layout"]["cp"] > 1 and best["layout"]["pp"] > 1

@@ -166,15 +166,16 @@ def test_context_parallel_core_with_values_narrower_than_keys():
 
 
 def test_plan_answers_deepseek_v3_on_2048_h800():
-    """`plait plan --model deepseek-v3 --gpus 2048 --gpu h800`: the paper's batch (15360
-    sequences) when none is given, a layout that fits an H800 with its bubble and why,
+    """`plait plan --model deepseek-v3 --gpus 2048 --gpu h800 --overlap-fb` (docs/
+    deepseek.md: DualPipe's overlap, which the runtime performs with it): the paper's batch
+    (15360 sequences) when none is given, a layout that fits an H800 with its bubble and why,
     and its tokens/s per GPU printed beside the paper's 1,543 (1e12 / (180e3 x 3600))."""
     import json
 
     from test_plan_flops import plan
 
     rc, out = plan("--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h800", "--top", "1",
-                   "--json")
+                   "--overlap-fb", "--json")
     assert rc == 0, out
     doc = json.loads(out)
     assert doc["gpu"] == "h800" and doc["global_batch"] == 15360
