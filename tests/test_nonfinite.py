@@ -22,7 +22,8 @@ SETS = ("parallel.dp=2", "parallel.zero=1")
 ROOT = session_dir("nonfinite")
 
 
-def _rank(rank: int, world: int, nan_steps: tuple[int, ...], ck: dict, limit: int) -> dict:
+def _rank(rank: int, world: int, nan_steps: tuple[int, ...], ck: dict, limit: int,
+          update_whatever_the_norm: bool = False) -> dict:
     cfg = config(*SETS, f"train.max_nonfinite_steps={limit}").check(world)
     mesh = ParallelMesh.build(cfg.parallel)
     real = loop.parallelize
@@ -39,7 +40,8 @@ def _rank(rank: int, world: int, nan_steps: tuple[int, ...], ck: dict, limit: in
     rows: list[dict] = []
     try:
         result = loop.train(cfg, mesh, batches_for(cfg),
-                            loop.TrainOptions(on_step=rows.append, checkpoint=checkpoint))
+                            loop.TrainOptions(on_step=rows.append, checkpoint=checkpoint,
+                                              update_whatever_the_norm=update_whatever_the_norm))
     except loop.NonFiniteError as e:
         return {"rows": rows, "error": str(e)}
     params = loop.full_state(result.model, result.optimizer, mesh, result.placements)
@@ -87,3 +89,16 @@ def test_k_nonfinite_steps_in_a_row_stop_the_run_and_keep_the_last_good_weights(
         assert str(d / "step-00000003") in o["error"] and "Lower the learning rate" in o["error"]
     # every checkpoint written during the streak holds the weights from before it
     assert _same(d / "step-00000001", d / "step-00000003")
+
+
+def test_a_dry_runs_steps_update_whatever_the_norm():
+    """A dry run (fake process group: values are whatever the buffers held) runs every
+    step's update, so each step issues all of its collectives (Muon's exchange, ZeRO's
+    gathers): a non-finite norm skips nothing there, and the weights take it."""
+    token_file()
+    d = ROOT / "dry"
+    shutil.rmtree(d, ignore_errors=True)
+    outs = run_ranks(_rank, 2, (1,), {"dir": d, "every": 100}, 2, True)
+    for o in outs:
+        assert [bool(r.get("skipped")) for r in o["rows"]] == [False] * 4
+        assert not all(torch.isfinite(t).all() for t in o["params"].values())

@@ -79,7 +79,9 @@ def dry_run(cfg: Config, world_size: int, rank: int, batches: GlobalBatches,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = ParallelMesh.build(cfg.parallel, device=device)
-        result = train(cfg, mesh, batches, TrainOptions(shard_init=True))  # only this rank's slices
+        # only this rank's slices; every step whole, whatever the fake values' norm
+        result = train(cfg, mesh, batches,
+                       TrainOptions(shard_init=True, update_whatever_the_norm=True))
     finally:
         dist.destroy_process_group()
     measured = result.metrics[step]["memory"]

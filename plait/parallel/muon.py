@@ -142,13 +142,13 @@ class ShardedMuon:
         send = [self._lookahead(m, me, grad_scale) for o in range(n) for m in by_owner[o]]
         in_splits = [sum(_len(m.piece(me)) for m in by_owner[o]) for o in range(n)]
         out_splits = [sum(_len(m.piece(r)) for m in mine) for r in range(n)]
-        dtype = ms[0].unit.master.dtype
-        flat_in = torch.cat(send) if send else torch.zeros(0, dtype=dtype)
+        dtype, device = ms[0].unit.master.dtype, ms[0].unit.master.device
+        flat_in = torch.cat(send) if send else torch.zeros(0, dtype=dtype, device=device)
         gathered = torch.empty(sum(out_splits), dtype=dtype, device=flat_in.device)
         comm.all_to_all(gathered, flat_in, self.mesh, dim, out_splits, in_splits, tag="muon")
         whole = self._orthogonalised(mine, gathered, n)
         back = [whole[i][slice(*m.piece(r))] for r in range(n) for i, m in enumerate(mine)]
-        flat_back = torch.cat(back) if back else torch.zeros(0, dtype=dtype)
+        flat_back = torch.cat(back) if back else torch.zeros(0, dtype=dtype, device=device)
         result = torch.empty(sum(in_splits), dtype=dtype, device=flat_in.device)
         comm.all_to_all(result, flat_back, self.mesh, dim, in_splits, out_splits, tag="muon")
         at = 0

@@ -96,8 +96,8 @@ class _Selected:
 
 def _exchange(mesh: ParallelMesh, parts: list[torch.Tensor], like: list[torch.Tensor],
               out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    dtype = like[0].dtype
-    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+    dtype, device = like[0].dtype, like[0].device
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
     out = torch.empty(sum(out_splits), dtype=dtype, device=flat.device)
     comm.all_to_all(out, flat, mesh, TP, out_splits, in_splits, tag="muon")
     return out

@@ -141,6 +141,9 @@ class TrainOptions:
     # the token file of train.eval_data, whose loss (plait/train/held_out.py) is added to
     # the row of every train.eval_every-th step and of the last
     held_out: TokenFile | None = None
+    # a dry run's values come from a fake process group (whatever its buffers held): every
+    # step updates whatever its norm, so that each step issues all of a step's collectives
+    update_whatever_the_norm: bool = False
 
 
 @dataclass
@@ -458,7 +461,7 @@ def _barrier_update(run: _Run, norm: float, lr: float, loss_sum: torch.Tensor,
     # a non-finite gradient anywhere makes the global norm non-finite on every rank alike
     # (a NaN or inf loss comes from non-finite logits, whose gradients are too): skip
     # the update, as torch.amp's GradScaler does, and keep the weights and moments clean
-    skipped = not math.isfinite(norm)
+    skipped = not math.isfinite(norm) and not run.options.update_whatever_the_norm
     if not skipped:
         opt.step(lr, grad_scale=clip_coefficient(norm, cfg.train.grad_clip))
     opt.zero_grad()
