@@ -169,8 +169,10 @@ def test_plan_answers_deepseek_v3_on_2048_h800():
     """`plait plan --model deepseek-v3 --gpus 2048 --gpu h800 --overlap-fb` (docs/
     deepseek.md: DualPipe's overlap, which the runtime performs with it): the paper's batch
     (15360 sequences) when none is given, a layout that fits an H800 with its bubble and why,
-    and its tokens/s per GPU printed beside the paper's 1,543 (1e12 / (180e3 x 3600))."""
+    its tokens/s per GPU printed beside the paper's 1,543 (1e12 / (180e3 x 3600)), and
+    the context-parallel line's price of the chosen mode equal to the layout's row.""""
     import json
+    import re
 
     from test_plan_flops import plan
 
@@ -186,3 +188,10 @@ def test_plan_answers_deepseek_v3_on_2048_h800():
     ours = best["tokens_per_s"] / 2048
     assert len(paper) == 1 and f"{ours:,.0f}" in paper[0] and "1,543" in paper[0]
     assert any(n.startswith("Fit first") for n in doc["explanation"])
+    # the best layout splits the sequence under a simulated DualPipeV pipeline; the
+    # context-parallel line prices the layout's own mode at its row's step time, not by a
+    # second estimate (a closed-form pipeline once gave 28.8 s beside the row's 23.8 s)
+    assert best["layout"]["cp"] > 1 and best["layout"]["pp"] > 1
+    (line,) = [n for n in doc["explanation"] if n.startswith("Context parallel mode")]
+    ring = re.search(r"; ring: ([0-9.]+) s", line)
+    assert ring and ring.group(1) == f"{best['step_time_s']:.3f}", line
