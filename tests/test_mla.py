@@ -170,7 +170,7 @@ def test_plan_answers_deepseek_v3_on_2048_h800():
     deepseek.md: DualPipe's overlap, which the runtime performs with it): the paper's batch
     (15360 sequences) when none is given, a layout that fits an H800 with its bubble and why,
     its tokens/s per GPU printed beside the paper's 1,543 (1e12 / (180e3 x 3600)), and
-    the context-parallel line's price of the chosen mode equal to the layout's row.""""
+    the context-parallel line's price of the chosen mode equal to the layout's row."""
     import json
     import re
 
