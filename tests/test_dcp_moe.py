@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from helpers import batches_for, config, moe_biases, token_file
+from test_dcp import fsdp2, full_params
 from torch import nn
 
 from plait.checkpoint import Checkpointing
@@ -142,21 +143,6 @@ def titan_deepseek(m: ModelConfig, seed: int, naming: str = "2026") -> nn.Module
                 t.copy_(1 + 0.1 * noise if "norm" in name
                         else 0.1 * noise if "expert_bias" in name else 0.05 * noise)
     return model
-
-
-def fsdp2(model: nn.Module, world: int) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-            for k, v in model.state_dict().items()}
 
 
 def model_sets(m: ModelConfig = M) -> list[str]:
