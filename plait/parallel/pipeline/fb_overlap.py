@@ -48,7 +48,8 @@ class FBPair:
     def run(self, forward: Callable[[], object], backward: Callable[[], object]
             ) -> tuple[object, object]:
         """forward() on this thread, backward() on a helper, the baton starting with the
-        forward; their results. An error on either side is raised here once both ended."""
+        forward; their results. An error on either side is raised here: once both ended,
+        or at once when the forward failed (its backward side is not waited for)."""
         out: dict[str, object] = {}
         errors: list[BaseException] = []
         self._turn, self._running = "F", {"F": True, "B": True}
@@ -59,7 +60,8 @@ class FBPair:
         try:
             helper.start()
             self._side("F", forward, out, errors)
-            helper.join()
+            if not errors:  # a failed forward raises at once: its backward side may be
+                helper.join()  # blocked in a collective the failure left unmatched (daemon)
         finally:
             for seam in self.seams:
                 seam.wait = None
